@@ -1,0 +1,43 @@
+//! `lb-agent cleanup` (and `--cleanup`): detach every program and remove every pin under the bpf
+//! root. Removing a pinned link detaches its program; removing a map pin frees the map once no
+//! program uses it. Idempotent: a second run finds nothing and succeeds.
+
+use std::{fs, io, path::Path};
+
+use anyhow::{Context, Result};
+
+use crate::datapath::bpffs;
+
+pub fn run(bpf_root: &Path) -> Result<()> {
+    if !bpf_root.exists() {
+        println!("nothing to clean up: {} does not exist", bpf_root.display());
+        return Ok(());
+    }
+    if !bpffs::is_bpffs(bpf_root) {
+        anyhow::bail!("{} is not on a bpffs; refusing to delete it", bpf_root.display());
+    }
+    let paths = bpffs::PinPaths::new(bpf_root);
+    // Links first: the data path stops translating before its maps go.
+    let links = count_files(&paths.links());
+    remove(&paths.links()).with_context(|| format!("removing {}", paths.links().display()))?;
+    let maps = count_files(&paths.maps());
+    remove(&paths.maps()).with_context(|| format!("removing {}", paths.maps().display()))?;
+    remove(bpf_root).with_context(|| format!("removing {}", bpf_root.display()))?;
+    println!("detached {links} program link(s) and removed {maps} map pin(s) under {}", bpf_root.display());
+    Ok(())
+}
+
+fn count_files(dir: &Path) -> usize {
+    let Ok(entries) = fs::read_dir(dir) else { return 0 };
+    entries
+        .filter_map(Result::ok)
+        .map(|e| if e.path().is_dir() { count_files(&e.path()) } else { 1 })
+        .sum()
+}
+
+fn remove(path: &Path) -> io::Result<()> {
+    match fs::remove_dir_all(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        other => other,
+    }
+}

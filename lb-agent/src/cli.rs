@@ -1,0 +1,267 @@
+//! Command line. Without a subcommand, `lb-agent` runs the agent with kube-proxy's flag names where
+//! kube-proxy has the concept, and Cilium's names for BPF-specific settings. Subcommands are the
+//! operator's tools.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::maps::Capacities;
+
+#[derive(Parser, Debug)]
+#[command(name = "lb-agent", version, about = "eBPF Service load balancer for Kubernetes (a kube-proxy replacement)")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// List the Services programmed in the pinned maps, with their frontends and backends.
+    Services(InspectArgs),
+    /// List the backends in the pinned maps.
+    Backends(InspectArgs),
+    /// Explain what the data path does with one packet (BPF_PROG_TEST_RUN on the real programs).
+    Trace(Box<TraceArgs>),
+    /// Detach every program and remove every pin the agent created (idempotent).
+    Cleanup(BpfRootArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct BpfRootArgs {
+    /// bpffs directory holding the agent's pinned maps and links.
+    #[arg(long, default_value = "/sys/fs/bpf/lb", env = "LB_BPF_ROOT")]
+    pub bpf_root: PathBuf,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct InspectArgs {
+    #[command(flatten)]
+    pub root: BpfRootArgs,
+    /// Output format.
+    #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+    pub output: OutputFormat,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputFormat {
+    Table,
+    Json,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TraceProtocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+/// `lb-agent trace`.
+#[derive(Args, Debug, Clone)]
+pub struct TraceArgs {
+    /// Build a scratch map set from this folder of Service/EndpointSlice YAML instead of reading
+    /// the live pinned maps (which are then never touched).
+    #[arg(long)]
+    pub manifests: Option<PathBuf>,
+    /// The node's IPs (NodePort addresses and "traffic from the node").
+    #[arg(long = "node-ip")]
+    pub node_ips: Vec<std::net::Ipv4Addr>,
+    #[command(flatten)]
+    pub node: NodeArgs,
+    #[command(flatten)]
+    pub root: BpfRootArgs,
+    #[arg(long)]
+    pub src: std::net::Ipv4Addr,
+    #[arg(long)]
+    pub dst: std::net::Ipv4Addr,
+    #[arg(long)]
+    pub dport: u16,
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub protocol: TraceProtocol,
+    #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+    pub output: OutputFormat,
+}
+
+/// Node settings shared by the agent and `trace`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct NodeArgs {
+    /// The name of this node, as in EndpointSlice `nodeName` (default: the hostname).
+    #[arg(long, env = "NODE_NAME")]
+    pub hostname_override: Option<String>,
+    /// The pod CIDR(s) of the cluster (kube-proxy's local-traffic detector): off-cluster traffic to
+    /// a ClusterIP is masqueraded, pod traffic to an external frontend uses all endpoints.
+    #[arg(long, value_delimiter = ',')]
+    pub cluster_cidr: Vec<String>,
+    /// Addresses NodePorts are served on: CIDRs and/or `primary`, `localhost`, `all`
+    /// (default: every local address, as kube-proxy's iptables mode).
+    #[arg(long, value_delimiter = ',')]
+    pub nodeport_addresses: Vec<String>,
+    /// SNAT all traffic sent via Service cluster IPs (tc path).
+    #[arg(long)]
+    pub masquerade_all: bool,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// A KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1) file; flags given explicitly
+    /// override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Path to a kubeconfig with the API server's address (without kube-proxy, the `kubernetes`
+    /// ClusterIP is not reachable until we run).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// The API server address (overrides the kubeconfig's).
+    #[arg(long)]
+    pub master: Option<String>,
+    /// Read Services and EndpointSlices from this folder instead of the API (static mode).
+    #[arg(long, conflicts_with_all = ["kubeconfig", "master"])]
+    pub manifests: Option<PathBuf>,
+    #[command(flatten)]
+    pub node: NodeArgs,
+    /// This node's primary IP (kube-proxy's --bind-address), when the Node object gives none.
+    #[arg(long)]
+    pub bind_address: Option<std::net::Ipv4Addr>,
+    /// Serve NodePorts on 127.0.0.1 when --nodeport-addresses includes loopback (kube-proxy's
+    /// --iptables-localhost-nodeports; no route_localnet needed here).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub iptables_localhost_nodeports: bool,
+    /// /healthz and /livez (empty disables).
+    #[arg(long, default_value = "0.0.0.0:10256")]
+    pub healthz_bind_address: String,
+    /// /metrics (empty disables).
+    #[arg(long, default_value = "127.0.0.1:10249")]
+    pub metrics_bind_address: String,
+    /// Detach and unpin everything, then exit (as `lb-agent cleanup`).
+    #[arg(long)]
+    pub cleanup: bool,
+    /// Minimum interval between syncs (kube-proxy's minSyncPeriod).
+    #[arg(long, value_parser = parse_duration, default_value = "100ms")]
+    pub min_sync_period: Duration,
+    /// Maximum interval between syncs (kube-proxy's syncPeriod).
+    #[arg(long, value_parser = parse_duration, default_value = "30s")]
+    pub sync_period: Duration,
+    #[command(flatten)]
+    pub bpf: BpfArgs,
+    /// Log format.
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+/// BPF-specific settings (Cilium's names where it has them).
+#[derive(Args, Debug, Clone)]
+pub struct BpfArgs {
+    #[command(flatten)]
+    pub root: BpfRootArgs,
+    /// cgroup v2 directory the socket programs attach to (default: the cgroup2 mount, found in
+    /// /proc/self/mounts).
+    #[arg(long)]
+    pub cgroup_root: Option<PathBuf>,
+    /// Capacity of the backends and reverse-NAT maps.
+    #[arg(long, default_value_t = lb_common::maps::capacity::BACKENDS)]
+    pub bpf_lb_map_max: u32,
+    /// Capacity of the services map (frontends plus backend slots).
+    #[arg(long, default_value_t = lb_common::maps::capacity::SERVICES)]
+    pub bpf_lb_service_map_max: u32,
+    /// Capacity of the socket reverse-NAT map (LRU).
+    #[arg(long, default_value_t = lb_common::maps::capacity::SOCK_REVNAT)]
+    pub bpf_sock_rev_map_max: u32,
+    /// Capacity of the session-affinity map (LRU).
+    #[arg(long, default_value_t = lb_common::maps::capacity::AFFINITY)]
+    pub bpf_lb_affinity_map_max: u32,
+    /// Translate at the socket only in the host network namespace; pods go through tc.
+    #[arg(long)]
+    pub bpf_lb_sock_hostns_only: bool,
+    /// Use this eBPF object instead of the embedded one (development).
+    #[arg(long)]
+    pub bpf_object: Option<PathBuf>,
+}
+
+impl BpfArgs {
+    pub fn capacities(&self) -> Capacities {
+        Capacities {
+            services: self.bpf_lb_service_map_max,
+            backends: self.bpf_lb_map_max,
+            revnat: self.bpf_lb_map_max,
+            sock_revnat: self.bpf_sock_rev_map_max,
+            affinity: self.bpf_lb_affinity_map_max,
+            ..Capacities::default()
+        }
+    }
+}
+
+/// Parses kube-proxy style durations: `250ms`, `30s`, `1m`, `1h`, `1m30s`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    if s.is_empty() {
+        return Err("empty duration".into());
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).ok_or_else(|| format!("{s:?}: missing unit (ms, s, m, h)"))?;
+        let (number, tail) = rest.split_at(digits);
+        let value: f64 = number.parse().map_err(|_| format!("{s:?}: bad number {number:?}"))?;
+        let unit_len = tail.find(|c: char| c.is_ascii_digit()).unwrap_or(tail.len());
+        let (unit, next) = tail.split_at(unit_len);
+        let secs = match unit {
+            "ns" => value / 1e9,
+            "us" | "µs" => value / 1e6,
+            "ms" => value / 1e3,
+            "s" => value,
+            "m" => value * 60.0,
+            "h" => value * 3600.0,
+            other => return Err(format!("{s:?}: unknown unit {other:?}")),
+        };
+        total += Duration::from_secs_f64(secs);
+        rest = next;
+    }
+    Ok(total)
+}
+
+/// Parses `host:port`; `:port` means every address.
+pub fn parse_bind_address(s: &str) -> Result<Option<SocketAddr>, String> {
+    if s.is_empty() {
+        return Ok(None);
+    }
+    let full = if s.starts_with(':') { format!("0.0.0.0{s}") } else { s.to_string() };
+    full.parse().map(Some).map_err(|e| format!("{s:?}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("100ms"), Ok(Duration::from_millis(100)));
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert!(parse_duration("5").is_err());
+        assert!(parse_duration("5x").is_err());
+    }
+
+    #[test]
+    fn bind_addresses() {
+        assert_eq!(parse_bind_address(""), Ok(None));
+        assert_eq!(parse_bind_address(":10256"), Ok(Some("0.0.0.0:10256".parse().unwrap())));
+        assert!(parse_bind_address("nonsense").is_err());
+    }
+
+    #[test]
+    fn cli_parses() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from(["lb-agent", "--manifests", "/tmp/x", "--cluster-cidr", "10.244.0.0/16"]).unwrap();
+        assert!(cli.command.is_none());
+        assert_eq!(cli.run.node.cluster_cidr, vec!["10.244.0.0/16"]);
+    }
+}

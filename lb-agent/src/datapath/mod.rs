@@ -1,0 +1,238 @@
+//! Step 5 of watch -> model -> plan -> maps -> programs: the eBPF object in the kernel.
+//!
+//! Loads the embedded object with every map pinned under `<bpf-root>/maps/<name>` (an existing pin
+//! is reused, so a restarted agent keeps its state), loads the programs, and attaches them with
+//! pinned BPF links under `<bpf-root>/links/`, so the data path keeps running while the agent is
+//! down. On restart, a pinned link is adopted and its program replaced atomically
+//! (`bpf_link_update`), never detached.
+
+pub mod bpffs;
+pub mod cgroup;
+
+use std::{
+    fs,
+    io,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    programs::{
+        links::{FdLink, PinnedLink},
+        CgroupAttachMode, CgroupSockAddr, SchedClassifier,
+    },
+    Ebpf, EbpfLoader,
+};
+use lb_common::maps as names;
+
+pub use self::bpffs::PinPaths;
+use crate::maps::{Capacities, KernelMaps};
+
+/// The object built by `cargo xtask build-ebpf`, embedded at build time (empty when built
+/// without it).
+pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf.o"));
+
+/// The socket programs and the cgroup hook each attaches to.
+pub const SOCK_PROGRAMS: [(&str, &str); 4] = [
+    ("lb_connect4", "connect4"),
+    ("lb_sendmsg4", "sendmsg4"),
+    ("lb_recvmsg4", "recvmsg4"),
+    ("lb_getpeername4", "getpeername4"),
+];
+
+/// The trace harness (runs the socket code under BPF_PROG_TEST_RUN).
+pub const SOCK_TRACE_PROGRAM: &str = "lb_sock_trace";
+
+#[derive(Debug, thiserror::Error)]
+pub enum DatapathError {
+    #[error(
+        "this lb-agent was built without its eBPF object: run `cargo xtask build-ebpf` and rebuild, or pass --bpf-object"
+    )]
+    NoObject,
+    #[error("reading the eBPF object {path}: {source}")]
+    ReadObject { path: PathBuf, source: io::Error },
+    #[error("bpffs at {path}: {source}")]
+    Bpffs { path: PathBuf, source: io::Error },
+    #[error(
+        "pinned map {name} no longer matches this agent ({detail}); its layout or capacity changed. \
+         Run `lb-agent cleanup` (drops flow state) or restart with the previous capacities"
+    )]
+    IncompatiblePin { name: String, detail: String },
+    #[error("loading the eBPF object: {source}{hint}")]
+    Load { source: aya::EbpfError, hint: &'static str },
+    #[error("program {name}: {source}{hint}")]
+    Program { name: String, source: aya::programs::ProgramError, hint: &'static str },
+    #[error("cgroup {path}: {source}")]
+    Cgroup { path: PathBuf, source: io::Error },
+    #[error("pinning {path}: {message}")]
+    Pin { path: PathBuf, message: String },
+    #[error("maps: {0}")]
+    Maps(#[from] aya::maps::MapError),
+}
+
+/// Suggests the likely cause of a kernel refusal.
+fn hint_for(message: &str) -> &'static str {
+    if message.contains("Operation not permitted") || message.contains("EPERM") {
+        " (permission denied: the agent needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON, or root)"
+    } else if message.contains("Invalid argument") || message.contains("not supported") || message.contains("524") {
+        " (the kernel may lack a needed feature: BTF, cgroup sock_addr hooks, bpf_link; see `bpftool feature probe`)"
+    } else {
+        ""
+    }
+}
+
+/// Where the object comes from and what it is called.
+pub fn object_bytes(path: Option<&Path>) -> Result<std::borrow::Cow<'static, [u8]>, DatapathError> {
+    match path {
+        Some(path) => fs::read(path)
+            .map(std::borrow::Cow::Owned)
+            .map_err(|source| DatapathError::ReadObject { path: path.to_path_buf(), source }),
+        None if OBJECT.is_empty() => Err(DatapathError::NoObject),
+        None => Ok(std::borrow::Cow::Borrowed(OBJECT)),
+    }
+}
+
+/// A loaded object.
+pub struct Datapath {
+    ebpf: Ebpf,
+    paths: Option<PinPaths>,
+}
+
+impl Datapath {
+    /// Loads the object with its maps pinned under `paths` (reusing existing pins) and the
+    /// programs verified and ready to attach.
+    pub fn load(paths: &PinPaths, caps: &Capacities, object: &[u8]) -> Result<Self, DatapathError> {
+        bpffs::prepare(paths).map_err(|source| DatapathError::Bpffs { path: paths.root.clone(), source })?;
+        let pin_paths: Vec<(&'static str, PathBuf)> = names::ALL.iter().map(|n| (*n, paths.map(n))).collect();
+        let mut loader = EbpfLoader::new();
+        for (name, path) in &pin_paths {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let ebpf = Self::load_with(&mut loader, caps, object)?;
+        Ok(Self { ebpf, paths: Some(paths.clone()) })
+    }
+
+    /// Loads the object with private, unpinned maps (trace against manifests, tests).
+    pub fn load_unpinned(caps: &Capacities, object: &[u8]) -> Result<Self, DatapathError> {
+        let ebpf = Self::load_with(&mut EbpfLoader::new(), caps, object)?;
+        Ok(Self { ebpf, paths: None })
+    }
+
+    fn load_with(loader: &mut EbpfLoader<'_>, caps: &Capacities, object: &[u8]) -> Result<Ebpf, DatapathError> {
+        loader
+            .map_max_entries(names::SERVICES, caps.services)
+            .map_max_entries(names::BACKENDS, caps.backends)
+            .map_max_entries(names::REVNAT, caps.revnat)
+            .map_max_entries(names::SVC_NAMES, caps.revnat)
+            .map_max_entries(names::SOCK_REVNAT, caps.sock_revnat)
+            .map_max_entries(names::AFFINITY, caps.affinity)
+            .map_max_entries(names::AFFINITY_MATCH, caps.affinity_match)
+            .map_max_entries(names::SOURCE_RANGES, caps.source_ranges);
+        let mut ebpf = loader.load(object).map_err(|source| match source {
+            aya::EbpfError::MapError(aya::maps::MapError::IncompatiblePinnedMap { name, property, expected, actual }) => {
+                DatapathError::IncompatiblePin { name, detail: format!("{property} is {actual}, expected {expected}") }
+            }
+            source => {
+                let hint = hint_for(&format!("{source:?}"));
+                DatapathError::Load { source, hint }
+            }
+        })?;
+        for (name, _) in SOCK_PROGRAMS {
+            let prog: &mut CgroupSockAddr = program(&mut ebpf, name)?;
+            prog.load().map_err(|source| program_error(name, source))?;
+        }
+        let trace: &mut SchedClassifier = program(&mut ebpf, SOCK_TRACE_PROGRAM)?;
+        trace.load().map_err(|source| program_error(SOCK_TRACE_PROGRAM, source))?;
+        Ok(ebpf)
+    }
+
+    /// The map writer's handles (taken out of the object; call once).
+    pub fn take_maps(&mut self) -> Result<KernelMaps, DatapathError> {
+        Ok(KernelMaps::from_ebpf(&mut self.ebpf)?)
+    }
+
+    /// The trace harness program.
+    pub fn sock_trace(&mut self) -> Result<&mut SchedClassifier, DatapathError> {
+        program(&mut self.ebpf, SOCK_TRACE_PROGRAM)
+    }
+
+    /// Attaches the socket programs to `cgroup` (a cgroup v2 directory) with pinned links,
+    /// adopting links pinned by a previous run, and detaches links a previous run pinned for
+    /// another cgroup once the new ones are in place.
+    pub fn attach_cgroup(&mut self, cgroup: &Path) -> Result<(), DatapathError> {
+        let paths = self.paths.clone().ok_or_else(|| DatapathError::Pin {
+            path: PathBuf::new(),
+            message: "attaching needs a pinned data path (load, not load_unpinned)".into(),
+        })?;
+        cgroup::check_cgroup2_dir(cgroup).map_err(|source| DatapathError::Cgroup { path: cgroup.into(), source })?;
+        let id = cgroup::cgroup_id(cgroup).map_err(|source| DatapathError::Cgroup { path: cgroup.into(), source })?;
+        let dir = cgroup_links_dir(&paths, id);
+        fs::create_dir_all(&dir).map_err(|e| DatapathError::Pin { path: dir.clone(), message: e.to_string() })?;
+        let cgroup_file =
+            fs::File::open(cgroup).map_err(|source| DatapathError::Cgroup { path: cgroup.into(), source })?;
+        for (name, hook) in SOCK_PROGRAMS {
+            let pin = dir.join(hook);
+            let prog: &mut CgroupSockAddr = program(&mut self.ebpf, name)?;
+            match PinnedLink::from_pin(&pin) {
+                Ok(old) => {
+                    // Atomic replacement of the running program; the link and its pin stay.
+                    let link = FdLink::from(old).try_into().map_err(|e: aya::programs::links::LinkError| {
+                        DatapathError::Pin { path: pin.clone(), message: e.to_string() }
+                    })?;
+                    prog.attach_to_link(link).map_err(|source| program_error(name, source))?;
+                    tracing::debug!(program = name, pin = %pin.display(), "adopted pinned link");
+                }
+                Err(_) => {
+                    // A cgroup bpf_link always coexists with other programs (the kernel attaches links
+                    // as BPF_F_ALLOW_MULTI and refuses explicit flags), hence Single here.
+                    let link_id = prog
+                        .attach(&cgroup_file, CgroupAttachMode::Single)
+                        .map_err(|source| program_error(name, source))?;
+                    let link = prog.take_link(link_id).map_err(|source| program_error(name, source))?;
+                    let fd_link: FdLink = link.try_into().map_err(|e: aya::programs::links::LinkError| {
+                        DatapathError::Pin { path: pin.clone(), message: e.to_string() }
+                    })?;
+                    fd_link.pin(&pin).map_err(|e| DatapathError::Pin { path: pin.clone(), message: e.to_string() })?;
+                    tracing::debug!(program = name, pin = %pin.display(), "attached and pinned link");
+                }
+            }
+        }
+        // Make-before-break: only now drop links a previous run made for another cgroup.
+        for stale in cgroup_link_dirs(&paths).into_iter().filter(|d| *d != dir) {
+            tracing::info!(dir = %stale.display(), "detaching socket programs from a previous cgroup root");
+            let _ = fs::remove_dir_all(&stale);
+        }
+        Ok(())
+    }
+}
+
+fn cgroup_links_dir(paths: &PinPaths, cgroup_id: u64) -> PathBuf {
+    paths.links().join(format!("cgroup-{cgroup_id}"))
+}
+
+/// Link directories of every cgroup we attached to.
+pub fn cgroup_link_dirs(paths: &PinPaths) -> Vec<PathBuf> {
+    fs::read_dir(paths.links())
+        .map(|rd| {
+            rd.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("cgroup-")))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn program_error(name: &str, source: aya::programs::ProgramError) -> DatapathError {
+    let hint = hint_for(&format!("{source:?}"));
+    DatapathError::Program { name: name.to_string(), source, hint }
+}
+
+fn program<'a, T>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut T, DatapathError>
+where
+    &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
+{
+    let prog = ebpf.program_mut(name).ok_or_else(|| DatapathError::Program {
+        name: name.to_string(),
+        source: aya::programs::ProgramError::UnexpectedProgramType,
+        hint: " (not in the object: is the object out of date? run `cargo xtask build-ebpf`)",
+    })?;
+    prog.try_into().map_err(|source| program_error(name, source))
+}

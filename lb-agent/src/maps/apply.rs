@@ -1,0 +1,593 @@
+//! The map writer: keeps a mirror of what it applied, diffs the desired state against it, and
+//! writes only the difference, in an order that never lets a concurrent lookup see a half-written
+//! Service (Cilium's `bpf_reconciler.go` order, make-before-break):
+//!
+//! 1. backends that a frontend is about to use;
+//! 2. frontends that disappeared (their frontend entry first, so lookups miss, then the rest);
+//! 3. per frontend: reverse NAT, source ranges and affinity members, then the backend slots, then
+//!    the frontend entry (slot 0) last — the internal scope before the external one, whose
+//!    `TWO_SCOPES` flag points at it — then the stale slots;
+//! 4. backends nothing uses any more.
+//!
+//! A change to one Service costs writes proportional to that change. A Service whose entries do
+//! not fit the maps is skipped as a whole (its previous state stays) and reported, never written
+//! half-way. Ids are recovered from the maps on restart, so they stay stable.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+};
+
+use lb_common::{
+    affinity::AffinityMatchKey,
+    backend::Backend4Value,
+    maps::capacity,
+    revnat::{RevNat4Value, SvcName, NAME_LEN, PORT_NAME_LEN},
+    service::{SrcRange4, Svc4Key, Svc4Value},
+};
+
+use super::{
+    ids::IdAllocator,
+    ops::{MapError, MapOps, Snapshot},
+};
+use crate::{
+    model::{Protocol, ServicePortName},
+    plan::{BackendAddr, DesiredState, Frontend, FrontendPlan},
+};
+
+/// Map capacities (`max_entries`), which bound what the writer may add.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacities {
+    pub services: u32,
+    pub backends: u32,
+    pub revnat: u32,
+    pub sock_revnat: u32,
+    pub affinity: u32,
+    pub affinity_match: u32,
+    pub source_ranges: u32,
+}
+
+impl Default for Capacities {
+    fn default() -> Self {
+        Self {
+            services: capacity::SERVICES,
+            backends: capacity::BACKENDS,
+            revnat: capacity::REVNAT,
+            sock_revnat: capacity::SOCK_REVNAT,
+            affinity: capacity::AFFINITY,
+            affinity_match: capacity::AFFINITY_MATCH,
+            source_ranges: capacity::SOURCE_RANGES,
+        }
+    }
+}
+
+/// Everything the maps hold for one frontend.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct FrontendEntries {
+    rev_nat_id: u32,
+    service: ServicePortName,
+    services: BTreeMap<Svc4Key, Svc4Value>,
+    revnat: RevNat4Value,
+    name: SvcName,
+    affinity_match: BTreeSet<AffinityMatchKey>,
+    source_ranges: BTreeSet<(u32, SrcRange4Ord)>,
+}
+
+/// `SrcRange4` with an order, for sets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct SrcRange4Ord([u8; 4], [u8; 4]);
+
+impl From<SrcRange4Ord> for SrcRange4 {
+    fn from(r: SrcRange4Ord) -> Self {
+        SrcRange4 { rev_nat_id_be: r.0, addr: r.1 }
+    }
+}
+
+impl From<SrcRange4> for SrcRange4Ord {
+    fn from(r: SrcRange4) -> Self {
+        SrcRange4Ord(r.rev_nat_id_be, r.addr)
+    }
+}
+
+/// What one `apply` did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ApplyReport {
+    pub writes: usize,
+    pub deletes: usize,
+    /// Services left as they were because their entries do not fit (map full), with the reason.
+    pub skipped: Vec<(ServicePortName, String)>,
+    /// Map operations that failed unexpectedly.
+    pub errors: Vec<String>,
+}
+
+impl ApplyReport {
+    pub fn is_clean(&self) -> bool {
+        self.skipped.is_empty() && self.errors.is_empty()
+    }
+}
+
+/// Entries currently in each map, as the writer knows them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Occupancy {
+    pub services: u32,
+    pub backends: u32,
+    pub revnat: u32,
+    pub affinity_match: u32,
+    pub source_ranges: u32,
+}
+
+pub struct Applier<M> {
+    maps: M,
+    caps: Capacities,
+    frontends: BTreeMap<Frontend, FrontendEntries>,
+    backends: BTreeMap<BackendAddr, (u32, Backend4Value)>,
+    backend_ids: IdAllocator,
+    rev_ids: IdAllocator,
+    occupancy: Occupancy,
+}
+
+fn fixed<const N: usize>(s: &str) -> [u8; N] {
+    let mut out = [0u8; N];
+    let bytes = s.as_bytes();
+    let n = bytes.len().min(N);
+    out[..n].copy_from_slice(&bytes[..n]);
+    out
+}
+
+fn unfixed(bytes: &[u8]) -> String {
+    let end = bytes.iter().position(|b| *b == 0).unwrap_or(bytes.len());
+    String::from_utf8_lossy(&bytes[..end]).into_owned()
+}
+
+/// The operator-facing name of a frontend.
+pub fn svc_name(name: &ServicePortName) -> SvcName {
+    SvcName {
+        namespace: fixed::<NAME_LEN>(&name.namespace),
+        name: fixed::<NAME_LEN>(&name.name),
+        port_name: fixed::<PORT_NAME_LEN>(&name.port),
+    }
+}
+
+/// Reads a `ServicePortName` back from the maps.
+pub fn service_port_name(name: &SvcName, proto: u8) -> ServicePortName {
+    ServicePortName {
+        namespace: unfixed(&name.namespace),
+        name: unfixed(&name.name),
+        port: unfixed(&name.port_name),
+        protocol: protocol_from(proto).unwrap_or(Protocol::Tcp),
+    }
+}
+
+pub fn protocol_from(n: u8) -> Option<Protocol> {
+    match n {
+        lb_common::proto::TCP => Some(Protocol::Tcp),
+        lb_common::proto::UDP => Some(Protocol::Udp),
+        lb_common::proto::SCTP => Some(Protocol::Sctp),
+        _ => None,
+    }
+}
+
+fn backend_value(addr: &BackendAddr, flags: u8) -> Backend4Value {
+    Backend4Value { addr: addr.addr.octets(), port: addr.port, proto: addr.proto.number(), flags }
+}
+
+impl<M: MapOps> Applier<M> {
+    /// A writer for empty maps.
+    pub fn new(maps: M, caps: Capacities) -> Self {
+        Self {
+            maps,
+            caps,
+            frontends: BTreeMap::new(),
+            backends: BTreeMap::new(),
+            backend_ids: IdAllocator::new(caps.backends),
+            rev_ids: IdAllocator::new(caps.revnat),
+            occupancy: Occupancy::default(),
+        }
+    }
+
+    /// A writer that adopts what the maps already hold (after a restart): ids stay stable and
+    /// the next `apply` writes only the difference, so no Service disappears in between.
+    pub fn recover(maps: M, caps: Capacities) -> Result<Self, MapError> {
+        let snap = maps.snapshot()?;
+        let mut applier = Self::new(maps, caps);
+        applier.adopt(snap);
+        Ok(applier)
+    }
+
+    fn adopt(&mut self, snap: Snapshot) {
+        for (id, value) in &snap.backends {
+            let Some(proto) = protocol_from(value.proto) else { continue };
+            if self.backend_ids.reserve(*id) {
+                let addr = BackendAddr { addr: Ipv4Addr::from(value.addr), port: value.port, proto };
+                self.backends.insert(addr, (*id, *value));
+            }
+        }
+        let mut by_rev: BTreeMap<u32, FrontendEntries> = BTreeMap::new();
+        for (key, value) in &snap.services {
+            let entries = by_rev.entry(value.rev_nat_id).or_insert_with(|| FrontendEntries {
+                rev_nat_id: value.rev_nat_id,
+                service: ServicePortName {
+                    namespace: String::new(),
+                    name: String::new(),
+                    port: String::new(),
+                    protocol: protocol_from(key.proto).unwrap_or(Protocol::Tcp),
+                },
+                services: BTreeMap::new(),
+                revnat: RevNat4Value { addr: key.addr, port: key.port, proto: key.proto, _pad: 0 },
+                name: SvcName::default(),
+                affinity_match: BTreeSet::new(),
+                source_ranges: BTreeSet::new(),
+            });
+            entries.services.insert(*key, *value);
+        }
+        for (id, revnat) in &snap.revnat {
+            if let Some(entries) = by_rev.get_mut(id) {
+                entries.revnat = *revnat;
+                if let Some(name) = snap.names.get(id) {
+                    entries.name = *name;
+                    entries.service = service_port_name(name, revnat.proto);
+                }
+            }
+        }
+        for key in &snap.affinity_match {
+            if let Some(entries) = by_rev.get_mut(&key.rev_nat_id) {
+                entries.affinity_match.insert(*key);
+            }
+        }
+        for (prefix, range) in &snap.source_ranges {
+            if let Some(entries) = by_rev.get_mut(&u32::from_be_bytes(range.rev_nat_id_be)) {
+                entries.source_ranges.insert((*prefix, (*range).into()));
+            }
+        }
+        for (id, entries) in by_rev {
+            let Some(proto) = protocol_from(entries.revnat.proto) else { continue };
+            if !self.rev_ids.reserve(id) {
+                continue;
+            }
+            let frontend = Frontend { addr: Ipv4Addr::from(entries.revnat.addr), port: entries.revnat.port, proto };
+            self.count_frontend(&entries, 1);
+            self.frontends.insert(frontend, entries);
+        }
+        self.occupancy.backends = self.backends.len() as u32;
+    }
+
+    pub fn maps(&self) -> &M {
+        &self.maps
+    }
+
+    pub fn maps_mut(&mut self) -> &mut M {
+        &mut self.maps
+    }
+
+    pub fn occupancy(&self) -> Occupancy {
+        self.occupancy
+    }
+
+    pub fn capacities(&self) -> Capacities {
+        self.caps
+    }
+
+    /// The reverse-NAT id of a frontend, if applied.
+    pub fn rev_nat_id(&self, frontend: &Frontend) -> Option<u32> {
+        self.frontends.get(frontend).map(|e| e.rev_nat_id)
+    }
+
+    /// The id of a backend, if applied.
+    pub fn backend_id(&self, backend: &BackendAddr) -> Option<u32> {
+        self.backends.get(backend).map(|(id, _)| *id)
+    }
+
+    fn count_frontend(&mut self, entries: &FrontendEntries, sign: i64) {
+        let add = |v: &mut u32, n: usize| *v = (*v as i64 + sign * n as i64).max(0) as u32;
+        add(&mut self.occupancy.services, entries.services.len());
+        add(&mut self.occupancy.revnat, 1);
+        add(&mut self.occupancy.affinity_match, entries.affinity_match.len());
+        add(&mut self.occupancy.source_ranges, entries.source_ranges.len());
+    }
+
+    /// Brings the maps to `desired`.
+    pub fn apply(&mut self, desired: &DesiredState) -> ApplyReport {
+        let mut report = ApplyReport::default();
+
+        // 1. Ids for new backends (writes come per Service, just before they are used).
+        let mut new_backend_ids: BTreeMap<BackendAddr, u32> = BTreeMap::new();
+        for addr in desired.backends.keys() {
+            if !self.backends.contains_key(addr) {
+                if let Some(id) = self.backend_ids.alloc() {
+                    new_backend_ids.insert(*addr, id);
+                }
+            }
+        }
+        let mut all_ids: BTreeMap<BackendAddr, u32> = self.backends.iter().map(|(a, (id, _))| (*a, *id)).collect();
+        all_ids.extend(new_backend_ids.iter().map(|(a, id)| (*a, *id)));
+        let backend_id = |addr: &BackendAddr| -> Option<u32> { all_ids.get(addr).copied() };
+
+        // 2. Frontends that are gone.
+        let gone: Vec<Frontend> = self.frontends.keys().filter(|f| !desired.frontends.contains_key(f)).copied().collect();
+        for frontend in gone {
+            self.remove_frontend(&frontend, &mut report);
+        }
+
+        // 3. Desired frontends, one Service at a time.
+        let mut by_service: BTreeMap<(&str, &str), Vec<(&Frontend, &FrontendPlan)>> = BTreeMap::new();
+        for (frontend, plan) in &desired.frontends {
+            by_service.entry((plan.service.namespace.as_str(), plan.service.name.as_str())).or_default().push((frontend, plan));
+        }
+        for group in by_service.values() {
+            // Build the group's entries (with ids), then check they fit before writing anything.
+            let mut built = Vec::with_capacity(group.len());
+            let mut missing_backend = None;
+            let mut new_rev_ids = Vec::new();
+            for (frontend, plan) in group {
+                let rev_nat_id = match self.frontends.get(frontend) {
+                    Some(old) => old.rev_nat_id,
+                    None => match self.rev_ids.alloc() {
+                        Some(id) => {
+                            new_rev_ids.push(id);
+                            id
+                        }
+                        None => {
+                            missing_backend = Some(format!("no free reverse-NAT id (map {} full)", lb_common::maps::REVNAT));
+                            break;
+                        }
+                    },
+                };
+                match entries_for(frontend, plan, rev_nat_id, &backend_id) {
+                    Ok(entries) => built.push((**frontend, entries)),
+                    Err(addr) => {
+                        missing_backend = Some(format!("no free backend id for {addr} (map {} full)", lb_common::maps::BACKENDS));
+                        break;
+                    }
+                }
+            }
+            let service = group[0].1.service.clone();
+            let refusal = missing_backend.or_else(|| self.fits(&built));
+            if let Some(reason) = refusal {
+                for id in new_rev_ids {
+                    self.rev_ids.free(id);
+                }
+                report.skipped.push((service, reason));
+                continue;
+            }
+            // Backends this Service needs that are new or changed.
+            let needed: BTreeSet<BackendAddr> = group.iter().flat_map(|(_, plan)| plan.backends().copied()).collect();
+            let mut backend_failed = false;
+            for addr in &needed {
+                let flags = desired.backends.get(addr).copied().unwrap_or(0);
+                let id = backend_id(addr).expect("ids were checked by entries_for");
+                let value = backend_value(addr, flags);
+                if self.backends.get(addr) == Some(&(id, value)) {
+                    continue;
+                }
+                match self.maps.put_backend(id, &value) {
+                    Ok(()) => {
+                        report.writes += 1;
+                        if self.backends.insert(*addr, (id, value)).is_none() {
+                            self.occupancy.backends += 1;
+                        }
+                    }
+                    Err(e) => {
+                        report.errors.push(e.to_string());
+                        backend_failed = true;
+                    }
+                }
+            }
+            if backend_failed {
+                report.skipped.push((service, "writing a backend failed".into()));
+                continue;
+            }
+            for (frontend, entries) in built {
+                self.write_frontend(frontend, entries, &mut report);
+            }
+        }
+
+        // 4. Backends nothing references any more.
+        let used: BTreeSet<u32> = self
+            .frontends
+            .values()
+            .flat_map(|e| e.services.iter().filter(|(k, _)| k.slot > 0).map(|(_, v)| v.backend_id))
+            .collect();
+        let unused: Vec<(BackendAddr, u32)> =
+            self.backends.iter().filter(|(_, (id, _))| !used.contains(id)).map(|(a, (id, _))| (*a, *id)).collect();
+        for (addr, id) in unused {
+            match self.maps.delete_backend(id) {
+                Ok(()) => {
+                    report.deletes += 1;
+                    self.backends.remove(&addr);
+                    self.backend_ids.free(id);
+                    self.occupancy.backends = self.occupancy.backends.saturating_sub(1);
+                }
+                Err(e) => report.errors.push(e.to_string()),
+            }
+        }
+        // Ids allocated for backends that ended up unused (their Service was skipped).
+        for (addr, id) in new_backend_ids {
+            if !self.backends.contains_key(&addr) {
+                self.backend_ids.free(id);
+            }
+        }
+        report
+    }
+
+    /// Why a group of frontends would not fit the maps, if it would not.
+    fn fits(&self, built: &[(Frontend, FrontendEntries)]) -> Option<String> {
+        let (mut services, mut aff, mut ranges) = (0i64, 0i64, 0i64);
+        for (frontend, entries) in built {
+            let old = self.frontends.get(frontend);
+            let added = |new: usize, old: usize| (new as i64 - old as i64).max(0);
+            services += added(entries.services.len(), old.map_or(0, |o| o.services.len()));
+            aff += added(entries.affinity_match.len(), old.map_or(0, |o| o.affinity_match.len()));
+            ranges += added(entries.source_ranges.len(), old.map_or(0, |o| o.source_ranges.len()));
+        }
+        let over = |used: u32, add: i64, cap: u32| used as i64 + add > cap as i64;
+        if over(self.occupancy.services, services, self.caps.services) {
+            return Some(format!(
+                "map {} is full ({} of {} entries used, {services} more needed)",
+                lb_common::maps::SERVICES,
+                self.occupancy.services,
+                self.caps.services
+            ));
+        }
+        if over(self.occupancy.affinity_match, aff, self.caps.affinity_match) {
+            return Some(format!("map {} is full", lb_common::maps::AFFINITY_MATCH));
+        }
+        if over(self.occupancy.source_ranges, ranges, self.caps.source_ranges) {
+            return Some(format!("map {} is full", lb_common::maps::SOURCE_RANGES));
+        }
+        None
+    }
+
+    fn write_frontend(&mut self, frontend: Frontend, new: FrontendEntries, report: &mut ApplyReport) {
+        let old = self.frontends.get(&frontend).cloned();
+        if old.as_ref() == Some(&new) {
+            return;
+        }
+        // The entries as they are in the kernel right now, updated write by write, so that a
+        // failure leaves an accurate mirror.
+        let mut current = old.clone().unwrap_or_else(|| FrontendEntries {
+            services: BTreeMap::new(),
+            affinity_match: BTreeSet::new(),
+            source_ranges: BTreeSet::new(),
+            ..new.clone()
+        });
+        if old.is_some() {
+            self.count_frontend(&current, -1);
+        }
+        let result = self.write_frontend_entries(old.as_ref(), &new, &mut current, report);
+        if let Err(e) = result {
+            report.errors.push(format!("{frontend} ({}): {e}", new.service));
+        }
+        self.count_frontend(&current, 1);
+        self.frontends.insert(frontend, current);
+    }
+
+    fn write_frontend_entries(
+        &mut self,
+        old: Option<&FrontendEntries>,
+        new: &FrontendEntries,
+        current: &mut FrontendEntries,
+        report: &mut ApplyReport,
+    ) -> Result<(), MapError> {
+        // Reverse NAT before any slot 0 points at it.
+        if old.is_none_or(|o| o.revnat != new.revnat || o.name != new.name) {
+            self.maps.put_revnat(new.rev_nat_id, &new.revnat, &new.name)?;
+            report.writes += 1;
+        }
+        current.revnat = new.revnat;
+        current.name = new.name;
+        current.service = new.service.clone();
+        for range in new.source_ranges.difference(&current.source_ranges.clone()) {
+            self.maps.put_source_range(range.0, &range.1.into())?;
+            report.writes += 1;
+            current.source_ranges.insert(*range);
+        }
+        for member in new.affinity_match.difference(&current.affinity_match.clone()) {
+            self.maps.put_affinity_match(member)?;
+            report.writes += 1;
+            current.affinity_match.insert(*member);
+        }
+        // Writes: internal scope first, and within a scope the slots before slot 0.
+        let mut writes: Vec<(&Svc4Key, &Svc4Value)> =
+            new.services.iter().filter(|(k, v)| current.services.get(k) != Some(v)).collect();
+        writes.sort_by_key(|(k, _)| (std::cmp::Reverse(k.scope), k.slot == 0, k.slot));
+        for (key, value) in writes {
+            self.maps.put_service(key, value)?;
+            report.writes += 1;
+            current.services.insert(*key, *value);
+        }
+        // Deletions: slot 0 of the external scope first, then the rest.
+        let mut deletes: Vec<Svc4Key> = current.services.keys().filter(|k| !new.services.contains_key(k)).copied().collect();
+        deletes.sort_by_key(|k| (k.slot != 0, k.scope, k.slot));
+        for key in deletes {
+            self.maps.delete_service(&key)?;
+            report.deletes += 1;
+            current.services.remove(&key);
+        }
+        for range in current.source_ranges.clone().difference(&new.source_ranges) {
+            self.maps.delete_source_range(range.0, &range.1.into())?;
+            report.deletes += 1;
+            current.source_ranges.remove(range);
+        }
+        for member in current.affinity_match.clone().difference(&new.affinity_match) {
+            self.maps.delete_affinity_match(member)?;
+            report.deletes += 1;
+            current.affinity_match.remove(member);
+        }
+        Ok(())
+    }
+
+    fn remove_frontend(&mut self, frontend: &Frontend, report: &mut ApplyReport) {
+        let Some(mut current) = self.frontends.remove(frontend) else { return };
+        self.count_frontend(&current, -1);
+        let result = (|| -> Result<(), MapError> {
+            let mut keys: Vec<Svc4Key> = current.services.keys().copied().collect();
+            keys.sort_by_key(|k| (k.slot != 0, k.scope, k.slot));
+            for key in keys {
+                self.maps.delete_service(&key)?;
+                report.deletes += 1;
+                current.services.remove(&key);
+            }
+            self.maps.delete_revnat(current.rev_nat_id)?;
+            report.deletes += 1;
+            for range in std::mem::take(&mut current.source_ranges) {
+                self.maps.delete_source_range(range.0, &range.1.into())?;
+                report.deletes += 1;
+            }
+            for member in std::mem::take(&mut current.affinity_match) {
+                self.maps.delete_affinity_match(&member)?;
+                report.deletes += 1;
+            }
+            Ok(())
+        })();
+        match result {
+            Ok(()) => self.rev_ids.free(current.rev_nat_id),
+            Err(e) => {
+                report.errors.push(format!("removing {frontend}: {e}"));
+                // Keep what is left so the next apply retries the deletion.
+                self.count_frontend(&current, 1);
+                self.frontends.insert(*frontend, current);
+            }
+        }
+    }
+}
+
+/// The map entries of one frontend. Fails with the backend that has no id.
+fn entries_for(
+    frontend: &Frontend,
+    plan: &FrontendPlan,
+    rev_nat_id: u32,
+    backend_id: &dyn Fn(&BackendAddr) -> Option<u32>,
+) -> Result<FrontendEntries, BackendAddr> {
+    let proto = frontend.proto.number();
+    let addr = frontend.addr.octets();
+    let mut services = BTreeMap::new();
+    let mut affinity_match = BTreeSet::new();
+    for scope in &plan.scopes {
+        let key = Svc4Key::new(addr, frontend.port, proto, scope.scope, 0);
+        for (i, backend) in scope.backends.iter().enumerate() {
+            let id = backend_id(backend).ok_or(*backend)?;
+            services.insert(key.with_slot(i as u16 + 1), Svc4Value::slot(rev_nat_id, id));
+            if plan.affinity_timeout > 0 {
+                affinity_match.insert(AffinityMatchKey { backend_id: id, rev_nat_id });
+            }
+        }
+        services.insert(key, Svc4Value::frontend(rev_nat_id, scope.backends.len() as u16, scope.flags, plan.affinity_timeout));
+    }
+    let source_ranges = plan
+        .source_ranges
+        .iter()
+        .map(|net| (SrcRange4::prefix_len(net.prefix_len()), SrcRange4::new(rev_nat_id, net.network().octets()).into()))
+        .collect();
+    Ok(FrontendEntries {
+        rev_nat_id,
+        service: plan.service.clone(),
+        services,
+        revnat: RevNat4Value { addr, port: frontend.port, proto, _pad: 0 },
+        name: svc_name(&plan.service),
+        affinity_match,
+        source_ranges,
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,248 @@
+//! The writer against the fake maps: write order, minimal writes, recovery, and full maps.
+
+use std::net::Ipv4Addr;
+
+use lb_common::service::{flags, SCOPE_EXTERNAL, SCOPE_INTERNAL};
+
+use super::*;
+use crate::{
+    maps::fake::{FakeMaps, Op},
+    model::{Protocol, ServicePortName},
+    plan::{FrontendKind, ScopePlan},
+};
+
+fn name(svc: &str) -> ServicePortName {
+    ServicePortName { namespace: "ns".into(), name: svc.into(), port: "".into(), protocol: Protocol::Tcp }
+}
+
+fn be(last: u8) -> BackendAddr {
+    BackendAddr { addr: Ipv4Addr::new(10, 244, 0, last), port: 8080, proto: Protocol::Tcp }
+}
+
+fn fe(last: u8) -> Frontend {
+    Frontend { addr: Ipv4Addr::new(10, 96, 0, last), port: 80, proto: Protocol::Tcp }
+}
+
+fn frontend_plan(svc: &str, backends: &[u8]) -> FrontendPlan {
+    FrontendPlan {
+        service: name(svc),
+        kind: FrontendKind::ClusterIp,
+        affinity_timeout: 0,
+        scopes: vec![ScopePlan { scope: SCOPE_EXTERNAL, flags: flags::CLUSTER_IP, backends: backends.iter().map(|b| be(*b)).collect() }],
+        source_ranges: vec![],
+    }
+}
+
+fn desired(services: &[(u8, &str, &[u8])]) -> DesiredState {
+    let mut d = DesiredState::default();
+    for (vip, svc, backends) in services {
+        let plan = frontend_plan(svc, backends);
+        for b in plan.backends() {
+            d.backends.insert(*b, 0);
+        }
+        d.frontends.insert(fe(*vip), plan);
+    }
+    d
+}
+
+fn applier() -> Applier<FakeMaps> {
+    Applier::new(FakeMaps::new(), Capacities::default())
+}
+
+/// Asserts that no prefix of the operation log leaves a frontend pointing at nothing.
+fn assert_every_step_consistent(log: &[Op]) {
+    FakeMaps::replay(log, |i, maps| {
+        if let Err(e) = maps.check_consistent() {
+            panic!("after operation {i} ({:?}): {e}", log[i]);
+        }
+    });
+}
+
+#[test]
+fn first_apply_writes_everything_in_a_safe_order() {
+    let mut a = applier();
+    let r = a.apply(&desired(&[(10, "web", &[1, 2, 3])]));
+    assert!(r.is_clean(), "{r:?}");
+    let maps = a.maps();
+    assert_eq!(maps.state.backends.len(), 3);
+    assert_eq!(maps.state.services.len(), 4);
+    maps.check_consistent().unwrap();
+    assert_every_step_consistent(&maps.log);
+    // The frontend entry is the last service write.
+    let last_service_write = maps.log.iter().rev().find_map(|op| match op {
+        Op::PutService(k, _) => Some(*k),
+        _ => None,
+    });
+    assert_eq!(last_service_write.map(|k| k.slot), Some(0));
+    assert_eq!(r.writes, 3 + 1 + 4);
+}
+
+#[test]
+fn an_unchanged_state_costs_nothing() {
+    let mut a = applier();
+    let d = desired(&[(10, "web", &[1, 2]), (11, "api", &[3])]);
+    a.apply(&d);
+    let r = a.apply(&d);
+    assert_eq!((r.writes, r.deletes), (0, 0));
+}
+
+#[test]
+fn a_change_to_one_service_writes_only_that_change() {
+    let mut a = applier();
+    let services: Vec<(u8, String, Vec<u8>)> = (0..100).map(|i| (i, format!("svc{i}"), vec![i % 50 + 1])).collect();
+    let as_refs = |list: &[(u8, String, Vec<u8>)]| -> DesiredState {
+        let v: Vec<(u8, &str, &[u8])> = list.iter().map(|(a, b, c)| (*a, b.as_str(), c.as_slice())).collect();
+        desired(&v)
+    };
+    a.apply(&as_refs(&services));
+    let mut changed = services.clone();
+    changed[42].2.push(200);
+    let r = a.apply(&as_refs(&changed));
+    // One new backend, one new slot, the frontend entry with its new count.
+    assert_eq!((r.writes, r.deletes), (3, 0), "{r:?}");
+}
+
+#[test]
+fn scaling_down_lowers_the_count_before_deleting_slots() {
+    let mut a = applier();
+    a.apply(&desired(&[(10, "web", &[1, 2, 3, 4])]));
+    a.maps_mut().log.clear();
+    let before = a.maps().state.clone();
+    a.apply(&desired(&[(10, "web", &[2])]));
+    let log = a.maps().log.clone();
+    // Replay from the state before this apply: every intermediate state must be consistent.
+    let mut maps = FakeMaps { state: before, ..FakeMaps::new() };
+    for (i, op) in log.iter().enumerate() {
+        match op {
+            Op::PutService(k, v) => maps.put_service(k, v).unwrap(),
+            Op::DeleteService(k) => maps.delete_service(k).unwrap(),
+            Op::PutBackend(id, v) => maps.put_backend(*id, v).unwrap(),
+            Op::DeleteBackend(id) => maps.delete_backend(*id).unwrap(),
+            other => panic!("unexpected {other:?}"),
+        }
+        maps.check_consistent().unwrap_or_else(|e| panic!("after {i} {op:?}: {e}"));
+    }
+    assert_eq!(a.maps().state.services.len(), 2);
+    assert_eq!(a.maps().state.backends.len(), 1);
+}
+
+#[test]
+fn removing_a_service_hides_its_frontend_first_and_frees_backends() {
+    let mut a = applier();
+    a.apply(&desired(&[(10, "web", &[1, 2]), (11, "api", &[2])]));
+    a.maps_mut().log.clear();
+    let r = a.apply(&desired(&[(11, "api", &[2])]));
+    assert!(r.is_clean());
+    let log = &a.maps().log;
+    assert!(matches!(log.first(), Some(Op::DeleteService(k)) if k.slot == 0), "{log:?}");
+    assert!(matches!(log.last(), Some(Op::DeleteBackend(_))), "the unused backend goes last: {log:?}");
+    assert_eq!(a.maps().state.backends.len(), 1, "the backend shared with api stays");
+    a.maps().check_consistent().unwrap();
+}
+
+#[test]
+fn switching_local_to_cluster_policy_rewrites_the_frontend_before_dropping_the_internal_scope() {
+    let two_scopes = |local: &[u8], all: &[u8]| {
+        let mut d = DesiredState::default();
+        let plan = FrontendPlan {
+            service: name("np"),
+            kind: FrontendKind::NodePort,
+            affinity_timeout: 0,
+            scopes: vec![
+                ScopePlan { scope: SCOPE_EXTERNAL, flags: flags::NODE_PORT | flags::TWO_SCOPES, backends: local.iter().map(|b| be(*b)).collect() },
+                ScopePlan { scope: SCOPE_INTERNAL, flags: flags::NODE_PORT, backends: all.iter().map(|b| be(*b)).collect() },
+            ],
+            source_ranges: vec![],
+        };
+        for b in plan.backends() {
+            d.backends.insert(*b, 0);
+        }
+        d.frontends.insert(fe(20), plan);
+        d
+    };
+    let mut a = applier();
+    a.apply(&two_scopes(&[1], &[1, 2]));
+    let log = &a.maps().log;
+    let pos = |pred: &dyn Fn(&Op) -> bool| log.iter().position(pred).unwrap();
+    let internal_front = pos(&|op| matches!(op, Op::PutService(k, _) if k.slot == 0 && k.scope == SCOPE_INTERNAL));
+    let external_front = pos(&|op| matches!(op, Op::PutService(k, _) if k.slot == 0 && k.scope == SCOPE_EXTERNAL));
+    assert!(internal_front < external_front, "TWO_SCOPES must never point at a missing internal scope");
+    assert_every_step_consistent(log);
+
+    a.maps_mut().log.clear();
+    a.apply(&desired(&[(20, "np", &[1, 2])]));
+    let log = &a.maps().log;
+    let rewrite = log.iter().position(|op| matches!(op, Op::PutService(k, v) if k.slot == 0 && k.scope == SCOPE_EXTERNAL && v.flags & flags::TWO_SCOPES == 0)).unwrap();
+    let drop_internal = log.iter().position(|op| matches!(op, Op::DeleteService(k) if k.scope == SCOPE_INTERNAL)).unwrap();
+    assert!(rewrite < drop_internal);
+    assert!(a.maps().state.services.keys().all(|k| k.scope == SCOPE_EXTERNAL));
+}
+
+#[test]
+fn recovery_keeps_ids_and_writes_nothing_for_the_same_state() {
+    let d = desired(&[(10, "web", &[1, 2]), (11, "api", &[3])]);
+    let mut first = applier();
+    first.apply(&d);
+    let ids_before: Vec<_> = d.frontends.keys().map(|f| first.rev_nat_id(f)).collect();
+    let backend_ids_before: Vec<_> = d.backends.keys().map(|b| first.backend_id(b)).collect();
+
+    let maps = FakeMaps { state: first.maps().state.clone(), ..FakeMaps::new() };
+    let mut second = Applier::recover(maps, Capacities::default()).unwrap();
+    assert_eq!(d.frontends.keys().map(|f| second.rev_nat_id(f)).collect::<Vec<_>>(), ids_before);
+    assert_eq!(d.backends.keys().map(|b| second.backend_id(b)).collect::<Vec<_>>(), backend_ids_before);
+    assert_eq!(second.occupancy(), first.occupancy());
+    let r = second.apply(&d);
+    assert_eq!((r.writes, r.deletes), (0, 0), "{r:?}");
+
+    // New work after recovery gets fresh ids, not recycled ones.
+    let r = second.apply(&desired(&[(10, "web", &[1, 2]), (11, "api", &[3]), (12, "new", &[4])]));
+    assert!(r.is_clean());
+    let new_id = second.rev_nat_id(&fe(12)).unwrap();
+    assert!(!ids_before.contains(&Some(new_id)));
+}
+
+#[test]
+fn a_service_that_does_not_fit_is_skipped_whole_and_appears_once_room_is_made() {
+    let caps = Capacities { services: 5, ..Capacities::default() };
+    let mut a = Applier::new(FakeMaps::new(), caps);
+    // Each needs 3 entries; Services are written in (namespace, name) order, so api fits and
+    // web does not.
+    let both = desired(&[(10, "web", &[1, 2]), (11, "api", &[3, 4])]);
+    let r = a.apply(&both);
+    assert_eq!(r.skipped.len(), 1, "{r:?}");
+    assert_eq!(r.skipped[0].0.name, "web");
+    assert!(r.skipped[0].1.contains("lb4_services"), "{}", r.skipped[0].1);
+    assert!(a.rev_nat_id(&fe(11)).is_some());
+    assert!(a.rev_nat_id(&fe(10)).is_none(), "nothing of web is written");
+    assert_eq!(a.maps().state.backends.len(), 2, "no backend of the skipped Service is left behind");
+    a.maps().check_consistent().unwrap();
+
+    // api goes away: now web fits.
+    let r = a.apply(&desired(&[(10, "web", &[1, 2])]));
+    assert!(r.is_clean(), "{r:?}");
+    assert!(a.rev_nat_id(&fe(10)).is_some());
+    a.maps().check_consistent().unwrap();
+}
+
+#[test]
+fn affinity_members_and_source_ranges_follow_the_plan() {
+    let mut d = desired(&[(10, "web", &[1, 2])]);
+    let plan = d.frontends.get_mut(&fe(10)).unwrap();
+    plan.affinity_timeout = 60;
+    plan.scopes[0].flags |= flags::AFFINITY;
+    plan.source_ranges = vec!["198.51.100.0/24".parse().unwrap()];
+    let mut a = applier();
+    assert!(a.apply(&d).is_clean());
+    let rev = a.rev_nat_id(&fe(10)).unwrap();
+    assert_eq!(a.maps().state.affinity_match.len(), 2);
+    assert!(a.maps().state.affinity_match.iter().all(|k| k.rev_nat_id == rev));
+    assert_eq!(a.maps().state.source_ranges, vec![(56, SrcRange4::new(rev, [198, 51, 100, 0]))]);
+    let front = a.maps().state.services[&Svc4Key::new([10, 96, 0, 10], 80, 6, SCOPE_EXTERNAL, 0)];
+    assert_eq!(front.affinity_timeout, 60);
+
+    // Dropping a backend drops its affinity member.
+    let mut d2 = d.clone();
+    d2.frontends.get_mut(&fe(10)).unwrap().scopes[0].backends.pop();
+    assert!(a.apply(&d2).is_clean());
+    assert_eq!(a.maps().state.affinity_match.len(), 1);
+}

@@ -1,0 +1,167 @@
+//! `MapOps` on the real maps, through aya. The maps come either from a freshly loaded object or
+//! from their pins (so the CLI can read and clean up without loading anything).
+
+use std::{io, path::Path};
+
+use aya::maps::{lpm_trie::Key, Array, HashMap, LpmTrie, Map, MapData, PerCpuArray};
+use lb_common::{
+    affinity::AffinityMatchKey,
+    backend::Backend4Value,
+    config::DatapathConfig,
+    maps as names,
+    revnat::{RevNat4Value, SvcName},
+    service::{SrcRange4, Svc4Key, Svc4Value},
+};
+
+use super::ops::{MapError, MapOps, Snapshot};
+
+/// The maps the agent writes, plus the counters it reads.
+pub struct KernelMaps {
+    pub services: HashMap<MapData, Svc4Key, Svc4Value>,
+    pub backends: HashMap<MapData, u32, Backend4Value>,
+    pub revnat: HashMap<MapData, u32, RevNat4Value>,
+    pub names: HashMap<MapData, u32, SvcName>,
+    pub affinity_match: HashMap<MapData, AffinityMatchKey, u8>,
+    pub source_ranges: LpmTrie<MapData, SrcRange4, u8>,
+    pub config: Array<MapData, DatapathConfig>,
+    pub stats: PerCpuArray<MapData, u64>,
+}
+
+fn io_err(e: aya::maps::MapError) -> io::Error {
+    match e {
+        aya::maps::MapError::SyscallError(s) => s.io_error,
+        aya::maps::MapError::IoError(e) => e,
+        aya::maps::MapError::KeyNotFound | aya::maps::MapError::ElementNotFound => io::Error::from_raw_os_error(libc::ENOENT),
+        other => io::Error::other(other.to_string()),
+    }
+}
+
+/// Deleting what is already gone is fine: the writer's goal is absence.
+fn absent_ok(r: Result<(), aya::maps::MapError>) -> Result<(), io::Error> {
+    match r {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let e = io_err(e);
+            if e.raw_os_error() == Some(libc::ENOENT) { Ok(()) } else { Err(e) }
+        }
+    }
+}
+
+impl KernelMaps {
+    /// Takes the maps out of a loaded object.
+    pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self, aya::maps::MapError> {
+        let mut take = |name: &str| {
+            ebpf.take_map(name).ok_or_else(|| aya::maps::MapError::InvalidName { name: name.to_string() })
+        };
+        Ok(Self {
+            services: take(names::SERVICES)?.try_into()?,
+            backends: take(names::BACKENDS)?.try_into()?,
+            revnat: take(names::REVNAT)?.try_into()?,
+            names: take(names::SVC_NAMES)?.try_into()?,
+            affinity_match: take(names::AFFINITY_MATCH)?.try_into()?,
+            source_ranges: take(names::SOURCE_RANGES)?.try_into()?,
+            config: take(names::CONFIG)?.try_into()?,
+            stats: take(names::STATS)?.try_into()?,
+        })
+    }
+
+    /// Opens the pinned maps under `<bpf-root>/maps`.
+    pub fn from_pins(maps_dir: &Path) -> Result<Self, aya::maps::MapError> {
+        let open = |name: &str| MapData::from_pin(maps_dir.join(name));
+        Ok(Self {
+            services: Map::HashMap(open(names::SERVICES)?).try_into()?,
+            backends: Map::HashMap(open(names::BACKENDS)?).try_into()?,
+            revnat: Map::HashMap(open(names::REVNAT)?).try_into()?,
+            names: Map::HashMap(open(names::SVC_NAMES)?).try_into()?,
+            affinity_match: Map::HashMap(open(names::AFFINITY_MATCH)?).try_into()?,
+            source_ranges: Map::LpmTrie(open(names::SOURCE_RANGES)?).try_into()?,
+            config: Map::Array(open(names::CONFIG)?).try_into()?,
+            stats: Map::PerCpuArray(open(names::STATS)?).try_into()?,
+        })
+    }
+
+    /// Sums a counter over the CPUs.
+    pub fn counter(&self, index: u32) -> u64 {
+        self.stats.get(&index, 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0)
+    }
+}
+
+impl MapOps for KernelMaps {
+    fn put_service(&mut self, key: &Svc4Key, value: &Svc4Value) -> Result<(), MapError> {
+        self.services.insert(key, value, 0).map_err(|e| MapError::new(names::SERVICES, "update", io_err(e)))
+    }
+
+    fn delete_service(&mut self, key: &Svc4Key) -> Result<(), MapError> {
+        absent_ok(self.services.remove(key)).map_err(|e| MapError::new(names::SERVICES, "delete", e))
+    }
+
+    fn put_backend(&mut self, id: u32, value: &Backend4Value) -> Result<(), MapError> {
+        self.backends.insert(&id, value, 0).map_err(|e| MapError::new(names::BACKENDS, "update", io_err(e)))
+    }
+
+    fn delete_backend(&mut self, id: u32) -> Result<(), MapError> {
+        absent_ok(self.backends.remove(&id)).map_err(|e| MapError::new(names::BACKENDS, "delete", e))
+    }
+
+    fn put_revnat(&mut self, id: u32, value: &RevNat4Value, name: &SvcName) -> Result<(), MapError> {
+        self.names.insert(&id, name, 0).map_err(|e| MapError::new(names::SVC_NAMES, "update", io_err(e)))?;
+        self.revnat.insert(&id, value, 0).map_err(|e| MapError::new(names::REVNAT, "update", io_err(e)))
+    }
+
+    fn delete_revnat(&mut self, id: u32) -> Result<(), MapError> {
+        absent_ok(self.revnat.remove(&id)).map_err(|e| MapError::new(names::REVNAT, "delete", e))?;
+        absent_ok(self.names.remove(&id)).map_err(|e| MapError::new(names::SVC_NAMES, "delete", e))
+    }
+
+    fn put_affinity_match(&mut self, key: &AffinityMatchKey) -> Result<(), MapError> {
+        self.affinity_match.insert(key, &1u8, 0).map_err(|e| MapError::new(names::AFFINITY_MATCH, "update", io_err(e)))
+    }
+
+    fn delete_affinity_match(&mut self, key: &AffinityMatchKey) -> Result<(), MapError> {
+        absent_ok(self.affinity_match.remove(key)).map_err(|e| MapError::new(names::AFFINITY_MATCH, "delete", e))
+    }
+
+    fn put_source_range(&mut self, prefix_len: u32, range: &SrcRange4) -> Result<(), MapError> {
+        self.source_ranges
+            .insert(&Key::new(prefix_len, *range), &1u8, 0)
+            .map_err(|e| MapError::new(names::SOURCE_RANGES, "update", io_err(e)))
+    }
+
+    fn delete_source_range(&mut self, prefix_len: u32, range: &SrcRange4) -> Result<(), MapError> {
+        absent_ok(self.source_ranges.remove(&Key::new(prefix_len, *range)))
+            .map_err(|e| MapError::new(names::SOURCE_RANGES, "delete", e))
+    }
+
+    fn put_config(&mut self, config: &DatapathConfig) -> Result<(), MapError> {
+        self.config.set(0, config, 0).map_err(|e| MapError::new(names::CONFIG, "update", io_err(e)))
+    }
+
+    fn snapshot(&self) -> Result<Snapshot, MapError> {
+        let read = |map: &'static str| move |e| MapError::new(map, "dump", io_err(e));
+        let mut snap = Snapshot::default();
+        for entry in self.services.iter() {
+            let (k, v) = entry.map_err(read(names::SERVICES))?;
+            snap.services.insert(k, v);
+        }
+        for entry in self.backends.iter() {
+            let (k, v) = entry.map_err(read(names::BACKENDS))?;
+            snap.backends.insert(k, v);
+        }
+        for entry in self.revnat.iter() {
+            let (k, v) = entry.map_err(read(names::REVNAT))?;
+            snap.revnat.insert(k, v);
+        }
+        for entry in self.names.iter() {
+            let (k, v) = entry.map_err(read(names::SVC_NAMES))?;
+            snap.names.insert(k, v);
+        }
+        for key in self.affinity_match.keys() {
+            snap.affinity_match.push(key.map_err(read(names::AFFINITY_MATCH))?);
+        }
+        for key in self.source_ranges.keys() {
+            let key = key.map_err(read(names::SOURCE_RANGES))?;
+            snap.source_ranges.push((key.prefix_len(), key.data()));
+        }
+        Ok(snap)
+    }
+}

@@ -1,0 +1,59 @@
+//! The writes the map writer needs, as a trait: implemented by the kernel maps and by a fake.
+
+use std::collections::BTreeMap;
+
+use lb_common::{
+    affinity::AffinityMatchKey,
+    backend::Backend4Value,
+    config::DatapathConfig,
+    revnat::{RevNat4Value, SvcName},
+    service::{SrcRange4, Svc4Key, Svc4Value},
+};
+
+/// A failed map operation.
+#[derive(Debug, thiserror::Error)]
+#[error("{op} on map {map}: {source}")]
+pub struct MapError {
+    pub map: &'static str,
+    pub op: &'static str,
+    #[source]
+    pub source: std::io::Error,
+}
+
+impl MapError {
+    pub fn new(map: &'static str, op: &'static str, source: std::io::Error) -> Self {
+        Self { map, op, source }
+    }
+
+    /// The kernel refused a new entry because the map is at max_entries.
+    pub fn is_full(&self) -> bool {
+        matches!(self.source.raw_os_error(), Some(libc::E2BIG) | Some(libc::ENOSPC))
+    }
+}
+
+/// Everything the agent writes, as read back from the maps (restart recovery, inspection).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    pub services: BTreeMap<Svc4Key, Svc4Value>,
+    pub backends: BTreeMap<u32, Backend4Value>,
+    pub revnat: BTreeMap<u32, RevNat4Value>,
+    pub names: BTreeMap<u32, SvcName>,
+    pub affinity_match: Vec<AffinityMatchKey>,
+    /// (prefix length in trie bits, key data).
+    pub source_ranges: Vec<(u32, SrcRange4)>,
+}
+
+pub trait MapOps {
+    fn put_service(&mut self, key: &Svc4Key, value: &Svc4Value) -> Result<(), MapError>;
+    fn delete_service(&mut self, key: &Svc4Key) -> Result<(), MapError>;
+    fn put_backend(&mut self, id: u32, value: &Backend4Value) -> Result<(), MapError>;
+    fn delete_backend(&mut self, id: u32) -> Result<(), MapError>;
+    fn put_revnat(&mut self, id: u32, value: &RevNat4Value, name: &SvcName) -> Result<(), MapError>;
+    fn delete_revnat(&mut self, id: u32) -> Result<(), MapError>;
+    fn put_affinity_match(&mut self, key: &AffinityMatchKey) -> Result<(), MapError>;
+    fn delete_affinity_match(&mut self, key: &AffinityMatchKey) -> Result<(), MapError>;
+    fn put_source_range(&mut self, prefix_len: u32, range: &SrcRange4) -> Result<(), MapError>;
+    fn delete_source_range(&mut self, prefix_len: u32, range: &SrcRange4) -> Result<(), MapError>;
+    fn put_config(&mut self, config: &DatapathConfig) -> Result<(), MapError>;
+    fn snapshot(&self) -> Result<Snapshot, MapError>;
+}

@@ -1,0 +1,153 @@
+//! Step 2 of watch -> model -> plan -> maps -> programs: kube-proxy's semantics, as pure functions
+//! of the API objects. No kernel, no I/O; everything here is unit-tested against tables of
+//! kube-proxy's own cases.
+//!
+//! - `service`: a v1 Service -> the `ServicePortInfo` of each port (kube-proxy
+//!   `pkg/proxy/serviceport.go`, `servicechangetracker.go`, `proxyutil.ShouldSkipService`);
+//! - `endpoints`: the EndpointSlices of a Service -> the `Endpoint`s of each port
+//!   (`pkg/proxy/endpointslicecache.go`, `endpoint.go`);
+//! - `topology`: which endpoints each kind of traffic may use (`pkg/proxy/topology.go`,
+//!   `CategorizeEndpoints`).
+
+use std::{collections::BTreeSet, fmt, net::Ipv4Addr};
+
+use ipnet::Ipv4Net;
+
+pub mod endpoints;
+pub mod service;
+pub mod topology;
+
+pub use endpoints::{endpoints_by_port, endpoints_by_port_with_problems, SliceError};
+pub use service::{service_ports, ServiceError, ServicePorts};
+pub use topology::{categorize_endpoints, CategorizedEndpoints};
+
+/// L4 protocol of a Service port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    /// IANA protocol number, as stored in map keys.
+    pub const fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => lb_common::proto::TCP,
+            Protocol::Udp => lb_common::proto::UDP,
+            Protocol::Sctp => lb_common::proto::SCTP,
+        }
+    }
+
+    /// The Kubernetes spelling ("TCP", "UDP", "SCTP").
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
+        }
+    }
+}
+
+/// The identity of a load-balanced port: kube-proxy's `ServicePortName`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServicePortName {
+    pub namespace: String,
+    pub name: String,
+    /// The Service port's name ("" for a single unnamed port).
+    pub port: String,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for ServicePortName {
+    /// kube-proxy's form: `ns/name:port` (the `:port` part only when the port is named).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.port.is_empty() {
+            write!(f, "{}/{}", self.namespace, self.name)
+        } else {
+            write!(f, "{}/{}:{}", self.namespace, self.name, self.port)
+        }
+    }
+}
+
+/// What the agent knows about its own Node.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// `--hostname-override`, or the hostname: compared with `EndpointSlice.endpoints[].nodeName`.
+    pub name: String,
+    /// The `topology.kubernetes.io/zone` label, if any.
+    pub zone: Option<String>,
+}
+
+/// One port of one Service, with everything the data path needs (IPv4 family only for now).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServicePortInfo {
+    pub name: ServicePortName,
+    /// `spec.clusterIPs` of the IPv4 family.
+    pub cluster_ips: Vec<Ipv4Addr>,
+    pub port: u16,
+    /// `spec.ports[].nodePort`, for NodePort and LoadBalancer Services.
+    pub node_port: Option<u16>,
+    /// `spec.externalIPs` of the IPv4 family.
+    pub external_ips: Vec<Ipv4Addr>,
+    /// `status.loadBalancer.ingress[].ip` whose `ipMode` is `VIP` or unset (ipMode `Proxy` is the
+    /// load balancer's to serve, KEP-1860).
+    pub load_balancer_ips: Vec<Ipv4Addr>,
+    /// `spec.loadBalancerSourceRanges` of the IPv4 family (applies to `load_balancer_ips` only);
+    /// empty means every source is allowed (so does a `0.0.0.0/0` entry, which empties it).
+    pub load_balancer_source_ranges: Vec<Ipv4Net>,
+    /// `Some(timeoutSeconds)` for sessionAffinity ClientIP (default 10800).
+    pub session_affinity_timeout: Option<u32>,
+    /// internalTrafficPolicy: Local.
+    pub internal_policy_local: bool,
+    /// externalTrafficPolicy: Local on a Service that is externally accessible (kube-proxy decides
+    /// this per Service, from its type and external IPs).
+    pub external_policy_local: bool,
+    /// `spec.healthCheckNodePort`, when externalTrafficPolicy is Local.
+    pub health_check_node_port: Option<u16>,
+    /// `spec.trafficDistribution` (PreferClose, PreferSameZone, PreferSameNode), as written.
+    /// Informational, like `topology_mode`: the EndpointSlice controller turns it into hints.
+    pub traffic_distribution: Option<String>,
+    /// The topology annotation as written: the deprecated `service.kubernetes.io/topology-aware-hints`
+    /// takes precedence over `service.kubernetes.io/topology-mode`, as upstream. Informational:
+    /// since v1.35 kube-proxy decides topology from the EndpointSlice hints alone.
+    pub topology_mode: Option<String>,
+}
+
+impl ServicePortInfo {
+    /// kube-proxy `ExternallyAccessible`: a NodePort, an external IP or a load-balancer IP.
+    pub fn externally_accessible(&self) -> bool {
+        self.node_port.is_some() || !self.external_ips.is_empty() || !self.load_balancer_ips.is_empty()
+    }
+
+    /// kube-proxy `UsesClusterEndpoints`.
+    pub fn uses_cluster_endpoints(&self) -> bool {
+        !self.internal_policy_local || self.externally_accessible()
+    }
+
+    /// kube-proxy `UsesLocalEndpoints`.
+    pub fn uses_local_endpoints(&self) -> bool {
+        self.internal_policy_local || (self.external_policy_local && self.externally_accessible())
+    }
+}
+
+/// One endpoint of one Service port (kube-proxy's `BaseEndpointInfo`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Endpoint {
+    pub ip: Ipv4Addr,
+    pub port: u16,
+    /// `conditions.ready` (nil means true).
+    pub ready: bool,
+    /// `conditions.serving` (nil means true, as upstream's `addEndpoints`).
+    pub serving: bool,
+    /// `conditions.terminating` (nil means false).
+    pub terminating: bool,
+    /// `nodeName` equals this node's name.
+    pub is_local: bool,
+    pub node_name: Option<String>,
+    pub zone: Option<String>,
+    /// `hints.forZones[].name`.
+    pub zone_hints: BTreeSet<String>,
+    /// `hints.forNodes[].name`.
+    pub node_hints: BTreeSet<String>,
+}

@@ -1,0 +1,1457 @@
+//! Model step for Services: one v1 `Service` -> the [`ServicePortInfo`] of each of its ports, IPv4
+//! family only. This ports kube-proxy's `ServiceChangeTracker.serviceToServiceMap` and
+//! `newBaseServiceInfo` (`pkg/proxy/servicechangetracker.go`, `pkg/proxy/serviceport.go`), the
+//! skip rules of `proxyutil.ShouldSkipService` (`pkg/proxy/util/utils.go`) and of kube-proxy's
+//! informer label selector (`cmd/kube-proxy/app/server.go`), and the traffic-policy helpers of
+//! `pkg/api/v1/service/util.go`. kube-proxy drops a malformed entry and keeps the rest; so do we,
+//! but where kube-proxy only logs we return a warning (or, when nothing usable is left, an error)
+//! so that the caller can raise a Kubernetes Event. Services that kube-proxy ignores by design come
+//! back as [`ServiceError::Skipped`], which callers must not report.
+
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
+
+use ipnet::Ipv4Net;
+use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
+
+use super::{Protocol, ServicePortInfo, ServicePortName};
+
+/// Label naming the proxy that owns a Service; kube-proxy's informers only list objects *without*
+/// it (`apis.LabelServiceProxyName`, selector built in `cmd/kube-proxy/app/server.go`).
+pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// Label the control plane puts on headless Services' objects; kube-proxy's informers only list
+/// objects *without* it (`v1.IsHeadlessService`, same selector).
+pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
+/// `v1.AnnotationTopologyMode`.
+pub const ANNOTATION_TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
+/// `v1.DeprecatedAnnotationTopologyAwareHints`.
+pub const ANNOTATION_TOPOLOGY_AWARE_HINTS: &str = "service.kubernetes.io/topology-aware-hints";
+/// The API server's default `sessionAffinityConfig.clientIP.timeoutSeconds`
+/// (`v1.DefaultClientIPServiceAffinitySeconds`).
+pub const DEFAULT_CLIENT_IP_TIMEOUT_SECONDS: u32 = 10800;
+/// The largest `timeoutSeconds` API validation accepts (`core.MaxClientIPServiceAffinitySeconds`).
+pub const MAX_CLIENT_IP_TIMEOUT_SECONDS: u32 = 86400;
+
+/// The usable ports of one Service, plus what was wrong with the rest of it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServicePorts {
+    /// One entry per usable `spec.ports[]` entry, in spec order.
+    pub ports: Vec<ServicePortInfo>,
+    /// Malformed entries that were dropped (kube-proxy logs these); each message starts with the
+    /// field path. Worth a Warning Event on the Service; never fatal.
+    pub warnings: Vec<String>,
+}
+
+/// Why a Service yields no [`ServicePortInfo`] at all.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ServiceError {
+    /// kube-proxy does not proxy this Service, by design (headless, ExternalName, owned by another
+    /// proxy, no IPv4 cluster IP...). Not an error: callers must not report it.
+    #[error("not proxied: {0}")]
+    Skipped(&'static str),
+    /// `metadata.name` is missing, so no `ServicePortName` can be formed.
+    #[error("metadata.name is not set")]
+    MissingName,
+    /// The IPv4 cluster IP is not an IPv4 address. kube-proxy would program a nil IP here
+    /// (`netutils.ParseIPSloppy` fails in `newBaseServiceInfo`); we refuse the whole Service.
+    #[error("{field}: {value:?} is not a valid IPv4 address")]
+    InvalidClusterIp { field: String, value: String },
+    /// Every port was malformed (or `spec.ports` is empty); `problems` says why, one per field.
+    #[error("no usable port: {}", .problems.join("; "))]
+    NoUsablePorts { problems: Vec<String> },
+}
+
+impl ServiceError {
+    /// True for [`ServiceError::Skipped`]: the Service is ignored by design, not broken.
+    pub fn is_skipped(&self) -> bool {
+        matches!(self, ServiceError::Skipped(_))
+    }
+}
+
+/// Translates a Service into the [`ServicePortInfo`] of each of its ports (kube-proxy
+/// `ServiceChangeTracker.serviceToServiceMap` + `newBaseServiceInfo`, for the IPv4 family).
+///
+/// Order of the checks, as upstream:
+/// 1. the informer label selector: `service.kubernetes.io/service-proxy-name` or
+///    `service.kubernetes.io/headless` present -> skipped;
+/// 2. `ShouldSkipService`: `type: ExternalName`, or `clusterIP` `None` or empty -> skipped;
+/// 3. `GetClusterIPByFamily(IPv4)` empty (an IPv6 single-stack Service) -> skipped;
+/// 4. then one [`ServicePortInfo`] per port, dropping (with a warning) the malformed ones.
+///
+/// Fields left unset are filled with the API server's defaults (`type: ClusterIP`, port
+/// `protocol: TCP`, `clusterIPs` from `clusterIP`, `timeoutSeconds: 10800`) so that objects read
+/// from manifest files behave as they would once created through the API.
+pub fn service_ports(svc: &Service) -> Result<ServicePorts, ServiceError> {
+    let meta = &svc.metadata;
+    if let Some(labels) = &meta.labels {
+        if labels.contains_key(LABEL_SERVICE_PROXY_NAME) {
+            return Err(ServiceError::Skipped(
+                "labelled service.kubernetes.io/service-proxy-name",
+            ));
+        }
+        if labels.contains_key(LABEL_HEADLESS) {
+            return Err(ServiceError::Skipped("labelled service.kubernetes.io/headless"));
+        }
+    }
+    let default_spec = ServiceSpec::default();
+    let spec = svc.spec.as_ref().unwrap_or(&default_spec);
+    let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
+    // ShouldSkipService checks clusterIP first; checking the type first only changes which reason
+    // is given (an ExternalName Service usually has no clusterIP either).
+    if svc_type == "ExternalName" {
+        return Err(ServiceError::Skipped("type ExternalName"));
+    }
+    match primary_cluster_ip(spec) {
+        "None" => return Err(ServiceError::Skipped("headless (clusterIP None)")),
+        "" => return Err(ServiceError::Skipped("no clusterIP")),
+        _ => {}
+    }
+    let name = meta
+        .name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .ok_or(ServiceError::MissingName)?;
+    let namespace = meta.namespace.clone().unwrap_or_default();
+
+    let mut warnings = Vec::new();
+    let Some(cluster_ip) = ipv4_cluster_ip(spec, &mut warnings)? else {
+        return Err(ServiceError::Skipped("no IPv4 cluster IP"));
+    };
+    let has_ipv6 = has_ipv6_family(spec);
+
+    if !matches!(svc_type, "ClusterIP" | "NodePort" | "LoadBalancer") {
+        warnings.push(format!(
+            "spec.type: unknown type {svc_type:?}, treated as not externally accessible"
+        ));
+    }
+    let external_ips = external_ips(spec, has_ipv6, &mut warnings);
+    let load_balancer_ips = load_balancer_ips(svc, has_ipv6, &mut warnings);
+    let load_balancer_source_ranges = source_ranges(spec, &mut warnings);
+    let session_affinity_timeout = session_affinity_timeout(spec, &mut warnings);
+    let internal_policy_local = spec.internal_traffic_policy.as_deref() == Some("Local");
+    let external_policy_local = external_policy_local(spec, svc_type);
+    let health_check_node_port = health_check_node_port(spec, svc_type, external_policy_local, &mut warnings);
+    let traffic_distribution = spec.traffic_distribution.clone();
+    let topology_mode = topology_mode(svc);
+
+    let service_ports = spec.ports.as_deref().unwrap_or_default();
+    if service_ports.is_empty() {
+        warnings.push("spec.ports: no port".to_owned());
+        return Err(ServiceError::NoUsablePorts { problems: warnings });
+    }
+    let mut ports = Vec::with_capacity(service_ports.len());
+    let mut seen_names = BTreeSet::new();
+    let mut seen_numbers = BTreeSet::new();
+    for (i, sp) in service_ports.iter().enumerate() {
+        let field = format!("spec.ports[{i}]");
+        let Some((port, protocol)) = port_and_protocol(sp, &field, &mut warnings) else {
+            continue;
+        };
+        let port_name = ServicePortName {
+            namespace: namespace.clone(),
+            name: name.clone(),
+            port: sp.name.clone().unwrap_or_default(),
+            protocol,
+        };
+        // Duplicates: API validation rejects both (duplicate names, duplicate (port, protocol)).
+        // kube-proxy keys its map by ServicePortName, so a later duplicate name replaces an
+        // earlier one; we keep the first of either kind so that (VIP, port, protocol) stays a key.
+        if seen_names.contains(&port_name) {
+            warnings.push(format!(
+                "{field}: duplicate port {port_name} ({}); ignored",
+                protocol.as_str()
+            ));
+            continue;
+        }
+        if !seen_numbers.insert((port, protocol)) {
+            warnings.push(format!(
+                "{field}: duplicate port {port}/{}; ignored",
+                protocol.as_str()
+            ));
+            continue;
+        }
+        seen_names.insert(port_name.clone());
+        let node_port = node_port(sp, svc_type, &field, &mut warnings);
+        ports.push(ServicePortInfo {
+            name: port_name,
+            cluster_ips: vec![cluster_ip],
+            port,
+            node_port,
+            external_ips: external_ips.clone(),
+            load_balancer_ips: load_balancer_ips.clone(),
+            load_balancer_source_ranges: load_balancer_source_ranges.clone(),
+            session_affinity_timeout,
+            internal_policy_local,
+            external_policy_local,
+            health_check_node_port,
+            traffic_distribution: traffic_distribution.clone(),
+            topology_mode: topology_mode.clone(),
+        });
+    }
+    if ports.is_empty() {
+        return Err(ServiceError::NoUsablePorts { problems: warnings });
+    }
+    Ok(ServicePorts { ports, warnings })
+}
+
+/// `spec.clusterIP`, or `spec.clusterIPs[0]` when only the list is set (the API server keeps
+/// `clusterIP == clusterIPs[0]`). This is what `ShouldSkipService` compares with "None" and "".
+fn primary_cluster_ip(spec: &ServiceSpec) -> &str {
+    match spec.cluster_ip.as_deref() {
+        Some(ip) if !ip.is_empty() => ip,
+        _ => spec
+            .cluster_ips
+            .as_ref()
+            .and_then(|ips| ips.first())
+            .map_or("", String::as_str),
+    }
+}
+
+/// `spec.clusterIPs` (or `[spec.clusterIP]` when the list is unset, as the API server defaults it).
+fn cluster_ip_list(spec: &ServiceSpec) -> Vec<&str> {
+    match spec.cluster_ips.as_deref() {
+        Some(ips) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
+        _ => spec
+            .cluster_ip
+            .as_deref()
+            .into_iter()
+            .filter(|ip| !ip.is_empty())
+            .collect(),
+    }
+}
+
+/// The Service's IPv4 cluster IP: kube-proxy `proxyutil.GetClusterIPByFamily(IPv4, svc)`.
+///
+/// With `spec.ipFamilies` set, the IP is `clusterIPs[i]` where `ipFamilies[i] == "IPv4"`; none ->
+/// `Ok(None)` (skipped), and an address there that is not IPv4 -> [`ServiceError::InvalidClusterIp`].
+/// Without `ipFamilies` (version skew, or a manifest file), kube-proxy takes `clusterIP` when it
+/// is not IPv6; we take the first IPv4 entry of the list, and an unparsable entry is an error only
+/// when no IPv4 entry exists (kube-proxy would have used it as a nil IP).
+fn ipv4_cluster_ip(spec: &ServiceSpec, warnings: &mut Vec<String>) -> Result<Option<Ipv4Addr>, ServiceError> {
+    let ips = cluster_ip_list(spec);
+    let families = spec.ip_families.as_deref().unwrap_or_default();
+    let invalid = |i: usize, value: &str| ServiceError::InvalidClusterIp {
+        field: format!("spec.clusterIPs[{i}]"),
+        value: value.to_owned(),
+    };
+    if !families.is_empty() {
+        let v4_index = families.iter().position(|f| f == "IPv4");
+        for (i, ip) in ips.iter().enumerate() {
+            if Some(i) != v4_index && parse_ip_sloppy(ip).is_none() {
+                warnings.push(format!("spec.clusterIPs[{i}]: {ip:?} is not an IP address"));
+            }
+        }
+        let Some(i) = v4_index else { return Ok(None) };
+        let Some(ip) = ips.get(i) else { return Ok(None) };
+        return match parse_ip_sloppy(ip) {
+            Some(IpAddr::V4(v4)) => Ok(Some(v4)),
+            _ => Err(invalid(i, ip)),
+        };
+    }
+    let mut first_invalid = None;
+    let mut found = None;
+    for (i, ip) in ips.iter().enumerate() {
+        match parse_ip_sloppy(ip) {
+            Some(IpAddr::V4(v4)) => {
+                found.get_or_insert(v4);
+            }
+            Some(IpAddr::V6(_)) => {}
+            None => {
+                first_invalid.get_or_insert((i, *ip));
+            }
+        }
+    }
+    match (found, first_invalid) {
+        (Some(v4), Some((i, ip))) => {
+            warnings.push(format!("spec.clusterIPs[{i}]: {ip:?} is not an IP address"));
+            Ok(Some(v4))
+        }
+        (Some(v4), None) => Ok(Some(v4)),
+        (None, Some((i, ip))) => Err(invalid(i, ip)),
+        (None, None) => Ok(None),
+    }
+}
+
+/// Whether the Service also has an IPv6 cluster IP (dual-stack): then IPv6 external and
+/// load-balancer IPs are legitimate, served by an IPv6 proxy, and are dropped here silently.
+fn has_ipv6_family(spec: &ServiceSpec) -> bool {
+    spec.ip_families
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .any(|f| f == "IPv6")
+        || cluster_ip_list(spec)
+            .iter()
+            .any(|ip| matches!(parse_ip_sloppy(ip), Some(IpAddr::V6(_))))
+}
+
+/// `spec.externalIPs` of the IPv4 family: kube-proxy `proxyutil.MapIPsByIPFamily(...)[IPv4]`.
+///
+/// Unparsable entries are dropped with a warning (upstream: "Skipping invalid IP"), except blank
+/// ones, which upstream drops silently ("ExternalIPs may not be validated by the API server").
+/// IPv6 entries are dropped; with a warning only when the Service has no IPv6 cluster IP, since
+/// then no proxy at all will serve them.
+fn external_ips(spec: &ServiceSpec, has_ipv6: bool, warnings: &mut Vec<String>) -> Vec<Ipv4Addr> {
+    let mut out = Vec::new();
+    for (i, ip) in spec
+        .external_ips
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+    {
+        match parse_ip_sloppy(ip) {
+            Some(IpAddr::V4(v4)) => out.push(v4),
+            Some(IpAddr::V6(_)) if has_ipv6 => {}
+            Some(IpAddr::V6(_)) => warnings.push(format!(
+                "spec.externalIPs[{i}]: {ip:?} is IPv6 but the Service has no IPv6 cluster IP; ignored"
+            )),
+            None if ip.trim().is_empty() => {}
+            None => warnings.push(format!(
+                "spec.externalIPs[{i}]: {ip:?} is not an IP address; ignored"
+            )),
+        }
+    }
+    out
+}
+
+/// `status.loadBalancer.ingress[].ip` of the IPv4 family in VIP mode: kube-proxy
+/// `newBaseServiceInfo`'s ingress loop with `proxyutil.IsVIPMode` (`ipMode` unset or `VIP`;
+/// `Proxy` means the load balancer delivers to the node itself, KEP-1860). Hostname-only ingress
+/// entries are skipped silently, as upstream; unparsable and (single-stack) IPv6 ones with a warning.
+fn load_balancer_ips(svc: &Service, has_ipv6: bool, warnings: &mut Vec<String>) -> Vec<Ipv4Addr> {
+    let ingress = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_deref())
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    for (i, ing) in ingress.iter().enumerate() {
+        let field = format!("status.loadBalancer.ingress[{i}]");
+        let Some(ip) = ing.ip.as_deref().filter(|ip| !ip.is_empty()) else {
+            continue;
+        };
+        match ing.ip_mode.as_deref() {
+            None | Some("VIP") => {}
+            Some("Proxy") => continue,
+            Some(other) => {
+                warnings.push(format!("{field}.ipMode: unknown mode {other:?}; ingress ignored"));
+                continue;
+            }
+        }
+        match parse_ip_sloppy(ip) {
+            Some(IpAddr::V4(v4)) => out.push(v4),
+            Some(IpAddr::V6(_)) if has_ipv6 => {}
+            Some(IpAddr::V6(_)) => warnings.push(format!(
+                "{field}.ip: {ip:?} is IPv6 but the Service has no IPv6 cluster IP; ignored"
+            )),
+            None => warnings.push(format!("{field}.ip: {ip:?} is not an IP address; ignored")),
+        }
+    }
+    out
+}
+
+/// `spec.loadBalancerSourceRanges` of the IPv4 family: kube-proxy `newBaseServiceInfo` with
+/// `proxyutil.MapCIDRsByIPFamily`.
+///
+/// - each entry is whitespace-trimmed first (validation "mistakenly allows whitespace padding");
+/// - unparsable entries are ignored with a warning ("Invalid CIDR ignored"; blank ones silently);
+///   host bits are cleared (`net.ParseCIDR` returns the network);
+/// - IPv6 entries belong to the IPv6 proxy and are dropped silently;
+/// - a zero-length prefix (`0.0.0.0/0`) means "allow any", which is the same as an empty list, so
+///   the list is emptied.
+///
+/// An empty result allows every client. When the field was set but yields no usable IPv4 range
+/// (all invalid, or all IPv6), that is still kube-proxy's behaviour, and we add a warning.
+fn source_ranges(spec: &ServiceSpec, warnings: &mut Vec<String>) -> Vec<Ipv4Net> {
+    let ranges = spec.load_balancer_source_ranges.as_deref().unwrap_or_default();
+    let mut out = Vec::new();
+    let mut allow_any = false;
+    for (i, raw) in ranges.iter().enumerate() {
+        let trimmed = raw.trim();
+        match parse_cidr_sloppy(trimmed) {
+            Some(ParsedCidr::V4(net)) if net.prefix_len() == 0 => allow_any = true,
+            Some(ParsedCidr::V4(net)) => out.push(net),
+            Some(ParsedCidr::V6) => {}
+            None if trimmed.is_empty() => {}
+            None => warnings.push(format!(
+                "spec.loadBalancerSourceRanges[{i}]: {raw:?} is not a CIDR; ignored"
+            )),
+        }
+    }
+    if allow_any {
+        return Vec::new();
+    }
+    if out.is_empty() && ranges.iter().any(|r| !r.trim().is_empty()) {
+        warnings.push(
+            "spec.loadBalancerSourceRanges: no usable IPv4 range, so every IPv4 client is allowed".to_owned(),
+        );
+    }
+    out
+}
+
+/// `Some(timeoutSeconds)` for `sessionAffinity: ClientIP` (kube-proxy `newBaseServiceInfo`:
+/// `stickyMaxAgeSeconds`). A missing config gets the API default 10800; a value outside the
+/// validated range 1..=86400 gets the default too, with a warning. An unknown affinity is ignored
+/// with a warning.
+fn session_affinity_timeout(spec: &ServiceSpec, warnings: &mut Vec<String>) -> Option<u32> {
+    match spec.session_affinity.as_deref() {
+        None | Some("None") | Some("") => None,
+        Some("ClientIP") => {
+            let timeout = spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds);
+            match timeout {
+                None => Some(DEFAULT_CLIENT_IP_TIMEOUT_SECONDS),
+                Some(t) => match u32::try_from(t) {
+                    Ok(t) if (1..=MAX_CLIENT_IP_TIMEOUT_SECONDS).contains(&t) => Some(t),
+                    _ => {
+                        warnings.push(format!(
+                            "spec.sessionAffinityConfig.clientIP.timeoutSeconds: {t} is outside \
+                             1..={MAX_CLIENT_IP_TIMEOUT_SECONDS}; using {DEFAULT_CLIENT_IP_TIMEOUT_SECONDS}"
+                        ));
+                        Some(DEFAULT_CLIENT_IP_TIMEOUT_SECONDS)
+                    }
+                },
+            }
+        }
+        Some(other) => {
+            warnings.push(format!(
+                "spec.sessionAffinity: unknown affinity {other:?}; ignored"
+            ));
+            None
+        }
+    }
+}
+
+/// `apiservice.ExternalPolicyLocal`: `externalTrafficPolicy: Local` on a Service that is
+/// externally accessible by type (`apiservice.ExternallyAccessible`: LoadBalancer, NodePort, or
+/// ClusterIP with external IPs). This is a per-Service property; [`ServicePortInfo`]'s
+/// `uses_local_endpoints` then also checks that the port itself is externally accessible.
+fn external_policy_local(spec: &ServiceSpec, svc_type: &str) -> bool {
+    let has_external_ips = !spec.external_ips.as_deref().unwrap_or_default().is_empty();
+    let accessible =
+        matches!(svc_type, "LoadBalancer" | "NodePort") || (svc_type == "ClusterIP" && has_external_ips);
+    accessible && spec.external_traffic_policy.as_deref() == Some("Local")
+}
+
+/// `spec.healthCheckNodePort` when `apiservice.NeedsHealthCheck` (type LoadBalancer and
+/// `ExternalPolicyLocal`); kube-proxy logs "Service has no healthcheck nodeport" when it is 0.
+fn health_check_node_port(
+    spec: &ServiceSpec,
+    svc_type: &str,
+    external_policy_local: bool,
+    warnings: &mut Vec<String>,
+) -> Option<u16> {
+    if svc_type != "LoadBalancer" || !external_policy_local {
+        return None;
+    }
+    match spec.health_check_node_port {
+        None | Some(0) => {
+            warnings.push(
+                "spec.healthCheckNodePort: not set on a LoadBalancer with externalTrafficPolicy Local"
+                    .to_owned(),
+            );
+            None
+        }
+        Some(p) => match u16::try_from(p) {
+            Ok(p) => Some(p),
+            Err(_) => {
+                warnings.push(format!(
+                    "spec.healthCheckNodePort: {p} is not a port number; ignored"
+                ));
+                None
+            }
+        },
+    }
+}
+
+/// The topology annotation, as written. As in kube-proxy `newBaseServiceInfo` (while it still read
+/// it) and the EndpointSlice controller's `hintsEnabled`, the deprecated
+/// `service.kubernetes.io/topology-aware-hints` takes precedence over
+/// `service.kubernetes.io/topology-mode`. Informational only: kube-proxy (and
+/// `topology::categorize_endpoints`) follow the EndpointSlice hints, not this annotation.
+fn topology_mode(svc: &Service) -> Option<String> {
+    let annotations = svc.metadata.annotations.as_ref()?;
+    annotations
+        .get(ANNOTATION_TOPOLOGY_AWARE_HINTS)
+        .or_else(|| annotations.get(ANNOTATION_TOPOLOGY_MODE))
+        .cloned()
+}
+
+/// The port number and protocol of one `spec.ports[]` entry; `None` (with a warning) when the
+/// port is unusable: a number outside 1..=65535 or a protocol other than TCP, UDP and SCTP.
+fn port_and_protocol(sp: &ServicePort, field: &str, warnings: &mut Vec<String>) -> Option<(u16, Protocol)> {
+    let Some(protocol) = parse_protocol(sp.protocol.as_deref()) else {
+        let p = sp.protocol.as_deref().unwrap_or_default();
+        warnings.push(format!(
+            "{field}.protocol: unsupported protocol {p:?}; port ignored"
+        ));
+        return None;
+    };
+    match u16::try_from(sp.port) {
+        Ok(port) if port != 0 => Some((port, protocol)),
+        _ => {
+            warnings.push(format!(
+                "{field}.port: {} is not a port number; port ignored",
+                sp.port
+            ));
+            None
+        }
+    }
+}
+
+/// `spec.ports[].nodePort` (0 or unset: none). Kept whatever the Service type, as kube-proxy does
+/// (API validation forbids it on ClusterIP Services, so we warn there); a value outside 1..=65535
+/// is dropped with a warning, and the rest of the port is kept.
+fn node_port(sp: &ServicePort, svc_type: &str, field: &str, warnings: &mut Vec<String>) -> Option<u16> {
+    let n = sp.node_port.filter(|&n| n != 0)?;
+    match u16::try_from(n) {
+        Ok(p) => {
+            if svc_type == "ClusterIP" {
+                warnings.push(format!(
+                    "{field}.nodePort: set on a ClusterIP Service (the API server rejects this)"
+                ));
+            }
+            Some(p)
+        }
+        Err(_) => {
+            warnings.push(format!("{field}.nodePort: {n} is not a port number; ignored"));
+            None
+        }
+    }
+}
+
+/// A Kubernetes protocol name; unset means TCP (the API default for both `ServicePort` and
+/// `discovery/v1` `EndpointPort`). `None` for anything else.
+pub(crate) fn parse_protocol(protocol: Option<&str>) -> Option<Protocol> {
+    match protocol {
+        None | Some("TCP") => Some(Protocol::Tcp),
+        Some("UDP") => Some(Protocol::Udp),
+        Some("SCTP") => Some(Protocol::Sctp),
+        Some(_) => None,
+    }
+}
+
+/// k8s.io/utils/net `ParseIPSloppy`, as kube-proxy parses every IP: dotted-quad IPv4 with
+/// leading zeros allowed (read as decimal, like Go before 1.17), or IPv6. An IPv4-mapped IPv6
+/// address (`::ffff:a.b.c.d`) is IPv4, as `netutils.IPFamilyOf` says.
+pub(crate) fn parse_ip_sloppy(s: &str) -> Option<IpAddr> {
+    if let Some(v4) = parse_ipv4_sloppy(s) {
+        return Some(IpAddr::V4(v4));
+    }
+    let v6: Ipv6Addr = s.parse().ok()?;
+    Some(match v6.to_ipv4_mapped() {
+        Some(v4) => IpAddr::V4(v4),
+        None => IpAddr::V6(v6),
+    })
+}
+
+/// Go 1.16 `net.parseIPv4`: four dot-separated decimal numbers up to 255, any number of digits.
+fn parse_ipv4_sloppy(s: &str) -> Option<Ipv4Addr> {
+    let mut octets = [0u8; 4];
+    let mut parts = s.split('.');
+    for octet in &mut octets {
+        let part = parts.next()?;
+        if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let digits = part.trim_start_matches('0');
+        *octet = if digits.is_empty() {
+            0
+        } else {
+            digits.parse().ok()?
+        };
+    }
+    parts.next().is_none().then_some(Ipv4Addr::from(octets))
+}
+
+/// A CIDR as kube-proxy sorts it by family.
+enum ParsedCidr {
+    V4(Ipv4Net),
+    V6,
+}
+
+/// k8s.io/utils/net `ParseCIDRSloppy`: `ip/prefix` with a sloppy IP and a decimal prefix no
+/// longer than the address; the host bits are cleared.
+fn parse_cidr_sloppy(s: &str) -> Option<ParsedCidr> {
+    let (addr, prefix) = s.split_once('/')?;
+    if prefix.is_empty() || !prefix.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let digits = prefix.trim_start_matches('0');
+    let prefix: u8 = if digits.is_empty() {
+        0
+    } else {
+        digits.parse().ok()?
+    };
+    if addr.contains(':') {
+        let _: Ipv6Addr = addr.parse().ok()?;
+        return (prefix <= 128).then_some(ParsedCidr::V6);
+    }
+    let ip = parse_ipv4_sloppy(addr)?;
+    Ipv4Net::new(ip, prefix)
+        .ok()
+        .map(|net| ParsedCidr::V4(net.trunc()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use k8s_openapi::{
+        api::core::v1::{
+            ClientIPConfig, LoadBalancerIngress, LoadBalancerStatus, ServiceStatus, SessionAffinityConfig,
+        },
+        apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    };
+
+    use super::*;
+
+    /// A Service builder: `svc()` is a ClusterIP Service `ns1/svc1` at 10.96.0.1 with one unnamed
+    /// TCP port 80, as the API server would return it.
+    struct SvcBuilder(Service);
+
+    fn svc() -> SvcBuilder {
+        SvcBuilder(Service {
+            metadata: ObjectMeta {
+                name: Some("svc1".into()),
+                namespace: Some("ns1".into()),
+                ..Default::default()
+            },
+            spec: Some(ServiceSpec {
+                type_: Some("ClusterIP".into()),
+                cluster_ip: Some("10.96.0.1".into()),
+                cluster_ips: Some(vec!["10.96.0.1".into()]),
+                ip_families: Some(vec!["IPv4".into()]),
+                ports: Some(vec![port("", 80, "TCP")]),
+                ..Default::default()
+            }),
+            status: None,
+        })
+    }
+
+    fn port(name: &str, number: i32, protocol: &str) -> ServicePort {
+        ServicePort {
+            name: (!name.is_empty()).then(|| name.to_owned()),
+            port: number,
+            protocol: Some(protocol.to_owned()),
+            ..Default::default()
+        }
+    }
+
+    fn strings(v: &[&str]) -> Option<Vec<String>> {
+        Some(v.iter().map(|s| (*s).to_owned()).collect())
+    }
+
+    impl SvcBuilder {
+        fn spec(mut self, f: impl FnOnce(&mut ServiceSpec)) -> Self {
+            f(self.0.spec.as_mut().unwrap());
+            self
+        }
+        fn type_(self, t: &str) -> Self {
+            self.spec(|s| s.type_ = Some(t.to_owned()))
+        }
+        fn cluster_ips(self, ips: &[&str], families: &[&str]) -> Self {
+            self.spec(|s| {
+                s.cluster_ip = ips.first().map(|ip| (*ip).to_owned());
+                s.cluster_ips = strings(ips);
+                s.ip_families = strings(families);
+            })
+        }
+        fn ports(self, ports: Vec<ServicePort>) -> Self {
+            self.spec(|s| s.ports = Some(ports))
+        }
+        fn node_ports(self, node_ports: &[i32]) -> Self {
+            self.spec(|s| {
+                for (p, n) in s.ports.as_mut().unwrap().iter_mut().zip(node_ports) {
+                    p.node_port = Some(*n);
+                }
+            })
+        }
+        fn external_ips(self, ips: &[&str]) -> Self {
+            self.spec(|s| s.external_ips = strings(ips))
+        }
+        fn source_ranges(self, ranges: &[&str]) -> Self {
+            self.spec(|s| s.load_balancer_source_ranges = strings(ranges))
+        }
+        fn etp(self, policy: &str) -> Self {
+            self.spec(|s| s.external_traffic_policy = Some(policy.to_owned()))
+        }
+        fn itp(self, policy: &str) -> Self {
+            self.spec(|s| s.internal_traffic_policy = Some(policy.to_owned()))
+        }
+        fn health_check_node_port(self, p: i32) -> Self {
+            self.spec(|s| s.health_check_node_port = Some(p))
+        }
+        fn affinity(self, affinity: &str, timeout: Option<i32>) -> Self {
+            self.spec(|s| {
+                s.session_affinity = Some(affinity.to_owned());
+                s.session_affinity_config = timeout.map(|t| SessionAffinityConfig {
+                    client_ip: Some(ClientIPConfig {
+                        timeout_seconds: Some(t),
+                    }),
+                });
+            })
+        }
+        fn ingress(mut self, entries: &[(&str, Option<&str>)]) -> Self {
+            let ingress = entries
+                .iter()
+                .map(|(ip, mode)| LoadBalancerIngress {
+                    ip: Some((*ip).to_owned()),
+                    ip_mode: mode.map(str::to_owned),
+                    ..Default::default()
+                })
+                .collect();
+            self.0.status = Some(ServiceStatus {
+                load_balancer: Some(LoadBalancerStatus {
+                    ingress: Some(ingress),
+                }),
+                ..Default::default()
+            });
+            self
+        }
+        fn label(mut self, k: &str, v: &str) -> Self {
+            self.0
+                .metadata
+                .labels
+                .get_or_insert_with(BTreeMap::new)
+                .insert(k.to_owned(), v.to_owned());
+            self
+        }
+        fn annotation(mut self, k: &str, v: &str) -> Self {
+            self.0
+                .metadata
+                .annotations
+                .get_or_insert_with(BTreeMap::new)
+                .insert(k.to_owned(), v.to_owned());
+            self
+        }
+        fn build(self) -> Service {
+            self.0
+        }
+        fn ports_ok(self) -> ServicePorts {
+            service_ports(&self.0).expect("service_ports")
+        }
+        fn one(self) -> ServicePortInfo {
+            let out = self.ports_ok();
+            assert_eq!(out.ports.len(), 1, "{out:?}");
+            out.ports.into_iter().next().unwrap()
+        }
+    }
+
+    fn v4(s: &str) -> Ipv4Addr {
+        s.parse().unwrap()
+    }
+
+    fn spn(port: &str, protocol: Protocol) -> ServicePortName {
+        ServicePortName {
+            namespace: "ns1".into(),
+            name: "svc1".into(),
+            port: port.into(),
+            protocol,
+        }
+    }
+
+    #[test]
+    fn basic_cluster_ip_service() {
+        let info = svc().one();
+        assert_eq!(
+            info,
+            ServicePortInfo {
+                name: spn("", Protocol::Tcp),
+                cluster_ips: vec![v4("10.96.0.1")],
+                port: 80,
+                node_port: None,
+                external_ips: vec![],
+                load_balancer_ips: vec![],
+                load_balancer_source_ranges: vec![],
+                session_affinity_timeout: None,
+                internal_policy_local: false,
+                external_policy_local: false,
+                health_check_node_port: None,
+                traffic_distribution: None,
+                topology_mode: None,
+            }
+        );
+        assert_eq!(info.name.to_string(), "ns1/svc1");
+    }
+
+    #[test]
+    fn two_named_ports_and_protocols() {
+        let out = svc()
+            .ports(vec![
+                port("http", 80, "TCP"),
+                port("dns", 53, "UDP"),
+                port("sctp", 9, "SCTP"),
+            ])
+            .ports_ok();
+        let names: Vec<_> = out.ports.iter().map(|p| (p.name.clone(), p.port)).collect();
+        assert_eq!(
+            names,
+            vec![
+                (spn("http", Protocol::Tcp), 80),
+                (spn("dns", Protocol::Udp), 53),
+                (spn("sctp", Protocol::Sctp), 9)
+            ]
+        );
+        assert_eq!(out.ports[0].name.to_string(), "ns1/svc1:http");
+        assert!(out.warnings.is_empty());
+    }
+
+    #[test]
+    fn unset_protocol_and_type_default() {
+        let s = svc()
+            .spec(|s| {
+                s.type_ = None;
+                s.ports.as_mut().unwrap()[0].protocol = None;
+            })
+            .one();
+        assert_eq!(s.name.protocol, Protocol::Tcp);
+    }
+
+    /// ShouldSkipService and the informer label selector: all "skipped by design".
+    #[test]
+    fn skipped_services() {
+        let cases: Vec<(&str, Service, &str)> = vec![
+            (
+                "headless",
+                svc().cluster_ips(&["None"], &["IPv4"]).build(),
+                "headless (clusterIP None)",
+            ),
+            (
+                "ExternalName",
+                svc()
+                    .type_("ExternalName")
+                    .spec(|s| {
+                        s.cluster_ip = None;
+                        s.cluster_ips = None;
+                        s.external_name = Some("example.com".into());
+                    })
+                    .build(),
+                "type ExternalName",
+            ),
+            (
+                "ExternalName with a clusterIP",
+                svc().type_("ExternalName").build(),
+                "type ExternalName",
+            ),
+            (
+                "no clusterIP",
+                svc()
+                    .spec(|s| (s.cluster_ip, s.cluster_ips) = (None, None))
+                    .build(),
+                "no clusterIP",
+            ),
+            (
+                "empty clusterIP",
+                svc().cluster_ips(&[""], &["IPv4"]).build(),
+                "no clusterIP",
+            ),
+            (
+                "service-proxy-name label",
+                svc().label(LABEL_SERVICE_PROXY_NAME, "other-proxy").build(),
+                "labelled service.kubernetes.io/service-proxy-name",
+            ),
+            (
+                "service-proxy-name label, empty value",
+                svc().label(LABEL_SERVICE_PROXY_NAME, "").build(),
+                "labelled service.kubernetes.io/service-proxy-name",
+            ),
+            (
+                "headless label",
+                svc().label(LABEL_HEADLESS, "").build(),
+                "labelled service.kubernetes.io/headless",
+            ),
+            (
+                "IPv6 single-stack",
+                svc().cluster_ips(&["fd00::1"], &["IPv6"]).build(),
+                "no IPv4 cluster IP",
+            ),
+            (
+                "IPv6 single-stack, no ipFamilies",
+                svc()
+                    .cluster_ips(&["fd00::1"], &[])
+                    .spec(|s| s.ip_families = None)
+                    .build(),
+                "no IPv4 cluster IP",
+            ),
+            (
+                "ipFamilies IPv4 without an IP at that index",
+                svc().cluster_ips(&["fd00::1"], &["IPv6", "IPv4"]).build(),
+                "no IPv4 cluster IP",
+            ),
+            (
+                "no spec",
+                Service {
+                    spec: None,
+                    ..svc().build()
+                },
+                "no clusterIP",
+            ),
+        ];
+        for (name, s, reason) in cases {
+            let err = service_ports(&s).expect_err(name);
+            assert_eq!(err, ServiceError::Skipped(reason), "{name}");
+            assert!(err.is_skipped(), "{name}");
+        }
+    }
+
+    #[test]
+    fn dual_stack_takes_the_ipv4_cluster_ip() {
+        let cases: Vec<(&str, Service)> = vec![
+            (
+                "IPv6 primary",
+                svc()
+                    .cluster_ips(&["fd00::1", "10.96.0.7"], &["IPv6", "IPv4"])
+                    .build(),
+            ),
+            (
+                "IPv4 primary",
+                svc()
+                    .cluster_ips(&["10.96.0.7", "fd00::1"], &["IPv4", "IPv6"])
+                    .build(),
+            ),
+            (
+                "no ipFamilies (skew)",
+                svc()
+                    .cluster_ips(&["fd00::1", "10.96.0.7"], &[])
+                    .spec(|s| s.ip_families = None)
+                    .build(),
+            ),
+            (
+                "only spec.clusterIP",
+                svc()
+                    .spec(|s| s.cluster_ips = None)
+                    .spec(|s| s.cluster_ip = Some("10.96.0.7".into()))
+                    .build(),
+            ),
+            (
+                "only spec.clusterIPs",
+                svc()
+                    .spec(|s| s.cluster_ip = None)
+                    .spec(|s| s.cluster_ips = strings(&["10.96.0.7"]))
+                    .build(),
+            ),
+            (
+                "leading zeros (ParseIPSloppy)",
+                svc().cluster_ips(&["010.096.000.007"], &["IPv4"]).build(),
+            ),
+        ];
+        for (name, s) in cases {
+            let out = service_ports(&s).expect(name);
+            assert_eq!(out.ports[0].cluster_ips, vec![v4("10.96.0.7")], "{name}");
+            assert!(out.warnings.is_empty(), "{name}: {:?}", out.warnings);
+        }
+    }
+
+    #[test]
+    fn invalid_cluster_ips() {
+        let cases: Vec<(&str, Service, &str, &str)> = vec![
+            (
+                "garbage",
+                svc().cluster_ips(&["not-an-ip"], &["IPv4"]).build(),
+                "spec.clusterIPs[0]",
+                "not-an-ip",
+            ),
+            (
+                "IPv6 in the IPv4 slot",
+                svc().cluster_ips(&["fd00::1"], &["IPv4"]).build(),
+                "spec.clusterIPs[0]",
+                "fd00::1",
+            ),
+            (
+                "garbage, no ipFamilies",
+                svc()
+                    .cluster_ips(&["10.96.0.300"], &[])
+                    .spec(|s| s.ip_families = None)
+                    .build(),
+                "spec.clusterIPs[0]",
+                "10.96.0.300",
+            ),
+        ];
+        for (name, s, field, value) in cases {
+            let err = service_ports(&s).expect_err(name);
+            assert_eq!(
+                err,
+                ServiceError::InvalidClusterIp {
+                    field: field.into(),
+                    value: value.into()
+                },
+                "{name}"
+            );
+            assert!(!err.is_skipped());
+        }
+        let err = service_ports(&svc().spec(|s| s.ports = None).build()).unwrap_err();
+        assert_eq!(
+            err,
+            ServiceError::NoUsablePorts {
+                problems: vec!["spec.ports: no port".into()]
+            }
+        );
+        let err = service_ports(&Service {
+            metadata: ObjectMeta::default(),
+            ..svc().build()
+        })
+        .unwrap_err();
+        assert_eq!(err, ServiceError::MissingName);
+    }
+
+    #[test]
+    fn bad_entry_in_the_other_family_slot_is_a_warning() {
+        let out = svc()
+            .cluster_ips(&["10.96.0.1", "zzz"], &["IPv4", "IPv6"])
+            .ports_ok();
+        assert_eq!(out.ports[0].cluster_ips, vec![v4("10.96.0.1")]);
+        assert_eq!(
+            out.warnings,
+            vec!["spec.clusterIPs[1]: \"zzz\" is not an IP address".to_owned()]
+        );
+    }
+
+    /// `proxyutil.MapIPsByIPFamily`: wrong-family and unparsable entries dropped, the rest kept.
+    #[test]
+    fn external_ips_filtered_by_family() {
+        let out = svc()
+            .external_ips(&[
+                "192.0.2.1",
+                "2001:db8::1",
+                "nonsense",
+                "",
+                " ",
+                "192.000.002.010",
+                "::ffff:192.0.2.3",
+            ])
+            .ports_ok();
+        assert_eq!(
+            out.ports[0].external_ips,
+            vec![v4("192.0.2.1"), v4("192.0.2.10"), v4("192.0.2.3")]
+        );
+        assert_eq!(
+            out.warnings,
+            vec![
+                "spec.externalIPs[1]: \"2001:db8::1\" is IPv6 but the Service has no IPv6 cluster IP; ignored",
+                "spec.externalIPs[2]: \"nonsense\" is not an IP address; ignored",
+            ]
+        );
+        // Dual-stack: the IPv6 external IP is the IPv6 proxy's business; no warning.
+        let out = svc()
+            .cluster_ips(&["10.96.0.1", "fd00::1"], &["IPv4", "IPv6"])
+            .external_ips(&["192.0.2.1", "2001:db8::1"])
+            .ports_ok();
+        assert_eq!(out.ports[0].external_ips, vec![v4("192.0.2.1")]);
+        assert!(out.warnings.is_empty(), "{:?}", out.warnings);
+    }
+
+    /// KEP-1860: ipMode Proxy is excluded, VIP and unset kept; hostname-only entries skipped.
+    #[test]
+    fn load_balancer_ips_by_ip_mode() {
+        let out = svc()
+            .type_("LoadBalancer")
+            .node_ports(&[30080])
+            .ingress(&[
+                ("192.0.2.1", None),
+                ("192.0.2.2", Some("VIP")),
+                ("192.0.2.3", Some("Proxy")),
+                ("", None),
+                ("2001:db8::1", None),
+                ("bad", Some("VIP")),
+                ("192.0.2.4", Some("Magic")),
+            ])
+            .ports_ok();
+        assert_eq!(
+            out.ports[0].load_balancer_ips,
+            vec![v4("192.0.2.1"), v4("192.0.2.2")]
+        );
+        assert_eq!(
+            out.warnings,
+            vec![
+                "status.loadBalancer.ingress[4].ip: \"2001:db8::1\" is IPv6 but the Service has no IPv6 cluster IP; ignored",
+                "status.loadBalancer.ingress[5].ip: \"bad\" is not an IP address; ignored",
+                "status.loadBalancer.ingress[6].ipMode: unknown mode \"Magic\"; ingress ignored",
+            ]
+        );
+        assert!(out.ports[0].externally_accessible());
+    }
+
+    /// `newBaseServiceInfo` + `MapCIDRsByIPFamily`: trimmed, bad ones ignored, IPv6 dropped,
+    /// zero CIDR means "allow any".
+    #[test]
+    fn load_balancer_source_ranges() {
+        let net = |s: &str| s.parse::<Ipv4Net>().unwrap();
+        type Case = (
+            &'static str,
+            &'static [&'static str],
+            &'static [&'static str],
+            usize,
+        );
+        let cases: &[Case] = &[
+            (
+                "plain",
+                &["10.0.0.0/8", "192.168.1.0/24"],
+                &["10.0.0.0/8", "192.168.1.0/24"],
+                0,
+            ),
+            (
+                "whitespace padding trimmed",
+                &[" 10.0.0.0/8 ", "\t192.168.1.0/24"],
+                &["10.0.0.0/8", "192.168.1.0/24"],
+                0,
+            ),
+            (
+                "bad CIDRs ignored",
+                &["10.0.0.0/8", "bogus", "10.0.0.0/33", "1.2.3.4"],
+                &["10.0.0.0/8"],
+                3,
+            ),
+            (
+                "host bits cleared",
+                &["10.1.2.3/8", "010.001.002.000/16"],
+                &["10.0.0.0/8", "10.1.0.0/16"],
+                0,
+            ),
+            (
+                "IPv6 dropped silently",
+                &["2001:db8::/32", "10.0.0.0/8"],
+                &["10.0.0.0/8"],
+                0,
+            ),
+            ("zero CIDR allows any", &["10.0.0.0/8", "0.0.0.0/0"], &[], 0),
+            (
+                "IPv6 zero CIDR does not",
+                &["10.0.0.0/8", "::/0"],
+                &["10.0.0.0/8"],
+                0,
+            ),
+            ("blank entries silently ignored", &["", "  "], &[], 0),
+            ("nothing usable: allow any, with a warning", &["bogus"], &[], 2),
+            (
+                "only IPv6: allow any IPv4, with a warning",
+                &["2001:db8::/32"],
+                &[],
+                1,
+            ),
+        ];
+        for (name, input, want, n_warnings) in cases {
+            let out = svc()
+                .type_("LoadBalancer")
+                .node_ports(&[30080])
+                .source_ranges(input)
+                .ports_ok();
+            let want: Vec<Ipv4Net> = want.iter().map(|s| net(s)).collect();
+            assert_eq!(out.ports[0].load_balancer_source_ranges, want, "{name}");
+            assert_eq!(out.warnings.len(), *n_warnings, "{name}: {:?}", out.warnings);
+        }
+    }
+
+    #[test]
+    fn session_affinity() {
+        let cases: Vec<(&str, SvcBuilder, Option<u32>, usize)> = vec![
+            ("none", svc(), None, 0),
+            ("None", svc().affinity("None", None), None, 0),
+            (
+                "ClientIP, default timeout",
+                svc().affinity("ClientIP", None),
+                Some(10800),
+                0,
+            ),
+            (
+                "ClientIP, explicit timeout",
+                svc().affinity("ClientIP", Some(60)),
+                Some(60),
+                0,
+            ),
+            (
+                "ClientIP, max timeout",
+                svc().affinity("ClientIP", Some(86400)),
+                Some(86400),
+                0,
+            ),
+            (
+                "ClientIP, zero timeout",
+                svc().affinity("ClientIP", Some(0)),
+                Some(10800),
+                1,
+            ),
+            (
+                "ClientIP, negative timeout",
+                svc().affinity("ClientIP", Some(-5)),
+                Some(10800),
+                1,
+            ),
+            (
+                "ClientIP, too long",
+                svc().affinity("ClientIP", Some(86401)),
+                Some(10800),
+                1,
+            ),
+            ("unknown affinity", svc().affinity("Cookie", None), None, 1),
+        ];
+        for (name, b, want, n_warnings) in cases {
+            let out = b.ports_ok();
+            assert_eq!(out.ports[0].session_affinity_timeout, want, "{name}");
+            assert_eq!(out.warnings.len(), n_warnings, "{name}: {:?}", out.warnings);
+        }
+    }
+
+    /// `apiservice.ExternalPolicyLocal` / `InternalPolicyLocal` / `NeedsHealthCheck`.
+    #[test]
+    fn traffic_policies_and_health_check() {
+        struct Case {
+            name: &'static str,
+            svc: SvcBuilder,
+            etp_local: bool,
+            itp_local: bool,
+            hc: Option<u16>,
+            n_warnings: usize,
+        }
+        let lb = || svc().type_("LoadBalancer").node_ports(&[30080]);
+        let cases = vec![
+            Case {
+                name: "defaults",
+                svc: svc(),
+                etp_local: false,
+                itp_local: false,
+                hc: None,
+                n_warnings: 0,
+            },
+            Case {
+                name: "ITP Local",
+                svc: svc().itp("Local"),
+                etp_local: false,
+                itp_local: true,
+                hc: None,
+                n_warnings: 0,
+            },
+            Case {
+                name: "ITP Cluster",
+                svc: svc().itp("Cluster"),
+                etp_local: false,
+                itp_local: false,
+                hc: None,
+                n_warnings: 0,
+            },
+            Case {
+                name: "ETP Local on ClusterIP: not externally accessible",
+                svc: svc().etp("Local"),
+                etp_local: false,
+                itp_local: false,
+                hc: None,
+                n_warnings: 0,
+            },
+            Case {
+                name: "ETP Local on ClusterIP with externalIPs",
+                svc: svc().etp("Local").external_ips(&["192.0.2.1"]),
+                etp_local: true,
+                itp_local: false,
+                hc: None,
+                n_warnings: 0,
+            },
+            Case {
+                name: "ETP Local on NodePort: no health check",
+                svc: svc()
+                    .type_("NodePort")
+                    .node_ports(&[30080])
+                    .etp("Local")
+                    .health_check_node_port(31000),
+                etp_local: true,
+                itp_local: false,
+                hc: None,
+                n_warnings: 0,
+            },
+            Case {
+                name: "ETP Local on LoadBalancer",
+                svc: lb().etp("Local").health_check_node_port(31000),
+                etp_local: true,
+                itp_local: false,
+                hc: Some(31000),
+                n_warnings: 0,
+            },
+            Case {
+                name: "ETP Local on LoadBalancer, no healthCheckNodePort",
+                svc: lb().etp("Local"),
+                etp_local: true,
+                itp_local: false,
+                hc: None,
+                n_warnings: 1,
+            },
+            Case {
+                name: "ETP Local on LoadBalancer, bad healthCheckNodePort",
+                svc: lb().etp("Local").health_check_node_port(70000),
+                etp_local: true,
+                itp_local: false,
+                hc: None,
+                n_warnings: 1,
+            },
+            Case {
+                name: "ETP Cluster on LoadBalancer",
+                svc: lb().etp("Cluster").health_check_node_port(31000),
+                etp_local: false,
+                itp_local: false,
+                hc: None,
+                n_warnings: 0,
+            },
+            Case {
+                name: "both Local",
+                svc: lb().etp("Local").itp("Local").health_check_node_port(31000),
+                etp_local: true,
+                itp_local: true,
+                hc: Some(31000),
+                n_warnings: 0,
+            },
+        ];
+        for c in cases {
+            let out = c.svc.ports_ok();
+            let p = &out.ports[0];
+            assert_eq!(p.external_policy_local, c.etp_local, "{}", c.name);
+            assert_eq!(p.internal_policy_local, c.itp_local, "{}", c.name);
+            assert_eq!(p.health_check_node_port, c.hc, "{}", c.name);
+            assert_eq!(out.warnings.len(), c.n_warnings, "{}: {:?}", c.name, out.warnings);
+        }
+    }
+
+    /// A bad port is dropped and reported; the good ones are kept.
+    #[test]
+    fn bad_ports_dropped_good_ones_kept() {
+        let out = svc()
+            .type_("NodePort")
+            .ports(vec![
+                port("zero", 0, "TCP"),
+                port("big", 70000, "TCP"),
+                port("http", 80, "TCP"),
+                port("http-again", 80, "TCP"),
+                port("http", 81, "TCP"),
+                port("http", 80, "UDP"),
+                port("icmp", 7, "ICMP"),
+                port("https", 443, "TCP"),
+                port("metrics", 9090, "TCP"),
+            ])
+            .node_ports(&[0, 0, 30080, 30081, 30082, 30083, 0, 70000, -1])
+            .ports_ok();
+        let got: Vec<_> = out
+            .ports
+            .iter()
+            .map(|p| (p.name.port.as_str(), p.port, p.name.protocol, p.node_port))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("http", 80, Protocol::Tcp, Some(30080)),
+                ("http", 80, Protocol::Udp, Some(30083)),
+                ("https", 443, Protocol::Tcp, None),
+                ("metrics", 9090, Protocol::Tcp, None),
+            ]
+        );
+        assert_eq!(
+            out.warnings,
+            vec![
+                "spec.ports[0].port: 0 is not a port number; port ignored",
+                "spec.ports[1].port: 70000 is not a port number; port ignored",
+                "spec.ports[3]: duplicate port 80/TCP; ignored",
+                "spec.ports[4]: duplicate port ns1/svc1:http (TCP); ignored",
+                "spec.ports[6].protocol: unsupported protocol \"ICMP\"; port ignored",
+                "spec.ports[7].nodePort: 70000 is not a port number; ignored",
+                "spec.ports[8].nodePort: -1 is not a port number; ignored",
+            ]
+        );
+    }
+
+    #[test]
+    fn no_usable_port_is_an_error() {
+        let err = service_ports(
+            &svc()
+                .ports(vec![port("a", 0, "TCP"), port("b", 80, "ICMP")])
+                .build(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            err,
+            ServiceError::NoUsablePorts {
+                problems: vec![
+                    "spec.ports[0].port: 0 is not a port number; port ignored".into(),
+                    "spec.ports[1].protocol: unsupported protocol \"ICMP\"; port ignored".into(),
+                ]
+            }
+        );
+        assert!(!err.is_skipped());
+        assert!(err.to_string().starts_with("no usable port: spec.ports[0].port"));
+    }
+
+    #[test]
+    fn node_ports() {
+        let p = svc().type_("NodePort").node_ports(&[30080]).one();
+        assert_eq!(p.node_port, Some(30080));
+        assert!(p.externally_accessible());
+        // allocateLoadBalancerNodePorts: false
+        let p = svc().type_("LoadBalancer").node_ports(&[0]).one();
+        assert_eq!(p.node_port, None);
+        // Kept as kube-proxy does, but reported: the API server rejects it.
+        let out = svc().node_ports(&[30080]).ports_ok();
+        assert_eq!(out.ports[0].node_port, Some(30080));
+        assert_eq!(out.warnings.len(), 1);
+    }
+
+    #[test]
+    fn traffic_distribution_and_topology_annotations() {
+        let p = svc()
+            .spec(|s| s.traffic_distribution = Some("PreferSameNode".into()))
+            .one();
+        assert_eq!(p.traffic_distribution.as_deref(), Some("PreferSameNode"));
+        assert_eq!(p.topology_mode, None);
+        let p = svc().annotation(ANNOTATION_TOPOLOGY_MODE, "Auto").one();
+        assert_eq!(p.topology_mode.as_deref(), Some("Auto"));
+        let p = svc().annotation(ANNOTATION_TOPOLOGY_AWARE_HINTS, "auto").one();
+        assert_eq!(p.topology_mode.as_deref(), Some("auto"));
+        // The deprecated annotation wins, as in kube-proxy and the EndpointSlice controller.
+        let p = svc()
+            .annotation(ANNOTATION_TOPOLOGY_MODE, "Auto")
+            .annotation(ANNOTATION_TOPOLOGY_AWARE_HINTS, "Disabled")
+            .one();
+        assert_eq!(p.topology_mode.as_deref(), Some("Disabled"));
+    }
+
+    #[test]
+    fn every_port_shares_the_service_fields() {
+        let out = svc()
+            .type_("LoadBalancer")
+            .ports(vec![port("a", 80, "TCP"), port("b", 443, "TCP")])
+            .node_ports(&[30080, 30443])
+            .external_ips(&["192.0.2.9"])
+            .ingress(&[("192.0.2.1", None)])
+            .affinity("ClientIP", Some(30))
+            .ports_ok();
+        for p in &out.ports {
+            assert_eq!(p.external_ips, vec![v4("192.0.2.9")]);
+            assert_eq!(p.load_balancer_ips, vec![v4("192.0.2.1")]);
+            assert_eq!(p.session_affinity_timeout, Some(30));
+        }
+        assert_eq!(out.ports[1].node_port, Some(30443));
+    }
+
+    #[test]
+    fn sloppy_parsing() {
+        let cases: &[(&str, Option<&str>)] = &[
+            ("10.0.0.1", Some("10.0.0.1")),
+            ("010.000.000.001", Some("10.0.0.1")),
+            ("0000000010.0.0.1", Some("10.0.0.1")),
+            ("256.0.0.1", None),
+            ("10.0.0", None),
+            ("10.0.0.1.", None),
+            ("10.0.0.-1", None),
+            ("+10.0.0.1", None),
+            (" 10.0.0.1", None),
+            ("::ffff:10.0.0.1", Some("10.0.0.1")),
+            ("fd00::1", Some("fd00::1")),
+            ("", None),
+        ];
+        for (input, want) in cases {
+            let got = parse_ip_sloppy(input).map(|ip| ip.to_string());
+            assert_eq!(got.as_deref(), *want, "{input:?}");
+        }
+    }
+}

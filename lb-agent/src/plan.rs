@@ -1,0 +1,290 @@
+//! Step 3 of watch -> model -> plan -> maps -> programs: the desired content of the maps, as plain
+//! data, computed from the model. Every kube-proxy rule that decides *what* the data path does
+//! (which endpoints each kind of traffic may use, reject or drop, when to masquerade, source
+//! ranges, affinity) is decided here, so the eBPF programs stay mechanical and this file can be
+//! tested exhaustively without a kernel.
+//!
+//! kube-proxy references are to `pkg/proxy/iptables/proxier.go` (`syncProxyRules`) unless noted.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    net::Ipv4Addr,
+};
+
+use ipnet::Ipv4Net;
+use lb_common::{
+    backend,
+    service::{flags, SCOPE_EXTERNAL, SCOPE_INTERNAL},
+};
+
+use crate::model::{CategorizedEndpoints, Endpoint, Protocol, ServicePortInfo, ServicePortName};
+
+/// A frontend: what a client addresses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Frontend {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub proto: Protocol,
+}
+
+impl fmt::Display for Frontend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}/{}", self.addr, self.port, self.proto.as_str())
+    }
+}
+
+/// A backend: where a frontend's traffic goes. One map entry (and id) per distinct backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendAddr {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub proto: Protocol,
+}
+
+impl fmt::Display for BackendAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}/{}", self.addr, self.port, self.proto.as_str())
+    }
+}
+
+/// Kinds of frontend, in the priority order used when two Services claim the same one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FrontendKind {
+    ClusterIp,
+    NodePort,
+    /// `127.0.0.1:<nodePort>` (iptables mode's localhost NodePorts), reachable from sockets only.
+    LocalhostNodePort,
+    LoadBalancer,
+    ExternalIp,
+}
+
+impl FrontendKind {
+    pub const fn flag(self) -> u16 {
+        match self {
+            FrontendKind::ClusterIp => flags::CLUSTER_IP,
+            FrontendKind::NodePort => flags::NODE_PORT,
+            FrontendKind::LocalhostNodePort => flags::NODE_PORT | flags::LOCALHOST,
+            FrontendKind::LoadBalancer => flags::LOAD_BALANCER,
+            FrontendKind::ExternalIp => flags::EXTERNAL_IP,
+        }
+    }
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            FrontendKind::ClusterIp => "ClusterIP",
+            FrontendKind::NodePort => "NodePort",
+            FrontendKind::LocalhostNodePort => "NodePort(localhost)",
+            FrontendKind::LoadBalancer => "LoadBalancer",
+            FrontendKind::ExternalIp => "ExternalIP",
+        }
+    }
+
+    /// kube-proxy's "external destinations" (served through the KUBE-EXT chain).
+    pub const fn is_external(self) -> bool {
+        !matches!(self, FrontendKind::ClusterIp)
+    }
+}
+
+/// The entries of one scope of a frontend: the frontend entry's flags and the backend slots.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScopePlan {
+    pub scope: u8,
+    pub flags: u16,
+    /// In slot order (slot 1 first); sorted, so an unchanged set costs no writes.
+    pub backends: Vec<BackendAddr>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FrontendPlan {
+    pub service: ServicePortName,
+    pub kind: FrontendKind,
+    /// sessionAffinity ClientIP timeout in seconds; 0 without affinity.
+    pub affinity_timeout: u32,
+    /// The external scope first; the internal scope when `flags::TWO_SCOPES` is set.
+    pub scopes: Vec<ScopePlan>,
+    /// loadBalancerSourceRanges (plus the LB IPs themselves when a range contains the node IP).
+    pub source_ranges: Vec<Ipv4Net>,
+}
+
+impl FrontendPlan {
+    /// Every backend either scope may use.
+    pub fn backends(&self) -> impl Iterator<Item = &BackendAddr> {
+        self.scopes.iter().flat_map(|s| s.backends.iter())
+    }
+}
+
+/// The whole desired state of the service maps.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DesiredState {
+    pub frontends: BTreeMap<Frontend, FrontendPlan>,
+    /// Every backend some frontend uses, with its `lb_common::backend::flags`.
+    pub backends: BTreeMap<BackendAddr, u8>,
+}
+
+/// Node-wide facts and settings the plan depends on.
+#[derive(Clone, Debug, Default)]
+pub struct NodeContext {
+    /// Addresses NodePorts are served on (`--nodeport-addresses` applied to this node's addresses),
+    /// not including loopback.
+    pub nodeport_addresses: Vec<Ipv4Addr>,
+    /// Serve NodePorts on 127.0.0.1 (`--nodeport-addresses` covers loopback and
+    /// `--iptables-localhost-nodeports` is on).
+    pub localhost_nodeports: bool,
+    /// The node's primary IPs (for kube-proxy's `allowFromNode` source-range rule).
+    pub node_ips: Vec<Ipv4Addr>,
+    /// `--masquerade-all`.
+    pub masquerade_all: bool,
+    /// A local-traffic detector is configured (`--cluster-cidr`).
+    pub cluster_cidr_configured: bool,
+}
+
+/// A problem with one Service, reported (log, Event) while the rest is programmed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanProblem {
+    pub service: ServicePortName,
+    pub message: String,
+}
+
+/// Computes the desired state. `services` holds each service port with its categorized
+/// endpoints; the result does not depend on their order.
+pub fn plan(services: &[(ServicePortInfo, CategorizedEndpoints)], node: &NodeContext) -> (DesiredState, Vec<PlanProblem>) {
+    let mut claims: Vec<(FrontendKind, &ServicePortName, Frontend, FrontendPlan)> = Vec::new();
+    for (svc, endpoints) in services {
+        for (kind, frontend) in frontends_of(svc, node) {
+            let plan = plan_frontend(svc, endpoints, kind, node);
+            claims.push((kind, &svc.name, frontend, plan));
+        }
+    }
+    // Two Services may claim one frontend (externalIPs and LB IPs are not allocated by the API
+    // server). The first claim by (kind, Service name) wins, deterministically; the others are
+    // reported.
+    claims.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+    let mut desired = DesiredState::default();
+    let mut problems = Vec::new();
+    for (_, _, frontend, plan) in claims {
+        if let Some(owner) = desired.frontends.get(&frontend) {
+            if owner.service != plan.service {
+                problems.push(PlanProblem {
+                    service: plan.service.clone(),
+                    message: format!(
+                        "{} {frontend} is already served for {}; this claim is ignored",
+                        plan.kind.as_str(),
+                        owner.service
+                    ),
+                });
+            }
+            continue;
+        }
+        desired.frontends.insert(frontend, plan);
+    }
+    for (svc, endpoints) in services {
+        for ep in endpoints.cluster.iter().chain(&endpoints.local) {
+            desired.backends.entry(backend_addr(ep, svc.name.protocol)).or_insert_with(|| backend_flags(ep));
+        }
+    }
+    // Only backends that a kept frontend uses are written.
+    let used: BTreeSet<BackendAddr> = desired.frontends.values().flat_map(|p| p.backends().copied()).collect();
+    desired.backends.retain(|addr, _| used.contains(addr));
+    (desired, problems)
+}
+
+/// The frontends of one service port: every cluster IP, the NodePort on every NodePort address
+/// (and 127.0.0.1 with localhost NodePorts), every external IP and load-balancer IP.
+fn frontends_of(svc: &ServicePortInfo, node: &NodeContext) -> Vec<(FrontendKind, Frontend)> {
+    let proto = svc.name.protocol;
+    let at = |addr: Ipv4Addr, port: u16| Frontend { addr, port, proto };
+    let mut out = Vec::new();
+    out.extend(svc.cluster_ips.iter().map(|ip| (FrontendKind::ClusterIp, at(*ip, svc.port))));
+    if let Some(node_port) = svc.node_port {
+        out.extend(node.nodeport_addresses.iter().map(|ip| (FrontendKind::NodePort, at(*ip, node_port))));
+        if node.localhost_nodeports {
+            out.push((FrontendKind::LocalhostNodePort, at(Ipv4Addr::LOCALHOST, node_port)));
+        }
+    }
+    out.extend(svc.external_ips.iter().map(|ip| (FrontendKind::ExternalIp, at(*ip, svc.port))));
+    out.extend(svc.load_balancer_ips.iter().map(|ip| (FrontendKind::LoadBalancer, at(*ip, svc.port))));
+    out
+}
+
+fn backend_addr(ep: &Endpoint, proto: Protocol) -> BackendAddr {
+    BackendAddr { addr: ep.ip, port: ep.port, proto }
+}
+
+fn backend_flags(ep: &Endpoint) -> u8 {
+    let mut f = 0;
+    if ep.is_local {
+        f |= backend::flags::LOCAL;
+    }
+    if ep.terminating {
+        f |= backend::flags::TERMINATING;
+    }
+    f
+}
+
+fn sorted_backends(eps: &[Endpoint], proto: Protocol) -> Vec<BackendAddr> {
+    let mut v: Vec<BackendAddr> = eps.iter().map(|ep| backend_addr(ep, proto)).collect();
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// One frontend's scopes, following kube-proxy's chains:
+/// - ClusterIP: the internal policy chain (`internalTrafficChain`): local endpoints with
+///   internalTrafficPolicy=Local, else the cluster endpoints. Masquerade with `masqueradeAll`,
+///   else off-cluster sources when a local detector is configured.
+/// - External destinations, externalTrafficPolicy=Cluster: the cluster endpoints, always
+///   masqueraded ("masquerade traffic for external destinations").
+/// - External destinations, externalTrafficPolicy=Local: local endpoints for traffic from outside
+///   (source kept); pod- and node-originated traffic is short-circuited to the cluster endpoints
+///   (`SCOPE_INTERNAL`).
+/// - No usable endpoint: REJECT when the Service has no endpoints at all (`!hasEndpoints`),
+///   DROP when only the Local policy leaves none ("has no local endpoints").
+fn plan_frontend(svc: &ServicePortInfo, eps: &CategorizedEndpoints, kind: FrontendKind, node: &NodeContext) -> FrontendPlan {
+    let proto = svc.name.protocol;
+    let mut common = kind.flag();
+    let affinity_timeout = svc.session_affinity_timeout.unwrap_or(0);
+    if affinity_timeout > 0 {
+        common |= flags::AFFINITY;
+    }
+    let empty_flag = |backends: &[BackendAddr]| if backends.is_empty() && eps.has_any { flags::DROP_IF_EMPTY } else { 0 };
+
+    let mut source_ranges = Vec::new();
+    if kind == FrontendKind::LoadBalancer && !svc.load_balancer_source_ranges.is_empty() {
+        common |= flags::SOURCE_RANGES;
+        source_ranges = svc.load_balancer_source_ranges.clone();
+        // kube-proxy `allowFromNode`: a range containing the node IP also admits the node's own
+        // traffic, which may carry an LB IP as its source.
+        if svc.load_balancer_source_ranges.iter().any(|r| node.node_ips.iter().any(|ip| r.contains(ip))) {
+            common |= flags::SOURCE_RANGES_ALLOW_NODE;
+            source_ranges.extend(svc.load_balancer_ips.iter().map(|ip| Ipv4Net::from(*ip)));
+        }
+        source_ranges.sort();
+        source_ranges.dedup();
+    }
+
+    let scopes = if !kind.is_external() {
+        let backends = if svc.internal_policy_local { sorted_backends(&eps.local, proto) } else { sorted_backends(&eps.cluster, proto) };
+        let mut f = common | empty_flag(&backends);
+        if node.masquerade_all {
+            f |= flags::MASQUERADE;
+        } else if node.cluster_cidr_configured {
+            f |= flags::MASQUERADE_OFF_CLUSTER;
+        }
+        vec![ScopePlan { scope: SCOPE_EXTERNAL, flags: f, backends }]
+    } else if svc.external_policy_local {
+        let local = sorted_backends(&eps.local, proto);
+        let cluster = sorted_backends(&eps.cluster, proto);
+        vec![
+            ScopePlan { scope: SCOPE_EXTERNAL, flags: common | flags::TWO_SCOPES | empty_flag(&local), backends: local },
+            ScopePlan { scope: SCOPE_INTERNAL, flags: common | empty_flag(&cluster), backends: cluster },
+        ]
+    } else {
+        let cluster = sorted_backends(&eps.cluster, proto);
+        vec![ScopePlan { scope: SCOPE_EXTERNAL, flags: common | flags::MASQUERADE | empty_flag(&cluster), backends: cluster }]
+    };
+    FrontendPlan { service: svc.name.clone(), kind, affinity_timeout, scopes, source_ranges }
+}
+
+#[cfg(test)]
+mod tests;

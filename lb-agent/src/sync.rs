@@ -1,0 +1,107 @@
+//! One sync: watch state -> model -> plan (steps 1 to 3, all pure). The caller applies the result
+//! to the maps (step 4). Used by the agent's loop and by `trace`, so both see the same decisions.
+
+use std::net::Ipv4Addr;
+
+use k8s_openapi::api::core::v1::Node;
+
+use crate::{
+    model::{self, categorize_endpoints, service_ports, CategorizedEndpoints, NodeInfo, ServicePortInfo},
+    plan::{self, DesiredState, NodeContext},
+    watch::ClusterState,
+};
+
+/// The node label kube-proxy reads its zone from.
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// Something wrong with one object, reported and skipped while the rest is programmed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// "Service" or "EndpointSlice".
+    pub kind: &'static str,
+    pub namespace: String,
+    pub name: String,
+    pub message: String,
+}
+
+/// The result of steps 1 to 3.
+#[derive(Clone, Debug, Default)]
+pub struct Computed {
+    pub desired: DesiredState,
+    pub problems: Vec<Problem>,
+    /// Service ports programmed.
+    pub service_ports: usize,
+    /// Endpoints seen (before policy and topology).
+    pub endpoints: usize,
+    /// Service ports with an externalTrafficPolicy=Local health-check NodePort: (port, name,
+    /// local endpoints), for the health-check servers.
+    pub health_checks: Vec<(u16, model::ServicePortName, usize)>,
+}
+
+/// This node's name and zone, from its Node object when there is one.
+pub fn node_info(name: &str, node: Option<&Node>) -> NodeInfo {
+    let zone = node.and_then(|n| n.metadata.labels.as_ref()).and_then(|l| l.get(ZONE_LABEL)).cloned();
+    NodeInfo { name: name.to_string(), zone }
+}
+
+/// The node's primary IPv4 addresses from its Node object (kube-proxy `GetNodeHostIPs`: the first
+/// InternalIP, else the first ExternalIP).
+pub fn node_primary_ips(node: Option<&Node>) -> Vec<Ipv4Addr> {
+    let Some(addresses) = node.and_then(|n| n.status.as_ref()).and_then(|s| s.addresses.as_ref()) else {
+        return Vec::new();
+    };
+    for kind in ["InternalIP", "ExternalIP"] {
+        let ips: Vec<Ipv4Addr> = addresses.iter().filter(|a| a.type_ == kind).filter_map(|a| a.address.parse().ok()).collect();
+        if let Some(first) = ips.first() {
+            return vec![*first];
+        }
+    }
+    Vec::new()
+}
+
+/// Runs the model and the plan over `state`.
+pub fn compute(state: &ClusterState, node: &NodeInfo, ctx: &NodeContext) -> Computed {
+    let slices = state.slices_by_service();
+    let mut problems = Vec::new();
+    let mut ports: Vec<(ServicePortInfo, CategorizedEndpoints)> = Vec::new();
+    let mut endpoints_seen = 0;
+    let mut health_checks = Vec::new();
+    for ((namespace, name), svc) in &state.services {
+        let report = |message: String| Problem { kind: "Service", namespace: namespace.clone(), name: name.clone(), message };
+        let service = match service_ports(svc) {
+            Ok(service) => service,
+            Err(e) if e.is_skipped() => continue,
+            Err(e) => {
+                problems.push(report(e.to_string()));
+                continue;
+            }
+        };
+        problems.extend(service.warnings.iter().map(|w| report(w.clone())));
+        let service_slices = slices.get(&(namespace.clone(), name.clone())).map(Vec::as_slice).unwrap_or_default();
+        let (mut by_port, slice_problems) =
+            model::endpoints::endpoints_by_port_with_problems(namespace, name, service_slices, node);
+        problems.extend(slice_problems.into_iter().map(|p| Problem {
+            kind: "EndpointSlice",
+            namespace: namespace.clone(),
+            name: name.clone(),
+            message: p.to_string(),
+        }));
+        for port in service.ports {
+            let endpoints = by_port.remove(&port.name).unwrap_or_default();
+            endpoints_seen += endpoints.len();
+            let categorized = categorize_endpoints(&endpoints, &port, node);
+            if let Some(hc_port) = port.health_check_node_port {
+                health_checks.push((hc_port, port.name.clone(), categorized.local.len()));
+            }
+            ports.push((port, categorized));
+        }
+    }
+    let (desired, plan_problems) = plan::plan(&ports, ctx);
+    problems.extend(plan_problems.into_iter().map(|p| Problem {
+        kind: "Service",
+        namespace: p.service.namespace.clone(),
+        name: p.service.name.clone(),
+        message: p.message,
+    }));
+    Computed { desired, problems, service_ports: ports.len(), endpoints: endpoints_seen, health_checks }
+}

@@ -1,0 +1,43 @@
+//! The ABI between the eBPF programs (`lb-ebpf`) and the agent (`lb-agent`): map names, capacities,
+//! and the `#[repr(C)]` keys and values stored in them.
+//!
+//! Rules every type here follows (checked by the layout tests at the bottom of each module):
+//! - IPv4 addresses are `[u8; 4]` in network order, exactly as on the wire.
+//! - Ports and every other integer are in host order; the programs convert. `bpftool map dump`
+//!   then shows `"port": 80` rather than a byte-swapped number.
+//! - Padding is an explicit `_pad` field that writers zero: padding bytes are part of a hash key.
+//! - A layout change renames the map (`lb4_services` -> `lb4_services2`), so an agent never reuses a
+//!   pinned map of the old layout; see [`maps`].
+//!
+//! The `user` feature adds `aya::Pod` for the agent.
+#![no_std]
+
+pub mod affinity;
+pub mod backend;
+pub mod config;
+pub mod maps;
+pub mod revnat;
+pub mod select;
+pub mod service;
+pub mod stats;
+pub mod trace;
+
+/// IANA protocol numbers used in keys (`Svc4Key::proto`, `Backend4Value::proto`, ...).
+pub mod proto {
+    pub const ICMP: u8 = 1;
+    pub const TCP: u8 = 6;
+    pub const UDP: u8 = 17;
+    pub const SCTP: u8 = 132;
+}
+
+/// Implements `aya::Pod` for the given plain-old-data types when built for userspace.
+macro_rules! user_pod {
+    ($($ty:ty),+ $(,)?) => {
+        $(
+            #[cfg(feature = "user")]
+            // SAFETY: #[repr(C)], only integer and byte-array fields, explicit padding fields.
+            unsafe impl aya::Pod for $ty {}
+        )+
+    };
+}
+pub(crate) use user_pod;

@@ -1,0 +1,58 @@
+//! Map names (the kernel name and the pin file name are the same, at most 15 bytes) and default
+//! capacities. `lb-ebpf/src/maps.rs` declares each map with the same literal name; a test in
+//! `tests/` checks that every constant here names a map in the object.
+//!
+//! Service and backend state lives in plain hash maps: an LRU map evicts before it is full, which
+//! would silently drop a Service. Only flow state (socket reverse NAT, affinity, conntrack) is LRU.
+
+/// Frontends and their backend slots: `Svc4Key` -> `Svc4Value`. Written by the agent only.
+pub const SERVICES: &str = "lb4_services";
+/// Backends by id: `u32` -> `Backend4Value`. Written by the agent only.
+pub const BACKENDS: &str = "lb4_backends";
+/// Frontend address by reverse-NAT id: `u32` -> `RevNat4Value`. Written by the agent only.
+pub const REVNAT: &str = "lb4_revnat";
+/// Service identity by reverse-NAT id: `u32` -> `SvcName`, for operators (CLI, bpftool); the
+/// programs never read it.
+pub const SVC_NAMES: &str = "lb_svc_names";
+/// Per-socket reverse NAT for recvmsg4/getpeername4 (LRU): `SockRevNat4Key` -> `SockRevNat4Value`.
+pub const SOCK_REVNAT: &str = "lb4_sock_revnat";
+/// ClientIP session affinity (LRU): `Affinity4Key` -> `Affinity4Value`.
+pub const AFFINITY: &str = "lb4_affinity";
+/// Which backends may still serve an affinity entry: `AffinityMatchKey` -> `u8`. Written by the agent.
+pub const AFFINITY_MATCH: &str = "lb4_aff_match";
+/// loadBalancerSourceRanges (LPM trie): `SrcRange4` prefix -> `u8`. Written by the agent.
+pub const SOURCE_RANGES: &str = "lb4_src_range";
+/// Datapath configuration, one entry: `u32` 0 -> `DatapathConfig`. Written by the agent.
+pub const CONFIG: &str = "lb_config";
+/// Per-CPU counters: `u32` (a `stats::Counter`) -> `u64`. Written by the programs.
+pub const STATS: &str = "lb_stats";
+
+/// Every map, in the order the CLI and cleanup list them.
+pub const ALL: &[&str] = &[
+    SERVICES, BACKENDS, REVNAT, SVC_NAMES, SOCK_REVNAT, AFFINITY, AFFINITY_MATCH, SOURCE_RANGES,
+    CONFIG, STATS,
+];
+
+/// Default capacities. The agent overrides them with flags (`--bpf-lb-map-max` and friends) before
+/// the maps are created; a pinned map keeps its size until it is migrated.
+pub mod capacity {
+    /// Frontends plus backend slots (10,000 Services x 10 endpoints need ~110,000).
+    pub const SERVICES: u32 = 262_144;
+    /// Distinct backends (ip, port, protocol) across all Services.
+    pub const BACKENDS: u32 = 65_536;
+    /// Frontends (one reverse-NAT id each).
+    pub const REVNAT: u32 = 65_536;
+    pub const SOCK_REVNAT: u32 = 262_144;
+    pub const AFFINITY: u32 = 65_536;
+    pub const AFFINITY_MATCH: u32 = 262_144;
+    pub const SOURCE_RANGES: u32 = 16_384;
+}
+
+/// Compile-time proof that every name fits the kernel's 15-byte object name.
+const _: () = {
+    let mut i = 0;
+    while i < ALL.len() {
+        assert!(ALL[i].len() <= 15, "map name longer than 15 bytes");
+        i += 1;
+    }
+};

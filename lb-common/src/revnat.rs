@@ -1,0 +1,77 @@
+//! Reverse NAT: from a backend back to the frontend the client asked for.
+//! - `lb4_revnat`: rev_nat_id -> frontend (written by the agent; the tc path and the stale check
+//!   of the socket path read it);
+//! - `lb4_sock_revnat` (LRU): per socket, backend -> frontend, written by connect4/sendmsg4 and read
+//!   by recvmsg4/getpeername4, so a client sees replies from the address it sent to;
+//! - `lb_svc_names`: rev_nat_id -> Service name, for operators only.
+
+use crate::user_pod;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RevNat4Value {
+    /// Frontend address, network order.
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevNat4Key {
+    /// `bpf_get_socket_cookie()` of the client socket.
+    pub cookie: u64,
+    /// Backend address, network order.
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub _pad: u16,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevNat4Value {
+    /// Frontend address, network order.
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub _pad: u16,
+    /// Checked against the frontend's current id, so a recycled entry is never trusted.
+    pub rev_nat_id: u32,
+}
+
+/// Sizes of the name fields: a namespace and a Service name are DNS labels (at most 63 bytes), a
+/// port name an IANA service name (at most 15).
+pub const NAME_LEN: usize = 64;
+pub const PORT_NAME_LEN: usize = 16;
+
+/// `namespace/name:port` of a frontend, NUL-padded.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SvcName {
+    pub namespace: [u8; NAME_LEN],
+    pub name: [u8; NAME_LEN],
+    pub port_name: [u8; PORT_NAME_LEN],
+}
+
+impl Default for SvcName {
+    fn default() -> Self {
+        Self { namespace: [0; NAME_LEN], name: [0; NAME_LEN], port_name: [0; PORT_NAME_LEN] }
+    }
+}
+
+user_pod!(RevNat4Value, SockRevNat4Key, SockRevNat4Value, SvcName);
+
+#[cfg(test)]
+mod layout {
+    use core::mem::size_of;
+
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(size_of::<RevNat4Value>(), 8);
+        assert_eq!(size_of::<SockRevNat4Key>(), 16);
+        assert_eq!(size_of::<SockRevNat4Value>(), 12);
+        assert_eq!(size_of::<SvcName>(), 144);
+    }
+}

@@ -1,0 +1,12 @@
+//! The in-kernel data path. Program entry points live in `main.rs` and stay thin; the logic lives
+//! here so that it reads as ordinary Rust and can be shared between programs (the socket programs
+//! and their BPF_PROG_TEST_RUN harness run the same `sock` code).
+//!
+//! - `maps`: every map, declared once with `#[btf_map]` (BTF makes `bpftool map dump` print fields).
+//! - `sock`: cgroup connect4/sendmsg4/recvmsg4/getpeername4 translation.
+//! - `stats`: per-CPU counters, bumped instead of failing a syscall or logging on the hot path.
+#![no_std]
+
+pub mod maps;
+pub mod sock;
+pub mod stats;

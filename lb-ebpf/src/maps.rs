@@ -1,0 +1,74 @@
+//! Every map of the data path. Names match `lb_common::maps`; capacities here are compile-time
+//! defaults that the agent overrides before load (`EbpfLoader::map_max_entries`). The agent pins
+//! the maps under `<bpf-root>/maps/<name>`; nothing is pinned by the object itself, so tests that
+//! load it stay unpinned.
+
+use aya_ebpf::{
+    bindings::{BPF_F_NO_PREALLOC, BPF_F_RDONLY_PROG},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    macros::btf_map,
+};
+use lb_common::{
+    affinity::{Affinity4Key, Affinity4Value, AffinityMatchKey},
+    backend::Backend4Value,
+    config::DatapathConfig,
+    maps::capacity,
+    revnat::{RevNat4Value, SockRevNat4Key, SockRevNat4Value, SvcName},
+    service::{SrcRange4, Svc4Key, Svc4Value},
+    stats,
+};
+
+const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
+/// The programs only read what the agent writes; the verifier enforces it.
+const RDONLY_PROG: usize = BPF_F_RDONLY_PROG as usize;
+
+/// Frontends and backend slots. Key: frontend (address, port, protocol, scope, slot). Value: slot 0
+/// holds the frontend entry (count, flags, rev_nat_id), slots 1..=count a backend id each.
+/// Writer: agent. Readers: every translating program.
+#[btf_map(name = "lb4_services")]
+pub static SERVICES: HashMap<Svc4Key, Svc4Value, { capacity::SERVICES as usize }, { NO_PREALLOC | RDONLY_PROG }> =
+    HashMap::new();
+
+/// Backend id -> address, port, protocol. Writer: agent. Readers: every translating program.
+#[btf_map(name = "lb4_backends")]
+pub static BACKENDS: HashMap<u32, Backend4Value, { capacity::BACKENDS as usize }, { NO_PREALLOC | RDONLY_PROG }> =
+    HashMap::new();
+
+/// rev_nat_id -> frontend address. Writer: agent. Readers: reverse translation (stale checks).
+#[btf_map(name = "lb4_revnat")]
+pub static REVNAT: HashMap<u32, RevNat4Value, { capacity::REVNAT as usize }, { NO_PREALLOC | RDONLY_PROG }> =
+    HashMap::new();
+
+/// rev_nat_id -> `namespace/name:port`, for operators. Never read by a program.
+#[btf_map(name = "lb_svc_names")]
+pub static SVC_NAMES: HashMap<u32, SvcName, { capacity::REVNAT as usize }, { NO_PREALLOC | RDONLY_PROG }> =
+    HashMap::new();
+
+/// (socket cookie, backend address, port) -> frontend. Writers: connect4, sendmsg4. Readers:
+/// recvmsg4, getpeername4. LRU: an entry may go, the reply then shows the backend address.
+#[btf_map(name = "lb4_sock_revnat")]
+pub static SOCK_REVNAT: LruHashMap<SockRevNat4Key, SockRevNat4Value, { capacity::SOCK_REVNAT as usize }> =
+    LruHashMap::new();
+
+/// (client, rev_nat_id) -> backend and last use. Writer and reader: the translating programs.
+#[btf_map(name = "lb4_affinity")]
+pub static AFFINITY: LruHashMap<Affinity4Key, Affinity4Value, { capacity::AFFINITY as usize }> =
+    LruHashMap::new();
+
+/// (backend id, rev_nat_id) pairs an affinity entry may still use. Writer: agent.
+#[btf_map(name = "lb4_aff_match")]
+pub static AFFINITY_MATCH: HashMap<AffinityMatchKey, u8, { capacity::AFFINITY_MATCH as usize }, { NO_PREALLOC | RDONLY_PROG }> =
+    HashMap::new();
+
+/// loadBalancerSourceRanges: (rev_nat_id, source prefix) -> 1. Writer: agent.
+#[btf_map(name = "lb4_src_range")]
+pub static SOURCE_RANGES: LpmTrie<SrcRange4, u8, { capacity::SOURCE_RANGES as usize }, { NO_PREALLOC | RDONLY_PROG }> =
+    LpmTrie::new();
+
+/// Node-wide settings, index 0. Writer: agent.
+#[btf_map(name = "lb_config")]
+pub static CONFIG: Array<DatapathConfig, 1, RDONLY_PROG> = Array::new();
+
+/// Per-CPU event counters, indexed by `lb_common::stats::Counter`.
+#[btf_map(name = "lb_stats")]
+pub static STATS: PerCpuArray<u64, { stats::COUNT as usize }> = PerCpuArray::new();

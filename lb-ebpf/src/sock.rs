@@ -1,0 +1,280 @@
+//! Socket-level load balancing (cgroup connect4, sendmsg4, recvmsg4, getpeername4).
+//!
+//! A connect() or sendto() to a frontend gets its destination rewritten to a backend before the
+//! kernel routes anything, so an established connection costs nothing per packet. The reverse
+//! hooks (recvmsg4, getpeername4) put the frontend address back, so a UDP client sees replies
+//! from the address it sent to and getpeername() returns the Service address.
+//!
+//! Rules (kube-proxy semantics, decided by the agent and carried by the frontend entry):
+//! - the frontend entry of `SCOPE_EXTERNAL` is looked up first; `TWO_SCOPES` (an external frontend
+//!   with externalTrafficPolicy=Local) sends node- and pod-originated traffic to `SCOPE_INTERNAL`,
+//!   the cluster-wide endpoints, as kube-proxy does;
+//! - `count == 0` refuses the call: ECONNREFUSED for a Service without endpoints (kube-proxy's
+//!   REJECT), EHOSTUNREACH where kube-proxy would DROP (a Local policy without local endpoints;
+//!   a socket cannot lose a packet silently, so it fails fast with an errno callers handle);
+//! - any internal failure (a slot or backend missing during an update) leaves the call untouched
+//!   and is counted: a connect never fails because of us.
+//!
+//! The logic works on the `SockCall` trait so that `lb_sock_trace` (a tc program, which
+//! BPF_PROG_TEST_RUN can run) executes exactly this code for tests and `lb-agent trace`.
+
+use lb_common::{
+    affinity::{kind, Affinity4Key, Affinity4Value, AffinityMatchKey},
+    config::{self, DatapathConfig},
+    proto,
+    revnat::{SockRevNat4Key, SockRevNat4Value},
+    select,
+    service::{flags, SrcRange4, Svc4Key, Svc4Value, SCOPE_EXTERNAL, SCOPE_INTERNAL},
+    stats::Counter,
+    trace::verdict,
+};
+
+use crate::{
+    maps::{AFFINITY, AFFINITY_MATCH, BACKENDS, CONFIG, REVNAT, SERVICES, SOCK_REVNAT, SOURCE_RANGES},
+    stats::count,
+};
+
+pub const AF_INET: u32 = 2;
+pub const ECONNREFUSED: u32 = 111;
+pub const EHOSTUNREACH: u32 = 113;
+
+/// One socket call as the translation code sees it.
+pub trait SockCall {
+    /// `AF_INET` for the calls we translate.
+    fn family(&self) -> u32;
+    /// IPPROTO of the socket.
+    fn protocol(&self) -> u8;
+    /// Destination (connect4, sendmsg4) or peer (recvmsg4, getpeername4), network order.
+    fn addr(&self) -> [u8; 4];
+    fn port(&self) -> u16;
+    fn set_addr(&mut self, addr: [u8; 4], port: u16);
+    fn socket_cookie(&self) -> u64;
+    fn netns_cookie(&self) -> u64;
+    /// The source address the packet will carry if already known (bound socket or
+    /// IP_PKTINFO), else zero.
+    fn src_addr(&self) -> [u8; 4];
+    /// A random value for slot selection.
+    fn random(&self) -> u32;
+    fn now_ns(&self) -> u64;
+}
+
+/// What a forward translation did, with the details the trace harness reports.
+#[derive(Clone, Copy, Default)]
+pub struct Outcome {
+    pub verdict: u32,
+    pub errno: u32,
+    pub scope: u8,
+    pub backend_id: u32,
+    pub rev_nat_id: u32,
+    pub flags: u16,
+    pub count: u16,
+    pub addr: [u8; 4],
+    pub port: u16,
+}
+
+impl Outcome {
+    const fn pass() -> Self {
+        Outcome { verdict: verdict::PASS, errno: 0, scope: 0, backend_id: 0, rev_nat_id: 0, flags: 0, count: 0, addr: [0; 4], port: 0 }
+    }
+}
+
+#[inline(always)]
+fn datapath_config() -> DatapathConfig {
+    match CONFIG.get(0) {
+        Some(cfg) => *cfg,
+        None => DatapathConfig::default(),
+    }
+}
+
+#[inline(always)]
+fn lookup_service(key: &Svc4Key) -> Option<Svc4Value> {
+    // Copy out: a hash map reference is only valid until the next update of the map.
+    SERVICES.get_ptr(key).map(|p| unsafe { *p })
+}
+
+/// Whether loadBalancerSourceRanges let this socket through. `None`: undecidable at the socket
+/// (a pod's unbound socket, whose source address the kernel picks later), so leave it to tc.
+#[inline(always)]
+fn source_allowed<C: SockCall>(call: &C, cfg: &DatapathConfig, frontend: &Svc4Value) -> Option<bool> {
+    let src = call.src_addr();
+    if src != [0; 4] {
+        let key = aya_ebpf::maps::lpm_trie::Key::new(SrcRange4::prefix_len(32), SrcRange4::new(frontend.rev_nat_id, src));
+        return Some(SOURCE_RANGES.get(&key).is_some());
+    }
+    if call.netns_cookie() == cfg.host_netns_cookie {
+        // The node's own address is the source: kube-proxy allows it when a range contains it.
+        return Some(frontend.has(flags::SOURCE_RANGES_ALLOW_NODE));
+    }
+    None
+}
+
+/// Picks a backend for `frontend` (the slot-0 entry of `key`'s scope): affinity first, then a slot.
+#[inline(always)]
+fn select_backend<C: SockCall>(call: &C, key: &Svc4Key, frontend: &Svc4Value) -> Option<(u32, lb_common::backend::Backend4Value)> {
+    let affinity_key = Affinity4Key {
+        client: call.netns_cookie(),
+        rev_nat_id: frontend.rev_nat_id,
+        kind: kind::NETNS_COOKIE,
+        _pad: [0; 3],
+    };
+    if frontend.has(flags::AFFINITY) {
+        if let Some(entry) = AFFINITY.get_ptr(&affinity_key).map(|p| unsafe { *p }) {
+            let member = AffinityMatchKey { backend_id: entry.backend_id, rev_nat_id: frontend.rev_nat_id };
+            if select::affinity_valid(entry.last_used_ns, call.now_ns(), frontend.affinity_timeout)
+                && AFFINITY_MATCH.get_ptr(&member).is_some()
+            {
+                if let Some(backend) = BACKENDS.get_ptr(&entry.backend_id).map(|p| unsafe { *p }) {
+                    count(Counter::AffinityHit);
+                    remember_affinity(call, &affinity_key, entry.backend_id);
+                    return Some((entry.backend_id, backend));
+                }
+            }
+        }
+    }
+
+    // TCP: random per connection. UDP: the socket cookie, so every datagram of one socket goes to
+    // the same backend while the backend set is unchanged.
+    let hash = if call.protocol() == proto::TCP { call.random() } else { cookie_hash(call.socket_cookie()) };
+    let slot = select::slot_for(hash, frontend.count);
+    let slot_entry = match lookup_service(&key.with_slot(slot)) {
+        Some(entry) => entry,
+        // The frontend shrank under us (slots are deleted after the count is lowered): slot 1
+        // always exists while count > 0.
+        None => lookup_service(&key.with_slot(1))?,
+    };
+    let backend = BACKENDS.get_ptr(&slot_entry.backend_id).map(|p| unsafe { *p })?;
+    if frontend.has(flags::AFFINITY) {
+        remember_affinity(call, &affinity_key, slot_entry.backend_id);
+    }
+    Some((slot_entry.backend_id, backend))
+}
+
+#[inline(always)]
+fn remember_affinity<C: SockCall>(call: &C, key: &Affinity4Key, backend_id: u32) {
+    let value = Affinity4Value { last_used_ns: call.now_ns(), backend_id, _pad: 0 };
+    if AFFINITY.insert(key, &value, 0).is_err() {
+        count(Counter::AffinityUpdateFailed);
+    }
+}
+
+/// A cheap mix of the cookie's halves (the cookie is a counter: low bits alone would be skewed
+/// towards consecutive sockets).
+#[inline(always)]
+fn cookie_hash(cookie: u64) -> u32 {
+    let mixed = cookie.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (mixed >> 32) as u32
+}
+
+/// connect4 and sendmsg4: translate a frontend destination to a backend.
+#[inline(always)]
+pub fn translate_forward<C: SockCall>(call: &mut C) -> Outcome {
+    if call.family() != AF_INET {
+        return Outcome::pass();
+    }
+    let protocol = call.protocol();
+    if protocol != proto::TCP && protocol != proto::UDP && protocol != proto::SCTP {
+        return Outcome::pass();
+    }
+    let cfg = datapath_config();
+    if cfg.flags & config::flags::SOCK_HOSTNS_ONLY != 0 && call.netns_cookie() != cfg.host_netns_cookie {
+        count(Counter::SockSkippedNetns);
+        return Outcome::pass();
+    }
+
+    let (vip, vport) = (call.addr(), call.port());
+    let mut key = Svc4Key::new(vip, vport, protocol, SCOPE_EXTERNAL, 0);
+    let Some(mut frontend) = lookup_service(&key) else {
+        return Outcome::pass();
+    };
+    if frontend.has(flags::TWO_SCOPES) {
+        key.scope = SCOPE_INTERNAL;
+        match lookup_service(&key) {
+            Some(internal) => frontend = internal,
+            None => {
+                count(Counter::SockNoBackend);
+                return Outcome::pass();
+            }
+        }
+    }
+
+    let mut outcome = Outcome {
+        scope: key.scope,
+        rev_nat_id: frontend.rev_nat_id,
+        flags: frontend.flags,
+        count: frontend.count,
+        ..Outcome::pass()
+    };
+
+    if frontend.has(flags::SOURCE_RANGES) {
+        match source_allowed(call, &cfg, &frontend) {
+            Some(true) => {}
+            Some(false) => {
+                count(Counter::SourceRangeDenied);
+                outcome.verdict = verdict::DROP;
+                outcome.errno = EHOSTUNREACH;
+                return outcome;
+            }
+            None => return outcome,
+        }
+    }
+
+    if frontend.count == 0 {
+        if frontend.has(flags::DROP_IF_EMPTY) {
+            count(Counter::SockDropped);
+            outcome.verdict = verdict::DROP;
+            outcome.errno = EHOSTUNREACH;
+        } else {
+            count(Counter::SockRejected);
+            outcome.verdict = verdict::REJECT;
+            outcome.errno = ECONNREFUSED;
+        }
+        return outcome;
+    }
+
+    let Some((backend_id, backend)) = select_backend(call, &key, &frontend) else {
+        count(Counter::SockNoBackend);
+        return outcome;
+    };
+
+    // Remember the frontend for recvmsg4/getpeername4 before the destination changes. Skip the
+    // write when the entry is already there (every datagram of a UDP socket comes through here).
+    let rev_key = SockRevNat4Key { cookie: call.socket_cookie(), addr: backend.addr, port: backend.port, _pad: 0 };
+    let rev_value = SockRevNat4Value { addr: vip, port: vport, _pad: 0, rev_nat_id: frontend.rev_nat_id };
+    let known = SOCK_REVNAT.get_ptr(&rev_key).map(|p| unsafe { *p });
+    if known != Some(rev_value) && SOCK_REVNAT.insert(&rev_key, &rev_value, 0).is_err() {
+        count(Counter::SockRevNatUpdateFailed);
+    }
+
+    call.set_addr(backend.addr, backend.port);
+    count(Counter::SockTranslated);
+    outcome.verdict = verdict::TRANSLATED;
+    outcome.backend_id = backend_id;
+    outcome.addr = backend.addr;
+    outcome.port = backend.port;
+    outcome
+}
+
+/// recvmsg4 and getpeername4: show the frontend instead of the backend.
+#[inline(always)]
+pub fn translate_reverse<C: SockCall>(call: &mut C) -> Outcome {
+    if call.family() != AF_INET {
+        return Outcome::pass();
+    }
+    let key = SockRevNat4Key { cookie: call.socket_cookie(), addr: call.addr(), port: call.port(), _pad: 0 };
+    let Some(entry) = SOCK_REVNAT.get_ptr(&key).map(|p| unsafe { *p }) else {
+        return Outcome::pass();
+    };
+    // The frontend may have been deleted, or its id given to another frontend since.
+    let current = REVNAT.get_ptr(&entry.rev_nat_id).map(|p| unsafe { *p });
+    match current {
+        Some(frontend) if frontend.addr == entry.addr && frontend.port == entry.port => {}
+        _ => {
+            count(Counter::SockRevNatStale);
+            let _ = SOCK_REVNAT.remove(&key);
+            return Outcome::pass();
+        }
+    }
+    call.set_addr(entry.addr, entry.port);
+    count(Counter::SockRevNatHit);
+    Outcome { verdict: verdict::TRANSLATED, rev_nat_id: entry.rev_nat_id, addr: entry.addr, port: entry.port, ..Outcome::pass() }
+}

@@ -1,0 +1,128 @@
+//! The real `lb-agent` binary, run by a test inside the test's "node" network namespace, with its
+//! pins in the test's private bpffs and its socket programs on the test's cgroup.
+
+use std::{
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use crate::{
+    cgroup::Cgroup,
+    netns::NetNs,
+    process::{workspace_bin, Place, Proc},
+};
+
+/// The log line the agent prints after each sync.
+pub const SYNCED: &str = "data path programmed";
+
+pub struct AgentOptions<'a> {
+    pub netns: &'a NetNs,
+    pub cgroup: &'a Cgroup,
+    pub bpf_root: PathBuf,
+    pub node_name: String,
+    /// `--manifests DIR` (static mode) ...
+    pub manifests: Option<PathBuf>,
+    /// ... or `--kubeconfig FILE`.
+    pub kubeconfig: Option<PathBuf>,
+    pub extra_args: Vec<String>,
+}
+
+pub struct Agent {
+    proc: Proc,
+    log: Arc<Mutex<Vec<String>>>,
+    /// Set when the agent's stderr closes (it exited).
+    exited: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Agent {
+    /// Starts the agent and waits for its first sync.
+    pub fn start(opts: AgentOptions<'_>) -> Agent {
+        let mut cmd = Command::new(workspace_bin("lb-agent"));
+        cmd.arg("--bpf-root")
+            .arg(&opts.bpf_root)
+            .arg("--cgroup-root")
+            .arg(opts.cgroup.path())
+            .arg("--hostname-override")
+            .arg(&opts.node_name)
+            .arg("--sync-period")
+            .arg("200ms")
+            .args(&opts.extra_args)
+            .env("RUST_LOG", std::env::var("LB_AGENT_LOG").unwrap_or_else(|_| "info".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if let Some(dir) = &opts.manifests {
+            cmd.arg("--manifests").arg(dir);
+        }
+        if let Some(kubeconfig) = &opts.kubeconfig {
+            cmd.arg("--kubeconfig").arg(kubeconfig);
+        }
+        Place::netns(opts.netns).apply(&mut cmd);
+        let mut proc = Proc::spawn_command(cmd);
+        let stderr = proc.child_mut().stderr.take().expect("piped stderr");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let sink = log.clone();
+        let exited = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let exited_flag = exited.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if std::env::var_os("LB_TEST_VERBOSE").is_some() {
+                    eprintln!("[lb-agent] {line}");
+                }
+                sink.lock().expect("log lock").push(line);
+            }
+            exited_flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+        let agent = Agent { proc, log, exited };
+        agent.wait_for_syncs(1, Duration::from_secs(30));
+        agent
+    }
+
+    /// Number of completed syncs so far.
+    pub fn syncs(&self) -> usize {
+        self.log.lock().expect("log lock").iter().filter(|l| l.contains(SYNCED)).count()
+    }
+
+    /// Waits until at least `n` syncs have completed.
+    pub fn wait_for_syncs(&self, n: usize, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while self.syncs() < n {
+            assert!(!self.exited.load(std::sync::atomic::Ordering::SeqCst), "lb-agent exited; log:\n{}", self.log());
+            assert!(Instant::now() < deadline, "lb-agent did not sync {n} time(s) within {timeout:?}; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits for the sync after now (so a change written now has been applied).
+    pub fn wait_for_next_sync(&self) {
+        let now = self.syncs();
+        // Two syncs: the one running now may have read the old state.
+        self.wait_for_syncs(now + 2, Duration::from_secs(30));
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().expect("log lock").join("\n")
+    }
+
+    pub fn running(&mut self) -> bool {
+        self.proc.running()
+    }
+
+    /// SIGTERM, then wait for the exit.
+    pub fn stop(mut self) -> std::process::ExitStatus {
+        self.proc.signal(libc::SIGTERM);
+        self.proc.wait_timeout(Duration::from_secs(10)).unwrap_or_else(|| panic!("lb-agent did not stop; log:\n{}", self.log()))
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.proc.pid()
+    }
+}
+
+/// A directory under `root` for the agent's pins.
+pub fn bpf_root_in(root: &Path) -> PathBuf {
+    root.join("lb")
+}

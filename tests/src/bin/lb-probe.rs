@@ -1,0 +1,256 @@
+//! Traffic helper for tests, the sandbox and the benchmarks. Tests start it inside a network
+//! namespace and a cgroup (so the socket programs see its sockets) and read one JSON object per
+//! line from its stdout.
+//!
+//! - `serve`: TCP and UDP servers that answer every request with who they are and who the client
+//!   appeared to be (so tests can check backend choice and client-IP preservation); a request that
+//!   starts with `GET ` gets the same answer as an HTTP response.
+//! - `tcp`: connects N times, reporting the peer (getpeername) and the server's answer, or errno.
+//! - `udp`: sends N datagrams (connected or not), reporting the reply's source address.
+//! - `hold`: keeps one TCP connection and exchanges a message every interval.
+
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
+    thread,
+    time::{Duration, Instant},
+};
+
+use clap::{Parser, Subcommand};
+use serde_json::json;
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    Serve {
+        /// TCP listen addresses.
+        #[arg(long)]
+        tcp: Vec<SocketAddr>,
+        /// UDP listen addresses.
+        #[arg(long)]
+        udp: Vec<SocketAddr>,
+        /// Name reported in answers (default: the listen address).
+        #[arg(long)]
+        name: Option<String>,
+    },
+    Tcp {
+        #[arg(long)]
+        connect: SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        /// Bytes of payload to send and expect echoed back as a checksum.
+        #[arg(long, default_value_t = 0)]
+        payload: usize,
+        #[arg(long, default_value_t = 2000)]
+        timeout_ms: u64,
+    },
+    Udp {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        /// connect() the socket first (else sendto/recvfrom).
+        #[arg(long)]
+        connected: bool,
+        #[arg(long, default_value_t = 1000)]
+        timeout_ms: u64,
+    },
+    Hold {
+        #[arg(long)]
+        connect: SocketAddr,
+        #[arg(long, default_value_t = 100)]
+        interval_ms: u64,
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+    },
+}
+
+fn answer(name: &str, local: SocketAddr, peer: SocketAddr, extra: serde_json::Value) -> String {
+    json!({"server": name, "local": local.to_string(), "client": peer.to_string(), "extra": extra}).to_string()
+}
+
+/// FNV-1a, to check bulk payloads end to end without a crypto dependency.
+fn fnv1a(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+fn serve_tcp_conn(mut stream: TcpStream, name: String) {
+    let (Ok(local), Ok(peer)) = (stream.local_addr(), stream.peer_addr()) else { return };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+    let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+    loop {
+        let mut line = String::new();
+        match reader.read_line(&mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let reply = if line.starts_with("GET ") {
+            // Drain the request headers, then answer as HTTP/1.1 and close.
+            loop {
+                let mut h = String::new();
+                if reader.read_line(&mut h).map_or(true, |n| n == 0) || h == "\r\n" || h == "\n" {
+                    break;
+                }
+            }
+            let body = answer(&name, local, peer, json!(null));
+            let _ = write!(stream, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len() + 1);
+            let _ = stream.write_all(b"\n");
+            return;
+        } else if let Some(n) = line.trim().strip_prefix("BULK ") {
+            // The client sends n bytes; answer with their checksum.
+            let n: usize = n.parse().unwrap_or(0);
+            let mut buf = vec![0u8; n];
+            if reader.read_exact(&mut buf).is_err() {
+                return;
+            }
+            answer(&name, local, peer, json!({"bytes": n, "fnv1a": format!("{:016x}", fnv1a(&buf))}))
+        } else {
+            answer(&name, local, peer, json!(null))
+        };
+        if stream.write_all(format!("{reply}\n").as_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+fn serve(tcp: Vec<SocketAddr>, udp: Vec<SocketAddr>, name: Option<String>) {
+    let mut handles = Vec::new();
+    for addr in tcp {
+        let listener = TcpListener::bind(addr).unwrap_or_else(|e| panic!("bind tcp {addr}: {e}"));
+        let name = name.clone().unwrap_or_else(|| addr.to_string());
+        handles.push(thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let name = name.clone();
+                thread::spawn(move || serve_tcp_conn(stream, name));
+            }
+        }));
+    }
+    for addr in udp {
+        let sock = UdpSocket::bind(addr).unwrap_or_else(|e| panic!("bind udp {addr}: {e}"));
+        let name = name.clone().unwrap_or_else(|| addr.to_string());
+        handles.push(thread::spawn(move || {
+            let mut buf = [0u8; 65536];
+            loop {
+                let Ok((_, peer)) = sock.recv_from(&mut buf) else { continue };
+                let local = sock.local_addr().expect("local addr");
+                let _ = sock.send_to(answer(&name, local, peer, json!(null)).as_bytes(), peer);
+            }
+        }));
+    }
+    println!("{}", json!({"ready": true}));
+    for h in handles {
+        let _ = h.join();
+    }
+}
+
+fn errno_of(e: &std::io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(0)
+}
+
+fn tcp_once(to: SocketAddr, payload: usize, timeout: Duration) -> serde_json::Value {
+    let started = Instant::now();
+    let mut stream = match TcpStream::connect_timeout(&to, timeout) {
+        Ok(s) => s,
+        Err(e) => return json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)}),
+    };
+    let connect_us = started.elapsed().as_micros() as u64;
+    let _ = stream.set_read_timeout(Some(timeout));
+    let peer = stream.peer_addr().map(|p| p.to_string()).unwrap_or_default();
+    let request = if payload > 0 { format!("BULK {payload}\n") } else { "hello\n".to_string() };
+    let mut sum = None;
+    let sent = stream.write_all(request.as_bytes()).and_then(|()| {
+        if payload > 0 {
+            let data: Vec<u8> = (0..payload).map(|i| (i * 7 + i / 251) as u8).collect();
+            sum = Some(format!("{:016x}", fnv1a(&data)));
+            stream.write_all(&data)?;
+        }
+        Ok(())
+    });
+    if let Err(e) = sent {
+        return json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e), "peer": peer});
+    }
+    let mut line = String::new();
+    match BufReader::new(&stream).read_line(&mut line) {
+        Ok(n) if n > 0 => {
+            let reply: serde_json::Value = serde_json::from_str(line.trim()).unwrap_or(json!(line.trim()));
+            json!({"ok": true, "peer": peer, "reply": reply, "sent_fnv1a": sum, "connect_us": connect_us})
+        }
+        Ok(_) => json!({"ok": false, "error": "connection closed without an answer", "errno": 0, "peer": peer}),
+        Err(e) => json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e), "peer": peer}),
+    }
+}
+
+fn udp_once(to: SocketAddr, connected: bool, timeout: Duration) -> serde_json::Value {
+    let sock = UdpSocket::bind("0.0.0.0:0").expect("bind udp");
+    let _ = sock.set_read_timeout(Some(timeout));
+    let sent = if connected { sock.connect(to).and_then(|()| sock.send(b"hello")) } else { sock.send_to(b"hello", to) };
+    if let Err(e) = sent {
+        return json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)});
+    }
+    let peer = if connected { sock.peer_addr().ok().map(|p| p.to_string()) } else { None };
+    let mut buf = [0u8; 4096];
+    match sock.recv_from(&mut buf) {
+        Ok((n, from)) => {
+            let reply: serde_json::Value = serde_json::from_slice(&buf[..n]).unwrap_or(json!(null));
+            json!({"ok": true, "from": from.to_string(), "peer": peer, "reply": reply})
+        }
+        Err(e) => json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e), "peer": peer}),
+    }
+}
+
+fn hold(to: SocketAddr, interval: Duration, seconds: u64) {
+    let mut stream = match TcpStream::connect_timeout(&to, Duration::from_secs(2)) {
+        Ok(s) => s,
+        Err(e) => {
+            println!("{}", json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)}));
+            return;
+        }
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let mut n = 0u64;
+    while Instant::now() < deadline {
+        let mut line = String::new();
+        let result = stream.write_all(b"ping\n").and_then(|()| reader.read_line(&mut line));
+        match result {
+            Ok(len) if len > 0 => {
+                let reply: serde_json::Value = serde_json::from_str(line.trim()).unwrap_or(json!(null));
+                println!("{}", json!({"ok": true, "seq": n, "reply": reply}));
+            }
+            Ok(_) => {
+                println!("{}", json!({"ok": false, "seq": n, "error": "closed"}));
+                return;
+            }
+            Err(e) => {
+                println!("{}", json!({"ok": false, "seq": n, "error": e.to_string(), "errno": errno_of(&e)}));
+                return;
+            }
+        }
+        n += 1;
+        thread::sleep(interval);
+    }
+    println!("{}", json!({"done": true, "exchanges": n}));
+}
+
+fn main() {
+    match Cli::parse().command {
+        Cmd::Serve { tcp, udp, name } => serve(tcp, udp, name),
+        Cmd::Tcp { connect, count, payload, timeout_ms } => {
+            for _ in 0..count {
+                println!("{}", tcp_once(connect, payload, Duration::from_millis(timeout_ms)));
+            }
+        }
+        Cmd::Udp { to, count, connected, timeout_ms } => {
+            for _ in 0..count {
+                println!("{}", udp_once(to, connected, Duration::from_millis(timeout_ms)));
+            }
+        }
+        Cmd::Hold { connect, interval_ms, seconds } => hold(connect, Duration::from_millis(interval_ms), seconds),
+    }
+}

@@ -1,0 +1,188 @@
+//! Builders for the API objects tests feed the agent: Services and EndpointSlices as
+//! `kubectl get -o yaml` would show them (written to a manifests folder, or created through the
+//! API server).
+
+use std::{collections::BTreeMap, fs, path::Path};
+
+use k8s_openapi::{
+    api::{
+        core::v1::{LoadBalancerIngress, LoadBalancerStatus, Service, ServicePort, ServiceSpec, ServiceStatus, SessionAffinityConfig, ClientIPConfig},
+        discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
+    },
+    apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
+};
+
+/// A Service under construction.
+#[derive(Clone)]
+pub struct Svc(pub Service);
+
+pub fn service(namespace: &str, name: &str) -> Svc {
+    Svc(Service {
+        metadata: ObjectMeta { name: Some(name.into()), namespace: Some(namespace.into()), ..Default::default() },
+        spec: Some(ServiceSpec { type_: Some("ClusterIP".into()), ports: Some(vec![]), ..Default::default() }),
+        status: None,
+    })
+}
+
+impl Svc {
+    fn spec(&mut self) -> &mut ServiceSpec {
+        self.0.spec.as_mut().expect("spec")
+    }
+
+    pub fn cluster_ip(mut self, ip: &str) -> Self {
+        self.spec().cluster_ip = Some(ip.into());
+        self.spec().cluster_ips = Some(vec![ip.into()]);
+        self
+    }
+
+    pub fn type_(mut self, t: &str) -> Self {
+        self.spec().type_ = Some(t.into());
+        self
+    }
+
+    /// A port (`name` may be empty), with its target port.
+    pub fn port(mut self, name: &str, protocol: &str, port: i32, target: i32) -> Self {
+        self.spec().ports.get_or_insert_with(Vec::new).push(ServicePort {
+            name: (!name.is_empty()).then(|| name.to_string()),
+            protocol: Some(protocol.into()),
+            port,
+            target_port: Some(IntOrString::Int(target)),
+            ..Default::default()
+        });
+        self
+    }
+
+    /// Sets the nodePort of the last port added (and makes the Service a NodePort one unless it is
+    /// a LoadBalancer).
+    pub fn node_port(mut self, node_port: i32) -> Self {
+        if self.spec().type_.as_deref() != Some("LoadBalancer") {
+            self.spec().type_ = Some("NodePort".into());
+        }
+        let port = self.spec().ports.as_mut().and_then(|p| p.last_mut()).expect("add a port first");
+        port.node_port = Some(node_port);
+        self
+    }
+
+    pub fn external_ips(mut self, ips: &[&str]) -> Self {
+        self.spec().external_ips = Some(ips.iter().map(|s| s.to_string()).collect());
+        self
+    }
+
+    pub fn load_balancer_ip(mut self, ip: &str) -> Self {
+        self.spec().type_ = Some("LoadBalancer".into());
+        self.0.status = Some(ServiceStatus {
+            load_balancer: Some(LoadBalancerStatus {
+                ingress: Some(vec![LoadBalancerIngress { ip: Some(ip.into()), ..Default::default() }]),
+            }),
+            ..Default::default()
+        });
+        self
+    }
+
+    pub fn source_ranges(mut self, ranges: &[&str]) -> Self {
+        self.spec().load_balancer_source_ranges = Some(ranges.iter().map(|s| s.to_string()).collect());
+        self
+    }
+
+    pub fn external_traffic_policy(mut self, policy: &str) -> Self {
+        self.spec().external_traffic_policy = Some(policy.into());
+        self
+    }
+
+    pub fn internal_traffic_policy(mut self, policy: &str) -> Self {
+        self.spec().internal_traffic_policy = Some(policy.into());
+        self
+    }
+
+    pub fn client_ip_affinity(mut self, timeout_seconds: i32) -> Self {
+        self.spec().session_affinity = Some("ClientIP".into());
+        self.spec().session_affinity_config = Some(SessionAffinityConfig {
+            client_ip: Some(ClientIPConfig { timeout_seconds: Some(timeout_seconds) }),
+        });
+        self
+    }
+
+    pub fn build(self) -> Service {
+        self.0
+    }
+}
+
+/// Conditions of one endpoint.
+#[derive(Clone, Copy, Debug)]
+pub enum State {
+    Ready,
+    /// Serving and terminating (KEP-1669 fallback).
+    Terminating,
+    /// Neither ready nor serving.
+    NotReady,
+}
+
+/// An EndpointSlice under construction.
+#[derive(Clone)]
+pub struct Slice(pub EndpointSlice);
+
+pub fn slice(namespace: &str, service: &str, name: &str) -> Slice {
+    Slice(EndpointSlice {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(namespace.into()),
+            labels: Some(BTreeMap::from([("kubernetes.io/service-name".to_string(), service.to_string())])),
+            ..Default::default()
+        },
+        address_type: "IPv4".into(),
+        endpoints: Some(vec![]),
+        ports: Some(vec![]),
+    })
+}
+
+impl Slice {
+    pub fn endpoint(mut self, ip: &str, node: &str, state: State) -> Self {
+        let (ready, serving, terminating) = match state {
+            State::Ready => (true, true, false),
+            State::Terminating => (false, true, true),
+            State::NotReady => (false, false, false),
+        };
+        self.0.endpoints.get_or_insert_with(Vec::new).push(Endpoint {
+            addresses: vec![ip.into()],
+            conditions: Some(EndpointConditions { ready: Some(ready), serving: Some(serving), terminating: Some(terminating) }),
+            node_name: Some(node.into()),
+            ..Default::default()
+        });
+        self
+    }
+
+    pub fn port(mut self, name: &str, protocol: &str, port: i32) -> Self {
+        self.0.ports.get_or_insert_with(Vec::new).push(EndpointPort {
+            name: Some(name.into()),
+            protocol: Some(protocol.into()),
+            port: Some(port),
+            ..Default::default()
+        });
+        self
+    }
+
+    pub fn build(self) -> EndpointSlice {
+        self.0
+    }
+}
+
+/// Writes objects as a multi-document YAML file (JSON documents are valid YAML).
+pub fn write_manifests(dir: &Path, file: &str, services: &[Service], slices: &[EndpointSlice]) {
+    let mut text = String::new();
+    for s in services {
+        let mut v = serde_json::to_value(s).expect("service to json");
+        v["apiVersion"] = "v1".into();
+        v["kind"] = "Service".into();
+        text.push_str(&format!("---\n{v}\n"));
+    }
+    for s in slices {
+        let mut v = serde_json::to_value(s).expect("slice to json");
+        v["apiVersion"] = "discovery.k8s.io/v1".into();
+        v["kind"] = "EndpointSlice".into();
+        text.push_str(&format!("---\n{v}\n"));
+    }
+    // Write then rename, so an agent reading the folder never sees half a file.
+    let tmp = dir.join(format!(".{file}.tmp"));
+    fs::write(&tmp, text).expect("write manifests");
+    fs::rename(&tmp, dir.join(file)).expect("rename manifests");
+}

@@ -1,0 +1,44 @@
+//! Test harness shared by the privileged tests, the end-to-end tests, the sandbox and the
+//! benchmarks. Every kernel object a test creates is owned by an RAII guard that removes it on
+//! drop, also when the test panics:
+//!
+//! - `netns`: network namespaces, veth pairs, addresses and routes (iproute2);
+//! - `cgroup`: a cgroup v2 subtree under the detected cgroup2 mount (never the root cgroup);
+//! - `bpffs`: a private directory for pinned maps and links under a bpffs mount;
+//! - `process`: child processes started inside a netns and a cgroup, killed on drop;
+//! - `control_plane`: a real etcd and kube-apiserver on loopback with generated certificates;
+//! - `topo`: nodes, pods and a LAN in namespaces; `agent`: the real lb-agent run inside them;
+//! - `fixtures`: Service/EndpointSlice builders; `probe`: the `lb-probe` traffic helper.
+//!
+//! Tests never attach programs to the machine's root cgroup or to interfaces they did not create,
+//! and only send traffic to addresses inside their own namespaces or to loopback.
+
+pub mod agent;
+pub mod bpffs;
+pub mod cgroup;
+pub mod control_plane;
+pub mod fixtures;
+pub mod netns;
+pub mod probe;
+pub mod process;
+pub mod topo;
+
+/// Fails the test with a clear message when not running as root (CI runs as root, so nothing is
+/// skipped silently).
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        panic!("this test needs root (network namespaces, cgroups, BPF); run it through `./x test` as root");
+    }
+}
+
+/// A name unique to this process and call, short enough for interface names (15 bytes).
+pub fn unique_name(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let pid = std::process::id() % 100_000;
+    let name = format!("{prefix}{pid}x{n}");
+    assert!(name.len() <= 15, "name {name} longer than 15 bytes");
+    name
+}

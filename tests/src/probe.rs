@@ -1,0 +1,71 @@
+//! Drives `lb-probe` (the traffic helper binary of this package) from tests.
+
+use std::{process::Stdio, time::Duration};
+
+use serde_json::Value;
+
+use crate::process::{run_in, workspace_bin, Place, Proc};
+
+fn probe() -> std::path::PathBuf {
+    workspace_bin("lb-probe")
+}
+
+/// Starts `lb-probe serve` and waits until it listens.
+pub fn server(place: Place<'_>, name: &str, tcp: &[&str], udp: &[&str]) -> Proc {
+    let mut cmd = std::process::Command::new(probe());
+    cmd.arg("serve").arg("--name").arg(name).stdin(Stdio::null()).stdout(Stdio::piped());
+    for a in tcp {
+        cmd.arg("--tcp").arg(a);
+    }
+    for a in udp {
+        cmd.arg("--udp").arg(a);
+    }
+    place.apply(&mut cmd);
+    let mut proc = Proc::spawn_command(cmd);
+    proc.wait_for_line(Duration::from_secs(10), |l| l.contains("\"ready\""));
+    proc
+}
+
+fn json_lines(out: &std::process::Output) -> Vec<Value> {
+    assert!(out.status.success(), "lb-probe failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("lb-probe printed {l:?}: {e}")))
+        .collect()
+}
+
+/// `count` TCP connections to `to`, one JSON result each.
+pub fn tcp(place: Place<'_>, to: &str, count: u32) -> Vec<Value> {
+    json_lines(&run_in(place, probe(), &["tcp", "--connect", to, "--count", &count.to_string()]))
+}
+
+/// One TCP connection that sends `payload` bytes and gets their checksum back.
+pub fn tcp_bulk(place: Place<'_>, to: &str, payload: usize) -> Value {
+    let out = run_in(place, probe(), &["tcp", "--connect", to, "--payload", &payload.to_string(), "--timeout-ms", "20000"]);
+    json_lines(&out).remove(0)
+}
+
+/// `count` UDP exchanges with `to`, from a connected or an unconnected socket.
+pub fn udp(place: Place<'_>, to: &str, count: u32, connected: bool) -> Vec<Value> {
+    let count = count.to_string();
+    let mut args = vec!["udp", "--to", to, "--count", &count];
+    if connected {
+        args.push("--connected");
+    }
+    json_lines(&run_in(place, probe(), &args))
+}
+
+/// Starts `lb-probe hold`: one long-lived TCP connection exchanging a message every interval.
+pub fn hold(place: Place<'_>, to: &str, seconds: u64) -> Proc {
+    let mut cmd = std::process::Command::new(probe());
+    cmd.args(["hold", "--connect", to, "--interval-ms", "50", "--seconds", &seconds.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped());
+    place.apply(&mut cmd);
+    Proc::spawn_command(cmd)
+}
+
+/// The server name in a successful result.
+pub fn server_of(result: &Value) -> Option<&str> {
+    result.pointer("/reply/server").and_then(Value::as_str)
+}

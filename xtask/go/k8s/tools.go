@@ -1,0 +1,11 @@
+//go:build tools
+
+// Package tools only records the programs this wrapper module builds, so that `go mod tidy`
+// keeps their dependencies in go.mod and go.sum.
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
+	_ "k8s.io/kubernetes/cmd/kubectl"
+)

@@ -1,0 +1,41 @@
+//! Builds the eBPF object with the pinned nightly and bpf-linker, with BTF (so bpftool prints
+//! named fields), and copies it to `target/bpf/lb-ebpf.o`, where `lb-agent/build.rs` embeds it.
+
+use std::{fs, path::PathBuf};
+
+use anyhow::{Context, Result};
+
+use crate::{
+    setup::bpf_linker_dir,
+    util::{clean_cargo, ebpf_toolchain, run, step, workspace_root},
+};
+
+/// The object's stable path, read by `lb-agent/build.rs`.
+pub fn object_path() -> PathBuf {
+    workspace_root().join("target/bpf/lb-ebpf.o")
+}
+
+pub fn build() -> Result<PathBuf> {
+    step("building the eBPF object (lb-ebpf, bpfel-unknown-none)");
+    let target_dir = workspace_root().join("target/bpf");
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut paths = vec![bpf_linker_dir().join("bin")];
+    paths.extend(std::env::split_paths(&path));
+    // The same flags as aya-build: BTF comes from debuginfo plus bpf-linker's --btf.
+    let rustflags = ["--cfg=bpf_target_arch=\"x86_64\"", "-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f");
+    run(clean_cargo(Some(&ebpf_toolchain()))
+        .args(["build", "--package", "lb-ebpf", "--bins", "--release"])
+        .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
+        .arg("--target-dir")
+        .arg(&target_dir)
+        .env("PATH", std::env::join_paths(paths)?)
+        .env("CARGO_ENCODED_RUSTFLAGS", rustflags))?;
+    let built = target_dir.join("bpfel-unknown-none/release/lb-ebpf");
+    let object = object_path();
+    // Copy only when changed, so lb-agent is not rebuilt for nothing.
+    let new = fs::read(&built).with_context(|| format!("reading {}", built.display()))?;
+    if fs::read(&object).ok().as_deref() != Some(new.as_slice()) {
+        fs::write(&object, &new).with_context(|| format!("writing {}", object.display()))?;
+    }
+    Ok(object)
+}

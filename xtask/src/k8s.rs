@@ -1,0 +1,420 @@
+//! The control-plane binaries the end-to-end tests, the sandbox and the benchmarks run: etcd,
+//! kube-apiserver, kubectl and kube-proxy, built from their published Go modules with the
+//! wrapper modules committed under `xtask/go/` and cached under `<cache>/`.
+//!
+//! - `xtask/go/etcd`: `require go.etcd.io/etcd/server/v3`, built as `etcd`;
+//! - `xtask/go/k8s`: `require k8s.io/kubernetes` plus a `replace` block that maps every staging
+//!   module to its published release (k8s.io/kubernetes itself cannot be `go install`ed: its own
+//!   go.mod replaces them with `./staging` paths, which only work inside its repository).
+//!
+//! Each wrapper is copied into its build directory (`<cache>/etcd-<version>/`,
+//! `<cache>/k8s-<version>/`) and built there; all four binaries land in `<cache>/k8s-<version>/bin/`
+//! so one directory (`LB_K8S_BIN_DIR` for the tests) locates them. A stamp per component in that
+//! directory records the version, a hash of the committed Go files and the build recipe; when every
+//! stamp matches and every binary exists, `ensure` returns without running `go` at all.
+
+use std::{
+    fs,
+    fs::File,
+    os::unix::io::AsRawFd,
+    path::{Path, PathBuf},
+    process::Command,
+    time::Instant,
+};
+
+use anyhow::{Context, Result, bail};
+
+use crate::util::{self, step};
+
+/// The Kubernetes release kube-apiserver, kubectl and kube-proxy are built from (v1.37.2's module
+/// zip is not served by the module proxy this project builds with; v1.37.1 is).
+pub const KUBERNETES_VERSION: &str = "v1.37.1";
+/// The etcd release: the newest v3.6 patch. kube-apiserver 1.37 supports etcd >= 3.5.24
+/// (kubeadm's `MinExternalEtcdVersion`; its default is 3.7.0) and talks to it with the v3 API.
+pub const ETCD_VERSION: &str = "v3.6.16";
+/// The Go release line the wrapper modules declare (`go 1.26.0`); built with GOTOOLCHAIN=local.
+const MIN_GO_MINOR: u32 = 26;
+/// The committed Go files of a wrapper module.
+const GO_FILES: [&str; 3] = ["go.mod", "go.sum", "tools.go"];
+
+/// The cached control-plane binaries, all in `dir`.
+// Today's callers only pass `dir` on (LB_K8S_BIN_DIR); the paths are for those wanting one binary.
+#[allow(dead_code)]
+pub struct K8sBins {
+    pub dir: PathBuf,
+    pub etcd: PathBuf,
+    pub kube_apiserver: PathBuf,
+    pub kubectl: PathBuf,
+    pub kube_proxy: PathBuf,
+}
+
+/// One wrapper module and what it builds.
+struct Component {
+    /// Short name: the directory under `xtask/go/` and the stamp's name.
+    name: &'static str,
+    version: &'static str,
+    /// Build directory under the cache.
+    build_dir: PathBuf,
+    /// (Go package, binary name) pairs built by one `go build`.
+    programs: Vec<(&'static str, &'static str)>,
+    ldflags: String,
+    /// Expected in the output of the version check of every binary (see `version_args`).
+    version_text: String,
+}
+
+impl Component {
+    fn committed_dir(&self) -> PathBuf {
+        util::workspace_root().join("xtask/go").join(self.name)
+    }
+
+    fn stamp_path(&self, bin_dir: &Path) -> PathBuf {
+        bin_dir.join(format!(".{}.stamp", self.name))
+    }
+
+    /// The `go build` arguments after `go`, for one output directory.
+    fn build_args(&self, bin_dir: &Path) -> Vec<String> {
+        let mut args = vec![
+            "build".to_string(),
+            "-trimpath".into(),
+            format!("-ldflags={}", self.ldflags),
+        ];
+        if let [(package, binary)] = self.programs[..] {
+            // One program: name the output (a module path ending in /v3 would name it "server").
+            args.extend([
+                "-o".into(),
+                bin_dir.join(binary).display().to_string(),
+                package.into(),
+            ]);
+        } else {
+            args.extend(["-o".into(), format!("{}/", bin_dir.display())]);
+            args.extend(self.programs.iter().map(|(package, _)| package.to_string()));
+        }
+        args
+    }
+
+    /// What the stamp must say for the binaries to be reused: version, Go files, recipe.
+    fn wanted_stamp(&self) -> Result<String> {
+        let dir = self.committed_dir();
+        let mut hash = Fnv64::new();
+        for file in GO_FILES {
+            let path = dir.join(file);
+            let bytes = fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+            hash.write(file.as_bytes());
+            hash.write(&[0]);
+            hash.write(&(bytes.len() as u64).to_le_bytes());
+            hash.write(&bytes);
+        }
+        let recipe = self.build_args(Path::new("bin")).join(" ");
+        Ok(format!(
+            "component={}\nversion={}\ngo-files-fnv64={:016x}\nrecipe={recipe}\nenv={}\n",
+            self.name,
+            self.version,
+            hash.finish(),
+            BUILD_ENV
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        ))
+    }
+
+    fn binaries<'a>(&'a self, bin_dir: &'a Path) -> impl Iterator<Item = PathBuf> + 'a {
+        self.programs.iter().map(move |(_, binary)| bin_dir.join(binary))
+    }
+
+    fn is_current(&self, bin_dir: &Path) -> Result<bool> {
+        if !self.binaries(bin_dir).all(|b| b.is_file()) {
+            return Ok(false);
+        }
+        let have = fs::read_to_string(self.stamp_path(bin_dir)).unwrap_or_default();
+        Ok(have == self.wanted_stamp()?)
+    }
+
+    /// Copies the committed wrapper module into the build directory and builds into `bin_dir`.
+    fn build(&self, go: &Path, bin_dir: &Path) -> Result<()> {
+        let stamp = self.stamp_path(bin_dir);
+        // A build that stops half-way must not leave a stamp behind that vouches for it.
+        match fs::remove_file(&stamp) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("removing {}", stamp.display()));
+            }
+            _ => {}
+        }
+        fs::create_dir_all(&self.build_dir)
+            .with_context(|| format!("creating {}", self.build_dir.display()))?;
+        let committed = self.committed_dir();
+        for file in GO_FILES {
+            let (from, to) = (committed.join(file), self.build_dir.join(file));
+            fs::copy(&from, &to)
+                .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
+        }
+        let mut cmd = Command::new(go);
+        cmd.args(self.build_args(bin_dir)).current_dir(&self.build_dir);
+        go_env(&mut cmd);
+        let started = Instant::now();
+        util::run(&mut cmd).with_context(|| {
+            format!(
+                "building {} {} in {}",
+                self.name,
+                self.version,
+                self.build_dir.display()
+            )
+        })?;
+        for binary in self.binaries(bin_dir) {
+            let args = version_args(&binary);
+            let out = util::output(Command::new(&binary).args(args))
+                .with_context(|| format!("the freshly built {} does not run", binary.display()))?;
+            if !out.contains(&self.version_text) {
+                bail!(
+                    "{} {args:?} printed {:?}, expected it to contain {:?}",
+                    binary.display(),
+                    out.trim(),
+                    self.version_text
+                );
+            }
+        }
+        fs::write(&stamp, self.wanted_stamp()?).with_context(|| format!("writing {}", stamp.display()))?;
+        step(&format!(
+            "built {} {} in {:.0?}",
+            self.name,
+            self.version,
+            started.elapsed()
+        ));
+        Ok(())
+    }
+}
+
+/// Environment of every `go` command: modules as committed (plus any missing go.sum lines), no
+/// VCS stamping (the cache may sit in someone's checkout), the installed Go only, no go.work from
+/// a parent directory, static binaries (no C toolchain needed, as in the upstream release builds
+/// of these programs). Replaces the caller's GOFLAGS.
+const BUILD_ENV: [(&str, &str); 4] = [
+    ("GOFLAGS", "-mod=mod -buildvcs=false"),
+    ("GOTOOLCHAIN", "local"),
+    ("GOWORK", "off"),
+    ("CGO_ENABLED", "0"),
+];
+
+fn go_env(cmd: &mut Command) {
+    for (k, v) in BUILD_ENV {
+        cmd.env(k, v);
+    }
+}
+
+/// The version linker flags hack/lib/version.sh sets, so `--version` and `/version` report the
+/// release instead of `v0.0.0-master`.
+fn kubernetes_ldflags() -> String {
+    let (major, minor) = major_minor(KUBERNETES_VERSION);
+    let mut flags = vec!["-s".to_string(), "-w".into()];
+    for package in ["k8s.io/component-base/version", "k8s.io/client-go/pkg/version"] {
+        for (key, value) in [
+            ("gitVersion", KUBERNETES_VERSION),
+            ("gitMajor", major),
+            ("gitMinor", minor),
+            ("gitTreeState", "clean"),
+        ] {
+            flags.push(format!("-X {package}.{key}={value}"));
+        }
+    }
+    flags.join(" ")
+}
+
+fn major_minor(version: &str) -> (&str, &str) {
+    let mut parts = version.trim_start_matches('v').split('.');
+    (parts.next().unwrap_or_default(), parts.next().unwrap_or_default())
+}
+
+fn components(cache: &Path) -> [Component; 2] {
+    [
+        Component {
+            name: "etcd",
+            version: ETCD_VERSION,
+            build_dir: cache.join(format!("etcd-{ETCD_VERSION}")),
+            programs: vec![("go.etcd.io/etcd/server/v3", "etcd")],
+            ldflags: "-s -w".into(),
+            version_text: format!("etcd Version: {}", ETCD_VERSION.trim_start_matches('v')),
+        },
+        Component {
+            name: "k8s",
+            version: KUBERNETES_VERSION,
+            build_dir: cache.join(format!("k8s-{KUBERNETES_VERSION}")),
+            programs: vec![
+                ("k8s.io/kubernetes/cmd/kube-apiserver", "kube-apiserver"),
+                ("k8s.io/kubernetes/cmd/kubectl", "kubectl"),
+                ("k8s.io/kubernetes/cmd/kube-proxy", "kube-proxy"),
+            ],
+            ldflags: kubernetes_ldflags(),
+            version_text: KUBERNETES_VERSION.to_string(),
+        },
+    ]
+}
+
+/// Builds what is missing or stale and returns where the binaries are. Idempotent: when everything
+/// is current it only reads two stamp files.
+pub fn ensure(cache: &Path) -> Result<K8sBins> {
+    let bin_dir = cache.join(format!("k8s-{KUBERNETES_VERSION}")).join("bin");
+    let bins = K8sBins {
+        etcd: bin_dir.join("etcd"),
+        kube_apiserver: bin_dir.join("kube-apiserver"),
+        kubectl: bin_dir.join("kubectl"),
+        kube_proxy: bin_dir.join("kube-proxy"),
+        dir: bin_dir.clone(),
+    };
+    let components = components(cache);
+    if all_current(&components, &bin_dir)? {
+        return Ok(bins);
+    }
+
+    fs::create_dir_all(&bin_dir).with_context(|| format!("creating {}", bin_dir.display()))?;
+    // Two commands building at once (say a test run and the sandbox) would race on the outputs.
+    let _lock = lock(&cache.join(".k8s-bins.lock"))?;
+    let go = find_go()?;
+    for c in &components {
+        if c.is_current(&bin_dir)? {
+            continue;
+        }
+        let what = c.programs.iter().map(|(_, b)| *b).collect::<Vec<_>>().join(", ");
+        let how_long = if c.name == "k8s" {
+            "about 8 minutes"
+        } else {
+            "about 1 minute"
+        };
+        step(&format!(
+            "building {what} {} from Go modules ({how_long}, once)",
+            c.version
+        ));
+        c.build(&go, &bin_dir)?;
+    }
+    Ok(bins)
+}
+
+/// How a binary prints its version: kubectl has no --version flag.
+fn version_args(binary: &Path) -> &'static [&'static str] {
+    if binary.ends_with("kubectl") {
+        &["version", "--client"]
+    } else {
+        &["--version"]
+    }
+}
+
+fn all_current(components: &[Component], bin_dir: &Path) -> Result<bool> {
+    for c in components {
+        if !c.is_current(bin_dir)? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// The `go` command: on PATH, else the official tarball's place; at least Go 1.26.
+fn find_go() -> Result<PathBuf> {
+    let go = if util::have("go") {
+        PathBuf::from("go")
+    } else if Path::new("/usr/local/go/bin/go").is_file() {
+        PathBuf::from("/usr/local/go/bin/go")
+    } else {
+        bail!(
+            "`go` is not installed (not on PATH, not in /usr/local/go/bin); etcd, kube-apiserver, kubectl and \
+             kube-proxy are built from their Go modules and need Go >= 1.{MIN_GO_MINOR}: install it from \
+             https://go.dev/dl/ (Debian 12's golang package is too old) and put it on PATH"
+        );
+    };
+    let mut cmd = Command::new(&go);
+    cmd.args(["env", "GOVERSION"]);
+    go_env(&mut cmd);
+    let version =
+        util::output(&mut cmd).with_context(|| format!("running {} env GOVERSION", go.display()))?;
+    let version = version.trim();
+    let minor = version
+        .strip_prefix("go1.")
+        .and_then(|rest| rest.split(['.', 'r', 'b']).next()?.parse::<u32>().ok());
+    match minor {
+        Some(m) if m >= MIN_GO_MINOR => Ok(go),
+        _ => bail!(
+            "{} is {version}; building the control-plane binaries needs Go >= 1.{MIN_GO_MINOR} \
+             (from https://go.dev/dl/)",
+            go.display()
+        ),
+    }
+}
+
+/// An exclusive `flock` on `path`, released when the file is dropped.
+fn lock(path: &Path) -> Result<File> {
+    let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    // SAFETY: flock on a file descriptor we own; no memory is involved.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        step(&format!(
+            "waiting for another build of the control-plane binaries ({})",
+            path.display()
+        ));
+        // SAFETY: as above.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(std::io::Error::last_os_error())
+                .with_context(|| format!("locking {}", path.display()));
+        }
+    }
+    Ok(file)
+}
+
+/// 64-bit FNV-1a: a stable content hash (std's hasher may change between Rust releases).
+struct Fnv64(u64);
+
+impl Fnv64 {
+    fn new() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fnv_matches_reference_vectors() {
+        let mut h = Fnv64::new();
+        assert_eq!(h.finish(), 0xcbf2_9ce4_8422_2325);
+        h.write(b"a");
+        assert_eq!(h.finish(), 0xaf63_dc4c_8601_ec8c);
+    }
+
+    #[test]
+    fn ldflags_carry_the_release() {
+        let flags = kubernetes_ldflags();
+        assert!(
+            flags.contains("-X k8s.io/component-base/version.gitVersion=v1.37.1"),
+            "{flags}"
+        );
+        assert!(
+            flags.contains("-X k8s.io/client-go/pkg/version.gitMinor=37"),
+            "{flags}"
+        );
+        assert_eq!(major_minor("v1.37.1"), ("1", "37"));
+    }
+
+    #[test]
+    fn committed_wrappers_pin_the_versions() {
+        let root = util::workspace_root().join("xtask/go");
+        let k8s = fs::read_to_string(root.join("k8s/go.mod")).unwrap();
+        assert!(k8s.contains(&format!("require k8s.io/kubernetes {KUBERNETES_VERSION}")));
+        let staging = KUBERNETES_VERSION.replacen("v1.", "v0.", 1);
+        let replaces = k8s.lines().filter(|l| l.contains("=>")).collect::<Vec<_>>();
+        assert!(replaces.len() >= 33, "{replaces:?}");
+        assert!(
+            replaces.iter().all(|l| l.trim_end().ends_with(&staging)),
+            "{replaces:?}"
+        );
+        let etcd = fs::read_to_string(root.join("etcd/go.mod")).unwrap();
+        assert!(etcd.contains(&format!("require go.etcd.io/etcd/server/v3 {ETCD_VERSION}")));
+    }
+}

@@ -1,0 +1,78 @@
+//! Developer commands. Every command does its own set-up on a fresh machine (toolchains, Debian
+//! packages, bpf-linker, the control-plane binaries) and reuses what is cached on the next run.
+//!
+//! - `setup`        install what is missing, and nothing else;
+//! - `build-ebpf`   build the eBPF object (`target/bpf/lb-ebpf.o`), which lb-agent embeds;
+//! - `test`         the whole suite: unit, BPF_PROG_TEST_RUN, netns/cgroup, end-to-end;
+//! - `e2e`          the end-to-end tests against a real etcd and kube-apiserver only;
+//! - `sandbox`      the main job: a local cluster in network namespaces, live traffic tables;
+//! - `bench`        benchmarks side by side with kube-proxy (writes docs/benchmarks.md);
+//! - `k8s-bins`     build (or find cached) etcd, kube-apiserver, kubectl and kube-proxy.
+
+mod ebpf;
+mod k8s;
+mod setup;
+mod test;
+mod util;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "Developer commands for the eBPF service load balancer")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Install missing toolchains, Debian packages and bpf-linker.
+    Setup,
+    /// Build the eBPF object into target/bpf/lb-ebpf.o.
+    BuildEbpf,
+    /// Run the whole test suite (needs root for the privileged tests).
+    Test {
+        /// Only run tests whose name contains this string.
+        filter: Option<String>,
+        /// Skip the end-to-end tests (no control-plane build).
+        #[arg(long)]
+        no_e2e: bool,
+    },
+    /// Run only the end-to-end tests against a real kube-apiserver.
+    E2e {
+        filter: Option<String>,
+    },
+    /// Start the local sandbox cluster and show live traffic (the README's first command).
+    Sandbox {
+        /// Arguments passed to the sandbox (see `cargo xtask sandbox -- --help`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Run the benchmarks and regenerate docs/benchmarks.md.
+    Bench {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Build or locate the cached etcd, kube-apiserver, kubectl and kube-proxy binaries.
+    K8sBins,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Setup => setup::all(),
+        Command::BuildEbpf => {
+            setup::ebpf_toolchain_and_linker()?;
+            ebpf::build().map(|_| ())
+        }
+        Command::Test { filter, no_e2e } => test::run_all(filter.as_deref(), !no_e2e),
+        Command::E2e { filter } => test::run_e2e(filter.as_deref()),
+        Command::Sandbox { args } => test::run_tool("lb-sandbox", &args),
+        Command::Bench { args } => test::run_tool("lb-bench", &args),
+        Command::K8sBins => {
+            let bins = k8s::ensure(&util::cache_dir())?;
+            println!("{}", bins.dir.display());
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,214 @@
+//! The test runner behind the README's test command: set-up, the eBPF build, then every test
+//! binary of the workspace, ending with one summary line over all of them.
+
+use std::{
+    fs,
+    io::{BufRead, BufReader},
+    process::{Command, Stdio},
+    sync::mpsc,
+    thread,
+    time::Instant,
+};
+
+use anyhow::{bail, Context, Result};
+
+use crate::{
+    ebpf, k8s, setup,
+    util::{cache_dir, clean_cargo, step, workspace_root},
+};
+
+/// Totals over every `test result:` line cargo's test harness prints.
+#[derive(Default)]
+struct Summary {
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+    filtered: u64,
+    binaries: u64,
+    failing_binaries: Vec<String>,
+}
+
+impl Summary {
+    fn add_line(&mut self, line: &str) {
+        let Some(rest) = line.strip_prefix("test result: ") else { return };
+        self.binaries += 1;
+        for part in rest.split(';') {
+            let mut words = part.split_whitespace().rev();
+            let (Some(what), Some(n)) = (words.next(), words.next()) else { continue };
+            let n: u64 = n.trim_end_matches('.').parse().unwrap_or(0);
+            match what {
+                "passed" => self.passed += n,
+                "failed" => self.failed += n,
+                "ignored" => self.ignored += n,
+                "out" => self.filtered += n,
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Privileged and end-to-end test targets of the `tests/` package (one per file in tests/tests).
+fn lb_tests_targets(with_e2e: bool) -> Result<Vec<String>> {
+    let dir = workspace_root().join("tests/tests");
+    let mut targets = Vec::new();
+    for entry in fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "rs") {
+            let name = path.file_stem().unwrap_or_default().to_string_lossy().to_string();
+            if with_e2e || !name.starts_with("e2e") {
+                targets.push(name);
+            }
+        }
+    }
+    targets.sort();
+    Ok(targets)
+}
+
+fn require_root() -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!(
+            "the privileged tests need root (network namespaces, cgroups, BPF); run `sudo -E ./x test`"
+        );
+    }
+    Ok(())
+}
+
+/// Runs one cargo test invocation, streaming its output and adding its result lines to `summary`.
+fn cargo_test(args: &[String], filter: Option<&str>, envs: &[(&str, String)], summary: &mut Summary) -> Result<bool> {
+    let mut cmd = clean_cargo(None);
+    cmd.arg("test").args(args).arg("--no-fail-fast").arg("--");
+    if let Some(f) = filter {
+        cmd.arg(f);
+    }
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().with_context(|| format!("cannot start {cmd:?}"))?;
+    let (tx, rx) = mpsc::channel::<(bool, String)>();
+    let out = child.stdout.take().expect("piped");
+    let err = child.stderr.take().expect("piped");
+    let tx2 = tx.clone();
+    let readers = [
+        thread::spawn(move || BufReader::new(out).lines().map_while(Result::ok).for_each(|l| drop(tx.send((true, l))))),
+        thread::spawn(move || BufReader::new(err).lines().map_while(Result::ok).for_each(|l| drop(tx2.send((false, l))))),
+    ];
+    let mut current_binary = String::new();
+    for (is_stdout, line) in rx {
+        if is_stdout {
+            println!("{line}");
+        } else {
+            eprintln!("{line}");
+        }
+        if let Some(b) = line.trim().strip_prefix("Running ") {
+            current_binary = b.to_string();
+        }
+        if line.starts_with("test result: FAILED") {
+            summary.failing_binaries.push(current_binary.clone());
+        }
+        summary.add_line(&line);
+    }
+    for r in readers {
+        let _ = r.join();
+    }
+    Ok(child.wait()?.success())
+}
+
+fn print_summary(summary: &Summary, started: Instant, ok: bool) {
+    if !summary.failing_binaries.is_empty() {
+        eprintln!("failing test binaries:");
+        for b in &summary.failing_binaries {
+            eprintln!("    {b}");
+        }
+    }
+    println!(
+        "test result: {}. {} passed; {} failed; {} ignored; {} filtered out; {} test binaries; finished in {:.1}s",
+        if ok { "ok" } else { "FAILED" },
+        summary.passed,
+        summary.failed,
+        summary.ignored,
+        summary.filtered,
+        summary.binaries,
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// Environment for the privileged test binaries: where the control-plane binaries are.
+fn test_env(with_e2e: bool) -> Result<Vec<(&'static str, String)>> {
+    let mut envs = vec![];
+    if with_e2e {
+        let bins = k8s::ensure(&cache_dir())?;
+        envs.push(("LB_K8S_BIN_DIR", bins.dir.display().to_string()));
+    }
+    Ok(envs)
+}
+
+pub fn run_all(filter: Option<&str>, with_e2e: bool) -> Result<()> {
+    let started = Instant::now();
+    require_root()?;
+    setup::all()?;
+    ebpf::build()?;
+    let envs = test_env(with_e2e)?;
+
+    let mut summary = Summary::default();
+    step("unit tests (lb-common, lb-agent, xtask)");
+    let mut ok = cargo_test(
+        &["--workspace", "--exclude", "lb-ebpf", "--exclude", "lb-tests"].map(String::from),
+        filter,
+        &envs,
+        &mut summary,
+    )?;
+    step("privileged and end-to-end tests (tests/)");
+    let mut args = vec!["--package".to_string(), "lb-tests".into(), "--lib".into()];
+    for t in lb_tests_targets(with_e2e)? {
+        args.push("--test".into());
+        args.push(t);
+    }
+    ok &= cargo_test(&args, filter, &envs, &mut summary)?;
+    ok &= summary.failed == 0;
+    print_summary(&summary, started, ok);
+    if !ok {
+        bail!("tests failed");
+    }
+    Ok(())
+}
+
+pub fn run_e2e(filter: Option<&str>) -> Result<()> {
+    let started = Instant::now();
+    require_root()?;
+    setup::all()?;
+    ebpf::build()?;
+    let envs = test_env(true)?;
+    let mut summary = Summary::default();
+    let mut args = vec!["--package".to_string(), "lb-tests".into()];
+    for t in lb_tests_targets(true)?.into_iter().filter(|t| t.starts_with("e2e")) {
+        args.push("--test".into());
+        args.push(t);
+    }
+    let ok = cargo_test(&args, filter, &envs, &mut summary)? && summary.failed == 0;
+    print_summary(&summary, started, ok);
+    if !ok {
+        bail!("end-to-end tests failed");
+    }
+    Ok(())
+}
+
+/// Builds and runs one of the harness programs of `tests/` (the sandbox, the benchmarks).
+pub fn run_tool(bin: &str, args: &[String]) -> Result<()> {
+    require_root()?;
+    setup::all()?;
+    ebpf::build()?;
+    let envs = test_env(true)?;
+    step(&format!("building {bin}"));
+    let mut cmd: Command = clean_cargo(None);
+    cmd.args(["run", "--release", "--quiet", "--package", "lb-tests", "--bin", bin, "--"]).args(args);
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let status = cmd.status()?;
+    if !status.success() {
+        bail!("{bin} exited with {status}");
+    }
+    Ok(())
+}

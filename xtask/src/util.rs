@@ -1,0 +1,84 @@
+//! Small helpers shared by the commands: paths, running commands with clear errors, progress.
+
+use std::{
+    env,
+    path::{Path, PathBuf},
+    process::Command,
+    time::Instant,
+};
+
+use anyhow::{bail, Context, Result};
+
+/// The workspace root (xtask lives one level below it).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask is inside the workspace").to_path_buf()
+}
+
+/// Where built tools are cached between runs: `$LB_CACHE_DIR`, else `$XDG_CACHE_HOME/lb`, else
+/// `~/.cache/lb`. Outside the checkout, so a fresh clone on the same machine reuses it.
+pub fn cache_dir() -> PathBuf {
+    if let Some(dir) = env::var_os("LB_CACHE_DIR") {
+        return PathBuf::from(dir);
+    }
+    let base = env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|| PathBuf::from("/var/cache"));
+    base.join("lb")
+}
+
+/// The eBPF toolchain named in `.cargo/config.toml` (`[env] LB_EBPF_TOOLCHAIN`).
+pub fn ebpf_toolchain() -> String {
+    env::var("LB_EBPF_TOOLCHAIN").unwrap_or_else(|_| "nightly-2026-10-29".to_string())
+}
+
+/// Prints a progress line for a step that may take a while.
+pub fn step(message: &str) {
+    eprintln!("==> {message}");
+}
+
+/// Runs a command to completion, failing with the command line and its exit status.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    let started = Instant::now();
+    let status = cmd.status().with_context(|| format!("cannot start {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed ({status}) after {:.0?}", started.elapsed());
+    }
+    Ok(())
+}
+
+/// Runs a command and returns its stdout, failing with its stderr.
+pub fn output(cmd: &mut Command) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("cannot start {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("{cmd:?} failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// Whether a program is on PATH.
+pub fn have(program: &str) -> bool {
+    env::var_os("PATH")
+        .map(|paths| env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
+        .unwrap_or(false)
+}
+
+/// A `Command` for cargo that does not inherit the toolchain selection of the cargo that runs
+/// xtask (rustup sets RUSTUP_TOOLCHAIN and friends for its children).
+pub fn clean_cargo(toolchain: Option<&str>) -> Command {
+    let mut cmd = match toolchain {
+        Some(tc) => {
+            let mut c = Command::new("rustup");
+            c.args(["run", tc, "cargo"]);
+            c
+        }
+        None => Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into())),
+    };
+    if toolchain.is_some() {
+        for var in ["RUSTUP_TOOLCHAIN", "RUSTC", "RUSTC_WRAPPER", "RUSTC_WORKSPACE_WRAPPER", "CARGO", "RUSTDOC"] {
+            cmd.env_remove(var);
+        }
+    }
+    cmd.current_dir(workspace_root());
+    cmd
+}
