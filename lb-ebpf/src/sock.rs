@@ -197,6 +197,11 @@ pub fn translate_forward<C: SockCall>(call: &mut C) -> Outcome {
         }
     }
 
+    // 127.0.0.1:<nodePort> exists in the host's namespace only; a pod's loopback is its own.
+    if frontend.has(flags::LOCALHOST) && call.netns_cookie() != cfg.host_netns_cookie {
+        return Outcome::pass();
+    }
+
     let mut outcome = Outcome {
         scope: key.scope,
         rev_nat_id: frontend.rev_nat_id,

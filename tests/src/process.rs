@@ -59,6 +59,8 @@ impl<'a> Place<'a> {
 pub struct Proc {
     child: Child,
     what: String,
+    /// Lines read from the child's stdout so far (once something waited for a line).
+    stdout_lines: Option<std::sync::Arc<std::sync::Mutex<Vec<String>>>>,
 }
 
 impl Proc {
@@ -72,7 +74,7 @@ impl Proc {
     pub fn spawn_command(mut cmd: Command) -> Proc {
         let what = format!("{cmd:?}");
         let child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {what}: {e}"));
-        Proc { child, what }
+        Proc { child, what, stdout_lines: None }
     }
 
     pub fn pid(&self) -> u32 {
@@ -83,26 +85,35 @@ impl Proc {
         &mut self.child
     }
 
-    /// Waits until a line of the child's stdout (which must be piped) satisfies `ready`.
+    /// Waits until a line of the child's stdout (which must be piped) satisfies `ready`. A thread
+    /// keeps draining stdout afterwards, so the child never blocks or dies writing to it.
     pub fn wait_for_line(&mut self, timeout: Duration, ready: impl Fn(&str) -> bool) -> String {
-        let stdout = self.child.stdout.take().expect("stdout must be piped to wait for a line");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
+        let lines = self.stdout_lines.get_or_insert_with(|| {
+            let stdout = self.child.stdout.take().expect("stdout must be piped to wait for a line");
+            let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+            let sink = lines.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                    sink.lock().expect("lines lock").push(line);
                 }
-            }
+            });
+            lines
         });
         let deadline = Instant::now() + timeout;
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(line) if ready(&line) => return line,
-                Ok(_) => continue,
-                Err(_) => panic!("{}: no ready line within {timeout:?}", self.what),
+            if let Some(line) = lines.lock().expect("lines lock").iter().find(|l| ready(l)) {
+                return line.clone();
             }
+            if Instant::now() > deadline {
+                panic!("{}: no such line within {timeout:?}; got {:?}", self.what, lines.lock().expect("lines lock"));
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// Every stdout line read so far (see `wait_for_line`).
+    pub fn stdout_lines(&self) -> Vec<String> {
+        self.stdout_lines.as_ref().map(|l| l.lock().expect("lines lock").clone()).unwrap_or_default()
     }
 
     /// Whether the child is still running.
