@@ -177,6 +177,16 @@ pub struct BpfArgs {
     /// Capacity of the session-affinity map (LRU).
     #[arg(long, default_value_t = lb_common::maps::capacity::AFFINITY)]
     pub bpf_lb_affinity_map_max: u32,
+    /// Capacity of the tc path's connection-tracking map (LRU; two to four entries per flow).
+    #[arg(long, default_value_t = lb_common::maps::capacity::CONNTRACK)]
+    pub bpf_ct_map_max: u32,
+    /// Interfaces the tc programs attach to: names, or prefixes ending in `+` (default: every
+    /// interface that is up, except loopback; rescanned at every sync).
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Vec<String>,
+    /// Do not attach the tc programs (socket load balancing only).
+    #[arg(long)]
+    pub no_tc: bool,
     /// Translate at the socket only in the host network namespace; pods go through tc.
     #[arg(long)]
     pub bpf_lb_sock_hostns_only: bool,
@@ -193,6 +203,7 @@ impl BpfArgs {
             revnat: self.bpf_lb_map_max,
             sock_revnat: self.bpf_sock_rev_map_max,
             affinity: self.bpf_lb_affinity_map_max,
+            conntrack: self.bpf_ct_map_max,
             ..Capacities::default()
         }
     }

@@ -14,13 +14,17 @@
 
 pub mod cleanup;
 pub mod cli;
+pub mod config;
 pub mod datapath;
+pub mod health;
 pub mod inspect;
 pub mod maps;
+pub mod metrics;
 pub mod model;
 pub mod node;
 pub mod plan;
 pub mod run;
+pub mod runner;
 pub mod sync;
 pub mod trace;
 pub mod watch;

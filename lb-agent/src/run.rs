@@ -10,7 +10,7 @@ use lb_common::config::{self as dpconfig, Cidr4, DatapathConfig, MAX_CLUSTER_CID
 
 use crate::{
     cli::RunArgs,
-    datapath::{self, cgroup, Datapath, PinPaths},
+    datapath::{self, cgroup, tc, Datapath, PinPaths},
     maps::{Applier, KernelMaps, MapOps},
     node::{self, NodePortAddress},
     plan::NodeContext,
@@ -95,9 +95,15 @@ impl NodeSettings {
         }
     }
 
-    /// The `lb_config` entry.
-    pub fn datapath_config(&self, host_netns_cookie: u64, sock_hostns_only: bool) -> DatapathConfig {
-        let mut cfg = DatapathConfig { host_netns_cookie, ..DatapathConfig::default() };
+    /// The `lb_config` entry. `snat` is the node IP masqueraded flows get as their source.
+    pub fn datapath_config(&self, host_netns_cookie: u64, sock_hostns_only: bool, snat: Ipv4Addr) -> DatapathConfig {
+        let mut cfg = DatapathConfig {
+            host_netns_cookie,
+            snat_addr: snat.octets(),
+            snat_port_min: dpconfig::SNAT_PORT_MIN,
+            snat_port_max: dpconfig::SNAT_PORT_MAX,
+            ..DatapathConfig::default()
+        };
         if sock_hostns_only {
             cfg.flags |= dpconfig::flags::SOCK_HOSTNS_ONLY;
         }
@@ -122,14 +128,46 @@ impl Source {
     }
 }
 
+/// What the agent keeps between syncs.
+struct Agent {
+    datapath: Datapath,
+    applier: Applier<KernelMaps>,
+    settings: NodeSettings,
+    host_cookie: u64,
+    sock_hostns_only: bool,
+    devices: Option<Vec<tc::DevicePattern>>,
+    config_written: Option<DatapathConfig>,
+}
+
 /// One sync: compute the desired state and write the difference.
-fn sync_once(applier: &mut Applier<KernelMaps>, state: &ClusterState, settings: &NodeSettings) -> Result<()> {
+fn sync_once(agent: &mut Agent, state: &ClusterState) -> Result<()> {
     let started = Instant::now();
+    let settings = &agent.settings;
     let node = state.node.as_deref();
     let info = sync::node_info(&settings.node_name, node);
     let locals = node::local_addresses().context("listing this node's addresses")?;
     let ctx = settings.node_context(&locals, &sync::node_primary_ips(node));
+    // Masqueraded flows leave with the node's primary IP (else its first NodePort address).
+    let snat = ctx.node_ips.first().or(ctx.nodeport_addresses.first()).copied().unwrap_or(Ipv4Addr::UNSPECIFIED);
+    let config = settings.datapath_config(agent.host_cookie, agent.sock_hostns_only, snat);
+    if agent.config_written != Some(config) {
+        agent.applier.maps_mut().put_config(&config).context("writing the datapath configuration")?;
+        agent.config_written = Some(config);
+    }
+    if let Some(patterns) = &agent.devices {
+        let up = tc::interfaces_up().context("listing interfaces")?;
+        let wanted = tc::select_devices(patterns, &up);
+        for (name, index) in &wanted {
+            if let Err(e) = agent.datapath.attach_tc(name, *index) {
+                tracing::error!(device = %name, "attaching the tc programs: {e}");
+            }
+        }
+        for gone in agent.datapath.detach_tc_except(&wanted) {
+            tracing::info!(device = %gone, "detached the tc programs");
+        }
+    }
     let computed = sync::compute(state, &info, &ctx);
+    let applier = &mut agent.applier;
     for p in &computed.problems {
         tracing::warn!(kind = p.kind, namespace = %p.namespace, name = %p.name, "{}", p.message);
     }
@@ -167,13 +205,19 @@ pub async fn run(args: RunArgs) -> Result<()> {
         None => cgroup::cgroup2_mount().context("finding the cgroup v2 mount")?,
     };
     let maps = dp.take_maps()?;
-    let mut applier = Applier::recover(maps, caps).context("reading the pinned maps")?;
-    let cookie = netns_cookie().context("reading this network namespace's cookie (needs kernel >= 5.14)")?;
-    applier
-        .maps_mut()
-        .put_config(&settings.datapath_config(cookie, args.bpf.bpf_lb_sock_hostns_only))
-        .context("writing the datapath configuration")?;
+    let applier = Applier::recover(maps, caps).context("reading the pinned maps")?;
+    let host_cookie = netns_cookie().context("reading this network namespace's cookie (needs kernel >= 5.14)")?;
     dp.attach_cgroup(&cgroup_root).context("attaching the socket programs")?;
+    let devices = (!args.bpf.no_tc).then(|| args.bpf.devices.iter().map(|d| tc::DevicePattern::parse(d)).collect());
+    let mut agent = Agent {
+        datapath: dp,
+        applier,
+        settings: settings.clone(),
+        host_cookie,
+        sock_hostns_only: args.bpf.bpf_lb_sock_hostns_only,
+        devices,
+        config_written: None,
+    };
     tracing::info!(node = %settings.node_name, bpf_root = %paths.root.display(), cgroup = %cgroup_root.display(), "data path attached");
 
     let mut interval = tokio::time::interval(args.sync_period);
@@ -183,7 +227,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         tokio::select! {
             _ = interval.tick() => {
                 match source.load(&settings.node_name) {
-                    Ok(state) => sync_once(&mut applier, &state, &settings)?,
+                    Ok(state) => sync_once(&mut agent, &state)?,
                     Err(e) => tracing::error!("reading the cluster state: {e:#}; keeping the last programmed state"),
                 }
             }

@@ -1,9 +1,304 @@
-//! `lb-agent trace`: what the data path does with one packet.
+//! `lb-agent trace`: what the data path does with one packet, answered by the real programs.
+//!
+//! Traffic that starts on this node (`--src` is a node IP or loopback) is handled by the socket
+//! programs, which BPF_PROG_TEST_RUN cannot run; `lb_sock_trace` runs the very same socket code
+//! on a described call instead. Everything else is a packet arriving at tc: a synthetic SYN (or
+//! UDP datagram) goes through `lb_tc_ingress`, and the packet that comes out and the decision the
+//! program records in `__sk_buff.cb` give the answer.
+//!
+//! The maps are either a scratch set built from manifests (`--manifests`: the live maps are never
+//! touched) or the live pinned ones (read for service state; the flow-state maps the programs
+//! write are private to the trace, so tracing never leaves state behind).
 
-use anyhow::Result;
+use std::{
+    collections::BTreeSet,
+    net::Ipv4Addr,
+    path::Path,
+};
 
-use crate::cli::TraceArgs;
+use anyhow::{bail, Context, Result};
+use lb_common::{
+    maps as names,
+    service::Svc4Key,
+    trace::{hook, tc as trace_cb, verdict, SockTraceIn, SockTraceOut, TRACE_PACKET_LEN},
+};
+use serde::Serialize;
 
-pub fn run(_args: &TraceArgs) -> Result<()> {
-    anyhow::bail!("lb-agent trace: not available yet")
+use crate::{
+    cli::{OutputFormat, TraceArgs, TraceProtocol},
+    datapath::{self, Datapath, PinPaths},
+    maps::{Applier, Capacities, KernelMaps, MapOps},
+    model::Protocol,
+    run::NodeSettings,
+    sync,
+    watch::{manifests, ClusterState},
+};
+
+/// The netns cookie the scratch data path treats as "the host" (any fixed value works: the socket
+/// harness passes it in).
+const SCRATCH_HOST_COOKIE: u64 = 0x1000_0001;
+
+/// A data path with private, unpinned maps programmed from a set of objects: for `trace
+/// --manifests` and for tests that run the programs with BPF_PROG_TEST_RUN.
+pub struct ScratchDatapath {
+    pub datapath: Datapath,
+    pub applier: Applier<KernelMaps>,
+    pub settings: NodeSettings,
+    pub host_cookie: u64,
+    pub node_ips: Vec<Ipv4Addr>,
+}
+
+impl ScratchDatapath {
+    /// Loads the object with scratch maps and programs `state` as a node with `node_ips` would.
+    pub fn new(state: &ClusterState, settings: NodeSettings, node_ips: &[Ipv4Addr], object: &[u8]) -> Result<Self> {
+        let caps = Capacities { services: 65_536, backends: 16_384, revnat: 16_384, sock_revnat: 4096, affinity: 4096, affinity_match: 16_384, source_ranges: 4096, conntrack: 65_536 };
+        let mut datapath = Datapath::load_unpinned(&caps, object).context("loading the eBPF object")?;
+        let maps = datapath.take_maps()?;
+        let applier = Applier::new(maps, caps);
+        let mut scratch = Self { datapath, applier, settings, host_cookie: SCRATCH_HOST_COOKIE, node_ips: node_ips.to_vec() };
+        scratch.program(state)?;
+        Ok(scratch)
+    }
+
+    /// Brings the scratch maps to `state`; returns the problems found in it.
+    pub fn program(&mut self, state: &ClusterState) -> Result<Vec<sync::Problem>> {
+        let info = sync::node_info(&self.settings.node_name, state.node.as_deref());
+        let mut locals = self.node_ips.clone();
+        locals.push(Ipv4Addr::LOCALHOST);
+        let mut primary = sync::node_primary_ips(state.node.as_deref());
+        if primary.is_empty() {
+            primary = self.node_ips.iter().take(1).copied().collect();
+        }
+        let ctx = self.settings.node_context(&locals, &primary);
+        let computed = sync::compute(state, &info, &ctx);
+        let report = self.applier.apply(&computed.desired);
+        if !report.errors.is_empty() {
+            bail!("programming the scratch maps failed: {}", report.errors.join("; "));
+        }
+        let snat = primary.first().copied().unwrap_or(Ipv4Addr::UNSPECIFIED);
+        let config = self.settings.datapath_config(self.host_cookie, false, snat);
+        self.applier.maps_mut().put_config(&config)?;
+        Ok(computed.problems)
+    }
+}
+
+/// The answer, as `-o json` prints it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TraceResult {
+    /// "dnat", "reject", "drop" or "pass".
+    pub verdict: &'static str,
+    /// Every endpoint the data path may choose for this packet, sorted ("IP:PORT").
+    pub backends: Vec<String>,
+    /// Whether the source is rewritten to a node IP.
+    pub masquerade: bool,
+    /// "tc" or "socket".
+    pub path: &'static str,
+}
+
+/// Details for the table output.
+#[derive(Clone, Debug, Default)]
+pub struct TraceDetails {
+    pub service: Option<String>,
+    pub scope: Option<u8>,
+    pub chosen: Option<String>,
+    pub note: Option<String>,
+}
+
+/// A packet or socket call to trace.
+#[derive(Clone, Copy, Debug)]
+pub struct TraceRequest {
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub dport: u16,
+    pub protocol: Protocol,
+}
+
+fn verdict_name(v: u32) -> &'static str {
+    match v {
+        verdict::TRANSLATED => "dnat",
+        verdict::REJECT => "reject",
+        verdict::DROP => "drop",
+        _ => "pass",
+    }
+}
+
+/// Every backend in the slots of a frontend's scope.
+fn scope_backends(maps: &KernelMaps, req: &TraceRequest, scope: u8) -> Vec<String> {
+    let key = Svc4Key::new(req.dst.octets(), req.dport, req.protocol.number(), scope, 0);
+    let Ok(frontend) = maps.services.get(&key, 0) else { return Vec::new() };
+    let mut out = BTreeSet::new();
+    for slot in 1..=frontend.count {
+        if let Ok(entry) = maps.services.get(&key.with_slot(slot), 0) {
+            if let Ok(b) = maps.backends.get(&entry.backend_id, 0) {
+                out.insert((Ipv4Addr::from(b.addr), b.port));
+            }
+        }
+    }
+    out.into_iter().map(|(a, p)| format!("{a}:{p}")).collect()
+}
+
+fn backend_name(maps: &KernelMaps, id: u32) -> Option<String> {
+    maps.backends.get(&id, 0).ok().map(|b| format!("{}:{}", Ipv4Addr::from(b.addr), b.port))
+}
+
+fn service_name(maps: &KernelMaps, rev_nat_id: u32) -> Option<String> {
+    let name = maps.names.get(&rev_nat_id, 0).ok()?;
+    let revnat = maps.revnat.get(&rev_nat_id, 0).ok()?;
+    Some(crate::maps::apply::service_port_name(&name, revnat.proto).to_string())
+}
+
+/// Whether the request starts on the node (socket path).
+pub fn starts_on_node(req: &TraceRequest, node_ips: &[Ipv4Addr]) -> bool {
+    req.src.is_loopback() || node_ips.contains(&req.src)
+}
+
+/// Runs one trace against a loaded data path and its maps.
+pub fn trace(dp: &mut Datapath, maps: &KernelMaps, host_cookie: u64, node_ips: &[Ipv4Addr], req: &TraceRequest) -> Result<(TraceResult, TraceDetails)> {
+    if starts_on_node(req, node_ips) {
+        trace_socket(dp, maps, host_cookie, req)
+    } else {
+        trace_tc(dp, maps, req)
+    }
+}
+
+fn trace_socket(dp: &mut Datapath, maps: &KernelMaps, host_cookie: u64, req: &TraceRequest) -> Result<(TraceResult, TraceDetails)> {
+    let input = SockTraceIn {
+        hook: if req.protocol == Protocol::Udp { hook::SENDMSG4 } else { hook::CONNECT4 },
+        protocol: u32::from(req.protocol.number()),
+        addr: req.dst.octets(),
+        port: req.dport,
+        _pad: 0,
+        // A loopback source means an unbound socket: the kernel picks the node's address.
+        src_addr: if req.src.is_loopback() { [0; 4] } else { req.src.octets() },
+        random: 0,
+        socket_cookie: 1,
+        netns_cookie: host_cookie,
+    };
+    let mut packet = [0u8; TRACE_PACKET_LEN];
+    // SAFETY: SockTraceIn is plain old data and fits the buffer (checked at compile time).
+    unsafe { std::ptr::copy_nonoverlapping((&raw const input).cast::<u8>(), packet.as_mut_ptr(), size_of::<SockTraceIn>()) };
+    let run = dp.test_run_tc(datapath::SOCK_TRACE_PROGRAM, &packet, 1)?;
+    if run.packet.len() < size_of::<SockTraceOut>() {
+        bail!("the socket trace harness returned {} bytes", run.packet.len());
+    }
+    // SAFETY: the harness wrote a SockTraceOut at the start of the packet.
+    let out: SockTraceOut = unsafe { std::ptr::read_unaligned(run.packet.as_ptr().cast()) };
+    let verdict = verdict_name(out.verdict);
+    let backends = if out.verdict == verdict::TRANSLATED { scope_backends(maps, req, out.scope) } else { Vec::new() };
+    let details = TraceDetails {
+        service: (out.rev_nat_id != 0).then(|| service_name(maps, out.rev_nat_id)).flatten(),
+        scope: (out.rev_nat_id != 0).then_some(out.scope),
+        chosen: (out.verdict == verdict::TRANSLATED).then(|| format!("{}:{}", Ipv4Addr::from(out.addr), out.port)),
+        note: match out.verdict {
+            verdict::REJECT => Some("connect() fails with ECONNREFUSED".into()),
+            verdict::DROP => Some("connect() fails with EHOSTUNREACH".into()),
+            _ => None,
+        },
+    };
+    Ok((TraceResult { verdict, backends, masquerade: false, path: "socket" }, details))
+}
+
+/// A synthetic first packet of a flow: a TCP SYN, or a UDP datagram.
+pub fn first_packet(req: &TraceRequest, sport: u16) -> Vec<u8> {
+    let builder = etherparse::PacketBuilder::ethernet2([0x02, 0, 0, 0, 0, 1], [0x02, 0, 0, 0, 0, 2]).ipv4(req.src.octets(), req.dst.octets(), 64);
+    let mut out = Vec::new();
+    match req.protocol {
+        Protocol::Tcp => {
+            let b = builder.tcp(sport, req.dport, 1000, 64_240).syn();
+            b.write(&mut out, &[]).expect("write to a Vec");
+        }
+        _ => {
+            let b = builder.udp(sport, req.dport);
+            b.write(&mut out, b"trace").expect("write to a Vec");
+        }
+    }
+    out
+}
+
+fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<(TraceResult, TraceDetails)> {
+    if req.protocol == Protocol::Sctp {
+        let details = TraceDetails { note: Some("SCTP is load-balanced at the socket only; tc passes it untouched".into()), ..TraceDetails::default() };
+        return Ok((TraceResult { verdict: "pass", backends: Vec::new(), masquerade: false, path: "tc" }, details));
+    }
+    let packet = first_packet(req, 40_000);
+    let run = dp.test_run_tc(datapath::tc::TC_PROGRAMS[0].0, &packet, 1)?;
+    let decision = run.cb[trace_cb::CB_VERDICT];
+    let scope = (run.cb[trace_cb::CB_SCOPE_FLAGS] & 0xff) as u8;
+    let masquerade = decision == verdict::TRANSLATED && run.cb[trace_cb::CB_SCOPE_FLAGS] & trace_cb::MASQUERADED != 0;
+    let rev_nat_id = run.cb[trace_cb::CB_REV_NAT_ID];
+    let backends = if decision == verdict::TRANSLATED { scope_backends(maps, req, scope) } else { Vec::new() };
+    let details = TraceDetails {
+        service: (rev_nat_id != 0).then(|| service_name(maps, rev_nat_id)).flatten(),
+        scope: (rev_nat_id != 0).then_some(scope),
+        chosen: (decision == verdict::TRANSLATED).then(|| backend_name(maps, run.cb[trace_cb::CB_BACKEND_ID])).flatten(),
+        note: match decision {
+            verdict::REJECT => Some("answered with ICMP port unreachable".into()),
+            verdict::DROP => Some("dropped".into()),
+            _ => None,
+        },
+    };
+    Ok((TraceResult { verdict: verdict_name(decision), backends, masquerade, path: "tc" }, details))
+}
+
+fn print(result: &TraceResult, details: &TraceDetails, output: OutputFormat) -> Result<()> {
+    match output {
+        OutputFormat::Json => println!("{}", serde_json::to_string(result)?),
+        OutputFormat::Table => {
+            println!("PATH      {}", result.path);
+            println!("VERDICT   {}", result.verdict);
+            println!("SERVICE   {}", details.service.as_deref().unwrap_or("-"));
+            println!("SCOPE     {}", match details.scope {
+                Some(lb_common::service::SCOPE_INTERNAL) => "internal (cluster-wide endpoints)",
+                Some(_) => "external",
+                None => "-",
+            });
+            println!("BACKENDS  {}", if result.backends.is_empty() { "-".to_string() } else { result.backends.join(", ") });
+            println!("CHOSEN    {}", details.chosen.as_deref().unwrap_or("-"));
+            println!("MASQUERADE {}", if result.masquerade { "yes (source becomes a node IP)" } else { "no" });
+            if let Some(note) = &details.note {
+                println!("NOTE      {note}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The `lb-agent trace` command.
+pub fn run(args: &TraceArgs) -> Result<()> {
+    let protocol = match args.protocol {
+        TraceProtocol::Tcp => Protocol::Tcp,
+        TraceProtocol::Udp => Protocol::Udp,
+        TraceProtocol::Sctp => Protocol::Sctp,
+    };
+    let req = TraceRequest { src: args.src, dst: args.dst, dport: args.dport, protocol };
+    let object = datapath::object_bytes(None)?;
+    let settings = NodeSettings::from_args(&args.node, true, args.node_ips.first().copied())?;
+    let (result, details) = match &args.manifests {
+        Some(dir) => {
+            let state = manifests::load_dir(dir, &settings.node_name)?;
+            let node_ips = args.node_ips.clone();
+            let mut scratch = ScratchDatapath::new(&state, settings, &node_ips, &object)?;
+            let ScratchDatapath { datapath, applier, host_cookie, node_ips, .. } = &mut scratch;
+            trace(datapath, applier.maps(), *host_cookie, node_ips, &req)?
+        }
+        None => trace_live(&args.root.bpf_root, &args.node_ips, &req, &object)?,
+    };
+    print(&result, &details, args.output)
+}
+
+/// Trace against the live pinned maps: the service state is read from the pins; the flow-state
+/// maps the programs write are private.
+fn trace_live(bpf_root: &Path, node_ips: &[Ipv4Addr], req: &TraceRequest, object: &[u8]) -> Result<(TraceResult, TraceDetails)> {
+    let paths = PinPaths::new(bpf_root);
+    if !paths.map(names::SERVICES).exists() {
+        bail!("no pinned maps under {} (is the agent running? pass --bpf-root, or use --manifests)", paths.maps().display());
+    }
+    let maps = KernelMaps::from_pins(&paths.maps()).context("opening the pinned maps")?;
+    let host_cookie = maps.config.get(&0, 0).map(|c| c.host_netns_cookie).unwrap_or(0);
+    let mut dp = Datapath::load_for_trace(&paths, object).context("loading the programs for tracing")?;
+    let mut node_ips = node_ips.to_vec();
+    if node_ips.is_empty() {
+        node_ips = crate::node::local_addresses().unwrap_or_default().into_iter().filter(|ip| !ip.is_loopback()).collect();
+    }
+    trace(&mut dp, &maps, host_cookie, &node_ips, req)
 }

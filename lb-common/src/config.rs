@@ -46,7 +46,17 @@ pub struct DatapathConfig {
     pub cluster_cidr_count: u32,
     /// kube-proxy's local-traffic detector (`--cluster-cidr`): sources inside are pods.
     pub cluster_cidrs: [Cidr4; MAX_CLUSTER_CIDRS],
+    /// The node IP masqueraded flows get as their source (tc path).
+    pub snat_addr: [u8; 4],
+    /// Source ports for masqueraded flows, inclusive; outside the kernel's ephemeral range so a
+    /// masqueraded flow never collides with a connection of the node itself.
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
 }
+
+/// Default masquerade port range (as Calico's `BPFPSNATPorts`).
+pub const SNAT_PORT_MIN: u16 = 20_000;
+pub const SNAT_PORT_MAX: u16 = 29_999;
 
 impl DatapathConfig {
     /// Whether `ip` is a pod address per the local-traffic detector; `None` when no cluster CIDR
@@ -77,7 +87,7 @@ mod tests {
     #[test]
     fn layout() {
         assert_eq!(size_of::<Cidr4>(), 8);
-        assert_eq!(size_of::<DatapathConfig>(), 16 + 8 * MAX_CLUSTER_CIDRS);
+        assert_eq!(size_of::<DatapathConfig>(), 16 + 8 * MAX_CLUSTER_CIDRS + 8);
     }
 
     #[test]

@@ -15,6 +15,7 @@
 pub mod affinity;
 pub mod backend;
 pub mod config;
+pub mod conntrack;
 pub mod maps;
 pub mod revnat;
 pub mod select;

@@ -22,6 +22,8 @@ pub const AFFINITY: &str = "lb4_affinity";
 pub const AFFINITY_MATCH: &str = "lb4_aff_match";
 /// loadBalancerSourceRanges (LPM trie): `SrcRange4` prefix -> `u8`. Written by the agent.
 pub const SOURCE_RANGES: &str = "lb4_src_range";
+/// Connection tracking and NAT of the tc path (LRU): `Ct4Key` -> `Ct4Value`.
+pub const CONNTRACK: &str = "lb4_ct";
 /// Datapath configuration, one entry: `u32` 0 -> `DatapathConfig`. Written by the agent.
 pub const CONFIG: &str = "lb_config";
 /// Per-CPU counters: `u32` (a `stats::Counter`) -> `u64`. Written by the programs.
@@ -30,7 +32,7 @@ pub const STATS: &str = "lb_stats";
 /// Every map, in the order the CLI and cleanup list them.
 pub const ALL: &[&str] = &[
     SERVICES, BACKENDS, REVNAT, SVC_NAMES, SOCK_REVNAT, AFFINITY, AFFINITY_MATCH, SOURCE_RANGES,
-    CONFIG, STATS,
+    CONNTRACK, CONFIG, STATS,
 ];
 
 /// Default capacities. The agent overrides them with flags (`--bpf-lb-map-max` and friends) before
@@ -46,6 +48,8 @@ pub mod capacity {
     pub const AFFINITY: u32 = 65_536;
     pub const AFFINITY_MATCH: u32 = 262_144;
     pub const SOURCE_RANGES: u32 = 16_384;
+    /// Four entries per masqueraded flow, two per other flow.
+    pub const CONNTRACK: u32 = 262_144;
 }
 
 /// Compile-time proof that every name fits the kernel's 15-byte object name.

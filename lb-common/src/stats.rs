@@ -1,69 +1,82 @@
 //! `lb_stats`: per-CPU counters the programs bump instead of failing or logging on the hot path.
 //! The agent sums the CPUs for `/metrics` (`lb_datapath_events_total{event=...}`) and the CLI.
 
-/// Index into `lb_stats`. Append only: the agent names counters by index.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Counter {
+macro_rules! counters {
+    ($($(#[$doc:meta])* $variant:ident => $name:literal,)+) => {
+        /// Index into `lb_stats`. Append only: a pinned map keeps its indexes across upgrades.
+        #[repr(u32)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum Counter {
+            $($(#[$doc])* $variant,)+
+        }
+
+        impl Counter {
+            /// Every counter, in index order.
+            pub const ALL: &'static [Counter] = &[$(Counter::$variant,)+];
+
+            /// The metric label, snake_case.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Counter::$variant => $name,)+
+                }
+            }
+        }
+    };
+}
+
+counters! {
     /// A socket's destination was translated to a backend.
-    SockTranslated = 0,
+    SockTranslated => "sock_translated",
     /// Connect/sendmsg refused: the Service has no endpoints (kube-proxy REJECT).
-    SockRejected,
+    SockRejected => "sock_rejected",
     /// Connect/sendmsg refused: a Local traffic policy has no local endpoint (kube-proxy DROP).
-    SockDropped,
+    SockDropped => "sock_dropped",
     /// A frontend entry pointed at a missing slot or backend (a concurrent update); not translated.
-    SockNoBackend,
+    SockNoBackend => "sock_no_backend",
     /// recvmsg4/getpeername4 restored the frontend address.
-    SockRevNatHit,
+    SockRevNatHit => "sock_revnat_hit",
     /// A socket reverse-NAT entry belonged to a frontend that changed; ignored and deleted.
-    SockRevNatStale,
+    SockRevNatStale => "sock_revnat_stale",
     /// Writing a socket reverse-NAT entry failed (the reply would show the backend address).
-    SockRevNatUpdateFailed,
+    SockRevNatUpdateFailed => "sock_revnat_update_failed",
     /// A ClientIP affinity entry chose the backend.
-    AffinityHit,
+    AffinityHit => "affinity_hit",
     /// Writing an affinity entry failed.
-    AffinityUpdateFailed,
+    AffinityUpdateFailed => "affinity_update_failed",
     /// A socket of another network namespace was skipped (`--bpf-lb-sock-hostns-only`).
-    SockSkippedNetns,
-    /// loadBalancerSourceRanges did not allow the client.
-    SourceRangeDenied,
+    SockSkippedNetns => "sock_skipped_netns",
+    /// loadBalancerSourceRanges did not allow the client (dropped).
+    SourceRangeDenied => "source_range_denied",
+    /// tc: a new flow to a frontend was translated (destination NAT).
+    TcNewFlow => "tc_new_flow",
+    /// tc: a new flow was also masqueraded (source NAT to the node IP).
+    TcMasqueraded => "tc_masqueraded",
+    /// tc: a flow to a Service without endpoints was rejected (ICMP port unreachable).
+    TcRejected => "tc_rejected",
+    /// tc: a flow to a Local-policy frontend without local endpoints was dropped.
+    TcDropped => "tc_dropped",
+    /// tc: a frontend entry pointed at a missing slot or backend; the packet passed untouched.
+    TcNoBackend => "tc_no_backend",
+    /// tc: the connection-tracking map refused an entry (full); the packet was dropped.
+    TcCtInsertFailed => "tc_ct_insert_failed",
+    /// tc: no free masquerade port for the destination; the packet was dropped.
+    TcSnatPortsExhausted => "tc_snat_ports_exhausted",
+    /// tc: an IP fragment; passed untouched (fragments are not translated).
+    TcFragment => "tc_fragment",
+    /// tc: a packet too short for its headers; passed untouched.
+    TcTruncated => "tc_truncated",
+    /// tc: an SCTP packet to a frontend; passed untouched (SCTP is balanced at the socket only).
+    TcUnsupportedProtocol => "tc_unsupported_protocol",
+    /// tc: an ICMP error about a translated flow was translated back.
+    TcIcmpErrorTranslated => "tc_icmp_error_translated",
+    /// tc: a UDP flow whose backend was removed moved to a live backend.
+    TcStaleUdpMoved => "tc_stale_udp_moved",
+    /// tc: rewriting a packet failed (checksum or store helper error); dropped.
+    TcRewriteFailed => "tc_rewrite_failed",
 }
 
 /// Number of counters (`lb_stats` max_entries).
-pub const COUNT: u32 = Counter::SourceRangeDenied as u32 + 1;
-
-impl Counter {
-    pub const ALL: [Counter; COUNT as usize] = [
-        Counter::SockTranslated,
-        Counter::SockRejected,
-        Counter::SockDropped,
-        Counter::SockNoBackend,
-        Counter::SockRevNatHit,
-        Counter::SockRevNatStale,
-        Counter::SockRevNatUpdateFailed,
-        Counter::AffinityHit,
-        Counter::AffinityUpdateFailed,
-        Counter::SockSkippedNetns,
-        Counter::SourceRangeDenied,
-    ];
-
-    /// The metric label, snake_case.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Counter::SockTranslated => "sock_translated",
-            Counter::SockRejected => "sock_rejected",
-            Counter::SockDropped => "sock_dropped",
-            Counter::SockNoBackend => "sock_no_backend",
-            Counter::SockRevNatHit => "sock_revnat_hit",
-            Counter::SockRevNatStale => "sock_revnat_stale",
-            Counter::SockRevNatUpdateFailed => "sock_revnat_update_failed",
-            Counter::AffinityHit => "affinity_hit",
-            Counter::AffinityUpdateFailed => "affinity_update_failed",
-            Counter::SockSkippedNetns => "sock_skipped_netns",
-            Counter::SourceRangeDenied => "source_range_denied",
-        }
-    }
-}
+pub const COUNT: u32 = Counter::ALL.len() as u32;
 
 #[cfg(test)]
 mod tests {

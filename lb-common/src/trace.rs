@@ -72,3 +72,27 @@ user_pod!(SockTraceIn, SockTraceOut);
 
 const _: () = assert!(core::mem::size_of::<SockTraceIn>() <= TRACE_PACKET_LEN);
 const _: () = assert!(core::mem::size_of::<SockTraceOut>() <= TRACE_PACKET_LEN);
+
+/// What `lb_tc_ingress` leaves in `__sk_buff.cb` about a new-flow decision, for `lb-agent trace`
+/// (read back through BPF_PROG_TEST_RUN's ctx_out; production traffic ignores it).
+pub mod tc {
+    /// cb[0]: the decision (`verdict::*` values; 0 = not a frontend or nothing decided).
+    pub const CB_VERDICT: usize = 0;
+    /// cb[1]: the frontend's rev_nat_id.
+    pub const CB_REV_NAT_ID: usize = 1;
+    /// cb[2]: the scope used in the low byte, `MASQUERADED` in bit 8.
+    pub const CB_SCOPE_FLAGS: usize = 2;
+    /// cb[3]: the backend id.
+    pub const CB_BACKEND_ID: usize = 3;
+    /// cb[4]: the frontend entry's flags.
+    pub const CB_FRONTEND_FLAGS: usize = 4;
+    pub const MASQUERADED: u32 = 1 << 8;
+    /// Offset of `cb` in `struct __sk_buff` (len, pkt_type, mark, queue_mapping, protocol,
+    /// vlan_present, vlan_tci, vlan_proto, priority, ingress_ifindex, ifindex, tc_index: 12 u32).
+    pub const SKB_CB_OFFSET: usize = 48;
+    /// Offset of `mark` in `struct __sk_buff`.
+    pub const SKB_MARK_OFFSET: usize = 8;
+    /// A `struct __sk_buff` is smaller than this; BPF_PROG_TEST_RUN accepts a larger, zero-padded
+    /// context.
+    pub const SKB_CTX_LEN: usize = 256;
+}

@@ -3,10 +3,14 @@
 //! and their BPF_PROG_TEST_RUN harness run the same `sock` code).
 //!
 //! - `maps`: every map, declared once with `#[btf_map]` (BTF makes `bpftool map dump` print fields).
-//! - `sock`: cgroup connect4/sendmsg4/recvmsg4/getpeername4 translation.
+//! - `lb`: service lookup and backend selection, shared by both paths;
+//! - `sock`: cgroup connect4/sendmsg4/recvmsg4/getpeername4 translation;
+//! - `tc`: per-packet translation (DNAT, masquerade, conntrack, reverse NAT, reject, ICMP).
 //! - `stats`: per-CPU counters, bumped instead of failing a syscall or logging on the hot path.
 #![no_std]
 
+pub mod lb;
 pub mod maps;
 pub mod sock;
 pub mod stats;
+pub mod tc;

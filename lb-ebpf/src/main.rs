@@ -196,6 +196,18 @@ pub fn lb_sock_trace(ctx: TcContext) -> i32 {
     }
 }
 
+/// Per-packet translation on the way in: DNAT, un-SNAT, reject/drop decisions.
+#[classifier]
+pub fn lb_tc_ingress(mut ctx: TcContext) -> i32 {
+    lb_ebpf::tc::ingress(&mut ctx)
+}
+
+/// Per-packet translation on the way out: SNAT and reverse DNAT.
+#[classifier]
+pub fn lb_tc_egress(mut ctx: TcContext) -> i32 {
+    lb_ebpf::tc::egress(&mut ctx)
+}
+
 #[cfg(not(test))]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {

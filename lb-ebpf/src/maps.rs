@@ -12,6 +12,7 @@ use lb_common::{
     affinity::{Affinity4Key, Affinity4Value, AffinityMatchKey},
     backend::Backend4Value,
     config::DatapathConfig,
+    conntrack::{Ct4Key, Ct4Value},
     maps::capacity,
     revnat::{RevNat4Value, SockRevNat4Key, SockRevNat4Value, SvcName},
     service::{SrcRange4, Svc4Key, Svc4Value},
@@ -64,6 +65,11 @@ pub static AFFINITY_MATCH: HashMap<AffinityMatchKey, u8, { capacity::AFFINITY_MA
 #[btf_map(name = "lb4_src_range")]
 pub static SOURCE_RANGES: LpmTrie<SrcRange4, u8, { capacity::SOURCE_RANGES as usize }, { NO_PREALLOC | RDONLY_PROG }> =
     LpmTrie::new();
+
+/// The tc path's NAT table: one entry per direction and rewrite of each flow (see
+/// `lb_common::conntrack`). Writers: tc ingress. Readers: tc ingress and egress. LRU: flow state.
+#[btf_map(name = "lb4_ct")]
+pub static CONNTRACK: LruHashMap<Ct4Key, Ct4Value, { capacity::CONNTRACK as usize }> = LruHashMap::new();
 
 /// Node-wide settings, index 0. Writer: agent.
 #[btf_map(name = "lb_config")]

@@ -19,18 +19,18 @@
 //! BPF_PROG_TEST_RUN can run) executes exactly this code for tests and `lb-agent trace`.
 
 use lb_common::{
-    affinity::{kind, Affinity4Key, Affinity4Value, AffinityMatchKey},
+    affinity::kind,
     config::{self, DatapathConfig},
     proto,
     revnat::{SockRevNat4Key, SockRevNat4Value},
-    select,
-    service::{flags, SrcRange4, Svc4Key, Svc4Value, SCOPE_EXTERNAL, SCOPE_INTERNAL},
+    service::{flags, Svc4Value},
     stats::Counter,
     trace::verdict,
 };
 
 use crate::{
-    maps::{AFFINITY, AFFINITY_MATCH, BACKENDS, CONFIG, REVNAT, SERVICES, SOCK_REVNAT, SOURCE_RANGES},
+    lb::{self, Frontend},
+    maps::{REVNAT, SOCK_REVNAT},
     stats::count,
 };
 
@@ -58,7 +58,7 @@ pub trait SockCall {
     fn now_ns(&self) -> u64;
 }
 
-/// What a forward translation did, with the details the trace harness reports.
+/// What a translation did, with the details the trace harness reports.
 #[derive(Clone, Copy, Default)]
 pub struct Outcome {
     pub verdict: u32,
@@ -78,91 +78,19 @@ impl Outcome {
     }
 }
 
-#[inline(always)]
-fn datapath_config() -> DatapathConfig {
-    match CONFIG.get(0) {
-        Some(cfg) => *cfg,
-        None => DatapathConfig::default(),
-    }
-}
-
-#[inline(always)]
-fn lookup_service(key: &Svc4Key) -> Option<Svc4Value> {
-    // Copy out: a hash map reference is only valid until the next update of the map.
-    SERVICES.get_ptr(key).map(|p| unsafe { *p })
-}
-
 /// Whether loadBalancerSourceRanges let this socket through. `None`: undecidable at the socket
 /// (a pod's unbound socket, whose source address the kernel picks later), so leave it to tc.
 #[inline(always)]
 fn source_allowed<C: SockCall>(call: &C, cfg: &DatapathConfig, frontend: &Svc4Value) -> Option<bool> {
     let src = call.src_addr();
     if src != [0; 4] {
-        let key = aya_ebpf::maps::lpm_trie::Key::new(SrcRange4::prefix_len(32), SrcRange4::new(frontend.rev_nat_id, src));
-        return Some(SOURCE_RANGES.get(&key).is_some());
+        return Some(lb::source_in_ranges(frontend, src));
     }
     if call.netns_cookie() == cfg.host_netns_cookie {
         // The node's own address is the source: kube-proxy allows it when a range contains it.
         return Some(frontend.has(flags::SOURCE_RANGES_ALLOW_NODE));
     }
     None
-}
-
-/// Picks a backend for `frontend` (the slot-0 entry of `key`'s scope): affinity first, then a slot.
-#[inline(always)]
-fn select_backend<C: SockCall>(call: &C, key: &Svc4Key, frontend: &Svc4Value) -> Option<(u32, lb_common::backend::Backend4Value)> {
-    let affinity_key = Affinity4Key {
-        client: call.netns_cookie(),
-        rev_nat_id: frontend.rev_nat_id,
-        kind: kind::NETNS_COOKIE,
-        _pad: [0; 3],
-    };
-    if frontend.has(flags::AFFINITY) {
-        if let Some(entry) = AFFINITY.get_ptr(&affinity_key).map(|p| unsafe { *p }) {
-            let member = AffinityMatchKey { backend_id: entry.backend_id, rev_nat_id: frontend.rev_nat_id };
-            if select::affinity_valid(entry.last_used_ns, call.now_ns(), frontend.affinity_timeout)
-                && AFFINITY_MATCH.get_ptr(&member).is_some()
-            {
-                if let Some(backend) = BACKENDS.get_ptr(&entry.backend_id).map(|p| unsafe { *p }) {
-                    count(Counter::AffinityHit);
-                    remember_affinity(call, &affinity_key, entry.backend_id);
-                    return Some((entry.backend_id, backend));
-                }
-            }
-        }
-    }
-
-    // TCP: random per connection. UDP: the socket cookie, so every datagram of one socket goes to
-    // the same backend while the backend set is unchanged.
-    let hash = if call.protocol() == proto::TCP { call.random() } else { cookie_hash(call.socket_cookie()) };
-    let slot = select::slot_for(hash, frontend.count);
-    let slot_entry = match lookup_service(&key.with_slot(slot)) {
-        Some(entry) => entry,
-        // The frontend shrank under us (slots are deleted after the count is lowered): slot 1
-        // always exists while count > 0.
-        None => lookup_service(&key.with_slot(1))?,
-    };
-    let backend = BACKENDS.get_ptr(&slot_entry.backend_id).map(|p| unsafe { *p })?;
-    if frontend.has(flags::AFFINITY) {
-        remember_affinity(call, &affinity_key, slot_entry.backend_id);
-    }
-    Some((slot_entry.backend_id, backend))
-}
-
-#[inline(always)]
-fn remember_affinity<C: SockCall>(call: &C, key: &Affinity4Key, backend_id: u32) {
-    let value = Affinity4Value { last_used_ns: call.now_ns(), backend_id, _pad: 0 };
-    if AFFINITY.insert(key, &value, 0).is_err() {
-        count(Counter::AffinityUpdateFailed);
-    }
-}
-
-/// A cheap mix of the cookie's halves (the cookie is a counter: low bits alone would be skewed
-/// towards consecutive sockets).
-#[inline(always)]
-fn cookie_hash(cookie: u64) -> u32 {
-    let mixed = cookie.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    (mixed >> 32) as u32
 }
 
 /// connect4 and sendmsg4: translate a frontend destination to a backend.
@@ -175,27 +103,22 @@ pub fn translate_forward<C: SockCall>(call: &mut C) -> Outcome {
     if protocol != proto::TCP && protocol != proto::UDP && protocol != proto::SCTP {
         return Outcome::pass();
     }
-    let cfg = datapath_config();
+    let cfg = lb::datapath_config();
     if cfg.flags & config::flags::SOCK_HOSTNS_ONLY != 0 && call.netns_cookie() != cfg.host_netns_cookie {
         count(Counter::SockSkippedNetns);
         return Outcome::pass();
     }
 
     let (vip, vport) = (call.addr(), call.port());
-    let mut key = Svc4Key::new(vip, vport, protocol, SCOPE_EXTERNAL, 0);
-    let Some(mut frontend) = lookup_service(&key) else {
-        return Outcome::pass();
-    };
-    if frontend.has(flags::TWO_SCOPES) {
-        key.scope = SCOPE_INTERNAL;
-        match lookup_service(&key) {
-            Some(internal) => frontend = internal,
-            None => {
-                count(Counter::SockNoBackend);
-                return Outcome::pass();
-            }
+    // Socket calls start on this node: the internal scope of a Local-policy frontend applies.
+    let (key, frontend) = match lb::lookup_frontend(vip, vport, protocol, true) {
+        Frontend::None => return Outcome::pass(),
+        Frontend::Incomplete => {
+            count(Counter::SockNoBackend);
+            return Outcome::pass();
         }
-    }
+        Frontend::Found(key, entry) => (key, entry),
+    };
 
     // 127.0.0.1:<nodePort> exists in the host's namespace only; a pod's loopback is its own.
     if frontend.has(flags::LOCALHOST) && call.netns_cookie() != cfg.host_netns_cookie {
@@ -236,7 +159,11 @@ pub fn translate_forward<C: SockCall>(call: &mut C) -> Outcome {
         return outcome;
     }
 
-    let Some((backend_id, backend)) = select_backend(call, &key, &frontend) else {
+    // TCP: random per connection. UDP: the socket cookie, so every datagram of one socket goes to
+    // the same backend while the backend set is unchanged.
+    let hash = if protocol == proto::TCP { call.random() } else { lb::mix64(call.socket_cookie()) };
+    let selected = lb::select_backend(&key, &frontend, call.netns_cookie(), kind::NETNS_COOKIE, hash, call.now_ns());
+    let Some((backend_id, backend)) = selected else {
         count(Counter::SockNoBackend);
         return outcome;
     };

@@ -19,6 +19,7 @@ pub mod cgroup;
 pub mod control_plane;
 pub mod fixtures;
 pub mod netns;
+pub mod packet;
 pub mod probe;
 pub mod process;
 pub mod topo;

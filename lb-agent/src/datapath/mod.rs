@@ -8,6 +8,7 @@
 
 pub mod bpffs;
 pub mod cgroup;
+pub mod tc;
 
 use std::{
     fs,
@@ -117,6 +118,33 @@ impl Datapath {
         Ok(Self { ebpf, paths: None })
     }
 
+    /// Loads the object for `trace` against a running agent: the service-state maps are the live
+    /// pinned ones (read-only to the programs), while conntrack, socket reverse NAT, affinity and
+    /// counters are private, so a traced packet leaves no state behind.
+    pub fn load_for_trace(paths: &PinPaths, object: &[u8]) -> Result<Self, DatapathError> {
+        let shared = [names::SERVICES, names::BACKENDS, names::REVNAT, names::SVC_NAMES, names::AFFINITY_MATCH, names::SOURCE_RANGES, names::CONFIG];
+        let capacity = |name: &str| -> Result<u32, DatapathError> {
+            Ok(aya::maps::MapInfo::from_pin(paths.map(name))?.max_entries())
+        };
+        let caps = Capacities {
+            services: capacity(names::SERVICES)?,
+            backends: capacity(names::BACKENDS)?,
+            revnat: capacity(names::REVNAT)?,
+            affinity_match: capacity(names::AFFINITY_MATCH)?,
+            source_ranges: capacity(names::SOURCE_RANGES)?,
+            sock_revnat: 4096,
+            affinity: 4096,
+            conntrack: 4096,
+        };
+        let pins: Vec<(&'static str, PathBuf)> = shared.iter().map(|n| (*n, paths.map(n))).collect();
+        let mut loader = EbpfLoader::new();
+        for (name, path) in &pins {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let ebpf = Self::load_with(&mut loader, &caps, object)?;
+        Ok(Self { ebpf, paths: None })
+    }
+
     fn load_with(loader: &mut EbpfLoader<'_>, caps: &Capacities, object: &[u8]) -> Result<Ebpf, DatapathError> {
         loader
             .map_max_entries(names::SERVICES, caps.services)
@@ -126,7 +154,8 @@ impl Datapath {
             .map_max_entries(names::SOCK_REVNAT, caps.sock_revnat)
             .map_max_entries(names::AFFINITY, caps.affinity)
             .map_max_entries(names::AFFINITY_MATCH, caps.affinity_match)
-            .map_max_entries(names::SOURCE_RANGES, caps.source_ranges);
+            .map_max_entries(names::SOURCE_RANGES, caps.source_ranges)
+            .map_max_entries(names::CONNTRACK, caps.conntrack);
         let mut ebpf = loader.load(object).map_err(|source| match source {
             aya::EbpfError::MapError(aya::maps::MapError::IncompatiblePinnedMap { name, property, expected, actual }) => {
                 DatapathError::IncompatiblePin { name, detail: format!("{property} is {actual}, expected {expected}") }
@@ -140,8 +169,10 @@ impl Datapath {
             let prog: &mut CgroupSockAddr = program(&mut ebpf, name)?;
             prog.load().map_err(|source| program_error(name, source))?;
         }
-        let trace: &mut SchedClassifier = program(&mut ebpf, SOCK_TRACE_PROGRAM)?;
-        trace.load().map_err(|source| program_error(SOCK_TRACE_PROGRAM, source))?;
+        for name in [SOCK_TRACE_PROGRAM, tc::TC_PROGRAMS[0].0, tc::TC_PROGRAMS[1].0] {
+            let prog: &mut SchedClassifier = program(&mut ebpf, name)?;
+            prog.load().map_err(|source| program_error(name, source))?;
+        }
         Ok(ebpf)
     }
 
@@ -220,12 +251,69 @@ pub fn cgroup_link_dirs(paths: &PinPaths) -> Vec<PathBuf> {
         .unwrap_or_default()
 }
 
-fn program_error(name: &str, source: aya::programs::ProgramError) -> DatapathError {
+/// One BPF_PROG_TEST_RUN of a tc program.
+#[derive(Clone, Debug)]
+pub struct TcRun {
+    /// The program's return value (TC_ACT_*).
+    pub action: i32,
+    /// The packet as the program left it.
+    pub packet: Vec<u8>,
+    /// `__sk_buff.cb` as the program left it (see `lb_common::trace::tc`).
+    pub cb: [u32; 5],
+    /// `__sk_buff.mark` as the program left it.
+    pub mark: u32,
+    /// Mean run time per repetition, as measured by the kernel.
+    pub duration: std::time::Duration,
+}
+
+impl Datapath {
+    /// Runs a tc program (`lb_tc_ingress`, `lb_tc_egress`, `lb_sock_trace`) on `packet` with
+    /// BPF_PROG_TEST_RUN. With `repeat > 1` every run after the first sees the packet as the
+    /// previous run left it.
+    pub fn test_run_tc(&mut self, name: &str, packet: &[u8], repeat: u32) -> Result<TcRun, DatapathError> {
+        self.test_run_tc_ctx(name, packet, repeat, 0)
+    }
+
+    /// Like `test_run_tc`, for a packet carrying `skb->mark` (egress after an ingress that set it).
+    pub fn test_run_tc_with_mark(&mut self, name: &str, packet: &[u8], mark: u32) -> Result<TcRun, DatapathError> {
+        self.test_run_tc_ctx(name, packet, 1, mark)
+    }
+
+    fn test_run_tc_ctx(&mut self, name: &str, packet: &[u8], repeat: u32, mark: u32) -> Result<TcRun, DatapathError> {
+        use aya::programs::{TestRun, TestRunOptions};
+        use lb_common::trace::tc::{SKB_CB_OFFSET, SKB_CTX_LEN, SKB_MARK_OFFSET};
+        let prog: &mut SchedClassifier = program(&mut self.ebpf, name)?;
+        // Room for a packet that grows (an ICMP error built from a short packet).
+        let mut out = vec![0u8; packet.len() + 256];
+        let mut ctx_in = [0u8; SKB_CTX_LEN];
+        ctx_in[SKB_MARK_OFFSET..SKB_MARK_OFFSET + 4].copy_from_slice(&mark.to_ne_bytes());
+        let mut ctx_out = [0u8; SKB_CTX_LEN];
+        let opts = TestRunOptions {
+            data_in: Some(packet),
+            data_out: Some(&mut out),
+            ctx_in: Some(&ctx_in),
+            ctx_out: Some(&mut ctx_out),
+            repeat: repeat.max(1),
+            ..TestRunOptions::default()
+        };
+        let result = prog.test_run(opts).map_err(|source| program_error(name, source))?;
+        out.truncate(result.data_size_out as usize);
+        let mut cb = [0u32; 5];
+        for (i, slot) in cb.iter_mut().enumerate() {
+            let at = SKB_CB_OFFSET + 4 * i;
+            *slot = u32::from_ne_bytes([ctx_out[at], ctx_out[at + 1], ctx_out[at + 2], ctx_out[at + 3]]);
+        }
+        let mark = u32::from_ne_bytes([ctx_out[SKB_MARK_OFFSET], ctx_out[SKB_MARK_OFFSET + 1], ctx_out[SKB_MARK_OFFSET + 2], ctx_out[SKB_MARK_OFFSET + 3]]);
+        Ok(TcRun { action: result.return_value as i32, packet: out, cb, mark, duration: result.duration })
+    }
+}
+
+pub(crate) fn program_error(name: &str, source: aya::programs::ProgramError) -> DatapathError {
     let hint = hint_for(&format!("{source:?}"));
     DatapathError::Program { name: name.to_string(), source, hint }
 }
 
-fn program<'a, T>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut T, DatapathError>
+pub(crate) fn program<'a, T>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut T, DatapathError>
 where
     &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
 {

@@ -45,6 +45,7 @@ pub struct Capacities {
     pub affinity: u32,
     pub affinity_match: u32,
     pub source_ranges: u32,
+    pub conntrack: u32,
 }
 
 impl Default for Capacities {
@@ -57,6 +58,7 @@ impl Default for Capacities {
             affinity: capacity::AFFINITY,
             affinity_match: capacity::AFFINITY_MATCH,
             source_ranges: capacity::SOURCE_RANGES,
+            conntrack: capacity::CONNTRACK,
         }
     }
 }

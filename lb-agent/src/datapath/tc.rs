@@ -1,0 +1,168 @@
+//! The tc programs on the node's interfaces: which interfaces (`--devices`), attaching with pinned
+//! TCX links (kernel >= 6.6; a clsact qdisc filter before that), adopting links a previous run
+//! pinned, and detaching from interfaces that went away.
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    path::PathBuf,
+};
+
+use aya::programs::{
+    links::{FdLink, PinnedLink},
+    tc::{self, TcAttachType},
+    SchedClassifier,
+};
+
+use super::{program, program_error, Datapath, DatapathError, PinPaths};
+
+/// The tc programs and their hooks.
+pub const TC_PROGRAMS: [(&str, TcAttachType, &str); 2] =
+    [("lb_tc_ingress", TcAttachType::Ingress, "ingress"), ("lb_tc_egress", TcAttachType::Egress, "egress")];
+
+/// One entry of `--devices`: a name, or a prefix ending in `+` (iptables style) or `*`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DevicePattern {
+    Name(String),
+    Prefix(String),
+}
+
+impl DevicePattern {
+    pub fn parse(s: &str) -> Self {
+        let s = s.trim();
+        match s.strip_suffix('+').or_else(|| s.strip_suffix('*')) {
+            Some(prefix) => DevicePattern::Prefix(prefix.to_string()),
+            None => DevicePattern::Name(s.to_string()),
+        }
+    }
+
+    pub fn matches(&self, name: &str) -> bool {
+        match self {
+            DevicePattern::Name(n) => n == name,
+            DevicePattern::Prefix(p) => name.starts_with(p.as_str()),
+        }
+    }
+}
+
+/// The interfaces of this network namespace that are up: name -> ifindex.
+pub fn interfaces_up() -> std::io::Result<BTreeMap<String, u32>> {
+    use nix::net::if_::InterfaceFlags;
+    let mut up = BTreeMap::new();
+    for ifaddr in nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)? {
+        if ifaddr.flags.contains(InterfaceFlags::IFF_UP) && !ifaddr.flags.contains(InterfaceFlags::IFF_LOOPBACK) {
+            if let Ok(index) = nix::net::if_::if_nametoindex(ifaddr.interface_name.as_str()) {
+                up.insert(ifaddr.interface_name.clone(), index);
+            }
+        }
+    }
+    Ok(up)
+}
+
+/// The interfaces to attach to: those matching `patterns`, or every interface that is up (but
+/// loopback) when there are none.
+pub fn select_devices(patterns: &[DevicePattern], up: &BTreeMap<String, u32>) -> BTreeMap<String, u32> {
+    up.iter()
+        .filter(|(name, _)| patterns.is_empty() || patterns.iter().any(|p| p.matches(name)))
+        .map(|(n, i)| (n.clone(), *i))
+        .collect()
+}
+
+fn tc_links_root(paths: &PinPaths) -> PathBuf {
+    paths.links().join("tc")
+}
+
+/// Pin names may not contain '.', which interface names may (VLANs): keep names readable and
+/// unique through the ifindex.
+fn device_dir(paths: &PinPaths, ifindex: u32, name: &str) -> PathBuf {
+    let clean: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+    tc_links_root(paths).join(format!("{ifindex}-{clean}"))
+}
+
+/// The ifindex of every interface with pinned tc links.
+pub fn pinned_devices(paths: &PinPaths) -> BTreeMap<u32, PathBuf> {
+    let Ok(entries) = fs::read_dir(tc_links_root(paths)) else { return BTreeMap::new() };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let index: u32 = name.split('-').next()?.parse().ok()?;
+            Some((index, e.path()))
+        })
+        .collect()
+}
+
+impl Datapath {
+    /// Attaches the tc programs to one interface (ingress and egress), adopting pinned links.
+    pub fn attach_tc(&mut self, ifname: &str, ifindex: u32) -> Result<(), DatapathError> {
+        let paths = self.pinned_paths()?;
+        let dir = device_dir(&paths, ifindex, ifname);
+        fs::create_dir_all(&dir).map_err(|e| DatapathError::Pin { path: dir.clone(), message: e.to_string() })?;
+        for (name, attach_type, hook) in TC_PROGRAMS {
+            let pin = dir.join(hook);
+            let prog: &mut SchedClassifier = program(&mut self.ebpf, name)?;
+            match PinnedLink::from_pin(&pin) {
+                Ok(old) => {
+                    let link = FdLink::from(old).try_into().map_err(|e: aya::programs::links::LinkError| {
+                        DatapathError::Pin { path: pin.clone(), message: e.to_string() }
+                    })?;
+                    prog.attach_to_link(link).map_err(|source| program_error(name, source))?;
+                }
+                Err(_) => {
+                    let tcx = aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0));
+                    if !tcx {
+                        // Before TCX, filters hang off a clsact qdisc (they outlive the agent too).
+                        if let Err(e) = tc::qdisc_add_clsact(ifindex) {
+                            tracing::debug!(device = ifname, "clsact: {e}");
+                        }
+                    }
+                    let link_id = prog.attach(ifindex, attach_type).map_err(|source| program_error(name, source))?;
+                    let link = prog.take_link(link_id).map_err(|source| program_error(name, source))?;
+                    match FdLink::try_from(link) {
+                        Ok(fd_link) => {
+                            fd_link.pin(&pin).map_err(|e| DatapathError::Pin { path: pin.clone(), message: e.to_string() })?;
+                        }
+                        // A netlink filter is not a link: nothing to pin, it stays attached.
+                        Err(_) => tracing::debug!(device = ifname, hook, "attached as a netlink filter"),
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Detaches the tc programs from interfaces no longer wanted (or gone): removing a pinned TCX
+    /// link detaches its program.
+    pub fn detach_tc_except(&self, keep: &BTreeMap<String, u32>) -> Vec<String> {
+        let Ok(paths) = self.pinned_paths() else { return Vec::new() };
+        let wanted: Vec<PathBuf> = keep.iter().map(|(n, i)| device_dir(&paths, *i, n)).collect();
+        let mut removed = Vec::new();
+        for (_, dir) in pinned_devices(&paths) {
+            if !wanted.contains(&dir) && fs::remove_dir_all(&dir).is_ok() {
+                removed.push(dir.file_name().unwrap_or_default().to_string_lossy().to_string());
+            }
+        }
+        removed
+    }
+
+    fn pinned_paths(&self) -> Result<PinPaths, DatapathError> {
+        self.paths.clone().ok_or_else(|| DatapathError::Pin {
+            path: PathBuf::new(),
+            message: "attaching needs a pinned data path (load, not load_unpinned)".into(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_patterns() {
+        let up = BTreeMap::from([("eth0".to_string(), 2), ("veth1a".to_string(), 5), ("cni0".to_string(), 7)]);
+        assert_eq!(select_devices(&[], &up).len(), 3);
+        let patterns = [DevicePattern::parse("eth0"), DevicePattern::parse("veth+")];
+        assert_eq!(select_devices(&patterns, &up).keys().cloned().collect::<Vec<_>>(), vec!["eth0", "veth1a"]);
+        assert!(DevicePattern::parse("lxc*").matches("lxc123"));
+        assert!(!DevicePattern::parse("eth0").matches("eth01"));
+    }
+}

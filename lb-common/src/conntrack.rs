@@ -1,0 +1,83 @@
+//! Connection tracking of the tc path (`lb4_ct`, LRU): a NAT table. Each entry rewrites one
+//! direction of one flow, keyed by the packet's tuple as the program sees it:
+//!
+//! | entry (dir)  | key                     | rewrites                         | written at        |
+//! |--------------|-------------------------|----------------------------------|-------------------|
+//! | forward DNAT (INGRESS) | client -> frontend | destination -> backend        | first packet      |
+//! | SNAT (EGRESS)          | client -> backend  | source -> node IP:port        | first packet      |
+//! | un-SNAT (INGRESS)      | backend -> node:port | destination -> client       | first packet      |
+//! | un-DNAT (EGRESS)       | backend -> client  | source -> frontend            | first packet      |
+//!
+//! So the ingress program rewrites destinations and the egress program rewrites sources, each
+//! with one lookup; translation happens before routing (DNAT, un-SNAT) and after it (SNAT,
+//! un-DNAT), like netfilter's PREROUTING and POSTROUTING, and the kernel routes in between.
+//! The un-SNAT entry is also the SNAT port reservation: it is inserted with BPF_NOEXIST, so two
+//! flows can never share a post-SNAT tuple.
+
+use crate::user_pod;
+
+/// `Ct4Key::dir`.
+pub mod dir {
+    /// Matched by the ingress program; rewrites the destination.
+    pub const INGRESS: u8 = 0;
+    /// Matched by the egress program; rewrites the source.
+    pub const EGRESS: u8 = 1;
+}
+
+/// `Ct4Value::flags`.
+pub mod flags {
+    /// The flow is masqueraded (its forward DNAT entry has SNAT companions).
+    pub const SNAT: u16 = 1 << 0;
+    /// The entry rewrites reply packets (un-SNAT, un-DNAT).
+    pub const REPLY: u16 = 1 << 1;
+    /// The chosen backend is the client itself (hairpin).
+    pub const HAIRPIN: u16 = 1 << 2;
+    /// The flow's backend is on this node.
+    pub const LOCAL_BACKEND: u16 = 1 << 3;
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Ct4Key {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    /// `dir::*`.
+    pub dir: u8,
+    pub _pad: [u8; 2],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Ct4Value {
+    /// `bpf_ktime_get_coarse_ns()` when the flow was created.
+    pub created_ns: u64,
+    /// Last packet (UDP entries; TCP entries only on connection start).
+    pub last_seen_ns: u64,
+    /// The address written into the packet (destination for INGRESS, source for EGRESS).
+    pub nat_addr: [u8; 4],
+    pub nat_port: u16,
+    /// `flags::*`.
+    pub flags: u16,
+    /// The frontend of the flow.
+    pub rev_nat_id: u32,
+    /// The backend of the flow.
+    pub backend_id: u32,
+}
+
+user_pod!(Ct4Key, Ct4Value);
+
+#[cfg(test)]
+mod layout {
+    use core::mem::size_of;
+
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(size_of::<Ct4Key>(), 16);
+        assert_eq!(size_of::<Ct4Value>(), 32);
+    }
+}
