@@ -293,7 +293,7 @@ fn truncated_and_fragmented_packets_pass_untouched() {
     let mut s = scratch(true);
     let full = packet::tcp(CLIENT, 45100, "10.96.0.10", 80).build();
     // BPF_PROG_TEST_RUN needs at least an Ethernet header; anything shorter never reaches tc.
-    for len in [14, 20, 33, 40, 50] {
+    for len in [15, 20, 33, 40, 50] {
         let cut = &full[..len];
         let out = ingress(&mut s, cut);
         assert_eq!(out.action, OK, "truncated to {len}");
