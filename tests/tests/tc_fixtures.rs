@@ -292,8 +292,9 @@ fn non_service_traffic_passes_untouched() {
 fn truncated_and_fragmented_packets_pass_untouched() {
     let mut s = scratch(true);
     let full = packet::tcp(CLIENT, 45100, "10.96.0.10", 80).build();
-    // BPF_PROG_TEST_RUN needs at least an Ethernet header; anything shorter never reaches tc.
-    for len in [15, 20, 33, 40, 50] {
+    // BPF_PROG_TEST_RUN refuses an IPv4 frame shorter than its IP header (kernel 6.18), so the
+    // truncation cases start inside the TCP header.
+    for len in [34, 40, 47, 53] {
         let cut = &full[..len];
         let out = ingress(&mut s, cut);
         assert_eq!(out.action, OK, "truncated to {len}");
