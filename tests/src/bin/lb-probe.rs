@@ -149,7 +149,12 @@ fn serve(tcp: Vec<SocketAddr>, udp: Vec<SocketAddr>, name: Option<String>) {
 }
 
 fn errno_of(e: &std::io::Error) -> i32 {
-    e.raw_os_error().unwrap_or(0)
+    match e.raw_os_error() {
+        Some(errno) => errno,
+        // connect_timeout() reports its own timeout without an errno.
+        None if e.kind() == std::io::ErrorKind::TimedOut => libc::ETIMEDOUT,
+        None => 0,
+    }
 }
 
 fn tcp_once(to: SocketAddr, payload: usize, timeout: Duration) -> serde_json::Value {

@@ -1,0 +1,170 @@
+//! The tc path in a real three-node topology: node namespaces with pod namespaces behind veths,
+//! routes between the nodes' pod CIDRs over a shared LAN, an external client on the LAN, and the
+//! real lb-agent on every node. Pods are not in the agents' cgroups, so their traffic goes through
+//! tc too.
+
+use std::net::Ipv4Addr;
+
+use lb_tests::{
+    agent::{bpf_root_in, Agent, AgentOptions},
+    bpffs::BpfFs,
+    cgroup::Cgroup,
+    fixtures::{service, slice, write_manifests, State},
+    netns::NetNs,
+    probe,
+    process::{Place, Proc},
+    require_root,
+    topo::{external_client, Lan, Node},
+};
+use serde_json::Value;
+
+struct Cluster {
+    _agents: Vec<Agent>,
+    _servers: Vec<Proc>,
+    _cgroups: Vec<Cgroup>,
+    _manifests: tempfile::TempDir,
+    client: NetNs,
+    client_ip: Ipv4Addr,
+    nodes: Vec<Node>,
+    _lan: Lan,
+    _bpffs: BpfFs,
+}
+
+const ETIMEDOUT: i64 = 110;
+const EAGAIN: i64 = 11;
+
+/// Node 1 has pod 10.244.1.2, node 2 has pod 10.244.2.2, node 3 has none.
+fn cluster() -> Cluster {
+    require_root();
+    let bpffs = BpfFs::new();
+    let lan = Lan::new();
+    let mut nodes: Vec<Node> = (1..=3).map(Node::new).collect();
+    for node in &mut nodes {
+        node.attach_lan(&lan);
+    }
+    for i in 0..nodes.len() {
+        for j in 0..nodes.len() {
+            if i != j {
+                nodes[i].route_to(&nodes[j]);
+            }
+        }
+    }
+    nodes[0].add_pod(2);
+    nodes[1].add_pod(2);
+    let (client, client_ip) = external_client(&lan, 1);
+    let servers = [&nodes[0].pods[0], &nodes[1].pods[0]]
+        .iter()
+        .map(|p| probe::server(Place::netns(&p.ns), &p.ip.to_string(), &["0.0.0.0:8080"], &["0.0.0.0:5353"]))
+        .collect();
+
+    let manifests = tempfile::tempdir().unwrap();
+    write_manifests(
+        manifests.path(),
+        "cluster.yaml",
+        &[
+            service("demo", "web").cluster_ip("10.96.0.20").port("http", "TCP", 80, 8080).node_port(30080).port("dns", "UDP", 53, 5353).node_port(30053).build(),
+            service("demo", "local").cluster_ip("10.96.0.21").port("http", "TCP", 80, 8080).node_port(30081).external_traffic_policy("Local").build(),
+            service("demo", "self").cluster_ip("10.96.0.22").port("http", "TCP", 80, 8080).build(),
+        ],
+        &[
+            slice("demo", "web", "web-1").endpoint("10.244.2.2", "node-2", State::Ready).port("http", "TCP", 8080).port("dns", "UDP", 5353).build(),
+            slice("demo", "local", "local-1").endpoint("10.244.1.2", "node-1", State::Ready).port("http", "TCP", 8080).build(),
+            slice("demo", "self", "self-1").endpoint("10.244.1.2", "node-1", State::Ready).port("http", "TCP", 8080).build(),
+        ],
+    );
+    let mut cgroups = Vec::new();
+    let mut agents = Vec::new();
+    for node in &nodes {
+        let cgroup = Cgroup::new("lbtopo");
+        let node_ip = node.ip.unwrap().to_string();
+        agents.push(Agent::start(AgentOptions {
+            netns: &node.ns,
+            cgroup: &cgroup,
+            bpf_root: bpf_root_in(bpffs.path()).join(format!("node{}", node.index)),
+            node_name: format!("node-{}", node.index),
+            manifests: Some(manifests.path().to_path_buf()),
+            kubeconfig: None,
+            extra_args: vec!["--cluster-cidr".into(), "10.244.0.0/16".into(), "--bind-address".into(), node_ip],
+        }));
+        cgroups.push(cgroup);
+    }
+    Cluster { _agents: agents, _servers: servers, _cgroups: cgroups, _manifests: manifests, client, client_ip, nodes, _lan: lan, _bpffs: bpffs }
+}
+
+fn ok(results: &[Value]) -> &[Value] {
+    for r in results {
+        assert_eq!(r["ok"], true, "{r}");
+    }
+    results
+}
+
+fn host_of(addr: &Value) -> String {
+    addr.as_str().unwrap_or_default().rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or_default()
+}
+
+#[test]
+fn external_traffic_through_the_tc_path() {
+    let c = cluster();
+    let client = Place::netns(&c.client);
+    let node1 = c.nodes[0].ip.unwrap();
+    let node2 = c.nodes[1].ip.unwrap();
+    let node3 = c.nodes[2].ip.unwrap();
+
+    // NodePort on node 1, backend on node 2: masqueraded to node 1's IP, the reply comes from the
+    // NodePort the client called.
+    for r in ok(&probe::tcp(client, &format!("{node1}:30080"), 5)) {
+        assert_eq!(probe::server_of(r), Some("10.244.2.2"), "{r}");
+        assert_eq!(host_of(&r["reply"]["client"]), node1.to_string(), "the backend sees node 1: {r}");
+        assert_eq!(r["peer"], format!("{node1}:30080"));
+    }
+    // The same NodePort on node 3, which has no pod at all.
+    for r in ok(&probe::tcp(client, &format!("{node3}:30080"), 3)) {
+        assert_eq!(host_of(&r["reply"]["client"]), node3.to_string(), "{r}");
+    }
+
+    // externalTrafficPolicy=Local on the node with the endpoint: the client's address is kept.
+    for r in ok(&probe::tcp(client, &format!("{node1}:30081"), 5)) {
+        assert_eq!(probe::server_of(r), Some("10.244.1.2"));
+        assert_eq!(host_of(&r["reply"]["client"]), c.client_ip.to_string(), "client IP preserved: {r}");
+        assert_eq!(r["peer"], format!("{node1}:30081"));
+    }
+    // ... and on a node without one: dropped (no answer at all, as with kube-proxy).
+    let r = &probe::tcp(client, &format!("{node2}:30081"), 1)[0];
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(r["errno"] == ETIMEDOUT || r["errno"] == EAGAIN, "dropped, not refused: {r}");
+
+    // UDP both ways: the reply comes from the NodePort.
+    for r in ok(&probe::udp(client, &format!("{node1}:30053"), 5, false)) {
+        assert_eq!(probe::server_of(r), Some("10.244.2.2"));
+        assert_eq!(r["from"], format!("{node1}:30053"));
+    }
+
+    // 10 MiB through the masqueraded path, checksummed end to end.
+    let bulk = probe::tcp_bulk(client, &format!("{node1}:30080"), 10 * 1024 * 1024);
+    assert_eq!(bulk["ok"], true, "{bulk}");
+    assert_eq!(bulk["reply"]["extra"]["bytes"], 10 * 1024 * 1024);
+    assert_eq!(bulk["reply"]["extra"]["fnv1a"], bulk["sent_fnv1a"], "the data arrived intact");
+}
+
+#[test]
+fn pods_through_tc_cluster_ip_and_hairpin() {
+    let c = cluster();
+    let pod1 = Place::netns(&c.nodes[0].pods[0].ns);
+    // A pod on node 1 calls a Service whose endpoint is on node 2: not masqueraded (pod source).
+    for r in ok(&probe::tcp(pod1, "10.96.0.20:80", 3)) {
+        assert_eq!(probe::server_of(r), Some("10.244.2.2"));
+        assert_eq!(host_of(&r["reply"]["client"]), "10.244.1.2", "{r}");
+        assert_eq!(r["peer"], "10.96.0.20:80");
+    }
+    // Hairpin: the pod calls a Service whose only endpoint is itself; it sees the node as the
+    // client, and the reply as coming from the Service.
+    for r in ok(&probe::tcp(pod1, "10.96.0.22:80", 3)) {
+        assert_eq!(probe::server_of(r), Some("10.244.1.2"));
+        assert_eq!(host_of(&r["reply"]["client"]), c.nodes[0].ip.unwrap().to_string(), "masqueraded hairpin: {r}");
+        assert_eq!(r["peer"], "10.96.0.22:80");
+    }
+    // A pod calling a Local NodePort on another node: pod traffic uses all endpoints.
+    let pod2 = Place::netns(&c.nodes[1].pods[0].ns);
+    let r = &probe::tcp(pod2, &format!("{}:30081", c.nodes[0].ip.unwrap()), 1)[0];
+    assert_eq!(r["ok"], true, "{r}");
+}
