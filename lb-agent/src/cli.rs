@@ -23,6 +23,12 @@ pub enum Command {
     Services(InspectArgs),
     /// List the backends in the pinned maps.
     Backends(InspectArgs),
+    /// List the tc path's tracked flows (client, frontend, backend, masquerade address).
+    Conntrack(InspectArgs),
+    /// List ClientIP session-affinity entries.
+    Affinity(InspectArgs),
+    /// Show the data path's event counters.
+    Stats(InspectArgs),
     /// Explain what the data path does with one packet (BPF_PROG_TEST_RUN on the real programs).
     Trace(Box<TraceArgs>),
     /// Detach every program and remove every pin the agent created (idempotent).

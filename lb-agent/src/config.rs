@@ -115,7 +115,9 @@ pub enum ConfigError {
     NotAMapping,
     #[error("apiVersion is missing (expected {API_VERSION})")]
     MissingApiVersion,
-    #[error("apiVersion {0:?} is not supported: lb-agent reads {API_VERSION}, the only version kube-proxy has released")]
+    #[error(
+        "apiVersion {0:?} is not supported: lb-agent reads {API_VERSION}, the only version kube-proxy has released"
+    )]
     ApiVersion(String),
     #[error("kind {0:?} is not supported: expected {KIND}")]
     Kind(String),
@@ -192,8 +194,8 @@ pub struct LoadedConfig {
 
 /// Reads and parses a configuration file.
 pub fn load_file(path: &Path) -> Result<LoadedConfig, ConfigError> {
-    let text =
-        std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
     parse(&text)
 }
 
@@ -272,7 +274,12 @@ impl<'a> Reader<'a> {
 
     fn note(&mut self, path: &str, message: String) {
         let value_is_empty = self.lookup(path).is_none_or(is_empty);
-        self.notes.push(ConfigWarning { path: path.to_string(), kind: WarningKind::Note, value_is_empty, message });
+        self.notes.push(ConfigWarning {
+            path: path.to_string(),
+            kind: WarningKind::Note,
+            value_is_empty,
+            message,
+        });
     }
 
     fn string(&mut self, path: &str) -> Result<Option<String>, ConfigError> {
@@ -300,7 +307,9 @@ impl<'a> Reader<'a> {
                 let d = parse_go_duration(s).map_err(|e| field_error(path, e))?;
                 Ok((!d.is_zero()).then_some(d))
             }
-            Some(other) => Err(field_error(path, format!("expected a duration string such as \"30s\", got {other}"))),
+            Some(other) => {
+                Err(field_error(path, format!("expected a duration string such as \"30s\", got {other}")))
+            }
         }
     }
 
@@ -313,7 +322,9 @@ impl<'a> Reader<'a> {
                     match item {
                         Value::String(s) if !s.trim().is_empty() => out.push(s.trim().to_string()),
                         Value::String(_) => {}
-                        other => return Err(field_error(path, format!("expected a list of strings, got {other}"))),
+                        other => {
+                            return Err(field_error(path, format!("expected a list of strings, got {other}")));
+                        }
                     }
                 }
                 Ok((!out.is_empty()).then_some(out))
@@ -341,9 +352,7 @@ fn sync_section(mode: &str) -> &'static str {
 }
 
 fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
-    let mut c = ProxyConfig::default();
-
-    c.mode = r.string("mode")?;
+    let mut c = ProxyConfig { mode: r.string("mode")?, ..ProxyConfig::default() };
     if let Some(mode) = &c.mode {
         r.note("mode", format!("mode {mode:?} is ignored: lb-agent always programs its own eBPF data path"));
     }
@@ -388,7 +397,10 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
         Some(other) => {
             return Err(field_error(
                 "detectLocalMode",
-                format!("unknown mode {other:?} (kube-proxy knows ClusterCIDR, NodeCIDR, BridgeInterface, InterfaceNamePrefix; lb-agent supports ClusterCIDR)"),
+                format!(
+                    "unknown mode {other:?} (kube-proxy knows ClusterCIDR, NodeCIDR, BridgeInterface, \
+                     InterfaceNamePrefix; lb-agent supports ClusterCIDR)"
+                ),
             ));
         }
     }
@@ -400,14 +412,18 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
     if list_cidrs.is_some() {
         r.note(
             "detectLocal.clusterCIDRs",
-            "detectLocal.clusterCIDRs is not a v1alpha1 field (kube-proxy ignores it); lb-agent honours it".into(),
+            "detectLocal.clusterCIDRs is not a v1alpha1 field (kube-proxy ignores it); lb-agent honours it"
+                .into(),
         );
         if legacy_cidrs.is_some() && legacy_cidrs != list_cidrs {
             r.note("clusterCIDR", "clusterCIDR is overridden by detectLocal.clusterCIDRs".into());
         }
     }
-    let (cidrs_path, cidrs) =
-        if list_cidrs.is_some() { ("detectLocal.clusterCIDRs", list_cidrs) } else { ("clusterCIDR", legacy_cidrs) };
+    let (cidrs_path, cidrs) = if list_cidrs.is_some() {
+        ("detectLocal.clusterCIDRs", list_cidrs)
+    } else {
+        ("clusterCIDR", legacy_cidrs)
+    };
     if let Some(cidrs) = &cidrs {
         for cidr in cidrs {
             cidr.parse::<ipnet::IpNet>().map_err(|e| field_error(cidrs_path, format!("{cidr:?}: {e}")))?;
@@ -448,7 +464,10 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
         let top_level = r.present(field);
         let section_path = format!("{section}.{field}");
         let value = if top_level {
-            r.note(field, format!("{field} is not a v1alpha1 field (kube-proxy ignores it); lb-agent honours it"));
+            r.note(
+                field,
+                format!("{field} is not a v1alpha1 field (kube-proxy ignores it); lb-agent honours it"),
+            );
             if r.present(&section_path) {
                 r.leave(&section_path, format!("overridden by the top-level {field}"));
             }
@@ -493,12 +512,20 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
                             c.feature_gates.insert(gate.clone(), *b);
                         }
                         other => {
-                            return Err(field_error(&format!("featureGates.{gate}"), format!("expected true or false, got {other}")));
+                            return Err(field_error(
+                                &format!("featureGates.{gate}"),
+                                format!("expected true or false, got {other}"),
+                            ));
                         }
                     }
                 }
             }
-            other => return Err(field_error("featureGates", format!("expected a mapping of gate names to booleans, got {other}"))),
+            other => {
+                return Err(field_error(
+                    "featureGates",
+                    format!("expected a mapping of gate names to booleans, got {other}"),
+                ));
+            }
         }
     }
 
@@ -506,16 +533,18 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
         None => None,
         Some("text") => Some(LogFormat::Text),
         Some("json") => Some(LogFormat::Json),
-        Some(other) => return Err(field_error("logging.format", format!("{other:?}: lb-agent logs as text or json"))),
+        Some(other) => {
+            return Err(field_error("logging.format", format!("{other:?}: lb-agent logs as text or json")));
+        }
     };
 
-    if let (Some(sync), Some(min)) = (c.sync_period, c.min_sync_period) {
-        if min > sync {
-            return Err(field_error(
-                "minSyncPeriod",
-                format!("{} must not exceed syncPeriod ({})", format_go_duration(min), format_go_duration(sync)),
-            ));
-        }
+    if let (Some(sync), Some(min)) = (c.sync_period, c.min_sync_period)
+        && min > sync
+    {
+        return Err(field_error(
+            "minSyncPeriod",
+            format!("{} must not exceed syncPeriod ({})", format_go_duration(min), format_go_duration(sync)),
+        ));
     }
     Ok(c)
 }
@@ -525,10 +554,10 @@ fn bind_address_with_port(path: &str, addr: &str, default_port: u16) -> Result<S
     if addr.parse::<SocketAddr>().is_ok() {
         return Ok(addr.to_string());
     }
-    if let Some(port) = addr.strip_prefix(':') {
-        if port.parse::<u16>().is_ok() {
-            return Ok(format!("0.0.0.0:{port}"));
-        }
+    if let Some(port) = addr.strip_prefix(':')
+        && port.parse::<u16>().is_ok()
+    {
+        return Ok(format!("0.0.0.0:{port}"));
     }
     match addr.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
         Ok(ip) => Ok(SocketAddr::new(ip, default_port).to_string()),
@@ -649,7 +678,10 @@ const TOP: &[(&str, Known)] = &[
     (
         "detectLocal",
         Object(&[
-            ("bridgeInterface", Leaf("only for detectLocalMode BridgeInterface, which lb-agent does not support")),
+            (
+                "bridgeInterface",
+                Leaf("only for detectLocalMode BridgeInterface, which lb-agent does not support"),
+            ),
             (
                 "interfaceNamePrefix",
                 Leaf("only for detectLocalMode InterfaceNamePrefix, which lb-agent does not support"),
@@ -723,7 +755,9 @@ fn walk_unused(
                     path: path.clone(),
                     kind: WarningKind::Unknown,
                     value_is_empty: is_empty(value),
-                    message: format!("{path} is not a KubeProxyConfiguration field and is ignored{suggestion}"),
+                    message: format!(
+                        "{path} is not a KubeProxyConfiguration field and is ignored{suggestion}"
+                    ),
                 });
             }
             Some((_, Leaf(reason))) => {
@@ -762,7 +796,8 @@ fn suggest<'a>(key: &str, known: impl Iterator<Item = &'a str>) -> Option<&'a st
     let lower = key.to_lowercase();
     known
         .map(|name| {
-            let distance = if name.to_lowercase() == lower { 0 } else { levenshtein(&lower, &name.to_lowercase()) };
+            let distance =
+                if name.to_lowercase() == lower { 0 } else { levenshtein(&lower, &name.to_lowercase()) };
             (distance, name)
         })
         .filter(|(distance, _)| *distance <= 2)
@@ -832,7 +867,9 @@ pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
         } else {
             int_part.parse().map_err(|_| format!("invalid duration {original:?}"))?
         };
-        let mut nanos = int_value.checked_mul(nanos_per_unit).ok_or_else(|| format!("duration {original:?} overflows"))?;
+        let mut nanos = int_value
+            .checked_mul(nanos_per_unit)
+            .ok_or_else(|| format!("duration {original:?} overflows"))?;
         if !frac_part.is_empty() {
             // Digits beyond nanosecond precision are dropped, as Go does.
             let digits = &frac_part[..frac_part.len().min(30)];
@@ -906,14 +943,21 @@ pub fn explicit_flags(matches: &clap::ArgMatches) -> HashSet<String> {
     matches
         .ids()
         .filter(|id| {
-            matches!(matches.value_source(id.as_str()), Some(ValueSource::CommandLine | ValueSource::EnvVariable))
+            matches!(
+                matches.value_source(id.as_str()),
+                Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+            )
         })
         .map(|id| id.as_str().to_string())
         .collect()
 }
 
 /// Applies the file to the parsed flags with [`Precedence::ExplicitFlags`]; see [`merge_with`].
-pub fn merge(file: &ProxyConfig, args: &mut RunArgs, explicit: &HashSet<String>) -> Result<Vec<String>, ConfigError> {
+pub fn merge(
+    file: &ProxyConfig,
+    args: &mut RunArgs,
+    explicit: &HashSet<String>,
+) -> Result<Vec<String>, ConfigError> {
     merge_with(file, args, explicit, Precedence::ExplicitFlags)
 }
 
@@ -982,12 +1026,40 @@ pub fn merge_with(
         LogFormat::Json => "json".to_string(),
     };
 
-    apply!(flag::HOSTNAME_OVERRIDE, "hostnameOverride", &file.hostname_override, args.node.hostname_override, Some, show_opt_str);
+    apply!(
+        flag::HOSTNAME_OVERRIDE,
+        "hostnameOverride",
+        &file.hostname_override,
+        args.node.hostname_override,
+        Some,
+        show_opt_str
+    );
     apply!(flag::BIND_ADDRESS, "bindAddress", &file.bind_address, args.bind_address, Some, show_ip);
-    apply!(flag::HEALTHZ_BIND_ADDRESS, "healthzBindAddress", &file.healthz_bind_address, args.healthz_bind_address, |v| v, show_str);
-    apply!(flag::METRICS_BIND_ADDRESS, "metricsBindAddress", &file.metrics_bind_address, args.metrics_bind_address, |v| v, show_str);
+    apply!(
+        flag::HEALTHZ_BIND_ADDRESS,
+        "healthzBindAddress",
+        &file.healthz_bind_address,
+        args.healthz_bind_address,
+        |v| v,
+        show_str
+    );
+    apply!(
+        flag::METRICS_BIND_ADDRESS,
+        "metricsBindAddress",
+        &file.metrics_bind_address,
+        args.metrics_bind_address,
+        |v| v,
+        show_str
+    );
     apply!(flag::CLUSTER_CIDR, "clusterCIDR", &file.cluster_cidrs, args.node.cluster_cidr, |v| v, show_list);
-    apply!(flag::NODEPORT_ADDRESSES, "nodePortAddresses", &file.nodeport_addresses, args.node.nodeport_addresses, |v| v, show_list);
+    apply!(
+        flag::NODEPORT_ADDRESSES,
+        "nodePortAddresses",
+        &file.nodeport_addresses,
+        args.node.nodeport_addresses,
+        |v| v,
+        show_list
+    );
     if args.manifests.is_some() {
         if let Some(path) = &file.kubeconfig {
             notes.push(format!(
@@ -996,11 +1068,32 @@ pub fn merge_with(
             ));
         }
     } else {
-        apply!(flag::KUBECONFIG, "clientConnection.kubeconfig", &file.kubeconfig, args.kubeconfig, Some, show_path);
+        apply!(
+            flag::KUBECONFIG,
+            "clientConnection.kubeconfig",
+            &file.kubeconfig,
+            args.kubeconfig,
+            Some,
+            show_path
+        );
     }
     apply!(flag::SYNC_PERIOD, "syncPeriod", &file.sync_period, args.sync_period, |v| v, show_duration);
-    apply!(flag::MIN_SYNC_PERIOD, "minSyncPeriod", &file.min_sync_period, args.min_sync_period, |v| v, show_duration);
-    apply!(flag::MASQUERADE_ALL, "masqueradeAll", &file.masquerade_all, args.node.masquerade_all, |v| v, show_bool);
+    apply!(
+        flag::MIN_SYNC_PERIOD,
+        "minSyncPeriod",
+        &file.min_sync_period,
+        args.min_sync_period,
+        |v| v,
+        show_duration
+    );
+    apply!(
+        flag::MASQUERADE_ALL,
+        "masqueradeAll",
+        &file.masquerade_all,
+        args.node.masquerade_all,
+        |v| v,
+        show_bool
+    );
     apply!(
         flag::LOCALHOST_NODEPORTS,
         "iptables.localhostNodePorts",
@@ -1178,7 +1271,10 @@ mod tests {
             parse("apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\n"),
             Err(ConfigError::ApiVersion(_))
         ));
-        assert!(matches!(parse("apiVersion: kubeproxy.config.k8s.io/v1alpha1\n"), Err(ConfigError::MissingKind)));
+        assert!(matches!(
+            parse("apiVersion: kubeproxy.config.k8s.io/v1alpha1\n"),
+            Err(ConfigError::MissingKind)
+        ));
         assert!(matches!(
             parse("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: Other\n"),
             Err(ConfigError::Kind(k)) if k == "Other"
@@ -1346,8 +1442,14 @@ clusterCIDR: 10.2.0.0/16
         assert_eq!(warning(&loaded, "syncPeriod").kind, WarningKind::Note);
         assert_eq!(warning(&loaded, "linux.masqueradeAll").kind, WarningKind::Note);
         assert_eq!(warning(&loaded, "detectLocal.clusterCIDRs").kind, WarningKind::Note);
-        assert!(warning(&loaded, "iptables.syncPeriod").message.contains("overridden by the top-level syncPeriod"));
-        assert!(warning(&loaded, "iptables.masqueradeAll").message.contains("overridden by linux.masqueradeAll"));
+        assert!(
+            warning(&loaded, "iptables.syncPeriod")
+                .message
+                .contains("overridden by the top-level syncPeriod")
+        );
+        assert!(
+            warning(&loaded, "iptables.masqueradeAll").message.contains("overridden by linux.masqueradeAll")
+        );
         assert!(warning(&loaded, "clusterCIDR").message.contains("overridden"));
     }
 
@@ -1375,7 +1477,7 @@ clusterCIDR: 10.2.0.0/16
             "featureGates:\n  MultiCIDRServiceAllocator: true\n  Other: false\nlogging:\n  format: text\n  verbosity: 4\n  options:\n    json:\n      infoBufferSize: \"0\"\n",
         );
         assert_eq!(loaded.config.feature_gates.len(), 2);
-        assert_eq!(loaded.config.feature_gates["MultiCIDRServiceAllocator"], true);
+        assert!(loaded.config.feature_gates["MultiCIDRServiceAllocator"]);
         let gate = warning(&loaded, "featureGates.MultiCIDRServiceAllocator");
         assert_eq!(gate.kind, WarningKind::NotUsed);
         assert!(gate.message.contains("feature gates"));
@@ -1412,7 +1514,8 @@ clusterCIDR: 10.2.0.0/16
 
     #[test]
     fn bind_addresses_and_unset_values() {
-        let c = load("bindAddress: 0.0.0.0\nhealthzBindAddress: \"\"\nmetricsBindAddress: \":9999\"\n").config;
+        let c =
+            load("bindAddress: 0.0.0.0\nhealthzBindAddress: \"\"\nmetricsBindAddress: \":9999\"\n").config;
         assert_eq!(c.bind_address, None);
         assert_eq!(c.healthz_bind_address, None);
         assert_eq!(c.metrics_bind_address.as_deref(), Some("0.0.0.0:9999"));
@@ -1557,7 +1660,8 @@ winkernel:
 
     #[test]
     fn explicit_flags_come_from_command_line_and_env_only() {
-        let (_, explicit) = cli(&["--manifests", "/m", "--sync-period", "10s", "--cluster-cidr", "10.0.0.0/8"]);
+        let (_, explicit) =
+            cli(&["--manifests", "/m", "--sync-period", "10s", "--cluster-cidr", "10.0.0.0/8"]);
         assert!(explicit.contains(flag::SYNC_PERIOD));
         assert!(explicit.contains(flag::CLUSTER_CIDR));
         assert!(explicit.contains("manifests"));
@@ -1622,7 +1726,8 @@ logging:
         assert_eq!(notes.len(), 2, "{notes:#?}");
         assert!(notes.iter().any(|n| n
             == "--sync-period=10s overrides syncPeriod=1m0s from the config file (kube-proxy would ignore the flag)"));
-        assert!(notes.iter().any(|n| n == "--hostname-override=from-flag overrides hostnameOverride=from-file from the config file"));
+        assert!(notes.iter().any(|n| n
+            == "--hostname-override=from-flag overrides hostnameOverride=from-file from the config file"));
     }
 
     #[test]
@@ -1643,7 +1748,10 @@ logging:
         assert_eq!(args.node.hostname_override.as_deref(), Some("from-flag"), "except --hostname-override");
         assert_eq!(args.log_format, LogFormat::Text, "and logging flags");
         assert_eq!(args.metrics_bind_address, "0.0.0.0:1234", "the file does not set it");
-        assert!(notes.iter().any(|n| n == "--sync-period is ignored: the config file sets syncPeriod=1m0s (kube-proxy precedence)"));
+        assert!(
+            notes.iter().any(|n| n
+                == "--sync-period is ignored: the config file sets syncPeriod=1m0s (kube-proxy precedence)")
+        );
     }
 
     #[test]
@@ -1716,7 +1824,6 @@ logging:
     fn defaults_render_and_reload() {
         let (args, _) = cli(&[]);
         let yaml = render_config(&args, None);
-        eprintln!("RENDERED\n{yaml}");
         let reread = parse(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
         assert!(reread.warnings.is_empty(), "{:#?}", reread.warnings);
         assert_eq!(reread.config.sync_period, Some(Duration::from_secs(30)));

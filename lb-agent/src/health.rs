@@ -25,10 +25,10 @@
 //! * each answer increments `kubeproxy_proxy_healthz_total{code}` / `kubeproxy_proxy_livez_total{code}` when
 //!   a [`Metrics`] handle is attached ([`ProxyHealth::with_metrics`]).
 //!
-//! Differences: the agent is IPv4-only, so there is a single proxier (`IPv4`) in `status`. Upstream's newest
-//! release reports the node ineligible until its Node object has been seen; here the node is eligible until
-//! [`ProxyHealth::set_node`] says otherwise (kube-proxy's behaviour until 1.32), because the agent can
-//! run from manifests without any Node. Upstream retries a failed bind every 5 s unless
+//! Differences: the agent is IPv4-only, so there is a single proxier (`IPv4`) in `status`. Upstream's current
+//! code reads the Node from its node manager and reports the node ineligible while it has none; here the node
+//! is eligible until [`ProxyHealth::set_node`] says otherwise (the behaviour of older releases, whose
+//! `SyncNode` started from "eligible"), because the agent can run from manifests without any Node. Upstream retries a failed bind every 5 s unless
 //! `bindAddressHardFail`; [`serve_proxy_health`] returns the error and leaves the policy to the caller.
 //!
 //! # Service health checks ([`ServiceHealthServers`])
@@ -50,8 +50,7 @@
 
 use std::{
     collections::BTreeMap,
-    fmt,
-    io,
+    fmt, io,
     net::{IpAddr, Ipv4Addr, SocketAddr},
     sync::{Arc, RwLock},
     time::{Duration, SystemTime, UNIX_EPOCH},
@@ -59,11 +58,11 @@ use std::{
 
 use anyhow::Context;
 use axum::{
+    Router,
     extract::State,
-    http::{header, HeaderValue, StatusCode},
+    http::{HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
     routing::any,
-    Router,
 };
 use k8s_openapi::api::core::v1::Node;
 use serde::Serialize;
@@ -207,7 +206,11 @@ impl ProxyHealth {
                 health_timeout,
                 clock,
                 metrics: RwLock::new(None),
-                state: RwLock::new(HealthState { last_updated: None, oldest_pending: None, node_eligible: true }),
+                state: RwLock::new(HealthState {
+                    last_updated: None,
+                    oldest_pending: None,
+                    node_eligible: true,
+                }),
             }),
         }
     }
@@ -305,7 +308,10 @@ impl ProxyHealth {
         if snapshot.last_updated.is_some() {
             status.insert(
                 IP_FAMILY.to_string(),
-                ProxierHealthBody { last_updated: format_go_time(snapshot.last_updated), healthy: snapshot.healthy },
+                ProxierHealthBody {
+                    last_updated: format_go_time(snapshot.last_updated),
+                    healthy: snapshot.healthy,
+                },
             );
         }
         // When healthy, "lastUpdated" is "now", as in older releases where it was the last loop run.
@@ -362,7 +368,11 @@ pub fn proxy_health_router(health: ProxyHealth) -> Router {
 
 /// Serves `/healthz` and `/livez` on `addr` until `shutdown` is cancelled. A bind failure (port taken,
 /// address not local) is returned at once, with the address in the message.
-pub async fn serve_proxy_health(addr: SocketAddr, health: ProxyHealth, shutdown: CancellationToken) -> anyhow::Result<()> {
+pub async fn serve_proxy_health(
+    addr: SocketAddr,
+    health: ProxyHealth,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("failed to start proxy healthz on {addr}"))?;
@@ -394,7 +404,9 @@ pub struct HealthCheckService {
 /// Groups `sync::Computed::health_checks` (one entry per Service port) by health-check port, summing the
 /// local endpoint counts of a Service's ports. Should two Services claim the same port (the API server
 /// prevents it), the first one listed keeps it.
-pub fn targets_from_health_checks(checks: &[(u16, ServicePortName, usize)]) -> BTreeMap<u16, HealthCheckService> {
+pub fn targets_from_health_checks(
+    checks: &[(u16, ServicePortName, usize)],
+) -> BTreeMap<u16, HealthCheckService> {
     let mut out: BTreeMap<u16, HealthCheckService> = BTreeMap::new();
     for (port, service, local) in checks {
         match out.get_mut(port) {
@@ -402,7 +414,11 @@ pub fn targets_from_health_checks(checks: &[(u16, ServicePortName, usize)]) -> B
                 target.local_endpoints += local;
             }
             Some(_) => {
-                tracing::warn!(port, service = %service, "health-check node port already used by another Service");
+                tracing::warn!(
+                    port,
+                    service = %service,
+                    "health-check node port already used by another Service"
+                );
             }
             None => {
                 out.insert(
@@ -440,10 +456,17 @@ struct ServiceHealthState {
 async fn service_health(State(state): State<ServiceHealthState>) -> Response {
     let service = state.service.read().unwrap_or_else(|p| p.into_inner()).clone();
     let healthy = state.health.is_healthy();
-    let code =
-        if service.local_endpoints != 0 && healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let code = if service.local_endpoints != 0 && healthy {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     let weight = HeaderValue::from(service.local_endpoints as u64);
-    json_response(code, service_health_body(&service, healthy), Some(("x-load-balancing-endpoint-weight", weight)))
+    json_response(
+        code,
+        service_health_body(&service, healthy),
+        Some(("x-load-balancing-endpoint-weight", weight)),
+    )
 }
 
 fn service_health_router(service: Arc<RwLock<HealthCheckService>>, health: ProxyHealth) -> Router {
@@ -487,7 +510,8 @@ impl fmt::Debug for ServiceHealthServers {
 impl ServiceHealthServers {
     /// Listeners will bind each of `addresses` (empty: `0.0.0.0`, every address).
     pub fn new(addresses: Vec<IpAddr>, health: ProxyHealth) -> Self {
-        let addresses = if addresses.is_empty() { vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)] } else { addresses };
+        let addresses =
+            if addresses.is_empty() { vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)] } else { addresses };
         Self { addresses, health, servers: BTreeMap::new() }
     }
 
@@ -505,7 +529,8 @@ impl ServiceHealthServers {
     /// ports no longer wanted, updates the others in place, opens new ones. Ports that cannot be opened are
     /// returned (and tried again by the next call). Must be called within a Tokio runtime.
     pub fn sync(&mut self, wanted: &BTreeMap<u16, HealthCheckService>) -> Vec<ServiceHealthError> {
-        let removed: Vec<u16> = self.servers.keys().filter(|port| !wanted.contains_key(port)).copied().collect();
+        let removed: Vec<u16> =
+            self.servers.keys().filter(|port| !wanted.contains_key(port)).copied().collect();
         for port in removed {
             if let Some(server) = self.servers.remove(&port) {
                 tracing::debug!(port, "closing health check");
@@ -523,7 +548,8 @@ impl ServiceHealthServers {
             }
             match self.open(port, service) {
                 Ok(server) => {
-                    tracing::debug!(port, service = %format!("{}/{}", service.namespace, service.name), "opened health check");
+                    let name = format!("{}/{}", service.namespace, service.name);
+                    tracing::debug!(port, service = %name, "opened health check");
                     self.servers.insert(port, server);
                 }
                 Err(e) => errors.push(e),
@@ -562,7 +588,9 @@ impl ServiceHealthServers {
             let stop = stop.clone();
             tokio::spawn(async move {
                 let addr = listener.local_addr().ok();
-                if let Err(e) = axum::serve(listener, router).with_graceful_shutdown(stop.cancelled_owned()).await {
+                if let Err(e) =
+                    axum::serve(listener, router).with_graceful_shutdown(stop.cancelled_owned()).await
+                {
                     tracing::error!(address = ?addr, "health check server failed: {e}");
                 }
             });
@@ -630,8 +658,10 @@ mod tests {
     }
 
     async fn get(router: Router, method: Method, path: &str) -> (StatusCode, axum::http::HeaderMap, String) {
-        let response =
-            router.oneshot(Request::builder().method(method).uri(path).body(Body::empty()).unwrap()).await.unwrap();
+        let response = router
+            .oneshot(Request::builder().method(method).uri(path).body(Body::empty()).unwrap())
+            .await
+            .unwrap();
         let status = response.status();
         let headers = response.headers().clone();
         let body = response.into_body().collect().await.unwrap().to_bytes();
@@ -639,7 +669,10 @@ mod tests {
     }
 
     fn node(tweak: impl FnOnce(&mut Node)) -> Node {
-        let mut n = Node { metadata: ObjectMeta { name: Some("node-a".into()), ..Default::default() }, ..Default::default() };
+        let mut n = Node {
+            metadata: ObjectMeta { name: Some("node-a".into()), ..Default::default() },
+            ..Default::default()
+        };
         tweak(&mut n);
         n
     }
@@ -658,13 +691,22 @@ mod tests {
     fn go_time_format() {
         assert_eq!(format_go_time(None), "0001-01-01T00:00:00Z");
         assert_eq!(format_go_time(Some(UNIX_EPOCH)), "1970-01-01T00:00:00Z");
-        assert_eq!(format_go_time(Some(UNIX_EPOCH + Duration::from_secs(1_700_000_000))), "2023-11-14T22:13:20Z");
+        assert_eq!(
+            format_go_time(Some(UNIX_EPOCH + Duration::from_secs(1_700_000_000))),
+            "2023-11-14T22:13:20Z"
+        );
         assert_eq!(
             format_go_time(Some(UNIX_EPOCH + Duration::new(1_700_000_000, 120_000_000))),
             "2023-11-14T22:13:20.12Z"
         );
-        assert_eq!(format_go_time(Some(UNIX_EPOCH + Duration::new(951_782_400, 1))), "2000-02-29T00:00:00.000000001Z");
-        assert_eq!(format_go_time(Some(UNIX_EPOCH + Duration::from_secs(4_107_542_400))), "2100-03-01T00:00:00Z");
+        assert_eq!(
+            format_go_time(Some(UNIX_EPOCH + Duration::new(951_782_400, 1))),
+            "2000-02-29T00:00:00.000000001Z"
+        );
+        assert_eq!(
+            format_go_time(Some(UNIX_EPOCH + Duration::from_secs(4_107_542_400))),
+            "2100-03-01T00:00:00Z"
+        );
         assert_eq!(format_go_time(Some(UNIX_EPOCH - Duration::from_secs(1))), "1969-12-31T23:59:59Z");
     }
 
@@ -835,7 +877,8 @@ mod tests {
             service_health_body(&svc("default", "web", 2), true),
             "{\n\t\"service\": {\n\t\t\"namespace\": \"default\",\n\t\t\"name\": \"web\"\n\t},\n\t\"localEndpoints\": 2,\n\t\"serviceProxyHealthy\": true\n}"
         );
-        let parsed: serde_json::Value = serde_json::from_str(&service_health_body(&svc("a\"b", "c", 0), false)).unwrap();
+        let parsed: serde_json::Value =
+            serde_json::from_str(&service_health_body(&svc("a\"b", "c", 0), false)).unwrap();
         assert_eq!(parsed["service"]["namespace"], "a\"b");
         assert_eq!(parsed["localEndpoints"], 0);
         assert_eq!(parsed["serviceProxyHealthy"], false);
@@ -1014,7 +1057,10 @@ mod tests {
         // Port taken: a clear error naming the address.
         let err = serve_proxy_health(addr, health, CancellationToken::new()).await.unwrap_err();
         let message = format!("{err:#}");
-        assert!(message.contains("failed to start proxy healthz") && message.contains(&addr.to_string()), "{message}");
+        assert!(
+            message.contains("failed to start proxy healthz") && message.contains(&addr.to_string()),
+            "{message}"
+        );
 
         shutdown.cancel();
         tokio::time::timeout(Duration::from_secs(5), server).await.unwrap().unwrap().unwrap();

@@ -1,14 +1,449 @@
-//! Operator commands that read the pinned maps: `lb-agent services`, `lb-agent backends`.
-//! They work while the agent runs and after it stopped (the maps are pinned).
+//! Operator commands that read the pinned maps: `lb-agent services`, `backends`, `conntrack`,
+//! `affinity` and `stats`. They work while the agent runs and after it stopped (the maps are
+//! pinned), print a table or JSON, show addresses in dotted form, and join Service names back from
+//! the reverse-NAT data.
 
-use anyhow::Result;
+use std::{
+    collections::BTreeMap,
+    net::Ipv4Addr,
+    time::Duration,
+};
 
-use crate::cli::InspectArgs;
+use anyhow::{bail, Context, Result};
+use aya::maps::{HashMap, Map, MapData};
+use lb_common::{
+    affinity::{kind, Affinity4Key, Affinity4Value},
+    backend::{flags as bflags, Backend4Value},
+    conntrack::{dir, flags as ctflags, Ct4Key, Ct4Value},
+    maps as names,
+    revnat::{SockRevNat4Key, SockRevNat4Value},
+    service::{flags, Svc4Key, Svc4Value, SCOPE_INTERNAL},
+    stats::Counter,
+};
+use serde::Serialize;
 
-pub fn services(_args: &InspectArgs) -> Result<()> {
-    anyhow::bail!("lb-agent services: not available yet")
+use crate::{
+    cli::{InspectArgs, OutputFormat},
+    datapath::PinPaths,
+    maps::{apply::service_port_name, KernelMaps, MapOps, Snapshot},
+};
+
+fn open(args: &InspectArgs) -> Result<(PinPaths, KernelMaps)> {
+    let paths = PinPaths::new(&args.root.bpf_root);
+    if !paths.map(names::SERVICES).exists() {
+        bail!("no pinned maps under {} (start the agent, or pass --bpf-root)", paths.maps().display());
+    }
+    let maps = KernelMaps::from_pins(&paths.maps()).context("opening the pinned maps")?;
+    Ok((paths, maps))
 }
 
-pub fn backends(_args: &InspectArgs) -> Result<()> {
-    anyhow::bail!("lb-agent backends: not available yet")
+fn open_hash<K: aya::Pod, V: aya::Pod>(paths: &PinPaths, name: &str) -> Result<HashMap<MapData, K, V>> {
+    let data = MapData::from_pin(paths.map(name)).with_context(|| format!("opening {}", paths.map(name).display()))?;
+    Ok(Map::LruHashMap(data).try_into()?)
+}
+
+fn ip(a: [u8; 4]) -> Ipv4Addr {
+    Ipv4Addr::from(a)
+}
+
+fn proto_name(p: u8) -> &'static str {
+    match p {
+        lb_common::proto::TCP => "TCP",
+        lb_common::proto::UDP => "UDP",
+        lb_common::proto::SCTP => "SCTP",
+        _ => "?",
+    }
+}
+
+fn kind_name(f: u16) -> &'static str {
+    if f & flags::LOCALHOST != 0 {
+        "NodePort(localhost)"
+    } else if f & flags::NODE_PORT != 0 {
+        "NodePort"
+    } else if f & flags::LOAD_BALANCER != 0 {
+        "LoadBalancer"
+    } else if f & flags::EXTERNAL_IP != 0 {
+        "ExternalIP"
+    } else {
+        "ClusterIP"
+    }
+}
+
+/// Monotonic "now" in the clock the programs use (CLOCK_BOOTTIME for affinity, coarse
+/// CLOCK_MONOTONIC for conntrack).
+fn clock_ns(clock: libc::clockid_t) -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes into `ts`.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn age(now: u64, then: u64) -> String {
+    format!("{}s", Duration::from_nanos(now.saturating_sub(then)).as_secs())
+}
+
+#[derive(Serialize)]
+struct BackendView {
+    address: String,
+    id: u32,
+    local: bool,
+    terminating: bool,
+}
+
+#[derive(Serialize)]
+struct ScopeView {
+    scope: &'static str,
+    backends: Vec<BackendView>,
+    /// What happens with no backend: "reject" or "drop".
+    when_empty: &'static str,
+}
+
+#[derive(Serialize)]
+struct FrontendView {
+    service: String,
+    frontend: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    rev_nat_id: u32,
+    masquerade: &'static str,
+    affinity_timeout_seconds: Option<u32>,
+    source_ranges: Vec<String>,
+    scopes: Vec<ScopeView>,
+    /// Live tc flows and recently translated sockets for this frontend.
+    flows: u64,
+}
+
+fn backend_view(snap: &Snapshot, id: u32) -> BackendView {
+    let b = snap.backends.get(&id).copied().unwrap_or_default();
+    BackendView {
+        address: format!("{}:{}", ip(b.addr), b.port),
+        id,
+        local: b.flags & bflags::LOCAL != 0,
+        terminating: b.flags & bflags::TERMINATING != 0,
+    }
+}
+
+fn frontends(paths: &PinPaths, snap: &Snapshot) -> Vec<FrontendView> {
+    // Flows per frontend from the flow-state maps (best effort: they may be absent).
+    let mut flows: BTreeMap<u32, u64> = BTreeMap::new();
+    if let Ok(ct) = open_hash::<Ct4Key, Ct4Value>(paths, names::CONNTRACK) {
+        for (k, v) in ct.iter().flatten() {
+            if k.dir == dir::INGRESS && v.flags & ctflags::REPLY == 0 {
+                *flows.entry(v.rev_nat_id).or_default() += 1;
+            }
+        }
+    }
+    if let Ok(sk) = open_hash::<SockRevNat4Key, SockRevNat4Value>(paths, names::SOCK_REVNAT) {
+        for (_, v) in sk.iter().flatten() {
+            *flows.entry(v.rev_nat_id).or_default() += 1;
+        }
+    }
+    let mut by_frontend: BTreeMap<(u32, [u8; 4], u16, u8), Vec<(Svc4Key, Svc4Value)>> = BTreeMap::new();
+    for (k, v) in &snap.services {
+        by_frontend.entry((v.rev_nat_id, k.addr, k.port, k.proto)).or_default().push((*k, *v));
+    }
+    let mut out = Vec::new();
+    for ((rev, addr, port, proto), entries) in by_frontend {
+        let name = snap
+            .names
+            .get(&rev)
+            .map(|n| service_port_name(n, proto).to_string())
+            .unwrap_or_else(|| format!("(unknown, rev_nat_id {rev})"));
+        let mut scopes = Vec::new();
+        let mut front_flags = 0;
+        let mut affinity = None;
+        for (k, v) in entries.iter().filter(|(k, _)| k.slot == 0) {
+            if k.scope != SCOPE_INTERNAL {
+                front_flags = v.flags;
+                affinity = (v.flags & flags::AFFINITY != 0).then_some(v.affinity_timeout);
+            }
+            let mut backends: Vec<BackendView> = (1..=v.count)
+                .filter_map(|slot| entries.iter().find(|(sk, _)| sk.scope == k.scope && sk.slot == slot))
+                .map(|(_, sv)| backend_view(snap, sv.backend_id))
+                .collect();
+            backends.sort_by(|a, b| a.address.cmp(&b.address));
+            scopes.push(ScopeView {
+                scope: if k.scope == SCOPE_INTERNAL { "internal" } else { "external" },
+                backends,
+                when_empty: if v.flags & flags::DROP_IF_EMPTY != 0 { "drop" } else { "reject" },
+            });
+        }
+        let source_ranges = snap
+            .source_ranges
+            .iter()
+            .filter(|(_, r)| u32::from_be_bytes(r.rev_nat_id_be) == rev)
+            .map(|(len, r)| format!("{}/{}", ip(r.addr), len - 32))
+            .collect();
+        out.push(FrontendView {
+            service: name,
+            frontend: format!("{}:{}/{}", ip(addr), port, proto_name(proto)),
+            kind: kind_name(front_flags),
+            rev_nat_id: rev,
+            masquerade: if front_flags & flags::MASQUERADE != 0 {
+                "always"
+            } else if front_flags & flags::MASQUERADE_OFF_CLUSTER != 0 {
+                "off-cluster"
+            } else {
+                "no"
+            },
+            affinity_timeout_seconds: affinity,
+            source_ranges,
+            scopes,
+            flows: flows.get(&rev).copied().unwrap_or(0),
+        });
+    }
+    out.sort_by(|a, b| (&a.service, &a.frontend).cmp(&(&b.service, &b.frontend)));
+    out
+}
+
+/// Prints rows as an aligned table.
+fn table(header: &[&str], rows: &[Vec<String>]) {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (i, cell) in row.iter().enumerate() {
+            widths[i] = widths[i].max(cell.len());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let mut s = String::new();
+        for (i, c) in cells.iter().enumerate() {
+            if i + 1 == cells.len() {
+                s.push_str(c);
+            } else {
+                s.push_str(&format!("{c:<w$}  ", w = widths[i]));
+            }
+        }
+        println!("{}", s.trim_end());
+    };
+    line(header.iter().map(|h| h.to_string()).collect());
+    for row in rows {
+        line(row.clone());
+    }
+}
+
+pub fn services(args: &InspectArgs) -> Result<()> {
+    let (paths, maps) = open(args)?;
+    let snap = maps.snapshot()?;
+    let views = frontends(&paths, &snap);
+    match args.output {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&views)?),
+        OutputFormat::Table => {
+            let rows: Vec<Vec<String>> = views
+                .iter()
+                .map(|v| {
+                    let backends = v
+                        .scopes
+                        .iter()
+                        .map(|s| {
+                            let list = if s.backends.is_empty() {
+                                format!("(none: {})", s.when_empty)
+                            } else {
+                                s.backends
+                                    .iter()
+                                    .map(|b| {
+                                        let mut t = b.address.clone();
+                                        if b.local {
+                                            t.push_str(" local");
+                                        }
+                                        if b.terminating {
+                                            t.push_str(" terminating");
+                                        }
+                                        t
+                                    })
+                                    .collect::<Vec<_>>()
+                                    .join(", ")
+                            };
+                            if v.scopes.len() > 1 { format!("{}: {list}", s.scope) } else { list }
+                        })
+                        .collect::<Vec<_>>()
+                        .join(" | ");
+                    let mut notes = Vec::new();
+                    if let Some(t) = v.affinity_timeout_seconds {
+                        notes.push(format!("affinity {t}s"));
+                    }
+                    if !v.source_ranges.is_empty() {
+                        notes.push(format!("from {}", v.source_ranges.join(",")));
+                    }
+                    vec![
+                        v.service.clone(),
+                        v.frontend.clone(),
+                        v.kind.to_string(),
+                        v.masquerade.to_string(),
+                        v.flows.to_string(),
+                        notes.join("; "),
+                        backends,
+                    ]
+                })
+                .collect();
+            table(&["SERVICE", "FRONTEND", "TYPE", "MASQUERADE", "FLOWS", "NOTES", "BACKENDS"], &rows);
+        }
+    }
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct BackendRow {
+    id: u32,
+    address: String,
+    protocol: &'static str,
+    local: bool,
+    terminating: bool,
+    services: Vec<String>,
+}
+
+pub fn backends(args: &InspectArgs) -> Result<()> {
+    let (_, maps) = open(args)?;
+    let snap = maps.snapshot()?;
+    let mut users: BTreeMap<u32, std::collections::BTreeSet<String>> = BTreeMap::new();
+    for (k, v) in &snap.services {
+        if k.slot > 0 {
+            let name = snap.names.get(&v.rev_nat_id).map(|n| service_port_name(n, k.proto).to_string()).unwrap_or_default();
+            users.entry(v.backend_id).or_default().insert(name);
+        }
+    }
+    let rows: Vec<BackendRow> = snap
+        .backends
+        .iter()
+        .map(|(id, b): (&u32, &Backend4Value)| BackendRow {
+            id: *id,
+            address: format!("{}:{}", ip(b.addr), b.port),
+            protocol: proto_name(b.proto),
+            local: b.flags & bflags::LOCAL != 0,
+            terminating: b.flags & bflags::TERMINATING != 0,
+            services: users.remove(id).map(|s| s.into_iter().collect()).unwrap_or_default(),
+        })
+        .collect();
+    match args.output {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
+        OutputFormat::Table => table(
+            &["ID", "BACKEND", "PROTO", "STATE", "SERVICES"],
+            &rows
+                .iter()
+                .map(|r| {
+                    let state = match (r.local, r.terminating) {
+                        (true, true) => "local, terminating",
+                        (true, false) => "local",
+                        (false, true) => "terminating",
+                        (false, false) => "-",
+                    };
+                    vec![r.id.to_string(), r.address.clone(), r.protocol.into(), state.into(), r.services.join(", ")]
+                })
+                .collect::<Vec<_>>(),
+        ),
+    }
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct FlowRow {
+    protocol: &'static str,
+    client: String,
+    frontend: String,
+    backend: String,
+    masquerade: Option<String>,
+    service: String,
+    age: String,
+}
+
+pub fn conntrack(args: &InspectArgs) -> Result<()> {
+    let (paths, maps) = open(args)?;
+    let snap = maps.snapshot()?;
+    let ct = open_hash::<Ct4Key, Ct4Value>(&paths, names::CONNTRACK)?;
+    let entries: Vec<(Ct4Key, Ct4Value)> = ct.iter().flatten().collect();
+    // Masquerade addresses of each flow, from its SNAT entry (client -> backend).
+    let snat: BTreeMap<([u8; 4], u16, [u8; 4], u16, u8), ([u8; 4], u16)> = entries
+        .iter()
+        .filter(|(k, v)| k.dir == dir::EGRESS && v.flags & ctflags::SNAT != 0 && v.flags & ctflags::REPLY == 0)
+        .map(|(k, v)| ((k.saddr, k.sport, k.daddr, k.dport, k.proto), (v.nat_addr, v.nat_port)))
+        .collect();
+    let now = clock_ns(libc::CLOCK_MONOTONIC_COARSE);
+    let rows: Vec<FlowRow> = entries
+        .iter()
+        .filter(|(k, v)| k.dir == dir::INGRESS && v.flags & ctflags::REPLY == 0)
+        .map(|(k, v)| FlowRow {
+            protocol: proto_name(k.proto),
+            client: format!("{}:{}", ip(k.saddr), k.sport),
+            frontend: format!("{}:{}", ip(k.daddr), k.dport),
+            backend: format!("{}:{}", ip(v.nat_addr), v.nat_port),
+            masquerade: snat.get(&(k.saddr, k.sport, v.nat_addr, v.nat_port, k.proto)).map(|(a, p)| format!("{}:{}", ip(*a), p)),
+            service: snap.names.get(&v.rev_nat_id).map(|n| service_port_name(n, k.proto).to_string()).unwrap_or_default(),
+            age: age(now, v.created_ns),
+        })
+        .collect();
+    match args.output {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
+        OutputFormat::Table => table(
+            &["PROTO", "CLIENT", "FRONTEND", "BACKEND", "MASQUERADED AS", "AGE", "SERVICE"],
+            &rows
+                .iter()
+                .map(|r| {
+                    vec![
+                        r.protocol.into(),
+                        r.client.clone(),
+                        r.frontend.clone(),
+                        r.backend.clone(),
+                        r.masquerade.clone().unwrap_or_else(|| "-".into()),
+                        r.age.clone(),
+                        r.service.clone(),
+                    ]
+                })
+                .collect::<Vec<_>>(),
+        ),
+    }
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct AffinityRow {
+    client: String,
+    service: String,
+    backend: String,
+    idle: String,
+}
+
+pub fn affinity(args: &InspectArgs) -> Result<()> {
+    let (paths, maps) = open(args)?;
+    let snap = maps.snapshot()?;
+    let aff = open_hash::<Affinity4Key, Affinity4Value>(&paths, names::AFFINITY)?;
+    let now = clock_ns(libc::CLOCK_BOOTTIME);
+    let rows: Vec<AffinityRow> = aff
+        .iter()
+        .flatten()
+        .map(|(k, v)| AffinityRow {
+            client: if k.kind == kind::ADDR {
+                ip((k.client as u32).to_ne_bytes()).to_string()
+            } else {
+                format!("netns cookie {}", k.client)
+            },
+            service: snap
+                .names
+                .get(&k.rev_nat_id)
+                .zip(snap.revnat.get(&k.rev_nat_id))
+                .map(|(n, r)| format!("{} ({}:{})", service_port_name(n, r.proto), ip(r.addr), r.port))
+                .unwrap_or_default(),
+            backend: backend_view(&snap, v.backend_id).address,
+            idle: age(now, v.last_used_ns),
+        })
+        .collect();
+    match args.output {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
+        OutputFormat::Table => table(
+            &["CLIENT", "SERVICE", "BACKEND", "IDLE"],
+            &rows.iter().map(|r| vec![r.client.clone(), r.service.clone(), r.backend.clone(), r.idle.clone()]).collect::<Vec<_>>(),
+        ),
+    }
+    Ok(())
+}
+
+pub fn stats(args: &InspectArgs) -> Result<()> {
+    let (_, maps) = open(args)?;
+    let rows: Vec<(&str, u64)> = Counter::ALL.iter().map(|c| (c.name(), maps.counter(*c as u32))).collect();
+    match args.output {
+        OutputFormat::Json => {
+            let obj: serde_json::Map<String, serde_json::Value> = rows.iter().map(|(n, v)| (n.to_string(), (*v).into())).collect();
+            println!("{}", serde_json::to_string_pretty(&obj)?);
+        }
+        OutputFormat::Table => table(&["EVENT", "TOTAL"], &rows.iter().map(|(n, v)| vec![n.to_string(), v.to_string()]).collect::<Vec<_>>()),
+    }
+    Ok(())
 }

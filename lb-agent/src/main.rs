@@ -1,6 +1,6 @@
 //! `lb-agent`: runs the agent, or one of the operator's commands.
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use lb_agent::cli::{Cli, Command, LogFormat};
 
 fn init_logging(format: LogFormat) {
@@ -14,7 +14,18 @@ fn init_logging(format: LogFormat) {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let explicit = lb_agent::config::explicit_flags(&matches);
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    if cli.command.is_some() {
+        // Operator commands behave like other Unix tools when their output is cut short
+        // (`lb-agent services | head`): exit quietly on SIGPIPE instead of panicking.
+        // SAFETY: restoring the default disposition of a signal has no preconditions.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     init_logging(cli.run.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
@@ -26,10 +37,13 @@ fn main() -> std::process::ExitCode {
     let result = runtime.block_on(async move {
         match cli.command {
             None if cli.run.cleanup => lb_agent::cleanup::run(&cli.run.bpf.root.bpf_root),
-            None => lb_agent::run::run(cli.run).await,
+            None => lb_agent::run::run(cli.run, explicit).await,
             Some(Command::Cleanup(args)) => lb_agent::cleanup::run(&args.bpf_root),
             Some(Command::Services(args)) => lb_agent::inspect::services(&args),
             Some(Command::Backends(args)) => lb_agent::inspect::backends(&args),
+            Some(Command::Conntrack(args)) => lb_agent::inspect::conntrack(&args),
+            Some(Command::Affinity(args)) => lb_agent::inspect::affinity(&args),
+            Some(Command::Stats(args)) => lb_agent::inspect::stats(&args),
             Some(Command::Trace(args)) => lb_agent::trace::run(&args),
         }
     });

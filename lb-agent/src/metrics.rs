@@ -24,9 +24,9 @@
 //!
 //! Not exported: the iptables/ipvs/nftables-specific metrics (`..._iptables_restore_failures_total`,
 //! `..._iptables_total`, `..._nftables_sync_failures_total`, `kubeproxy_conntrack_reconciler_*`, ...),
-//! which have no meaning for the eBPF data path, and the partial/full sync split. Newer kube-proxy
-//! releases add an `ip_family` label to some of these metrics; this agent is IPv4-only and keeps the
-//! label-less form.
+//! which have no meaning for the eBPF data path, and the partial/full sync split. kube-proxy's newest
+//! metrics reference also lists an `ip_family` label on some of these metrics; this agent is IPv4-only and
+//! keeps the label-less form of `metrics.go`.
 //!
 //! The exposition is OpenMetrics text (`application/openmetrics-text; version=1.0.0`), which Prometheus
 //! negotiates by default; counters carry the `_total` suffix there exactly as in kube-proxy's output.
@@ -39,30 +39,27 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::SocketAddr,
-    sync::{
-        atomic::AtomicU64,
-        Arc, Mutex,
-    },
+    sync::{Arc, Mutex, atomic::AtomicU64},
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
 use anyhow::Context;
 use axum::{
+    Router,
     extract::State,
-    http::{header, StatusCode},
+    http::{StatusCode, header},
     response::{IntoResponse, Response},
     routing::get,
-    Router,
 };
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric},
     metrics::{
+        MetricType,
         counter::{ConstCounter, Counter},
         family::Family,
         gauge::Gauge,
-        histogram::{exponential_buckets, linear_buckets, Histogram},
-        MetricType,
+        histogram::{Histogram, exponential_buckets, linear_buckets},
     },
     registry::Registry,
 };
@@ -291,7 +288,9 @@ impl Metrics {
 
         // Upstream sets both label values on every sync; show them from the start.
         for policy in ["internal", "external"] {
-            no_local_endpoints.get_or_create(&TrafficPolicyLabels { traffic_policy: policy.to_string() }).set(0);
+            no_local_endpoints
+                .get_or_create(&TrafficPolicyLabels { traffic_policy: policy.to_string() })
+                .set(0);
         }
 
         Self {
@@ -433,7 +432,11 @@ pub fn router(metrics: Metrics) -> Router {
 
 /// Serves `/metrics` on `addr` until `shutdown` is cancelled. Fails at once, with the address in the
 /// message, when the address cannot be bound.
-pub async fn serve_metrics(addr: SocketAddr, metrics: Metrics, shutdown: CancellationToken) -> anyhow::Result<()> {
+pub async fn serve_metrics(
+    addr: SocketAddr,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("failed to start the metrics server on {addr}"))?;
@@ -511,16 +514,28 @@ mod tests {
 
         assert!(text.contains("# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram"), "{text}");
         assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_duration_seconds_count"), Some(1.0));
-        assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.002\"}"), Some(0.0));
-        assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.004\"}"), Some(1.0));
+        assert_eq!(
+            sample(&text, "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.002\"}"),
+            Some(0.0)
+        );
+        assert_eq!(
+            sample(&text, "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.004\"}"),
+            Some(1.0)
+        );
         assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_last_timestamp_seconds"), Some(1_700_000_000.0));
         assert_eq!(
             sample(&text, "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds"),
             Some(1_700_000_001.5)
         );
         assert!(text.contains("# TYPE kubeproxy_network_programming_duration_seconds histogram"));
-        assert_eq!(sample(&text, "kubeproxy_network_programming_duration_seconds_bucket{le=\"1.0\"}"), Some(0.0));
-        assert_eq!(sample(&text, "kubeproxy_network_programming_duration_seconds_bucket{le=\"2.0\"}"), Some(1.0));
+        assert_eq!(
+            sample(&text, "kubeproxy_network_programming_duration_seconds_bucket{le=\"1.0\"}"),
+            Some(0.0)
+        );
+        assert_eq!(
+            sample(&text, "kubeproxy_network_programming_duration_seconds_bucket{le=\"2.0\"}"),
+            Some(1.0)
+        );
         assert_eq!(sample(&text, "kubeproxy_network_programming_duration_seconds_sum"), Some(1.5));
 
         assert!(text.contains("# TYPE kubeproxy_sync_proxy_rules_endpoint_changes counter"));
@@ -643,10 +658,8 @@ mod tests {
         let text = String::from_utf8(body.to_vec()).unwrap();
         assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_endpoint_changes_total"), Some(1.0));
 
-        let response = router(m)
-            .oneshot(Request::builder().uri("/other").body(Body::empty()).unwrap())
-            .await
-            .unwrap();
+        let response =
+            router(m).oneshot(Request::builder().uri("/other").body(Body::empty()).unwrap()).await.unwrap();
         assert_eq!(response.status(), StatusCode::NOT_FOUND);
     }
 
@@ -666,7 +679,9 @@ mod tests {
         let mut response = String::new();
         stream.read_to_string(&mut response).await.unwrap();
         assert!(response.starts_with("HTTP/1.1 200"), "{response}");
-        assert!(response.to_lowercase().contains("content-type: application/openmetrics-text; version=1.0.0"));
+        assert!(
+            response.to_lowercase().contains("content-type: application/openmetrics-text; version=1.0.0")
+        );
         assert!(response.contains("kubeproxy_sync_proxy_rules_service_changes_total 9"));
 
         // The address is taken now: a second server fails with the address in the message.

@@ -2,20 +2,44 @@
 //! the maps equal to the cluster's state (watch -> model -> plan -> maps) until told to stop. On
 //! exit the programs stay attached and the maps stay pinned, so traffic keeps flowing while the
 //! agent restarts or upgrades.
+//!
+//! Syncs are driven by a bounded-frequency runner (kube-proxy's minSyncPeriod/syncPeriod): every
+//! watched change requests one, requests are coalesced, and one runs at least every syncPeriod.
 
-use std::{net::Ipv4Addr, os::fd::AsRawFd, path::PathBuf, time::Instant};
+use std::{
+    cell::RefCell,
+    collections::HashSet,
+    net::{IpAddr, Ipv4Addr},
+    os::fd::AsRawFd,
+    path::PathBuf,
+    rc::Rc,
+    sync::Arc,
+    time::{Duration, Instant, SystemTime},
+};
 
 use anyhow::{Context, Result};
-use lb_common::config::{self as dpconfig, Cidr4, DatapathConfig, MAX_CLUSTER_CIDRS};
+use lb_common::{
+    config::{self as dpconfig, Cidr4, DatapathConfig, MAX_CLUSTER_CIDRS},
+    maps as names,
+    stats::Counter,
+};
+use tokio_util::sync::CancellationToken;
 
 use crate::{
-    cli::RunArgs,
+    cli::{parse_bind_address, RunArgs},
+    config,
     datapath::{self, cgroup, tc, Datapath, PinPaths},
+    health::{self, ProxyHealth, ServiceHealthServers},
     maps::{Applier, KernelMaps, MapOps},
+    metrics::{self, Metrics},
     node::{self, NodePortAddress},
     plan::NodeContext,
+    runner::BoundedFrequencyRunner,
     sync,
-    watch::{manifests, ClusterState},
+    watch::{
+        kube::{KubeSource, PendingChanges, ProblemReporter},
+        manifests, ClusterState,
+    },
 };
 
 /// The system hostname, lowercased as kube-proxy does.
@@ -39,7 +63,7 @@ pub fn netns_cookie() -> std::io::Result<u64> {
     Ok(cookie)
 }
 
-/// Settings resolved from flags (and, later, the config file).
+/// Settings resolved from flags and the config file.
 #[derive(Clone, Debug)]
 pub struct NodeSettings {
     pub node_name: String,
@@ -118,14 +142,7 @@ impl NodeSettings {
 /// Where the agent gets the cluster's state.
 enum Source {
     Manifests(PathBuf),
-}
-
-impl Source {
-    fn load(&self, node_name: &str) -> Result<ClusterState> {
-        match self {
-            Source::Manifests(dir) => Ok(manifests::load_dir(dir, node_name)?),
-        }
-    }
+    Kube(KubeSource),
 }
 
 /// What the agent keeps between syncs.
@@ -137,65 +154,188 @@ struct Agent {
     sock_hostns_only: bool,
     devices: Option<Vec<tc::DevicePattern>>,
     config_written: Option<DatapathConfig>,
+    metrics: Metrics,
+    health: ProxyHealth,
+    service_health: ServiceHealthServers,
+    source: Source,
+    /// Problems of the last sync, for Events: (namespace, name, reason, message).
+    problems: Vec<(String, String, &'static str, String)>,
 }
 
-/// One sync: compute the desired state and write the difference.
-fn sync_once(agent: &mut Agent, state: &ClusterState) -> Result<()> {
-    let started = Instant::now();
-    let settings = &agent.settings;
-    let node = state.node.as_deref();
-    let info = sync::node_info(&settings.node_name, node);
-    let locals = node::local_addresses().context("listing this node's addresses")?;
-    let ctx = settings.node_context(&locals, &sync::node_primary_ips(node));
-    // Masqueraded flows leave with the node's primary IP (else its first NodePort address).
-    let snat = ctx.node_ips.first().or(ctx.nodeport_addresses.first()).copied().unwrap_or(Ipv4Addr::UNSPECIFIED);
-    let config = settings.datapath_config(agent.host_cookie, agent.sock_hostns_only, snat);
-    if agent.config_written != Some(config) {
-        agent.applier.maps_mut().put_config(&config).context("writing the datapath configuration")?;
-        agent.config_written = Some(config);
+impl Agent {
+    fn state(&self) -> Result<ClusterState> {
+        match &self.source {
+            Source::Manifests(dir) => Ok(manifests::load_dir(dir, &self.settings.node_name)?),
+            Source::Kube(kube) => Ok(kube.state()),
+        }
     }
-    if let Some(patterns) = &agent.devices {
-        let up = tc::interfaces_up().context("listing interfaces")?;
-        let wanted = tc::select_devices(patterns, &up);
-        for (name, index) in &wanted {
-            if let Err(e) = agent.datapath.attach_tc(name, *index) {
-                tracing::error!(device = %name, "attaching the tc programs: {e}");
+
+    /// One sync: compute the desired state and write the difference.
+    fn sync(&mut self) -> Result<()> {
+        let started = Instant::now();
+        let pending = match &self.source {
+            Source::Kube(kube) => kube.take_pending(),
+            Source::Manifests(_) => PendingChanges::default(),
+        };
+        let state = self.state()?;
+        let settings = &self.settings;
+        let node = state.node.as_deref();
+        if let Some(node) = node {
+            self.health.set_node(node);
+        }
+        let info = sync::node_info(&settings.node_name, node);
+        let locals = node::local_addresses().context("listing this node's addresses")?;
+        let ctx = settings.node_context(&locals, &sync::node_primary_ips(node));
+        // Masqueraded flows leave with the node's primary IP (else its first NodePort address).
+        let snat = ctx.node_ips.first().or(ctx.nodeport_addresses.first()).copied().unwrap_or(Ipv4Addr::UNSPECIFIED);
+        let config = settings.datapath_config(self.host_cookie, self.sock_hostns_only, snat);
+        if self.config_written != Some(config) {
+            self.applier.maps_mut().put_config(&config).context("writing the datapath configuration")?;
+            self.config_written = Some(config);
+        }
+        if let Some(patterns) = &self.devices {
+            let up = tc::interfaces_up().context("listing interfaces")?;
+            let wanted = tc::select_devices(patterns, &up);
+            for (name, index) in &wanted {
+                if let Err(e) = self.datapath.attach_tc(name, *index) {
+                    tracing::error!(device = %name, "attaching the tc programs: {e}");
+                }
+            }
+            for gone in self.datapath.detach_tc_except(&wanted) {
+                tracing::info!(device = %gone, "detached the tc programs");
             }
         }
-        for gone in agent.datapath.detach_tc_except(&wanted) {
-            tracing::info!(device = %gone, "detached the tc programs");
+
+        let computed = sync::compute(&state, &info, &ctx);
+        let report = self.applier.apply(&computed.desired);
+
+        self.problems.clear();
+        for p in &computed.problems {
+            tracing::warn!(kind = p.kind, namespace = %p.namespace, name = %p.name, "{}", p.message);
+            self.problems.push((p.namespace.clone(), p.name.clone(), "InvalidService", p.message.clone()));
+        }
+        let mut skipped_reasons: Vec<(&str, usize)> = Vec::new();
+        for (service, reason) in &report.skipped {
+            tracing::error!(service = %service, "not programmed: {reason}");
+            self.problems.push((service.namespace.clone(), service.name.clone(), "MapFull", format!("not programmed: {reason}")));
+        }
+        if !report.skipped.is_empty() {
+            skipped_reasons.push(("map_full", report.skipped.len()));
+        }
+        for e in &report.errors {
+            tracing::error!("map update failed: {e}");
+        }
+        self.record_metrics(&computed, &report, &pending, started);
+        let health_checks = health::targets_from_health_checks(&computed.health_checks);
+        for e in self.service_health.sync(&health_checks) {
+            tracing::warn!("health check server: {e}");
+        }
+        self.metrics.set_services_skipped(&skipped_reasons);
+        if report.errors.is_empty() {
+            self.health.updated();
+            self.metrics.sync_succeeded(SystemTime::now());
+        }
+        tracing::info!(
+            service_ports = computed.service_ports,
+            frontends = computed.desired.frontends.len(),
+            backends = computed.desired.backends.len(),
+            writes = report.writes,
+            deletes = report.deletes,
+            elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
+            "data path programmed"
+        );
+        if !report.errors.is_empty() {
+            anyhow::bail!("{} map update(s) failed; retrying", report.errors.len());
+        }
+        Ok(())
+    }
+
+    fn record_metrics(&self, computed: &sync::Computed, report: &crate::maps::ApplyReport, pending: &PendingChanges, started: Instant) {
+        let m = &self.metrics;
+        m.observe_sync_duration(started.elapsed());
+        m.service_changes(pending.services);
+        m.endpoint_changes(pending.endpoints);
+        let now = SystemTime::now();
+        for t in &pending.trigger_times {
+            if let Ok(latency) = now.duration_since(*t) {
+                m.observe_network_programming(latency);
+            }
+        }
+        if let Source::Kube(kube) = &self.source {
+            let (services, endpoints) = kube.pending_counts();
+            m.set_service_changes_pending(services as usize);
+            m.set_endpoint_changes_pending(endpoints as usize);
+        }
+        m.set_no_local_endpoints(computed.no_local_internal, computed.no_local_external);
+        let caps = self.applier.capacities();
+        let occ = self.applier.occupancy();
+        for (name, used, cap) in [
+            (names::SERVICES, occ.services, caps.services),
+            (names::BACKENDS, occ.backends, caps.backends),
+            (names::REVNAT, occ.revnat, caps.revnat),
+            (names::AFFINITY_MATCH, occ.affinity_match, caps.affinity_match),
+            (names::SOURCE_RANGES, occ.source_ranges, caps.source_ranges),
+        ] {
+            m.set_map_occupancy(name, u64::from(used), u64::from(cap));
+        }
+        let events: Vec<(&str, u64)> =
+            Counter::ALL.iter().map(|c| (c.name(), self.applier.maps().counter(*c as u32))).collect();
+        m.set_datapath_events(&events);
+        for e in &report.errors {
+            let map = names::ALL.iter().find(|n| e.contains(*n)).copied().unwrap_or("unknown");
+            m.map_write_errors(map, 1);
         }
     }
-    let computed = sync::compute(state, &info, &ctx);
-    let applier = &mut agent.applier;
-    for p in &computed.problems {
-        tracing::warn!(kind = p.kind, namespace = %p.namespace, name = %p.name, "{}", p.message);
+}
+
+/// Builds a client from `--kubeconfig` (or the in-cluster/default configuration) and `--master`.
+async fn kube_client(args: &RunArgs) -> Result<kube::Client> {
+    let mut config = match &args.kubeconfig {
+        Some(path) => {
+            let kubeconfig = kube::config::Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default()).await?
+        }
+        None => kube::Config::infer().await.context("no --kubeconfig, and neither in-cluster nor ~/.kube/config configuration works")?,
+    };
+    if let Some(master) = &args.master {
+        config.cluster_url = master.parse().with_context(|| format!("--master {master:?} is not a URL"))?;
     }
-    let report = applier.apply(&computed.desired);
-    for (service, reason) in &report.skipped {
-        tracing::error!(service = %service, "not programmed: {reason}");
-    }
-    for e in &report.errors {
-        tracing::error!("map update failed: {e}");
-    }
-    tracing::info!(
-        service_ports = computed.service_ports,
-        frontends = computed.desired.frontends.len(),
-        backends = computed.desired.backends.len(),
-        writes = report.writes,
-        deletes = report.deletes,
-        elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
-        "data path programmed"
-    );
+    Ok(kube::Client::try_from(config)?)
+}
+
+/// Binds a server or fails with a clear message.
+fn spawn_server<F>(what: &str, addr: &str, shutdown: &CancellationToken, serve: impl FnOnce(std::net::SocketAddr, CancellationToken) -> F) -> Result<()>
+where
+    F: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    let Some(addr) = parse_bind_address(addr).map_err(anyhow::Error::msg).with_context(|| format!("{what} bind address"))? else {
+        return Ok(());
+    };
+    let task = serve(addr, shutdown.clone());
+    let what = what.to_string();
+    tokio::spawn(async move {
+        if let Err(e) = task.await {
+            tracing::error!("{what} server on {addr}: {e:#}");
+        }
+    });
     Ok(())
 }
 
-pub async fn run(args: RunArgs) -> Result<()> {
+pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
+    if let Some(path) = args.config.clone() {
+        let loaded = config::load_file(&path)?;
+        for w in &loaded.warnings {
+            match w.kind {
+                config::WarningKind::Unknown => tracing::warn!(field = %w.path, "{}", w.message),
+                config::WarningKind::NotUsed if !w.value_is_empty => tracing::warn!(field = %w.path, "{}", w.message),
+                _ => tracing::info!(field = %w.path, "{}", w.message),
+            }
+        }
+        for note in config::merge(&loaded.config, &mut args, &explicit)? {
+            tracing::info!("{note}");
+        }
+    }
     let settings = NodeSettings::from_args(&args.node, args.iptables_localhost_nodeports, args.bind_address)?;
-    let source = match &args.manifests {
-        Some(dir) => Source::Manifests(dir.clone()),
-        None => anyhow::bail!("watching the API server is not available in this build; pass --manifests DIR"),
-    };
     let object = datapath::object_bytes(args.bpf.bpf_object.as_deref())?;
     let caps = args.bpf.capacities();
     let paths = PinPaths::new(&args.bpf.root.bpf_root);
@@ -208,8 +348,53 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let applier = Applier::recover(maps, caps).context("reading the pinned maps")?;
     let host_cookie = netns_cookie().context("reading this network namespace's cookie (needs kernel >= 5.14)")?;
     dp.attach_cgroup(&cgroup_root).context("attaching the socket programs")?;
+    tracing::info!(
+        node = %settings.node_name,
+        bpf_root = %paths.root.display(),
+        cgroup = %cgroup_root.display(),
+        frontends = applier.occupancy().revnat,
+        "data path attached (adopted {} frontend(s) from the pinned maps)",
+        applier.occupancy().revnat
+    );
+
+    let shutdown = CancellationToken::new();
+    let metrics = Metrics::new();
+    let health = ProxyHealth::new(health::health_timeout_for(args.sync_period)).with_metrics(metrics.clone());
+    {
+        let h = health.clone();
+        spawn_server("healthz", &args.healthz_bind_address, &shutdown, move |addr, s| health::serve_proxy_health(addr, h, s))?;
+        let m = metrics.clone();
+        spawn_server("metrics", &args.metrics_bind_address, &shutdown, move |addr, s| metrics::serve_metrics(addr, m, s))?;
+    }
+
+    let runner = BoundedFrequencyRunner::new(args.min_sync_period, args.sync_period.min(Duration::from_secs(1)), args.sync_period);
+    let handle = runner.handle();
+    let (source, reporter) = match &args.manifests {
+        Some(dir) => (Source::Manifests(dir.clone()), None),
+        None => {
+            let client = kube_client(&args).await?;
+            match tokio::time::timeout(Duration::from_secs(10), client.apiserver_version()).await {
+                Ok(Ok(v)) => tracing::info!(version = %v.git_version, "connected to the API server"),
+                Ok(Err(e)) => tracing::error!("cannot reach the API server: {e}; retrying in the background (the pinned data path keeps serving)"),
+                Err(_) => tracing::error!("the API server did not answer within 10s; retrying in the background (the pinned data path keeps serving)"),
+            }
+            let (h, m, run) = (health.clone(), metrics.clone(), handle.clone());
+            let on_change = Arc::new(move |_| {
+                h.queued_update();
+                m.sync_queued(SystemTime::now());
+                run.run();
+            });
+            let kube = KubeSource::start(client.clone(), &settings.node_name, on_change, shutdown.clone());
+            // Never program an empty cluster over a full one: wait for every initial list.
+            while !kube.wait_ready(Duration::from_secs(30)).await {
+                tracing::warn!("still waiting for the initial list of Services, EndpointSlices and the Node; the data path keeps its pinned state");
+            }
+            (Source::Kube(kube), Some(ProblemReporter::new(client, &settings.node_name)))
+        }
+    };
+
     let devices = (!args.bpf.no_tc).then(|| args.bpf.devices.iter().map(|d| tc::DevicePattern::parse(d)).collect());
-    let mut agent = Agent {
+    let agent = Rc::new(RefCell::new(Agent {
         datapath: dp,
         applier,
         settings: settings.clone(),
@@ -217,24 +402,47 @@ pub async fn run(args: RunArgs) -> Result<()> {
         sock_hostns_only: args.bpf.bpf_lb_sock_hostns_only,
         devices,
         config_written: None,
-    };
-    tracing::info!(node = %settings.node_name, bpf_root = %paths.root.display(), cgroup = %cgroup_root.display(), "data path attached");
+        metrics,
+        health: health.clone(),
+        service_health: ServiceHealthServers::new(vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)], health),
+        source,
+        problems: Vec::new(),
+    }));
 
-    let mut interval = tokio::time::interval(args.sync_period);
-    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    loop {
-        tokio::select! {
-            _ = interval.tick() => {
-                match source.load(&settings.node_name) {
-                    Ok(state) => sync_once(&mut agent, &state)?,
-                    Err(e) => tracing::error!("reading the cluster state: {e:#}; keeping the last programmed state"),
-                }
+    {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = terminate.recv() => {}
             }
-            _ = tokio::signal::ctrl_c() => break,
-            _ = terminate.recv() => break,
-        }
+            shutdown.cancel();
+        });
     }
+    handle.run();
+    let reporter = Rc::new(reporter);
+    runner
+        .run_loop(
+            || {
+                let agent = agent.clone();
+                let reporter = reporter.clone();
+                async move {
+                    let result = agent.borrow_mut().sync();
+                    if let Some(reporter) = reporter.as_ref() {
+                        let (state, problems) = {
+                            let a = agent.borrow();
+                            (a.state().unwrap_or_default(), a.problems.clone())
+                        };
+                        reporter.report(&state, &problems).await;
+                    }
+                    result
+                }
+            },
+            shutdown.clone(),
+        )
+        .await;
+    agent.borrow_mut().service_health.close_all();
     tracing::info!("stopping; the data path stays attached and keeps serving");
     Ok(())
 }

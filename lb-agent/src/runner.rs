@@ -1,5 +1,6 @@
 //! When the agent syncs: a port of kube-proxy's `BoundedFrequencyRunner`
-//! (`pkg/proxy/runner/bounded_frequency_runner.go`; before 1.33 `pkg/util/async/bounded_frequency_runner.go`).
+//! (`pkg/proxy/runner/bounded_frequency_runner.go`; in older releases
+//! `pkg/util/async/bounded_frequency_runner.go`).
 //!
 //! The agent calls [`RunnerHandle::run`] whenever a watched object changes, and [`BoundedFrequencyRunner::run_loop`]
 //! calls the sync function, with upstream's three guarantees:
@@ -39,7 +40,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tokio::sync::{watch, Notify};
+use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 /// A boxed, sendable future, as returned by [`Clock::sleep_until`].
@@ -373,9 +374,15 @@ mod tests {
             Self::start_with(min, retry, max, |_| {})
         }
 
-        fn start_with(min: Duration, retry: Duration, max: Duration, before: impl FnOnce(&RunnerHandle)) -> Self {
+        fn start_with(
+            min: Duration,
+            retry: Duration,
+            max: Duration,
+            before: impl FnOnce(&RunnerHandle),
+        ) -> Self {
             let clock = ManualClock::new();
-            let runner = BoundedFrequencyRunner::with_clock(min, retry, max, Arc::new(clock.clone())).named("test");
+            let runner =
+                BoundedFrequencyRunner::with_clock(min, retry, max, Arc::new(clock.clone())).named("test");
             let handle = runner.handle();
             before(&handle);
             let (tx, runs) = mpsc::unbounded_channel();

@@ -36,6 +36,10 @@ pub struct Computed {
     /// Service ports with an externalTrafficPolicy=Local health-check NodePort: (port, name,
     /// local endpoints), for the health-check servers.
     pub health_checks: Vec<(u16, model::ServicePortName, usize)>,
+    /// Service ports whose Local traffic policy has no local endpoint, as kube-proxy's
+    /// `sync_proxy_rules_no_local_endpoints_total{traffic_policy}`.
+    pub no_local_internal: usize,
+    pub no_local_external: usize,
 }
 
 /// This node's name and zone, from its Node object when there is one.
@@ -66,6 +70,7 @@ pub fn compute(state: &ClusterState, node: &NodeInfo, ctx: &NodeContext) -> Comp
     let mut ports: Vec<(ServicePortInfo, CategorizedEndpoints)> = Vec::new();
     let mut endpoints_seen = 0;
     let mut health_checks = Vec::new();
+    let (mut no_local_internal, mut no_local_external) = (0, 0);
     for ((namespace, name), svc) in &state.services {
         let report = |message: String| Problem { kind: "Service", namespace: namespace.clone(), name: name.clone(), message };
         let service = match service_ports(svc) {
@@ -90,6 +95,10 @@ pub fn compute(state: &ClusterState, node: &NodeInfo, ctx: &NodeContext) -> Comp
             let endpoints = by_port.remove(&port.name).unwrap_or_default();
             endpoints_seen += endpoints.len();
             let categorized = categorize_endpoints(&endpoints, &port, node);
+            if categorized.local.is_empty() && categorized.has_any {
+                no_local_internal += usize::from(port.internal_policy_local);
+                no_local_external += usize::from(port.external_policy_local);
+            }
             if let Some(hc_port) = port.health_check_node_port {
                 health_checks.push((hc_port, port.name.clone(), categorized.local.len()));
             }
@@ -103,5 +112,13 @@ pub fn compute(state: &ClusterState, node: &NodeInfo, ctx: &NodeContext) -> Comp
         name: p.service.name.clone(),
         message: p.message,
     }));
-    Computed { desired, problems, service_ports: ports.len(), endpoints: endpoints_seen, health_checks }
+    Computed {
+        desired,
+        problems,
+        service_ports: ports.len(),
+        endpoints: endpoints_seen,
+        health_checks,
+        no_local_internal,
+        no_local_external,
+    }
 }

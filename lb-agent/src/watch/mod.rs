@@ -2,6 +2,7 @@
 //! the Kubernetes API (`kube`, reflectors with kube-proxy's label selectors) or from manifest
 //! files (`manifests`, for `trace --manifests` and static runs).
 
+pub mod kube;
 pub mod manifests;
 
 use std::{collections::BTreeMap, sync::Arc};
