@@ -228,11 +228,13 @@ impl ControlPlane {
         kube::Client::try_from(config).context("building a kube client")
     }
 
-    /// Stops kube-apiserver (SIGTERM, SIGKILL after a grace period) while etcd keeps running, to
-    /// simulate an API outage. Blocking. A no-op when it is not running.
+    /// Kills kube-apiserver (SIGKILL: an outage is abrupt, and a graceful stop waits on every open
+    /// watch) while etcd keeps running, to simulate an API outage. Blocking. A no-op when it is
+    /// not running.
     pub fn stop_apiserver(&mut self) {
-        if let Some(child) = self.apiserver.take() {
-            stop(child, "kube-apiserver");
+        if let Some(mut child) = self.apiserver.take() {
+            let _ = child.kill();
+            let _ = child.wait();
             append_marker(&self.apiserver_log(), "stopped by ControlPlane::stop_apiserver");
         }
     }

@@ -125,3 +125,64 @@ fn run_ip(args: &[&str]) {
     let out = Command::new("ip").args(args).output().unwrap_or_else(|e| panic!("ip {args:?}: {e}"));
     assert!(out.status.success(), "ip {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// Forwards TCP connections made to `listen` inside a namespace to `target` in the test's own
+/// namespace: an agent inside a node namespace reaches the API server on the host's loopback at
+/// the same address. Stops (and closes its listener) on drop.
+pub struct PortForward {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    accept: Option<thread::JoinHandle<()>>,
+}
+
+impl PortForward {
+    pub fn start(ns: &NetNs, listen: std::net::SocketAddr, target: std::net::SocketAddr) -> PortForward {
+        use std::{
+            io,
+            net::{Shutdown, TcpListener, TcpStream},
+            sync::{atomic::{AtomicBool, Ordering}, Arc},
+            time::Duration,
+        };
+        // The listening socket lives in the namespace it was created in; everything else (the
+        // accept loop, the outbound connections) runs in ours.
+        let listener = ns.run(|| TcpListener::bind(listen)).unwrap_or_else(|e| panic!("forward {listen} in {}: {e}", ns.name()));
+        listener.set_nonblocking(true).expect("nonblocking listener");
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let accept = thread::spawn(move || {
+            while !stopped.load(Ordering::SeqCst) {
+                match listener.accept() {
+                    Ok((client, _)) => {
+                        let _ = client.set_nonblocking(false);
+                        thread::spawn(move || {
+                            let Ok(server) = TcpStream::connect_timeout(&target, Duration::from_secs(5)) else {
+                                let _ = client.shutdown(Shutdown::Both);
+                                return;
+                            };
+                            let (mut c2, mut s2) = (client.try_clone().expect("clone"), server.try_clone().expect("clone"));
+                            let (mut c, mut s) = (client, server);
+                            let up = thread::spawn(move || {
+                                let _ = io::copy(&mut c, &mut s);
+                                let _ = s.shutdown(Shutdown::Write);
+                            });
+                            let _ = io::copy(&mut s2, &mut c2);
+                            let _ = c2.shutdown(Shutdown::Write);
+                            let _ = up.join();
+                        });
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => thread::sleep(Duration::from_millis(20)),
+                    Err(_) => thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        });
+        PortForward { stop, accept: Some(accept) }
+    }
+}
+
+impl Drop for PortForward {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+    }
+}

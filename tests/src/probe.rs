@@ -69,3 +69,8 @@ pub fn hold(place: Place<'_>, to: &str, seconds: u64) -> Proc {
 pub fn server_of(result: &Value) -> Option<&str> {
     result.pointer("/reply/server").and_then(Value::as_str)
 }
+
+/// One HTTP GET to `to` (host:port) from `place`: {"ok", "status", "headers", "body"}.
+pub fn http_get(place: Place<'_>, to: &str, path: &str) -> Value {
+    json_lines(&run_in(place, probe(), &["http", "--to", to, "--path", path])).remove(0)
+}

@@ -60,6 +60,16 @@ enum Cmd {
         #[arg(long, default_value_t = 1000)]
         timeout_ms: u64,
     },
+    /// One HTTP/1.1 GET; prints {"status": N, "headers": {...}, "body": "..."}.
+    Http {
+        /// host:port
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value = "/")]
+        path: String,
+        #[arg(long, default_value_t = 3000)]
+        timeout_ms: u64,
+    },
     Hold {
         #[arg(long)]
         connect: SocketAddr,
@@ -243,6 +253,32 @@ fn hold(to: SocketAddr, interval: Duration, seconds: u64) {
     println!("{}", json!({"done": true, "exchanges": n}));
 }
 
+fn http_get(to: SocketAddr, path: &str, timeout: Duration) -> serde_json::Value {
+    let mut stream = match TcpStream::connect_timeout(&to, timeout) {
+        Ok(s) => s,
+        Err(e) => return json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)}),
+    };
+    let _ = stream.set_read_timeout(Some(timeout));
+    if let Err(e) = write!(stream, "GET {path} HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n") {
+        return json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)});
+    }
+    let mut raw = Vec::new();
+    if let Err(e) = stream.read_to_end(&mut raw) {
+        if raw.is_empty() {
+            return json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)});
+        }
+    }
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let mut lines = head.lines();
+    let status: u16 = lines.next().and_then(|l| l.split_whitespace().nth(1)).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let headers: serde_json::Map<String, serde_json::Value> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), json!(v.trim())))
+        .collect();
+    json!({"ok": true, "status": status, "headers": headers, "body": body})
+}
+
 fn main() {
     match Cli::parse().command {
         Cmd::Serve { tcp, udp, name } => serve(tcp, udp, name),
@@ -256,6 +292,7 @@ fn main() {
                 println!("{}", udp_once(to, connected, Duration::from_millis(timeout_ms)));
             }
         }
+        Cmd::Http { to, path, timeout_ms } => println!("{}", http_get(to, &path, Duration::from_millis(timeout_ms))),
         Cmd::Hold { connect, interval_ms, seconds } => hold(connect, Duration::from_millis(interval_ms), seconds),
     }
 }
