@@ -23,7 +23,10 @@ pub fn run(bpf_root: &Path) -> Result<()> {
     let maps = count_files(&paths.maps());
     remove(&paths.maps()).with_context(|| format!("removing {}", paths.maps().display()))?;
     remove(bpf_root).with_context(|| format!("removing {}", bpf_root.display()))?;
-    println!("detached {links} program link(s) and removed {maps} map pin(s) under {}", bpf_root.display());
+    println!(
+        "detached {links} program link(s) and removed {maps} map pin(s) under {}",
+        bpf_root.display()
+    );
     Ok(())
 }
 
@@ -31,7 +34,13 @@ fn count_files(dir: &Path) -> usize {
     let Ok(entries) = fs::read_dir(dir) else { return 0 };
     entries
         .filter_map(Result::ok)
-        .map(|e| if e.path().is_dir() { count_files(&e.path()) } else { 1 })
+        .map(|e| {
+            if e.path().is_dir() {
+                count_files(&e.path())
+            } else {
+                1
+            }
+        })
         .sum()
 }
 

@@ -9,7 +9,11 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use crate::maps::Capacities;
 
 #[derive(Parser, Debug)]
-#[command(name = "lb-agent", version, about = "eBPF Service load balancer for Kubernetes (a kube-proxy replacement)")]
+#[command(
+    name = "lb-agent",
+    version,
+    about = "eBPF Service load balancer for Kubernetes (a kube-proxy replacement)"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
@@ -224,9 +228,13 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let mut total = Duration::ZERO;
     let mut rest = s;
     while !rest.is_empty() {
-        let digits = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).ok_or_else(|| format!("{s:?}: missing unit (ms, s, m, h)"))?;
+        let digits = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(|| format!("{s:?}: missing unit (ms, s, m, h)"))?;
         let (number, tail) = rest.split_at(digits);
-        let value: f64 = number.parse().map_err(|_| format!("{s:?}: bad number {number:?}"))?;
+        let value: f64 = number
+            .parse()
+            .map_err(|_| format!("{s:?}: bad number {number:?}"))?;
         let unit_len = tail.find(|c: char| c.is_ascii_digit()).unwrap_or(tail.len());
         let (unit, next) = tail.split_at(unit_len);
         let secs = match unit {
@@ -249,7 +257,11 @@ pub fn parse_bind_address(s: &str) -> Result<Option<SocketAddr>, String> {
     if s.is_empty() {
         return Ok(None);
     }
-    let full = if s.starts_with(':') { format!("0.0.0.0{s}") } else { s.to_string() };
+    let full = if s.starts_with(':') {
+        format!("0.0.0.0{s}")
+    } else {
+        s.to_string()
+    };
     full.parse().map(Some).map_err(|e| format!("{s:?}: {e}"))
 }
 
@@ -269,7 +281,10 @@ mod tests {
     #[test]
     fn bind_addresses() {
         assert_eq!(parse_bind_address(""), Ok(None));
-        assert_eq!(parse_bind_address(":10256"), Ok(Some("0.0.0.0:10256".parse().unwrap())));
+        assert_eq!(
+            parse_bind_address(":10256"),
+            Ok(Some("0.0.0.0:10256".parse().unwrap()))
+        );
         assert!(parse_bind_address("nonsense").is_err());
     }
 
@@ -277,7 +292,14 @@ mod tests {
     fn cli_parses() {
         use clap::CommandFactory;
         Cli::command().debug_assert();
-        let cli = Cli::try_parse_from(["lb-agent", "--manifests", "/tmp/x", "--cluster-cidr", "10.244.0.0/16"]).unwrap();
+        let cli = Cli::try_parse_from([
+            "lb-agent",
+            "--manifests",
+            "/tmp/x",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+        ])
+        .unwrap();
         assert!(cli.command.is_none());
         assert_eq!(cli.run.node.cluster_cidr, vec!["10.244.0.0/16"]);
     }

@@ -128,7 +128,10 @@ pub enum ConfigError {
 }
 
 fn field_error(path: &str, message: impl Into<String>) -> ConfigError {
-    ConfigError::Field { path: path.to_string(), message: message.into() }
+    ConfigError::Field {
+        path: path.to_string(),
+        message: message.into(),
+    }
 }
 
 /// The settings of a configuration file the agent honours. `None` (or empty) means the file leaves the
@@ -194,8 +197,10 @@ pub struct LoadedConfig {
 
 /// Reads and parses a configuration file.
 pub fn load_file(path: &Path) -> Result<LoadedConfig, ConfigError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
     parse(&text)
 }
 
@@ -247,11 +252,17 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn new(doc: &'a Value) -> Self {
-        Self { doc, used: HashSet::new(), reasons: HashMap::new(), notes: Vec::new() }
+        Self {
+            doc,
+            used: HashSet::new(),
+            reasons: HashMap::new(),
+            notes: Vec::new(),
+        }
     }
 
     fn lookup(&self, path: &str) -> Option<&'a Value> {
-        path.split('.').try_fold(self.doc, |v, key| v.as_object()?.get(key))
+        path.split('.')
+            .try_fold(self.doc, |v, key| v.as_object()?.get(key))
     }
 
     /// Whether the file sets the path to a non-null value.
@@ -307,9 +318,10 @@ impl<'a> Reader<'a> {
                 let d = parse_go_duration(s).map_err(|e| field_error(path, e))?;
                 Ok((!d.is_zero()).then_some(d))
             }
-            Some(other) => {
-                Err(field_error(path, format!("expected a duration string such as \"30s\", got {other}")))
-            }
+            Some(other) => Err(field_error(
+                path,
+                format!("expected a duration string such as \"30s\", got {other}"),
+            )),
         }
     }
 
@@ -323,13 +335,19 @@ impl<'a> Reader<'a> {
                         Value::String(s) if !s.trim().is_empty() => out.push(s.trim().to_string()),
                         Value::String(_) => {}
                         other => {
-                            return Err(field_error(path, format!("expected a list of strings, got {other}")));
+                            return Err(field_error(
+                                path,
+                                format!("expected a list of strings, got {other}"),
+                            ));
                         }
                     }
                 }
                 Ok((!out.is_empty()).then_some(out))
             }
-            Some(other) => Err(field_error(path, format!("expected a list of strings, got {other}"))),
+            Some(other) => Err(field_error(
+                path,
+                format!("expected a list of strings, got {other}"),
+            )),
         }
     }
 
@@ -352,9 +370,15 @@ fn sync_section(mode: &str) -> &'static str {
 }
 
 fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
-    let mut c = ProxyConfig { mode: r.string("mode")?, ..ProxyConfig::default() };
+    let mut c = ProxyConfig {
+        mode: r.string("mode")?,
+        ..ProxyConfig::default()
+    };
     if let Some(mode) = &c.mode {
-        r.note("mode", format!("mode {mode:?} is ignored: lb-agent always programs its own eBPF data path"));
+        r.note(
+            "mode",
+            format!("mode {mode:?} is ignored: lb-agent always programs its own eBPF data path"),
+        );
     }
     let mode = c.mode.clone().unwrap_or_default();
 
@@ -369,7 +393,12 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
                 "bindAddress",
                 format!("bindAddress {bind} is IPv6 and is ignored: the agent's data path is IPv4"),
             ),
-            Err(_) => return Err(field_error("bindAddress", format!("{bind:?} is not an IP address"))),
+            Err(_) => {
+                return Err(field_error(
+                    "bindAddress",
+                    format!("{bind:?} is not an IP address"),
+                ));
+            }
         }
     }
 
@@ -406,7 +435,13 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
     }
     let legacy_cidrs = r
         .string("clusterCIDR")?
-        .map(|s| s.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect::<Vec<_>>())
+        .map(|s| {
+            s.split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(String::from)
+                .collect::<Vec<_>>()
+        })
         .filter(|v| !v.is_empty());
     let list_cidrs = r.string_list("detectLocal.clusterCIDRs")?;
     if list_cidrs.is_some() {
@@ -416,7 +451,10 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
                 .into(),
         );
         if legacy_cidrs.is_some() && legacy_cidrs != list_cidrs {
-            r.note("clusterCIDR", "clusterCIDR is overridden by detectLocal.clusterCIDRs".into());
+            r.note(
+                "clusterCIDR",
+                "clusterCIDR is overridden by detectLocal.clusterCIDRs".into(),
+            );
         }
     }
     let (cidrs_path, cidrs) = if list_cidrs.is_some() {
@@ -426,7 +464,8 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
     };
     if let Some(cidrs) = &cidrs {
         for cidr in cidrs {
-            cidr.parse::<ipnet::IpNet>().map_err(|e| field_error(cidrs_path, format!("{cidr:?}: {e}")))?;
+            cidr.parse::<ipnet::IpNet>()
+                .map_err(|e| field_error(cidrs_path, format!("{cidr:?}: {e}")))?;
         }
     }
     c.cluster_cidrs = cidrs;
@@ -434,17 +473,25 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
     c.nodeport_addresses = r.string_list("nodePortAddresses")?;
     if let Some(list) = &c.nodeport_addresses {
         for entry in list {
-            entry.parse::<NodePortAddress>().map_err(|e| field_error("nodePortAddresses", e))?;
+            entry
+                .parse::<NodePortAddress>()
+                .map_err(|e| field_error("nodePortAddresses", e))?;
         }
     }
 
     // API client.
     c.kubeconfig = r.string("clientConnection.kubeconfig")?.map(PathBuf::from);
-    c.qps = r.number("clientConnection.qps")?.filter(|q| *q != 0.0).map(|q| q as f32);
+    c.qps = r
+        .number("clientConnection.qps")?
+        .filter(|q| *q != 0.0)
+        .map(|q| q as f32);
     c.burst = match r.number("clientConnection.burst")? {
         None => None,
         Some(b) if b.fract() != 0.0 || b < f64::from(i32::MIN) || b > f64::from(i32::MAX) => {
-            return Err(field_error("clientConnection.burst", format!("expected an integer, got {b}")));
+            return Err(field_error(
+                "clientConnection.burst",
+                format!("expected an integer, got {b}"),
+            ));
         }
         Some(b) => Some(b as i32).filter(|b| *b != 0),
     };
@@ -452,7 +499,10 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
 
     // Sync periods: the mode's section, unless the top-level (internal/draft) fields are set.
     let section = sync_section(&mode);
-    for other in ["iptables", "ipvs", "nftables"].into_iter().filter(|s| *s != section) {
+    for other in ["iptables", "ipvs", "nftables"]
+        .into_iter()
+        .filter(|s| *s != section)
+    {
         for field in ["syncPeriod", "minSyncPeriod"] {
             r.leave(
                 &format!("{other}.{field}"),
@@ -482,8 +532,16 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
     }
 
     // masqueradeAll: linux.masqueradeAll (internal/draft layout), else the mode's section.
-    let masq_section = if mode == "nftables" { "nftables" } else { "iptables" };
-    let other_masq = if masq_section == "nftables" { "iptables" } else { "nftables" };
+    let masq_section = if mode == "nftables" {
+        "nftables"
+    } else {
+        "iptables"
+    };
+    let other_masq = if masq_section == "nftables" {
+        "iptables"
+    } else {
+        "nftables"
+    };
     r.leave(
         &format!("{other_masq}.masqueradeAll"),
         format!("kube-proxy reads {other_masq}.masqueradeAll only in {other_masq} mode (mode is {mode:?})"),
@@ -493,7 +551,10 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
             "linux.masqueradeAll",
             "linux.masqueradeAll is not a v1alpha1 field (kube-proxy ignores it); lb-agent honours it".into(),
         );
-        r.leave(&format!("{masq_section}.masqueradeAll"), "overridden by linux.masqueradeAll".into());
+        r.leave(
+            &format!("{masq_section}.masqueradeAll"),
+            "overridden by linux.masqueradeAll".into(),
+        );
         c.masquerade_all = r.bool("linux.masqueradeAll")?;
     } else {
         c.masquerade_all = r.bool(&format!("{masq_section}.masqueradeAll"))?;
@@ -534,7 +595,10 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
         Some("text") => Some(LogFormat::Text),
         Some("json") => Some(LogFormat::Json),
         Some(other) => {
-            return Err(field_error("logging.format", format!("{other:?}: lb-agent logs as text or json")));
+            return Err(field_error(
+                "logging.format",
+                format!("{other:?}: lb-agent logs as text or json"),
+            ));
         }
     };
 
@@ -543,7 +607,11 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
     {
         return Err(field_error(
             "minSyncPeriod",
-            format!("{} must not exceed syncPeriod ({})", format_go_duration(min), format_go_duration(sync)),
+            format!(
+                "{} must not exceed syncPeriod ({})",
+                format_go_duration(min),
+                format_go_duration(sync)
+            ),
         ));
     }
     Ok(c)
@@ -559,9 +627,16 @@ fn bind_address_with_port(path: &str, addr: &str, default_port: u16) -> Result<S
     {
         return Ok(format!("0.0.0.0:{port}"));
     }
-    match addr.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
+    match addr
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<IpAddr>()
+    {
         Ok(ip) => Ok(SocketAddr::new(ip, default_port).to_string()),
-        Err(_) => Err(field_error(path, format!("{addr:?} is not an IP address with an optional port"))),
+        Err(_) => Err(field_error(
+            path,
+            format!("{addr:?} is not an IP address with an optional port"),
+        )),
     }
 }
 
@@ -597,12 +672,18 @@ const CONNTRACK_FIELDS: &[(&str, Known)] = &[
 const TOP: &[(&str, Known)] = &[
     ("apiVersion", Leaf(HONOURED)),
     ("kind", Leaf(HONOURED)),
-    ("featureGates", FreeMap("kube-proxy feature gates do not apply to lb-agent")),
+    (
+        "featureGates",
+        FreeMap("kube-proxy feature gates do not apply to lb-agent"),
+    ),
     (
         "clientConnection",
         Object(&[
             ("kubeconfig", Leaf(HONOURED)),
-            ("acceptContentTypes", Leaf("the agent's API client always uses JSON")),
+            (
+                "acceptContentTypes",
+                Leaf("the agent's API client always uses JSON"),
+            ),
             ("contentType", Leaf("the agent's API client always uses JSON")),
             ("qps", Leaf(HONOURED)),
             ("burst", Leaf(HONOURED)),
@@ -622,7 +703,10 @@ const TOP: &[(&str, Known)] = &[
     ("bindAddress", Leaf(HONOURED)),
     ("healthzBindAddress", Leaf(HONOURED)),
     ("metricsBindAddress", Leaf(HONOURED)),
-    ("bindAddressHardFail", Leaf("failing to bind the health or metrics address is always an error")),
+    (
+        "bindAddressHardFail",
+        Leaf("failing to bind the health or metrics address is always an error"),
+    ),
     ("enableProfiling", Leaf("there is no /debug/pprof handler")),
     ("showHiddenMetricsForVersion", Leaf("there are no hidden metrics")),
     (
@@ -646,9 +730,15 @@ const TOP: &[(&str, Known)] = &[
         Object(&[
             ("syncPeriod", Leaf(HONOURED)),
             ("minSyncPeriod", Leaf(HONOURED)),
-            ("scheduler", Leaf("eBPF data path: backends are picked at random, as in iptables mode")),
+            (
+                "scheduler",
+                Leaf("eBPF data path: backends are picked at random, as in iptables mode"),
+            ),
             ("excludeCIDRs", Leaf(EBPF)),
-            ("strictARP", Leaf("eBPF data path: there is no kube-ipvs0 interface")),
+            (
+                "strictARP",
+                Leaf("eBPF data path: there is no kube-ipvs0 interface"),
+            ),
             ("tcpTimeout", Leaf(EBPF)),
             ("tcpFinTimeout", Leaf(EBPF)),
             ("udpTimeout", Leaf(EBPF)),
@@ -691,7 +781,10 @@ const TOP: &[(&str, Known)] = &[
     ),
     ("clusterCIDR", Leaf(HONOURED)),
     ("nodePortAddresses", Leaf(HONOURED)),
-    ("oomScoreAdj", Leaf("set the agent's OOM score in its Pod or unit")),
+    (
+        "oomScoreAdj",
+        Leaf("set the agent's OOM score in its Pod or unit"),
+    ),
     ("conntrack", Object(CONNTRACK_FIELDS)),
     ("configSyncPeriod", Leaf(HONOURED)),
     ("portRange", Leaf("unused by kube-proxy too (userspace mode)")),
@@ -704,7 +797,10 @@ const TOP: &[(&str, Known)] = &[
         Object(&[
             ("masqueradeAll", Leaf(HONOURED)),
             ("conntrack", Object(CONNTRACK_FIELDS)),
-            ("oomScoreAdj", Leaf("set the agent's OOM score in its Pod or unit")),
+            (
+                "oomScoreAdj",
+                Leaf("set the agent's OOM score in its Pod or unit"),
+            ),
         ]),
     ),
     ("windows", Object(&[("runAsService", Leaf(WINDOWS))])),
@@ -723,7 +819,11 @@ fn is_empty(v: &Value) -> bool {
 }
 
 fn join(prefix: &str, key: &str) -> String {
-    if prefix.is_empty() { key.to_string() } else { format!("{prefix}.{key}") }
+    if prefix.is_empty() {
+        key.to_string()
+    } else {
+        format!("{prefix}.{key}")
+    }
 }
 
 /// Reports every field of `object` not consumed by the mapping.
@@ -796,8 +896,11 @@ fn suggest<'a>(key: &str, known: impl Iterator<Item = &'a str>) -> Option<&'a st
     let lower = key.to_lowercase();
     known
         .map(|name| {
-            let distance =
-                if name.to_lowercase() == lower { 0 } else { levenshtein(&lower, &name.to_lowercase()) };
+            let distance = if name.to_lowercase() == lower {
+                0
+            } else {
+                levenshtein(&lower, &name.to_lowercase())
+            };
             (distance, name)
         })
         .filter(|(distance, _)| *distance <= 2)
@@ -850,7 +953,9 @@ pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
         if int_part.is_empty() && frac_part.is_empty() {
             return Err(format!("invalid duration {original:?}"));
         }
-        let unit_len = tail.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(tail.len());
+        let unit_len = tail
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(tail.len());
         let (unit, next) = tail.split_at(unit_len);
         let nanos_per_unit: u128 = match unit {
             "ns" => 1,
@@ -865,7 +970,9 @@ pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
         let int_value: u128 = if int_part.is_empty() {
             0
         } else {
-            int_part.parse().map_err(|_| format!("invalid duration {original:?}"))?
+            int_part
+                .parse()
+                .map_err(|_| format!("invalid duration {original:?}"))?
         };
         let mut nanos = int_value
             .checked_mul(nanos_per_unit)
@@ -873,10 +980,14 @@ pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
         if !frac_part.is_empty() {
             // Digits beyond nanosecond precision are dropped, as Go does.
             let digits = &frac_part[..frac_part.len().min(30)];
-            let frac: u128 = digits.parse().map_err(|_| format!("invalid duration {original:?}"))?;
+            let frac: u128 = digits
+                .parse()
+                .map_err(|_| format!("invalid duration {original:?}"))?;
             nanos += frac * nanos_per_unit / 10u128.pow(digits.len() as u32);
         }
-        total = total.checked_add(nanos).ok_or_else(|| format!("duration {original:?} overflows"))?;
+        total = total
+            .checked_add(nanos)
+            .ok_or_else(|| format!("duration {original:?} overflows"))?;
         rest = next;
     }
     if total > u128::from(i64::MAX as u64) {
@@ -1034,7 +1145,14 @@ pub fn merge_with(
         Some,
         show_opt_str
     );
-    apply!(flag::BIND_ADDRESS, "bindAddress", &file.bind_address, args.bind_address, Some, show_ip);
+    apply!(
+        flag::BIND_ADDRESS,
+        "bindAddress",
+        &file.bind_address,
+        args.bind_address,
+        Some,
+        show_ip
+    );
     apply!(
         flag::HEALTHZ_BIND_ADDRESS,
         "healthzBindAddress",
@@ -1051,7 +1169,14 @@ pub fn merge_with(
         |v| v,
         show_str
     );
-    apply!(flag::CLUSTER_CIDR, "clusterCIDR", &file.cluster_cidrs, args.node.cluster_cidr, |v| v, show_list);
+    apply!(
+        flag::CLUSTER_CIDR,
+        "clusterCIDR",
+        &file.cluster_cidrs,
+        args.node.cluster_cidr,
+        |v| v,
+        show_list
+    );
     apply!(
         flag::NODEPORT_ADDRESSES,
         "nodePortAddresses",
@@ -1077,7 +1202,14 @@ pub fn merge_with(
             show_path
         );
     }
-    apply!(flag::SYNC_PERIOD, "syncPeriod", &file.sync_period, args.sync_period, |v| v, show_duration);
+    apply!(
+        flag::SYNC_PERIOD,
+        "syncPeriod",
+        &file.sync_period,
+        args.sync_period,
+        |v| v,
+        show_duration
+    );
     apply!(
         flag::MIN_SYNC_PERIOD,
         "minSyncPeriod",
@@ -1102,7 +1234,14 @@ pub fn merge_with(
         |v| v,
         show_bool
     );
-    apply!(flag::LOG_FORMAT, "logging.format", &file.log_format, args.log_format, |v| v, show_format);
+    apply!(
+        flag::LOG_FORMAT,
+        "logging.format",
+        &file.log_format,
+        args.log_format,
+        |v| v,
+        show_format
+    );
 
     if args.sync_period.is_zero() {
         return Err(field_error("syncPeriod", "must be greater than 0"));
@@ -1255,14 +1394,21 @@ mod tests {
         assert_eq!(f(Duration::from_secs(15 * 60)), "15m0s");
         assert_eq!(f(Duration::from_secs(3600)), "1h0m0s");
         assert_eq!(f(Duration::from_secs(24 * 3600 + 1)), "24h0m1s");
-        for d in [Duration::from_millis(1), Duration::from_millis(61_500), Duration::from_secs(7322)] {
+        for d in [
+            Duration::from_millis(1),
+            Duration::from_millis(61_500),
+            Duration::from_secs(7322),
+        ] {
             assert_eq!(parse_go_duration(&f(d)), Ok(d));
         }
     }
 
     #[test]
     fn api_version_and_kind_are_checked() {
-        assert!(matches!(parse("kind: KubeProxyConfiguration\n"), Err(ConfigError::MissingApiVersion)));
+        assert!(matches!(
+            parse("kind: KubeProxyConfiguration\n"),
+            Err(ConfigError::MissingApiVersion)
+        ));
         assert!(matches!(
             parse("apiVersion: kubeproxy.config.k8s.io/v1alpha2\nkind: KubeProxyConfiguration\n"),
             Err(ConfigError::ApiVersion(v)) if v == "kubeproxy.config.k8s.io/v1alpha2"
@@ -1287,7 +1433,10 @@ mod tests {
         assert!(loaded.warnings.is_empty());
         // JSON is YAML.
         let json = r#"{"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration", "clusterCIDR": "10.0.0.0/8"}"#;
-        assert_eq!(parse(json).unwrap().config.cluster_cidrs, Some(vec!["10.0.0.0/8".to_string()]));
+        assert_eq!(
+            parse(json).unwrap().config.cluster_cidrs,
+            Some(vec!["10.0.0.0/8".to_string()])
+        );
     }
 
     #[test]
@@ -1319,10 +1468,23 @@ logging:
         assert_eq!(c.hostname_override.as_deref(), Some("node-a"));
         assert_eq!(c.bind_address, Some(Ipv4Addr::new(192, 168, 1, 10)));
         assert_eq!(c.healthz_bind_address.as_deref(), Some("0.0.0.0:10256"));
-        assert_eq!(c.metrics_bind_address.as_deref(), Some("127.0.0.1:10249"), "default port appended");
-        assert_eq!(c.cluster_cidrs, Some(vec!["10.244.0.0/16".to_string(), "fd00::/48".to_string()]));
-        assert_eq!(c.nodeport_addresses, Some(vec!["primary".to_string(), "10.0.0.0/8".to_string()]));
-        assert_eq!(c.kubeconfig, Some(PathBuf::from("/var/lib/kube-proxy/kubeconfig.conf")));
+        assert_eq!(
+            c.metrics_bind_address.as_deref(),
+            Some("127.0.0.1:10249"),
+            "default port appended"
+        );
+        assert_eq!(
+            c.cluster_cidrs,
+            Some(vec!["10.244.0.0/16".to_string(), "fd00::/48".to_string()])
+        );
+        assert_eq!(
+            c.nodeport_addresses,
+            Some(vec!["primary".to_string(), "10.0.0.0/8".to_string()])
+        );
+        assert_eq!(
+            c.kubeconfig,
+            Some(PathBuf::from("/var/lib/kube-proxy/kubeconfig.conf"))
+        );
         assert_eq!(c.qps, Some(50.0));
         assert_eq!(c.burst, Some(100));
         assert_eq!(c.config_sync_period, Some(Duration::from_secs(600)));
@@ -1358,23 +1520,41 @@ detectLocal:
         );
         let w = warning(&loaded, "iptables.masqueradeBit");
         assert_eq!(w.kind, WarningKind::NotUsed);
-        assert_eq!(w.message, "iptables.masqueradeBit is not used by lb-agent (eBPF data path)");
+        assert_eq!(
+            w.message,
+            "iptables.masqueradeBit is not used by lb-agent (eBPF data path)"
+        );
         assert!(!w.value_is_empty);
         assert_eq!(warning(&loaded, "ipvs.scheduler").kind, WarningKind::NotUsed);
         assert_eq!(warning(&loaded, "ipvs.strictARP").kind, WarningKind::NotUsed);
-        assert_eq!(warning(&loaded, "conntrack.maxPerCore").kind, WarningKind::NotUsed);
+        assert_eq!(
+            warning(&loaded, "conntrack.maxPerCore").kind,
+            WarningKind::NotUsed
+        );
         let dsr = warning(&loaded, "winkernel.enableDSR");
         assert!(dsr.value_is_empty && dsr.message.contains("Windows only"));
         assert_eq!(warning(&loaded, "oomScoreAdj").kind, WarningKind::NotUsed);
         assert_eq!(warning(&loaded, "enableProfiling").kind, WarningKind::NotUsed);
-        assert!(warning(&loaded, "detectLocal.bridgeInterface").message.contains("BridgeInterface"));
+        assert!(
+            warning(&loaded, "detectLocal.bridgeInterface")
+                .message
+                .contains("BridgeInterface")
+        );
 
         let typo = warning(&loaded, "hostnameOveride");
         assert_eq!(typo.kind, WarningKind::Unknown);
-        assert!(typo.message.contains("did you mean hostnameOverride?"), "{}", typo.message);
+        assert!(
+            typo.message.contains("did you mean hostnameOverride?"),
+            "{}",
+            typo.message
+        );
         let nested = warning(&loaded, "iptables.masqueradeAL");
         assert_eq!(nested.kind, WarningKind::Unknown);
-        assert!(nested.message.contains("did you mean iptables.masqueradeAll?"), "{}", nested.message);
+        assert!(
+            nested.message.contains("did you mean iptables.masqueradeAll?"),
+            "{}",
+            nested.message
+        );
         let unknown = warning(&loaded, "totallyMadeUp");
         assert_eq!(unknown.kind, WarningKind::Unknown);
         assert!(!unknown.message.contains("did you mean"));
@@ -1395,10 +1575,23 @@ nftables:
   syncPeriod: 40s
   minSyncPeriod: 4s
 "#;
-        for (mode, sync, min) in [("", 10, 1), ("iptables", 10, 1), ("ipvs", 20, 2), ("nftables", 40, 4)] {
+        for (mode, sync, min) in [
+            ("", 10, 1),
+            ("iptables", 10, 1),
+            ("ipvs", 20, 2),
+            ("nftables", 40, 4),
+        ] {
             let loaded = load(&format!("mode: \"{mode}\"\n{sections}"));
-            assert_eq!(loaded.config.sync_period, Some(Duration::from_secs(sync)), "mode {mode:?}");
-            assert_eq!(loaded.config.min_sync_period, Some(Duration::from_secs(min)), "mode {mode:?}");
+            assert_eq!(
+                loaded.config.sync_period,
+                Some(Duration::from_secs(sync)),
+                "mode {mode:?}"
+            );
+            assert_eq!(
+                loaded.config.min_sync_period,
+                Some(Duration::from_secs(min)),
+                "mode {mode:?}"
+            );
             // The other two sections are reported, with the reason.
             let unused: Vec<&str> = loaded
                 .warnings
@@ -1441,14 +1634,19 @@ clusterCIDR: 10.2.0.0/16
         assert_eq!(c.cluster_cidrs, Some(vec!["10.1.0.0/16".to_string()]));
         assert_eq!(warning(&loaded, "syncPeriod").kind, WarningKind::Note);
         assert_eq!(warning(&loaded, "linux.masqueradeAll").kind, WarningKind::Note);
-        assert_eq!(warning(&loaded, "detectLocal.clusterCIDRs").kind, WarningKind::Note);
+        assert_eq!(
+            warning(&loaded, "detectLocal.clusterCIDRs").kind,
+            WarningKind::Note
+        );
         assert!(
             warning(&loaded, "iptables.syncPeriod")
                 .message
                 .contains("overridden by the top-level syncPeriod")
         );
         assert!(
-            warning(&loaded, "iptables.masqueradeAll").message.contains("overridden by linux.masqueradeAll")
+            warning(&loaded, "iptables.masqueradeAll")
+                .message
+                .contains("overridden by linux.masqueradeAll")
         );
         assert!(warning(&loaded, "clusterCIDR").message.contains("overridden"));
     }
@@ -1457,8 +1655,15 @@ clusterCIDR: 10.2.0.0/16
     fn masquerade_all_section_follows_mode() {
         let body = "iptables:\n  masqueradeAll: false\nnftables:\n  masqueradeAll: true\n";
         assert_eq!(load(body).config.masquerade_all, Some(false));
-        assert!(warning(&load(body), "nftables.masqueradeAll").message.contains("only in nftables mode"));
-        assert_eq!(load(&format!("mode: nftables\n{body}")).config.masquerade_all, Some(true));
+        assert!(
+            warning(&load(body), "nftables.masqueradeAll")
+                .message
+                .contains("only in nftables mode")
+        );
+        assert_eq!(
+            load(&format!("mode: nftables\n{body}")).config.masquerade_all,
+            Some(true)
+        );
     }
 
     #[test]
@@ -1466,9 +1671,16 @@ clusterCIDR: 10.2.0.0/16
         assert!(load("detectLocalMode: \"\"\n").warnings.is_empty());
         for mode in ["NodeCIDR", "BridgeInterface", "InterfaceNamePrefix"] {
             let err = load_err(&format!("detectLocalMode: {mode}\n")).to_string();
-            assert!(err.starts_with("detectLocalMode:") && err.contains("only ClusterCIDR"), "{err}");
+            assert!(
+                err.starts_with("detectLocalMode:") && err.contains("only ClusterCIDR"),
+                "{err}"
+            );
         }
-        assert!(load_err("detectLocalMode: Magic\n").to_string().contains("unknown mode"));
+        assert!(
+            load_err("detectLocalMode: Magic\n")
+                .to_string()
+                .contains("unknown mode")
+        );
     }
 
     #[test]
@@ -1484,8 +1696,16 @@ clusterCIDR: 10.2.0.0/16
         assert!(warning(&loaded, "logging.verbosity").message.contains("RUST_LOG"));
         assert!(warning(&loaded, "logging.options.json").value_is_empty);
         assert_eq!(loaded.config.log_format, Some(LogFormat::Text));
-        assert!(load_err("logging:\n  format: xml\n").to_string().contains("logging.format"));
-        assert!(load_err("featureGates:\n  X: maybe\n").to_string().contains("featureGates.X"));
+        assert!(
+            load_err("logging:\n  format: xml\n")
+                .to_string()
+                .contains("logging.format")
+        );
+        assert!(
+            load_err("featureGates:\n  X: maybe\n")
+                .to_string()
+                .contains("featureGates.X")
+        );
     }
 
     #[test]
@@ -1496,10 +1716,16 @@ clusterCIDR: 10.2.0.0/16
             ("clusterCIDR: 10.0.0.0/33\n", "clusterCIDR"),
             ("nodePortAddresses: [bogus]\n", "nodePortAddresses"),
             ("nodePortAddresses: primary\n", "nodePortAddresses"),
-            ("iptables:\n  masqueradeAll: \"yes please\"\n", "iptables.masqueradeAll"),
+            (
+                "iptables:\n  masqueradeAll: \"yes please\"\n",
+                "iptables.masqueradeAll",
+            ),
             ("iptables:\n  syncPeriod: 30\n", "iptables.syncPeriod"),
             ("iptables:\n  syncPeriod: 30 seconds\n", "iptables.syncPeriod"),
-            ("iptables:\n  syncPeriod: 1s\n  minSyncPeriod: 2s\n", "minSyncPeriod"),
+            (
+                "iptables:\n  syncPeriod: 1s\n  minSyncPeriod: 2s\n",
+                "minSyncPeriod",
+            ),
             ("clientConnection:\n  burst: 1.5\n", "clientConnection.burst"),
             ("clientConnection:\n  qps: lots\n", "clientConnection.qps"),
             ("hostnameOverride: [a]\n", "hostnameOverride"),
@@ -1604,15 +1830,26 @@ winkernel:
         let loaded = parse(KUBEADM).unwrap();
         let c = &loaded.config;
         assert_eq!(c.cluster_cidrs, Some(vec!["10.244.0.0/16".to_string()]));
-        assert_eq!(c.kubeconfig, Some(PathBuf::from("/var/lib/kube-proxy/kubeconfig.conf")));
+        assert_eq!(
+            c.kubeconfig,
+            Some(PathBuf::from("/var/lib/kube-proxy/kubeconfig.conf"))
+        );
         assert_eq!(c.masquerade_all, Some(false));
         assert_eq!(c.sync_period, None);
         assert_eq!(c.min_sync_period, None);
         assert_eq!(c.bind_address, None);
         assert_eq!(c.mode, None);
         // Everything else is reported, all of it with empty values, none unknown.
-        assert!(loaded.warnings.iter().all(|w| w.value_is_empty), "{:#?}", loaded.warnings);
-        assert!(loaded.warnings.iter().all(|w| w.kind == WarningKind::NotUsed), "{:#?}", loaded.warnings);
+        assert!(
+            loaded.warnings.iter().all(|w| w.value_is_empty),
+            "{:#?}",
+            loaded.warnings
+        );
+        assert!(
+            loaded.warnings.iter().all(|w| w.kind == WarningKind::NotUsed),
+            "{:#?}",
+            loaded.warnings
+        );
         assert_eq!(
             paths(&loaded),
             vec![
@@ -1660,12 +1897,21 @@ winkernel:
 
     #[test]
     fn explicit_flags_come_from_command_line_and_env_only() {
-        let (_, explicit) =
-            cli(&["--manifests", "/m", "--sync-period", "10s", "--cluster-cidr", "10.0.0.0/8"]);
+        let (_, explicit) = cli(&[
+            "--manifests",
+            "/m",
+            "--sync-period",
+            "10s",
+            "--cluster-cidr",
+            "10.0.0.0/8",
+        ]);
         assert!(explicit.contains(flag::SYNC_PERIOD));
         assert!(explicit.contains(flag::CLUSTER_CIDR));
         assert!(explicit.contains("manifests"));
-        assert!(!explicit.contains(flag::MIN_SYNC_PERIOD), "defaults are not explicit");
+        assert!(
+            !explicit.contains(flag::MIN_SYNC_PERIOD),
+            "defaults are not explicit"
+        );
         assert!(!explicit.contains(flag::HEALTHZ_BIND_ADDRESS));
     }
 
@@ -1745,9 +1991,16 @@ logging:
         ]);
         let notes = merge_with(&file, &mut args, &explicit, Precedence::KubeProxy).unwrap();
         assert_eq!(args.sync_period, Duration::from_secs(60), "the file wins");
-        assert_eq!(args.node.hostname_override.as_deref(), Some("from-flag"), "except --hostname-override");
+        assert_eq!(
+            args.node.hostname_override.as_deref(),
+            Some("from-flag"),
+            "except --hostname-override"
+        );
         assert_eq!(args.log_format, LogFormat::Text, "and logging flags");
-        assert_eq!(args.metrics_bind_address, "0.0.0.0:1234", "the file does not set it");
+        assert_eq!(
+            args.metrics_bind_address, "0.0.0.0:1234",
+            "the file does not set it"
+        );
         assert!(
             notes.iter().any(|n| n
                 == "--sync-period is ignored: the config file sets syncPeriod=1m0s (kube-proxy precedence)")
@@ -1783,18 +2036,28 @@ logging:
     #[test]
     fn rendered_config_round_trips() {
         let file = load(FILE).config;
-        let (mut args, explicit) =
-            cli(&["--nodeport-addresses", "primary,10.0.0.0/8", "--bind-address", "192.168.1.5"]);
+        let (mut args, explicit) = cli(&[
+            "--nodeport-addresses",
+            "primary,10.0.0.0/8",
+            "--bind-address",
+            "192.168.1.5",
+        ]);
         merge(&file, &mut args, &explicit).unwrap();
         let yaml = render_config(&args, Some(&file));
-        assert!(yaml.starts_with("apiVersion: kubeproxy.config.k8s.io/v1alpha1\n"), "{yaml}");
+        assert!(
+            yaml.starts_with("apiVersion: kubeproxy.config.k8s.io/v1alpha1\n"),
+            "{yaml}"
+        );
         let reread = parse(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
         assert!(reread.warnings.is_empty(), "{:#?}\n{yaml}", reread.warnings);
         let c = reread.config;
         assert_eq!(c.hostname_override.as_deref(), Some("from-file"));
         assert_eq!(c.bind_address, Some(Ipv4Addr::new(192, 168, 1, 5)));
         assert_eq!(c.cluster_cidrs, Some(vec!["10.244.0.0/16".to_string()]));
-        assert_eq!(c.nodeport_addresses, Some(vec!["primary".to_string(), "10.0.0.0/8".to_string()]));
+        assert_eq!(
+            c.nodeport_addresses,
+            Some(vec!["primary".to_string(), "10.0.0.0/8".to_string()])
+        );
         assert_eq!(c.sync_period, Some(Duration::from_secs(60)));
         assert_eq!(c.min_sync_period, Some(Duration::from_secs(2)));
         assert_eq!(c.masquerade_all, Some(true));
@@ -1817,7 +2080,10 @@ logging:
         let path = dir.path().join("config.yaml");
         write_config_to(&path, &args, Some(&file)).unwrap();
         assert_eq!(load_file(&path).unwrap().config, c);
-        assert!(matches!(load_file(&dir.path().join("missing")), Err(ConfigError::Read { .. })));
+        assert!(matches!(
+            load_file(&dir.path().join("missing")),
+            Err(ConfigError::Read { .. })
+        ));
     }
 
     #[test]
@@ -1835,9 +2101,15 @@ logging:
     #[test]
     fn suggestions() {
         let known = ["hostnameOverride", "bindAddress", "clusterCIDR"];
-        assert_eq!(suggest("hostnameoverride", known.iter().copied()), Some("hostnameOverride"));
+        assert_eq!(
+            suggest("hostnameoverride", known.iter().copied()),
+            Some("hostnameOverride")
+        );
         assert_eq!(suggest("bindAdress", known.iter().copied()), Some("bindAddress"));
-        assert_eq!(suggest("clusterCIDRs", known.iter().copied()), Some("clusterCIDR"));
+        assert_eq!(
+            suggest("clusterCIDRs", known.iter().copied()),
+            Some("clusterCIDR")
+        );
         assert_eq!(suggest("somethingElse", known.iter().copied()), None);
         assert_eq!(levenshtein("kitten", "sitting"), 3);
         assert_eq!(levenshtein("", "abc"), 3);

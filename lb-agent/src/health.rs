@@ -85,7 +85,11 @@ pub fn node_eligible(node: &Node) -> bool {
     if node.metadata.deletion_timestamp.is_some() {
         return false;
     }
-    let taints = node.spec.as_ref().and_then(|spec| spec.taints.as_deref()).unwrap_or_default();
+    let taints = node
+        .spec
+        .as_ref()
+        .and_then(|spec| spec.taints.as_deref())
+        .unwrap_or_default();
     !taints.iter().any(|taint| taint.key == TO_BE_DELETED_TAINT)
 }
 
@@ -104,7 +108,11 @@ pub fn format_go_time(t: Option<SystemTime>) -> String {
     let days = secs.div_euclid(86_400);
     let second_of_day = secs.rem_euclid(86_400);
     let (year, month, day) = civil_from_days(days);
-    let (hour, minute, second) = (second_of_day / 3600, (second_of_day % 3600) / 60, second_of_day % 60);
+    let (hour, minute, second) = (
+        second_of_day / 3600,
+        (second_of_day % 3600) / 60,
+        second_of_day % 60,
+    );
     let mut out = format!("{year:04}-{month:02}-{day:02}T{hour:02}:{minute:02}:{second:02}");
     if nanos != 0 {
         let fraction = format!("{nanos:09}");
@@ -315,7 +323,11 @@ impl ProxyHealth {
             );
         }
         // When healthy, "lastUpdated" is "now", as in older releases where it was the last loop run.
-        let last_updated = if healthy { Some(snapshot.current_time) } else { snapshot.last_updated };
+        let last_updated = if healthy {
+            Some(snapshot.current_time)
+        } else {
+            snapshot.last_updated
+        };
         let body = ProxyHealthBody {
             last_updated: format_go_time(last_updated),
             current_time: format_go_time(Some(snapshot.current_time)),
@@ -323,7 +335,11 @@ impl ProxyHealth {
             healthy: snapshot.healthy,
             status,
         };
-        let code = if healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+        let code = if healthy {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        };
         if let Some(metrics) = &*self.inner.metrics.read().unwrap_or_else(|p| p.into_inner()) {
             if include_node {
                 metrics.proxy_healthz(code.as_u16());
@@ -339,7 +355,10 @@ fn json_response(code: StatusCode, body: String, extra: Option<(&'static str, He
     let mut response = (code, body).into_response();
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
     if let Some((name, value)) = extra {
         headers.insert(name, value);
     }
@@ -470,7 +489,9 @@ async fn service_health(State(state): State<ServiceHealthState>) -> Response {
 }
 
 fn service_health_router(service: Arc<RwLock<HealthCheckService>>, health: ProxyHealth) -> Router {
-    Router::new().fallback(any(service_health)).with_state(ServiceHealthState { service, health })
+    Router::new()
+        .fallback(any(service_health))
+        .with_state(ServiceHealthState { service, health })
 }
 
 /// A health-check port that could not be opened.
@@ -510,9 +531,16 @@ impl fmt::Debug for ServiceHealthServers {
 impl ServiceHealthServers {
     /// Listeners will bind each of `addresses` (empty: `0.0.0.0`, every address).
     pub fn new(addresses: Vec<IpAddr>, health: ProxyHealth) -> Self {
-        let addresses =
-            if addresses.is_empty() { vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)] } else { addresses };
-        Self { addresses, health, servers: BTreeMap::new() }
+        let addresses = if addresses.is_empty() {
+            vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)]
+        } else {
+            addresses
+        };
+        Self {
+            addresses,
+            health,
+            servers: BTreeMap::new(),
+        }
     }
 
     /// The ports currently open.
@@ -522,15 +550,21 @@ impl ServiceHealthServers {
 
     /// The addresses actually bound for `port` (differs from the port when it was 0).
     pub fn local_addrs(&self, port: u16) -> Option<&[SocketAddr]> {
-        self.servers.get(&port).map(|server| server.local_addrs.as_slice())
+        self.servers
+            .get(&port)
+            .map(|server| server.local_addrs.as_slice())
     }
 
     /// Makes the open listeners match `wanted` (health-check port -> Service and local endpoints): closes
     /// ports no longer wanted, updates the others in place, opens new ones. Ports that cannot be opened are
     /// returned (and tried again by the next call). Must be called within a Tokio runtime.
     pub fn sync(&mut self, wanted: &BTreeMap<u16, HealthCheckService>) -> Vec<ServiceHealthError> {
-        let removed: Vec<u16> =
-            self.servers.keys().filter(|port| !wanted.contains_key(port)).copied().collect();
+        let removed: Vec<u16> = self
+            .servers
+            .keys()
+            .filter(|port| !wanted.contains_key(port))
+            .copied()
+            .collect();
         for port in removed {
             if let Some(server) = self.servers.remove(&port) {
                 tracing::debug!(port, "closing health check");
@@ -588,14 +622,19 @@ impl ServiceHealthServers {
             let stop = stop.clone();
             tokio::spawn(async move {
                 let addr = listener.local_addr().ok();
-                if let Err(e) =
-                    axum::serve(listener, router).with_graceful_shutdown(stop.cancelled_owned()).await
+                if let Err(e) = axum::serve(listener, router)
+                    .with_graceful_shutdown(stop.cancelled_owned())
+                    .await
                 {
                     tracing::error!(address = ?addr, "health check server failed: {e}");
                 }
             });
         }
-        Ok(RunningServer { service: shared, stop, local_addrs })
+        Ok(RunningServer {
+            service: shared,
+            stop,
+            local_addrs,
+        })
     }
 
     /// Closes every listener.
@@ -635,7 +674,9 @@ mod tests {
 
     impl TestClock {
         fn new() -> Self {
-            Self(Arc::new(Mutex::new(UNIX_EPOCH + Duration::from_secs(1_700_000_000))))
+            Self(Arc::new(Mutex::new(
+                UNIX_EPOCH + Duration::from_secs(1_700_000_000),
+            )))
         }
         fn now(&self) -> SystemTime {
             *self.0.lock().unwrap()
@@ -659,7 +700,13 @@ mod tests {
 
     async fn get(router: Router, method: Method, path: &str) -> (StatusCode, axum::http::HeaderMap, String) {
         let response = router
-            .oneshot(Request::builder().method(method).uri(path).body(Body::empty()).unwrap())
+            .oneshot(
+                Request::builder()
+                    .method(method)
+                    .uri(path)
+                    .body(Body::empty())
+                    .unwrap(),
+            )
             .await
             .unwrap();
         let status = response.status();
@@ -670,7 +717,10 @@ mod tests {
 
     fn node(tweak: impl FnOnce(&mut Node)) -> Node {
         let mut n = Node {
-            metadata: ObjectMeta { name: Some("node-a".into()), ..Default::default() },
+            metadata: ObjectMeta {
+                name: Some("node-a".into()),
+                ..Default::default()
+            },
             ..Default::default()
         };
         tweak(&mut n);
@@ -679,11 +729,15 @@ mod tests {
 
     fn tainted(key: &str) -> impl FnOnce(&mut Node) + '_ {
         move |n| {
-            n.spec.get_or_insert_with(NodeSpec::default).taints.get_or_insert_with(Vec::new).push(Taint {
-                key: key.to_string(),
-                effect: "NoSchedule".into(),
-                ..Default::default()
-            })
+            n.spec
+                .get_or_insert_with(NodeSpec::default)
+                .taints
+                .get_or_insert_with(Vec::new)
+                .push(Taint {
+                    key: key.to_string(),
+                    effect: "NoSchedule".into(),
+                    ..Default::default()
+                })
         }
     }
 
@@ -707,7 +761,10 @@ mod tests {
             format_go_time(Some(UNIX_EPOCH + Duration::from_secs(4_107_542_400))),
             "2100-03-01T00:00:00Z"
         );
-        assert_eq!(format_go_time(Some(UNIX_EPOCH - Duration::from_secs(1))), "1969-12-31T23:59:59Z");
+        assert_eq!(
+            format_go_time(Some(UNIX_EPOCH - Duration::from_secs(1))),
+            "1969-12-31T23:59:59Z"
+        );
     }
 
     #[test]
@@ -722,7 +779,10 @@ mod tests {
 
     #[test]
     fn health_timeout_is_twice_the_sync_period() {
-        assert_eq!(health_timeout_for(Duration::from_secs(30)), Duration::from_secs(60));
+        assert_eq!(
+            health_timeout_for(Duration::from_secs(30)),
+            Duration::from_secs(60)
+        );
     }
 
     /// Upstream's `testProxyHealthUpdater`, for the single IPv4 proxier.
@@ -739,7 +799,10 @@ mod tests {
         assert_eq!(health.health().last_updated, Some(clock.now()));
         assert_eq!(health.health().oldest_pending, None);
         clock.step(Duration::from_secs(25));
-        assert!(health.is_healthy(), "no update pending: healthy however long ago the last sync");
+        assert!(
+            health.is_healthy(),
+            "no update pending: healthy however long ago the last sync"
+        );
 
         health.queued_update();
         let queued_at = clock.now();
@@ -775,7 +838,10 @@ mod tests {
         );
         let (code, _, body) = get(router.clone(), Method::GET, "/livez").await;
         assert_eq!(code, StatusCode::OK);
-        assert_eq!(body, format!(r#"{{"lastUpdated":"{now}","currentTime":"{now}","healthy":true}}"#));
+        assert_eq!(
+            body,
+            format!(r#"{{"lastUpdated":"{now}","currentTime":"{now}","healthy":true}}"#)
+        );
 
         // After a sync: status shows the proxier's own lastUpdated; the top-level one is still "now".
         health.updated();
@@ -807,10 +873,22 @@ mod tests {
         assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
 
         let text = metrics.encode();
-        assert!(text.contains("kubeproxy_proxy_healthz_total{code=\"200\"} 2"), "{text}");
-        assert!(text.contains("kubeproxy_proxy_healthz_total{code=\"503\"} 1"), "{text}");
-        assert!(text.contains("kubeproxy_proxy_livez_total{code=\"200\"} 1"), "{text}");
-        assert!(text.contains("kubeproxy_proxy_livez_total{code=\"503\"} 1"), "{text}");
+        assert!(
+            text.contains("kubeproxy_proxy_healthz_total{code=\"200\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kubeproxy_proxy_healthz_total{code=\"503\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kubeproxy_proxy_livez_total{code=\"200\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kubeproxy_proxy_livez_total{code=\"503\"} 1"),
+            "{text}"
+        );
     }
 
     /// Upstream's `TestHealthzServer` / `TestLivezServer` node cases.
@@ -838,7 +916,14 @@ mod tests {
             assert_eq!(json["nodeEligible"], eligible);
             // The proxy itself is healthy; only the status code reflects the node.
             assert_eq!(json["healthy"], true);
-            assert_eq!(code, if eligible { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE });
+            assert_eq!(
+                code,
+                if eligible {
+                    StatusCode::OK
+                } else {
+                    StatusCode::SERVICE_UNAVAILABLE
+                }
+            );
             let (code, _, body) = get(router.clone(), Method::GET, "/livez").await;
             assert_eq!(code, StatusCode::OK, "livez ignores the node");
             assert!(!body.contains("nodeEligible"));
@@ -851,10 +936,22 @@ mod tests {
     async fn proxy_health_routes() {
         let (_clock, health) = setup();
         let router = proxy_health_router(health);
-        assert_eq!(get(router.clone(), Method::POST, "/healthz").await.0, StatusCode::OK);
-        assert_eq!(get(router.clone(), Method::GET, "/").await.0, StatusCode::NOT_FOUND);
-        assert_eq!(get(router.clone(), Method::GET, "/healthz/extra").await.0, StatusCode::NOT_FOUND);
-        assert_eq!(get(router, Method::GET, "/metrics").await.0, StatusCode::NOT_FOUND);
+        assert_eq!(
+            get(router.clone(), Method::POST, "/healthz").await.0,
+            StatusCode::OK
+        );
+        assert_eq!(
+            get(router.clone(), Method::GET, "/").await.0,
+            StatusCode::NOT_FOUND
+        );
+        assert_eq!(
+            get(router.clone(), Method::GET, "/healthz/extra").await.0,
+            StatusCode::NOT_FOUND
+        );
+        assert_eq!(
+            get(router, Method::GET, "/metrics").await.0,
+            StatusCode::NOT_FOUND
+        );
     }
 
     #[tokio::test]
@@ -864,11 +961,19 @@ mod tests {
         let metrics = Metrics::new();
         health.set_metrics(metrics.clone());
         assert_eq!(get(router, Method::GET, "/livez").await.0, StatusCode::OK);
-        assert!(metrics.encode().contains("kubeproxy_proxy_livez_total{code=\"200\"} 1"));
+        assert!(
+            metrics
+                .encode()
+                .contains("kubeproxy_proxy_livez_total{code=\"200\"} 1")
+        );
     }
 
     fn svc(namespace: &str, name: &str, local_endpoints: usize) -> HealthCheckService {
-        HealthCheckService { namespace: namespace.into(), name: name.into(), local_endpoints }
+        HealthCheckService {
+            namespace: namespace.into(),
+            name: name.into(),
+            local_endpoints,
+        }
     }
 
     #[test]
@@ -945,7 +1050,10 @@ mod tests {
     async fn http_get(addr: SocketAddr) -> String {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-        stream.write_all(b"GET / HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n").await.unwrap();
+        stream
+            .write_all(b"GET / HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
         let mut response = String::new();
         stream.read_to_string(&mut response).await.unwrap();
         response
@@ -966,7 +1074,13 @@ mod tests {
         let (_clock, health) = setup();
         let mut servers = ServiceHealthServers::new(vec![IpAddr::V4(Ipv4Addr::LOCALHOST)], health);
         // Pick two free ports.
-        let free = |_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let free = |_| {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
+        };
         let (p1, p2): (u16, u16) = (free(0), free(1));
 
         let mut wanted = BTreeMap::from([(p1, svc("ns", "a", 1)), (p2, svc("ns", "b", 0))]);
@@ -1009,7 +1123,11 @@ mod tests {
         let (_clock, health) = setup();
         let blocker = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let taken = blocker.local_addr().unwrap().port();
-        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let free = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let mut servers = ServiceHealthServers::new(vec![IpAddr::V4(Ipv4Addr::LOCALHOST)], health);
         let wanted = BTreeMap::from([(taken, svc("ns", "blocked", 1)), (free, svc("ns", "ok", 1))]);
 
@@ -1018,7 +1136,10 @@ mod tests {
         assert_eq!(errors[0].port, taken);
         assert_eq!(errors[0].source.kind(), io::ErrorKind::AddrInUse);
         let message = errors[0].to_string();
-        assert!(message.contains("ns/blocked") && message.contains(&taken.to_string()), "{message}");
+        assert!(
+            message.contains("ns/blocked") && message.contains(&taken.to_string()),
+            "{message}"
+        );
         assert_eq!(servers.ports(), vec![free], "the other port still opens");
 
         // Once the port is free, the next sync opens it.
@@ -1048,14 +1169,19 @@ mod tests {
 
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-        stream.write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+        stream
+            .write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
         let mut response = String::new();
         stream.read_to_string(&mut response).await.unwrap();
         assert!(response.starts_with("HTTP/1.1 200"), "{response}");
         assert!(response.contains("\"healthy\":true"));
 
         // Port taken: a clear error naming the address.
-        let err = serve_proxy_health(addr, health, CancellationToken::new()).await.unwrap_err();
+        let err = serve_proxy_health(addr, health, CancellationToken::new())
+            .await
+            .unwrap_err();
         let message = format!("{err:#}");
         assert!(
             message.contains("failed to start proxy healthz") && message.contains(&addr.to_string()),
@@ -1063,6 +1189,10 @@ mod tests {
         );
 
         shutdown.cancel();
-        tokio::time::timeout(Duration::from_secs(5), server).await.unwrap().unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
     }
 }

@@ -3,21 +3,17 @@
 //! pinned), print a table or JSON, show addresses in dotted form, and join Service names back from
 //! the reverse-NAT data.
 
-use std::{
-    collections::BTreeMap,
-    net::Ipv4Addr,
-    time::Duration,
-};
+use std::{collections::BTreeMap, net::Ipv4Addr, time::Duration};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use aya::maps::{HashMap, Map, MapData};
 use lb_common::{
-    affinity::{kind, Affinity4Key, Affinity4Value},
-    backend::{flags as bflags, Backend4Value},
-    conntrack::{dir, flags as ctflags, Ct4Key, Ct4Value},
+    affinity::{Affinity4Key, Affinity4Value, kind},
+    backend::{Backend4Value, flags as bflags},
+    conntrack::{Ct4Key, Ct4Value, dir, flags as ctflags},
     maps as names,
     revnat::{SockRevNat4Key, SockRevNat4Value},
-    service::{flags, Svc4Key, Svc4Value, SCOPE_INTERNAL},
+    service::{SCOPE_INTERNAL, Svc4Key, Svc4Value, flags},
     stats::Counter,
 };
 use serde::Serialize;
@@ -25,20 +21,24 @@ use serde::Serialize;
 use crate::{
     cli::{InspectArgs, OutputFormat},
     datapath::PinPaths,
-    maps::{apply::service_port_name, KernelMaps, MapOps, Snapshot},
+    maps::{KernelMaps, MapOps, Snapshot, apply::service_port_name},
 };
 
 fn open(args: &InspectArgs) -> Result<(PinPaths, KernelMaps)> {
     let paths = PinPaths::new(&args.root.bpf_root);
     if !paths.map(names::SERVICES).exists() {
-        bail!("no pinned maps under {} (start the agent, or pass --bpf-root)", paths.maps().display());
+        bail!(
+            "no pinned maps under {} (start the agent, or pass --bpf-root)",
+            paths.maps().display()
+        );
     }
     let maps = KernelMaps::from_pins(&paths.maps()).context("opening the pinned maps")?;
     Ok((paths, maps))
 }
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(paths: &PinPaths, name: &str) -> Result<HashMap<MapData, K, V>> {
-    let data = MapData::from_pin(paths.map(name)).with_context(|| format!("opening {}", paths.map(name).display()))?;
+    let data = MapData::from_pin(paths.map(name))
+        .with_context(|| format!("opening {}", paths.map(name).display()))?;
     Ok(Map::LruHashMap(data).try_into()?)
 }
 
@@ -72,7 +72,10 @@ fn kind_name(f: u16) -> &'static str {
 /// Monotonic "now" in the clock the programs use (CLOCK_BOOTTIME for affinity, coarse
 /// CLOCK_MONOTONIC for conntrack).
 fn clock_ns(clock: libc::clockid_t) -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime writes into `ts`.
     unsafe { libc::clock_gettime(clock, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -123,6 +126,11 @@ fn backend_view(snap: &Snapshot, id: u32) -> BackendView {
     }
 }
 
+/// A frontend as the services map keys it: (rev_nat_id, address, port, protocol).
+type FrontendId = (u32, [u8; 4], u16, u8);
+/// A flow tuple: (source, source port, destination, destination port, protocol).
+type Tuple = ([u8; 4], u16, [u8; 4], u16, u8);
+
 fn frontends(paths: &PinPaths, snap: &Snapshot) -> Vec<FrontendView> {
     // Flows per frontend from the flow-state maps (best effort: they may be absent).
     let mut flows: BTreeMap<u32, u64> = BTreeMap::new();
@@ -138,9 +146,12 @@ fn frontends(paths: &PinPaths, snap: &Snapshot) -> Vec<FrontendView> {
             *flows.entry(v.rev_nat_id).or_default() += 1;
         }
     }
-    let mut by_frontend: BTreeMap<(u32, [u8; 4], u16, u8), Vec<(Svc4Key, Svc4Value)>> = BTreeMap::new();
+    let mut by_frontend: BTreeMap<FrontendId, Vec<(Svc4Key, Svc4Value)>> = BTreeMap::new();
     for (k, v) in &snap.services {
-        by_frontend.entry((v.rev_nat_id, k.addr, k.port, k.proto)).or_default().push((*k, *v));
+        by_frontend
+            .entry((v.rev_nat_id, k.addr, k.port, k.proto))
+            .or_default()
+            .push((*k, *v));
     }
     let mut out = Vec::new();
     for ((rev, addr, port, proto), entries) in by_frontend {
@@ -158,14 +169,26 @@ fn frontends(paths: &PinPaths, snap: &Snapshot) -> Vec<FrontendView> {
                 affinity = (v.flags & flags::AFFINITY != 0).then_some(v.affinity_timeout);
             }
             let mut backends: Vec<BackendView> = (1..=v.count)
-                .filter_map(|slot| entries.iter().find(|(sk, _)| sk.scope == k.scope && sk.slot == slot))
+                .filter_map(|slot| {
+                    entries
+                        .iter()
+                        .find(|(sk, _)| sk.scope == k.scope && sk.slot == slot)
+                })
                 .map(|(_, sv)| backend_view(snap, sv.backend_id))
                 .collect();
             backends.sort_by(|a, b| a.address.cmp(&b.address));
             scopes.push(ScopeView {
-                scope: if k.scope == SCOPE_INTERNAL { "internal" } else { "external" },
+                scope: if k.scope == SCOPE_INTERNAL {
+                    "internal"
+                } else {
+                    "external"
+                },
                 backends,
-                when_empty: if v.flags & flags::DROP_IF_EMPTY != 0 { "drop" } else { "reject" },
+                when_empty: if v.flags & flags::DROP_IF_EMPTY != 0 {
+                    "drop"
+                } else {
+                    "reject"
+                },
             });
         }
         let source_ranges = snap
@@ -253,7 +276,11 @@ pub fn services(args: &InspectArgs) -> Result<()> {
                                     .collect::<Vec<_>>()
                                     .join(", ")
                             };
-                            if v.scopes.len() > 1 { format!("{}: {list}", s.scope) } else { list }
+                            if v.scopes.len() > 1 {
+                                format!("{}: {list}", s.scope)
+                            } else {
+                                list
+                            }
                         })
                         .collect::<Vec<_>>()
                         .join(" | ");
@@ -275,7 +302,18 @@ pub fn services(args: &InspectArgs) -> Result<()> {
                     ]
                 })
                 .collect();
-            table(&["SERVICE", "FRONTEND", "TYPE", "MASQUERADE", "FLOWS", "NOTES", "BACKENDS"], &rows);
+            table(
+                &[
+                    "SERVICE",
+                    "FRONTEND",
+                    "TYPE",
+                    "MASQUERADE",
+                    "FLOWS",
+                    "NOTES",
+                    "BACKENDS",
+                ],
+                &rows,
+            );
         }
     }
     Ok(())
@@ -297,7 +335,11 @@ pub fn backends(args: &InspectArgs) -> Result<()> {
     let mut users: BTreeMap<u32, std::collections::BTreeSet<String>> = BTreeMap::new();
     for (k, v) in &snap.services {
         if k.slot > 0 {
-            let name = snap.names.get(&v.rev_nat_id).map(|n| service_port_name(n, k.proto).to_string()).unwrap_or_default();
+            let name = snap
+                .names
+                .get(&v.rev_nat_id)
+                .map(|n| service_port_name(n, k.proto).to_string())
+                .unwrap_or_default();
             users.entry(v.backend_id).or_default().insert(name);
         }
     }
@@ -310,7 +352,10 @@ pub fn backends(args: &InspectArgs) -> Result<()> {
             protocol: proto_name(b.proto),
             local: b.flags & bflags::LOCAL != 0,
             terminating: b.flags & bflags::TERMINATING != 0,
-            services: users.remove(id).map(|s| s.into_iter().collect()).unwrap_or_default(),
+            services: users
+                .remove(id)
+                .map(|s| s.into_iter().collect())
+                .unwrap_or_default(),
         })
         .collect();
     match args.output {
@@ -326,7 +371,13 @@ pub fn backends(args: &InspectArgs) -> Result<()> {
                         (false, true) => "terminating",
                         (false, false) => "-",
                     };
-                    vec![r.id.to_string(), r.address.clone(), r.protocol.into(), state.into(), r.services.join(", ")]
+                    vec![
+                        r.id.to_string(),
+                        r.address.clone(),
+                        r.protocol.into(),
+                        state.into(),
+                        r.services.join(", "),
+                    ]
                 })
                 .collect::<Vec<_>>(),
         ),
@@ -351,10 +402,17 @@ pub fn conntrack(args: &InspectArgs) -> Result<()> {
     let ct = open_hash::<Ct4Key, Ct4Value>(&paths, names::CONNTRACK)?;
     let entries: Vec<(Ct4Key, Ct4Value)> = ct.iter().flatten().collect();
     // Masquerade addresses of each flow, from its SNAT entry (client -> backend).
-    let snat: BTreeMap<([u8; 4], u16, [u8; 4], u16, u8), ([u8; 4], u16)> = entries
+    let snat: BTreeMap<Tuple, ([u8; 4], u16)> = entries
         .iter()
-        .filter(|(k, v)| k.dir == dir::EGRESS && v.flags & ctflags::SNAT != 0 && v.flags & ctflags::REPLY == 0)
-        .map(|(k, v)| ((k.saddr, k.sport, k.daddr, k.dport, k.proto), (v.nat_addr, v.nat_port)))
+        .filter(|(k, v)| {
+            k.dir == dir::EGRESS && v.flags & ctflags::SNAT != 0 && v.flags & ctflags::REPLY == 0
+        })
+        .map(|(k, v)| {
+            (
+                (k.saddr, k.sport, k.daddr, k.dport, k.proto),
+                (v.nat_addr, v.nat_port),
+            )
+        })
         .collect();
     let now = clock_ns(libc::CLOCK_MONOTONIC_COARSE);
     let rows: Vec<FlowRow> = entries
@@ -365,15 +423,29 @@ pub fn conntrack(args: &InspectArgs) -> Result<()> {
             client: format!("{}:{}", ip(k.saddr), k.sport),
             frontend: format!("{}:{}", ip(k.daddr), k.dport),
             backend: format!("{}:{}", ip(v.nat_addr), v.nat_port),
-            masquerade: snat.get(&(k.saddr, k.sport, v.nat_addr, v.nat_port, k.proto)).map(|(a, p)| format!("{}:{}", ip(*a), p)),
-            service: snap.names.get(&v.rev_nat_id).map(|n| service_port_name(n, k.proto).to_string()).unwrap_or_default(),
+            masquerade: snat
+                .get(&(k.saddr, k.sport, v.nat_addr, v.nat_port, k.proto))
+                .map(|(a, p)| format!("{}:{}", ip(*a), p)),
+            service: snap
+                .names
+                .get(&v.rev_nat_id)
+                .map(|n| service_port_name(n, k.proto).to_string())
+                .unwrap_or_default(),
             age: age(now, v.created_ns),
         })
         .collect();
     match args.output {
         OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
         OutputFormat::Table => table(
-            &["PROTO", "CLIENT", "FRONTEND", "BACKEND", "MASQUERADED AS", "AGE", "SERVICE"],
+            &[
+                "PROTO",
+                "CLIENT",
+                "FRONTEND",
+                "BACKEND",
+                "MASQUERADED AS",
+                "AGE",
+                "SERVICE",
+            ],
             &rows
                 .iter()
                 .map(|r| {
@@ -429,7 +501,17 @@ pub fn affinity(args: &InspectArgs) -> Result<()> {
         OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
         OutputFormat::Table => table(
             &["CLIENT", "SERVICE", "BACKEND", "IDLE"],
-            &rows.iter().map(|r| vec![r.client.clone(), r.service.clone(), r.backend.clone(), r.idle.clone()]).collect::<Vec<_>>(),
+            &rows
+                .iter()
+                .map(|r| {
+                    vec![
+                        r.client.clone(),
+                        r.service.clone(),
+                        r.backend.clone(),
+                        r.idle.clone(),
+                    ]
+                })
+                .collect::<Vec<_>>(),
         ),
     }
     Ok(())
@@ -437,13 +519,23 @@ pub fn affinity(args: &InspectArgs) -> Result<()> {
 
 pub fn stats(args: &InspectArgs) -> Result<()> {
     let (_, maps) = open(args)?;
-    let rows: Vec<(&str, u64)> = Counter::ALL.iter().map(|c| (c.name(), maps.counter(*c as u32))).collect();
+    let rows: Vec<(&str, u64)> = Counter::ALL
+        .iter()
+        .map(|c| (c.name(), maps.counter(*c as u32)))
+        .collect();
     match args.output {
         OutputFormat::Json => {
-            let obj: serde_json::Map<String, serde_json::Value> = rows.iter().map(|(n, v)| (n.to_string(), (*v).into())).collect();
+            let obj: serde_json::Map<String, serde_json::Value> =
+                rows.iter().map(|(n, v)| (n.to_string(), (*v).into())).collect();
             println!("{}", serde_json::to_string_pretty(&obj)?);
         }
-        OutputFormat::Table => table(&["EVENT", "TOTAL"], &rows.iter().map(|(n, v)| vec![n.to_string(), v.to_string()]).collect::<Vec<_>>()),
+        OutputFormat::Table => table(
+            &["EVENT", "TOTAL"],
+            &rows
+                .iter()
+                .map(|(n, v)| vec![n.to_string(), v.to_string()])
+                .collect::<Vec<_>>(),
+        ),
     }
     Ok(())
 }

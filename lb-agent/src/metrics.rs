@@ -132,7 +132,9 @@ impl DatapathEvents {
 
     fn snapshot(&self) -> Vec<(String, u64)> {
         let map = self.totals.lock().unwrap_or_else(|p| p.into_inner());
-        map.iter().map(|(event, (_, exported))| (event.clone(), *exported)).collect()
+        map.iter()
+            .map(|(event, (_, exported))| (event.clone(), *exported))
+            .collect()
     }
 }
 
@@ -270,10 +272,22 @@ impl Metrics {
             "Number of services with a Local traffic policy and no endpoints",
             no_local_endpoints.clone(),
         );
-        registry.register("kubeproxy_proxy_healthz", "Cumulative proxy healthz HTTP status", healthz.clone());
-        registry.register("kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status", livez.clone());
+        registry.register(
+            "kubeproxy_proxy_healthz",
+            "Cumulative proxy healthz HTTP status",
+            healthz.clone(),
+        );
+        registry.register(
+            "kubeproxy_proxy_livez",
+            "Cumulative proxy livez HTTP status",
+            livez.clone(),
+        );
         registry.register("lb_map_entries", "Entries in each BPF map", map_entries.clone());
-        registry.register("lb_map_capacity", "Capacity (max_entries) of each BPF map", map_capacity.clone());
+        registry.register(
+            "lb_map_capacity",
+            "Capacity (max_entries) of each BPF map",
+            map_capacity.clone(),
+        );
         registry.register_collector(Box::new(datapath_events.clone()));
         registry.register(
             "lb_map_write_errors",
@@ -289,7 +303,9 @@ impl Metrics {
         // Upstream sets both label values on every sync; show them from the start.
         for policy in ["internal", "external"] {
             no_local_endpoints
-                .get_or_create(&TrafficPolicyLabels { traffic_policy: policy.to_string() })
+                .get_or_create(&TrafficPolicyLabels {
+                    traffic_policy: policy.to_string(),
+                })
                 .set(0);
         }
 
@@ -362,26 +378,44 @@ impl Metrics {
         for (policy, n) in [("internal", internal), ("external", external)] {
             self.inner
                 .no_local_endpoints
-                .get_or_create(&TrafficPolicyLabels { traffic_policy: policy.to_string() })
+                .get_or_create(&TrafficPolicyLabels {
+                    traffic_policy: policy.to_string(),
+                })
                 .set(saturating_i64(n as u64));
         }
     }
 
     /// `/healthz` answered with HTTP status `code`.
     pub fn proxy_healthz(&self, code: u16) {
-        self.inner.healthz.get_or_create(&CodeLabels { code: code.to_string() }).inc();
+        self.inner
+            .healthz
+            .get_or_create(&CodeLabels {
+                code: code.to_string(),
+            })
+            .inc();
     }
 
     /// `/livez` answered with HTTP status `code`.
     pub fn proxy_livez(&self, code: u16) {
-        self.inner.livez.get_or_create(&CodeLabels { code: code.to_string() }).inc();
+        self.inner
+            .livez
+            .get_or_create(&CodeLabels {
+                code: code.to_string(),
+            })
+            .inc();
     }
 
     /// A map's entry count and capacity.
     pub fn set_map_occupancy(&self, map: &str, used: u64, capacity: u64) {
         let labels = MapLabels { map: map.to_string() };
-        self.inner.map_entries.get_or_create(&labels).set(saturating_i64(used));
-        self.inner.map_capacity.get_or_create(&labels).set(saturating_i64(capacity));
+        self.inner
+            .map_entries
+            .get_or_create(&labels)
+            .set(saturating_i64(used));
+        self.inner
+            .map_capacity
+            .get_or_create(&labels)
+            .set(saturating_i64(capacity));
     }
 
     /// Absolute per-event totals summed over the per-CPU stats map. Events not listed keep their value.
@@ -391,20 +425,33 @@ impl Metrics {
 
     /// `n` writes or deletions on `map` failed.
     pub fn map_write_errors(&self, map: &str, n: u64) {
-        self.inner.map_write_errors.get_or_create(&MapLabels { map: map.to_string() }).inc_by(n);
+        self.inner
+            .map_write_errors
+            .get_or_create(&MapLabels { map: map.to_string() })
+            .inc_by(n);
     }
 
     /// Service ports left out of the last sync, by reason (for example `map full`). Replaces the previous
     /// set: reasons not listed are removed.
     pub fn set_services_skipped(&self, by_reason: &[(&str, usize)]) {
         let family = &self.inner.services_skipped;
-        let mut reasons = self.inner.skipped_reasons.lock().unwrap_or_else(|p| p.into_inner());
+        let mut reasons = self
+            .inner
+            .skipped_reasons
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let current: BTreeSet<String> = by_reason.iter().map(|(reason, _)| reason.to_string()).collect();
         for &(reason, n) in by_reason {
-            family.get_or_create(&ReasonLabels { reason: reason.to_string() }).set(saturating_i64(n as u64));
+            family
+                .get_or_create(&ReasonLabels {
+                    reason: reason.to_string(),
+                })
+                .set(saturating_i64(n as u64));
         }
         for stale in reasons.difference(&current) {
-            family.remove(&ReasonLabels { reason: stale.clone() });
+            family.remove(&ReasonLabels {
+                reason: stale.clone(),
+            });
         }
         *reasons = current;
     }
@@ -419,7 +466,11 @@ impl Metrics {
 }
 
 async fn metrics_handler(State(metrics): State<Metrics>) -> Response {
-    ([(header::CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE)], metrics.encode()).into_response()
+    (
+        [(header::CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE)],
+        metrics.encode(),
+    )
+        .into_response()
 }
 
 /// The metrics server's routes: `GET /metrics`; everything else is 404.
@@ -512,52 +563,103 @@ mod tests {
         m.proxy_livez(200);
         let text = m.encode();
 
-        assert!(text.contains("# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram"), "{text}");
-        assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_duration_seconds_count"), Some(1.0));
+        assert!(
+            text.contains("# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram"),
+            "{text}"
+        );
         assert_eq!(
-            sample(&text, "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.002\"}"),
+            sample(&text, "kubeproxy_sync_proxy_rules_duration_seconds_count"),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(
+                &text,
+                "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.002\"}"
+            ),
             Some(0.0)
         );
         assert_eq!(
-            sample(&text, "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.004\"}"),
+            sample(
+                &text,
+                "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.004\"}"
+            ),
             Some(1.0)
         );
-        assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_last_timestamp_seconds"), Some(1_700_000_000.0));
+        assert_eq!(
+            sample(&text, "kubeproxy_sync_proxy_rules_last_timestamp_seconds"),
+            Some(1_700_000_000.0)
+        );
         assert_eq!(
             sample(&text, "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds"),
             Some(1_700_000_001.5)
         );
         assert!(text.contains("# TYPE kubeproxy_network_programming_duration_seconds histogram"));
         assert_eq!(
-            sample(&text, "kubeproxy_network_programming_duration_seconds_bucket{le=\"1.0\"}"),
+            sample(
+                &text,
+                "kubeproxy_network_programming_duration_seconds_bucket{le=\"1.0\"}"
+            ),
             Some(0.0)
         );
         assert_eq!(
-            sample(&text, "kubeproxy_network_programming_duration_seconds_bucket{le=\"2.0\"}"),
+            sample(
+                &text,
+                "kubeproxy_network_programming_duration_seconds_bucket{le=\"2.0\"}"
+            ),
             Some(1.0)
         );
-        assert_eq!(sample(&text, "kubeproxy_network_programming_duration_seconds_sum"), Some(1.5));
+        assert_eq!(
+            sample(&text, "kubeproxy_network_programming_duration_seconds_sum"),
+            Some(1.5)
+        );
 
         assert!(text.contains("# TYPE kubeproxy_sync_proxy_rules_endpoint_changes counter"));
-        assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_endpoint_changes_total"), Some(5.0));
-        assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_endpoint_changes_pending"), Some(4.0));
-        assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_service_changes_total"), Some(7.0));
-        assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_service_changes_pending"), Some(1.0));
+        assert_eq!(
+            sample(&text, "kubeproxy_sync_proxy_rules_endpoint_changes_total"),
+            Some(5.0)
+        );
+        assert_eq!(
+            sample(&text, "kubeproxy_sync_proxy_rules_endpoint_changes_pending"),
+            Some(4.0)
+        );
+        assert_eq!(
+            sample(&text, "kubeproxy_sync_proxy_rules_service_changes_total"),
+            Some(7.0)
+        );
+        assert_eq!(
+            sample(&text, "kubeproxy_sync_proxy_rules_service_changes_pending"),
+            Some(1.0)
+        );
 
         assert!(text.contains("# TYPE kubeproxy_sync_proxy_rules_no_local_endpoints_total gauge"));
         assert_eq!(
-            sample(&text, "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"}"),
+            sample(
+                &text,
+                "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"}"
+            ),
             Some(2.0)
         );
         assert_eq!(
-            sample(&text, "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"external\"}"),
+            sample(
+                &text,
+                "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"external\"}"
+            ),
             Some(5.0)
         );
 
         assert!(text.contains("# TYPE kubeproxy_proxy_healthz counter"));
-        assert_eq!(sample(&text, "kubeproxy_proxy_healthz_total{code=\"200\"}"), Some(2.0));
-        assert_eq!(sample(&text, "kubeproxy_proxy_healthz_total{code=\"503\"}"), Some(1.0));
-        assert_eq!(sample(&text, "kubeproxy_proxy_livez_total{code=\"200\"}"), Some(1.0));
+        assert_eq!(
+            sample(&text, "kubeproxy_proxy_healthz_total{code=\"200\"}"),
+            Some(2.0)
+        );
+        assert_eq!(
+            sample(&text, "kubeproxy_proxy_healthz_total{code=\"503\"}"),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(&text, "kubeproxy_proxy_livez_total{code=\"200\"}"),
+            Some(1.0)
+        );
         assert_eq!(sample(&text, "kubeproxy_proxy_livez_total{code=\"503\"}"), None);
         assert!(text.ends_with("# EOF\n"));
     }
@@ -565,10 +667,19 @@ mod tests {
     #[test]
     fn fresh_registry_shows_unlabelled_metrics_and_policy_gauges() {
         let text = Metrics::new().encode();
-        assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_endpoint_changes_total"), Some(0.0));
-        assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_duration_seconds_count"), Some(0.0));
         assert_eq!(
-            sample(&text, "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"}"),
+            sample(&text, "kubeproxy_sync_proxy_rules_endpoint_changes_total"),
+            Some(0.0)
+        );
+        assert_eq!(
+            sample(&text, "kubeproxy_sync_proxy_rules_duration_seconds_count"),
+            Some(0.0)
+        );
+        assert_eq!(
+            sample(
+                &text,
+                "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"}"
+            ),
             Some(0.0)
         );
         // Labelled families without samples are left out, as client_golang does.
@@ -587,9 +698,15 @@ mod tests {
         let text = m.encode();
         assert_eq!(sample(&text, "lb_map_entries{map=\"lb_services\"}"), Some(12.0));
         assert_eq!(sample(&text, "lb_map_entries{map=\"lb_backends\"}"), Some(3.0));
-        assert_eq!(sample(&text, "lb_map_capacity{map=\"lb_services\"}"), Some(65536.0));
+        assert_eq!(
+            sample(&text, "lb_map_capacity{map=\"lb_services\"}"),
+            Some(65536.0)
+        );
         assert!(text.contains("# TYPE lb_map_write_errors counter"));
-        assert_eq!(sample(&text, "lb_map_write_errors_total{map=\"lb_backends\"}"), Some(3.0));
+        assert_eq!(
+            sample(&text, "lb_map_write_errors_total{map=\"lb_backends\"}"),
+            Some(3.0)
+        );
     }
 
     #[test]
@@ -598,23 +715,44 @@ mod tests {
         m.set_datapath_events(&[("translated", 100), ("no_backend", 2)]);
         let text = m.encode();
         assert!(text.contains("# TYPE lb_datapath_events counter"), "{text}");
-        assert_eq!(sample(&text, "lb_datapath_events_total{event=\"translated\"}"), Some(100.0));
-        assert_eq!(sample(&text, "lb_datapath_events_total{event=\"no_backend\"}"), Some(2.0));
+        assert_eq!(
+            sample(&text, "lb_datapath_events_total{event=\"translated\"}"),
+            Some(100.0)
+        );
+        assert_eq!(
+            sample(&text, "lb_datapath_events_total{event=\"no_backend\"}"),
+            Some(2.0)
+        );
 
         // Growth is passed through; unlisted events keep their value.
         m.set_datapath_events(&[("translated", 150)]);
         let text = m.encode();
-        assert_eq!(sample(&text, "lb_datapath_events_total{event=\"translated\"}"), Some(150.0));
-        assert_eq!(sample(&text, "lb_datapath_events_total{event=\"no_backend\"}"), Some(2.0));
+        assert_eq!(
+            sample(&text, "lb_datapath_events_total{event=\"translated\"}"),
+            Some(150.0)
+        );
+        assert_eq!(
+            sample(&text, "lb_datapath_events_total{event=\"no_backend\"}"),
+            Some(2.0)
+        );
 
         // The stats map was recreated: totals restart from 0, the counter does not go down.
         m.set_datapath_events(&[("translated", 10)]);
-        assert_eq!(sample(&m.encode(), "lb_datapath_events_total{event=\"translated\"}"), Some(160.0));
+        assert_eq!(
+            sample(&m.encode(), "lb_datapath_events_total{event=\"translated\"}"),
+            Some(160.0)
+        );
         m.set_datapath_events(&[("translated", 15)]);
-        assert_eq!(sample(&m.encode(), "lb_datapath_events_total{event=\"translated\"}"), Some(165.0));
+        assert_eq!(
+            sample(&m.encode(), "lb_datapath_events_total{event=\"translated\"}"),
+            Some(165.0)
+        );
         // Same total again: no change.
         m.set_datapath_events(&[("translated", 15)]);
-        assert_eq!(sample(&m.encode(), "lb_datapath_events_total{event=\"translated\"}"), Some(165.0));
+        assert_eq!(
+            sample(&m.encode(), "lb_datapath_events_total{event=\"translated\"}"),
+            Some(165.0)
+        );
     }
 
     #[test]
@@ -622,11 +760,20 @@ mod tests {
         let m = Metrics::new();
         m.set_services_skipped(&[("map full", 3), ("too many backends", 1)]);
         let text = m.encode();
-        assert_eq!(sample(&text, "lb_services_skipped{reason=\"map full\"}"), Some(3.0));
-        assert_eq!(sample(&text, "lb_services_skipped{reason=\"too many backends\"}"), Some(1.0));
+        assert_eq!(
+            sample(&text, "lb_services_skipped{reason=\"map full\"}"),
+            Some(3.0)
+        );
+        assert_eq!(
+            sample(&text, "lb_services_skipped{reason=\"too many backends\"}"),
+            Some(1.0)
+        );
         m.set_services_skipped(&[("map full", 1)]);
         let text = m.encode();
-        assert_eq!(sample(&text, "lb_services_skipped{reason=\"map full\"}"), Some(1.0));
+        assert_eq!(
+            sample(&text, "lb_services_skipped{reason=\"map full\"}"),
+            Some(1.0)
+        );
         assert!(!text.contains("too many backends"), "{text}");
         m.set_services_skipped(&[]);
         assert!(!m.encode().contains("lb_services_skipped{"));
@@ -641,7 +788,10 @@ mod tests {
         let m = Metrics::new();
         let other = m.clone();
         other.service_changes(4);
-        assert_eq!(sample(&m.encode(), "kubeproxy_sync_proxy_rules_service_changes_total"), Some(4.0));
+        assert_eq!(
+            sample(&m.encode(), "kubeproxy_sync_proxy_rules_service_changes_total"),
+            Some(4.0)
+        );
     }
 
     #[tokio::test]
@@ -656,10 +806,15 @@ mod tests {
         assert_eq!(response.headers()[header::CONTENT_TYPE], OPENMETRICS_CONTENT_TYPE);
         let body = response.into_body().collect().await.unwrap().to_bytes();
         let text = String::from_utf8(body.to_vec()).unwrap();
-        assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_endpoint_changes_total"), Some(1.0));
+        assert_eq!(
+            sample(&text, "kubeproxy_sync_proxy_rules_endpoint_changes_total"),
+            Some(1.0)
+        );
 
-        let response =
-            router(m).oneshot(Request::builder().uri("/other").body(Body::empty()).unwrap()).await.unwrap();
+        let response = router(m)
+            .oneshot(Request::builder().uri("/other").body(Body::empty()).unwrap())
+            .await
+            .unwrap();
         assert_eq!(response.status(), StatusCode::NOT_FOUND);
     }
 
@@ -675,20 +830,31 @@ mod tests {
         let server = tokio::spawn(serve_metrics_on(listener, m, shutdown.clone()));
 
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-        stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
         let mut response = String::new();
         stream.read_to_string(&mut response).await.unwrap();
         assert!(response.starts_with("HTTP/1.1 200"), "{response}");
         assert!(
-            response.to_lowercase().contains("content-type: application/openmetrics-text; version=1.0.0")
+            response
+                .to_lowercase()
+                .contains("content-type: application/openmetrics-text; version=1.0.0")
         );
         assert!(response.contains("kubeproxy_sync_proxy_rules_service_changes_total 9"));
 
         // The address is taken now: a second server fails with the address in the message.
-        let err = serve_metrics(addr, Metrics::new(), CancellationToken::new()).await.unwrap_err();
+        let err = serve_metrics(addr, Metrics::new(), CancellationToken::new())
+            .await
+            .unwrap_err();
         assert!(format!("{err:#}").contains(&addr.to_string()), "{err:#}");
 
         shutdown.cancel();
-        tokio::time::timeout(Duration::from_secs(5), server).await.unwrap().unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
     }
 }

@@ -33,7 +33,9 @@ impl FromStr for NodePortAddress {
                     return Ok(NodePortAddress::Ipv6(v6));
                 }
                 cidr.parse::<Ipv4Net>().map(NodePortAddress::Cidr).map_err(|e| {
-                    format!("--nodeport-addresses: {cidr:?} is neither a CIDR nor primary/localhost/all ({e})")
+                    format!(
+                        "--nodeport-addresses: {cidr:?} is neither a CIDR nor primary/localhost/all ({e})"
+                    )
                 })
             }
         }
@@ -51,7 +53,11 @@ pub struct NodePortSelection {
 
 /// Applies `--nodeport-addresses` to the node's local addresses. `primary` are the node's primary
 /// IPs; an empty `config` means `all` (kube-proxy iptables mode's default).
-pub fn select_nodeport_addresses(config: &[NodePortAddress], local: &[Ipv4Addr], primary: &[Ipv4Addr]) -> NodePortSelection {
+pub fn select_nodeport_addresses(
+    config: &[NodePortAddress],
+    local: &[Ipv4Addr],
+    primary: &[Ipv4Addr],
+) -> NodePortSelection {
     let all = config.is_empty() || config.contains(&NodePortAddress::All);
     let selected = |ip: &Ipv4Addr| {
         all || config.iter().any(|entry| match entry {
@@ -62,7 +68,11 @@ pub fn select_nodeport_addresses(config: &[NodePortAddress], local: &[Ipv4Addr],
             NodePortAddress::Ipv6(_) => false,
         })
     };
-    let mut addresses: Vec<Ipv4Addr> = local.iter().filter(|ip| !ip.is_loopback() && selected(ip)).copied().collect();
+    let mut addresses: Vec<Ipv4Addr> = local
+        .iter()
+        .filter(|ip| !ip.is_loopback() && selected(ip))
+        .copied()
+        .collect();
     // A primary IP not (yet) on an interface still counts when selected by `primary`.
     for ip in primary {
         if config.contains(&NodePortAddress::Primary) && !addresses.contains(ip) {
@@ -104,7 +114,10 @@ mod tests {
     fn parses_keywords_and_cidrs() {
         assert_eq!("primary".parse(), Ok(NodePortAddress::Primary));
         assert_eq!(" localhost ".parse(), Ok(NodePortAddress::Localhost));
-        assert_eq!("10.0.0.0/8".parse(), Ok(NodePortAddress::Cidr("10.0.0.0/8".parse().unwrap())));
+        assert_eq!(
+            "10.0.0.0/8".parse(),
+            Ok(NodePortAddress::Cidr("10.0.0.0/8".parse().unwrap()))
+        );
         assert!("bogus".parse::<NodePortAddress>().is_err());
     }
 
@@ -121,7 +134,10 @@ mod tests {
         let local = [ip("127.0.0.1"), ip("192.168.1.10"), ip("10.244.0.1")];
         let sel = select_nodeport_addresses(&parse(&["primary"]), &local, &[ip("192.168.1.10")]);
         assert_eq!(sel.addresses, vec![ip("192.168.1.10")]);
-        assert!(!sel.loopback, "localhost NodePorts need loopback in --nodeport-addresses");
+        assert!(
+            !sel.loopback,
+            "localhost NodePorts need loopback in --nodeport-addresses"
+        );
     }
 
     #[test]

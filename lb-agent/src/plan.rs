@@ -15,7 +15,7 @@ use std::{
 use ipnet::Ipv4Net;
 use lb_common::{
     backend,
-    service::{flags, SCOPE_EXTERNAL, SCOPE_INTERNAL},
+    service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, flags},
 };
 
 use crate::model::{CategorizedEndpoints, Endpoint, Protocol, ServicePortInfo, ServicePortName};
@@ -148,7 +148,10 @@ pub struct PlanProblem {
 
 /// Computes the desired state. `services` holds each service port with its categorized
 /// endpoints; the result does not depend on their order.
-pub fn plan(services: &[(ServicePortInfo, CategorizedEndpoints)], node: &NodeContext) -> (DesiredState, Vec<PlanProblem>) {
+pub fn plan(
+    services: &[(ServicePortInfo, CategorizedEndpoints)],
+    node: &NodeContext,
+) -> (DesiredState, Vec<PlanProblem>) {
     let mut claims: Vec<(FrontendKind, &ServicePortName, Frontend, FrontendPlan)> = Vec::new();
     for (svc, endpoints) in services {
         for (kind, frontend) in frontends_of(svc, node) {
@@ -180,11 +183,18 @@ pub fn plan(services: &[(ServicePortInfo, CategorizedEndpoints)], node: &NodeCon
     }
     for (svc, endpoints) in services {
         for ep in endpoints.cluster.iter().chain(&endpoints.local) {
-            desired.backends.entry(backend_addr(ep, svc.name.protocol)).or_insert_with(|| backend_flags(ep));
+            desired
+                .backends
+                .entry(backend_addr(ep, svc.name.protocol))
+                .or_insert_with(|| backend_flags(ep));
         }
     }
     // Only backends that a kept frontend uses are written.
-    let used: BTreeSet<BackendAddr> = desired.frontends.values().flat_map(|p| p.backends().copied()).collect();
+    let used: BTreeSet<BackendAddr> = desired
+        .frontends
+        .values()
+        .flat_map(|p| p.backends().copied())
+        .collect();
     desired.backends.retain(|addr, _| used.contains(addr));
     (desired, problems)
 }
@@ -195,20 +205,43 @@ fn frontends_of(svc: &ServicePortInfo, node: &NodeContext) -> Vec<(FrontendKind,
     let proto = svc.name.protocol;
     let at = |addr: Ipv4Addr, port: u16| Frontend { addr, port, proto };
     let mut out = Vec::new();
-    out.extend(svc.cluster_ips.iter().map(|ip| (FrontendKind::ClusterIp, at(*ip, svc.port))));
+    out.extend(
+        svc.cluster_ips
+            .iter()
+            .map(|ip| (FrontendKind::ClusterIp, at(*ip, svc.port))),
+    );
     if let Some(node_port) = svc.node_port {
-        out.extend(node.nodeport_addresses.iter().map(|ip| (FrontendKind::NodePort, at(*ip, node_port))));
+        out.extend(
+            node.nodeport_addresses
+                .iter()
+                .map(|ip| (FrontendKind::NodePort, at(*ip, node_port))),
+        );
         if node.localhost_nodeports {
-            out.push((FrontendKind::LocalhostNodePort, at(Ipv4Addr::LOCALHOST, node_port)));
+            out.push((
+                FrontendKind::LocalhostNodePort,
+                at(Ipv4Addr::LOCALHOST, node_port),
+            ));
         }
     }
-    out.extend(svc.external_ips.iter().map(|ip| (FrontendKind::ExternalIp, at(*ip, svc.port))));
-    out.extend(svc.load_balancer_ips.iter().map(|ip| (FrontendKind::LoadBalancer, at(*ip, svc.port))));
+    out.extend(
+        svc.external_ips
+            .iter()
+            .map(|ip| (FrontendKind::ExternalIp, at(*ip, svc.port))),
+    );
+    out.extend(
+        svc.load_balancer_ips
+            .iter()
+            .map(|ip| (FrontendKind::LoadBalancer, at(*ip, svc.port))),
+    );
     out
 }
 
 fn backend_addr(ep: &Endpoint, proto: Protocol) -> BackendAddr {
-    BackendAddr { addr: ep.ip, port: ep.port, proto }
+    BackendAddr {
+        addr: ep.ip,
+        port: ep.port,
+        proto,
+    }
 }
 
 fn backend_flags(ep: &Endpoint) -> u8 {
@@ -240,14 +273,25 @@ fn sorted_backends(eps: &[Endpoint], proto: Protocol) -> Vec<BackendAddr> {
 ///   (`SCOPE_INTERNAL`).
 /// - No usable endpoint: REJECT when the Service has no endpoints at all (`!hasEndpoints`),
 ///   DROP when only the Local policy leaves none ("has no local endpoints").
-fn plan_frontend(svc: &ServicePortInfo, eps: &CategorizedEndpoints, kind: FrontendKind, node: &NodeContext) -> FrontendPlan {
+fn plan_frontend(
+    svc: &ServicePortInfo,
+    eps: &CategorizedEndpoints,
+    kind: FrontendKind,
+    node: &NodeContext,
+) -> FrontendPlan {
     let proto = svc.name.protocol;
     let mut common = kind.flag();
     let affinity_timeout = svc.session_affinity_timeout.unwrap_or(0);
     if affinity_timeout > 0 {
         common |= flags::AFFINITY;
     }
-    let empty_flag = |backends: &[BackendAddr]| if backends.is_empty() && eps.has_any { flags::DROP_IF_EMPTY } else { 0 };
+    let empty_flag = |backends: &[BackendAddr]| {
+        if backends.is_empty() && eps.has_any {
+            flags::DROP_IF_EMPTY
+        } else {
+            0
+        }
+    };
 
     let mut source_ranges = Vec::new();
     if kind == FrontendKind::LoadBalancer && !svc.load_balancer_source_ranges.is_empty() {
@@ -255,7 +299,11 @@ fn plan_frontend(svc: &ServicePortInfo, eps: &CategorizedEndpoints, kind: Fronte
         source_ranges = svc.load_balancer_source_ranges.clone();
         // kube-proxy `allowFromNode`: a range containing the node IP also admits the node's own
         // traffic, which may carry an LB IP as its source.
-        if svc.load_balancer_source_ranges.iter().any(|r| node.node_ips.iter().any(|ip| r.contains(ip))) {
+        if svc
+            .load_balancer_source_ranges
+            .iter()
+            .any(|r| node.node_ips.iter().any(|ip| r.contains(ip)))
+        {
             common |= flags::SOURCE_RANGES_ALLOW_NODE;
             source_ranges.extend(svc.load_balancer_ips.iter().map(|ip| Ipv4Net::from(*ip)));
         }
@@ -264,26 +312,52 @@ fn plan_frontend(svc: &ServicePortInfo, eps: &CategorizedEndpoints, kind: Fronte
     }
 
     let scopes = if !kind.is_external() {
-        let backends = if svc.internal_policy_local { sorted_backends(&eps.local, proto) } else { sorted_backends(&eps.cluster, proto) };
+        let backends = if svc.internal_policy_local {
+            sorted_backends(&eps.local, proto)
+        } else {
+            sorted_backends(&eps.cluster, proto)
+        };
         let mut f = common | empty_flag(&backends);
         if node.masquerade_all {
             f |= flags::MASQUERADE;
         } else if node.cluster_cidr_configured {
             f |= flags::MASQUERADE_OFF_CLUSTER;
         }
-        vec![ScopePlan { scope: SCOPE_EXTERNAL, flags: f, backends }]
+        vec![ScopePlan {
+            scope: SCOPE_EXTERNAL,
+            flags: f,
+            backends,
+        }]
     } else if svc.external_policy_local {
         let local = sorted_backends(&eps.local, proto);
         let cluster = sorted_backends(&eps.cluster, proto);
         vec![
-            ScopePlan { scope: SCOPE_EXTERNAL, flags: common | flags::TWO_SCOPES | empty_flag(&local), backends: local },
-            ScopePlan { scope: SCOPE_INTERNAL, flags: common | empty_flag(&cluster), backends: cluster },
+            ScopePlan {
+                scope: SCOPE_EXTERNAL,
+                flags: common | flags::TWO_SCOPES | empty_flag(&local),
+                backends: local,
+            },
+            ScopePlan {
+                scope: SCOPE_INTERNAL,
+                flags: common | empty_flag(&cluster),
+                backends: cluster,
+            },
         ]
     } else {
         let cluster = sorted_backends(&eps.cluster, proto);
-        vec![ScopePlan { scope: SCOPE_EXTERNAL, flags: common | flags::MASQUERADE | empty_flag(&cluster), backends: cluster }]
+        vec![ScopePlan {
+            scope: SCOPE_EXTERNAL,
+            flags: common | flags::MASQUERADE | empty_flag(&cluster),
+            backends: cluster,
+        }]
     };
-    FrontendPlan { service: svc.name.clone(), kind, affinity_timeout, scopes, source_ranges }
+    FrontendPlan {
+        service: svc.name.clone(),
+        kind,
+        affinity_timeout,
+        scopes,
+        source_ranges,
+    }
 }
 
 #[cfg(test)]

@@ -26,9 +26,9 @@ use lb_common::{
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    cli::{parse_bind_address, RunArgs},
+    cli::{RunArgs, parse_bind_address},
     config,
-    datapath::{self, cgroup, tc, Datapath, PinPaths},
+    datapath::{self, Datapath, PinPaths, cgroup, tc},
     health::{self, ProxyHealth, ServiceHealthServers},
     maps::{Applier, KernelMaps, MapOps},
     metrics::{self, Metrics},
@@ -37,25 +37,38 @@ use crate::{
     runner::BoundedFrequencyRunner,
     sync,
     watch::{
+        ClusterState,
         kube::{KubeSource, PendingChanges, ProblemReporter},
-        manifests, ClusterState,
+        manifests,
     },
 };
 
 /// The system hostname, lowercased as kube-proxy does.
 pub fn hostname() -> String {
-    nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_default().trim().to_lowercase()
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_default()
+        .trim()
+        .to_lowercase()
 }
 
 /// `bpf_get_netns_cookie()` of the calling thread's network namespace (SO_NETNS_COOKIE, 5.14+).
 pub fn netns_cookie() -> std::io::Result<u64> {
-    let sock = std::net::UdpSocket::bind("127.0.0.1:0").or_else(|_| std::net::UdpSocket::bind("0.0.0.0:0"))?;
+    let sock =
+        std::net::UdpSocket::bind("127.0.0.1:0").or_else(|_| std::net::UdpSocket::bind("0.0.0.0:0"))?;
     let mut cookie: u64 = 0;
     let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
     const SO_NETNS_COOKIE: libc::c_int = 71;
     // SAFETY: getsockopt writes at most `len` bytes into `cookie`.
     let rc = unsafe {
-        libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, SO_NETNS_COOKIE, (&raw mut cookie).cast(), &mut len)
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &mut len,
+        )
     };
     if rc != 0 {
         return Err(std::io::Error::last_os_error());
@@ -75,7 +88,11 @@ pub struct NodeSettings {
 }
 
 impl NodeSettings {
-    pub fn from_args(args: &crate::cli::NodeArgs, localhost_nodeports: bool, bind_address: Option<Ipv4Addr>) -> Result<Self> {
+    pub fn from_args(
+        args: &crate::cli::NodeArgs,
+        localhost_nodeports: bool,
+        bind_address: Option<Ipv4Addr>,
+    ) -> Result<Self> {
         let mut cluster_cidrs = Vec::new();
         for cidr in &args.cluster_cidr {
             match cidr.trim().parse::<ipnet::IpNet>() {
@@ -94,7 +111,12 @@ impl NodeSettings {
             .map(|s| s.parse::<NodePortAddress>().map_err(anyhow::Error::msg))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
-            node_name: args.hostname_override.clone().filter(|n| !n.is_empty()).unwrap_or_else(hostname).to_lowercase(),
+            node_name: args
+                .hostname_override
+                .clone()
+                .filter(|n| !n.is_empty())
+                .unwrap_or_else(hostname)
+                .to_lowercase(),
             cluster_cidrs,
             nodeport_addresses,
             masquerade_all: args.masquerade_all,
@@ -120,7 +142,12 @@ impl NodeSettings {
     }
 
     /// The `lb_config` entry. `snat` is the node IP masqueraded flows get as their source.
-    pub fn datapath_config(&self, host_netns_cookie: u64, sock_hostns_only: bool, snat: Ipv4Addr) -> DatapathConfig {
+    pub fn datapath_config(
+        &self,
+        host_netns_cookie: u64,
+        sock_hostns_only: bool,
+        snat: Ipv4Addr,
+    ) -> DatapathConfig {
         let mut cfg = DatapathConfig {
             host_netns_cookie,
             snat_addr: snat.octets(),
@@ -187,10 +214,18 @@ impl Agent {
         let locals = node::local_addresses().context("listing this node's addresses")?;
         let ctx = settings.node_context(&locals, &sync::node_primary_ips(node));
         // Masqueraded flows leave with the node's primary IP (else its first NodePort address).
-        let snat = ctx.node_ips.first().or(ctx.nodeport_addresses.first()).copied().unwrap_or(Ipv4Addr::UNSPECIFIED);
+        let snat = ctx
+            .node_ips
+            .first()
+            .or(ctx.nodeport_addresses.first())
+            .copied()
+            .unwrap_or(Ipv4Addr::UNSPECIFIED);
         let config = settings.datapath_config(self.host_cookie, self.sock_hostns_only, snat);
         if self.config_written != Some(config) {
-            self.applier.maps_mut().put_config(&config).context("writing the datapath configuration")?;
+            self.applier
+                .maps_mut()
+                .put_config(&config)
+                .context("writing the datapath configuration")?;
             self.config_written = Some(config);
         }
         if let Some(patterns) = &self.devices {
@@ -212,12 +247,22 @@ impl Agent {
         self.problems.clear();
         for p in &computed.problems {
             tracing::warn!(kind = p.kind, namespace = %p.namespace, name = %p.name, "{}", p.message);
-            self.problems.push((p.namespace.clone(), p.name.clone(), "InvalidService", p.message.clone()));
+            self.problems.push((
+                p.namespace.clone(),
+                p.name.clone(),
+                "InvalidService",
+                p.message.clone(),
+            ));
         }
         let mut skipped_reasons: Vec<(&str, usize)> = Vec::new();
         for (service, reason) in &report.skipped {
             tracing::error!(service = %service, "not programmed: {reason}");
-            self.problems.push((service.namespace.clone(), service.name.clone(), "MapFull", format!("not programmed: {reason}")));
+            self.problems.push((
+                service.namespace.clone(),
+                service.name.clone(),
+                "MapFull",
+                format!("not programmed: {reason}"),
+            ));
         }
         if !report.skipped.is_empty() {
             skipped_reasons.push(("map_full", report.skipped.len()));
@@ -250,7 +295,13 @@ impl Agent {
         Ok(())
     }
 
-    fn record_metrics(&self, computed: &sync::Computed, report: &crate::maps::ApplyReport, pending: &PendingChanges, started: Instant) {
+    fn record_metrics(
+        &self,
+        computed: &sync::Computed,
+        report: &crate::maps::ApplyReport,
+        pending: &PendingChanges,
+        started: Instant,
+    ) {
         let m = &self.metrics;
         m.observe_sync_duration(started.elapsed());
         m.service_changes(pending.services);
@@ -278,11 +329,17 @@ impl Agent {
         ] {
             m.set_map_occupancy(name, u64::from(used), u64::from(cap));
         }
-        let events: Vec<(&str, u64)> =
-            Counter::ALL.iter().map(|c| (c.name(), self.applier.maps().counter(*c as u32))).collect();
+        let events: Vec<(&str, u64)> = Counter::ALL
+            .iter()
+            .map(|c| (c.name(), self.applier.maps().counter(*c as u32)))
+            .collect();
         m.set_datapath_events(&events);
         for e in &report.errors {
-            let map = names::ALL.iter().find(|n| e.contains(*n)).copied().unwrap_or("unknown");
+            let map = names::ALL
+                .iter()
+                .find(|n| e.contains(*n))
+                .copied()
+                .unwrap_or("unknown");
             m.map_write_errors(map, 1);
         }
     }
@@ -292,23 +349,37 @@ impl Agent {
 async fn kube_client(args: &RunArgs) -> Result<kube::Client> {
     let mut config = match &args.kubeconfig {
         Some(path) => {
-            let kubeconfig = kube::config::Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default()).await?
+            let kubeconfig = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
+                .await?
         }
-        None => kube::Config::infer().await.context("no --kubeconfig, and neither in-cluster nor ~/.kube/config configuration works")?,
+        None => kube::Config::infer()
+            .await
+            .context("no --kubeconfig, and neither in-cluster nor ~/.kube/config configuration works")?,
     };
     if let Some(master) = &args.master {
-        config.cluster_url = master.parse().with_context(|| format!("--master {master:?} is not a URL"))?;
+        config.cluster_url = master
+            .parse()
+            .with_context(|| format!("--master {master:?} is not a URL"))?;
     }
     Ok(kube::Client::try_from(config)?)
 }
 
 /// Binds a server or fails with a clear message.
-fn spawn_server<F>(what: &str, addr: &str, shutdown: &CancellationToken, serve: impl FnOnce(std::net::SocketAddr, CancellationToken) -> F) -> Result<()>
+fn spawn_server<F>(
+    what: &str,
+    addr: &str,
+    shutdown: &CancellationToken,
+    serve: impl FnOnce(std::net::SocketAddr, CancellationToken) -> F,
+) -> Result<()>
 where
     F: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
 {
-    let Some(addr) = parse_bind_address(addr).map_err(anyhow::Error::msg).with_context(|| format!("{what} bind address"))? else {
+    let Some(addr) = parse_bind_address(addr)
+        .map_err(anyhow::Error::msg)
+        .with_context(|| format!("{what} bind address"))?
+    else {
         return Ok(());
     };
     let task = serve(addr, shutdown.clone());
@@ -327,7 +398,9 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         for w in &loaded.warnings {
             match w.kind {
                 config::WarningKind::Unknown => tracing::warn!(field = %w.path, "{}", w.message),
-                config::WarningKind::NotUsed if !w.value_is_empty => tracing::warn!(field = %w.path, "{}", w.message),
+                config::WarningKind::NotUsed if !w.value_is_empty => {
+                    tracing::warn!(field = %w.path, "{}", w.message)
+                }
                 _ => tracing::info!(field = %w.path, "{}", w.message),
             }
         }
@@ -346,8 +419,10 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     };
     let maps = dp.take_maps()?;
     let applier = Applier::recover(maps, caps).context("reading the pinned maps")?;
-    let host_cookie = netns_cookie().context("reading this network namespace's cookie (needs kernel >= 5.14)")?;
-    dp.attach_cgroup(&cgroup_root).context("attaching the socket programs")?;
+    let host_cookie =
+        netns_cookie().context("reading this network namespace's cookie (needs kernel >= 5.14)")?;
+    dp.attach_cgroup(&cgroup_root)
+        .context("attaching the socket programs")?;
     tracing::info!(
         node = %settings.node_name,
         bpf_root = %paths.root.display(),
@@ -362,12 +437,26 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     let health = ProxyHealth::new(health::health_timeout_for(args.sync_period)).with_metrics(metrics.clone());
     {
         let h = health.clone();
-        spawn_server("healthz", &args.healthz_bind_address, &shutdown, move |addr, s| health::serve_proxy_health(addr, h, s))?;
+        spawn_server(
+            "healthz",
+            &args.healthz_bind_address,
+            &shutdown,
+            move |addr, s| health::serve_proxy_health(addr, h, s),
+        )?;
         let m = metrics.clone();
-        spawn_server("metrics", &args.metrics_bind_address, &shutdown, move |addr, s| metrics::serve_metrics(addr, m, s))?;
+        spawn_server(
+            "metrics",
+            &args.metrics_bind_address,
+            &shutdown,
+            move |addr, s| metrics::serve_metrics(addr, m, s),
+        )?;
     }
 
-    let runner = BoundedFrequencyRunner::new(args.min_sync_period, args.sync_period.min(Duration::from_secs(1)), args.sync_period);
+    let runner = BoundedFrequencyRunner::new(
+        args.min_sync_period,
+        args.sync_period.min(Duration::from_secs(1)),
+        args.sync_period,
+    );
     let handle = runner.handle();
     let (source, reporter) = match &args.manifests {
         Some(dir) => (Source::Manifests(dir.clone()), None),
@@ -375,8 +464,12 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
             let client = kube_client(&args).await?;
             match tokio::time::timeout(Duration::from_secs(10), client.apiserver_version()).await {
                 Ok(Ok(v)) => tracing::info!(version = %v.git_version, "connected to the API server"),
-                Ok(Err(e)) => tracing::error!("cannot reach the API server: {e}; retrying in the background (the pinned data path keeps serving)"),
-                Err(_) => tracing::error!("the API server did not answer within 10s; retrying in the background (the pinned data path keeps serving)"),
+                Ok(Err(e)) => tracing::error!(
+                    "cannot reach the API server: {e}; retrying in the background (the pinned data path keeps serving)"
+                ),
+                Err(_) => tracing::error!(
+                    "the API server did not answer within 10s; retrying in the background (the pinned data path keeps serving)"
+                ),
             }
             let (h, m, run) = (health.clone(), metrics.clone(), handle.clone());
             let on_change = Arc::new(move |_| {
@@ -387,13 +480,24 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
             let kube = KubeSource::start(client.clone(), &settings.node_name, on_change, shutdown.clone());
             // Never program an empty cluster over a full one: wait for every initial list.
             while !kube.wait_ready(Duration::from_secs(30)).await {
-                tracing::warn!("still waiting for the initial list of Services, EndpointSlices and the Node; the data path keeps its pinned state");
+                tracing::warn!(
+                    "still waiting for the initial list of Services, EndpointSlices and the Node; the data path keeps its pinned state"
+                );
             }
-            (Source::Kube(kube), Some(ProblemReporter::new(client, &settings.node_name)))
+            (
+                Source::Kube(kube),
+                Some(ProblemReporter::new(client, &settings.node_name)),
+            )
         }
     };
 
-    let devices = (!args.bpf.no_tc).then(|| args.bpf.devices.iter().map(|d| tc::DevicePattern::parse(d)).collect());
+    let devices = (!args.bpf.no_tc).then(|| {
+        args.bpf
+            .devices
+            .iter()
+            .map(|d| tc::DevicePattern::parse(d))
+            .collect()
+    });
     let agent = Rc::new(RefCell::new(Agent {
         datapath: dp,
         applier,
@@ -412,7 +516,8 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     {
         let shutdown = shutdown.clone();
         tokio::spawn(async move {
-            let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+            let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .expect("SIGTERM handler");
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {}
                 _ = terminate.recv() => {}

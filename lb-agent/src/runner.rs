@@ -84,7 +84,10 @@ impl Default for ManualClock {
 
 impl ManualClock {
     pub fn new() -> Self {
-        Self { base: Instant::now(), offset: Arc::new(watch::Sender::new(Duration::ZERO)) }
+        Self {
+            base: Instant::now(),
+            offset: Arc::new(watch::Sender::new(Duration::ZERO)),
+        }
     }
 
     /// Moves time forward by `by`, waking every sleeper whose deadline is reached.
@@ -159,7 +162,9 @@ impl Shared {
 
 impl fmt::Debug for Shared {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Shared").field("state", &*self.state()).finish_non_exhaustive()
+        f.debug_struct("Shared")
+            .field("state", &*self.state())
+            .finish_non_exhaustive()
     }
 }
 
@@ -245,7 +250,11 @@ impl BoundedFrequencyRunner {
             min_interval,
             retry_interval,
             max_interval,
-            shared: Arc::new(Shared { notify: Notify::new(), state: Mutex::default(), clock }),
+            shared: Arc::new(Shared {
+                notify: Notify::new(),
+                state: Mutex::default(),
+                clock,
+            }),
         }
     }
 
@@ -256,7 +265,9 @@ impl BoundedFrequencyRunner {
     }
 
     pub fn handle(&self) -> RunnerHandle {
-        RunnerHandle { shared: self.shared.clone() }
+        RunnerHandle {
+            shared: self.shared.clone(),
+        }
     }
 
     pub fn min_interval(&self) -> Duration {
@@ -408,7 +419,14 @@ mod tests {
                         .await
                 })
             };
-            Self { clock, handle, runs, fail_next, shutdown, task }
+            Self {
+                clock,
+                handle,
+                runs,
+                fail_next,
+                shutdown,
+                task,
+            }
         }
 
         /// Lets every task run until nothing is left to do (no real time passes).
@@ -443,7 +461,10 @@ mod tests {
 
         async fn stop(self) {
             self.shutdown.cancel();
-            tokio::time::timeout(Duration::from_secs(5), self.task).await.expect("loop stops").unwrap();
+            tokio::time::timeout(Duration::from_secs(5), self.task)
+                .await
+                .expect("loop stops")
+                .unwrap();
         }
     }
 
@@ -662,7 +683,10 @@ mod tests {
         assert_eq!(handle.pending_since(), None);
         release.notify_one();
         shutdown.cancel();
-        tokio::time::timeout(Duration::from_secs(5), task).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .unwrap()
+            .unwrap();
     }
 
     #[tokio::test(flavor = "current_thread")]
@@ -704,7 +728,10 @@ mod tests {
         }
         assert!(!task.is_finished(), "the run in progress must complete");
         release.notify_one();
-        tokio::time::timeout(Duration::from_secs(5), task).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .unwrap()
+            .unwrap();
         assert!(*finished.lock().unwrap());
     }
 
@@ -787,9 +814,14 @@ mod tests {
         }
         assert!(!*woke.lock().unwrap());
         clock.advance(ms(1));
-        tokio::time::timeout(Duration::from_secs(5), task).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .unwrap()
+            .unwrap();
         assert!(*woke.lock().unwrap());
         // A deadline already in the past completes at once.
-        tokio::time::timeout(Duration::from_secs(5), clock.sleep_until(clock.now() - ms(1))).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(5), clock.sleep_until(clock.now() - ms(1)))
+            .await
+            .unwrap();
     }
 }

@@ -6,7 +6,7 @@ use std::net::Ipv4Addr;
 use k8s_openapi::api::core::v1::Node;
 
 use crate::{
-    model::{self, categorize_endpoints, service_ports, CategorizedEndpoints, NodeInfo, ServicePortInfo},
+    model::{self, CategorizedEndpoints, NodeInfo, ServicePortInfo, categorize_endpoints, service_ports},
     plan::{self, DesiredState, NodeContext},
     watch::ClusterState,
 };
@@ -44,18 +44,31 @@ pub struct Computed {
 
 /// This node's name and zone, from its Node object when there is one.
 pub fn node_info(name: &str, node: Option<&Node>) -> NodeInfo {
-    let zone = node.and_then(|n| n.metadata.labels.as_ref()).and_then(|l| l.get(ZONE_LABEL)).cloned();
-    NodeInfo { name: name.to_string(), zone }
+    let zone = node
+        .and_then(|n| n.metadata.labels.as_ref())
+        .and_then(|l| l.get(ZONE_LABEL))
+        .cloned();
+    NodeInfo {
+        name: name.to_string(),
+        zone,
+    }
 }
 
 /// The node's primary IPv4 addresses from its Node object (kube-proxy `GetNodeHostIPs`: the first
 /// InternalIP, else the first ExternalIP).
 pub fn node_primary_ips(node: Option<&Node>) -> Vec<Ipv4Addr> {
-    let Some(addresses) = node.and_then(|n| n.status.as_ref()).and_then(|s| s.addresses.as_ref()) else {
+    let Some(addresses) = node
+        .and_then(|n| n.status.as_ref())
+        .and_then(|s| s.addresses.as_ref())
+    else {
         return Vec::new();
     };
     for kind in ["InternalIP", "ExternalIP"] {
-        let ips: Vec<Ipv4Addr> = addresses.iter().filter(|a| a.type_ == kind).filter_map(|a| a.address.parse().ok()).collect();
+        let ips: Vec<Ipv4Addr> = addresses
+            .iter()
+            .filter(|a| a.type_ == kind)
+            .filter_map(|a| a.address.parse().ok())
+            .collect();
         if let Some(first) = ips.first() {
             return vec![*first];
         }
@@ -72,7 +85,12 @@ pub fn compute(state: &ClusterState, node: &NodeInfo, ctx: &NodeContext) -> Comp
     let mut health_checks = Vec::new();
     let (mut no_local_internal, mut no_local_external) = (0, 0);
     for ((namespace, name), svc) in &state.services {
-        let report = |message: String| Problem { kind: "Service", namespace: namespace.clone(), name: name.clone(), message };
+        let report = |message: String| Problem {
+            kind: "Service",
+            namespace: namespace.clone(),
+            name: name.clone(),
+            message,
+        };
         let service = match service_ports(svc) {
             Ok(service) => service,
             Err(e) if e.is_skipped() => continue,
@@ -82,7 +100,10 @@ pub fn compute(state: &ClusterState, node: &NodeInfo, ctx: &NodeContext) -> Comp
             }
         };
         problems.extend(service.warnings.iter().map(|w| report(w.clone())));
-        let service_slices = slices.get(&(namespace.clone(), name.clone())).map(Vec::as_slice).unwrap_or_default();
+        let service_slices = slices
+            .get(&(namespace.clone(), name.clone()))
+            .map(Vec::as_slice)
+            .unwrap_or_default();
         let (mut by_port, slice_problems) =
             model::endpoints::endpoints_by_port_with_problems(namespace, name, service_slices, node);
         problems.extend(slice_problems.into_iter().map(|p| Problem {

@@ -10,17 +10,13 @@
 //! touched) or the live pinned ones (read for service state; the flow-state maps the programs
 //! write are private to the trace, so tracing never leaves state behind).
 
-use std::{
-    collections::BTreeSet,
-    net::Ipv4Addr,
-    path::Path,
-};
+use std::{collections::BTreeSet, net::Ipv4Addr, path::Path};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use lb_common::{
     maps as names,
     service::Svc4Key,
-    trace::{hook, tc as trace_cb, verdict, SockTraceIn, SockTraceOut, TRACE_PACKET_LEN},
+    trace::{SockTraceIn, SockTraceOut, TRACE_PACKET_LEN, hook, tc as trace_cb, verdict},
 };
 use serde::Serialize;
 
@@ -31,7 +27,7 @@ use crate::{
     model::Protocol,
     run::NodeSettings,
     sync,
-    watch::{manifests, ClusterState},
+    watch::{ClusterState, manifests},
 };
 
 /// The netns cookie the scratch data path treats as "the host" (any fixed value works: the socket
@@ -50,12 +46,32 @@ pub struct ScratchDatapath {
 
 impl ScratchDatapath {
     /// Loads the object with scratch maps and programs `state` as a node with `node_ips` would.
-    pub fn new(state: &ClusterState, settings: NodeSettings, node_ips: &[Ipv4Addr], object: &[u8]) -> Result<Self> {
-        let caps = Capacities { services: 65_536, backends: 16_384, revnat: 16_384, sock_revnat: 4096, affinity: 4096, affinity_match: 16_384, source_ranges: 4096, conntrack: 65_536 };
+    pub fn new(
+        state: &ClusterState,
+        settings: NodeSettings,
+        node_ips: &[Ipv4Addr],
+        object: &[u8],
+    ) -> Result<Self> {
+        let caps = Capacities {
+            services: 65_536,
+            backends: 16_384,
+            revnat: 16_384,
+            sock_revnat: 4096,
+            affinity: 4096,
+            affinity_match: 16_384,
+            source_ranges: 4096,
+            conntrack: 65_536,
+        };
         let mut datapath = Datapath::load_unpinned(&caps, object).context("loading the eBPF object")?;
         let maps = datapath.take_maps()?;
         let applier = Applier::new(maps, caps);
-        let mut scratch = Self { datapath, applier, settings, host_cookie: SCRATCH_HOST_COOKIE, node_ips: node_ips.to_vec() };
+        let mut scratch = Self {
+            datapath,
+            applier,
+            settings,
+            host_cookie: SCRATCH_HOST_COOKIE,
+            node_ips: node_ips.to_vec(),
+        };
         scratch.program(state)?;
         Ok(scratch)
     }
@@ -73,7 +89,10 @@ impl ScratchDatapath {
         let computed = sync::compute(state, &info, &ctx);
         let report = self.applier.apply(&computed.desired);
         if !report.errors.is_empty() {
-            bail!("programming the scratch maps failed: {}", report.errors.join("; "));
+            bail!(
+                "programming the scratch maps failed: {}",
+                report.errors.join("; ")
+            );
         }
         let snat = primary.first().copied().unwrap_or(Ipv4Addr::UNSPECIFIED);
         let config = self.settings.datapath_config(self.host_cookie, false, snat);
@@ -125,20 +144,25 @@ fn verdict_name(v: u32) -> &'static str {
 /// Every backend in the slots of a frontend's scope.
 fn scope_backends(maps: &KernelMaps, req: &TraceRequest, scope: u8) -> Vec<String> {
     let key = Svc4Key::new(req.dst.octets(), req.dport, req.protocol.number(), scope, 0);
-    let Ok(frontend) = maps.services.get(&key, 0) else { return Vec::new() };
+    let Ok(frontend) = maps.services.get(&key, 0) else {
+        return Vec::new();
+    };
     let mut out = BTreeSet::new();
     for slot in 1..=frontend.count {
-        if let Ok(entry) = maps.services.get(&key.with_slot(slot), 0) {
-            if let Ok(b) = maps.backends.get(&entry.backend_id, 0) {
-                out.insert((Ipv4Addr::from(b.addr), b.port));
-            }
+        if let Ok(entry) = maps.services.get(&key.with_slot(slot), 0)
+            && let Ok(b) = maps.backends.get(&entry.backend_id, 0)
+        {
+            out.insert((Ipv4Addr::from(b.addr), b.port));
         }
     }
     out.into_iter().map(|(a, p)| format!("{a}:{p}")).collect()
 }
 
 fn backend_name(maps: &KernelMaps, id: u32) -> Option<String> {
-    maps.backends.get(&id, 0).ok().map(|b| format!("{}:{}", Ipv4Addr::from(b.addr), b.port))
+    maps.backends
+        .get(&id, 0)
+        .ok()
+        .map(|b| format!("{}:{}", Ipv4Addr::from(b.addr), b.port))
 }
 
 fn service_name(maps: &KernelMaps, rev_nat_id: u32) -> Option<String> {
@@ -153,7 +177,13 @@ pub fn starts_on_node(req: &TraceRequest, node_ips: &[Ipv4Addr]) -> bool {
 }
 
 /// Runs one trace against a loaded data path and its maps.
-pub fn trace(dp: &mut Datapath, maps: &KernelMaps, host_cookie: u64, node_ips: &[Ipv4Addr], req: &TraceRequest) -> Result<(TraceResult, TraceDetails)> {
+pub fn trace(
+    dp: &mut Datapath,
+    maps: &KernelMaps,
+    host_cookie: u64,
+    node_ips: &[Ipv4Addr],
+    req: &TraceRequest,
+) -> Result<(TraceResult, TraceDetails)> {
     if starts_on_node(req, node_ips) {
         trace_socket(dp, maps, host_cookie, req)
     } else {
@@ -161,22 +191,41 @@ pub fn trace(dp: &mut Datapath, maps: &KernelMaps, host_cookie: u64, node_ips: &
     }
 }
 
-fn trace_socket(dp: &mut Datapath, maps: &KernelMaps, host_cookie: u64, req: &TraceRequest) -> Result<(TraceResult, TraceDetails)> {
+fn trace_socket(
+    dp: &mut Datapath,
+    maps: &KernelMaps,
+    host_cookie: u64,
+    req: &TraceRequest,
+) -> Result<(TraceResult, TraceDetails)> {
     let input = SockTraceIn {
-        hook: if req.protocol == Protocol::Udp { hook::SENDMSG4 } else { hook::CONNECT4 },
+        hook: if req.protocol == Protocol::Udp {
+            hook::SENDMSG4
+        } else {
+            hook::CONNECT4
+        },
         protocol: u32::from(req.protocol.number()),
         addr: req.dst.octets(),
         port: req.dport,
         _pad: 0,
         // A loopback source means an unbound socket: the kernel picks the node's address.
-        src_addr: if req.src.is_loopback() { [0; 4] } else { req.src.octets() },
+        src_addr: if req.src.is_loopback() {
+            [0; 4]
+        } else {
+            req.src.octets()
+        },
         random: 0,
         socket_cookie: 1,
         netns_cookie: host_cookie,
     };
     let mut packet = [0u8; TRACE_PACKET_LEN];
     // SAFETY: SockTraceIn is plain old data and fits the buffer (checked at compile time).
-    unsafe { std::ptr::copy_nonoverlapping((&raw const input).cast::<u8>(), packet.as_mut_ptr(), size_of::<SockTraceIn>()) };
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            (&raw const input).cast::<u8>(),
+            packet.as_mut_ptr(),
+            size_of::<SockTraceIn>(),
+        )
+    };
     let run = dp.test_run_tc(datapath::SOCK_TRACE_PROGRAM, &packet, 1)?;
     if run.packet.len() < size_of::<SockTraceOut>() {
         bail!("the socket trace harness returned {} bytes", run.packet.len());
@@ -184,23 +233,42 @@ fn trace_socket(dp: &mut Datapath, maps: &KernelMaps, host_cookie: u64, req: &Tr
     // SAFETY: the harness wrote a SockTraceOut at the start of the packet.
     let out: SockTraceOut = unsafe { std::ptr::read_unaligned(run.packet.as_ptr().cast()) };
     let verdict = verdict_name(out.verdict);
-    let backends = if out.verdict == verdict::TRANSLATED { scope_backends(maps, req, out.scope) } else { Vec::new() };
+    let backends = if out.verdict == verdict::TRANSLATED {
+        scope_backends(maps, req, out.scope)
+    } else {
+        Vec::new()
+    };
     let details = TraceDetails {
-        service: (out.rev_nat_id != 0).then(|| service_name(maps, out.rev_nat_id)).flatten(),
+        service: (out.rev_nat_id != 0)
+            .then(|| service_name(maps, out.rev_nat_id))
+            .flatten(),
         scope: (out.rev_nat_id != 0).then_some(out.scope),
-        chosen: (out.verdict == verdict::TRANSLATED).then(|| format!("{}:{}", Ipv4Addr::from(out.addr), out.port)),
+        chosen: (out.verdict == verdict::TRANSLATED)
+            .then(|| format!("{}:{}", Ipv4Addr::from(out.addr), out.port)),
         note: match out.verdict {
             verdict::REJECT => Some("connect() fails with ECONNREFUSED".into()),
             verdict::DROP => Some("connect() fails with EHOSTUNREACH".into()),
             _ => None,
         },
     };
-    Ok((TraceResult { verdict, backends, masquerade: false, path: "socket" }, details))
+    Ok((
+        TraceResult {
+            verdict,
+            backends,
+            masquerade: false,
+            path: "socket",
+        },
+        details,
+    ))
 }
 
 /// A synthetic first packet of a flow: a TCP SYN, or a UDP datagram.
 pub fn first_packet(req: &TraceRequest, sport: u16) -> Vec<u8> {
-    let builder = etherparse::PacketBuilder::ethernet2([0x02, 0, 0, 0, 0, 1], [0x02, 0, 0, 0, 0, 2]).ipv4(req.src.octets(), req.dst.octets(), 64);
+    let builder = etherparse::PacketBuilder::ethernet2([0x02, 0, 0, 0, 0, 1], [0x02, 0, 0, 0, 0, 2]).ipv4(
+        req.src.octets(),
+        req.dst.octets(),
+        64,
+    );
     let mut out = Vec::new();
     match req.protocol {
         Protocol::Tcp => {
@@ -217,27 +285,55 @@ pub fn first_packet(req: &TraceRequest, sport: u16) -> Vec<u8> {
 
 fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<(TraceResult, TraceDetails)> {
     if req.protocol == Protocol::Sctp {
-        let details = TraceDetails { note: Some("SCTP is load-balanced at the socket only; tc passes it untouched".into()), ..TraceDetails::default() };
-        return Ok((TraceResult { verdict: "pass", backends: Vec::new(), masquerade: false, path: "tc" }, details));
+        let details = TraceDetails {
+            note: Some("SCTP is load-balanced at the socket only; tc passes it untouched".into()),
+            ..TraceDetails::default()
+        };
+        return Ok((
+            TraceResult {
+                verdict: "pass",
+                backends: Vec::new(),
+                masquerade: false,
+                path: "tc",
+            },
+            details,
+        ));
     }
     let packet = first_packet(req, 40_000);
     let run = dp.test_run_tc(datapath::tc::TC_PROGRAMS[0].0, &packet, 1)?;
     let decision = run.cb[trace_cb::CB_VERDICT];
     let scope = (run.cb[trace_cb::CB_SCOPE_FLAGS] & 0xff) as u8;
-    let masquerade = decision == verdict::TRANSLATED && run.cb[trace_cb::CB_SCOPE_FLAGS] & trace_cb::MASQUERADED != 0;
+    let masquerade =
+        decision == verdict::TRANSLATED && run.cb[trace_cb::CB_SCOPE_FLAGS] & trace_cb::MASQUERADED != 0;
     let rev_nat_id = run.cb[trace_cb::CB_REV_NAT_ID];
-    let backends = if decision == verdict::TRANSLATED { scope_backends(maps, req, scope) } else { Vec::new() };
+    let backends = if decision == verdict::TRANSLATED {
+        scope_backends(maps, req, scope)
+    } else {
+        Vec::new()
+    };
     let details = TraceDetails {
-        service: (rev_nat_id != 0).then(|| service_name(maps, rev_nat_id)).flatten(),
+        service: (rev_nat_id != 0)
+            .then(|| service_name(maps, rev_nat_id))
+            .flatten(),
         scope: (rev_nat_id != 0).then_some(scope),
-        chosen: (decision == verdict::TRANSLATED).then(|| backend_name(maps, run.cb[trace_cb::CB_BACKEND_ID])).flatten(),
+        chosen: (decision == verdict::TRANSLATED)
+            .then(|| backend_name(maps, run.cb[trace_cb::CB_BACKEND_ID]))
+            .flatten(),
         note: match decision {
             verdict::REJECT => Some("answered with ICMP port unreachable".into()),
             verdict::DROP => Some("dropped".into()),
             _ => None,
         },
     };
-    Ok((TraceResult { verdict: verdict_name(decision), backends, masquerade, path: "tc" }, details))
+    Ok((
+        TraceResult {
+            verdict: verdict_name(decision),
+            backends,
+            masquerade,
+            path: "tc",
+        },
+        details,
+    ))
 }
 
 fn print(result: &TraceResult, details: &TraceDetails, output: OutputFormat) -> Result<()> {
@@ -247,14 +343,31 @@ fn print(result: &TraceResult, details: &TraceDetails, output: OutputFormat) -> 
             println!("PATH      {}", result.path);
             println!("VERDICT   {}", result.verdict);
             println!("SERVICE   {}", details.service.as_deref().unwrap_or("-"));
-            println!("SCOPE     {}", match details.scope {
-                Some(lb_common::service::SCOPE_INTERNAL) => "internal (cluster-wide endpoints)",
-                Some(_) => "external",
-                None => "-",
-            });
-            println!("BACKENDS  {}", if result.backends.is_empty() { "-".to_string() } else { result.backends.join(", ") });
+            println!(
+                "SCOPE     {}",
+                match details.scope {
+                    Some(lb_common::service::SCOPE_INTERNAL) => "internal (cluster-wide endpoints)",
+                    Some(_) => "external",
+                    None => "-",
+                }
+            );
+            println!(
+                "BACKENDS  {}",
+                if result.backends.is_empty() {
+                    "-".to_string()
+                } else {
+                    result.backends.join(", ")
+                }
+            );
             println!("CHOSEN    {}", details.chosen.as_deref().unwrap_or("-"));
-            println!("MASQUERADE {}", if result.masquerade { "yes (source becomes a node IP)" } else { "no" });
+            println!(
+                "MASQUERADE {}",
+                if result.masquerade {
+                    "yes (source becomes a node IP)"
+                } else {
+                    "no"
+                }
+            );
             if let Some(note) = &details.note {
                 println!("NOTE      {note}");
             }
@@ -270,7 +383,12 @@ pub fn run(args: &TraceArgs) -> Result<()> {
         TraceProtocol::Udp => Protocol::Udp,
         TraceProtocol::Sctp => Protocol::Sctp,
     };
-    let req = TraceRequest { src: args.src, dst: args.dst, dport: args.dport, protocol };
+    let req = TraceRequest {
+        src: args.src,
+        dst: args.dst,
+        dport: args.dport,
+        protocol,
+    };
     let object = datapath::object_bytes(None)?;
     let settings = NodeSettings::from_args(&args.node, true, args.node_ips.first().copied())?;
     let (result, details) = match &args.manifests {
@@ -278,7 +396,13 @@ pub fn run(args: &TraceArgs) -> Result<()> {
             let state = manifests::load_dir(dir, &settings.node_name)?;
             let node_ips = args.node_ips.clone();
             let mut scratch = ScratchDatapath::new(&state, settings, &node_ips, &object)?;
-            let ScratchDatapath { datapath, applier, host_cookie, node_ips, .. } = &mut scratch;
+            let ScratchDatapath {
+                datapath,
+                applier,
+                host_cookie,
+                node_ips,
+                ..
+            } = &mut scratch;
             trace(datapath, applier.maps(), *host_cookie, node_ips, &req)?
         }
         None => trace_live(&args.root.bpf_root, &args.node_ips, &req, &object)?,
@@ -288,17 +412,29 @@ pub fn run(args: &TraceArgs) -> Result<()> {
 
 /// Trace against the live pinned maps: the service state is read from the pins; the flow-state
 /// maps the programs write are private.
-fn trace_live(bpf_root: &Path, node_ips: &[Ipv4Addr], req: &TraceRequest, object: &[u8]) -> Result<(TraceResult, TraceDetails)> {
+fn trace_live(
+    bpf_root: &Path,
+    node_ips: &[Ipv4Addr],
+    req: &TraceRequest,
+    object: &[u8],
+) -> Result<(TraceResult, TraceDetails)> {
     let paths = PinPaths::new(bpf_root);
     if !paths.map(names::SERVICES).exists() {
-        bail!("no pinned maps under {} (is the agent running? pass --bpf-root, or use --manifests)", paths.maps().display());
+        bail!(
+            "no pinned maps under {} (is the agent running? pass --bpf-root, or use --manifests)",
+            paths.maps().display()
+        );
     }
     let maps = KernelMaps::from_pins(&paths.maps()).context("opening the pinned maps")?;
     let host_cookie = maps.config.get(&0, 0).map(|c| c.host_netns_cookie).unwrap_or(0);
     let mut dp = Datapath::load_for_trace(&paths, object).context("loading the programs for tracing")?;
     let mut node_ips = node_ips.to_vec();
     if node_ips.is_empty() {
-        node_ips = crate::node::local_addresses().unwrap_or_default().into_iter().filter(|ip| !ip.is_loopback()).collect();
+        node_ips = crate::node::local_addresses()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|ip| !ip.is_loopback())
+            .collect();
     }
     trace(&mut dp, &maps, host_cookie, &node_ips, req)
 }

@@ -22,7 +22,11 @@ pub struct Cidr4 {
 
 impl Cidr4 {
     pub const fn new(addr: [u8; 4], prefix_len: u8) -> Self {
-        Self { addr, prefix_len, _pad: [0; 3] }
+        Self {
+            addr,
+            prefix_len,
+            _pad: [0; 3],
+        }
     }
 
     pub fn contains(&self, ip: [u8; 4]) -> bool {

@@ -31,8 +31,17 @@ pub const STATS: &str = "lb_stats";
 
 /// Every map, in the order the CLI and cleanup list them.
 pub const ALL: &[&str] = &[
-    SERVICES, BACKENDS, REVNAT, SVC_NAMES, SOCK_REVNAT, AFFINITY, AFFINITY_MATCH, SOURCE_RANGES,
-    CONNTRACK, CONFIG, STATS,
+    SERVICES,
+    BACKENDS,
+    REVNAT,
+    SVC_NAMES,
+    SOCK_REVNAT,
+    AFFINITY,
+    AFFINITY_MATCH,
+    SOURCE_RANGES,
+    CONNTRACK,
+    CONFIG,
+    STATS,
 ];
 
 /// Default capacities. The agent overrides them with flags (`--bpf-lb-map-max` and friends) before

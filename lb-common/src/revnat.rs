@@ -55,7 +55,11 @@ pub struct SvcName {
 
 impl Default for SvcName {
     fn default() -> Self {
-        Self { namespace: [0; NAME_LEN], name: [0; NAME_LEN], port_name: [0; PORT_NAME_LEN] }
+        Self {
+            namespace: [0; NAME_LEN],
+            name: [0; NAME_LEN],
+            port_name: [0; PORT_NAME_LEN],
+        }
     }
 }
 

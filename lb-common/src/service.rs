@@ -64,7 +64,14 @@ pub struct Svc4Key {
 
 impl Svc4Key {
     pub const fn new(addr: [u8; 4], port: u16, proto: u8, scope: u8, slot: u16) -> Self {
-        Self { addr, port, slot, proto, scope, _pad: [0; 2] }
+        Self {
+            addr,
+            port,
+            slot,
+            proto,
+            scope,
+            _pad: [0; 2],
+        }
     }
 
     /// The same frontend and scope at another slot.
@@ -90,11 +97,23 @@ pub struct Svc4Value {
 
 impl Svc4Value {
     pub const fn frontend(rev_nat_id: u32, count: u16, flags: u16, affinity_timeout: u32) -> Self {
-        Self { backend_id: 0, affinity_timeout, rev_nat_id, count, flags }
+        Self {
+            backend_id: 0,
+            affinity_timeout,
+            rev_nat_id,
+            count,
+            flags,
+        }
     }
 
     pub const fn slot(rev_nat_id: u32, backend_id: u32) -> Self {
-        Self { backend_id, affinity_timeout: 0, rev_nat_id, count: 0, flags: 0 }
+        Self {
+            backend_id,
+            affinity_timeout: 0,
+            rev_nat_id,
+            count: 0,
+            flags: 0,
+        }
     }
 
     pub const fn has(&self, flag: u16) -> bool {
@@ -115,7 +134,10 @@ pub struct SrcRange4 {
 
 impl SrcRange4 {
     pub const fn new(rev_nat_id: u32, addr: [u8; 4]) -> Self {
-        Self { rev_nat_id_be: rev_nat_id.to_be_bytes(), addr }
+        Self {
+            rev_nat_id_be: rev_nat_id.to_be_bytes(),
+            addr,
+        }
     }
 
     /// The trie prefix length for a source prefix of `prefix` bits.

@@ -6,7 +6,7 @@ use lb_common::{
     backend::Backend4Value,
     config::DatapathConfig,
     select,
-    service::{flags, SrcRange4, Svc4Key, Svc4Value, SCOPE_EXTERNAL, SCOPE_INTERNAL},
+    service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, SrcRange4, Svc4Key, Svc4Value, flags},
     stats::Counter,
 };
 
@@ -66,7 +66,10 @@ pub fn lookup_frontend(addr: [u8; 4], port: u16, proto: u8, internal: bool) -> F
 /// Whether loadBalancerSourceRanges admit `src` to `frontend`.
 #[inline(always)]
 pub fn source_in_ranges(frontend: &Svc4Value, src: [u8; 4]) -> bool {
-    let key = aya_ebpf::maps::lpm_trie::Key::new(SrcRange4::prefix_len(32), SrcRange4::new(frontend.rev_nat_id, src));
+    let key = aya_ebpf::maps::lpm_trie::Key::new(
+        SrcRange4::prefix_len(32),
+        SrcRange4::new(frontend.rev_nat_id, src),
+    );
     SOURCE_RANGES.get(&key).is_some()
 }
 
@@ -82,11 +85,19 @@ pub fn select_backend(
     hash: u32,
     now_ns: u64,
 ) -> Option<(u32, Backend4Value)> {
-    let affinity_key = Affinity4Key { client, rev_nat_id: frontend.rev_nat_id, kind: client_kind, _pad: [0; 3] };
+    let affinity_key = Affinity4Key {
+        client,
+        rev_nat_id: frontend.rev_nat_id,
+        kind: client_kind,
+        _pad: [0; 3],
+    };
     let affinity = frontend.has(flags::AFFINITY);
     if affinity {
         if let Some(entry) = AFFINITY.get_ptr(&affinity_key).map(|p| unsafe { *p }) {
-            let member = AffinityMatchKey { backend_id: entry.backend_id, rev_nat_id: frontend.rev_nat_id };
+            let member = AffinityMatchKey {
+                backend_id: entry.backend_id,
+                rev_nat_id: frontend.rev_nat_id,
+            };
             if select::affinity_valid(entry.last_used_ns, now_ns, frontend.affinity_timeout)
                 && AFFINITY_MATCH.get_ptr(&member).is_some()
             {
@@ -114,7 +125,11 @@ pub fn select_backend(
 
 #[inline(always)]
 fn remember_affinity(key: &Affinity4Key, backend_id: u32, now_ns: u64) {
-    let value = Affinity4Value { last_used_ns: now_ns, backend_id, _pad: 0 };
+    let value = Affinity4Value {
+        last_used_ns: now_ns,
+        backend_id,
+        _pad: 0,
+    };
     if AFFINITY.insert(key, &value, 0).is_err() {
         count(Counter::AffinityUpdateFailed);
     }

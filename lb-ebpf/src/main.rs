@@ -13,7 +13,7 @@ use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier},
     programs::{SockAddrContext, TcContext},
 };
-use lb_common::trace::{hook, verdict, SockTraceIn, SockTraceOut};
+use lb_common::trace::{SockTraceIn, SockTraceOut, hook, verdict};
 use lb_ebpf::sock::{self, Outcome, SockCall};
 
 /// A real socket call: the kernel's `bpf_sock_addr`. `SENDMSG` marks sendmsg4, the only hook

@@ -27,13 +27,21 @@ const RDONLY_PROG: usize = BPF_F_RDONLY_PROG as usize;
 /// holds the frontend entry (count, flags, rev_nat_id), slots 1..=count a backend id each.
 /// Writer: agent. Readers: every translating program.
 #[btf_map(name = "lb4_services")]
-pub static SERVICES: HashMap<Svc4Key, Svc4Value, { capacity::SERVICES as usize }, { NO_PREALLOC | RDONLY_PROG }> =
-    HashMap::new();
+pub static SERVICES: HashMap<
+    Svc4Key,
+    Svc4Value,
+    { capacity::SERVICES as usize },
+    { NO_PREALLOC | RDONLY_PROG },
+> = HashMap::new();
 
 /// Backend id -> address, port, protocol. Writer: agent. Readers: every translating program.
 #[btf_map(name = "lb4_backends")]
-pub static BACKENDS: HashMap<u32, Backend4Value, { capacity::BACKENDS as usize }, { NO_PREALLOC | RDONLY_PROG }> =
-    HashMap::new();
+pub static BACKENDS: HashMap<
+    u32,
+    Backend4Value,
+    { capacity::BACKENDS as usize },
+    { NO_PREALLOC | RDONLY_PROG },
+> = HashMap::new();
 
 /// rev_nat_id -> frontend address. Writer: agent. Readers: reverse translation (stale checks).
 #[btf_map(name = "lb4_revnat")]
@@ -58,13 +66,21 @@ pub static AFFINITY: LruHashMap<Affinity4Key, Affinity4Value, { capacity::AFFINI
 
 /// (backend id, rev_nat_id) pairs an affinity entry may still use. Writer: agent.
 #[btf_map(name = "lb4_aff_match")]
-pub static AFFINITY_MATCH: HashMap<AffinityMatchKey, u8, { capacity::AFFINITY_MATCH as usize }, { NO_PREALLOC | RDONLY_PROG }> =
-    HashMap::new();
+pub static AFFINITY_MATCH: HashMap<
+    AffinityMatchKey,
+    u8,
+    { capacity::AFFINITY_MATCH as usize },
+    { NO_PREALLOC | RDONLY_PROG },
+> = HashMap::new();
 
 /// loadBalancerSourceRanges: (rev_nat_id, source prefix) -> 1. Writer: agent.
 #[btf_map(name = "lb4_src_range")]
-pub static SOURCE_RANGES: LpmTrie<SrcRange4, u8, { capacity::SOURCE_RANGES as usize }, { NO_PREALLOC | RDONLY_PROG }> =
-    LpmTrie::new();
+pub static SOURCE_RANGES: LpmTrie<
+    SrcRange4,
+    u8,
+    { capacity::SOURCE_RANGES as usize },
+    { NO_PREALLOC | RDONLY_PROG },
+> = LpmTrie::new();
 
 /// The tc path's NAT table: one entry per direction and rewrite of each flow (see
 /// `lb_common::conntrack`). Writers: tc ingress. Readers: tc ingress and egress. LRU: flow state.

@@ -23,7 +23,7 @@ use lb_common::{
     config::{self, DatapathConfig},
     proto,
     revnat::{SockRevNat4Key, SockRevNat4Value},
-    service::{flags, Svc4Value},
+    service::{Svc4Value, flags},
     stats::Counter,
     trace::verdict,
 };
@@ -74,7 +74,17 @@ pub struct Outcome {
 
 impl Outcome {
     const fn pass() -> Self {
-        Outcome { verdict: verdict::PASS, errno: 0, scope: 0, backend_id: 0, rev_nat_id: 0, flags: 0, count: 0, addr: [0; 4], port: 0 }
+        Outcome {
+            verdict: verdict::PASS,
+            errno: 0,
+            scope: 0,
+            backend_id: 0,
+            rev_nat_id: 0,
+            flags: 0,
+            count: 0,
+            addr: [0; 4],
+            port: 0,
+        }
     }
 }
 
@@ -161,8 +171,19 @@ pub fn translate_forward<C: SockCall>(call: &mut C) -> Outcome {
 
     // TCP: random per connection. UDP: the socket cookie, so every datagram of one socket goes to
     // the same backend while the backend set is unchanged.
-    let hash = if protocol == proto::TCP { call.random() } else { lb::mix64(call.socket_cookie()) };
-    let selected = lb::select_backend(&key, &frontend, call.netns_cookie(), kind::NETNS_COOKIE, hash, call.now_ns());
+    let hash = if protocol == proto::TCP {
+        call.random()
+    } else {
+        lb::mix64(call.socket_cookie())
+    };
+    let selected = lb::select_backend(
+        &key,
+        &frontend,
+        call.netns_cookie(),
+        kind::NETNS_COOKIE,
+        hash,
+        call.now_ns(),
+    );
     let Some((backend_id, backend)) = selected else {
         count(Counter::SockNoBackend);
         return outcome;
@@ -170,8 +191,18 @@ pub fn translate_forward<C: SockCall>(call: &mut C) -> Outcome {
 
     // Remember the frontend for recvmsg4/getpeername4 before the destination changes. Skip the
     // write when the entry is already there (every datagram of a UDP socket comes through here).
-    let rev_key = SockRevNat4Key { cookie: call.socket_cookie(), addr: backend.addr, port: backend.port, _pad: 0 };
-    let rev_value = SockRevNat4Value { addr: vip, port: vport, _pad: 0, rev_nat_id: frontend.rev_nat_id };
+    let rev_key = SockRevNat4Key {
+        cookie: call.socket_cookie(),
+        addr: backend.addr,
+        port: backend.port,
+        _pad: 0,
+    };
+    let rev_value = SockRevNat4Value {
+        addr: vip,
+        port: vport,
+        _pad: 0,
+        rev_nat_id: frontend.rev_nat_id,
+    };
     let known = SOCK_REVNAT.get_ptr(&rev_key).map(|p| unsafe { *p });
     if known != Some(rev_value) && SOCK_REVNAT.insert(&rev_key, &rev_value, 0).is_err() {
         count(Counter::SockRevNatUpdateFailed);
@@ -192,7 +223,12 @@ pub fn translate_reverse<C: SockCall>(call: &mut C) -> Outcome {
     if call.family() != AF_INET {
         return Outcome::pass();
     }
-    let key = SockRevNat4Key { cookie: call.socket_cookie(), addr: call.addr(), port: call.port(), _pad: 0 };
+    let key = SockRevNat4Key {
+        cookie: call.socket_cookie(),
+        addr: call.addr(),
+        port: call.port(),
+        _pad: 0,
+    };
     let Some(entry) = SOCK_REVNAT.get_ptr(&key).map(|p| unsafe { *p }) else {
         return Outcome::pass();
     };
@@ -208,5 +244,11 @@ pub fn translate_reverse<C: SockCall>(call: &mut C) -> Outcome {
     }
     call.set_addr(entry.addr, entry.port);
     count(Counter::SockRevNatHit);
-    Outcome { verdict: verdict::TRANSLATED, rev_nat_id: entry.rev_nat_id, addr: entry.addr, port: entry.port, ..Outcome::pass() }
+    Outcome {
+        verdict: verdict::TRANSLATED,
+        rev_nat_id: entry.rev_nat_id,
+        addr: entry.addr,
+        port: entry.port,
+        ..Outcome::pass()
+    }
 }

@@ -22,14 +22,14 @@
 //! fragments, SCTP (its CRC32c checksum cannot be updated incrementally), other protocols.
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT, __sk_buff},
+    EbpfContext,
+    bindings::{__sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns, bpf_redirect},
     programs::TcContext,
-    EbpfContext,
 };
 use lb_common::{
     affinity::kind,
-    conntrack::{dir, flags as ct, Ct4Key, Ct4Value},
+    conntrack::{Ct4Key, Ct4Value, dir, flags as ct},
     proto,
     service::flags,
     stats::Counter,
@@ -89,7 +89,15 @@ struct Flow {
 impl Flow {
     #[inline(always)]
     fn key(&self, direction: u8) -> Ct4Key {
-        Ct4Key { saddr: self.saddr, daddr: self.daddr, sport: self.sport, dport: self.dport, proto: self.proto, dir: direction, _pad: [0; 2] }
+        Ct4Key {
+            saddr: self.saddr,
+            daddr: self.daddr,
+            sport: self.sport,
+            dport: self.dport,
+            proto: self.proto,
+            dir: direction,
+            _pad: [0; 2],
+        }
     }
 }
 
@@ -137,11 +145,15 @@ fn read_l4<T: Copy>(ctx: &TcContext, l4: usize) -> Option<T> {
 
 #[inline(always)]
 fn parse(ctx: &TcContext) -> Parsed {
-    let Some(eth) = ptr_at::<EthHdr>(ctx, 0) else { return Parsed::Truncated };
+    let Some(eth) = ptr_at::<EthHdr>(ctx, 0) else {
+        return Parsed::Truncated;
+    };
     if u16::from_be(unsafe { (*eth).ether_type }) != ETH_P_IP {
         return Parsed::Skip;
     }
-    let Some(ip) = ptr_at::<Ipv4Hdr>(ctx, ETH_HLEN) else { return Parsed::Truncated };
+    let Some(ip) = ptr_at::<Ipv4Hdr>(ctx, ETH_HLEN) else {
+        return Parsed::Truncated;
+    };
     let ip = unsafe { *ip };
     if ip.vihl >> 4 != 4 {
         return Parsed::Skip;
@@ -155,19 +167,37 @@ fn parse(ctx: &TcContext) -> Parsed {
         return Parsed::Fragment;
     }
     let l4 = ETH_HLEN + ihl;
-    let mut flow = Flow { saddr: ip.src_addr, daddr: ip.dst_addr, sport: 0, dport: 0, proto: ip.proto };
+    let mut flow = Flow {
+        saddr: ip.src_addr,
+        daddr: ip.dst_addr,
+        sport: 0,
+        dport: 0,
+        proto: ip.proto,
+    };
     match ip.proto {
         proto::TCP => {
-            let Some(tcp) = read_l4::<[u8; 20]>(ctx, l4) else { return Parsed::Truncated };
+            let Some(tcp) = read_l4::<[u8; 20]>(ctx, l4) else {
+                return Parsed::Truncated;
+            };
             flow.sport = u16::from_be_bytes([tcp[0], tcp[1]]);
             flow.dport = u16::from_be_bytes([tcp[2], tcp[3]]);
-            Parsed::L4(Packet { l4, flow, tcp_flags: tcp[TCP_FLAGS] })
+            Parsed::L4(Packet {
+                l4,
+                flow,
+                tcp_flags: tcp[TCP_FLAGS],
+            })
         }
         proto::UDP | proto::SCTP => {
-            let Some(ports) = read_l4::<[u8; 8]>(ctx, l4) else { return Parsed::Truncated };
+            let Some(ports) = read_l4::<[u8; 8]>(ctx, l4) else {
+                return Parsed::Truncated;
+            };
             flow.sport = u16::from_be_bytes([ports[0], ports[1]]);
             flow.dport = u16::from_be_bytes([ports[2], ports[3]]);
-            Parsed::L4(Packet { l4, flow, tcp_flags: 0 })
+            Parsed::L4(Packet {
+                l4,
+                flow,
+                tcp_flags: 0,
+            })
         }
         proto::ICMP => {
             if read_l4::<[u8; 8]>(ctx, l4).is_none() {
@@ -194,9 +224,19 @@ fn skb(ctx: &TcContext) -> *mut __sk_buff {
 #[inline(always)]
 fn rewrite(ctx: &TcContext, pkt: &Packet, source: bool, addr: [u8; 4], port: u16) -> Result<(), ()> {
     let (old_addr, old_port, ip_off, port_off) = if source {
-        (pkt.flow.saddr, pkt.flow.sport, ETH_HLEN + IP_SADDR, pkt.l4 + L4_SPORT)
+        (
+            pkt.flow.saddr,
+            pkt.flow.sport,
+            ETH_HLEN + IP_SADDR,
+            pkt.l4 + L4_SPORT,
+        )
     } else {
-        (pkt.flow.daddr, pkt.flow.dport, ETH_HLEN + IP_DADDR, pkt.l4 + L4_DPORT)
+        (
+            pkt.flow.daddr,
+            pkt.flow.dport,
+            ETH_HLEN + IP_DADDR,
+            pkt.l4 + L4_DPORT,
+        )
     };
     let (csum_off, mangled) = if pkt.flow.proto == proto::UDP {
         // A UDP checksum of zero means "none" and must stay zero.
@@ -205,14 +245,20 @@ fn rewrite(ctx: &TcContext, pkt: &Packet, source: bool, addr: [u8; 4], port: u16
         (pkt.l4 + TCP_CHECK, 0)
     };
     if old_addr != addr {
-        let (from, to) = (u32::from_ne_bytes(old_addr) as u64, u32::from_ne_bytes(addr) as u64);
-        ctx.l4_csum_replace(csum_off, from, to, BPF_F_PSEUDO_HDR as u64 | mangled | 4).map_err(|_| ())?;
-        ctx.l3_csum_replace(ETH_HLEN + IP_CHECK, from, to, 4).map_err(|_| ())?;
+        let (from, to) = (
+            u32::from_ne_bytes(old_addr) as u64,
+            u32::from_ne_bytes(addr) as u64,
+        );
+        ctx.l4_csum_replace(csum_off, from, to, BPF_F_PSEUDO_HDR as u64 | mangled | 4)
+            .map_err(|_| ())?;
+        ctx.l3_csum_replace(ETH_HLEN + IP_CHECK, from, to, 4)
+            .map_err(|_| ())?;
         ctx.store(ip_off, &addr, 0).map_err(|_| ())?;
     }
     if old_port != port {
         let (from, to) = (old_port.to_be() as u64, port.to_be() as u64);
-        ctx.l4_csum_replace(csum_off, from, to, mangled | 2).map_err(|_| ())?;
+        ctx.l4_csum_replace(csum_off, from, to, mangled | 2)
+            .map_err(|_| ())?;
         ctx.store(port_off, &port.to_be_bytes(), 0).map_err(|_| ())?;
     }
     Ok(())
@@ -251,7 +297,10 @@ pub fn ingress(ctx: &mut TcContext) -> i32 {
         }
         Parsed::Icmp(l4, outer) => icmp_error_ingress(ctx, l4, &outer),
         Parsed::L4(pkt) if pkt.flow.proto == proto::SCTP => {
-            if !matches!(lb::lookup_frontend(pkt.flow.daddr, pkt.flow.dport, proto::SCTP, false), Frontend::None) {
+            if !matches!(
+                lb::lookup_frontend(pkt.flow.daddr, pkt.flow.dport, proto::SCTP, false),
+                Frontend::None
+            ) {
                 count(Counter::TcUnsupportedProtocol);
             }
             TC_ACT_OK
@@ -272,11 +321,13 @@ fn l4_ingress(ctx: &mut TcContext, pkt: &Packet) -> i32 {
         }
         let keep = if pkt.flow.proto == proto::TCP {
             // A fresh SYN on an old tuple is a new connection; everything else keeps its backend.
-            pkt.tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN || now_ns().saturating_sub(entry.created_ns) < SYN_REUSE_NS
+            pkt.tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN
+                || now_ns().saturating_sub(entry.created_ns) < SYN_REUSE_NS
         } else {
             // UDP has no connection end: a flow whose backend is gone moves to a live one (the
             // stale-UDP-conntrack problem of kube-proxy).
-            let alive = lb::lookup_backend(entry.backend_id).is_some_and(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
+            let alive = lb::lookup_backend(entry.backend_id)
+                .is_some_and(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
             if alive {
                 unsafe { (*ptr).last_seen_ns = now_ns() };
             } else {
@@ -330,7 +381,8 @@ fn new_flow(ctx: &mut TcContext, pkt: &Packet) -> i32 {
     let now = now_ns();
     let client = u32::from_ne_bytes(flow.saddr) as u64;
     let hash = unsafe { bpf_get_prandom_u32() };
-    let Some((backend_id, backend)) = lb::select_backend(&key, &frontend, client, kind::ADDR, hash, now) else {
+    let Some((backend_id, backend)) = lb::select_backend(&key, &frontend, client, kind::ADDR, hash, now)
+    else {
         count(Counter::TcNoBackend);
         return TC_ACT_OK;
     };
@@ -348,19 +400,31 @@ fn new_flow(ctx: &mut TcContext, pkt: &Packet) -> i32 {
         rev_nat_id: frontend.rev_nat_id,
         backend_id,
     };
-    let reply_tuple = Flow { saddr: backend.addr, daddr: flow.saddr, sport: backend.port, dport: flow.sport, proto: flow.proto };
+    let reply_tuple = Flow {
+        saddr: backend.addr,
+        daddr: flow.saddr,
+        sport: backend.port,
+        dport: flow.sport,
+        proto: flow.proto,
+    };
     if !masquerade {
         // Replies (backend -> client) get the frontend back as their source on the way out. If a
         // live flow already owns that tuple (the same client port to two frontends with a shared
         // backend), masquerade this one so both stay unambiguous.
-        let undnat = Ct4Value { nat_addr: flow.daddr, nat_port: flow.dport, flags: ct::REPLY, ..base };
+        let undnat = Ct4Value {
+            nat_addr: flow.daddr,
+            nat_port: flow.dport,
+            flags: ct::REPLY,
+            ..base
+        };
         let key = reply_tuple.key(dir::EGRESS);
         match CONNTRACK.insert(&key, &undnat, BPF_NOEXIST as u64) {
             Ok(()) => {}
             Err(e) if e as i64 == -EEXIST => {
-                let same = CONNTRACK.get_ptr(&key).map(|p| unsafe { *p }).is_some_and(|old| {
-                    old.nat_addr == flow.daddr && old.nat_port == flow.dport
-                });
+                let same = CONNTRACK
+                    .get_ptr(&key)
+                    .map(|p| unsafe { *p })
+                    .is_some_and(|old| old.nat_addr == flow.daddr && old.nat_port == flow.dport);
                 if same {
                     let _ = CONNTRACK.insert(&key, &undnat, 0);
                 } else {
@@ -378,9 +442,23 @@ fn new_flow(ctx: &mut TcContext, pkt: &Packet) -> i32 {
             count(Counter::TcSnatPortsExhausted);
             return TC_ACT_SHOT;
         };
-        let snat = Ct4Value { nat_addr: cfg.snat_addr, nat_port: port, flags: ct::SNAT, ..base };
-        let fwd_after_dnat = Flow { saddr: flow.saddr, daddr: backend.addr, sport: flow.sport, dport: backend.port, proto: flow.proto };
-        if CONNTRACK.insert(&fwd_after_dnat.key(dir::EGRESS), &snat, 0).is_err() {
+        let snat = Ct4Value {
+            nat_addr: cfg.snat_addr,
+            nat_port: port,
+            flags: ct::SNAT,
+            ..base
+        };
+        let fwd_after_dnat = Flow {
+            saddr: flow.saddr,
+            daddr: backend.addr,
+            sport: flow.sport,
+            dport: backend.port,
+            proto: flow.proto,
+        };
+        if CONNTRACK
+            .insert(&fwd_after_dnat.key(dir::EGRESS), &snat, 0)
+            .is_err()
+        {
             count(Counter::TcCtInsertFailed);
             return TC_ACT_SHOT;
         }
@@ -390,7 +468,12 @@ fn new_flow(ctx: &mut TcContext, pkt: &Packet) -> i32 {
     if backend.addr == flow.saddr {
         fwd_flags |= ct::HAIRPIN;
     }
-    let dnat = Ct4Value { nat_addr: backend.addr, nat_port: backend.port, flags: fwd_flags, ..base };
+    let dnat = Ct4Value {
+        nat_addr: backend.addr,
+        nat_port: backend.port,
+        flags: fwd_flags,
+        ..base
+    };
     if CONNTRACK.insert(&flow.key(dir::INGRESS), &dnat, 0).is_err() {
         count(Counter::TcCtInsertFailed);
         return TC_ACT_SHOT;
@@ -398,23 +481,45 @@ fn new_flow(ctx: &mut TcContext, pkt: &Packet) -> i32 {
     count(Counter::TcNewFlow);
     trace(ctx, trace_cb::CB_VERDICT, verdict::TRANSLATED);
     trace(ctx, trace_cb::CB_BACKEND_ID, backend_id);
-    trace(ctx, trace_cb::CB_SCOPE_FLAGS, key.scope as u32 | if masquerade { trace_cb::MASQUERADED } else { 0 });
+    trace(
+        ctx,
+        trace_cb::CB_SCOPE_FLAGS,
+        key.scope as u32 | if masquerade { trace_cb::MASQUERADED } else { 0 },
+    );
     apply(ctx, pkt, false, backend.addr, backend.port)
 }
 
 /// Reserves a masquerade port: the un-SNAT entry (backend -> node IP:port) is inserted with
 /// BPF_NOEXIST, so a port in use for this backend is never handed out twice.
 #[inline(always)]
-fn reserve_snat_port(cfg: &lb_common::config::DatapathConfig, reply: &Flow, client: &Flow, base: &Ct4Value) -> Option<u16> {
+fn reserve_snat_port(
+    cfg: &lb_common::config::DatapathConfig,
+    reply: &Flow,
+    client: &Flow,
+    base: &Ct4Value,
+) -> Option<u16> {
     if cfg.snat_addr == [0; 4] || cfg.snat_port_max < cfg.snat_port_min {
         return None;
     }
     let range = (cfg.snat_port_max - cfg.snat_port_min) as u32 + 1;
     let start = unsafe { bpf_get_prandom_u32() };
-    let unsnat = Ct4Value { nat_addr: client.saddr, nat_port: client.sport, flags: ct::REPLY | ct::SNAT, ..*base };
+    let unsnat = Ct4Value {
+        nat_addr: client.saddr,
+        nat_port: client.sport,
+        flags: ct::REPLY | ct::SNAT,
+        ..*base
+    };
     for attempt in 0..SNAT_ATTEMPTS {
         let port = cfg.snat_port_min + (start.wrapping_add(attempt.wrapping_mul(7919)) % range) as u16;
-        let key = Ct4Key { saddr: reply.saddr, daddr: cfg.snat_addr, sport: reply.sport, dport: port, proto: reply.proto, dir: dir::INGRESS, _pad: [0; 2] };
+        let key = Ct4Key {
+            saddr: reply.saddr,
+            daddr: cfg.snat_addr,
+            sport: reply.sport,
+            dport: port,
+            proto: reply.proto,
+            dir: dir::INGRESS,
+            _pad: [0; 2],
+        };
         if CONNTRACK.insert(&key, &unsnat, BPF_NOEXIST as u64).is_ok() {
             return Some(port);
         }
@@ -458,12 +563,33 @@ fn reject(ctx: &TcContext, pkt: &Packet) -> i32 {
         count(Counter::TcRewriteFailed);
         return TC_ACT_SHOT;
     }
-    let eth = [macs[6], macs[7], macs[8], macs[9], macs[10], macs[11], macs[0], macs[1], macs[2], macs[3], macs[4], macs[5], 0x08, 0x00];
+    let eth = [
+        macs[6], macs[7], macs[8], macs[9], macs[10], macs[11], macs[0], macs[1], macs[2], macs[3], macs[4],
+        macs[5], 0x08, 0x00,
+    ];
     let total = (Ipv4Hdr::LEN + ICMP_LEN) as u16;
     let mut ip = [
-        0x45, 0xc0, (total >> 8) as u8, total as u8, 0, 0, 0, 0, 64, proto::ICMP, 0, 0,
+        0x45,
+        0xc0,
+        (total >> 8) as u8,
+        total as u8,
+        0,
+        0,
+        0,
+        0,
+        64,
+        proto::ICMP,
+        0,
+        0,
         // From the address the client called, to the client.
-        quote[16], quote[17], quote[18], quote[19], quote[12], quote[13], quote[14], quote[15],
+        quote[16],
+        quote[17],
+        quote[18],
+        quote[19],
+        quote[12],
+        quote[13],
+        quote[14],
+        quote[15],
     ];
     let ip_csum = csum_fold(csum_add_bytes(0, &ip));
     ip[10] = (ip_csum >> 8) as u8;
@@ -499,7 +625,10 @@ struct Quoted {
 fn parse_icmp_error(ctx: &TcContext, icmp: usize) -> Option<Quoted> {
     // ICMP errors are rare: read them through helpers, whatever the offsets.
     let header = ctx.load::<[u8; 8]>(icmp).ok()?;
-    if !matches!(header[0], ICMP_DEST_UNREACH | ICMP_TIME_EXCEEDED | ICMP_PARAMETER_PROBLEM) {
+    if !matches!(
+        header[0],
+        ICMP_DEST_UNREACH | ICMP_TIME_EXCEEDED | ICMP_PARAMETER_PROBLEM
+    ) {
         return None;
     }
     let ip_off = icmp + 8;
@@ -516,7 +645,12 @@ fn parse_icmp_error(ctx: &TcContext, icmp: usize) -> Option<Quoted> {
         dport: u16::from_be_bytes([ports[2], ports[3]]),
         proto: inner.proto,
     };
-    Some(Quoted { flow, ip: ip_off, l4, icmp })
+    Some(Quoted {
+        flow,
+        ip: ip_off,
+        l4,
+        icmp,
+    })
 }
 
 /// Rewrites an address (`source`: the quoted source, else destination) and port of the quoted
@@ -535,17 +669,24 @@ fn rewrite_quoted(ctx: &TcContext, q: &Quoted, source: bool, addr: [u8; 4], port
         let old_check = u16::from_be_bytes(old_check);
         // RFC 1624: HC' = ~(~HC + ~m + m').
         let mut sum = (!old_check) as u32;
-        sum += (!u16::from_be_bytes([old_addr[0], old_addr[1]])) as u32 + (!u16::from_be_bytes([old_addr[2], old_addr[3]])) as u32;
+        sum += (!u16::from_be_bytes([old_addr[0], old_addr[1]])) as u32
+            + (!u16::from_be_bytes([old_addr[2], old_addr[3]])) as u32;
         sum += u16::from_be_bytes([addr[0], addr[1]]) as u32 + u16::from_be_bytes([addr[2], addr[3]]) as u32;
         let new_check = csum_fold(sum);
-        let (from, to) = (u32::from_ne_bytes(old_addr) as u64, u32::from_ne_bytes(addr) as u64);
+        let (from, to) = (
+            u32::from_ne_bytes(old_addr) as u64,
+            u32::from_ne_bytes(addr) as u64,
+        );
         ctx.l4_csum_replace(icmp_csum, from, to, 4).map_err(|_| ())?;
-        ctx.l4_csum_replace(icmp_csum, old_check.to_be() as u64, new_check.to_be() as u64, 2).map_err(|_| ())?;
+        ctx.l4_csum_replace(icmp_csum, old_check.to_be() as u64, new_check.to_be() as u64, 2)
+            .map_err(|_| ())?;
         ctx.store(addr_off, &addr, 0).map_err(|_| ())?;
-        ctx.store(q.ip + IP_CHECK, &new_check.to_be_bytes(), 0).map_err(|_| ())?;
+        ctx.store(q.ip + IP_CHECK, &new_check.to_be_bytes(), 0)
+            .map_err(|_| ())?;
     }
     if old_port != port {
-        ctx.l4_csum_replace(icmp_csum, old_port.to_be() as u64, port.to_be() as u64, 2).map_err(|_| ())?;
+        ctx.l4_csum_replace(icmp_csum, old_port.to_be() as u64, port.to_be() as u64, 2)
+            .map_err(|_| ())?;
         ctx.store(port_off, &port.to_be_bytes(), 0).map_err(|_| ())?;
     }
     Ok(())
@@ -558,8 +699,12 @@ fn rewrite_outer_dst(ctx: &TcContext, outer: &Flow, addr: [u8; 4]) -> Result<(),
     if outer.daddr == addr {
         return Ok(());
     }
-    let (from, to) = (u32::from_ne_bytes(outer.daddr) as u64, u32::from_ne_bytes(addr) as u64);
-    ctx.l3_csum_replace(ETH_HLEN + IP_CHECK, from, to, 4).map_err(|_| ())?;
+    let (from, to) = (
+        u32::from_ne_bytes(outer.daddr) as u64,
+        u32::from_ne_bytes(addr) as u64,
+    );
+    ctx.l3_csum_replace(ETH_HLEN + IP_CHECK, from, to, 4)
+        .map_err(|_| ())?;
     ctx.store(ETH_HLEN + IP_DADDR, &addr, 0).map_err(|_| ())
 }
 
@@ -571,26 +716,51 @@ fn rewrite_outer_dst(ctx: &TcContext, outer: &Flow, addr: [u8; 4]) -> Result<(),
 /// - about a reply this node sent as the frontend: to the backend, quoting the packet it sent.
 #[inline(always)]
 fn icmp_error_ingress(ctx: &mut TcContext, icmp: usize, outer: &Flow) -> i32 {
-    let Some(q) = parse_icmp_error(ctx, icmp) else { return TC_ACT_OK };
+    let Some(q) = parse_icmp_error(ctx, icmp) else {
+        return TC_ACT_OK;
+    };
     // The quoted packet went from `q.flow.saddr` to `q.flow.daddr`; the flow's entries are keyed
     // the other way round, as for a packet coming back.
-    let reversed = Flow { saddr: q.flow.daddr, daddr: q.flow.saddr, sport: q.flow.dport, dport: q.flow.sport, proto: q.flow.proto };
-    let Some(entry) = CONNTRACK.get_ptr(&reversed.key(dir::INGRESS)).map(|p| unsafe { *p }) else {
+    let reversed = Flow {
+        saddr: q.flow.daddr,
+        daddr: q.flow.saddr,
+        sport: q.flow.dport,
+        dport: q.flow.sport,
+        proto: q.flow.proto,
+    };
+    let Some(entry) = CONNTRACK
+        .get_ptr(&reversed.key(dir::INGRESS))
+        .map(|p| unsafe { *p })
+    else {
         return TC_ACT_OK;
     };
     let result = if entry.flags & ct::REPLY != 0 {
         // Quote: node IP:port -> backend. Make it client -> backend, addressed to the client.
         ctx.set_mark(MARK_MAGIC | (entry.rev_nat_id & MARK_ID));
-        rewrite_quoted(ctx, &q, true, entry.nat_addr, entry.nat_port).and_then(|()| rewrite_outer_dst(ctx, outer, entry.nat_addr))
+        rewrite_quoted(ctx, &q, true, entry.nat_addr, entry.nat_port)
+            .and_then(|()| rewrite_outer_dst(ctx, outer, entry.nat_addr))
     } else {
         // Quote: frontend -> client (a reply we translated). Make it what the backend sent:
         // backend -> client, or backend -> node IP:port when masqueraded.
         let mut result = rewrite_quoted(ctx, &q, true, entry.nat_addr, entry.nat_port);
         if result.is_ok() && entry.flags & ct::SNAT != 0 {
-            let fwd = Flow { saddr: q.flow.daddr, daddr: entry.nat_addr, sport: q.flow.dport, dport: entry.nat_port, proto: q.flow.proto };
+            let fwd = Flow {
+                saddr: q.flow.daddr,
+                daddr: entry.nat_addr,
+                sport: q.flow.dport,
+                dport: entry.nat_port,
+                proto: q.flow.proto,
+            };
             result = match CONNTRACK.get_ptr(&fwd.key(dir::EGRESS)).map(|p| unsafe { *p }) {
                 Some(snat) => {
-                    let q2 = Quoted { flow: Flow { saddr: entry.nat_addr, sport: entry.nat_port, ..q.flow }, ..q };
+                    let q2 = Quoted {
+                        flow: Flow {
+                            saddr: entry.nat_addr,
+                            sport: entry.nat_port,
+                            ..q.flow
+                        },
+                        ..q
+                    };
                     rewrite_quoted(ctx, &q2, false, snat.nat_addr, snat.nat_port)
                 }
                 None => Err(()),
@@ -627,19 +797,34 @@ pub fn egress(ctx: &mut TcContext) -> i32 {
                 // A reply un-SNATed at ingress: the client called the frontend.
                 return apply(ctx, &pkt, true, frontend.addr, frontend.port);
             }
-            match CONNTRACK.get_ptr(&pkt.flow.key(dir::EGRESS)).map(|p| unsafe { *p }) {
+            match CONNTRACK
+                .get_ptr(&pkt.flow.key(dir::EGRESS))
+                .map(|p| unsafe { *p })
+            {
                 Some(entry) => apply(ctx, &pkt, true, entry.nat_addr, entry.nat_port),
                 None => TC_ACT_OK,
             }
         }
         Parsed::Icmp(icmp, _) => {
-            let Some(q) = parse_icmp_error(ctx, icmp) else { return TC_ACT_OK };
+            let Some(q) = parse_icmp_error(ctx, icmp) else {
+                return TC_ACT_OK;
+            };
             let target = match frontend {
                 Some(f) => Some((f.addr, f.port)),
                 None => {
                     // Quote: client -> backend. The client called the frontend.
-                    let reply = Flow { saddr: q.flow.daddr, daddr: q.flow.saddr, sport: q.flow.dport, dport: q.flow.sport, proto: q.flow.proto };
-                    CONNTRACK.get_ptr(&reply.key(dir::EGRESS)).map(|p| unsafe { *p }).filter(|e| e.flags & ct::REPLY != 0).map(|e| (e.nat_addr, e.nat_port))
+                    let reply = Flow {
+                        saddr: q.flow.daddr,
+                        daddr: q.flow.saddr,
+                        sport: q.flow.dport,
+                        dport: q.flow.sport,
+                        proto: q.flow.proto,
+                    };
+                    CONNTRACK
+                        .get_ptr(&reply.key(dir::EGRESS))
+                        .map(|p| unsafe { *p })
+                        .filter(|e| e.flags & ct::REPLY != 0)
+                        .map(|e| (e.nat_addr, e.nat_port))
                 }
             };
             match target {

@@ -12,7 +12,7 @@ use std::{
 use crate::{
     cgroup::Cgroup,
     netns::NetNs,
-    process::{workspace_bin, Place, Proc},
+    process::{Place, Proc, workspace_bin},
 };
 
 /// The log line the agent prints after each sync.
@@ -50,7 +50,10 @@ impl Agent {
             .arg("--sync-period")
             .arg("200ms")
             .args(&opts.extra_args)
-            .env("RUST_LOG", std::env::var("LB_AGENT_LOG").unwrap_or_else(|_| "info".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("LB_AGENT_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -83,15 +86,28 @@ impl Agent {
 
     /// Number of completed syncs so far.
     pub fn syncs(&self) -> usize {
-        self.log.lock().expect("log lock").iter().filter(|l| l.contains(SYNCED)).count()
+        self.log
+            .lock()
+            .expect("log lock")
+            .iter()
+            .filter(|l| l.contains(SYNCED))
+            .count()
     }
 
     /// Waits until at least `n` syncs have completed.
     pub fn wait_for_syncs(&self, n: usize, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         while self.syncs() < n {
-            assert!(!self.exited.load(std::sync::atomic::Ordering::SeqCst), "lb-agent exited; log:\n{}", self.log());
-            assert!(Instant::now() < deadline, "lb-agent did not sync {n} time(s) within {timeout:?}; log:\n{}", self.log());
+            assert!(
+                !self.exited.load(std::sync::atomic::Ordering::SeqCst),
+                "lb-agent exited; log:\n{}",
+                self.log()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "lb-agent did not sync {n} time(s) within {timeout:?}; log:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -114,7 +130,9 @@ impl Agent {
     /// SIGTERM, then wait for the exit.
     pub fn stop(mut self) -> std::process::ExitStatus {
         self.proc.signal(libc::SIGTERM);
-        self.proc.wait_timeout(Duration::from_secs(10)).unwrap_or_else(|| panic!("lb-agent did not stop; log:\n{}", self.log()))
+        self.proc
+            .wait_timeout(Duration::from_secs(10))
+            .unwrap_or_else(|| panic!("lb-agent did not stop; log:\n{}", self.log()))
     }
 
     pub fn pid(&self) -> u32 {

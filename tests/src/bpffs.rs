@@ -7,7 +7,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
 
 pub struct BpfFs {
     dir: PathBuf,

@@ -70,10 +70,10 @@ impl Drop for Cgroup {
             thread::sleep(Duration::from_millis(20));
         }
         // Leave the shared parent when other tests still use it; remove it when empty.
-        if let Some(parent) = self.path.parent() {
-            if parent.file_name().is_some_and(|n| n == "lb-tests") {
-                let _ = fs::remove_dir(parent);
-            }
+        if let Some(parent) = self.path.parent()
+            && parent.file_name().is_some_and(|n| n == "lb-tests")
+        {
+            let _ = fs::remove_dir(parent);
         }
     }
 }

@@ -6,7 +6,10 @@ use std::{collections::BTreeMap, fs, path::Path};
 
 use k8s_openapi::{
     api::{
-        core::v1::{LoadBalancerIngress, LoadBalancerStatus, Service, ServicePort, ServiceSpec, ServiceStatus, SessionAffinityConfig, ClientIPConfig},
+        core::v1::{
+            ClientIPConfig, LoadBalancerIngress, LoadBalancerStatus, Service, ServicePort, ServiceSpec,
+            ServiceStatus, SessionAffinityConfig,
+        },
         discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
     },
     apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
@@ -18,8 +21,16 @@ pub struct Svc(pub Service);
 
 pub fn service(namespace: &str, name: &str) -> Svc {
     Svc(Service {
-        metadata: ObjectMeta { name: Some(name.into()), namespace: Some(namespace.into()), ..Default::default() },
-        spec: Some(ServiceSpec { type_: Some("ClusterIP".into()), ports: Some(vec![]), ..Default::default() }),
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(namespace.into()),
+            ..Default::default()
+        },
+        spec: Some(ServiceSpec {
+            type_: Some("ClusterIP".into()),
+            ports: Some(vec![]),
+            ..Default::default()
+        }),
         status: None,
     })
 }
@@ -58,7 +69,12 @@ impl Svc {
         if self.spec().type_.as_deref() != Some("LoadBalancer") {
             self.spec().type_ = Some("NodePort".into());
         }
-        let port = self.spec().ports.as_mut().and_then(|p| p.last_mut()).expect("add a port first");
+        let port = self
+            .spec()
+            .ports
+            .as_mut()
+            .and_then(|p| p.last_mut())
+            .expect("add a port first");
         port.node_port = Some(node_port);
         self
     }
@@ -72,7 +88,10 @@ impl Svc {
         self.spec().type_ = Some("LoadBalancer".into());
         self.0.status = Some(ServiceStatus {
             load_balancer: Some(LoadBalancerStatus {
-                ingress: Some(vec![LoadBalancerIngress { ip: Some(ip.into()), ..Default::default() }]),
+                ingress: Some(vec![LoadBalancerIngress {
+                    ip: Some(ip.into()),
+                    ..Default::default()
+                }]),
             }),
             ..Default::default()
         });
@@ -97,7 +116,9 @@ impl Svc {
     pub fn client_ip_affinity(mut self, timeout_seconds: i32) -> Self {
         self.spec().session_affinity = Some("ClientIP".into());
         self.spec().session_affinity_config = Some(SessionAffinityConfig {
-            client_ip: Some(ClientIPConfig { timeout_seconds: Some(timeout_seconds) }),
+            client_ip: Some(ClientIPConfig {
+                timeout_seconds: Some(timeout_seconds),
+            }),
         });
         self
     }
@@ -126,7 +147,10 @@ pub fn slice(namespace: &str, service: &str, name: &str) -> Slice {
         metadata: ObjectMeta {
             name: Some(name.into()),
             namespace: Some(namespace.into()),
-            labels: Some(BTreeMap::from([("kubernetes.io/service-name".to_string(), service.to_string())])),
+            labels: Some(BTreeMap::from([(
+                "kubernetes.io/service-name".to_string(),
+                service.to_string(),
+            )])),
             ..Default::default()
         },
         address_type: "IPv4".into(),
@@ -144,7 +168,11 @@ impl Slice {
         };
         self.0.endpoints.get_or_insert_with(Vec::new).push(Endpoint {
             addresses: vec![ip.into()],
-            conditions: Some(EndpointConditions { ready: Some(ready), serving: Some(serving), terminating: Some(terminating) }),
+            conditions: Some(EndpointConditions {
+                ready: Some(ready),
+                serving: Some(serving),
+                terminating: Some(terminating),
+            }),
             node_name: Some(node.into()),
             ..Default::default()
         });

@@ -9,7 +9,7 @@ use std::{
     thread,
 };
 
-use nix::sched::{setns, CloneFlags};
+use nix::sched::{CloneFlags, setns};
 
 use crate::unique_name;
 
@@ -97,7 +97,9 @@ impl NetNs {
     /// The interface index of `dev` inside this namespace.
     pub fn ifindex(&self, dev: &str) -> u32 {
         let text = self.exec_ok("cat", &[&format!("/sys/class/net/{dev}/ifindex")]);
-        text.trim().parse().unwrap_or_else(|e| panic!("ifindex of {dev}: {e}: {text:?}"))
+        text.trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("ifindex of {dev}: {e}: {text:?}"))
     }
 }
 
@@ -112,7 +114,18 @@ impl Drop for NetNs {
 /// them up. The pair is deleted with either namespace.
 pub fn veth(a: &NetNs, a_dev: &str, a_addr: Option<&str>, b: &NetNs, b_dev: &str, b_addr: Option<&str>) {
     // Create in `a`, then move the peer.
-    a.ip(&["link", "add", a_dev, "type", "veth", "peer", "name", b_dev, "netns", b.name()]);
+    a.ip(&[
+        "link",
+        "add",
+        a_dev,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        b_dev,
+        "netns",
+        b.name(),
+    ]);
     for (ns, dev, addr) in [(a, a_dev, a_addr), (b, b_dev, b_addr)] {
         if let Some(addr) = addr {
             ns.ip(&["addr", "add", addr, "dev", dev]);
@@ -122,8 +135,15 @@ pub fn veth(a: &NetNs, a_dev: &str, a_addr: Option<&str>, b: &NetNs, b_dev: &str
 }
 
 fn run_ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().unwrap_or_else(|e| panic!("ip {args:?}: {e}"));
-    assert!(out.status.success(), "ip {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("ip {args:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "ip {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Forwards TCP connections made to `listen` inside a namespace to `target` in the test's own
@@ -139,12 +159,17 @@ impl PortForward {
         use std::{
             io,
             net::{Shutdown, TcpListener, TcpStream},
-            sync::{atomic::{AtomicBool, Ordering}, Arc},
+            sync::{
+                Arc,
+                atomic::{AtomicBool, Ordering},
+            },
             time::Duration,
         };
         // The listening socket lives in the namespace it was created in; everything else (the
         // accept loop, the outbound connections) runs in ours.
-        let listener = ns.run(|| TcpListener::bind(listen)).unwrap_or_else(|e| panic!("forward {listen} in {}: {e}", ns.name()));
+        let listener = ns
+            .run(|| TcpListener::bind(listen))
+            .unwrap_or_else(|e| panic!("forward {listen} in {}: {e}", ns.name()));
         listener.set_nonblocking(true).expect("nonblocking listener");
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = stop.clone();
@@ -154,11 +179,15 @@ impl PortForward {
                     Ok((client, _)) => {
                         let _ = client.set_nonblocking(false);
                         thread::spawn(move || {
-                            let Ok(server) = TcpStream::connect_timeout(&target, Duration::from_secs(5)) else {
+                            let Ok(server) = TcpStream::connect_timeout(&target, Duration::from_secs(5))
+                            else {
                                 let _ = client.shutdown(Shutdown::Both);
                                 return;
                             };
-                            let (mut c2, mut s2) = (client.try_clone().expect("clone"), server.try_clone().expect("clone"));
+                            let (mut c2, mut s2) = (
+                                client.try_clone().expect("clone"),
+                                server.try_clone().expect("clone"),
+                            );
                             let (mut c, mut s) = (client, server);
                             let up = thread::spawn(move || {
                                 let _ = io::copy(&mut c, &mut s);
@@ -169,12 +198,17 @@ impl PortForward {
                             let _ = up.join();
                         });
                     }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => thread::sleep(Duration::from_millis(20)),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        thread::sleep(Duration::from_millis(20))
+                    }
                     Err(_) => thread::sleep(Duration::from_millis(20)),
                 }
             }
         });
-        PortForward { stop, accept: Some(accept) }
+        PortForward {
+            stop,
+            accept: Some(accept),
+        }
     }
 }
 

@@ -44,7 +44,12 @@ pub fn tcp(src: &str, sport: u16, dst: &str, dport: u16) -> Spec {
 }
 
 pub fn udp(src: &str, sport: u16, dst: &str, dport: u16) -> Spec {
-    Spec { udp: true, syn: false, payload: b"hello".to_vec(), ..tcp(src, sport, dst, dport) }
+    Spec {
+        udp: true,
+        syn: false,
+        payload: b"hello".to_vec(),
+        ..tcp(src, sport, dst, dport)
+    }
 }
 
 impl Spec {
@@ -68,18 +73,27 @@ impl Spec {
 
     /// The packet bytes, with correct checksums.
     pub fn build(&self) -> Vec<u8> {
-        let mut ip = Ipv4Header::new(0, self.ttl, if self.udp { IpNumber::UDP } else { IpNumber::TCP }, self.src.octets(), self.dst.octets())
-            .expect("ipv4 header");
+        let mut ip = Ipv4Header::new(
+            0,
+            self.ttl,
+            if self.udp { IpNumber::UDP } else { IpNumber::TCP },
+            self.src.octets(),
+            self.dst.octets(),
+        )
+        .expect("ipv4 header");
         ip.identification = 0x1234;
         ip.dont_fragment = !self.more_fragments;
         ip.more_fragments = self.more_fragments;
         if !self.options.is_empty() {
             ip.options = self.options.as_slice().try_into().expect("valid options length");
         }
-        let base = PacketBuilder::ethernet2(CLIENT_MAC, NODE_MAC).ip(etherparse::IpHeaders::Ipv4(ip, Default::default()));
+        let base = PacketBuilder::ethernet2(CLIENT_MAC, NODE_MAC)
+            .ip(etherparse::IpHeaders::Ipv4(ip, Default::default()));
         let mut out = Vec::new();
         if self.udp {
-            base.udp(self.sport, self.dport).write(&mut out, &self.payload).expect("write");
+            base.udp(self.sport, self.dport)
+                .write(&mut out, &self.payload)
+                .expect("write");
         } else {
             let b = base.tcp(self.sport, self.dport, 1000, 64_240);
             let b = if self.syn { b.syn() } else { b.ack(5000).psh() };
@@ -102,43 +116,71 @@ pub struct Summary {
 /// Decodes a TCP or UDP packet (panics on anything else).
 pub fn summary(packet: &[u8]) -> Summary {
     let sliced = SlicedPacket::from_ethernet(packet).unwrap_or_else(|e| panic!("not a packet: {e:?}"));
-    let Some(etherparse::NetSlice::Ipv4(ip)) = &sliced.net else { panic!("not IPv4") };
+    let Some(etherparse::NetSlice::Ipv4(ip)) = &sliced.net else {
+        panic!("not IPv4")
+    };
     let h = ip.header();
     let (sport, dport) = match &sliced.transport {
         Some(TransportSlice::Tcp(t)) => (t.source_port(), t.destination_port()),
         Some(TransportSlice::Udp(u)) => (u.source_port(), u.destination_port()),
         other => panic!("not TCP/UDP: {other:?}"),
     };
-    Summary { src: h.source_addr(), dst: h.destination_addr(), sport, dport, proto: h.protocol().0 }
+    Summary {
+        src: h.source_addr(),
+        dst: h.destination_addr(),
+        sport,
+        dport,
+        proto: h.protocol().0,
+    }
 }
 
 /// Checks the IPv4 header checksum and the TCP/UDP/ICMP checksum of a packet.
 pub fn verify_checksums(packet: &[u8]) -> Result<(), String> {
     let sliced = SlicedPacket::from_ethernet(packet).map_err(|e| format!("{e:?}"))?;
-    let Some(etherparse::NetSlice::Ipv4(ip)) = &sliced.net else { return Err("not IPv4".into()) };
+    let Some(etherparse::NetSlice::Ipv4(ip)) = &sliced.net else {
+        return Err("not IPv4".into());
+    };
     let header = ip.header().to_header();
     if header.calc_header_checksum() != header.header_checksum {
-        return Err(format!("IP checksum {:#06x}, expected {:#06x}", header.header_checksum, header.calc_header_checksum()));
+        return Err(format!(
+            "IP checksum {:#06x}, expected {:#06x}",
+            header.header_checksum,
+            header.calc_header_checksum()
+        ));
     }
     let payload = ip.payload().payload;
     match &sliced.transport {
         Some(TransportSlice::Tcp(t)) => {
-            let expected = t.to_header().calc_checksum_ipv4(&header, t.payload()).map_err(|e| format!("{e:?}"))?;
+            let expected = t
+                .to_header()
+                .calc_checksum_ipv4(&header, t.payload())
+                .map_err(|e| format!("{e:?}"))?;
             if expected != t.checksum() {
-                return Err(format!("TCP checksum {:#06x}, expected {expected:#06x}", t.checksum()));
+                return Err(format!(
+                    "TCP checksum {:#06x}, expected {expected:#06x}",
+                    t.checksum()
+                ));
             }
         }
         Some(TransportSlice::Udp(u)) => {
             if u.checksum() != 0 {
-                let expected = u.to_header().calc_checksum_ipv4(&header, u.payload()).map_err(|e| format!("{e:?}"))?;
+                let expected = u
+                    .to_header()
+                    .calc_checksum_ipv4(&header, u.payload())
+                    .map_err(|e| format!("{e:?}"))?;
                 if expected != u.checksum() {
-                    return Err(format!("UDP checksum {:#06x}, expected {expected:#06x}", u.checksum()));
+                    return Err(format!(
+                        "UDP checksum {:#06x}, expected {expected:#06x}",
+                        u.checksum()
+                    ));
                 }
             }
         }
         Some(TransportSlice::Icmpv4(_)) => {
             // The checksum covers the whole ICMP message.
-            let sum = payload.chunks(2).fold(0u32, |s, c| s + u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])));
+            let sum = payload.chunks(2).fold(0u32, |s, c| {
+                s + u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]))
+            });
             let folded = (sum & 0xffff) + (sum >> 16);
             let folded = (folded & 0xffff) + (folded >> 16);
             if folded != 0xffff {
@@ -188,7 +230,11 @@ pub fn verify_quoted_ip_checksum(icmp_packet: &[u8]) -> Result<(), String> {
     let q = &ip[ihl + 8..];
     let (header, _) = Ipv4Header::from_slice(q).map_err(|e| format!("quoted header: {e:?}"))?;
     if header.calc_header_checksum() != header.header_checksum {
-        return Err(format!("quoted IP checksum {:#06x}, expected {:#06x}", header.header_checksum, header.calc_header_checksum()));
+        return Err(format!(
+            "quoted IP checksum {:#06x}, expected {:#06x}",
+            header.header_checksum,
+            header.calc_header_checksum()
+        ));
     }
     Ok(())
 }
@@ -198,18 +244,29 @@ pub fn verify_quoted_ip_checksum(icmp_packet: &[u8]) -> Result<(), String> {
 pub fn rewritten(packet: &[u8], src: Option<(&str, u16)>, dst: Option<(&str, u16)>) -> Vec<u8> {
     let s = summary(packet);
     let sliced = SlicedPacket::from_ethernet(packet).unwrap();
-    let Some(etherparse::NetSlice::Ipv4(ip)) = &sliced.net else { panic!() };
+    let Some(etherparse::NetSlice::Ipv4(ip)) = &sliced.net else {
+        panic!()
+    };
     let mut header = ip.header().to_header();
-    let (src_ip, sport) = src.map(|(a, p)| (a.parse::<Ipv4Addr>().unwrap(), p)).unwrap_or((s.src, s.sport));
-    let (dst_ip, dport) = dst.map(|(a, p)| (a.parse::<Ipv4Addr>().unwrap(), p)).unwrap_or((s.dst, s.dport));
+    let (src_ip, sport) = src
+        .map(|(a, p)| (a.parse::<Ipv4Addr>().unwrap(), p))
+        .unwrap_or((s.src, s.sport));
+    let (dst_ip, dport) = dst
+        .map(|(a, p)| (a.parse::<Ipv4Addr>().unwrap(), p))
+        .unwrap_or((s.dst, s.dport));
     header.source = src_ip.octets();
     header.destination = dst_ip.octets();
     let mut out = Vec::new();
-    let eth = sliced.link.as_ref().and_then(|l| match l {
-        etherparse::LinkSlice::Ethernet2(e) => Some(e.to_header()),
-        _ => None,
-    }).expect("ethernet");
-    let builder = PacketBuilder::ethernet2(eth.source, eth.destination).ip(etherparse::IpHeaders::Ipv4(header, Default::default()));
+    let eth = sliced
+        .link
+        .as_ref()
+        .and_then(|l| match l {
+            etherparse::LinkSlice::Ethernet2(e) => Some(e.to_header()),
+            _ => None,
+        })
+        .expect("ethernet");
+    let builder = PacketBuilder::ethernet2(eth.source, eth.destination)
+        .ip(etherparse::IpHeaders::Ipv4(header, Default::default()));
     match &sliced.transport {
         Some(TransportSlice::Tcp(t)) => {
             let mut h = t.to_header();

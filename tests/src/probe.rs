@@ -4,7 +4,7 @@ use std::{process::Stdio, time::Duration};
 
 use serde_json::Value;
 
-use crate::process::{run_in, workspace_bin, Place, Proc};
+use crate::process::{Place, Proc, run_in, workspace_bin};
 
 fn probe() -> std::path::PathBuf {
     workspace_bin("lb-probe")
@@ -13,7 +13,11 @@ fn probe() -> std::path::PathBuf {
 /// Starts `lb-probe serve` and waits until it listens.
 pub fn server(place: Place<'_>, name: &str, tcp: &[&str], udp: &[&str]) -> Proc {
     let mut cmd = std::process::Command::new(probe());
-    cmd.arg("serve").arg("--name").arg(name).stdin(Stdio::null()).stdout(Stdio::piped());
+    cmd.arg("serve")
+        .arg("--name")
+        .arg(name)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped());
     for a in tcp {
         cmd.arg("--tcp").arg(a);
     }
@@ -27,7 +31,11 @@ pub fn server(place: Place<'_>, name: &str, tcp: &[&str], udp: &[&str]) -> Proc 
 }
 
 fn json_lines(out: &std::process::Output) -> Vec<Value> {
-    assert!(out.status.success(), "lb-probe failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "lb-probe failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("lb-probe printed {l:?}: {e}")))
@@ -36,12 +44,28 @@ fn json_lines(out: &std::process::Output) -> Vec<Value> {
 
 /// `count` TCP connections to `to`, one JSON result each.
 pub fn tcp(place: Place<'_>, to: &str, count: u32) -> Vec<Value> {
-    json_lines(&run_in(place, probe(), &["tcp", "--connect", to, "--count", &count.to_string()]))
+    json_lines(&run_in(
+        place,
+        probe(),
+        &["tcp", "--connect", to, "--count", &count.to_string()],
+    ))
 }
 
 /// One TCP connection that sends `payload` bytes and gets their checksum back.
 pub fn tcp_bulk(place: Place<'_>, to: &str, payload: usize) -> Value {
-    let out = run_in(place, probe(), &["tcp", "--connect", to, "--payload", &payload.to_string(), "--timeout-ms", "20000"]);
+    let out = run_in(
+        place,
+        probe(),
+        &[
+            "tcp",
+            "--connect",
+            to,
+            "--payload",
+            &payload.to_string(),
+            "--timeout-ms",
+            "20000",
+        ],
+    );
     json_lines(&out).remove(0)
 }
 
@@ -58,9 +82,17 @@ pub fn udp(place: Place<'_>, to: &str, count: u32, connected: bool) -> Vec<Value
 /// Starts `lb-probe hold`: one long-lived TCP connection exchanging a message every interval.
 pub fn hold(place: Place<'_>, to: &str, seconds: u64) -> Proc {
     let mut cmd = std::process::Command::new(probe());
-    cmd.args(["hold", "--connect", to, "--interval-ms", "50", "--seconds", &seconds.to_string()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped());
+    cmd.args([
+        "hold",
+        "--connect",
+        to,
+        "--interval-ms",
+        "50",
+        "--seconds",
+        &seconds.to_string(),
+    ])
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped());
     place.apply(&mut cmd);
     Proc::spawn_command(cmd)
 }

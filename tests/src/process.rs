@@ -22,26 +22,35 @@ pub struct Place<'a> {
 
 impl<'a> Place<'a> {
     pub fn new(netns: &'a NetNs, cgroup: &'a Cgroup) -> Self {
-        Place { netns: Some(netns), cgroup: Some(cgroup) }
+        Place {
+            netns: Some(netns),
+            cgroup: Some(cgroup),
+        }
     }
 
     pub fn netns(netns: &'a NetNs) -> Self {
-        Place { netns: Some(netns), cgroup: None }
+        Place {
+            netns: Some(netns),
+            cgroup: None,
+        }
     }
 
     /// Prepares `cmd` to enter this place between fork and exec.
     pub fn apply(&self, cmd: &mut Command) {
         let netns: Option<File> = self.netns.map(NetNs::file);
         let procs: Option<File> = self.cgroup.map(|c| {
-            OpenOptions::new().write(true).open(c.procs_file()).unwrap_or_else(|e| panic!("open cgroup.procs: {e}"))
+            OpenOptions::new()
+                .write(true)
+                .open(c.procs_file())
+                .unwrap_or_else(|e| panic!("open cgroup.procs: {e}"))
         });
         // SAFETY: the closure only makes async-signal-safe syscalls on descriptors opened above.
         unsafe {
             cmd.pre_exec(move || {
-                if let Some(ns) = &netns {
-                    if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
+                if let Some(ns) = &netns
+                    && libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
                 }
                 if let Some(procs) = &procs {
                     // "0" moves the writing process itself.
@@ -74,7 +83,11 @@ impl Proc {
     pub fn spawn_command(mut cmd: Command) -> Proc {
         let what = format!("{cmd:?}");
         let child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {what}: {e}"));
-        Proc { child, what, stdout_lines: None }
+        Proc {
+            child,
+            what,
+            stdout_lines: None,
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -89,7 +102,11 @@ impl Proc {
     /// keeps draining stdout afterwards, so the child never blocks or dies writing to it.
     pub fn wait_for_line(&mut self, timeout: Duration, ready: impl Fn(&str) -> bool) -> String {
         let lines = self.stdout_lines.get_or_insert_with(|| {
-            let stdout = self.child.stdout.take().expect("stdout must be piped to wait for a line");
+            let stdout = self
+                .child
+                .stdout
+                .take()
+                .expect("stdout must be piped to wait for a line");
             let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
             let sink = lines.clone();
             std::thread::spawn(move || {
@@ -105,7 +122,11 @@ impl Proc {
                 return line.clone();
             }
             if Instant::now() > deadline {
-                panic!("{}: no such line within {timeout:?}; got {:?}", self.what, lines.lock().expect("lines lock"));
+                panic!(
+                    "{}: no such line within {timeout:?}; got {:?}",
+                    self.what,
+                    lines.lock().expect("lines lock")
+                );
             }
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -113,7 +134,10 @@ impl Proc {
 
     /// Every stdout line read so far (see `wait_for_line`).
     pub fn stdout_lines(&self) -> Vec<String> {
-        self.stdout_lines.as_ref().map(|l| l.lock().expect("lines lock").clone()).unwrap_or_default()
+        self.stdout_lines
+            .as_ref()
+            .map(|l| l.lock().expect("lines lock").clone())
+            .unwrap_or_default()
     }
 
     /// Whether the child is still running.
@@ -152,7 +176,8 @@ pub fn run_in(place: Place<'_>, program: impl AsRef<OsStr>, args: &[&str]) -> Ou
     let mut cmd = Command::new(program.as_ref());
     cmd.args(args).stdin(Stdio::null());
     place.apply(&mut cmd);
-    cmd.output().unwrap_or_else(|e| panic!("run {:?}: {e}", program.as_ref()))
+    cmd.output()
+        .unwrap_or_else(|e| panic!("run {:?}: {e}", program.as_ref()))
 }
 
 /// Path of a binary built from this workspace (`lb-agent`, `lb-probe`), next to the running test
@@ -165,6 +190,10 @@ pub fn workspace_bin(name: &str) -> PathBuf {
         dir.pop();
     }
     let path = dir.join(name);
-    assert!(path.is_file(), "{} is not built; run the tests through `./x test`", path.display());
+    assert!(
+        path.is_file(),
+        "{} is not built; run the tests through `./x test`",
+        path.display()
+    );
     path
 }

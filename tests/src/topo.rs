@@ -21,7 +21,10 @@ impl Lan {
         let ns = NetNs::new("lblan");
         ns.ip(&["link", "add", "br0", "type", "bridge"]);
         ns.ip(&["link", "set", "br0", "up"]);
-        Lan { ns, next_port: std::cell::Cell::new(0) }
+        Lan {
+            ns,
+            next_port: std::cell::Cell::new(0),
+        }
     }
 
     /// Connects `ns` to the LAN: `dev` inside `ns` gets `addr` (CIDR notation).
@@ -64,7 +67,12 @@ impl Node {
         // Replies from pods on other nodes come back on the uplink: no reverse-path surprises.
         ns.sysctl("net.ipv4.conf.all.rp_filter=0");
         ns.sysctl("net.ipv4.conf.default.rp_filter=0");
-        Node { ns, index, pods: Vec::new(), ip: None }
+        Node {
+            ns,
+            index,
+            pods: Vec::new(),
+            ip: None,
+        }
     }
 
     /// The pod gateway address on every pod veth.
@@ -82,14 +90,35 @@ impl Node {
         let ns = NetNs::new("lbpod");
         let ip = Ipv4Addr::new(10, 244, self.index, n);
         let host_dev = unique_name("vp");
-        self.ns.ip(&["link", "add", &host_dev, "type", "veth", "peer", "name", "eth0", "netns", ns.name()]);
+        self.ns.ip(&[
+            "link",
+            "add",
+            &host_dev,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            ns.name(),
+        ]);
         let gw = self.gateway().to_string();
-        self.ns.ip(&["addr", "add", &format!("{gw}/32"), "dev", &host_dev]);
+        self.ns
+            .ip(&["addr", "add", &format!("{gw}/32"), "dev", &host_dev]);
         self.ns.ip(&["link", "set", &host_dev, "up"]);
-        self.ns.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_dev]);
+        self.ns
+            .ip(&["route", "add", &format!("{ip}/32"), "dev", &host_dev]);
         ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"]);
         ns.ip(&["link", "set", "eth0", "up"]);
-        ns.ip(&["route", "add", &format!("{gw}/32"), "dev", "eth0", "scope", "link"]);
+        ns.ip(&[
+            "route",
+            "add",
+            &format!("{gw}/32"),
+            "dev",
+            "eth0",
+            "scope",
+            "link",
+        ]);
         ns.ip(&["route", "add", "default", "via", &gw, "dev", "eth0"]);
         self.pods.push(Pod { ns, ip, host_dev });
         self.pods.last().expect("just pushed")
@@ -105,7 +134,10 @@ impl Node {
 
     /// Routes another node's pod CIDR through that node's LAN address.
     pub fn route_to(&self, other: &Node) {
-        let via = other.ip.expect("attach the other node to the LAN first").to_string();
+        let via = other
+            .ip
+            .expect("attach the other node to the LAN first")
+            .to_string();
         self.ns.ip(&["route", "add", &other.pod_cidr(), "via", &via]);
     }
 }

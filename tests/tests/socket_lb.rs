@@ -5,10 +5,10 @@
 use std::process::Command;
 
 use lb_tests::{
-    agent::{bpf_root_in, Agent, AgentOptions},
+    agent::{Agent, AgentOptions, bpf_root_in},
     bpffs::BpfFs,
     cgroup::Cgroup,
-    fixtures::{service, slice, write_manifests, State},
+    fixtures::{State, service, slice, write_manifests},
     probe,
     process::{Place, Proc},
     require_root,
@@ -44,10 +44,25 @@ impl Fixture {
         let servers = node
             .pods
             .iter()
-            .map(|p| probe::server(Place::netns(&p.ns), &p.ip.to_string(), &["0.0.0.0:8080"], &["0.0.0.0:5353"]))
+            .map(|p| {
+                probe::server(
+                    Place::netns(&p.ns),
+                    &p.ip.to_string(),
+                    &["0.0.0.0:8080"],
+                    &["0.0.0.0:5353"],
+                )
+            })
             .collect();
         let manifests = tempfile::tempdir().expect("tempdir");
-        Fixture { _servers: servers, agent: None, manifests, cgroup, node, _lan: lan, bpffs }
+        Fixture {
+            _servers: servers,
+            agent: None,
+            manifests,
+            cgroup,
+            node,
+            _lan: lan,
+            bpffs,
+        }
     }
 
     fn pod_ip(&self, i: usize) -> String {
@@ -77,7 +92,11 @@ impl Fixture {
     }
 
     /// Replaces the manifests and, once the agent runs, waits until it applied them.
-    fn write(&self, services: &[k8s_openapi::api::core::v1::Service], slices: &[k8s_openapi::api::discovery::v1::EndpointSlice]) {
+    fn write(
+        &self,
+        services: &[k8s_openapi::api::core::v1::Service],
+        slices: &[k8s_openapi::api::discovery::v1::EndpointSlice],
+    ) {
         write_manifests(self.manifests.path(), "objects.yaml", services, slices);
         if let Some(agent) = &self.agent {
             agent.wait_for_next_sync();
@@ -98,13 +117,18 @@ const ECONNREFUSED: i64 = 111;
 const EHOSTUNREACH: i64 = 113;
 
 fn web() -> lb_tests::fixtures::Svc {
-    service("demo", "web").cluster_ip("10.96.0.20").port("http", "TCP", 80, 8080).port("dns", "UDP", 53, 5353)
+    service("demo", "web")
+        .cluster_ip("10.96.0.20")
+        .port("http", "TCP", 80, 8080)
+        .port("dns", "UDP", 53, 5353)
 }
 
 fn servers(results: &[Value]) -> std::collections::BTreeMap<String, usize> {
     let mut counts = std::collections::BTreeMap::new();
     for r in ok(results) {
-        *counts.entry(probe::server_of(r).unwrap_or_default().to_string()).or_insert(0) += 1;
+        *counts
+            .entry(probe::server_of(r).unwrap_or_default().to_string())
+            .or_insert(0) += 1;
     }
     counts
 }
@@ -123,17 +147,29 @@ fn first_slice_tcp_to_a_virtual_ip_reaches_the_backend() {
     write_manifests(
         f.manifests.path(),
         "web.yaml",
-        &[service("demo", "web").cluster_ip("10.96.0.10").port("http", "TCP", 80, 8080).build()],
-        &[slice("demo", "web", "web-1").endpoint(&backend, NODE, State::Ready).port("http", "TCP", 8080).build()],
+        &[service("demo", "web")
+            .cluster_ip("10.96.0.10")
+            .port("http", "TCP", 80, 8080)
+            .build()],
+        &[slice("demo", "web", "web-1")
+            .endpoint(&backend, NODE, State::Ready)
+            .port("http", "TCP", 8080)
+            .build()],
     );
     f.start_agent(&[]);
 
     let results = probe::tcp(f.host(), "10.96.0.10:80", 3);
     for r in ok(&results) {
         assert_eq!(probe::server_of(r), Some(backend.as_str()), "{r}");
-        assert_eq!(r["peer"], "10.96.0.10:80", "getpeername shows the Service, not the backend: {r}");
+        assert_eq!(
+            r["peer"], "10.96.0.10:80",
+            "getpeername shows the Service, not the backend: {r}"
+        );
         // The backend saw the node's own address as the client: nothing was masqueraded.
-        assert!(r["reply"]["client"].as_str().unwrap().starts_with("10.244.1.1:"), "{r}");
+        assert!(
+            r["reply"]["client"].as_str().unwrap().starts_with("10.244.1.1:"),
+            "{r}"
+        );
     }
 
     // A process outside the cgroup is not translated (programs are attached to the test cgroup
@@ -143,14 +179,32 @@ fn first_slice_tcp_to_a_virtual_ip_reaches_the_backend() {
 
     // SREs read the maps with bpftool: named fields thanks to BTF.
     let pin = bpf_root_in(f.bpffs.path()).join("maps/lb4_services");
-    let dump = Command::new("bpftool").args(["map", "dump", "pinned"]).arg(&pin).output().expect("bpftool");
+    let dump = Command::new("bpftool")
+        .args(["map", "dump", "pinned"])
+        .arg(&pin)
+        .output()
+        .expect("bpftool");
     let text = String::from_utf8_lossy(&dump.stdout);
-    assert!(dump.status.success(), "bpftool: {}", String::from_utf8_lossy(&dump.stderr));
-    for field in ["\"addr\"", "\"port\": 80", "\"slot\"", "\"backend_id\"", "\"count\": 1", "\"rev_nat_id\""] {
+    assert!(
+        dump.status.success(),
+        "bpftool: {}",
+        String::from_utf8_lossy(&dump.stderr)
+    );
+    for field in [
+        "\"addr\"",
+        "\"port\": 80",
+        "\"slot\"",
+        "\"backend_id\"",
+        "\"count\": 1",
+        "\"rev_nat_id\"",
+    ] {
         assert!(text.contains(field), "bpftool output lacks {field}:\n{text}");
     }
     let status = f.agent.take().map(Agent::stop);
-    assert!(status.is_some_and(|s| s.success()), "the agent exits cleanly on SIGTERM");
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the agent exits cleanly on SIGTERM"
+    );
 }
 
 #[test]
@@ -176,20 +230,38 @@ fn every_frontend_type_from_the_host_and_from_a_pod() {
         "198.51.100.20:80".into(),
         "203.0.113.20:80".into(),
     ];
-    let udp_frontends = ["10.96.0.20:53".to_string(), format!("{node_ip}:30053"), "198.51.100.20:53".into()];
+    let udp_frontends = [
+        "10.96.0.20:53".to_string(),
+        format!("{node_ip}:30053"),
+        "198.51.100.20:53".into(),
+    ];
     // Pod 3 is a client only (no Service selects it).
     for (who, place) in [("host", f.host()), ("pod", f.pod(3))] {
         for frontend in &tcp_frontends {
             for r in ok(&probe::tcp(place, frontend, 5)) {
-                assert!(backends.iter().any(|b| probe::server_of(r) == Some(b)), "{who} -> {frontend}: {r}");
-                assert_eq!(r["peer"], frontend.as_str(), "{who} -> {frontend}: getpeername shows the frontend");
+                assert!(
+                    backends.iter().any(|b| probe::server_of(r) == Some(b)),
+                    "{who} -> {frontend}: {r}"
+                );
+                assert_eq!(
+                    r["peer"],
+                    frontend.as_str(),
+                    "{who} -> {frontend}: getpeername shows the frontend"
+                );
             }
         }
         for frontend in &udp_frontends {
             for connected in [false, true] {
                 for r in ok(&probe::udp(place, frontend, 3, connected)) {
-                    assert!(backends.iter().any(|b| probe::server_of(r) == Some(b)), "{who} -> {frontend}: {r}");
-                    assert_eq!(r["from"], frontend.as_str(), "{who} -> {frontend} (connected: {connected}): the reply comes from the frontend");
+                    assert!(
+                        backends.iter().any(|b| probe::server_of(r) == Some(b)),
+                        "{who} -> {frontend}: {r}"
+                    );
+                    assert_eq!(
+                        r["from"],
+                        frontend.as_str(),
+                        "{who} -> {frontend} (connected: {connected}): the reply comes from the frontend"
+                    );
                     if connected {
                         assert_eq!(r["peer"], frontend.as_str());
                     }
@@ -205,13 +277,20 @@ fn every_frontend_type_from_the_host_and_from_a_pod() {
     // ... but a pod's 127.0.0.1 is the pod's own loopback, as with kube-proxy.
     let r = &probe::tcp(f.pod(3), "127.0.0.1:30080", 1)[0];
     assert_eq!(r["ok"], false, "{r}");
-    assert_eq!(r["errno"], ECONNREFUSED, "nothing listens on the pod's loopback: {r}");
+    assert_eq!(
+        r["errno"], ECONNREFUSED,
+        "nothing listens on the pod's loopback: {r}"
+    );
 }
 
 #[test]
 fn protocols_must_match() {
     let mut f = Fixture::new(1);
-    let svc = service("demo", "web").cluster_ip("10.96.0.20").port("http", "TCP", 80, 8080).port("dns", "UDP", 53, 5353).build();
+    let svc = service("demo", "web")
+        .cluster_ip("10.96.0.20")
+        .port("http", "TCP", 80, 8080)
+        .port("dns", "UDP", 53, 5353)
+        .build();
     f.write(&[svc], &[f.web_slice(&[0])]);
     f.start_agent(&[]);
     // UDP to the TCP port and TCP to the UDP port are not translated: the virtual IP is not
@@ -238,7 +317,10 @@ fn connections_spread_evenly_over_three_backends() {
     // Pearson's chi-square against the uniform distribution, 2 degrees of freedom: 13.82 is the
     // 0.1% critical value, so a correct data path fails this once in a thousand runs.
     let expected = f64::from(n) / 3.0;
-    let chi2: f64 = counts.values().map(|&c| (c as f64 - expected).powi(2) / expected).sum();
+    let chi2: f64 = counts
+        .values()
+        .map(|&c| (c as f64 - expected).powi(2) / expected)
+        .sum();
     assert!(chi2 < 13.82, "chi-square {chi2:.2} for {counts:?}");
     // UDP: each socket sticks to one backend, and sockets spread too.
     let udp = servers(&probe::udp(f.host(), "10.96.0.20:53", 300, false));
@@ -267,7 +349,10 @@ fn client_ip_affinity_sticks_until_the_timeout() {
     assert!(seen.len() > 1, "affinity never expired: {seen:?}");
 
     // A backend leaving the Service takes its affinity with it.
-    let sticky = servers(&probe::tcp(f.host(), "10.96.0.20:80", 1)).into_keys().next().unwrap();
+    let sticky = servers(&probe::tcp(f.host(), "10.96.0.20:80", 1))
+        .into_keys()
+        .next()
+        .unwrap();
     let remaining: Vec<usize> = (0..3).filter(|i| f.pod_ip(*i) != sticky).collect();
     f.write(&[web().client_ip_affinity(1).build()], &[f.web_slice(&remaining)]);
     let after = servers(&probe::tcp(f.host(), "10.96.0.20:80", 10));
@@ -293,14 +378,26 @@ fn removed_endpoints_get_no_new_connections_while_established_ones_keep_working(
             break;
         }
     }
-    let (mut hold_a, _) = holds.into_iter().find(|(_, s)| *s == a).expect("a connection to backend a");
+    let (mut hold_a, _) = holds
+        .into_iter()
+        .find(|(_, s)| *s == a)
+        .expect("a connection to backend a");
     // Backend a leaves the Service.
     f.write(&[web().build()], &[f.web_slice(&[1])]);
     let after = servers(&probe::tcp(f.host(), "10.96.0.20:80", 50));
-    assert_eq!(after.keys().cloned().collect::<Vec<_>>(), vec![b], "no new connection to a removed endpoint");
+    assert_eq!(
+        after.keys().cloned().collect::<Vec<_>>(),
+        vec![b],
+        "no new connection to a removed endpoint"
+    );
     // The established connection to a kept working throughout, still served by a.
-    let done = hold_a.wait_for_line(std::time::Duration::from_secs(10), |l| l.contains("\"done\"") || l.contains("\"ok\":false"));
-    assert!(done.contains("\"done\""), "the established connection broke: {done}");
+    let done = hold_a.wait_for_line(std::time::Duration::from_secs(10), |l| {
+        l.contains("\"done\"") || l.contains("\"ok\":false")
+    });
+    assert!(
+        done.contains("\"done\""),
+        "the established connection broke: {done}"
+    );
     let lines = hold_a.stdout_lines();
     assert!(lines.len() > 20, "{lines:?}");
     for line in lines.iter().filter(|l| l.contains("\"seq\"")) {
@@ -311,14 +408,25 @@ fn removed_endpoints_get_no_new_connections_while_established_ones_keep_working(
 #[test]
 fn no_endpoints_rejects_and_local_policy_without_local_endpoints_drops() {
     let mut f = Fixture::new(1);
-    let local_only = service("demo", "local").cluster_ip("10.96.0.30").port("http", "TCP", 80, 8080).internal_traffic_policy("Local").build();
-    let remote = slice("demo", "local", "local-1").endpoint("10.244.9.9", "node-b", State::Ready).port("http", "TCP", 8080).build();
+    let local_only = service("demo", "local")
+        .cluster_ip("10.96.0.30")
+        .port("http", "TCP", 80, 8080)
+        .internal_traffic_policy("Local")
+        .build();
+    let remote = slice("demo", "local", "local-1")
+        .endpoint("10.244.9.9", "node-b", State::Ready)
+        .port("http", "TCP", 8080)
+        .build();
     f.write(&[web().build(), local_only], &[remote]);
     f.start_agent(&[]);
     // No endpoints at all: kube-proxy REJECTs; connect() fails at once with ECONNREFUSED, and so
     // does a UDP send.
     let r = &probe::tcp(f.host(), "10.96.0.20:80", 1)[0];
-    assert_eq!((r["ok"].clone(), r["errno"].clone()), (Value::from(false), Value::from(ECONNREFUSED)), "{r}");
+    assert_eq!(
+        (r["ok"].clone(), r["errno"].clone()),
+        (Value::from(false), Value::from(ECONNREFUSED)),
+        "{r}"
+    );
     let r = &probe::udp(f.host(), "10.96.0.20:53", 1, false)[0];
     assert_eq!(r["errno"], ECONNREFUSED, "{r}");
     // internalTrafficPolicy=Local with endpoints on other nodes only: kube-proxy DROPs; the
@@ -342,7 +450,12 @@ fn terminating_endpoints_serve_only_when_none_is_ready() {
         .build();
     f.write(&[web().build()], &[mixed]);
     f.start_agent(&[]);
-    assert_eq!(servers(&probe::tcp(f.host(), "10.96.0.20:80", 30)).into_keys().collect::<Vec<_>>(), vec![a.clone()]);
+    assert_eq!(
+        servers(&probe::tcp(f.host(), "10.96.0.20:80", 30))
+            .into_keys()
+            .collect::<Vec<_>>(),
+        vec![a.clone()]
+    );
     // Now a is not ready (and not serving): the serving, terminating b takes new connections.
     let fallback = slice("demo", "web", "web-1")
         .endpoint(&a, NODE, State::NotReady)
@@ -351,5 +464,10 @@ fn terminating_endpoints_serve_only_when_none_is_ready() {
         .port("dns", "UDP", 5353)
         .build();
     f.write(&[web().build()], &[fallback]);
-    assert_eq!(servers(&probe::tcp(f.host(), "10.96.0.20:80", 30)).into_keys().collect::<Vec<_>>(), vec![b]);
+    assert_eq!(
+        servers(&probe::tcp(f.host(), "10.96.0.20:80", 30))
+            .into_keys()
+            .collect::<Vec<_>>(),
+        vec![b]
+    );
 }

@@ -6,13 +6,13 @@ use std::net::Ipv4Addr;
 
 use etherparse::{Icmpv4Type, icmpv4::DestUnreachableHeader};
 use lb_agent::{
-    datapath::{TcRun, OBJECT},
+    datapath::{OBJECT, TcRun},
     run::NodeSettings,
     trace::ScratchDatapath,
     watch::ClusterState,
 };
 use lb_tests::{
-    fixtures::{service, slice, State},
+    fixtures::{State, service, slice},
     packet::{self, rewritten, summary, verify_checksums},
     require_root,
 };
@@ -25,7 +25,9 @@ const CLIENT: &str = "192.168.50.100";
 
 fn state() -> ClusterState {
     let mut s = ClusterState::default();
-    let add = |s: &mut ClusterState, svc: k8s_openapi::api::core::v1::Service, sl: Option<k8s_openapi::api::discovery::v1::EndpointSlice>| {
+    let add = |s: &mut ClusterState,
+               svc: k8s_openapi::api::core::v1::Service,
+               sl: Option<k8s_openapi::api::discovery::v1::EndpointSlice>| {
         s.add_service(svc);
         if let Some(sl) = sl {
             s.add_slice(sl);
@@ -33,17 +35,39 @@ fn state() -> ClusterState {
     };
     add(
         &mut s,
-        service("t", "web").cluster_ip("10.96.0.10").port("http", "TCP", 80, 8080).build(),
-        Some(slice("t", "web", "web-1").endpoint("10.244.1.5", "node-a", State::Ready).port("http", "TCP", 8080).build()),
+        service("t", "web")
+            .cluster_ip("10.96.0.10")
+            .port("http", "TCP", 80, 8080)
+            .build(),
+        Some(
+            slice("t", "web", "web-1")
+                .endpoint("10.244.1.5", "node-a", State::Ready)
+                .port("http", "TCP", 8080)
+                .build(),
+        ),
     );
     add(
         &mut s,
-        service("t", "np").cluster_ip("10.96.0.11").port("http", "TCP", 80, 8080).node_port(30080).build(),
-        Some(slice("t", "np", "np-1").endpoint("10.244.2.7", "node-b", State::Ready).port("http", "TCP", 8080).build()),
+        service("t", "np")
+            .cluster_ip("10.96.0.11")
+            .port("http", "TCP", 80, 8080)
+            .node_port(30080)
+            .build(),
+        Some(
+            slice("t", "np", "np-1")
+                .endpoint("10.244.2.7", "node-b", State::Ready)
+                .port("http", "TCP", 8080)
+                .build(),
+        ),
     );
     add(
         &mut s,
-        service("t", "local").cluster_ip("10.96.0.12").port("http", "TCP", 80, 8080).node_port(30081).external_traffic_policy("Local").build(),
+        service("t", "local")
+            .cluster_ip("10.96.0.12")
+            .port("http", "TCP", 80, 8080)
+            .node_port(30081)
+            .external_traffic_policy("Local")
+            .build(),
         Some(
             slice("t", "local", "local-1")
                 .endpoint("10.244.1.6", "node-a", State::Ready)
@@ -54,10 +78,28 @@ fn state() -> ClusterState {
     );
     add(
         &mut s,
-        service("t", "local-none").cluster_ip("10.96.0.13").port("http", "TCP", 80, 8080).node_port(30082).external_traffic_policy("Local").build(),
-        Some(slice("t", "local-none", "ln-1").endpoint("10.244.2.9", "node-b", State::Ready).port("http", "TCP", 8080).build()),
+        service("t", "local-none")
+            .cluster_ip("10.96.0.13")
+            .port("http", "TCP", 80, 8080)
+            .node_port(30082)
+            .external_traffic_policy("Local")
+            .build(),
+        Some(
+            slice("t", "local-none", "ln-1")
+                .endpoint("10.244.2.9", "node-b", State::Ready)
+                .port("http", "TCP", 8080)
+                .build(),
+        ),
     );
-    add(&mut s, service("t", "empty").cluster_ip("10.96.0.14").port("http", "TCP", 80, 8080).port("dns", "UDP", 53, 5353).build(), None);
+    add(
+        &mut s,
+        service("t", "empty")
+            .cluster_ip("10.96.0.14")
+            .port("http", "TCP", 80, 8080)
+            .port("dns", "UDP", 53, 5353)
+            .build(),
+        None,
+    );
     add(
         &mut s,
         service("t", "lb")
@@ -67,12 +109,25 @@ fn state() -> ClusterState {
             .load_balancer_ip("203.0.113.10")
             .source_ranges(&["198.51.100.0/24"])
             .build(),
-        Some(slice("t", "lb", "lb-1").endpoint("10.244.1.5", "node-a", State::Ready).port("http", "TCP", 8080).build()),
+        Some(
+            slice("t", "lb", "lb-1")
+                .endpoint("10.244.1.5", "node-a", State::Ready)
+                .port("http", "TCP", 8080)
+                .build(),
+        ),
     );
     add(
         &mut s,
-        service("t", "dns").cluster_ip("10.96.0.16").port("dns", "UDP", 53, 5353).build(),
-        Some(slice("t", "dns", "dns-1").endpoint("10.244.1.5", "node-a", State::Ready).port("dns", "UDP", 5353).build()),
+        service("t", "dns")
+            .cluster_ip("10.96.0.16")
+            .port("dns", "UDP", 53, 5353)
+            .build(),
+        Some(
+            slice("t", "dns", "dns-1")
+                .endpoint("10.244.1.5", "node-a", State::Ready)
+                .port("dns", "UDP", 5353)
+                .build(),
+        ),
     );
     s
 }
@@ -80,7 +135,11 @@ fn state() -> ClusterState {
 fn settings(cluster_cidr: bool) -> NodeSettings {
     NodeSettings {
         node_name: "node-a".into(),
-        cluster_cidrs: if cluster_cidr { vec!["10.244.0.0/16".parse().unwrap()] } else { vec![] },
+        cluster_cidrs: if cluster_cidr {
+            vec!["10.244.0.0/16".parse().unwrap()]
+        } else {
+            vec![]
+        },
         nodeport_addresses: vec![],
         masquerade_all: false,
         localhost_nodeports: true,
@@ -90,8 +149,12 @@ fn settings(cluster_cidr: bool) -> NodeSettings {
 
 fn scratch_with(state: &ClusterState, cluster_cidr: bool) -> ScratchDatapath {
     require_root();
-    assert!(!OBJECT.is_empty(), "lb-agent was built without the eBPF object: run through ./x test");
-    ScratchDatapath::new(state, settings(cluster_cidr), &[NODE_IP.parse().unwrap()], OBJECT).expect("scratch data path")
+    assert!(
+        !OBJECT.is_empty(),
+        "lb-agent was built without the eBPF object: run through ./x test"
+    );
+    ScratchDatapath::new(state, settings(cluster_cidr), &[NODE_IP.parse().unwrap()], OBJECT)
+        .expect("scratch data path")
 }
 
 fn scratch(cluster_cidr: bool) -> ScratchDatapath {
@@ -108,7 +171,13 @@ fn egress(s: &mut ScratchDatapath, pkt: &[u8]) -> TcRun {
 
 fn assert_bytes(actual: &[u8], expected: &[u8], what: &str) {
     verify_checksums(actual).unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert_eq!(actual, expected, "{what}: got {:?}, expected {:?}", summary(actual), summary(expected));
+    assert_eq!(
+        actual,
+        expected,
+        "{what}: got {:?}, expected {:?}",
+        summary(actual),
+        summary(expected)
+    );
 }
 
 #[test]
@@ -118,7 +187,11 @@ fn syn_to_a_cluster_ip_is_translated_to_the_backend() {
     let syn = packet::tcp("10.244.2.20", 40000, "10.96.0.10", 80).build();
     let out = ingress(&mut s, &syn);
     assert_eq!(out.action, OK);
-    assert_bytes(&out.packet, &rewritten(&syn, None, Some(("10.244.1.5", 8080))), "DNAT");
+    assert_bytes(
+        &out.packet,
+        &rewritten(&syn, None, Some(("10.244.1.5", 8080))),
+        "DNAT",
+    );
     // Leaving towards the backend: nothing to masquerade.
     let out2 = egress(&mut s, &out.packet);
     assert_bytes(&out2.packet, &out.packet, "egress of a pod's flow");
@@ -128,17 +201,34 @@ fn syn_to_a_cluster_ip_is_translated_to_the_backend() {
 fn an_established_flow_keeps_its_backend_when_endpoints_change() {
     let mut s = scratch(true);
     let syn = packet::tcp("10.244.2.20", 40001, "10.96.0.10", 80).build();
-    assert_eq!(summary(&ingress(&mut s, &syn).packet).dst, "10.244.1.5".parse::<Ipv4Addr>().unwrap());
+    assert_eq!(
+        summary(&ingress(&mut s, &syn).packet).dst,
+        "10.244.1.5".parse::<Ipv4Addr>().unwrap()
+    );
     // The endpoint is replaced.
     let mut changed = state();
-    changed.add_slice(slice("t", "web", "web-1").endpoint("10.244.1.99", "node-a", State::Ready).port("http", "TCP", 8080).build());
+    changed.add_slice(
+        slice("t", "web", "web-1")
+            .endpoint("10.244.1.99", "node-a", State::Ready)
+            .port("http", "TCP", 8080)
+            .build(),
+    );
     s.program(&changed).unwrap();
-    let data = packet::tcp("10.244.2.20", 40001, "10.96.0.10", 80).data(b"GET / HTTP/1.1\r\n\r\n").build();
+    let data = packet::tcp("10.244.2.20", 40001, "10.96.0.10", 80)
+        .data(b"GET / HTTP/1.1\r\n\r\n")
+        .build();
     let out = ingress(&mut s, &data);
-    assert_bytes(&out.packet, &rewritten(&data, None, Some(("10.244.1.5", 8080))), "established flow");
+    assert_bytes(
+        &out.packet,
+        &rewritten(&data, None, Some(("10.244.1.5", 8080))),
+        "established flow",
+    );
     // A new connection goes to the new endpoint.
     let syn2 = packet::tcp("10.244.2.20", 40002, "10.96.0.10", 80).build();
-    assert_eq!(summary(&ingress(&mut s, &syn2).packet).dst, "10.244.1.99".parse::<Ipv4Addr>().unwrap());
+    assert_eq!(
+        summary(&ingress(&mut s, &syn2).packet).dst,
+        "10.244.1.99".parse::<Ipv4Addr>().unwrap()
+    );
 }
 
 #[test]
@@ -146,13 +236,19 @@ fn replies_get_the_frontend_back_on_the_way_out() {
     let mut s = scratch(true);
     let syn = packet::tcp("10.244.2.20", 40003, "10.96.0.10", 80).build();
     ingress(&mut s, &syn);
-    let reply = packet::tcp("10.244.1.5", 8080, "10.244.2.20", 40003).data(b"HTTP/1.1 200 OK\r\n").build();
+    let reply = packet::tcp("10.244.1.5", 8080, "10.244.2.20", 40003)
+        .data(b"HTTP/1.1 200 OK\r\n")
+        .build();
     // At ingress (from the backend's veth) the reply passes: reverse NAT is for the egress side.
     let at_ingress = ingress(&mut s, &reply);
     assert_bytes(&at_ingress.packet, &reply, "reply at ingress");
     let out = egress(&mut s, &reply);
     assert_eq!(out.action, OK);
-    assert_bytes(&out.packet, &rewritten(&reply, Some(("10.96.0.10", 80)), None), "reverse NAT");
+    assert_bytes(
+        &out.packet,
+        &rewritten(&reply, Some(("10.96.0.10", 80)), None),
+        "reverse NAT",
+    );
 }
 
 #[test]
@@ -160,22 +256,43 @@ fn nodeport_from_outside_is_translated_and_masqueraded_both_ways() {
     let mut s = scratch(true);
     let syn = packet::tcp(CLIENT, 41000, NODE_IP, 30080).build();
     let dnat = ingress(&mut s, &syn);
-    assert_bytes(&dnat.packet, &rewritten(&syn, None, Some(("10.244.2.7", 8080))), "NodePort DNAT");
+    assert_bytes(
+        &dnat.packet,
+        &rewritten(&syn, None, Some(("10.244.2.7", 8080))),
+        "NodePort DNAT",
+    );
     // Routed towards node b: the source becomes this node.
     let snat = egress(&mut s, &dnat.packet);
     let port = summary(&snat.packet).sport;
     assert!((20_000..=29_999).contains(&port), "masquerade port {port}");
-    assert_bytes(&snat.packet, &rewritten(&dnat.packet, Some((NODE_IP, port)), None), "SNAT");
+    assert_bytes(
+        &snat.packet,
+        &rewritten(&dnat.packet, Some((NODE_IP, port)), None),
+        "SNAT",
+    );
     // The reply comes back to this node's address and masquerade port...
-    let reply = packet::tcp("10.244.2.7", 8080, NODE_IP, port).data(b"pong").build();
+    let reply = packet::tcp("10.244.2.7", 8080, NODE_IP, port)
+        .data(b"pong")
+        .build();
     let unsnat = ingress(&mut s, &reply);
-    assert_bytes(&unsnat.packet, &rewritten(&reply, None, Some((CLIENT, 41000))), "un-SNAT");
+    assert_bytes(
+        &unsnat.packet,
+        &rewritten(&reply, None, Some((CLIENT, 41000))),
+        "un-SNAT",
+    );
     // ... and leaves from the NodePort the client called: egress sees the mark ingress set
     // (handed over explicitly, as the kernel would carry it on the skb).
     assert_ne!(unsnat.mark, 0, "ingress marks un-SNATed replies");
-    let out = s.datapath.test_run_tc_with_mark("lb_tc_egress", &unsnat.packet, unsnat.mark).expect("egress");
+    let out = s
+        .datapath
+        .test_run_tc_with_mark("lb_tc_egress", &unsnat.packet, unsnat.mark)
+        .expect("egress");
     assert_eq!(out.mark, 0, "egress clears the mark");
-    assert_bytes(&out.packet, &rewritten(&unsnat.packet, Some((NODE_IP, 30080)), None), "reverse NAT to the NodePort");
+    assert_bytes(
+        &out.packet,
+        &rewritten(&unsnat.packet, Some((NODE_IP, 30080)), None),
+        "reverse NAT to the NodePort",
+    );
     // A second connection from the same client gets its own masquerade port.
     let syn2 = packet::tcp(CLIENT, 41001, NODE_IP, 30080).build();
     let dnat2 = ingress(&mut s, &syn2).packet;
@@ -189,9 +306,17 @@ fn local_policy_keeps_the_client_source_and_uses_local_endpoints_only() {
     for sport in 42000..42020 {
         let syn = packet::tcp(CLIENT, sport, NODE_IP, 30081).build();
         let out = ingress(&mut s, &syn);
-        assert_bytes(&out.packet, &rewritten(&syn, None, Some(("10.244.1.6", 8080))), "ETP=Local");
+        assert_bytes(
+            &out.packet,
+            &rewritten(&syn, None, Some(("10.244.1.6", 8080))),
+            "ETP=Local",
+        );
         let leaving = egress(&mut s, &out.packet);
-        assert_eq!(summary(&leaving.packet).src, CLIENT.parse::<Ipv4Addr>().unwrap(), "client IP preserved");
+        assert_eq!(
+            summary(&leaving.packet).src,
+            CLIENT.parse::<Ipv4Addr>().unwrap(),
+            "client IP preserved"
+        );
     }
     // A pod (cluster CIDR) calling the same NodePort is short-circuited to all endpoints.
     let mut seen = std::collections::BTreeSet::new();
@@ -199,7 +324,11 @@ fn local_policy_keeps_the_client_source_and_uses_local_endpoints_only() {
         let syn = packet::tcp("10.244.3.3", sport, NODE_IP, 30081).build();
         seen.insert(summary(&ingress(&mut s, &syn).packet).dst);
     }
-    assert_eq!(seen.len(), 2, "pod traffic uses the cluster-wide endpoints: {seen:?}");
+    assert_eq!(
+        seen.len(),
+        2,
+        "pod traffic uses the cluster-wide endpoints: {seen:?}"
+    );
 }
 
 #[test]
@@ -213,11 +342,22 @@ fn local_policy_without_local_endpoints_drops() {
 #[test]
 fn a_service_without_endpoints_is_rejected_with_icmp_port_unreachable() {
     let mut s = scratch(true);
-    for syn in [packet::tcp(CLIENT, 42200, "10.96.0.14", 80).build(), packet::udp(CLIENT, 42201, "10.96.0.14", 53).build()] {
+    for syn in [
+        packet::tcp(CLIENT, 42200, "10.96.0.14", 80).build(),
+        packet::udp(CLIENT, 42201, "10.96.0.14", 53).build(),
+    ] {
         let out = ingress(&mut s, &syn);
-        assert_eq!(out.action, REDIRECT, "sent back out of the interface it came in on");
+        assert_eq!(
+            out.action, REDIRECT,
+            "sent back out of the interface it came in on"
+        );
         let expected = {
-            let mut e = packet::icmp_error("10.96.0.14", CLIENT, Icmpv4Type::DestinationUnreachable(DestUnreachableHeader::Port), &syn);
+            let mut e = packet::icmp_error(
+                "10.96.0.14",
+                CLIENT,
+                Icmpv4Type::DestinationUnreachable(DestUnreachableHeader::Port),
+                &syn,
+            );
             // The program sends it back: Ethernet addresses swapped, TOS 0xc0 (internetwork
             // control, as the kernel's ICMP errors), no DF, id 0.
             e[0..6].copy_from_slice(&packet::CLIENT_MAC);
@@ -226,8 +366,16 @@ fn a_service_without_endpoints_is_rejected_with_icmp_port_unreachable() {
         };
         verify_checksums(&out.packet).unwrap();
         assert_eq!(&out.packet[..12], &expected[..12], "Ethernet addresses swapped");
-        assert_eq!(&out.packet[14 + 12..14 + 20], &expected[14 + 12..14 + 20], "from the frontend to the client");
-        assert_eq!(&out.packet[34..], &expected[34..], "ICMP port unreachable quoting the packet");
+        assert_eq!(
+            &out.packet[14 + 12..14 + 20],
+            &expected[14 + 12..14 + 20],
+            "from the frontend to the client"
+        );
+        assert_eq!(
+            &out.packet[34..],
+            &expected[34..],
+            "ICMP port unreachable quoting the packet"
+        );
     }
 }
 
@@ -238,10 +386,17 @@ fn load_balancer_source_ranges_are_enforced() {
     assert_eq!(ingress(&mut s, &denied).action, SHOT);
     let allowed = packet::tcp("198.51.100.7", 42301, "203.0.113.10", 80).build();
     let out = ingress(&mut s, &allowed);
-    assert_bytes(&out.packet, &rewritten(&allowed, None, Some(("10.244.1.5", 8080))), "allowed source");
+    assert_bytes(
+        &out.packet,
+        &rewritten(&allowed, None, Some(("10.244.1.5", 8080))),
+        "allowed source",
+    );
     // NodePorts are not filtered by source ranges (kube-proxy).
     let np = packet::tcp(CLIENT, 42302, NODE_IP, 30083).build();
-    assert_eq!(summary(&ingress(&mut s, &np).packet).dst, "10.244.1.5".parse::<Ipv4Addr>().unwrap());
+    assert_eq!(
+        summary(&ingress(&mut s, &np).packet).dst,
+        "10.244.1.5".parse::<Ipv4Addr>().unwrap()
+    );
 }
 
 #[test]
@@ -250,11 +405,23 @@ fn hairpin_is_masqueraded() {
     // The backend pod calls its own Service.
     let syn = packet::tcp("10.244.1.5", 44000, "10.96.0.10", 80).build();
     let dnat = ingress(&mut s, &syn);
-    assert_bytes(&dnat.packet, &rewritten(&syn, None, Some(("10.244.1.5", 8080))), "hairpin DNAT");
+    assert_bytes(
+        &dnat.packet,
+        &rewritten(&syn, None, Some(("10.244.1.5", 8080))),
+        "hairpin DNAT",
+    );
     let snat = egress(&mut s, &dnat.packet);
     let s2 = summary(&snat.packet);
-    assert_eq!(s2.src, NODE_IP.parse::<Ipv4Addr>().unwrap(), "the pod sees the node, not itself");
-    assert_bytes(&snat.packet, &rewritten(&dnat.packet, Some((NODE_IP, s2.sport)), None), "hairpin SNAT");
+    assert_eq!(
+        s2.src,
+        NODE_IP.parse::<Ipv4Addr>().unwrap(),
+        "the pod sees the node, not itself"
+    );
+    assert_bytes(
+        &snat.packet,
+        &rewritten(&dnat.packet, Some((NODE_IP, s2.sport)), None),
+        "hairpin SNAT",
+    );
 }
 
 #[test]
@@ -304,7 +471,11 @@ fn truncated_and_fragmented_packets_pass_untouched() {
     frag.more_fragments = true;
     let frag = frag.build();
     let out = ingress(&mut s, &frag);
-    assert_eq!((out.action, out.packet), (OK, frag), "fragments are never translated");
+    assert_eq!(
+        (out.action, out.packet),
+        (OK, frag),
+        "fragments are never translated"
+    );
 }
 
 #[test]
@@ -314,7 +485,11 @@ fn ip_options_are_handled() {
     spec.options = vec![1, 1, 1, 0]; // NOP, NOP, NOP, EOL
     let syn = spec.build();
     let out = ingress(&mut s, &syn);
-    assert_bytes(&out.packet, &rewritten(&syn, None, Some(("10.244.1.5", 8080))), "DNAT with IP options");
+    assert_bytes(
+        &out.packet,
+        &rewritten(&syn, None, Some(("10.244.1.5", 8080))),
+        "DNAT with IP options",
+    );
 }
 
 #[test]
@@ -322,13 +497,20 @@ fn udp_is_translated_and_a_zero_checksum_stays_zero() {
     let mut s = scratch(true);
     let dgram = packet::udp("10.244.2.20", 45300, "10.96.0.16", 53).build();
     let out = ingress(&mut s, &dgram);
-    assert_bytes(&out.packet, &rewritten(&dgram, None, Some(("10.244.1.5", 5353))), "UDP DNAT");
+    assert_bytes(
+        &out.packet,
+        &rewritten(&dgram, None, Some(("10.244.1.5", 5353))),
+        "UDP DNAT",
+    );
     let mut no_csum = packet::udp("10.244.2.20", 45301, "10.96.0.16", 53).build();
     no_csum[40] = 0;
     no_csum[41] = 0;
     let out = ingress(&mut s, &no_csum);
     assert_eq!(&out.packet[40..42], &[0, 0], "no checksum stays no checksum");
-    assert_eq!(summary(&out.packet).dst, "10.244.1.5".parse::<Ipv4Addr>().unwrap());
+    assert_eq!(
+        summary(&out.packet).dst,
+        "10.244.1.5".parse::<Ipv4Addr>().unwrap()
+    );
 }
 
 #[test]
@@ -342,8 +524,16 @@ fn a_udp_flow_whose_backend_is_removed_moves_to_a_live_one() {
     );
     let mut s = scratch_with(&st, true);
     let dgram = packet::udp("10.244.2.20", 45400, "10.96.0.16", 53).build();
-    assert_eq!(summary(&ingress(&mut s, &dgram).packet).dst, "10.244.1.5".parse::<Ipv4Addr>().unwrap());
-    st.add_slice(slice("t", "dns", "dns-1").endpoint("10.244.1.77", "node-a", State::Ready).port("dns", "UDP", 5353).build());
+    assert_eq!(
+        summary(&ingress(&mut s, &dgram).packet).dst,
+        "10.244.1.5".parse::<Ipv4Addr>().unwrap()
+    );
+    st.add_slice(
+        slice("t", "dns", "dns-1")
+            .endpoint("10.244.1.77", "node-a", State::Ready)
+            .port("dns", "UDP", 5353)
+            .build(),
+    );
     s.program(&st).unwrap();
     assert_eq!(
         summary(&ingress(&mut s, &dgram).packet).dst,
@@ -360,21 +550,40 @@ fn icmp_errors_for_a_masqueraded_flow_are_translated_back() {
     let snat = egress(&mut s, &dnat.packet);
     let port = summary(&snat.packet).sport;
     // A router between the nodes cannot forward the (masqueraded) packet without fragmenting it.
-    let frag_needed = packet::icmp_error("10.244.2.1", NODE_IP, Icmpv4Type::DestinationUnreachable(DestUnreachableHeader::FragmentationNeeded { next_hop_mtu: 1400 }), &snat.packet);
+    let frag_needed = packet::icmp_error(
+        "10.244.2.1",
+        NODE_IP,
+        Icmpv4Type::DestinationUnreachable(DestUnreachableHeader::FragmentationNeeded { next_hop_mtu: 1400 }),
+        &snat.packet,
+    );
     let back = ingress(&mut s, &frag_needed);
     assert_eq!(back.action, OK);
     verify_checksums(&back.packet).unwrap();
     packet::verify_quoted_ip_checksum(&back.packet).unwrap();
     let outer = &back.packet[14..34];
-    assert_eq!(&outer[16..20], &CLIENT.parse::<Ipv4Addr>().unwrap().octets(), "addressed to the client");
+    assert_eq!(
+        &outer[16..20],
+        &CLIENT.parse::<Ipv4Addr>().unwrap().octets(),
+        "addressed to the client"
+    );
     let q = packet::quoted_summary(&back.packet);
-    assert_eq!((q.src, q.sport), (CLIENT.parse().unwrap(), 46000), "quotes the client's own source");
+    assert_eq!(
+        (q.src, q.sport),
+        (CLIENT.parse().unwrap(), 46000),
+        "quotes the client's own source"
+    );
     assert_eq!((q.dst, q.dport), ("10.244.2.7".parse().unwrap(), 8080));
     // Leaving towards the client, the quote names the NodePort the client called.
-    let out = s.datapath.test_run_tc_with_mark("lb_tc_egress", &back.packet, back.mark).expect("egress");
+    let out = s
+        .datapath
+        .test_run_tc_with_mark("lb_tc_egress", &back.packet, back.mark)
+        .expect("egress");
     verify_checksums(&out.packet).unwrap();
     packet::verify_quoted_ip_checksum(&out.packet).unwrap();
     let q = packet::quoted_summary(&out.packet);
-    assert_eq!((q.src, q.sport, q.dst, q.dport), (CLIENT.parse().unwrap(), 46000, NODE_IP.parse().unwrap(), 30080));
+    assert_eq!(
+        (q.src, q.sport, q.dst, q.dport),
+        (CLIENT.parse().unwrap(), 46000, NODE_IP.parse().unwrap(), 30080)
+    );
     assert!((20_000..=29_999).contains(&port));
 }

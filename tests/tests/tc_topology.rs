@@ -6,15 +6,15 @@
 use std::net::Ipv4Addr;
 
 use lb_tests::{
-    agent::{bpf_root_in, Agent, AgentOptions},
+    agent::{Agent, AgentOptions, bpf_root_in},
     bpffs::BpfFs,
     cgroup::Cgroup,
-    fixtures::{service, slice, write_manifests, State},
+    fixtures::{State, service, slice, write_manifests},
     netns::NetNs,
     probe,
     process::{Place, Proc},
     require_root,
-    topo::{external_client, Lan, Node},
+    topo::{Lan, Node, external_client},
 };
 use serde_json::Value;
 
@@ -54,7 +54,14 @@ fn cluster() -> Cluster {
     let (client, client_ip) = external_client(&lan, 1);
     let servers = [&nodes[0].pods[0], &nodes[1].pods[0]]
         .iter()
-        .map(|p| probe::server(Place::netns(&p.ns), &p.ip.to_string(), &["0.0.0.0:8080"], &["0.0.0.0:5353"]))
+        .map(|p| {
+            probe::server(
+                Place::netns(&p.ns),
+                &p.ip.to_string(),
+                &["0.0.0.0:8080"],
+                &["0.0.0.0:5353"],
+            )
+        })
         .collect();
 
     let manifests = tempfile::tempdir().unwrap();
@@ -62,14 +69,38 @@ fn cluster() -> Cluster {
         manifests.path(),
         "cluster.yaml",
         &[
-            service("demo", "web").cluster_ip("10.96.0.20").port("http", "TCP", 80, 8080).node_port(30080).port("dns", "UDP", 53, 5353).node_port(30053).build(),
-            service("demo", "local").cluster_ip("10.96.0.21").port("http", "TCP", 80, 8080).node_port(30081).external_traffic_policy("Local").build(),
-            service("demo", "self").cluster_ip("10.96.0.22").port("http", "TCP", 80, 8080).build(),
+            service("demo", "web")
+                .cluster_ip("10.96.0.20")
+                .port("http", "TCP", 80, 8080)
+                .node_port(30080)
+                .port("dns", "UDP", 53, 5353)
+                .node_port(30053)
+                .build(),
+            service("demo", "local")
+                .cluster_ip("10.96.0.21")
+                .port("http", "TCP", 80, 8080)
+                .node_port(30081)
+                .external_traffic_policy("Local")
+                .build(),
+            service("demo", "self")
+                .cluster_ip("10.96.0.22")
+                .port("http", "TCP", 80, 8080)
+                .build(),
         ],
         &[
-            slice("demo", "web", "web-1").endpoint("10.244.2.2", "node-2", State::Ready).port("http", "TCP", 8080).port("dns", "UDP", 5353).build(),
-            slice("demo", "local", "local-1").endpoint("10.244.1.2", "node-1", State::Ready).port("http", "TCP", 8080).build(),
-            slice("demo", "self", "self-1").endpoint("10.244.1.2", "node-1", State::Ready).port("http", "TCP", 8080).build(),
+            slice("demo", "web", "web-1")
+                .endpoint("10.244.2.2", "node-2", State::Ready)
+                .port("http", "TCP", 8080)
+                .port("dns", "UDP", 5353)
+                .build(),
+            slice("demo", "local", "local-1")
+                .endpoint("10.244.1.2", "node-1", State::Ready)
+                .port("http", "TCP", 8080)
+                .build(),
+            slice("demo", "self", "self-1")
+                .endpoint("10.244.1.2", "node-1", State::Ready)
+                .port("http", "TCP", 8080)
+                .build(),
         ],
     );
     let mut cgroups = Vec::new();
@@ -84,11 +115,26 @@ fn cluster() -> Cluster {
             node_name: format!("node-{}", node.index),
             manifests: Some(manifests.path().to_path_buf()),
             kubeconfig: None,
-            extra_args: vec!["--cluster-cidr".into(), "10.244.0.0/16".into(), "--bind-address".into(), node_ip],
+            extra_args: vec![
+                "--cluster-cidr".into(),
+                "10.244.0.0/16".into(),
+                "--bind-address".into(),
+                node_ip,
+            ],
         }));
         cgroups.push(cgroup);
     }
-    Cluster { _agents: agents, _servers: servers, _cgroups: cgroups, _manifests: manifests, client, client_ip, nodes, _lan: lan, _bpffs: bpffs }
+    Cluster {
+        _agents: agents,
+        _servers: servers,
+        _cgroups: cgroups,
+        _manifests: manifests,
+        client,
+        client_ip,
+        nodes,
+        _lan: lan,
+        _bpffs: bpffs,
+    }
 }
 
 fn ok(results: &[Value]) -> &[Value] {
@@ -99,7 +145,11 @@ fn ok(results: &[Value]) -> &[Value] {
 }
 
 fn host_of(addr: &Value) -> String {
-    addr.as_str().unwrap_or_default().rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or_default()
+    addr.as_str()
+        .unwrap_or_default()
+        .rsplit_once(':')
+        .map(|(h, _)| h.to_string())
+        .unwrap_or_default()
 }
 
 #[test]
@@ -114,7 +164,11 @@ fn external_traffic_through_the_tc_path() {
     // NodePort the client called.
     for r in ok(&probe::tcp(client, &format!("{node1}:30080"), 5)) {
         assert_eq!(probe::server_of(r), Some("10.244.2.2"), "{r}");
-        assert_eq!(host_of(&r["reply"]["client"]), node1.to_string(), "the backend sees node 1: {r}");
+        assert_eq!(
+            host_of(&r["reply"]["client"]),
+            node1.to_string(),
+            "the backend sees node 1: {r}"
+        );
         assert_eq!(r["peer"], format!("{node1}:30080"));
     }
     // The same NodePort on node 3, which has no pod at all.
@@ -125,13 +179,20 @@ fn external_traffic_through_the_tc_path() {
     // externalTrafficPolicy=Local on the node with the endpoint: the client's address is kept.
     for r in ok(&probe::tcp(client, &format!("{node1}:30081"), 5)) {
         assert_eq!(probe::server_of(r), Some("10.244.1.2"));
-        assert_eq!(host_of(&r["reply"]["client"]), c.client_ip.to_string(), "client IP preserved: {r}");
+        assert_eq!(
+            host_of(&r["reply"]["client"]),
+            c.client_ip.to_string(),
+            "client IP preserved: {r}"
+        );
         assert_eq!(r["peer"], format!("{node1}:30081"));
     }
     // ... and on a node without one: dropped (no answer at all, as with kube-proxy).
     let r = &probe::tcp(client, &format!("{node2}:30081"), 1)[0];
     assert_eq!(r["ok"], false, "{r}");
-    assert!(r["errno"] == ETIMEDOUT || r["errno"] == EAGAIN, "dropped, not refused: {r}");
+    assert!(
+        r["errno"] == ETIMEDOUT || r["errno"] == EAGAIN,
+        "dropped, not refused: {r}"
+    );
 
     // UDP both ways: the reply comes from the NodePort.
     for r in ok(&probe::udp(client, &format!("{node1}:30053"), 5, false)) {
@@ -143,7 +204,10 @@ fn external_traffic_through_the_tc_path() {
     let bulk = probe::tcp_bulk(client, &format!("{node1}:30080"), 10 * 1024 * 1024);
     assert_eq!(bulk["ok"], true, "{bulk}");
     assert_eq!(bulk["reply"]["extra"]["bytes"], 10 * 1024 * 1024);
-    assert_eq!(bulk["reply"]["extra"]["fnv1a"], bulk["sent_fnv1a"], "the data arrived intact");
+    assert_eq!(
+        bulk["reply"]["extra"]["fnv1a"], bulk["sent_fnv1a"],
+        "the data arrived intact"
+    );
 }
 
 #[test]
@@ -160,7 +224,11 @@ fn pods_through_tc_cluster_ip_and_hairpin() {
     // client, and the reply as coming from the Service.
     for r in ok(&probe::tcp(pod1, "10.96.0.22:80", 3)) {
         assert_eq!(probe::server_of(r), Some("10.244.1.2"));
-        assert_eq!(host_of(&r["reply"]["client"]), c.nodes[0].ip.unwrap().to_string(), "masqueraded hairpin: {r}");
+        assert_eq!(
+            host_of(&r["reply"]["client"]),
+            c.nodes[0].ip.unwrap().to_string(),
+            "masqueraded hairpin: {r}"
+        );
         assert_eq!(r["peer"], "10.96.0.22:80");
     }
     // A pod calling a Local NodePort on another node: pod traffic uses all endpoints.

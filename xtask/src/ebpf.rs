@@ -22,7 +22,12 @@ pub fn build() -> Result<PathBuf> {
     let mut paths = vec![bpf_linker_dir().join("bin")];
     paths.extend(std::env::split_paths(&path));
     // The same flags as aya-build: BTF comes from debuginfo plus bpf-linker's --btf.
-    let rustflags = ["--cfg=bpf_target_arch=\"x86_64\"", "-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f");
+    let rustflags = [
+        "--cfg=bpf_target_arch=\"x86_64\"",
+        "-Cdebuginfo=2",
+        "-Clink-arg=--btf",
+    ]
+    .join("\x1f");
     run(clean_cargo(Some(&ebpf_toolchain()))
         .args(["build", "--package", "lb-ebpf", "--bins", "--release"])
         .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])

@@ -18,7 +18,10 @@ mod util;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "cargo xtask", about = "Developer commands for the eBPF service load balancer")]
+#[command(
+    name = "cargo xtask",
+    about = "Developer commands for the eBPF service load balancer"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -39,9 +42,7 @@ enum Command {
         no_e2e: bool,
     },
     /// Run only the end-to-end tests against a real kube-apiserver.
-    E2e {
-        filter: Option<String>,
-    },
+    E2e { filter: Option<String> },
     /// Start the local sandbox cluster and show live traffic (the README's first command).
     Sandbox {
         /// Arguments passed to the sandbox (see `cargo xtask sandbox -- --help`).

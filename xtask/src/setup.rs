@@ -9,7 +9,7 @@ use std::{
     process::Command,
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 
 use crate::util::{self, cache_dir, ebpf_toolchain, have, output, run, step};
 
@@ -40,12 +40,19 @@ pub fn ebpf_toolchain_and_linker() -> Result<()> {
 
 /// Installs the Debian packages whose commands are missing.
 pub fn packages() -> Result<()> {
-    let missing: Vec<&str> = PACKAGES.iter().filter(|(cmd, _)| !have(cmd)).map(|(_, pkg)| *pkg).collect();
+    let missing: Vec<&str> = PACKAGES
+        .iter()
+        .filter(|(cmd, _)| !have(cmd))
+        .map(|(_, pkg)| *pkg)
+        .collect();
     if missing.is_empty() {
         return Ok(());
     }
     if !nix_is_root() {
-        bail!("missing Debian packages {missing:?}; run as root or install them: apt-get install {}", missing.join(" "));
+        bail!(
+            "missing Debian packages {missing:?}; run as root or install them: apt-get install {}",
+            missing.join(" ")
+        );
     }
     step(&format!("installing Debian packages: {}", missing.join(" ")));
     let install = |update: bool| -> Result<()> {
@@ -72,13 +79,27 @@ fn nightly() -> Result<()> {
     let installed = output(Command::new("rustup").args(["toolchain", "list"]))?;
     let has_toolchain = installed.lines().any(|l| l.starts_with(&toolchain));
     let has_src = has_toolchain
-        && output(Command::new("rustup").args(["component", "list", "--installed", "--toolchain", &toolchain]))?
-            .lines()
-            .any(|l| l.starts_with("rust-src"));
+        && output(Command::new("rustup").args([
+            "component",
+            "list",
+            "--installed",
+            "--toolchain",
+            &toolchain,
+        ]))?
+        .lines()
+        .any(|l| l.starts_with("rust-src"));
     if !has_src {
-        step(&format!("installing Rust toolchain {toolchain} with rust-src (for the eBPF crate)"));
+        step(&format!(
+            "installing Rust toolchain {toolchain} with rust-src (for the eBPF crate)"
+        ));
         run(Command::new("rustup").args([
-            "toolchain", "install", &toolchain, "--profile", "minimal", "--component", "rust-src",
+            "toolchain",
+            "install",
+            &toolchain,
+            "--profile",
+            "minimal",
+            "--component",
+            "rust-src",
         ]))?;
     }
     Ok(())
@@ -87,7 +108,9 @@ fn nightly() -> Result<()> {
 /// The nightly's sysroot and LLVM major version (`rustc -vV`).
 fn nightly_llvm() -> Result<(PathBuf, String, PathBuf)> {
     let toolchain = ebpf_toolchain();
-    let sysroot = PathBuf::from(output(Command::new("rustup").args(["run", &toolchain, "rustc", "--print", "sysroot"]))?.trim());
+    let sysroot = PathBuf::from(
+        output(Command::new("rustup").args(["run", &toolchain, "rustc", "--print", "sysroot"]))?.trim(),
+    );
     let version = output(Command::new("rustup").args(["run", &toolchain, "rustc", "-vV"]))?;
     let llvm = version
         .lines()
@@ -96,7 +119,11 @@ fn nightly_llvm() -> Result<(PathBuf, String, PathBuf)> {
     let major = llvm.split('.').next().unwrap_or_default().to_string();
     let lib = fs::read_dir(sysroot.join("lib"))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&format!("libLLVM.so.{major}"))))
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(&format!("libLLVM.so.{major}")))
+        })
         .with_context(|| format!("no libLLVM.so.{major}* in {}/lib", sysroot.display()))?;
     Ok((sysroot, major, lib))
 }
@@ -111,7 +138,12 @@ pub fn bpf_linker_dir() -> PathBuf {
 fn bpf_linker() -> Result<PathBuf> {
     let root = bpf_linker_dir();
     let binary = root.join("bin/bpf-linker");
-    if binary.is_file() && Command::new(&binary).arg("--version").output().is_ok_and(|o| o.status.success()) {
+    if binary.is_file()
+        && Command::new(&binary)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    {
         return Ok(binary);
     }
     let version = std::env::var("LB_BPF_LINKER_VERSION").unwrap_or_else(|_| "0.13.0".into());
@@ -123,15 +155,28 @@ fn bpf_linker() -> Result<PathBuf> {
     let _ = fs::remove_file(&link);
     symlink(&lib, &link)?;
     let lib_dir = lib.parent().map(Path::to_path_buf).unwrap_or_default();
-    step(&format!("building bpf-linker {version} against LLVM {major} of {} (about 2 minutes, once)", ebpf_toolchain()));
+    step(&format!(
+        "building bpf-linker {version} against LLVM {major} of {} (about 2 minutes, once)",
+        ebpf_toolchain()
+    ));
     run(util::clean_cargo(None)
-        .args(["install", "bpf-linker", "--version", &version, "--locked", "--no-default-features"])
+        .args([
+            "install",
+            "bpf-linker",
+            "--version",
+            &version,
+            "--locked",
+            "--no-default-features",
+        ])
         .args(["--features", &format!("llvm-{major}")])
         .arg("--root")
         .arg(&root)
         .env("LLVM_PREFIX", &prefix)
         // A runpath to the toolchain's lib dir, so the linker runs outside rustup too.
-        .env("RUSTFLAGS", format!("-C link-arg=-Wl,-rpath,{}", lib_dir.display()))
+        .env(
+            "RUSTFLAGS",
+            format!("-C link-arg=-Wl,-rpath,{}", lib_dir.display()),
+        )
         .current_dir(cache_dir()))?;
     if !binary.is_file() {
         bail!("bpf-linker was not installed at {}", binary.display());

@@ -10,7 +10,7 @@ use std::{
     time::Instant,
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 
 use crate::{
     ebpf, k8s, setup,
@@ -30,11 +30,15 @@ struct Summary {
 
 impl Summary {
     fn add_line(&mut self, line: &str) {
-        let Some(rest) = line.strip_prefix("test result: ") else { return };
+        let Some(rest) = line.strip_prefix("test result: ") else {
+            return;
+        };
         self.binaries += 1;
         for part in rest.split(';') {
             let mut words = part.split_whitespace().rev();
-            let (Some(what), Some(n)) = (words.next(), words.next()) else { continue };
+            let (Some(what), Some(n)) = (words.next(), words.next()) else {
+                continue;
+            };
             let n: u64 = n.trim_end_matches('.').parse().unwrap_or(0);
             match what {
                 "passed" => self.passed += n,
@@ -67,15 +71,18 @@ fn lb_tests_targets(with_e2e: bool) -> Result<Vec<String>> {
 fn require_root() -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        bail!(
-            "the privileged tests need root (network namespaces, cgroups, BPF); run `sudo -E ./x test`"
-        );
+        bail!("the privileged tests need root (network namespaces, cgroups, BPF); run `sudo -E ./x test`");
     }
     Ok(())
 }
 
 /// Runs one cargo test invocation, streaming its output and adding its result lines to `summary`.
-fn cargo_test(args: &[String], filter: Option<&str>, envs: &[(&str, String)], summary: &mut Summary) -> Result<bool> {
+fn cargo_test(
+    args: &[String],
+    filter: Option<&str>,
+    envs: &[(&str, String)],
+    summary: &mut Summary,
+) -> Result<bool> {
     let mut cmd = clean_cargo(None);
     cmd.arg("test").args(args).arg("--no-fail-fast").arg("--");
     if let Some(f) = filter {
@@ -91,8 +98,18 @@ fn cargo_test(args: &[String], filter: Option<&str>, envs: &[(&str, String)], su
     let err = child.stderr.take().expect("piped");
     let tx2 = tx.clone();
     let readers = [
-        thread::spawn(move || BufReader::new(out).lines().map_while(Result::ok).for_each(|l| drop(tx.send((true, l))))),
-        thread::spawn(move || BufReader::new(err).lines().map_while(Result::ok).for_each(|l| drop(tx2.send((false, l))))),
+        thread::spawn(move || {
+            BufReader::new(out)
+                .lines()
+                .map_while(Result::ok)
+                .for_each(|l| drop(tx.send((true, l))))
+        }),
+        thread::spawn(move || {
+            BufReader::new(err)
+                .lines()
+                .map_while(Result::ok)
+                .for_each(|l| drop(tx2.send((false, l))))
+        }),
     ];
     let mut current_binary = String::new();
     for (is_stdout, line) in rx {
@@ -182,7 +199,10 @@ pub fn run_e2e(filter: Option<&str>) -> Result<()> {
     let envs = test_env(true)?;
     let mut summary = Summary::default();
     let mut args = vec!["--package".to_string(), "lb-tests".into()];
-    for t in lb_tests_targets(true)?.into_iter().filter(|t| t.starts_with("e2e")) {
+    for t in lb_tests_targets(true)?
+        .into_iter()
+        .filter(|t| t.starts_with("e2e"))
+    {
         args.push("--test".into());
         args.push(t);
     }
@@ -202,7 +222,17 @@ pub fn run_tool(bin: &str, args: &[String]) -> Result<()> {
     let envs = test_env(true)?;
     step(&format!("building {bin}"));
     let mut cmd: Command = clean_cargo(None);
-    cmd.args(["run", "--release", "--quiet", "--package", "lb-tests", "--bin", bin, "--"]).args(args);
+    cmd.args([
+        "run",
+        "--release",
+        "--quiet",
+        "--package",
+        "lb-tests",
+        "--bin",
+        bin,
+        "--",
+    ])
+    .args(args);
     for (k, v) in envs {
         cmd.env(k, v);
     }

@@ -7,11 +7,14 @@ use std::{
     time::Instant,
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 
 /// The workspace root (xtask lives one level below it).
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask is inside the workspace").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask is inside the workspace")
+        .to_path_buf()
 }
 
 /// Where built tools are cached between runs: `$LB_CACHE_DIR`, else `$XDG_CACHE_HOME/lb`, else
@@ -51,7 +54,11 @@ pub fn run(cmd: &mut Command) -> Result<()> {
 pub fn output(cmd: &mut Command) -> Result<String> {
     let out = cmd.output().with_context(|| format!("cannot start {cmd:?}"))?;
     if !out.status.success() {
-        bail!("{cmd:?} failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+        bail!(
+            "{cmd:?} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Ok(String::from_utf8(out.stdout)?)
 }
@@ -75,7 +82,14 @@ pub fn clean_cargo(toolchain: Option<&str>) -> Command {
         None => Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into())),
     };
     if toolchain.is_some() {
-        for var in ["RUSTUP_TOOLCHAIN", "RUSTC", "RUSTC_WRAPPER", "RUSTC_WORKSPACE_WRAPPER", "CARGO", "RUSTDOC"] {
+        for var in [
+            "RUSTUP_TOOLCHAIN",
+            "RUSTC",
+            "RUSTC_WRAPPER",
+            "RUSTC_WORKSPACE_WRAPPER",
+            "CARGO",
+            "RUSTDOC",
+        ] {
             cmd.env_remove(var);
         }
     }

@@ -2,11 +2,15 @@
 //! Like Cilium's `checkOrMountDefaultLocations`: when the parent is not a bpffs (bpffs is often
 //! not mounted on a fresh machine), mount one there.
 
-use std::{fs, io, os::unix::fs::DirBuilderExt, path::{Path, PathBuf}};
+use std::{
+    fs, io,
+    os::unix::fs::DirBuilderExt,
+    path::{Path, PathBuf},
+};
 
 use nix::{
-    mount::{mount, MsFlags},
-    sys::statfs::{statfs, BPF_FS_MAGIC},
+    mount::{MsFlags, mount},
+    sys::statfs::{BPF_FS_MAGIC, statfs},
 };
 
 /// The pin layout under the root.
@@ -43,17 +47,33 @@ pub fn prepare(paths: &PinPaths) -> io::Result<()> {
     let root = &paths.root;
     let mut base = root.as_path();
     while !base.exists() {
-        base = base.parent().ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "bpf root has no existing ancestor"))?;
+        base = base
+            .parent()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "bpf root has no existing ancestor"))?;
     }
     if !is_bpffs(base) {
         // The standard place: mount there, as Cilium and the DaemonSet's init step do.
-        let mount_point = if root.starts_with("/sys/fs/bpf") { Path::new("/sys/fs/bpf") } else { base };
+        let mount_point = if root.starts_with("/sys/fs/bpf") {
+            Path::new("/sys/fs/bpf")
+        } else {
+            base
+        };
         if !is_bpffs(mount_point) {
             tracing::info!(path = %mount_point.display(), "bpffs is not mounted: mounting it");
-            mount(Some("bpf"), mount_point, Some("bpf"), MsFlags::empty(), None::<&str>).map_err(|e| {
+            mount(
+                Some("bpf"),
+                mount_point,
+                Some("bpf"),
+                MsFlags::empty(),
+                None::<&str>,
+            )
+            .map_err(|e| {
                 io::Error::new(
                     io::ErrorKind::PermissionDenied,
-                    format!("cannot mount bpffs on {}: {e} (needs CAP_SYS_ADMIN; or mount it before starting)", mount_point.display()),
+                    format!(
+                        "cannot mount bpffs on {}: {e} (needs CAP_SYS_ADMIN; or mount it before starting)",
+                        mount_point.display()
+                    ),
                 )
             })?;
         }
@@ -64,7 +84,10 @@ pub fn prepare(paths: &PinPaths) -> io::Result<()> {
     if !is_bpffs(root) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!("{} is not on a bpffs; pins would not survive a restart", root.display()),
+            format!(
+                "{} is not on a bpffs; pins would not survive a restart",
+                root.display()
+            ),
         ));
     }
     Ok(())

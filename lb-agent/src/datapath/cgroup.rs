@@ -2,13 +2,20 @@
 //! layout and often `/sys/fs/cgroup/unified` on a hybrid one, so it is read from the mount table,
 //! never assumed.
 
-use std::{fs, io, os::unix::fs::MetadataExt, path::{Path, PathBuf}};
+use std::{
+    fs, io,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+};
 
 /// The first cgroup2 mount in /proc/self/mounts.
 pub fn cgroup2_mount() -> io::Result<PathBuf> {
     let mounts = fs::read_to_string("/proc/self/mounts")?;
     parse_cgroup2_mount(&mounts).ok_or_else(|| {
-        io::Error::new(io::ErrorKind::NotFound, "no cgroup2 filesystem is mounted (cgroup v2 is required for socket load balancing)")
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            "no cgroup2 filesystem is mounted (cgroup v2 is required for socket load balancing)",
+        )
     })
 }
 
@@ -26,7 +33,10 @@ fn unescape_mount_path(raw: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'\\' && i + 4 <= bytes.len() && bytes[i + 1..i + 4].iter().all(|b| (b'0'..=b'7').contains(b)) {
+        if bytes[i] == b'\\'
+            && i + 4 <= bytes.len()
+            && bytes[i + 1..i + 4].iter().all(|b| (b'0'..=b'7').contains(b))
+        {
             let n = (bytes[i + 1] - b'0') * 64 + (bytes[i + 2] - b'0') * 8 + (bytes[i + 3] - b'0');
             out.push(n);
             i += 4;
@@ -44,7 +54,11 @@ pub fn check_cgroup2_dir(path: &Path) -> io::Result<()> {
     if stat.filesystem_type() != nix::sys::statfs::CGROUP2_SUPER_MAGIC {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!("{} is not on a cgroup2 filesystem (the cgroup2 mount is {:?})", path.display(), cgroup2_mount().ok()),
+            format!(
+                "{} is not on a cgroup2 filesystem (the cgroup2 mount is {:?})",
+                path.display(),
+                cgroup2_mount().ok()
+            ),
         ));
     }
     Ok(())
@@ -62,10 +76,19 @@ mod tests {
     #[test]
     fn finds_unified_and_hybrid_mounts() {
         let hybrid = "tmpfs /sys/fs/cgroup tmpfs rw 0 0\ncgroup /sys/fs/cgroup/cpu cgroup rw,cpu 0 0\ncgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0\n";
-        assert_eq!(parse_cgroup2_mount(hybrid), Some(PathBuf::from("/sys/fs/cgroup/unified")));
+        assert_eq!(
+            parse_cgroup2_mount(hybrid),
+            Some(PathBuf::from("/sys/fs/cgroup/unified"))
+        );
         let unified = "cgroup2 /sys/fs/cgroup cgroup2 rw,nsdelegate 0 0\n";
-        assert_eq!(parse_cgroup2_mount(unified), Some(PathBuf::from("/sys/fs/cgroup")));
+        assert_eq!(
+            parse_cgroup2_mount(unified),
+            Some(PathBuf::from("/sys/fs/cgroup"))
+        );
         assert_eq!(parse_cgroup2_mount("proc /proc proc rw 0 0\n"), None);
-        assert_eq!(parse_cgroup2_mount("cgroup2 /a\\040b cgroup2 rw 0 0\n"), Some(PathBuf::from("/a b")));
+        assert_eq!(
+            parse_cgroup2_mount("cgroup2 /a\\040b cgroup2 rw 0 0\n"),
+            Some(PathBuf::from("/a b"))
+        );
     }
 }

@@ -11,17 +11,16 @@ pub mod cgroup;
 pub mod tc;
 
 use std::{
-    fs,
-    io,
+    fs, io,
     path::{Path, PathBuf},
 };
 
 use aya::{
-    programs::{
-        links::{FdLink, PinnedLink},
-        CgroupAttachMode, CgroupSockAddr, SchedClassifier,
-    },
     Ebpf, EbpfLoader,
+    programs::{
+        CgroupAttachMode, CgroupSockAddr, SchedClassifier,
+        links::{FdLink, PinnedLink},
+    },
 };
 use lb_common::maps as names;
 
@@ -59,9 +58,16 @@ pub enum DatapathError {
     )]
     IncompatiblePin { name: String, detail: String },
     #[error("loading the eBPF object: {source}{hint}")]
-    Load { source: aya::EbpfError, hint: &'static str },
+    Load {
+        source: aya::EbpfError,
+        hint: &'static str,
+    },
     #[error("program {name}: {source}{hint}")]
-    Program { name: String, source: aya::programs::ProgramError, hint: &'static str },
+    Program {
+        name: String,
+        source: aya::programs::ProgramError,
+        hint: &'static str,
+    },
     #[error("cgroup {path}: {source}")]
     Cgroup { path: PathBuf, source: io::Error },
     #[error("pinning {path}: {message}")]
@@ -74,7 +80,10 @@ pub enum DatapathError {
 fn hint_for(message: &str) -> &'static str {
     if message.contains("Operation not permitted") || message.contains("EPERM") {
         " (permission denied: the agent needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON, or root)"
-    } else if message.contains("Invalid argument") || message.contains("not supported") || message.contains("524") {
+    } else if message.contains("Invalid argument")
+        || message.contains("not supported")
+        || message.contains("524")
+    {
         " (the kernel may lack a needed feature: BTF, cgroup sock_addr hooks, bpf_link; see `bpftool feature probe`)"
     } else {
         ""
@@ -84,9 +93,14 @@ fn hint_for(message: &str) -> &'static str {
 /// Where the object comes from and what it is called.
 pub fn object_bytes(path: Option<&Path>) -> Result<std::borrow::Cow<'static, [u8]>, DatapathError> {
     match path {
-        Some(path) => fs::read(path)
-            .map(std::borrow::Cow::Owned)
-            .map_err(|source| DatapathError::ReadObject { path: path.to_path_buf(), source }),
+        Some(path) => {
+            fs::read(path)
+                .map(std::borrow::Cow::Owned)
+                .map_err(|source| DatapathError::ReadObject {
+                    path: path.to_path_buf(),
+                    source,
+                })
+        }
         None if OBJECT.is_empty() => Err(DatapathError::NoObject),
         None => Ok(std::borrow::Cow::Borrowed(OBJECT)),
     }
@@ -102,14 +116,20 @@ impl Datapath {
     /// Loads the object with its maps pinned under `paths` (reusing existing pins) and the
     /// programs verified and ready to attach.
     pub fn load(paths: &PinPaths, caps: &Capacities, object: &[u8]) -> Result<Self, DatapathError> {
-        bpffs::prepare(paths).map_err(|source| DatapathError::Bpffs { path: paths.root.clone(), source })?;
+        bpffs::prepare(paths).map_err(|source| DatapathError::Bpffs {
+            path: paths.root.clone(),
+            source,
+        })?;
         let pin_paths: Vec<(&'static str, PathBuf)> = names::ALL.iter().map(|n| (*n, paths.map(n))).collect();
         let mut loader = EbpfLoader::new();
         for (name, path) in &pin_paths {
             loader.map_pin_path(name, path.as_path());
         }
         let ebpf = Self::load_with(&mut loader, caps, object)?;
-        Ok(Self { ebpf, paths: Some(paths.clone()) })
+        Ok(Self {
+            ebpf,
+            paths: Some(paths.clone()),
+        })
     }
 
     /// Loads the object with private, unpinned maps (trace against manifests, tests).
@@ -122,7 +142,15 @@ impl Datapath {
     /// pinned ones (read-only to the programs), while conntrack, socket reverse NAT, affinity and
     /// counters are private, so a traced packet leaves no state behind.
     pub fn load_for_trace(paths: &PinPaths, object: &[u8]) -> Result<Self, DatapathError> {
-        let shared = [names::SERVICES, names::BACKENDS, names::REVNAT, names::SVC_NAMES, names::AFFINITY_MATCH, names::SOURCE_RANGES, names::CONFIG];
+        let shared = [
+            names::SERVICES,
+            names::BACKENDS,
+            names::REVNAT,
+            names::SVC_NAMES,
+            names::AFFINITY_MATCH,
+            names::SOURCE_RANGES,
+            names::CONFIG,
+        ];
         let capacity = |name: &str| -> Result<u32, DatapathError> {
             Ok(aya::maps::MapInfo::from_pin(paths.map(name))?.max_entries())
         };
@@ -145,7 +173,11 @@ impl Datapath {
         Ok(Self { ebpf, paths: None })
     }
 
-    fn load_with(loader: &mut EbpfLoader<'_>, caps: &Capacities, object: &[u8]) -> Result<Ebpf, DatapathError> {
+    fn load_with(
+        loader: &mut EbpfLoader<'_>,
+        caps: &Capacities,
+        object: &[u8],
+    ) -> Result<Ebpf, DatapathError> {
         loader
             .map_max_entries(names::SERVICES, caps.services)
             .map_max_entries(names::BACKENDS, caps.backends)
@@ -157,9 +189,15 @@ impl Datapath {
             .map_max_entries(names::SOURCE_RANGES, caps.source_ranges)
             .map_max_entries(names::CONNTRACK, caps.conntrack);
         let mut ebpf = loader.load(object).map_err(|source| match source {
-            aya::EbpfError::MapError(aya::maps::MapError::IncompatiblePinnedMap { name, property, expected, actual }) => {
-                DatapathError::IncompatiblePin { name, detail: format!("{property} is {actual}, expected {expected}") }
-            }
+            aya::EbpfError::MapError(aya::maps::MapError::IncompatiblePinnedMap {
+                name,
+                property,
+                expected,
+                actual,
+            }) => DatapathError::IncompatiblePin {
+                name,
+                detail: format!("{property} is {actual}, expected {expected}"),
+            },
             source => {
                 let hint = hint_for(&format!("{source:?}"));
                 DatapathError::Load { source, hint }
@@ -194,22 +232,38 @@ impl Datapath {
             path: PathBuf::new(),
             message: "attaching needs a pinned data path (load, not load_unpinned)".into(),
         })?;
-        cgroup::check_cgroup2_dir(cgroup).map_err(|source| DatapathError::Cgroup { path: cgroup.into(), source })?;
-        let id = cgroup::cgroup_id(cgroup).map_err(|source| DatapathError::Cgroup { path: cgroup.into(), source })?;
+        cgroup::check_cgroup2_dir(cgroup).map_err(|source| DatapathError::Cgroup {
+            path: cgroup.into(),
+            source,
+        })?;
+        let id = cgroup::cgroup_id(cgroup).map_err(|source| DatapathError::Cgroup {
+            path: cgroup.into(),
+            source,
+        })?;
         let dir = cgroup_links_dir(&paths, id);
-        fs::create_dir_all(&dir).map_err(|e| DatapathError::Pin { path: dir.clone(), message: e.to_string() })?;
-        let cgroup_file =
-            fs::File::open(cgroup).map_err(|source| DatapathError::Cgroup { path: cgroup.into(), source })?;
+        fs::create_dir_all(&dir).map_err(|e| DatapathError::Pin {
+            path: dir.clone(),
+            message: e.to_string(),
+        })?;
+        let cgroup_file = fs::File::open(cgroup).map_err(|source| DatapathError::Cgroup {
+            path: cgroup.into(),
+            source,
+        })?;
         for (name, hook) in SOCK_PROGRAMS {
             let pin = dir.join(hook);
             let prog: &mut CgroupSockAddr = program(&mut self.ebpf, name)?;
             match PinnedLink::from_pin(&pin) {
                 Ok(old) => {
                     // Atomic replacement of the running program; the link and its pin stay.
-                    let link = FdLink::from(old).try_into().map_err(|e: aya::programs::links::LinkError| {
-                        DatapathError::Pin { path: pin.clone(), message: e.to_string() }
-                    })?;
-                    prog.attach_to_link(link).map_err(|source| program_error(name, source))?;
+                    let link =
+                        FdLink::from(old)
+                            .try_into()
+                            .map_err(|e: aya::programs::links::LinkError| DatapathError::Pin {
+                                path: pin.clone(),
+                                message: e.to_string(),
+                            })?;
+                    prog.attach_to_link(link)
+                        .map_err(|source| program_error(name, source))?;
                     tracing::debug!(program = name, pin = %pin.display(), "adopted pinned link");
                 }
                 Err(_) => {
@@ -218,11 +272,19 @@ impl Datapath {
                     let link_id = prog
                         .attach(&cgroup_file, CgroupAttachMode::Single)
                         .map_err(|source| program_error(name, source))?;
-                    let link = prog.take_link(link_id).map_err(|source| program_error(name, source))?;
-                    let fd_link: FdLink = link.try_into().map_err(|e: aya::programs::links::LinkError| {
-                        DatapathError::Pin { path: pin.clone(), message: e.to_string() }
+                    let link = prog
+                        .take_link(link_id)
+                        .map_err(|source| program_error(name, source))?;
+                    let fd_link: FdLink =
+                        link.try_into()
+                            .map_err(|e: aya::programs::links::LinkError| DatapathError::Pin {
+                                path: pin.clone(),
+                                message: e.to_string(),
+                            })?;
+                    fd_link.pin(&pin).map_err(|e| DatapathError::Pin {
+                        path: pin.clone(),
+                        message: e.to_string(),
                     })?;
-                    fd_link.pin(&pin).map_err(|e| DatapathError::Pin { path: pin.clone(), message: e.to_string() })?;
                     tracing::debug!(program = name, pin = %pin.display(), "attached and pinned link");
                 }
             }
@@ -245,7 +307,11 @@ pub fn cgroup_link_dirs(paths: &PinPaths) -> Vec<PathBuf> {
     fs::read_dir(paths.links())
         .map(|rd| {
             rd.filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("cgroup-")))
+                .filter(|p| {
+                    p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("cgroup-"))
+                })
                 .collect()
         })
         .unwrap_or_default()
@@ -275,11 +341,22 @@ impl Datapath {
     }
 
     /// Like `test_run_tc`, for a packet carrying `skb->mark` (egress after an ingress that set it).
-    pub fn test_run_tc_with_mark(&mut self, name: &str, packet: &[u8], mark: u32) -> Result<TcRun, DatapathError> {
+    pub fn test_run_tc_with_mark(
+        &mut self,
+        name: &str,
+        packet: &[u8],
+        mark: u32,
+    ) -> Result<TcRun, DatapathError> {
         self.test_run_tc_ctx(name, packet, 1, mark)
     }
 
-    fn test_run_tc_ctx(&mut self, name: &str, packet: &[u8], repeat: u32, mark: u32) -> Result<TcRun, DatapathError> {
+    fn test_run_tc_ctx(
+        &mut self,
+        name: &str,
+        packet: &[u8],
+        repeat: u32,
+        mark: u32,
+    ) -> Result<TcRun, DatapathError> {
         use aya::programs::{TestRun, TestRunOptions};
         use lb_common::trace::tc::{SKB_CB_OFFSET, SKB_CTX_LEN, SKB_MARK_OFFSET};
         let prog: &mut SchedClassifier = program(&mut self.ebpf, name)?;
@@ -296,21 +373,38 @@ impl Datapath {
             repeat: repeat.max(1),
             ..TestRunOptions::default()
         };
-        let result = prog.test_run(opts).map_err(|source| program_error(name, source))?;
+        let result = prog
+            .test_run(opts)
+            .map_err(|source| program_error(name, source))?;
         out.truncate(result.data_size_out as usize);
         let mut cb = [0u32; 5];
         for (i, slot) in cb.iter_mut().enumerate() {
             let at = SKB_CB_OFFSET + 4 * i;
             *slot = u32::from_ne_bytes([ctx_out[at], ctx_out[at + 1], ctx_out[at + 2], ctx_out[at + 3]]);
         }
-        let mark = u32::from_ne_bytes([ctx_out[SKB_MARK_OFFSET], ctx_out[SKB_MARK_OFFSET + 1], ctx_out[SKB_MARK_OFFSET + 2], ctx_out[SKB_MARK_OFFSET + 3]]);
-        Ok(TcRun { action: result.return_value as i32, packet: out, cb, mark, duration: result.duration })
+        let mark = u32::from_ne_bytes([
+            ctx_out[SKB_MARK_OFFSET],
+            ctx_out[SKB_MARK_OFFSET + 1],
+            ctx_out[SKB_MARK_OFFSET + 2],
+            ctx_out[SKB_MARK_OFFSET + 3],
+        ]);
+        Ok(TcRun {
+            action: result.return_value as i32,
+            packet: out,
+            cb,
+            mark,
+            duration: result.duration,
+        })
     }
 }
 
 pub(crate) fn program_error(name: &str, source: aya::programs::ProgramError) -> DatapathError {
     let hint = hint_for(&format!("{source:?}"));
-    DatapathError::Program { name: name.to_string(), source, hint }
+    DatapathError::Program {
+        name: name.to_string(),
+        source,
+        hint,
+    }
 }
 
 pub(crate) fn program<'a, T>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut T, DatapathError>

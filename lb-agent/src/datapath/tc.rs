@@ -2,23 +2,21 @@
 //! TCX links (kernel >= 6.6; a clsact qdisc filter before that), adopting links a previous run
 //! pinned, and detaching from interfaces that went away.
 
-use std::{
-    collections::BTreeMap,
-    fs,
-    path::PathBuf,
-};
+use std::{collections::BTreeMap, fs, path::PathBuf};
 
 use aya::programs::{
+    SchedClassifier,
     links::{FdLink, PinnedLink},
     tc::{self, TcAttachType},
-    SchedClassifier,
 };
 
-use super::{program, program_error, Datapath, DatapathError, PinPaths};
+use super::{Datapath, DatapathError, PinPaths, program, program_error};
 
 /// The tc programs and their hooks.
-pub const TC_PROGRAMS: [(&str, TcAttachType, &str); 2] =
-    [("lb_tc_ingress", TcAttachType::Ingress, "ingress"), ("lb_tc_egress", TcAttachType::Egress, "egress")];
+pub const TC_PROGRAMS: [(&str, TcAttachType, &str); 2] = [
+    ("lb_tc_ingress", TcAttachType::Ingress, "ingress"),
+    ("lb_tc_egress", TcAttachType::Egress, "egress"),
+];
 
 /// One entry of `--devices`: a name, or a prefix ending in `+` (iptables style) or `*`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -49,10 +47,11 @@ pub fn interfaces_up() -> std::io::Result<BTreeMap<String, u32>> {
     use nix::net::if_::InterfaceFlags;
     let mut up = BTreeMap::new();
     for ifaddr in nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)? {
-        if ifaddr.flags.contains(InterfaceFlags::IFF_UP) && !ifaddr.flags.contains(InterfaceFlags::IFF_LOOPBACK) {
-            if let Ok(index) = nix::net::if_::if_nametoindex(ifaddr.interface_name.as_str()) {
-                up.insert(ifaddr.interface_name.clone(), index);
-            }
+        if ifaddr.flags.contains(InterfaceFlags::IFF_UP)
+            && !ifaddr.flags.contains(InterfaceFlags::IFF_LOOPBACK)
+            && let Ok(index) = nix::net::if_::if_nametoindex(ifaddr.interface_name.as_str())
+        {
+            up.insert(ifaddr.interface_name.clone(), index);
         }
     }
     Ok(up)
@@ -74,13 +73,24 @@ fn tc_links_root(paths: &PinPaths) -> PathBuf {
 /// Pin names may not contain '.', which interface names may (VLANs): keep names readable and
 /// unique through the ifindex.
 fn device_dir(paths: &PinPaths, ifindex: u32, name: &str) -> PathBuf {
-    let clean: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+    let clean: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
     tc_links_root(paths).join(format!("{ifindex}-{clean}"))
 }
 
 /// The ifindex of every interface with pinned tc links.
 pub fn pinned_devices(paths: &PinPaths) -> BTreeMap<u32, PathBuf> {
-    let Ok(entries) = fs::read_dir(tc_links_root(paths)) else { return BTreeMap::new() };
+    let Ok(entries) = fs::read_dir(tc_links_root(paths)) else {
+        return BTreeMap::new();
+    };
     entries
         .filter_map(Result::ok)
         .filter_map(|e| {
@@ -96,30 +106,46 @@ impl Datapath {
     pub fn attach_tc(&mut self, ifname: &str, ifindex: u32) -> Result<(), DatapathError> {
         let paths = self.pinned_paths()?;
         let dir = device_dir(&paths, ifindex, ifname);
-        fs::create_dir_all(&dir).map_err(|e| DatapathError::Pin { path: dir.clone(), message: e.to_string() })?;
+        fs::create_dir_all(&dir).map_err(|e| DatapathError::Pin {
+            path: dir.clone(),
+            message: e.to_string(),
+        })?;
         for (name, attach_type, hook) in TC_PROGRAMS {
             let pin = dir.join(hook);
             let prog: &mut SchedClassifier = program(&mut self.ebpf, name)?;
             match PinnedLink::from_pin(&pin) {
                 Ok(old) => {
-                    let link = FdLink::from(old).try_into().map_err(|e: aya::programs::links::LinkError| {
-                        DatapathError::Pin { path: pin.clone(), message: e.to_string() }
-                    })?;
-                    prog.attach_to_link(link).map_err(|source| program_error(name, source))?;
+                    let link =
+                        FdLink::from(old)
+                            .try_into()
+                            .map_err(|e: aya::programs::links::LinkError| DatapathError::Pin {
+                                path: pin.clone(),
+                                message: e.to_string(),
+                            })?;
+                    prog.attach_to_link(link)
+                        .map_err(|source| program_error(name, source))?;
                 }
                 Err(_) => {
-                    let tcx = aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0));
+                    let tcx = aya::util::KernelVersion::current()
+                        .is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0));
                     if !tcx {
                         // Before TCX, filters hang off a clsact qdisc (they outlive the agent too).
                         if let Err(e) = tc::qdisc_add_clsact(ifindex) {
                             tracing::debug!(device = ifname, "clsact: {e}");
                         }
                     }
-                    let link_id = prog.attach(ifindex, attach_type).map_err(|source| program_error(name, source))?;
-                    let link = prog.take_link(link_id).map_err(|source| program_error(name, source))?;
+                    let link_id = prog
+                        .attach(ifindex, attach_type)
+                        .map_err(|source| program_error(name, source))?;
+                    let link = prog
+                        .take_link(link_id)
+                        .map_err(|source| program_error(name, source))?;
                     match FdLink::try_from(link) {
                         Ok(fd_link) => {
-                            fd_link.pin(&pin).map_err(|e| DatapathError::Pin { path: pin.clone(), message: e.to_string() })?;
+                            fd_link.pin(&pin).map_err(|e| DatapathError::Pin {
+                                path: pin.clone(),
+                                message: e.to_string(),
+                            })?;
                         }
                         // A netlink filter is not a link: nothing to pin, it stays attached.
                         Err(_) => tracing::debug!(device = ifname, hook, "attached as a netlink filter"),
@@ -133,7 +159,9 @@ impl Datapath {
     /// Detaches the tc programs from interfaces no longer wanted (or gone): removing a pinned TCX
     /// link detaches its program.
     pub fn detach_tc_except(&self, keep: &BTreeMap<String, u32>) -> Vec<String> {
-        let Ok(paths) = self.pinned_paths() else { return Vec::new() };
+        let Ok(paths) = self.pinned_paths() else {
+            return Vec::new();
+        };
         let wanted: Vec<PathBuf> = keep.iter().map(|(n, i)| device_dir(&paths, *i, n)).collect();
         let mut removed = Vec::new();
         for (_, dir) in pinned_devices(&paths) {
@@ -158,10 +186,17 @@ mod tests {
 
     #[test]
     fn device_patterns() {
-        let up = BTreeMap::from([("eth0".to_string(), 2), ("veth1a".to_string(), 5), ("cni0".to_string(), 7)]);
+        let up = BTreeMap::from([
+            ("eth0".to_string(), 2),
+            ("veth1a".to_string(), 5),
+            ("cni0".to_string(), 7),
+        ]);
         assert_eq!(select_devices(&[], &up).len(), 3);
         let patterns = [DevicePattern::parse("eth0"), DevicePattern::parse("veth+")];
-        assert_eq!(select_devices(&patterns, &up).keys().cloned().collect::<Vec<_>>(), vec!["eth0", "veth1a"]);
+        assert_eq!(
+            select_devices(&patterns, &up).keys().cloned().collect::<Vec<_>>(),
+            vec!["eth0", "veth1a"]
+        );
         assert!(DevicePattern::parse("lxc*").matches("lxc123"));
         assert!(!DevicePattern::parse("eth0").matches("eth01"));
     }

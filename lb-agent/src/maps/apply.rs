@@ -22,7 +22,7 @@ use lb_common::{
     affinity::AffinityMatchKey,
     backend::Backend4Value,
     maps::capacity,
-    revnat::{RevNat4Value, SvcName, NAME_LEN, PORT_NAME_LEN},
+    revnat::{NAME_LEN, PORT_NAME_LEN, RevNat4Value, SvcName},
     service::{SrcRange4, Svc4Key, Svc4Value},
 };
 
@@ -81,7 +81,10 @@ struct SrcRange4Ord([u8; 4], [u8; 4]);
 
 impl From<SrcRange4Ord> for SrcRange4 {
     fn from(r: SrcRange4Ord) -> Self {
-        SrcRange4 { rev_nat_id_be: r.0, addr: r.1 }
+        SrcRange4 {
+            rev_nat_id_be: r.0,
+            addr: r.1,
+        }
     }
 }
 
@@ -170,7 +173,12 @@ pub fn protocol_from(n: u8) -> Option<Protocol> {
 }
 
 fn backend_value(addr: &BackendAddr, flags: u8) -> Backend4Value {
-    Backend4Value { addr: addr.addr.octets(), port: addr.port, proto: addr.proto.number(), flags }
+    Backend4Value {
+        addr: addr.addr.octets(),
+        port: addr.port,
+        proto: addr.proto.number(),
+        flags,
+    }
 }
 
 impl<M: MapOps> Applier<M> {
@@ -198,9 +206,15 @@ impl<M: MapOps> Applier<M> {
 
     fn adopt(&mut self, snap: Snapshot) {
         for (id, value) in &snap.backends {
-            let Some(proto) = protocol_from(value.proto) else { continue };
+            let Some(proto) = protocol_from(value.proto) else {
+                continue;
+            };
             if self.backend_ids.reserve(*id) {
-                let addr = BackendAddr { addr: Ipv4Addr::from(value.addr), port: value.port, proto };
+                let addr = BackendAddr {
+                    addr: Ipv4Addr::from(value.addr),
+                    port: value.port,
+                    proto,
+                };
                 self.backends.insert(addr, (*id, *value));
             }
         }
@@ -215,7 +229,12 @@ impl<M: MapOps> Applier<M> {
                     protocol: protocol_from(key.proto).unwrap_or(Protocol::Tcp),
                 },
                 services: BTreeMap::new(),
-                revnat: RevNat4Value { addr: key.addr, port: key.port, proto: key.proto, _pad: 0 },
+                revnat: RevNat4Value {
+                    addr: key.addr,
+                    port: key.port,
+                    proto: key.proto,
+                    _pad: 0,
+                },
                 name: SvcName::default(),
                 affinity_match: BTreeSet::new(),
                 source_ranges: BTreeSet::new(),
@@ -242,11 +261,17 @@ impl<M: MapOps> Applier<M> {
             }
         }
         for (id, entries) in by_rev {
-            let Some(proto) = protocol_from(entries.revnat.proto) else { continue };
+            let Some(proto) = protocol_from(entries.revnat.proto) else {
+                continue;
+            };
             if !self.rev_ids.reserve(id) {
                 continue;
             }
-            let frontend = Frontend { addr: Ipv4Addr::from(entries.revnat.addr), port: entries.revnat.port, proto };
+            let frontend = Frontend {
+                addr: Ipv4Addr::from(entries.revnat.addr),
+                port: entries.revnat.port,
+                proto,
+            };
             self.count_frontend(&entries, 1);
             self.frontends.insert(frontend, entries);
         }
@@ -294,18 +319,24 @@ impl<M: MapOps> Applier<M> {
         // 1. Ids for new backends (writes come per Service, just before they are used).
         let mut new_backend_ids: BTreeMap<BackendAddr, u32> = BTreeMap::new();
         for addr in desired.backends.keys() {
-            if !self.backends.contains_key(addr) {
-                if let Some(id) = self.backend_ids.alloc() {
-                    new_backend_ids.insert(*addr, id);
-                }
+            if !self.backends.contains_key(addr)
+                && let Some(id) = self.backend_ids.alloc()
+            {
+                new_backend_ids.insert(*addr, id);
             }
         }
-        let mut all_ids: BTreeMap<BackendAddr, u32> = self.backends.iter().map(|(a, (id, _))| (*a, *id)).collect();
+        let mut all_ids: BTreeMap<BackendAddr, u32> =
+            self.backends.iter().map(|(a, (id, _))| (*a, *id)).collect();
         all_ids.extend(new_backend_ids.iter().map(|(a, id)| (*a, *id)));
         let backend_id = |addr: &BackendAddr| -> Option<u32> { all_ids.get(addr).copied() };
 
         // 2. Frontends that are gone.
-        let gone: Vec<Frontend> = self.frontends.keys().filter(|f| !desired.frontends.contains_key(f)).copied().collect();
+        let gone: Vec<Frontend> = self
+            .frontends
+            .keys()
+            .filter(|f| !desired.frontends.contains_key(f))
+            .copied()
+            .collect();
         for frontend in gone {
             self.remove_frontend(&frontend, &mut report);
         }
@@ -313,7 +344,10 @@ impl<M: MapOps> Applier<M> {
         // 3. Desired frontends, one Service at a time.
         let mut by_service: BTreeMap<(&str, &str), Vec<(&Frontend, &FrontendPlan)>> = BTreeMap::new();
         for (frontend, plan) in &desired.frontends {
-            by_service.entry((plan.service.namespace.as_str(), plan.service.name.as_str())).or_default().push((frontend, plan));
+            by_service
+                .entry((plan.service.namespace.as_str(), plan.service.name.as_str()))
+                .or_default()
+                .push((frontend, plan));
         }
         for group in by_service.values() {
             // Build the group's entries (with ids), then check they fit before writing anything.
@@ -329,7 +363,10 @@ impl<M: MapOps> Applier<M> {
                             id
                         }
                         None => {
-                            missing_backend = Some(format!("no free reverse-NAT id (map {} full)", lb_common::maps::REVNAT));
+                            missing_backend = Some(format!(
+                                "no free reverse-NAT id (map {} full)",
+                                lb_common::maps::REVNAT
+                            ));
                             break;
                         }
                     },
@@ -337,7 +374,10 @@ impl<M: MapOps> Applier<M> {
                 match entries_for(frontend, plan, rev_nat_id, &backend_id) {
                     Ok(entries) => built.push((**frontend, entries)),
                     Err(addr) => {
-                        missing_backend = Some(format!("no free backend id for {addr} (map {} full)", lb_common::maps::BACKENDS));
+                        missing_backend = Some(format!(
+                            "no free backend id for {addr} (map {} full)",
+                            lb_common::maps::BACKENDS
+                        ));
                         break;
                     }
                 }
@@ -352,7 +392,10 @@ impl<M: MapOps> Applier<M> {
                 continue;
             }
             // Backends this Service needs that are new or changed.
-            let needed: BTreeSet<BackendAddr> = group.iter().flat_map(|(_, plan)| plan.backends().copied()).collect();
+            let needed: BTreeSet<BackendAddr> = group
+                .iter()
+                .flat_map(|(_, plan)| plan.backends().copied())
+                .collect();
             let mut backend_failed = false;
             for addr in &needed {
                 let flags = desired.backends.get(addr).copied().unwrap_or(0);
@@ -387,10 +430,19 @@ impl<M: MapOps> Applier<M> {
         let used: BTreeSet<u32> = self
             .frontends
             .values()
-            .flat_map(|e| e.services.iter().filter(|(k, _)| k.slot > 0).map(|(_, v)| v.backend_id))
+            .flat_map(|e| {
+                e.services
+                    .iter()
+                    .filter(|(k, _)| k.slot > 0)
+                    .map(|(_, v)| v.backend_id)
+            })
             .collect();
-        let unused: Vec<(BackendAddr, u32)> =
-            self.backends.iter().filter(|(_, (id, _))| !used.contains(id)).map(|(a, (id, _))| (*a, *id)).collect();
+        let unused: Vec<(BackendAddr, u32)> = self
+            .backends
+            .iter()
+            .filter(|(_, (id, _))| !used.contains(id))
+            .map(|(a, (id, _))| (*a, *id))
+            .collect();
         for (addr, id) in unused {
             match self.maps.delete_backend(id) {
                 Ok(()) => {
@@ -418,8 +470,14 @@ impl<M: MapOps> Applier<M> {
             let old = self.frontends.get(frontend);
             let added = |new: usize, old: usize| (new as i64 - old as i64).max(0);
             services += added(entries.services.len(), old.map_or(0, |o| o.services.len()));
-            aff += added(entries.affinity_match.len(), old.map_or(0, |o| o.affinity_match.len()));
-            ranges += added(entries.source_ranges.len(), old.map_or(0, |o| o.source_ranges.len()));
+            aff += added(
+                entries.affinity_match.len(),
+                old.map_or(0, |o| o.affinity_match.len()),
+            );
+            ranges += added(
+                entries.source_ranges.len(),
+                old.map_or(0, |o| o.source_ranges.len()),
+            );
         }
         let over = |used: u32, add: i64, cap: u32| used as i64 + add > cap as i64;
         if over(self.occupancy.services, services, self.caps.services) {
@@ -489,8 +547,11 @@ impl<M: MapOps> Applier<M> {
             current.affinity_match.insert(*member);
         }
         // Writes: internal scope first, and within a scope the slots before slot 0.
-        let mut writes: Vec<(&Svc4Key, &Svc4Value)> =
-            new.services.iter().filter(|(k, v)| current.services.get(k) != Some(v)).collect();
+        let mut writes: Vec<(&Svc4Key, &Svc4Value)> = new
+            .services
+            .iter()
+            .filter(|(k, v)| current.services.get(k) != Some(v))
+            .collect();
         writes.sort_by_key(|(k, _)| (std::cmp::Reverse(k.scope), k.slot == 0, k.slot));
         for (key, value) in writes {
             self.maps.put_service(key, value)?;
@@ -498,7 +559,12 @@ impl<M: MapOps> Applier<M> {
             current.services.insert(*key, *value);
         }
         // Deletions: slot 0 of the external scope first, then the rest.
-        let mut deletes: Vec<Svc4Key> = current.services.keys().filter(|k| !new.services.contains_key(k)).copied().collect();
+        let mut deletes: Vec<Svc4Key> = current
+            .services
+            .keys()
+            .filter(|k| !new.services.contains_key(k))
+            .copied()
+            .collect();
         deletes.sort_by_key(|k| (k.slot != 0, k.scope, k.slot));
         for key in deletes {
             self.maps.delete_service(&key)?;
@@ -519,7 +585,9 @@ impl<M: MapOps> Applier<M> {
     }
 
     fn remove_frontend(&mut self, frontend: &Frontend, report: &mut ApplyReport) {
-        let Some(mut current) = self.frontends.remove(frontend) else { return };
+        let Some(mut current) = self.frontends.remove(frontend) else {
+            return;
+        };
         self.count_frontend(&current, -1);
         let result = (|| -> Result<(), MapError> {
             let mut keys: Vec<Svc4Key> = current.services.keys().copied().collect();
@@ -570,21 +638,42 @@ fn entries_for(
             let id = backend_id(backend).ok_or(*backend)?;
             services.insert(key.with_slot(i as u16 + 1), Svc4Value::slot(rev_nat_id, id));
             if plan.affinity_timeout > 0 {
-                affinity_match.insert(AffinityMatchKey { backend_id: id, rev_nat_id });
+                affinity_match.insert(AffinityMatchKey {
+                    backend_id: id,
+                    rev_nat_id,
+                });
             }
         }
-        services.insert(key, Svc4Value::frontend(rev_nat_id, scope.backends.len() as u16, scope.flags, plan.affinity_timeout));
+        services.insert(
+            key,
+            Svc4Value::frontend(
+                rev_nat_id,
+                scope.backends.len() as u16,
+                scope.flags,
+                plan.affinity_timeout,
+            ),
+        );
     }
     let source_ranges = plan
         .source_ranges
         .iter()
-        .map(|net| (SrcRange4::prefix_len(net.prefix_len()), SrcRange4::new(rev_nat_id, net.network().octets()).into()))
+        .map(|net| {
+            (
+                SrcRange4::prefix_len(net.prefix_len()),
+                SrcRange4::new(rev_nat_id, net.network().octets()).into(),
+            )
+        })
         .collect();
     Ok(FrontendEntries {
         rev_nat_id,
         service: plan.service.clone(),
         services,
-        revnat: RevNat4Value { addr, port: frontend.port, proto, _pad: 0 },
+        revnat: RevNat4Value {
+            addr,
+            port: frontend.port,
+            proto,
+            _pad: 0,
+        },
         name: svc_name(&plan.service),
         affinity_match,
         source_ranges,

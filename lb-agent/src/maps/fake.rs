@@ -57,10 +57,16 @@ impl FakeMaps {
                 for slot in 1..=value.count {
                     let slot_key = key.with_slot(slot);
                     let Some(entry) = self.state.services.get(&slot_key) else {
-                        return Err(format!("{key:?} has count {} but slot {slot} is missing", value.count));
+                        return Err(format!(
+                            "{key:?} has count {} but slot {slot} is missing",
+                            value.count
+                        ));
                     };
                     if !self.state.backends.contains_key(&entry.backend_id) {
-                        return Err(format!("{slot_key:?} points at missing backend {}", entry.backend_id));
+                        return Err(format!(
+                            "{slot_key:?} points at missing backend {}",
+                            entry.backend_id
+                        ));
                     }
                 }
                 if !self.state.revnat.contains_key(&value.rev_nat_id) {
@@ -95,16 +101,22 @@ impl FakeMaps {
     }
 
     pub fn frontend_keys(&self) -> BTreeSet<Svc4Key> {
-        self.state.services.keys().filter(|k| k.slot == 0).copied().collect()
+        self.state
+            .services
+            .keys()
+            .filter(|k| k.slot == 0)
+            .copied()
+            .collect()
     }
 }
 
 impl MapOps for FakeMaps {
     fn put_service(&mut self, key: &Svc4Key, value: &Svc4Value) -> Result<(), MapError> {
-        if let Some(cap) = self.services_capacity {
-            if !self.state.services.contains_key(key) && self.state.services.len() >= cap {
-                return Err(full(names::SERVICES));
-            }
+        if let Some(cap) = self.services_capacity
+            && !self.state.services.contains_key(key)
+            && self.state.services.len() >= cap
+        {
+            return Err(full(names::SERVICES));
         }
         self.log.push(Op::PutService(*key, *value));
         self.state.services.insert(*key, *value);
@@ -181,4 +193,3 @@ impl MapOps for FakeMaps {
         Ok(self.state.clone())
     }
 }
-

@@ -13,7 +13,12 @@ pub struct IdAllocator {
 
 impl IdAllocator {
     pub fn new(max: u32) -> Self {
-        Self { used: vec![0; (max as usize).div_ceil(64) + 1], max, next: 1, in_use: 0 }
+        Self {
+            used: vec![0; (max as usize).div_ceil(64) + 1],
+            max,
+            next: 1,
+            in_use: 0,
+        }
     }
 
     fn slot(id: u32) -> (usize, u64) {

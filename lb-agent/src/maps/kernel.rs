@@ -3,7 +3,7 @@
 
 use std::{io, path::Path};
 
-use aya::maps::{lpm_trie::Key, Array, HashMap, LpmTrie, Map, MapData, PerCpuArray};
+use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key};
 use lb_common::{
     affinity::AffinityMatchKey,
     backend::Backend4Value,
@@ -31,7 +31,9 @@ fn io_err(e: aya::maps::MapError) -> io::Error {
     match e {
         aya::maps::MapError::SyscallError(s) => s.io_error,
         aya::maps::MapError::IoError(e) => e,
-        aya::maps::MapError::KeyNotFound | aya::maps::MapError::ElementNotFound => io::Error::from_raw_os_error(libc::ENOENT),
+        aya::maps::MapError::KeyNotFound | aya::maps::MapError::ElementNotFound => {
+            io::Error::from_raw_os_error(libc::ENOENT)
+        }
         other => io::Error::other(other.to_string()),
     }
 }
@@ -42,7 +44,11 @@ fn absent_ok(r: Result<(), aya::maps::MapError>) -> Result<(), io::Error> {
         Ok(()) => Ok(()),
         Err(e) => {
             let e = io_err(e);
-            if e.raw_os_error() == Some(libc::ENOENT) { Ok(()) } else { Err(e) }
+            if e.raw_os_error() == Some(libc::ENOENT) {
+                Ok(())
+            } else {
+                Err(e)
+            }
         }
     }
 }
@@ -51,7 +57,10 @@ impl KernelMaps {
     /// Takes the maps out of a loaded object.
     pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self, aya::maps::MapError> {
         let mut take = |name: &str| {
-            ebpf.take_map(name).ok_or_else(|| aya::maps::MapError::InvalidName { name: name.to_string() })
+            ebpf.take_map(name)
+                .ok_or_else(|| aya::maps::MapError::InvalidName {
+                    name: name.to_string(),
+                })
         };
         Ok(Self {
             services: take(names::SERVICES)?.try_into()?,
@@ -82,13 +91,18 @@ impl KernelMaps {
 
     /// Sums a counter over the CPUs.
     pub fn counter(&self, index: u32) -> u64 {
-        self.stats.get(&index, 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0)
+        self.stats
+            .get(&index, 0)
+            .map(|per_cpu| per_cpu.iter().sum())
+            .unwrap_or(0)
     }
 }
 
 impl MapOps for KernelMaps {
     fn put_service(&mut self, key: &Svc4Key, value: &Svc4Value) -> Result<(), MapError> {
-        self.services.insert(key, value, 0).map_err(|e| MapError::new(names::SERVICES, "update", io_err(e)))
+        self.services
+            .insert(key, value, 0)
+            .map_err(|e| MapError::new(names::SERVICES, "update", io_err(e)))
     }
 
     fn delete_service(&mut self, key: &Svc4Key) -> Result<(), MapError> {
@@ -96,7 +110,9 @@ impl MapOps for KernelMaps {
     }
 
     fn put_backend(&mut self, id: u32, value: &Backend4Value) -> Result<(), MapError> {
-        self.backends.insert(&id, value, 0).map_err(|e| MapError::new(names::BACKENDS, "update", io_err(e)))
+        self.backends
+            .insert(&id, value, 0)
+            .map_err(|e| MapError::new(names::BACKENDS, "update", io_err(e)))
     }
 
     fn delete_backend(&mut self, id: u32) -> Result<(), MapError> {
@@ -104,8 +120,12 @@ impl MapOps for KernelMaps {
     }
 
     fn put_revnat(&mut self, id: u32, value: &RevNat4Value, name: &SvcName) -> Result<(), MapError> {
-        self.names.insert(&id, name, 0).map_err(|e| MapError::new(names::SVC_NAMES, "update", io_err(e)))?;
-        self.revnat.insert(&id, value, 0).map_err(|e| MapError::new(names::REVNAT, "update", io_err(e)))
+        self.names
+            .insert(&id, name, 0)
+            .map_err(|e| MapError::new(names::SVC_NAMES, "update", io_err(e)))?;
+        self.revnat
+            .insert(&id, value, 0)
+            .map_err(|e| MapError::new(names::REVNAT, "update", io_err(e)))
     }
 
     fn delete_revnat(&mut self, id: u32) -> Result<(), MapError> {
@@ -114,11 +134,14 @@ impl MapOps for KernelMaps {
     }
 
     fn put_affinity_match(&mut self, key: &AffinityMatchKey) -> Result<(), MapError> {
-        self.affinity_match.insert(key, &1u8, 0).map_err(|e| MapError::new(names::AFFINITY_MATCH, "update", io_err(e)))
+        self.affinity_match
+            .insert(key, &1u8, 0)
+            .map_err(|e| MapError::new(names::AFFINITY_MATCH, "update", io_err(e)))
     }
 
     fn delete_affinity_match(&mut self, key: &AffinityMatchKey) -> Result<(), MapError> {
-        absent_ok(self.affinity_match.remove(key)).map_err(|e| MapError::new(names::AFFINITY_MATCH, "delete", e))
+        absent_ok(self.affinity_match.remove(key))
+            .map_err(|e| MapError::new(names::AFFINITY_MATCH, "delete", e))
     }
 
     fn put_source_range(&mut self, prefix_len: u32, range: &SrcRange4) -> Result<(), MapError> {
@@ -133,7 +156,9 @@ impl MapOps for KernelMaps {
     }
 
     fn put_config(&mut self, config: &DatapathConfig) -> Result<(), MapError> {
-        self.config.set(0, config, 0).map_err(|e| MapError::new(names::CONFIG, "update", io_err(e)))
+        self.config
+            .set(0, config, 0)
+            .map_err(|e| MapError::new(names::CONFIG, "update", io_err(e)))
     }
 
     fn snapshot(&self) -> Result<Snapshot, MapError> {
@@ -156,7 +181,8 @@ impl MapOps for KernelMaps {
             snap.names.insert(k, v);
         }
         for key in self.affinity_match.keys() {
-            snap.affinity_match.push(key.map_err(read(names::AFFINITY_MATCH))?);
+            snap.affinity_match
+                .push(key.map_err(read(names::AFFINITY_MATCH))?);
         }
         for key in self.source_ranges.keys() {
             let key = key.map_err(read(names::SOURCE_RANGES))?;

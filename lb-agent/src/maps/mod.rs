@@ -11,6 +11,6 @@ pub mod ids;
 pub mod kernel;
 pub mod ops;
 
-pub use apply::{ApplyReport, Applier, Capacities};
+pub use apply::{Applier, ApplyReport, Capacities};
 pub use kernel::KernelMaps;
 pub use ops::{MapError, MapOps, Snapshot};

@@ -17,9 +17,9 @@ pub mod endpoints;
 pub mod service;
 pub mod topology;
 
-pub use endpoints::{endpoints_by_port, endpoints_by_port_with_problems, SliceError};
-pub use service::{service_ports, ServiceError, ServicePorts};
-pub use topology::{categorize_endpoints, CategorizedEndpoints};
+pub use endpoints::{SliceError, endpoints_by_port, endpoints_by_port_with_problems};
+pub use service::{ServiceError, ServicePorts, service_ports};
+pub use topology::{CategorizedEndpoints, categorize_endpoints};
 
 /// L4 protocol of a Service port.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

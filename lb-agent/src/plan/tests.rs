@@ -9,7 +9,12 @@ fn ip(s: &str) -> Ipv4Addr {
 
 fn svc(name: &str) -> ServicePortInfo {
     ServicePortInfo {
-        name: ServicePortName { namespace: "ns".into(), name: name.into(), port: "http".into(), protocol: Protocol::Tcp },
+        name: ServicePortName {
+            namespace: "ns".into(),
+            name: name.into(),
+            port: "http".into(),
+            protocol: Protocol::Tcp,
+        },
         cluster_ips: vec![ip("10.96.0.10")],
         port: 80,
         node_port: None,
@@ -41,7 +46,12 @@ fn ep(addr: &str, local: bool) -> Endpoint {
 }
 
 fn cat(cluster: &[Endpoint], local: &[Endpoint], has_any: bool) -> CategorizedEndpoints {
-    CategorizedEndpoints { cluster: cluster.to_vec(), local: local.to_vec(), all_reachable: cluster.to_vec(), has_any }
+    CategorizedEndpoints {
+        cluster: cluster.to_vec(),
+        local: local.to_vec(),
+        all_reachable: cluster.to_vec(),
+        has_any,
+    }
 }
 
 fn ctx() -> NodeContext {
@@ -55,11 +65,21 @@ fn ctx() -> NodeContext {
 }
 
 fn fe(addr: &str, port: u16) -> Frontend {
-    Frontend { addr: ip(addr), port, proto: Protocol::Tcp }
+    Frontend {
+        addr: ip(addr),
+        port,
+        proto: Protocol::Tcp,
+    }
 }
 
 fn backends(list: &[&str]) -> Vec<BackendAddr> {
-    list.iter().map(|a| BackendAddr { addr: ip(a), port: 8080, proto: Protocol::Tcp }).collect()
+    list.iter()
+        .map(|a| BackendAddr {
+            addr: ip(a),
+            port: 8080,
+            proto: Protocol::Tcp,
+        })
+        .collect()
 }
 
 #[test]
@@ -74,7 +94,10 @@ fn cluster_ip_uses_ready_cluster_endpoints_sorted() {
     assert_eq!(p.scopes[0].flags, flags::CLUSTER_IP);
     assert_eq!(p.scopes[0].backends, backends(&["10.244.1.1", "10.244.2.2"]));
     assert_eq!(d.backends.len(), 2);
-    assert_eq!(d.backends[&backends(&["10.244.1.1"])[0]], lb_common::backend::flags::LOCAL);
+    assert_eq!(
+        d.backends[&backends(&["10.244.1.1"])[0]],
+        lb_common::backend::flags::LOCAL
+    );
 }
 
 #[test]
@@ -82,7 +105,11 @@ fn no_endpoints_at_all_rejects() {
     let (d, _) = plan(&[(svc("web"), cat(&[], &[], false))], &ctx());
     let s = &d.frontends[&fe("10.96.0.10", 80)].scopes[0];
     assert!(s.backends.is_empty());
-    assert_eq!(s.flags & flags::DROP_IF_EMPTY, 0, "kube-proxy REJECTs a Service without endpoints");
+    assert_eq!(
+        s.flags & flags::DROP_IF_EMPTY,
+        0,
+        "kube-proxy REJECTs a Service without endpoints"
+    );
 }
 
 #[test]
@@ -93,7 +120,11 @@ fn internal_policy_local_without_local_endpoints_drops() {
     let (d, _) = plan(&[(s, cat(&remote, &[], true))], &ctx());
     let scope = &d.frontends[&fe("10.96.0.10", 80)].scopes[0];
     assert!(scope.backends.is_empty());
-    assert_ne!(scope.flags & flags::DROP_IF_EMPTY, 0, "has no local endpoints -> DROP");
+    assert_ne!(
+        scope.flags & flags::DROP_IF_EMPTY,
+        0,
+        "has no local endpoints -> DROP"
+    );
 }
 
 #[test]
@@ -102,7 +133,10 @@ fn internal_policy_local_uses_local_endpoints() {
     s.internal_policy_local = true;
     let eps = [ep("10.244.1.1", true), ep("10.244.2.2", false)];
     let (d, _) = plan(&[(s, cat(&eps, &eps[..1], true))], &ctx());
-    assert_eq!(d.frontends[&fe("10.96.0.10", 80)].scopes[0].backends, backends(&["10.244.1.1"]));
+    assert_eq!(
+        d.frontends[&fe("10.96.0.10", 80)].scopes[0].backends,
+        backends(&["10.244.1.1"])
+    );
     assert_eq!(d.backends.len(), 1, "a backend no frontend uses is not written");
 }
 
@@ -112,11 +146,18 @@ fn nodeport_cluster_policy_is_masqueraded_on_every_address() {
     s.node_port = Some(30080);
     let eps = [ep("10.244.1.1", true), ep("10.244.2.2", false)];
     let (d, _) = plan(&[(s, cat(&eps, &eps[..1], true))], &ctx());
-    for (addr, kind) in [("192.168.1.10", FrontendKind::NodePort), ("127.0.0.1", FrontendKind::LocalhostNodePort)] {
+    for (addr, kind) in [
+        ("192.168.1.10", FrontendKind::NodePort),
+        ("127.0.0.1", FrontendKind::LocalhostNodePort),
+    ] {
         let p = &d.frontends[&fe(addr, 30080)];
         assert_eq!(p.kind, kind);
         assert_eq!(p.scopes.len(), 1);
-        assert_ne!(p.scopes[0].flags & flags::MASQUERADE, 0, "external destinations with ETP=Cluster are masqueraded");
+        assert_ne!(
+            p.scopes[0].flags & flags::MASQUERADE,
+            0,
+            "external destinations with ETP=Cluster are masqueraded"
+        );
         assert_eq!(p.scopes[0].backends.len(), 2);
     }
     assert_eq!(d.frontends.len(), 3);
@@ -134,9 +175,17 @@ fn nodeport_local_policy_splits_scopes() {
     let (ext, int) = (&p.scopes[0], &p.scopes[1]);
     assert_eq!((ext.scope, int.scope), (SCOPE_EXTERNAL, SCOPE_INTERNAL));
     assert_ne!(ext.flags & flags::TWO_SCOPES, 0);
-    assert_eq!(ext.flags & flags::MASQUERADE, 0, "ETP=Local keeps the client source");
+    assert_eq!(
+        ext.flags & flags::MASQUERADE,
+        0,
+        "ETP=Local keeps the client source"
+    );
     assert_eq!(ext.backends, backends(&["10.244.1.1"]));
-    assert_eq!(int.backends, backends(&["10.244.1.1", "10.244.2.2"]), "node and pod traffic use all endpoints");
+    assert_eq!(
+        int.backends,
+        backends(&["10.244.1.1", "10.244.2.2"]),
+        "node and pod traffic use all endpoints"
+    );
     // The cluster IP is not external: one scope.
     assert_eq!(d.frontends[&fe("10.96.0.10", 80)].scopes.len(), 1);
 }
@@ -171,7 +220,11 @@ fn cluster_ip_masquerade_rules() {
     c.masquerade_all = false;
     c.cluster_cidr_configured = false;
     let (d, _) = plan(&[(svc("web"), cat(&eps, &eps, true))], &c);
-    assert_eq!(d.frontends[&fe("10.96.0.10", 80)].scopes[0].flags & (flags::MASQUERADE | flags::MASQUERADE_OFF_CLUSTER), 0);
+    assert_eq!(
+        d.frontends[&fe("10.96.0.10", 80)].scopes[0].flags
+            & (flags::MASQUERADE | flags::MASQUERADE_OFF_CLUSTER),
+        0
+    );
 }
 
 #[test]
@@ -185,12 +238,19 @@ fn load_balancer_source_ranges() {
     assert_eq!(p.kind, FrontendKind::LoadBalancer);
     assert_ne!(p.scopes[0].flags & flags::SOURCE_RANGES, 0);
     assert_eq!(p.scopes[0].flags & flags::SOURCE_RANGES_ALLOW_NODE, 0);
-    assert_eq!(p.source_ranges, vec!["198.51.100.0/24".parse::<Ipv4Net>().unwrap()]);
+    assert_eq!(
+        p.source_ranges,
+        vec!["198.51.100.0/24".parse::<Ipv4Net>().unwrap()]
+    );
     // Source ranges never apply to the cluster IP or NodePorts.
-    assert_eq!(d.frontends[&fe("10.96.0.10", 80)].scopes[0].flags & flags::SOURCE_RANGES, 0);
+    assert_eq!(
+        d.frontends[&fe("10.96.0.10", 80)].scopes[0].flags & flags::SOURCE_RANGES,
+        0
+    );
 
     // A range containing the node IP admits the node, and traffic sourced from the LB IP.
-    s.load_balancer_source_ranges.push("192.168.0.0/16".parse().unwrap());
+    s.load_balancer_source_ranges
+        .push("192.168.0.0/16".parse().unwrap());
     let (d, _) = plan(&[(s, cat(&eps, &eps, true))], &ctx());
     let p = &d.frontends[&fe("203.0.113.7", 80)];
     assert_ne!(p.scopes[0].flags & flags::SOURCE_RANGES_ALLOW_NODE, 0);
@@ -216,12 +276,23 @@ fn two_services_claiming_one_external_ip() {
     b.cluster_ips = vec![ip("10.96.0.11")];
     b.external_ips = vec![ip("198.51.100.9")];
     let eps = [ep("10.244.1.1", true)];
-    let input = [(b.clone(), cat(&eps, &eps, true)), (a.clone(), cat(&eps, &eps, true))];
+    let input = [
+        (b.clone(), cat(&eps, &eps, true)),
+        (a.clone(), cat(&eps, &eps, true)),
+    ];
     let (d, problems) = plan(&input, &ctx());
-    assert_eq!(d.frontends[&fe("198.51.100.9", 80)].service.name, "alpha", "the first claim by name wins, whatever the input order");
+    assert_eq!(
+        d.frontends[&fe("198.51.100.9", 80)].service.name,
+        "alpha",
+        "the first claim by name wins, whatever the input order"
+    );
     assert_eq!(problems.len(), 1);
     assert_eq!(problems[0].service.name, "beta");
-    assert!(problems[0].message.contains("198.51.100.9:80"), "{}", problems[0].message);
+    assert!(
+        problems[0].message.contains("198.51.100.9:80"),
+        "{}",
+        problems[0].message
+    );
 }
 
 #[test]
@@ -230,7 +301,10 @@ fn protocols_are_separate_frontends() {
     udp.name.protocol = Protocol::Udp;
     let tcp = svc("dns");
     let eps = [ep("10.244.1.1", true)];
-    let (d, problems) = plan(&[(tcp, cat(&eps, &eps, true)), (udp, cat(&eps, &eps, true))], &ctx());
+    let (d, problems) = plan(
+        &[(tcp, cat(&eps, &eps, true)), (udp, cat(&eps, &eps, true))],
+        &ctx(),
+    );
     assert!(problems.is_empty());
     assert_eq!(d.frontends.len(), 2);
     assert_eq!(d.backends.len(), 2, "a backend is (address, port, protocol)");

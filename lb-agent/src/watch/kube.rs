@@ -13,15 +13,19 @@ use std::{
 };
 
 use futures::TryStreamExt;
-use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
 use kube::{
+    Client, Resource, ResourceExt,
     api::Api,
     runtime::{
+        WatchStreamExt,
         events::{Event, EventType, Recorder, Reporter},
         reflector::{self, Store},
-        watcher, WatchStreamExt,
+        watcher,
     },
-    Client, Resource, ResourceExt,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -57,24 +61,64 @@ pub struct KubeSource {
 
 impl KubeSource {
     /// Starts the watches; `on_change` is called (from the watch tasks) after every change.
-    pub fn start(client: Client, node_name: &str, on_change: Arc<dyn Fn(ChangeKind) + Send + Sync>, shutdown: CancellationToken) -> Self {
+    pub fn start(
+        client: Client,
+        node_name: &str,
+        on_change: Arc<dyn Fn(ChangeKind) + Send + Sync>,
+        shutdown: CancellationToken,
+    ) -> Self {
         let pending = Arc::new(Mutex::new(PendingChanges::default()));
         let selector = watcher::Config::default().labels(LABEL_SELECTOR);
 
         let (services, writer) = reflector::store::<Service>();
-        let stream = watcher(Api::<Service>::all(client.clone()), selector.clone()).default_backoff().reflect(writer);
-        spawn_watch("Service", stream, ChangeKind::Service, |_| None, on_change.clone(), pending.clone(), shutdown.clone());
+        let stream = watcher(Api::<Service>::all(client.clone()), selector.clone())
+            .default_backoff()
+            .reflect(writer);
+        spawn_watch(
+            "Service",
+            stream,
+            ChangeKind::Service,
+            |_| None,
+            on_change.clone(),
+            pending.clone(),
+            shutdown.clone(),
+        );
 
         let (slices, writer) = reflector::store::<EndpointSlice>();
-        let stream = watcher(Api::<EndpointSlice>::all(client.clone()), selector).default_backoff().reflect(writer);
-        spawn_watch("EndpointSlice", stream, ChangeKind::EndpointSlice, trigger_time, on_change.clone(), pending.clone(), shutdown.clone());
+        let stream = watcher(Api::<EndpointSlice>::all(client.clone()), selector)
+            .default_backoff()
+            .reflect(writer);
+        spawn_watch(
+            "EndpointSlice",
+            stream,
+            ChangeKind::EndpointSlice,
+            trigger_time,
+            on_change.clone(),
+            pending.clone(),
+            shutdown.clone(),
+        );
 
         let (nodes, writer) = reflector::store::<Node>();
         let by_name = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
-        let stream = watcher(Api::<Node>::all(client), by_name).default_backoff().reflect(writer);
-        spawn_watch("Node", stream, ChangeKind::Node, |_| None, on_change, pending.clone(), shutdown);
+        let stream = watcher(Api::<Node>::all(client), by_name)
+            .default_backoff()
+            .reflect(writer);
+        spawn_watch(
+            "Node",
+            stream,
+            ChangeKind::Node,
+            |_| None,
+            on_change,
+            pending.clone(),
+            shutdown,
+        );
 
-        Self { services, slices, nodes, pending }
+        Self {
+            services,
+            slices,
+            nodes,
+            pending,
+        }
     }
 
     /// Waits until every store holds its initial list; `false` on timeout.
@@ -171,7 +215,10 @@ fn spawn_watch<K, S>(
                 Err(e) => {
                     // default_backoff retries; say so once per outage, not once per attempt.
                     if !failing {
-                        tracing::warn!(kind = kind_name, "watch failed, retrying with backoff (the data path keeps the last state): {e}");
+                        tracing::warn!(
+                            kind = kind_name,
+                            "watch failed, retrying with backoff (the data path keeps the last state): {e}"
+                        );
                         failing = true;
                     }
                 }
@@ -188,8 +235,14 @@ pub struct ProblemReporter {
 
 impl ProblemReporter {
     pub fn new(client: Client, node_name: &str) -> Self {
-        let reporter = Reporter { controller: "lb-agent".into(), instance: Some(node_name.to_string()) };
-        Self { recorder: Recorder::new(client, reporter), published: Mutex::new(BTreeMap::new()) }
+        let reporter = Reporter {
+            controller: "lb-agent".into(),
+            instance: Some(node_name.to_string()),
+        };
+        Self {
+            recorder: Recorder::new(client, reporter),
+            published: Mutex::new(BTreeMap::new()),
+        }
     }
 
     /// Reports `problems` (namespace, name, reason, message) on their Services; a problem already
@@ -199,8 +252,10 @@ impl ProblemReporter {
         let mut fresh = Vec::new();
         {
             let mut published = self.published.lock().expect("published lock");
-            let current: BTreeMap<(String, String), String> =
-                problems.iter().map(|(ns, name, _, msg)| ((ns.clone(), name.clone()), msg.clone())).collect();
+            let current: BTreeMap<(String, String), String> = problems
+                .iter()
+                .map(|(ns, name, _, msg)| ((ns.clone(), name.clone()), msg.clone()))
+                .collect();
             published.retain(|k, _| current.contains_key(k));
             for (ns, name, reason, msg) in problems {
                 let key = (ns.clone(), name.clone());
@@ -226,4 +281,3 @@ impl ProblemReporter {
         }
     }
 }
-

@@ -7,7 +7,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
 use serde_json::Value;
 
 use super::ClusterState;
@@ -19,34 +22,64 @@ pub enum ManifestError {
     #[error("{path}: not valid YAML: {message}")]
     Yaml { path: PathBuf, message: String },
     #[error("{path}: {kind} {name:?} is malformed: {message}")]
-    Object { path: PathBuf, kind: String, name: String, message: String },
+    Object {
+        path: PathBuf,
+        kind: String,
+        name: String,
+        message: String,
+    },
 }
 
 /// Loads every `*.yaml`, `*.yml` and `*.json` file of `dir` (not recursive), in name order.
 /// `node_name` picks the Node object that describes this node, if the folder has one.
 pub fn load_dir(dir: &Path, node_name: &str) -> Result<ClusterState, ManifestError> {
     let mut files: Vec<PathBuf> = fs::read_dir(dir)
-        .map_err(|source| ManifestError::Read { path: dir.to_path_buf(), source })?
+        .map_err(|source| ManifestError::Read {
+            path: dir.to_path_buf(),
+            source,
+        })?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().and_then(|e| e.to_str()).is_some_and(|e| matches!(e, "yaml" | "yml" | "json")))
+        .filter(|p| {
+            p.extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"))
+        })
         .collect();
     files.sort();
     let mut state = ClusterState::default();
     for path in files {
-        let text = fs::read_to_string(&path).map_err(|source| ManifestError::Read { path: path.clone(), source })?;
+        let text = fs::read_to_string(&path).map_err(|source| ManifestError::Read {
+            path: path.clone(),
+            source,
+        })?;
         load_text(&text, &path, node_name, &mut state)?;
     }
     Ok(state)
 }
 
 /// Adds the objects of one file's text to `state`.
-pub fn load_text(text: &str, path: &Path, node_name: &str, state: &mut ClusterState) -> Result<(), ManifestError> {
-    let docs: Vec<Value> = serde_saphyr::from_multiple(text)
-        .map_err(|e| ManifestError::Yaml { path: path.to_path_buf(), message: e.to_string() })?;
+pub fn load_text(
+    text: &str,
+    path: &Path,
+    node_name: &str,
+    state: &mut ClusterState,
+) -> Result<(), ManifestError> {
+    let docs: Vec<Value> = serde_saphyr::from_multiple(text).map_err(|e| ManifestError::Yaml {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
     let mut queue: Vec<Value> = docs.into_iter().filter(|d| !d.is_null()).collect();
     while let Some(doc) = queue.pop() {
-        let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default().to_string();
-        let name = doc.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default().to_string();
+        let kind = doc
+            .get("kind")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        let name = doc
+            .pointer("/metadata/name")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
         let malformed = |e: serde_json::Error| ManifestError::Object {
             path: path.to_path_buf(),
             kind: kind.clone(),
@@ -60,9 +93,13 @@ pub fn load_text(text: &str, path: &Path, node_name: &str, state: &mut ClusterSt
                 }
             }
             "Service" => state.add_service(serde_json::from_value::<Service>(doc).map_err(malformed)?),
-            "EndpointSlice" => state.add_slice(serde_json::from_value::<EndpointSlice>(doc).map_err(malformed)?),
+            "EndpointSlice" => {
+                state.add_slice(serde_json::from_value::<EndpointSlice>(doc).map_err(malformed)?)
+            }
             "Node" if name == node_name => {
-                state.node = Some(std::sync::Arc::new(serde_json::from_value::<Node>(doc).map_err(malformed)?));
+                state.node = Some(std::sync::Arc::new(
+                    serde_json::from_value::<Node>(doc).map_err(malformed)?,
+                ));
             }
             _ => {}
         }

@@ -7,7 +7,10 @@ pub mod manifests;
 
 use std::{collections::BTreeMap, sync::Arc};
 
-use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
 
 /// The label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -31,12 +34,22 @@ pub struct ClusterState {
 
 impl ClusterState {
     pub fn add_service(&mut self, svc: Service) {
-        let key = (svc.metadata.namespace.clone().unwrap_or_else(|| "default".into()), svc.metadata.name.clone().unwrap_or_default());
+        let key = (
+            svc.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+            svc.metadata.name.clone().unwrap_or_default(),
+        );
         self.services.insert(key, Arc::new(svc));
     }
 
     pub fn add_slice(&mut self, slice: EndpointSlice) {
-        let key = (slice.metadata.namespace.clone().unwrap_or_else(|| "default".into()), slice.metadata.name.clone().unwrap_or_default());
+        let key = (
+            slice
+                .metadata
+                .namespace
+                .clone()
+                .unwrap_or_else(|| "default".into()),
+            slice.metadata.name.clone().unwrap_or_default(),
+        );
         self.slices.insert(key, Arc::new(slice));
     }
 
@@ -46,11 +59,15 @@ impl ClusterState {
         let mut out: BTreeMap<(String, String), Vec<&EndpointSlice>> = BTreeMap::new();
         for ((namespace, _), slice) in &self.slices {
             let labels = slice.metadata.labels.as_ref();
-            if labels.is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL) || l.contains_key(HEADLESS_LABEL)) {
+            if labels
+                .is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL) || l.contains_key(HEADLESS_LABEL))
+            {
                 continue;
             }
             if let Some(service) = labels.and_then(|l| l.get(SERVICE_NAME_LABEL)) {
-                out.entry((namespace.clone(), service.clone())).or_default().push(slice);
+                out.entry((namespace.clone(), service.clone()))
+                    .or_default()
+                    .push(slice);
             }
         }
         out

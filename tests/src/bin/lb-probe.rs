@@ -81,16 +81,21 @@ enum Cmd {
 }
 
 fn answer(name: &str, local: SocketAddr, peer: SocketAddr, extra: serde_json::Value) -> String {
-    json!({"server": name, "local": local.to_string(), "client": peer.to_string(), "extra": extra}).to_string()
+    json!({"server": name, "local": local.to_string(), "client": peer.to_string(), "extra": extra})
+        .to_string()
 }
 
 /// FNV-1a, to check bulk payloads end to end without a crypto dependency.
 fn fnv1a(data: &[u8]) -> u64 {
-    data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+    data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 fn serve_tcp_conn(mut stream: TcpStream, name: String) {
-    let (Ok(local), Ok(peer)) = (stream.local_addr(), stream.peer_addr()) else { return };
+    let (Ok(local), Ok(peer)) = (stream.local_addr(), stream.peer_addr()) else {
+        return;
+    };
     let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
     let mut reader = BufReader::new(stream.try_clone().expect("clone"));
     loop {
@@ -108,7 +113,11 @@ fn serve_tcp_conn(mut stream: TcpStream, name: String) {
                 }
             }
             let body = answer(&name, local, peer, json!(null));
-            let _ = write!(stream, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len() + 1);
+            let _ = write!(
+                stream,
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len() + 1
+            );
             let _ = stream.write_all(b"\n");
             return;
         } else if let Some(n) = line.trim().strip_prefix("BULK ") {
@@ -118,7 +127,12 @@ fn serve_tcp_conn(mut stream: TcpStream, name: String) {
             if reader.read_exact(&mut buf).is_err() {
                 return;
             }
-            answer(&name, local, peer, json!({"bytes": n, "fnv1a": format!("{:016x}", fnv1a(&buf))}))
+            answer(
+                &name,
+                local,
+                peer,
+                json!({"bytes": n, "fnv1a": format!("{:016x}", fnv1a(&buf))}),
+            )
         } else {
             answer(&name, local, peer, json!(null))
         };
@@ -146,7 +160,9 @@ fn serve(tcp: Vec<SocketAddr>, udp: Vec<SocketAddr>, name: Option<String>) {
         handles.push(thread::spawn(move || {
             let mut buf = [0u8; 65536];
             loop {
-                let Ok((_, peer)) = sock.recv_from(&mut buf) else { continue };
+                let Ok((_, peer)) = sock.recv_from(&mut buf) else {
+                    continue;
+                };
                 let local = sock.local_addr().expect("local addr");
                 let _ = sock.send_to(answer(&name, local, peer, json!(null)).as_bytes(), peer);
             }
@@ -176,7 +192,11 @@ fn tcp_once(to: SocketAddr, payload: usize, timeout: Duration) -> serde_json::Va
     let connect_us = started.elapsed().as_micros() as u64;
     let _ = stream.set_read_timeout(Some(timeout));
     let peer = stream.peer_addr().map(|p| p.to_string()).unwrap_or_default();
-    let request = if payload > 0 { format!("BULK {payload}\n") } else { "hello\n".to_string() };
+    let request = if payload > 0 {
+        format!("BULK {payload}\n")
+    } else {
+        "hello\n".to_string()
+    };
     let mut sum = None;
     let sent = stream.write_all(request.as_bytes()).and_then(|()| {
         if payload > 0 {
@@ -195,7 +215,9 @@ fn tcp_once(to: SocketAddr, payload: usize, timeout: Duration) -> serde_json::Va
             let reply: serde_json::Value = serde_json::from_str(line.trim()).unwrap_or(json!(line.trim()));
             json!({"ok": true, "peer": peer, "reply": reply, "sent_fnv1a": sum, "connect_us": connect_us})
         }
-        Ok(_) => json!({"ok": false, "error": "connection closed without an answer", "errno": 0, "peer": peer}),
+        Ok(_) => {
+            json!({"ok": false, "error": "connection closed without an answer", "errno": 0, "peer": peer})
+        }
         Err(e) => json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e), "peer": peer}),
     }
 }
@@ -203,11 +225,19 @@ fn tcp_once(to: SocketAddr, payload: usize, timeout: Duration) -> serde_json::Va
 fn udp_once(to: SocketAddr, connected: bool, timeout: Duration) -> serde_json::Value {
     let sock = UdpSocket::bind("0.0.0.0:0").expect("bind udp");
     let _ = sock.set_read_timeout(Some(timeout));
-    let sent = if connected { sock.connect(to).and_then(|()| sock.send(b"hello")) } else { sock.send_to(b"hello", to) };
+    let sent = if connected {
+        sock.connect(to).and_then(|()| sock.send(b"hello"))
+    } else {
+        sock.send_to(b"hello", to)
+    };
     if let Err(e) = sent {
         return json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)});
     }
-    let peer = if connected { sock.peer_addr().ok().map(|p| p.to_string()) } else { None };
+    let peer = if connected {
+        sock.peer_addr().ok().map(|p| p.to_string())
+    } else {
+        None
+    };
     let mut buf = [0u8; 4096];
     match sock.recv_from(&mut buf) {
         Ok((n, from)) => {
@@ -222,7 +252,10 @@ fn hold(to: SocketAddr, interval: Duration, seconds: u64) {
     let mut stream = match TcpStream::connect_timeout(&to, Duration::from_secs(2)) {
         Ok(s) => s,
         Err(e) => {
-            println!("{}", json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)}));
+            println!(
+                "{}",
+                json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)})
+            );
             return;
         }
     };
@@ -232,7 +265,9 @@ fn hold(to: SocketAddr, interval: Duration, seconds: u64) {
     let mut n = 0u64;
     while Instant::now() < deadline {
         let mut line = String::new();
-        let result = stream.write_all(b"ping\n").and_then(|()| reader.read_line(&mut line));
+        let result = stream
+            .write_all(b"ping\n")
+            .and_then(|()| reader.read_line(&mut line));
         match result {
             Ok(len) if len > 0 => {
                 let reply: serde_json::Value = serde_json::from_str(line.trim()).unwrap_or(json!(null));
@@ -243,7 +278,10 @@ fn hold(to: SocketAddr, interval: Duration, seconds: u64) {
                 return;
             }
             Err(e) => {
-                println!("{}", json!({"ok": false, "seq": n, "error": e.to_string(), "errno": errno_of(&e)}));
+                println!(
+                    "{}",
+                    json!({"ok": false, "seq": n, "error": e.to_string(), "errno": errno_of(&e)})
+                );
                 return;
             }
         }
@@ -259,19 +297,26 @@ fn http_get(to: SocketAddr, path: &str, timeout: Duration) -> serde_json::Value 
         Err(e) => return json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)}),
     };
     let _ = stream.set_read_timeout(Some(timeout));
-    if let Err(e) = write!(stream, "GET {path} HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n") {
+    if let Err(e) = write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n"
+    ) {
         return json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)});
     }
     let mut raw = Vec::new();
-    if let Err(e) = stream.read_to_end(&mut raw) {
-        if raw.is_empty() {
-            return json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)});
-        }
+    if let Err(e) = stream.read_to_end(&mut raw)
+        && raw.is_empty()
+    {
+        return json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)});
     }
     let text = String::from_utf8_lossy(&raw);
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let mut lines = head.lines();
-    let status: u16 = lines.next().and_then(|l| l.split_whitespace().nth(1)).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     let headers: serde_json::Map<String, serde_json::Value> = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), json!(v.trim())))
@@ -282,17 +327,36 @@ fn http_get(to: SocketAddr, path: &str, timeout: Duration) -> serde_json::Value 
 fn main() {
     match Cli::parse().command {
         Cmd::Serve { tcp, udp, name } => serve(tcp, udp, name),
-        Cmd::Tcp { connect, count, payload, timeout_ms } => {
+        Cmd::Tcp {
+            connect,
+            count,
+            payload,
+            timeout_ms,
+        } => {
             for _ in 0..count {
-                println!("{}", tcp_once(connect, payload, Duration::from_millis(timeout_ms)));
+                println!(
+                    "{}",
+                    tcp_once(connect, payload, Duration::from_millis(timeout_ms))
+                );
             }
         }
-        Cmd::Udp { to, count, connected, timeout_ms } => {
+        Cmd::Udp {
+            to,
+            count,
+            connected,
+            timeout_ms,
+        } => {
             for _ in 0..count {
                 println!("{}", udp_once(to, connected, Duration::from_millis(timeout_ms)));
             }
         }
-        Cmd::Http { to, path, timeout_ms } => println!("{}", http_get(to, &path, Duration::from_millis(timeout_ms))),
-        Cmd::Hold { connect, interval_ms, seconds } => hold(connect, Duration::from_millis(interval_ms), seconds),
+        Cmd::Http { to, path, timeout_ms } => {
+            println!("{}", http_get(to, &path, Duration::from_millis(timeout_ms)))
+        }
+        Cmd::Hold {
+            connect,
+            interval_ms,
+            seconds,
+        } => hold(connect, Duration::from_millis(interval_ms), seconds),
     }
 }

@@ -2,7 +2,7 @@
 
 use std::net::Ipv4Addr;
 
-use lb_common::service::{flags, SCOPE_EXTERNAL, SCOPE_INTERNAL};
+use lb_common::service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, flags};
 
 use super::*;
 use crate::{
@@ -12,15 +12,28 @@ use crate::{
 };
 
 fn name(svc: &str) -> ServicePortName {
-    ServicePortName { namespace: "ns".into(), name: svc.into(), port: "".into(), protocol: Protocol::Tcp }
+    ServicePortName {
+        namespace: "ns".into(),
+        name: svc.into(),
+        port: "".into(),
+        protocol: Protocol::Tcp,
+    }
 }
 
 fn be(last: u8) -> BackendAddr {
-    BackendAddr { addr: Ipv4Addr::new(10, 244, 0, last), port: 8080, proto: Protocol::Tcp }
+    BackendAddr {
+        addr: Ipv4Addr::new(10, 244, 0, last),
+        port: 8080,
+        proto: Protocol::Tcp,
+    }
 }
 
 fn fe(last: u8) -> Frontend {
-    Frontend { addr: Ipv4Addr::new(10, 96, 0, last), port: 80, proto: Protocol::Tcp }
+    Frontend {
+        addr: Ipv4Addr::new(10, 96, 0, last),
+        port: 80,
+        proto: Protocol::Tcp,
+    }
 }
 
 fn frontend_plan(svc: &str, backends: &[u8]) -> FrontendPlan {
@@ -28,7 +41,11 @@ fn frontend_plan(svc: &str, backends: &[u8]) -> FrontendPlan {
         service: name(svc),
         kind: FrontendKind::ClusterIp,
         affinity_timeout: 0,
-        scopes: vec![ScopePlan { scope: SCOPE_EXTERNAL, flags: flags::CLUSTER_IP, backends: backends.iter().map(|b| be(*b)).collect() }],
+        scopes: vec![ScopePlan {
+            scope: SCOPE_EXTERNAL,
+            flags: flags::CLUSTER_IP,
+            backends: backends.iter().map(|b| be(*b)).collect(),
+        }],
         source_ranges: vec![],
     }
 }
@@ -89,9 +106,14 @@ fn an_unchanged_state_costs_nothing() {
 #[test]
 fn a_change_to_one_service_writes_only_that_change() {
     let mut a = applier();
-    let services: Vec<(u8, String, Vec<u8>)> = (0..100).map(|i| (i, format!("svc{i}"), vec![i % 50 + 1])).collect();
+    let services: Vec<(u8, String, Vec<u8>)> = (0..100)
+        .map(|i| (i, format!("svc{i}"), vec![i % 50 + 1]))
+        .collect();
     let as_refs = |list: &[(u8, String, Vec<u8>)]| -> DesiredState {
-        let v: Vec<(u8, &str, &[u8])> = list.iter().map(|(a, b, c)| (*a, b.as_str(), c.as_slice())).collect();
+        let v: Vec<(u8, &str, &[u8])> = list
+            .iter()
+            .map(|(a, b, c)| (*a, b.as_str(), c.as_slice()))
+            .collect();
         desired(&v)
     };
     a.apply(&as_refs(&services));
@@ -111,7 +133,10 @@ fn scaling_down_lowers_the_count_before_deleting_slots() {
     a.apply(&desired(&[(10, "web", &[2])]));
     let log = a.maps().log.clone();
     // Replay from the state before this apply: every intermediate state must be consistent.
-    let mut maps = FakeMaps { state: before, ..FakeMaps::new() };
+    let mut maps = FakeMaps {
+        state: before,
+        ..FakeMaps::new()
+    };
     for (i, op) in log.iter().enumerate() {
         match op {
             Op::PutService(k, v) => maps.put_service(k, v).unwrap(),
@@ -120,7 +145,8 @@ fn scaling_down_lowers_the_count_before_deleting_slots() {
             Op::DeleteBackend(id) => maps.delete_backend(*id).unwrap(),
             other => panic!("unexpected {other:?}"),
         }
-        maps.check_consistent().unwrap_or_else(|e| panic!("after {i} {op:?}: {e}"));
+        maps.check_consistent()
+            .unwrap_or_else(|e| panic!("after {i} {op:?}: {e}"));
     }
     assert_eq!(a.maps().state.services.len(), 2);
     assert_eq!(a.maps().state.backends.len(), 1);
@@ -134,9 +160,19 @@ fn removing_a_service_hides_its_frontend_first_and_frees_backends() {
     let r = a.apply(&desired(&[(11, "api", &[2])]));
     assert!(r.is_clean());
     let log = &a.maps().log;
-    assert!(matches!(log.first(), Some(Op::DeleteService(k)) if k.slot == 0), "{log:?}");
-    assert!(matches!(log.last(), Some(Op::DeleteBackend(_))), "the unused backend goes last: {log:?}");
-    assert_eq!(a.maps().state.backends.len(), 1, "the backend shared with api stays");
+    assert!(
+        matches!(log.first(), Some(Op::DeleteService(k)) if k.slot == 0),
+        "{log:?}"
+    );
+    assert!(
+        matches!(log.last(), Some(Op::DeleteBackend(_))),
+        "the unused backend goes last: {log:?}"
+    );
+    assert_eq!(
+        a.maps().state.backends.len(),
+        1,
+        "the backend shared with api stays"
+    );
     a.maps().check_consistent().unwrap();
 }
 
@@ -149,8 +185,16 @@ fn switching_local_to_cluster_policy_rewrites_the_frontend_before_dropping_the_i
             kind: FrontendKind::NodePort,
             affinity_timeout: 0,
             scopes: vec![
-                ScopePlan { scope: SCOPE_EXTERNAL, flags: flags::NODE_PORT | flags::TWO_SCOPES, backends: local.iter().map(|b| be(*b)).collect() },
-                ScopePlan { scope: SCOPE_INTERNAL, flags: flags::NODE_PORT, backends: all.iter().map(|b| be(*b)).collect() },
+                ScopePlan {
+                    scope: SCOPE_EXTERNAL,
+                    flags: flags::NODE_PORT | flags::TWO_SCOPES,
+                    backends: local.iter().map(|b| be(*b)).collect(),
+                },
+                ScopePlan {
+                    scope: SCOPE_INTERNAL,
+                    flags: flags::NODE_PORT,
+                    backends: all.iter().map(|b| be(*b)).collect(),
+                },
             ],
             source_ranges: vec![],
         };
@@ -164,16 +208,24 @@ fn switching_local_to_cluster_policy_rewrites_the_frontend_before_dropping_the_i
     a.apply(&two_scopes(&[1], &[1, 2]));
     let log = &a.maps().log;
     let pos = |pred: &dyn Fn(&Op) -> bool| log.iter().position(pred).unwrap();
-    let internal_front = pos(&|op| matches!(op, Op::PutService(k, _) if k.slot == 0 && k.scope == SCOPE_INTERNAL));
-    let external_front = pos(&|op| matches!(op, Op::PutService(k, _) if k.slot == 0 && k.scope == SCOPE_EXTERNAL));
-    assert!(internal_front < external_front, "TWO_SCOPES must never point at a missing internal scope");
+    let internal_front =
+        pos(&|op| matches!(op, Op::PutService(k, _) if k.slot == 0 && k.scope == SCOPE_INTERNAL));
+    let external_front =
+        pos(&|op| matches!(op, Op::PutService(k, _) if k.slot == 0 && k.scope == SCOPE_EXTERNAL));
+    assert!(
+        internal_front < external_front,
+        "TWO_SCOPES must never point at a missing internal scope"
+    );
     assert_every_step_consistent(log);
 
     a.maps_mut().log.clear();
     a.apply(&desired(&[(20, "np", &[1, 2])]));
     let log = &a.maps().log;
     let rewrite = log.iter().position(|op| matches!(op, Op::PutService(k, v) if k.slot == 0 && k.scope == SCOPE_EXTERNAL && v.flags & flags::TWO_SCOPES == 0)).unwrap();
-    let drop_internal = log.iter().position(|op| matches!(op, Op::DeleteService(k) if k.scope == SCOPE_INTERNAL)).unwrap();
+    let drop_internal = log
+        .iter()
+        .position(|op| matches!(op, Op::DeleteService(k) if k.scope == SCOPE_INTERNAL))
+        .unwrap();
     assert!(rewrite < drop_internal);
     assert!(a.maps().state.services.keys().all(|k| k.scope == SCOPE_EXTERNAL));
 }
@@ -186,16 +238,35 @@ fn recovery_keeps_ids_and_writes_nothing_for_the_same_state() {
     let ids_before: Vec<_> = d.frontends.keys().map(|f| first.rev_nat_id(f)).collect();
     let backend_ids_before: Vec<_> = d.backends.keys().map(|b| first.backend_id(b)).collect();
 
-    let maps = FakeMaps { state: first.maps().state.clone(), ..FakeMaps::new() };
+    let maps = FakeMaps {
+        state: first.maps().state.clone(),
+        ..FakeMaps::new()
+    };
     let mut second = Applier::recover(maps, Capacities::default()).unwrap();
-    assert_eq!(d.frontends.keys().map(|f| second.rev_nat_id(f)).collect::<Vec<_>>(), ids_before);
-    assert_eq!(d.backends.keys().map(|b| second.backend_id(b)).collect::<Vec<_>>(), backend_ids_before);
+    assert_eq!(
+        d.frontends
+            .keys()
+            .map(|f| second.rev_nat_id(f))
+            .collect::<Vec<_>>(),
+        ids_before
+    );
+    assert_eq!(
+        d.backends
+            .keys()
+            .map(|b| second.backend_id(b))
+            .collect::<Vec<_>>(),
+        backend_ids_before
+    );
     assert_eq!(second.occupancy(), first.occupancy());
     let r = second.apply(&d);
     assert_eq!((r.writes, r.deletes), (0, 0), "{r:?}");
 
     // New work after recovery gets fresh ids, not recycled ones.
-    let r = second.apply(&desired(&[(10, "web", &[1, 2]), (11, "api", &[3]), (12, "new", &[4])]));
+    let r = second.apply(&desired(&[
+        (10, "web", &[1, 2]),
+        (11, "api", &[3]),
+        (12, "new", &[4]),
+    ]));
     assert!(r.is_clean());
     let new_id = second.rev_nat_id(&fe(12)).unwrap();
     assert!(!ids_before.contains(&Some(new_id)));
@@ -203,7 +274,10 @@ fn recovery_keeps_ids_and_writes_nothing_for_the_same_state() {
 
 #[test]
 fn a_service_that_does_not_fit_is_skipped_whole_and_appears_once_room_is_made() {
-    let caps = Capacities { services: 5, ..Capacities::default() };
+    let caps = Capacities {
+        services: 5,
+        ..Capacities::default()
+    };
     let mut a = Applier::new(FakeMaps::new(), caps);
     // Each needs 3 entries; Services are written in (namespace, name) order, so api fits and
     // web does not.
@@ -214,7 +288,11 @@ fn a_service_that_does_not_fit_is_skipped_whole_and_appears_once_room_is_made() 
     assert!(r.skipped[0].1.contains("lb4_services"), "{}", r.skipped[0].1);
     assert!(a.rev_nat_id(&fe(11)).is_some());
     assert!(a.rev_nat_id(&fe(10)).is_none(), "nothing of web is written");
-    assert_eq!(a.maps().state.backends.len(), 2, "no backend of the skipped Service is left behind");
+    assert_eq!(
+        a.maps().state.backends.len(),
+        2,
+        "no backend of the skipped Service is left behind"
+    );
     a.maps().check_consistent().unwrap();
 
     // api goes away: now web fits.
@@ -236,7 +314,10 @@ fn affinity_members_and_source_ranges_follow_the_plan() {
     let rev = a.rev_nat_id(&fe(10)).unwrap();
     assert_eq!(a.maps().state.affinity_match.len(), 2);
     assert!(a.maps().state.affinity_match.iter().all(|k| k.rev_nat_id == rev));
-    assert_eq!(a.maps().state.source_ranges, vec![(56, SrcRange4::new(rev, [198, 51, 100, 0]))]);
+    assert_eq!(
+        a.maps().state.source_ranges,
+        vec![(56, SrcRange4::new(rev, [198, 51, 100, 0]))]
+    );
     let front = a.maps().state.services[&Svc4Key::new([10, 96, 0, 10], 80, 6, SCOPE_EXTERNAL, 0)];
     assert_eq!(front.affinity_timeout, 60);
 
