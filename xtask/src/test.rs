@@ -176,6 +176,7 @@ pub fn run_all(filter: Option<&str>, with_e2e: bool) -> Result<()> {
         &envs,
         &mut summary,
     )?;
+    build_agent()?;
     step("privileged and end-to-end tests (tests/)");
     let mut args = vec!["--package".to_string(), "lb-tests".into(), "--lib".into()];
     for t in lb_tests_targets(with_e2e)? {
@@ -197,6 +198,7 @@ pub fn run_e2e(filter: Option<&str>) -> Result<()> {
     setup::all()?;
     ebpf::build()?;
     let envs = test_env(true)?;
+    build_agent()?;
     let mut summary = Summary::default();
     let mut args = vec!["--package".to_string(), "lb-tests".into()];
     for t in lb_tests_targets(true)?
@@ -212,6 +214,13 @@ pub fn run_e2e(filter: Option<&str>) -> Result<()> {
         bail!("end-to-end tests failed");
     }
     Ok(())
+}
+
+/// The privileged tests run the real `lb-agent` binary (target/debug/lb-agent), which `cargo test`
+/// of another package does not build.
+fn build_agent() -> Result<()> {
+    step("building lb-agent");
+    crate::util::run(clean_cargo(None).args(["build", "--package", "lb-agent", "--bin", "lb-agent"]))
 }
 
 /// Builds and runs one of the harness programs of `tests/` (the sandbox, the benchmarks).
