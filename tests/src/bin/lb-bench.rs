@@ -1,0 +1,3 @@
+fn main() {
+    eprintln!("lb-bench: being written");
+}
