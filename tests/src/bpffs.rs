@@ -22,6 +22,16 @@ impl BpfFs {
         BpfFs { dir }
     }
 
+    /// A bpffs mounted at a fixed directory (the sandbox); a leftover mount there is removed
+    /// first.
+    pub fn at(dir: &Path) -> BpfFs {
+        while umount2(dir, MntFlags::MNT_DETACH).is_ok() {}
+        fs::create_dir_all(dir).unwrap_or_else(|e| panic!("mkdir {}: {e}", dir.display()));
+        mount(Some("bpf"), dir, Some("bpf"), MsFlags::empty(), None::<&str>)
+            .unwrap_or_else(|e| panic!("mount bpffs on {}: {e}", dir.display()));
+        BpfFs { dir: dir.to_path_buf() }
+    }
+
     /// The mount point; pass it (or a directory below it) as the agent's `--bpf-root`.
     pub fn path(&self) -> &Path {
         &self.dir

@@ -30,6 +30,17 @@ impl Cgroup {
         Cgroup { path }
     }
 
+    /// A cgroup at a fixed path under the cgroup2 mount (the sandbox); a leftover of that name is
+    /// emptied and removed first.
+    pub fn at(relative: &str) -> Cgroup {
+        let path = cgroup2_mount().join(relative);
+        if path.exists() {
+            remove_tree(&path);
+        }
+        fs::create_dir_all(&path).unwrap_or_else(|e| panic!("mkdir {}: {e}", path.display()));
+        Cgroup { path }
+    }
+
     /// A child of this cgroup (e.g. one per pod of a sandbox node).
     pub fn child(&self, name: &str) -> Cgroup {
         let path = self.path.join(name);
@@ -55,9 +66,35 @@ impl Cgroup {
     }
 }
 
+/// Kills everything in a cgroup tree and removes it, deepest first.
+pub fn remove_tree(path: &Path) {
+    if let Ok(entries) = fs::read_dir(path) {
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_tree(&e.path());
+            }
+        }
+    }
+    let _ = fs::write(path.join("cgroup.kill"), "1");
+    for _ in 0..100 {
+        if fs::remove_dir(path).is_ok() || !path.exists() {
+            return;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
 impl Drop for Cgroup {
     fn drop(&mut self) {
-        // Kill stragglers (cgroup.kill exists since 5.14), then remove the directory.
+        // Children first (a sandbox node's pods), then stragglers (cgroup.kill exists since
+        // 5.14), then the directory.
+        if let Ok(entries) = fs::read_dir(&self.path) {
+            for e in entries.flatten() {
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    remove_tree(&e.path());
+                }
+            }
+        }
         let _ = fs::write(self.path.join("cgroup.kill"), "1");
         for pid in self.pids() {
             // SAFETY: kill has no memory-safety preconditions.

@@ -28,6 +28,17 @@ impl NetNs {
         ns
     }
 
+    /// A namespace with a fixed name (the sandbox, which must find a crashed run's leftovers);
+    /// an existing namespace of that name is deleted first.
+    pub fn named(name: &str) -> NetNs {
+        assert!(name.len() <= 15, "{name} is too long");
+        let _ = Command::new("ip").args(["netns", "delete", name]).output();
+        run_ip(&["netns", "add", name]);
+        let ns = NetNs { name: name.to_string() };
+        ns.ip(&["link", "set", "lo", "up"]);
+        ns
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }

@@ -60,6 +60,19 @@ enum Cmd {
         #[arg(long, default_value_t = 1000)]
         timeout_ms: u64,
     },
+    /// Endless load for the sandbox: one request every interval, one JSON line each, as `tcp`,
+    /// `udp` or `http` print them.
+    Load {
+        #[arg(long)]
+        to: SocketAddr,
+        /// tcp, udp or http.
+        #[arg(long, default_value = "http")]
+        kind: String,
+        #[arg(long, default_value_t = 200)]
+        interval_ms: u64,
+        #[arg(long, default_value_t = 1000)]
+        timeout_ms: u64,
+    },
     /// One HTTP/1.1 GET; prints {"status": N, "headers": {...}, "body": "..."}.
     Http {
         /// host:port
@@ -348,6 +361,26 @@ fn main() {
         } => {
             for _ in 0..count {
                 println!("{}", udp_once(to, connected, Duration::from_millis(timeout_ms)));
+            }
+        }
+        Cmd::Load { to, kind, interval_ms, timeout_ms } => {
+            let timeout = Duration::from_millis(timeout_ms);
+            loop {
+                let result = match kind.as_str() {
+                    "tcp" => tcp_once(to, 0, timeout),
+                    "udp" => udp_once(to, false, timeout),
+                    _ => {
+                        // An HTTP GET whose JSON body says who answered and whom it saw.
+                        let r = http_get(to, "/", timeout);
+                        match r["body"].as_str().and_then(|b| serde_json::from_str::<serde_json::Value>(b.trim()).ok()) {
+                            Some(body) if r["status"] == 200 => json!({"ok": true, "reply": body}),
+                            _ if r["ok"] == true => json!({"ok": false, "error": format!("HTTP status {}", r["status"]), "errno": 0}),
+                            _ => r,
+                        }
+                    }
+                };
+                println!("{result}");
+                thread::sleep(Duration::from_millis(interval_ms));
             }
         }
         Cmd::Http { to, path, timeout_ms } => {
