@@ -139,6 +139,19 @@ pub struct NodeContext {
     pub cluster_cidr_configured: bool,
 }
 
+/// The most backend slots one scope of one frontend may have; a frontend whose scope would need
+/// more is not programmed (reported as a [`PlanProblem`]) while the rest is.
+///
+/// Hard bound: a scope's slot count is `Svc4Value::count`, a `u16`, so 65,535 is the most the
+/// data path can address at all. We stop well below it because every frontend repeats its slots:
+/// a Service of this size with a cluster IP, NodePorts on two node addresses and the localhost
+/// NodePort already takes 4 x 16,384 = 65,536 entries, a quarter of the default `lb4_services`
+/// capacity (262,144), and a quarter of the default `lb4_backends` (65,536); one larger Service
+/// would crowd out every other. Kubernetes' own envelope is far below this (SIG Scalability's
+/// `thresholds.md` lists 250 endpoints per Service; one EndpointSlice holds at most 1,000), so
+/// only a broken or hostile set of objects reaches it.
+pub const MAX_BACKENDS_PER_SCOPE: usize = 16_384;
+
 /// A problem with one Service, reported (log, Event) while the rest is programmed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlanProblem {
@@ -147,16 +160,39 @@ pub struct PlanProblem {
 }
 
 /// Computes the desired state. `services` holds each service port with its categorized
-/// endpoints; the result does not depend on their order.
+/// endpoints; the result does not depend on their order. A frontend that would need more than
+/// [`MAX_BACKENDS_PER_SCOPE`] slots in a scope is left out and reported; the rest is planned.
 pub fn plan(
     services: &[(ServicePortInfo, CategorizedEndpoints)],
     node: &NodeContext,
 ) -> (DesiredState, Vec<PlanProblem>) {
     let mut claims: Vec<(FrontendKind, &ServicePortName, Frontend, FrontendPlan)> = Vec::new();
+    let mut problems = Vec::new();
     for (svc, endpoints) in services {
+        // Frontends too large for the maps, skipped (and reported once per service port).
+        let mut too_large: BTreeSet<Frontend> = BTreeSet::new();
+        let mut largest = 0;
         for (kind, frontend) in frontends_of(svc, node) {
             let plan = plan_frontend(svc, endpoints, kind, node);
+            let size = plan.scopes.iter().map(|s| s.backends.len()).max().unwrap_or(0);
+            if size > MAX_BACKENDS_PER_SCOPE {
+                largest = largest.max(size);
+                too_large.insert(frontend);
+                continue;
+            }
             claims.push((kind, &svc.name, frontend, plan));
+        }
+        if !too_large.is_empty() {
+            let list: Vec<String> = too_large.iter().map(Frontend::to_string).collect();
+            problems.push(PlanProblem {
+                service: svc.name.clone(),
+                message: format!(
+                    "{}: {largest} endpoints in one scope, more than the {MAX_BACKENDS_PER_SCOPE} a \
+                     frontend can hold; not programmed: {}",
+                    svc.name,
+                    list.join(", ")
+                ),
+            });
         }
     }
     // Two Services may claim one frontend (externalIPs and LB IPs are not allocated by the API
@@ -164,7 +200,6 @@ pub fn plan(
     // reported.
     claims.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
     let mut desired = DesiredState::default();
-    let mut problems = Vec::new();
     for (_, _, frontend, plan) in claims {
         if let Some(owner) = desired.frontends.get(&frontend) {
             if owner.service != plan.service {

@@ -175,6 +175,9 @@ enum Source {
 /// What the agent keeps between syncs.
 struct Agent {
     datapath: Datapath,
+    /// The cgroup the socket programs attach to, once the first sync has filled the maps.
+    cgroup_root: PathBuf,
+    cgroup_attached: bool,
     applier: Applier<KernelMaps>,
     settings: NodeSettings,
     host_cookie: u64,
@@ -228,21 +231,11 @@ impl Agent {
                 .context("writing the datapath configuration")?;
             self.config_written = Some(config);
         }
-        if let Some(patterns) = &self.devices {
-            let up = tc::interfaces_up().context("listing interfaces")?;
-            let wanted = tc::select_devices(patterns, &up);
-            for (name, index) in &wanted {
-                if let Err(e) = self.datapath.attach_tc(name, *index) {
-                    tracing::error!(device = %name, "attaching the tc programs: {e}");
-                }
-            }
-            for gone in self.datapath.detach_tc_except(&wanted) {
-                tracing::info!(device = %gone, "detached the tc programs");
-            }
-        }
-
         let computed = sync::compute(&state, &info, &ctx);
         let report = self.applier.apply(&computed.desired);
+        if self.cgroup_attached {
+            self.attach_tc();
+        }
 
         self.problems.clear();
         for p in &computed.problems {
@@ -293,6 +286,41 @@ impl Agent {
             anyhow::bail!("{} map update(s) failed; retrying", report.errors.len());
         }
         Ok(())
+    }
+
+    /// Attaches (or atomically replaces) the programs once the maps hold the desired state, then
+    /// drops the pins of maps that were migrated. A restarted or upgraded agent therefore swaps
+    /// programs only after its maps are complete; until then the previous programs keep serving.
+    fn attach_programs(&mut self) -> Result<()> {
+        self.datapath.attach_cgroup(&self.cgroup_root).context("attaching the socket programs")?;
+        self.cgroup_attached = true;
+        self.attach_tc();
+        if self.datapath.migrating() {
+            self.datapath.finish_migration();
+        }
+        Ok(())
+    }
+
+    /// Attaches the tc programs to the selected interfaces that are up, and detaches them from
+    /// interfaces that went away (rescanned at every sync: pod veths come and go).
+    fn attach_tc(&mut self) {
+        let Some(patterns) = &self.devices else { return };
+        let up = match tc::interfaces_up() {
+            Ok(up) => up,
+            Err(e) => {
+                tracing::error!("listing interfaces: {e}");
+                return;
+            }
+        };
+        let wanted = tc::select_devices(patterns, &up);
+        for (name, index) in &wanted {
+            if let Err(e) = self.datapath.attach_tc(name, *index) {
+                tracing::error!(device = %name, "attaching the tc programs: {e}");
+            }
+        }
+        for gone in self.datapath.detach_tc_except(&wanted) {
+            tracing::info!(device = %gone, "detached the tc programs");
+        }
     }
 
     fn record_metrics(
@@ -428,7 +456,7 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         bpf_root = %paths.root.display(),
         cgroup = %cgroup_root.display(),
         frontends = applier.occupancy().revnat,
-        "data path attached (adopted {} frontend(s) from the pinned maps)",
+        "data path loaded (adopted {} frontend(s) from the pinned maps)",
         applier.occupancy().revnat
     );
 
@@ -500,6 +528,8 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     });
     let agent = Rc::new(RefCell::new(Agent {
         datapath: dp,
+        cgroup_root,
+        cgroup_attached: false,
         applier,
         settings: settings.clone(),
         host_cookie,
@@ -525,7 +555,12 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
             shutdown.cancel();
         });
     }
-    handle.run();
+    // The first sync fills the maps; only then are the programs attached (or swapped in).
+    if let Err(e) = agent.borrow_mut().sync() {
+        tracing::error!("first sync: {e:#}");
+    }
+    agent.borrow_mut().attach_programs()?;
+    tracing::info!("data path attached");
     let reporter = Rc::new(reporter);
     runner
         .run_loop(

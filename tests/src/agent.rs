@@ -17,6 +17,8 @@ use crate::{
 
 /// The log line the agent prints after each sync.
 pub const SYNCED: &str = "data path programmed";
+/// The log line the agent prints once its programs are attached (after the first sync).
+pub const ATTACHED: &str = "data path attached";
 
 pub struct AgentOptions<'a> {
     pub netns: &'a NetNs,
@@ -80,7 +82,7 @@ impl Agent {
             exited_flag.store(true, std::sync::atomic::Ordering::SeqCst);
         });
         let agent = Agent { proc, log, exited };
-        agent.wait_for_syncs(1, Duration::from_secs(30));
+        agent.wait_for_line(ATTACHED, Duration::from_secs(30));
         agent
     }
 
@@ -108,6 +110,16 @@ impl Agent {
                 "lb-agent did not sync {n} time(s) within {timeout:?}; log:\n{}",
                 self.log()
             );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until the log has a line containing `text`.
+    pub fn wait_for_line(&self, text: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while !self.log.lock().expect("log lock").iter().any(|l| l.contains(text)) {
+            assert!(!self.exited.load(std::sync::atomic::Ordering::SeqCst), "lb-agent exited; log:\n{}", self.log());
+            assert!(Instant::now() < deadline, "lb-agent logged no {text:?} within {timeout:?}; log:\n{}", self.log());
             std::thread::sleep(Duration::from_millis(20));
         }
     }

@@ -23,6 +23,8 @@ const PACKAGES: &[(&str, &str)] = &[
     ("tcpdump", "tcpdump"),
     ("nsenter", "util-linux"),
     ("openssl", "openssl"),
+    // The plots of docs/bench/ (`cargo xtask bench`).
+    ("gnuplot", "gnuplot-nox"),
 ];
 
 pub fn all() -> Result<()> {

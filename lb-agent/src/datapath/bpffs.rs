@@ -28,8 +28,9 @@ impl PinPaths {
         self.root.join("maps")
     }
 
+    /// The pin of a map at its current layout version (see `migrate::pin_name`).
     pub fn map(&self, name: &str) -> PathBuf {
-        self.maps().join(name)
+        self.maps().join(super::migrate::pin_name(name))
     }
 
     pub fn links(&self) -> PathBuf {

@@ -8,6 +8,7 @@
 
 pub mod bpffs;
 pub mod cgroup;
+pub mod migrate;
 pub mod tc;
 
 use std::{
@@ -110,6 +111,8 @@ pub fn object_bytes(path: Option<&Path>) -> Result<std::borrow::Cow<'static, [u8
 pub struct Datapath {
     ebpf: Ebpf,
     paths: Option<PinPaths>,
+    /// Old pins to remove once the new programs are attached.
+    migration: migrate::Migration,
 }
 
 impl Datapath {
@@ -120,22 +123,25 @@ impl Datapath {
             path: paths.root.clone(),
             source,
         })?;
+        let migration = migrate::prepare(paths, caps)?;
         let pin_paths: Vec<(&'static str, PathBuf)> = names::ALL.iter().map(|n| (*n, paths.map(n))).collect();
         let mut loader = EbpfLoader::new();
         for (name, path) in &pin_paths {
             loader.map_pin_path(name, path.as_path());
         }
-        let ebpf = Self::load_with(&mut loader, caps, object)?;
+        let mut ebpf = Self::load_with(&mut loader, caps, object)?;
+        migrate::copy_entries(&migration, &mut ebpf);
         Ok(Self {
             ebpf,
             paths: Some(paths.clone()),
+            migration,
         })
     }
 
     /// Loads the object with private, unpinned maps (trace against manifests, tests).
     pub fn load_unpinned(caps: &Capacities, object: &[u8]) -> Result<Self, DatapathError> {
         let ebpf = Self::load_with(&mut EbpfLoader::new(), caps, object)?;
-        Ok(Self { ebpf, paths: None })
+        Ok(Self { ebpf, paths: None, migration: migrate::Migration::default() })
     }
 
     /// Loads the object for `trace` against a running agent: the service-state maps are the live
@@ -170,7 +176,7 @@ impl Datapath {
             loader.map_pin_path(name, path.as_path());
         }
         let ebpf = Self::load_with(&mut loader, &caps, object)?;
-        Ok(Self { ebpf, paths: None })
+        Ok(Self { ebpf, paths: None, migration: migrate::Migration::default() })
     }
 
     fn load_with(
@@ -212,6 +218,16 @@ impl Datapath {
             prog.load().map_err(|source| program_error(name, source))?;
         }
         Ok(ebpf)
+    }
+
+    /// Whether maps were migrated at load (their old pins go once the programs are replaced).
+    pub fn migrating(&self) -> bool {
+        !self.migration.is_empty()
+    }
+
+    /// Removes the pins of migrated maps: call after the new programs are attached.
+    pub fn finish_migration(&mut self) {
+        self.migration.finish();
     }
 
     /// The map writer's handles (taken out of the object; call once).

@@ -309,3 +309,126 @@ fn protocols_are_separate_frontends() {
     assert_eq!(d.frontends.len(), 2);
     assert_eq!(d.backends.len(), 2, "a backend is (address, port, protocol)");
 }
+
+/// `n` distinct ready endpoints 10.(100 + i / 65536).x.y:8080, local when `local`.
+fn many(n: usize, local: bool) -> Vec<Endpoint> {
+    (0..n)
+        .map(|i| {
+            let mut e = ep("10.0.0.0", local);
+            e.ip = Ipv4Addr::from(u32::from(ip("10.100.0.0")) + i as u32);
+            e
+        })
+        .collect()
+}
+
+#[test]
+fn a_scope_at_the_limit_is_programmed() {
+    let eps = many(MAX_BACKENDS_PER_SCOPE, false);
+    let (d, problems) = plan(&[(svc("big"), cat(&eps, &[], true))], &ctx());
+    assert!(problems.is_empty(), "{problems:?}");
+    let scope = &d.frontends[&fe("10.96.0.10", 80)].scopes[0];
+    assert_eq!(scope.backends.len(), MAX_BACKENDS_PER_SCOPE);
+    assert_eq!(d.backends.len(), MAX_BACKENDS_PER_SCOPE);
+}
+
+#[test]
+fn a_scope_over_the_limit_is_refused_and_the_rest_is_programmed() {
+    // Also beyond what a u16 slot count can say: the writer would have wrapped it to 1.
+    for n in [MAX_BACKENDS_PER_SCOPE + 1, 65_536 + 1] {
+        let big = many(n, false);
+        let small = [ep("10.244.1.1", true)];
+        let mut b = svc("big");
+        b.node_port = Some(30080);
+        let mut other = svc("web");
+        other.cluster_ips = vec![ip("10.96.0.11")];
+        let input = [
+            (b, cat(&big, &[], true)),
+            (other, cat(&small, &small, true)),
+        ];
+        let (d, problems) = plan(&input, &ctx());
+        // Every frontend of the big Service uses the 'cluster' list: none is programmed.
+        assert_eq!(
+            d.frontends.keys().copied().collect::<Vec<_>>(),
+            vec![fe("10.96.0.11", 80)],
+            "n = {n}"
+        );
+        assert_eq!(
+            d.backends.keys().copied().collect::<Vec<_>>(),
+            backends(&["10.244.1.1"]),
+            "the refused Service's backends are not written"
+        );
+        assert_eq!(problems.len(), 1, "one problem per service port: {problems:?}");
+        let p = &problems[0];
+        assert_eq!(p.service.name, "big");
+        for needle in [
+            "ns/big:http".to_string(),
+            n.to_string(),
+            MAX_BACKENDS_PER_SCOPE.to_string(),
+            "10.96.0.10:80/TCP".into(),
+            "192.168.1.10:30080/TCP".into(),
+            "127.0.0.1:30080/TCP".into(),
+        ] {
+            assert!(p.message.contains(&needle), "{needle:?} missing from {:?}", p.message);
+        }
+    }
+}
+
+#[test]
+fn only_the_frontends_whose_scope_is_too_large_are_refused() {
+    // internalTrafficPolicy=Local: the cluster IP uses the (few) local endpoints and stays; the
+    // NodePort uses every endpoint and is refused.
+    let mut s = svc("big");
+    s.internal_policy_local = true;
+    s.node_port = Some(30080);
+    let remote = many(MAX_BACKENDS_PER_SCOPE + 10, false);
+    let local = [ep("10.244.1.1", true)];
+    let all: Vec<Endpoint> = remote.iter().chain(&local).cloned().collect();
+    let (d, problems) = plan(&[(s, cat(&all, &local, true))], &ctx());
+    assert_eq!(
+        d.frontends.keys().copied().collect::<Vec<_>>(),
+        vec![fe("10.96.0.10", 80)]
+    );
+    assert_eq!(
+        d.frontends[&fe("10.96.0.10", 80)].scopes[0].backends,
+        backends(&["10.244.1.1"])
+    );
+    assert_eq!(problems.len(), 1);
+    assert!(problems[0].message.contains("192.168.1.10:30080/TCP"));
+    assert!(!problems[0].message.contains("10.96.0.10:80"));
+}
+
+#[test]
+fn the_internal_scope_of_a_local_policy_counts_too() {
+    // externalTrafficPolicy=Local: the external scope holds the local endpoints, the internal
+    // scope (pod and node traffic) all of them; either one over the limit refuses the frontend.
+    let mut s = svc("big");
+    s.node_port = Some(30080);
+    s.external_policy_local = true;
+    s.cluster_ips = vec![];
+    let remote = many(MAX_BACKENDS_PER_SCOPE + 1, false);
+    let local = [ep("10.244.1.1", true)];
+    let all: Vec<Endpoint> = remote.iter().chain(&local).cloned().collect();
+    let (d, problems) = plan(&[(s, cat(&all, &local, true))], &ctx());
+    assert!(d.frontends.is_empty(), "{:?}", d.frontends.keys());
+    assert!(d.backends.is_empty());
+    assert_eq!(problems.len(), 1);
+    assert!(problems[0].message.contains(&(MAX_BACKENDS_PER_SCOPE + 2).to_string()));
+}
+
+#[test]
+fn a_refused_claim_leaves_a_shared_external_ip_to_the_next_claimant() {
+    let mut a = svc("alpha");
+    a.external_ips = vec![ip("198.51.100.9")];
+    let mut b = svc("beta");
+    b.cluster_ips = vec![ip("10.96.0.11")];
+    b.external_ips = vec![ip("198.51.100.9")];
+    let big = many(MAX_BACKENDS_PER_SCOPE + 1, false);
+    let small = [ep("10.244.1.1", true)];
+    let (d, problems) = plan(
+        &[(a, cat(&big, &[], true)), (b, cat(&small, &small, true))],
+        &ctx(),
+    );
+    assert_eq!(d.frontends[&fe("198.51.100.9", 80)].service.name, "beta");
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert_eq!(problems[0].service.name, "alpha");
+}

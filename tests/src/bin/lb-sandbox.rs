@@ -521,7 +521,7 @@ fn wait_for_agents(cluster: &mut Cluster) -> Result<()> {
     for node in &mut cluster.nodes {
         let log = Path::new(STATE_DIR).join("logs").join(format!("{}.log", node.name));
         loop {
-            if fs::read_to_string(&log).unwrap_or_default().contains("data path programmed") {
+            if fs::read_to_string(&log).unwrap_or_default().contains("data path attached") {
                 break;
             }
             if node.agent.as_mut().is_some_and(|a| !a.running()) {

@@ -1,0 +1,373 @@
+//! The traffic side of the benchmarks, run as child processes of lb-bench (re-executed with a
+//! hidden subcommand) so that each lives in the network namespace, and for the socket path the
+//! cgroup, it measures:
+//!
+//! - `crr`: the connect-latency client (a port of the reference's `crr.c`): N sequential
+//!   connections, each to a uniformly random Service (and, for the floor, a uniformly random
+//!   endpoint of it), closed with RST (`SO_LINGER` 0) so no TIME_WAIT piles up. The time of the
+//!   blocking `connect()` is SYN to SYN-ACK (plus the local syscall); conn/s is the closed-loop
+//!   rate over the whole loop (socket, connect, close).
+//! - `serve`: the accept-and-close server that answers every endpoint IP (AnyIP route).
+//! - `probe`: polls one address with short-timeout connects until it answers (or stops
+//!   answering), and reports the CLOCK_MONOTONIC time it happened, which the parent compares with
+//!   the time it made the API call (the clock is shared by every process on the machine).
+
+use std::{
+    fs,
+    io::Write,
+    net::{Ipv4Addr, SocketAddrV4, TcpListener},
+    path::Path,
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use serde::{Deserialize, Serialize};
+
+use lb_tests::process::{Place, Proc};
+
+/// CLOCK_MONOTONIC in nanoseconds (the same clock in every process).
+pub fn now_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes into the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Pins the calling process to one CPU.
+pub fn pin_to_cpu(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is valid; CPU_SET and sched_setaffinity only touch it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            eprintln!("lb-bench: cannot pin to CPU {cpu}: {}", std::io::Error::last_os_error());
+        }
+    }
+}
+
+/// One TCP connect to `to`, closed with RST. Ok(connect time in ns) or Err(errno).
+pub fn connect_once(to: SocketAddrV4, timeout: Duration) -> Result<u64, i32> {
+    // SAFETY: plain socket syscalls on a descriptor this function owns and always closes.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(*libc::__errno_location());
+        }
+        let linger = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as u32,
+        );
+        // A blocking connect gives up after SO_SNDTIMEO (EINPROGRESS): no run can hang on a lost SYN.
+        let tv = libc::timeval {
+            tv_sec: timeout.as_secs() as i64,
+            tv_usec: i64::from(timeout.subsec_micros()),
+        };
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_SNDTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as u32,
+        );
+        let sin = libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: to.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(*to.ip()).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let t0 = now_ns();
+        let r = libc::connect(
+            fd,
+            (&sin as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as u32,
+        );
+        let t1 = now_ns();
+        let err = if r != 0 { *libc::__errno_location() } else { 0 };
+        libc::close(fd);
+        if r == 0 { Ok(t1 - t0) } else { Err(err) }
+    }
+}
+
+/// Targets: one line per Service, the addresses a connection to it may use (one ClusterIP:port,
+/// or, for the floor, every endpoint IP:port).
+pub fn write_targets(path: &Path, lines: &[Vec<SocketAddrV4>]) {
+    let mut text = String::new();
+    for l in lines {
+        let parts: Vec<String> = l.iter().map(ToString::to_string).collect();
+        text.push_str(&parts.join(","));
+        text.push('\n');
+    }
+    fs::write(path, text).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+}
+
+fn read_targets(path: &str) -> Vec<Vec<SocketAddrV4>> {
+    fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("read {path}: {e}"))
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            l.split(',')
+                .map(|a| a.trim().parse().unwrap_or_else(|e| panic!("target {a:?}: {e}")))
+                .collect()
+        })
+        .collect()
+}
+
+/// What one `crr` run prints.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct CrrResult {
+    pub count: usize,
+    pub errors: usize,
+    pub p50_us: f64,
+    pub p90_us: f64,
+    pub p99_us: f64,
+    pub p999_us: f64,
+    pub mean_us: f64,
+    pub conn_per_s: f64,
+    #[serde(default)]
+    pub first_error: Option<String>,
+}
+
+/// `lb-bench crr TARGETS COUNT WARMUP CPU SEED`.
+pub fn crr_main(args: &[String]) {
+    let [targets, count, warmup, cpu, seed] = args else {
+        panic!("usage: lb-bench crr TARGETS COUNT WARMUP CPU SEED");
+    };
+    let targets = read_targets(targets);
+    let count: usize = count.parse().expect("count");
+    let warmup: usize = warmup.parse().expect("warmup");
+    pin_to_cpu(cpu.parse().expect("cpu"));
+    let mut rng = StdRng::seed_from_u64(seed.parse().expect("seed"));
+    let timeout = Duration::from_secs(1);
+    let pick = |rng: &mut StdRng| {
+        let svc = &targets[rng.random_range(0..targets.len())];
+        svc[rng.random_range(0..svc.len())]
+    };
+    for _ in 0..warmup {
+        let _ = connect_once(pick(&mut rng), timeout);
+    }
+    let mut samples = Vec::with_capacity(count);
+    let mut errors = 0;
+    let mut first_error = None;
+    let started = now_ns();
+    for _ in 0..count {
+        let to = pick(&mut rng);
+        match connect_once(to, timeout) {
+            Ok(ns) => samples.push(ns),
+            Err(e) => {
+                errors += 1;
+                first_error.get_or_insert_with(|| {
+                    format!("{to}: {}", std::io::Error::from_raw_os_error(e))
+                });
+            }
+        }
+    }
+    let wall = (now_ns() - started) as f64 / 1e9;
+    samples.sort_unstable();
+    let pct = |p: f64| -> f64 {
+        if samples.is_empty() {
+            return f64::NAN;
+        }
+        let idx = ((p * samples.len() as f64).ceil() as usize).clamp(1, samples.len()) - 1;
+        samples[idx] as f64 / 1e3
+    };
+    let result = CrrResult {
+        count: samples.len(),
+        errors,
+        p50_us: pct(0.50),
+        p90_us: pct(0.90),
+        p99_us: pct(0.99),
+        p999_us: pct(0.999),
+        mean_us: samples.iter().sum::<u64>() as f64 / samples.len().max(1) as f64 / 1e3,
+        conn_per_s: count as f64 / wall,
+        first_error,
+    };
+    println!("{}", serde_json::to_string(&result).expect("json"));
+}
+
+/// `lb-bench serve CPU PORT...`: accept and close, forever (killed by its guard).
+pub fn serve_main(args: &[String]) {
+    let (cpu, ports) = args.split_first().expect("usage: lb-bench serve CPU PORT...");
+    pin_to_cpu(cpu.parse().expect("cpu"));
+    let listeners: Vec<TcpListener> = ports
+        .iter()
+        .map(|p| {
+            TcpListener::bind((Ipv4Addr::UNSPECIFIED, p.parse::<u16>().expect("port")))
+                .unwrap_or_else(|e| panic!("bind :{p}: {e}"))
+        })
+        .collect();
+    println!("{{\"ready\":true}}");
+    let _ = std::io::stdout().flush();
+    let handles: Vec<_> = listeners
+        .into_iter()
+        .map(|l| {
+            std::thread::spawn(move || {
+                loop {
+                    if let Ok((s, _)) = l.accept() {
+                        drop(s);
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        let _ = h.join();
+    }
+}
+
+/// What a probe prints when done.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ProbeResult {
+    pub ok: bool,
+    /// CLOCK_MONOTONIC ns when `to` first showed the wanted state.
+    pub at_ns: u64,
+    pub attempts: u64,
+    /// With a list of all targets: when every one of them answered.
+    pub all_at_ns: Option<u64>,
+    pub all_passes: u32,
+    pub all_failed: usize,
+}
+
+/// `lb-bench probe TO up|down TIMEOUT_MS INTERVAL_US [ALL_TARGETS]`: prints `{"ready":..}` after
+/// the first attempt, then the result line.
+pub fn probe_main(args: &[String]) {
+    let (to, want, timeout_ms, interval_us, all) = match args {
+        [a, b, c, d] => (a, b, c, d, None),
+        [a, b, c, d, e] => (a, b, c, d, Some(e)),
+        _ => panic!("usage: lb-bench probe TO up|down TIMEOUT_MS INTERVAL_US [ALL_TARGETS]"),
+    };
+    pin_to_cpu(1);
+    let to: SocketAddrV4 = to.parse().expect("address");
+    let want_up = want == "up";
+    let deadline = now_ns() + timeout_ms.parse::<u64>().expect("timeout") * 1_000_000;
+    let interval = Duration::from_micros(interval_us.parse().expect("interval"));
+    let attempt_timeout = Duration::from_millis(20);
+    let mut attempts = 0u64;
+    let mut result = ProbeResult::default();
+    loop {
+        attempts += 1;
+        let up = connect_once(to, attempt_timeout).is_ok();
+        if attempts == 1 {
+            println!("{{\"ready\":true,\"initially_up\":{up}}}");
+            let _ = std::io::stdout().flush();
+        }
+        if up == want_up {
+            result.ok = true;
+            result.at_ns = now_ns();
+            break;
+        }
+        if now_ns() > deadline {
+            break;
+        }
+        std::thread::sleep(interval);
+    }
+    result.attempts = attempts;
+    if let (true, Some(all)) = (result.ok, all) {
+        let mut pending: Vec<SocketAddrV4> = read_targets(all).into_iter().flatten().collect();
+        loop {
+            result.all_passes += 1;
+            pending.retain(|t| connect_once(*t, attempt_timeout).is_err());
+            if pending.is_empty() {
+                result.all_at_ns = Some(now_ns());
+                break;
+            }
+            if now_ns() > deadline {
+                result.all_failed = pending.len();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    println!("{}", serde_json::to_string(&result).expect("json"));
+}
+
+/// A command re-executing this binary with a hidden subcommand.
+fn self_command(place: Place<'_>, args: &[String]) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().expect("current_exe"));
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped());
+    place.apply(&mut cmd);
+    cmd
+}
+
+/// Runs a `crr` child in `place` and returns what it measured.
+pub fn run_crr(place: Place<'_>, targets: &Path, count: usize, warmup: usize, seed: u64) -> CrrResult {
+    let args: Vec<String> = vec![
+        "crr".into(),
+        targets.display().to_string(),
+        count.to_string(),
+        warmup.to_string(),
+        "1".into(),
+        seed.to_string(),
+    ];
+    let out = self_command(place, &args)
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run the crr client");
+    assert!(out.status.success(), "crr client failed: {}", out.status);
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(text.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("crr printed {text:?}: {e}"))
+}
+
+/// Starts the accept-and-close server in `place` (pinned to CPU 0) and waits until it listens.
+pub fn start_server(place: Place<'_>, ports: &[u16]) -> Proc {
+    let mut args = vec!["serve".to_string(), "0".into()];
+    args.extend(ports.iter().map(ToString::to_string));
+    let mut proc = Proc::spawn_command(self_command(place, &args));
+    proc.wait_for_line(Duration::from_secs(10), |l| l.contains("\"ready\""));
+    proc
+}
+
+/// A running probe: started, and waited on until it made its first attempt.
+pub struct Probe {
+    proc: Proc,
+    timeout: Duration,
+    pub initially_up: bool,
+}
+
+impl Probe {
+    pub fn start(
+        place: Place<'_>,
+        to: SocketAddrV4,
+        want_up: bool,
+        timeout: Duration,
+        interval_us: u64,
+        all: Option<&Path>,
+    ) -> Probe {
+        let mut args = vec![
+            "probe".to_string(),
+            to.to_string(),
+            if want_up { "up" } else { "down" }.into(),
+            timeout.as_millis().to_string(),
+            interval_us.to_string(),
+        ];
+        if let Some(all) = all {
+            args.push(all.display().to_string());
+        }
+        let mut proc = Proc::spawn_command(self_command(place, &args));
+        let ready = proc.wait_for_line(Duration::from_secs(10), |l| l.contains("\"ready\""));
+        Probe {
+            proc,
+            timeout,
+            initially_up: ready.contains("\"initially_up\":true"),
+        }
+    }
+
+    /// Waits for the result (the probe stops by itself at its timeout).
+    pub fn wait(mut self) -> ProbeResult {
+        let line = self
+            .proc
+            .wait_for_line(self.timeout + Duration::from_secs(120), |l| l.contains("\"ok\""));
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("probe printed {line:?}: {e}"))
+    }
+}

@@ -1,0 +1,442 @@
+//! The measurements that need the API server: connect latency per configuration, programming
+//! time, add/change/remove latency, and memory.
+
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use serde::{Deserialize, Serialize};
+
+use super::{
+    Options,
+    api::{self, Cluster},
+    check_interrupted,
+    crr::{self, CrrResult, Probe, now_ns},
+    peers::{Config, MapMem, Peer, agent_maps},
+};
+
+/// What the measurements share.
+pub struct Ctx<'a> {
+    pub cluster: &'a mut Cluster,
+    pub api_addr: SocketAddr,
+    pub kubeconfig: PathBuf,
+    pub kube_proxy: PathBuf,
+    pub workdir: PathBuf,
+    pub opts: &'a Options,
+}
+
+impl Ctx<'_> {
+    fn launch(&self, peer: &mut Peer) {
+        peer.launch(&self.kubeconfig, &self.kube_proxy, self.opts.backends_capacity);
+    }
+
+    /// Target files for `n` Services: ClusterIP:80 per line, and the floor's endpoints.
+    fn targets(&self, n: u32) -> (PathBuf, PathBuf) {
+        let vips = self.workdir.join(format!("vips-{n}.txt"));
+        let direct = self.workdir.join(format!("direct-{n}.txt"));
+        if !vips.exists() {
+            let lines: Vec<_> = (0..n).map(|i| vec![api::vip(i, api::SERVICE_PORT)]).collect();
+            crr::write_targets(&vips, &lines);
+            let lines: Vec<_> = (0..n).map(api::endpoints).collect();
+            crr::write_targets(&direct, &lines);
+        }
+        (vips, direct)
+    }
+}
+
+/// From a proxy's start (with N Services already in the API) to the data path serving them.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ColdStart {
+    pub config: Option<Config>,
+    pub n: u32,
+    /// Start to the last Service answering.
+    pub last_s: Option<f64>,
+    /// Start to every Service answering (a connect to each).
+    pub all_s: Option<f64>,
+    pub not_answering: usize,
+    /// The proxy's own sync histogram after the start (count, total seconds).
+    pub sync_count: f64,
+    pub sync_sum_s: f64,
+    /// The agent's "data path programmed ... elapsed_ms" values.
+    pub agent_sync_ms: Vec<f64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct LatencyLevel {
+    pub n: u32,
+    pub runs: BTreeMap<Config, Vec<CrrResult>>,
+    pub cold: Vec<ColdStart>,
+    /// kube-proxy's effective configuration (/configz), for the record.
+    pub kube_proxy_configz: Option<String>,
+}
+
+/// Creating N Services through the API while the proxy runs.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Programming {
+    pub config: Option<Config>,
+    pub n: u32,
+    /// First create request to the last object created.
+    pub create_s: f64,
+    /// First create request to the last Service answering through the data path.
+    pub last_s: Option<f64>,
+    /// First create request to every Service answering.
+    pub all_s: Option<f64>,
+    pub not_answering: usize,
+    pub sync_count: f64,
+    pub sync_sum_s: f64,
+    pub agent_sync_ms: Vec<f64>,
+}
+
+/// One added, changed and removed Service on top of N, repeated.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ChangeLatency {
+    pub config: Option<Config>,
+    pub n: u32,
+    pub add_ms: Vec<f64>,
+    pub change_ms: Vec<f64>,
+    pub remove_ms: Vec<f64>,
+    /// The agent's sync that applied each change (elapsed_ms from its log).
+    pub agent_sync_ms: Vec<f64>,
+    /// kube-proxy's own sync durations over the changes (count, total seconds).
+    pub sync_count: f64,
+    pub sync_sum_s: f64,
+    pub failures: usize,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Memory {
+    pub config: Option<Config>,
+    pub n: u32,
+    /// When: "after programming N" (HWM covers the programming) or "cold start".
+    pub when: String,
+    pub rss_kib: u64,
+    pub hwm_kib: u64,
+    pub maps: Vec<MapMem>,
+    /// lb_map_entries{map=...} from the agent's /metrics.
+    pub map_entries: BTreeMap<String, f64>,
+}
+
+fn secs(from: u64, to: u64) -> f64 {
+    to.saturating_sub(from) as f64 / 1e9
+}
+
+fn memory(peer: &Peer, n: u32, when: &str) -> Option<Memory> {
+    let (rss_kib, hwm_kib) = peer.rss_kib()?;
+    let mut m = Memory {
+        config: Some(peer.config),
+        n,
+        when: when.into(),
+        rss_kib,
+        hwm_kib,
+        ..Default::default()
+    };
+    if peer.config.is_agent() {
+        m.maps = agent_maps(peer.pid()?);
+        if let Some(metrics) = peer.metrics() {
+            for (k, v) in &metrics.0 {
+                if let Some(rest) = k.strip_prefix("lb_map_entries{map=\"") {
+                    m.map_entries
+                        .insert(rest.trim_end_matches("\"}").to_string(), *v);
+                }
+            }
+        }
+    }
+    Some(m)
+}
+
+fn sync_hist(peer: &Peer) -> (f64, f64) {
+    peer.metrics()
+        .map(|m| m.histogram("kubeproxy_sync_proxy_rules_duration_seconds"))
+        .unwrap_or((0.0, 0.0))
+}
+
+fn agent_ms(peer: &Peer, since: u64) -> Vec<f64> {
+    peer.agent_syncs_since(since)
+        .iter()
+        .filter_map(|(_, f)| f.get("elapsed_ms").copied())
+        .collect()
+}
+
+/// Starts every configuration on its own topology with `n` Services in the API (one at a time,
+/// timing each cold start), then runs the connect-latency rounds, alternating configurations.
+pub fn latency_level(ctx: &mut Ctx<'_>, n: u32) -> (LatencyLevel, Vec<Memory>) {
+    let (vips, direct) = ctx.targets(n);
+    let mut level = LatencyLevel {
+        n,
+        ..Default::default()
+    };
+    let mut peers = Vec::new();
+    let mut mem = Vec::new();
+    for config in Config::ALL {
+        check_interrupted();
+        let mut peer = Peer::new(config, ctx.api_addr);
+        let (last, all): (std::net::SocketAddrV4, &Path) = if config == Config::Direct {
+            (api::endpoints(n - 1)[api::ENDPOINTS as usize - 1], &direct)
+        } else {
+            (api::vip(n - 1, api::SERVICE_PORT), &vips)
+        };
+        let probe = Probe::start(peer.client(), last, true, ctx.opts.sync_timeout, 2000, Some(all));
+        ctx.launch(&mut peer);
+        let r = probe.wait();
+        let (sync_count, sync_sum_s) = sync_hist(&peer);
+        let cold = ColdStart {
+            config: Some(config),
+            n,
+            last_s: r.ok.then(|| secs(peer.launched_ns, r.at_ns)),
+            all_s: r.all_at_ns.map(|t| secs(peer.launched_ns, t)),
+            not_answering: if r.ok { r.all_failed } else { n as usize },
+            sync_count,
+            sync_sum_s,
+            agent_sync_ms: agent_ms(&peer, 0),
+        };
+        eprintln!(
+            "  {:<22} N={n}: serving all after {} (last Service after {}){}",
+            config.label(),
+            fmt_s(cold.all_s),
+            fmt_s(cold.last_s),
+            if config.is_agent() {
+                format!(", agent syncs (ms): {:?}", cold.agent_sync_ms)
+            } else if config.is_kube_proxy() {
+                format!(", kube-proxy syncs: {sync_count} taking {sync_sum_s:.3}s in total")
+            } else {
+                String::new()
+            }
+        );
+        if !r.ok || cold.not_answering > 0 {
+            eprintln!(
+                "  WARNING: {} did not serve every Service in time; last log lines:\n{}",
+                config.label(),
+                peer.log_text()
+            );
+        }
+        level.cold.push(cold);
+        if config != Config::Direct
+            && config != Config::LbTc
+            && let Some(m) = memory(&peer, n, "cold start")
+        {
+            mem.push(m);
+        }
+        peers.push(peer);
+    }
+    if let Some(p) = peers.iter().find(|p| p.config.is_kube_proxy()) {
+        level.kube_proxy_configz = p.configz();
+    }
+    for round in 0..ctx.opts.rounds {
+        check_interrupted();
+        let order: Vec<usize> = if round % 2 == 0 {
+            (0..peers.len()).collect()
+        } else {
+            (0..peers.len()).rev().collect()
+        };
+        for k in order {
+            let peer = &peers[k];
+            let targets = if peer.config == Config::Direct { &direct } else { &vips };
+            let seed = u64::from(n) * 1000 + round as u64 * 10 + k as u64;
+            let r = crr::run_crr(peer.client(), targets, ctx.opts.conns, ctx.opts.warmup, seed);
+            eprintln!(
+                "  round {}/{} N={n} {:<22} p50 {:>7.1} µs  p90 {:>7.1}  p99 {:>7.1}  p99.9 {:>7.1}  {:>7.0} conn/s{}",
+                round + 1,
+                ctx.opts.rounds,
+                peer.config.label(),
+                r.p50_us,
+                r.p90_us,
+                r.p99_us,
+                r.p999_us,
+                r.conn_per_s,
+                if r.errors > 0 {
+                    format!("  ({} errors, first: {})", r.errors, r.first_error.clone().unwrap_or_default())
+                } else {
+                    String::new()
+                }
+            );
+            level.runs.entry(peer.config).or_default().push(r);
+        }
+    }
+    for p in peers {
+        p.stop();
+    }
+    (level, mem)
+}
+
+/// One proxy, started with no benchmark Service; then N Services are created through the API
+/// (a few requests in flight) and the time to the last one answering is measured. On top of
+/// that, the add/change/remove latencies when `change_reps` > 0.
+pub fn programming(
+    ctx: &mut Ctx<'_>,
+    config: Config,
+    n: u32,
+    change_reps: u32,
+) -> (Programming, Option<ChangeLatency>, Vec<Memory>) {
+    assert_eq!(ctx.cluster.present, 0, "programming starts from no benchmark Service");
+    let (vips, _) = ctx.targets(n);
+    let mut peer = Peer::new(config, ctx.api_addr);
+    ctx.launch(&mut peer);
+    assert!(
+        peer.wait_first_sync(Duration::from_secs(120)),
+        "{} did not sync within 120 s:\n{}",
+        config.label(),
+        peer.log_text()
+    );
+    peer.settle(Duration::from_millis(1500), Duration::from_secs(60));
+    let (c0, s0) = sync_hist(&peer);
+    let probe = Probe::start(
+        peer.client(),
+        api::vip(n - 1, api::SERVICE_PORT),
+        true,
+        ctx.opts.sync_timeout,
+        2000,
+        Some(&vips),
+    );
+    let (first, created) = ctx.cluster.grow_to(n);
+    let r = probe.wait();
+    let (c1, s1) = sync_hist(&peer);
+    let prog = Programming {
+        config: Some(config),
+        n,
+        create_s: secs(first, created),
+        last_s: r.ok.then(|| secs(first, r.at_ns)),
+        all_s: r.all_at_ns.map(|t| secs(first, t)),
+        not_answering: if r.ok { r.all_failed } else { n as usize },
+        sync_count: c1 - c0,
+        sync_sum_s: s1 - s0,
+        agent_sync_ms: agent_ms(&peer, first),
+    };
+    eprintln!(
+        "  {:<20} N={n}: objects created in {:.1}s; last Service answered after {}, all after {} ({} syncs, {:.2}s syncing{})",
+        config.program(),
+        prog.create_s,
+        fmt_s(prog.last_s),
+        fmt_s(prog.all_s),
+        prog.sync_count,
+        prog.sync_sum_s,
+        if config.is_agent() {
+            format!(
+                "; largest agent sync {:.1} ms",
+                prog.agent_sync_ms.iter().copied().fold(0.0, f64::max)
+            )
+        } else {
+            String::new()
+        }
+    );
+    if !r.ok || prog.not_answering > 0 {
+        eprintln!(
+            "  WARNING: {} did not serve every Service in time; last log lines:\n{}",
+            config.program(),
+            peer.log_text()
+        );
+    }
+    let mut mem: Vec<Memory> = memory(&peer, n, "after creating N through the API").into_iter().collect();
+    let changes = (change_reps > 0).then(|| change_latency(ctx, &peer, n, change_reps));
+    if let Some(m) = memory(&peer, n, "after the changes") {
+        mem.push(m);
+    }
+    peer.stop();
+    (prog, changes, mem)
+}
+
+/// One Service added, changed (its port 80 -> 81) and removed, `reps` times, each timed from the
+/// API call to the data path showing it (a probe polling every 200 µs with 20 ms connects). The
+/// proxy is idle (no sync for 1.5 s, past kube-proxy's 1 s min-sync-period) before every timed
+/// call; the EndpointSlice is created before the Service, untimed.
+fn change_latency(ctx: &mut Ctx<'_>, peer: &Peer, n: u32, reps: u32) -> ChangeLatency {
+    let mut out = ChangeLatency {
+        config: Some(peer.config),
+        n,
+        ..Default::default()
+    };
+    let quiet = Duration::from_millis(1500);
+    let settle_max = ctx.opts.sync_timeout;
+    let (c0, s0) = sync_hist(peer);
+    for rep in 0..reps {
+        check_interrupted();
+        let i = api::EXTRA_BASE + rep;
+        ctx.cluster.create_slice(i);
+        let steps: [(&str, u16, bool, Action); 3] = [
+            ("add", api::SERVICE_PORT, true, Box::new(move |c: &Cluster| c.create_service(i))),
+            ("change", api::SERVICE_PORT + 1, true, Box::new(move |c: &Cluster| c.set_port(i, api::SERVICE_PORT + 1))),
+            ("remove", api::SERVICE_PORT + 1, false, Box::new(move |c: &Cluster| c.delete_service(i))),
+        ];
+        let mut line = format!("  {:<20} on top of {n}: rep {}/{reps}:", peer.config.program(), rep + 1);
+        for (what, port, up, act) in steps {
+            let step = Step { peer, quiet, settle_max, what, to: api::vip(i, port), want_up: up };
+            match step.run(ctx.cluster, &*act) {
+                Some((ms, agent)) => {
+                    line.push_str(&format!(" {what} {ms:.1} ms"));
+                    match what {
+                        "add" => out.add_ms.push(ms),
+                        "change" => out.change_ms.push(ms),
+                        _ => out.remove_ms.push(ms),
+                    }
+                    if let Some(a) = agent {
+                        out.agent_sync_ms.push(a);
+                    }
+                }
+                None => {
+                    out.failures += 1;
+                    line.push_str(&format!(" {what} FAILED"));
+                }
+            }
+        }
+        eprintln!("{line}");
+        ctx.cluster.delete_slice(i);
+    }
+    peer.settle(quiet, settle_max);
+    let (c1, s1) = sync_hist(peer);
+    out.sync_count = c1 - c0;
+    out.sync_sum_s = s1 - s0;
+    out
+}
+
+type Action = Box<dyn Fn(&Cluster)>;
+
+struct Step<'a> {
+    peer: &'a Peer,
+    quiet: Duration,
+    settle_max: Duration,
+    what: &'a str,
+    to: std::net::SocketAddrV4,
+    want_up: bool,
+}
+
+impl Step<'_> {
+    /// Waits for the proxy to be idle, then times `act` until the probe sees the wanted state.
+    /// Returns (ms, the agent's sync elapsed_ms if it logged one).
+    fn run(&self, cluster: &Cluster, act: &dyn Fn(&Cluster)) -> Option<(f64, Option<f64>)> {
+        self.peer.settle(self.quiet, self.settle_max);
+        let probe = Probe::start(self.peer.client(), self.to, self.want_up, Duration::from_secs(120), 200, None);
+        if probe.initially_up == self.want_up {
+            eprintln!(
+                "  WARNING: {}: {} was already {}",
+                self.what,
+                self.to,
+                if self.want_up { "up" } else { "down" }
+            );
+        }
+        let since = now_ns();
+        act(cluster);
+        let r = probe.wait();
+        if !r.ok {
+            return None;
+        }
+        let ms = r.at_ns.saturating_sub(since) as f64 / 1e6;
+        let agent = self
+            .peer
+            .agent_syncs_since(since)
+            .iter()
+            .filter(|(t, _)| *t <= r.at_ns + 50_000_000)
+            .filter_map(|(_, f)| f.get("elapsed_ms").copied())
+            .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))));
+        Some((ms, agent))
+    }
+}
+
+pub fn fmt_s(v: Option<f64>) -> String {
+    match v {
+        Some(s) if s < 1.0 => format!("{:.0} ms", s * 1e3),
+        Some(s) => format!("{s:.2} s"),
+        None => "did not finish".into(),
+    }
+}

@@ -1,0 +1,269 @@
+//! The benchmark suite behind `cargo xtask bench`: lb-agent side by side with the real
+//! kube-proxy (iptables and nftables) and the no-balancer floor. See `docs/benchmarks.md` (which
+//! this writes) for the method; the modules are:
+//!
+//! - `topo`: the client / node / backend namespaces of one configuration;
+//! - `crr`: the connect-latency client, the accept-and-close server and the change probe (child
+//!   processes of lb-bench, so they can live in a namespace and a cgroup);
+//! - `api`: the Service set, through the real API server;
+//! - `peers`: the five configurations (floor, kube-proxy iptables/nftables, lb socket/tc);
+//! - `measure`: connect latency, programming time, change latency and memory;
+//! - `tcrun`: tc cost per packet with BPF_PROG_TEST_RUN;
+//! - `report`: docs/benchmarks.md, the plots, the terminal summary.
+
+pub mod api;
+pub mod crr;
+pub mod measure;
+pub mod peers;
+pub mod report;
+pub mod tcrun;
+pub mod topo;
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicBool, Ordering},
+    time::{Duration, Instant},
+};
+
+use lb_tests::control_plane::ControlPlane;
+
+use self::{
+    measure::Ctx,
+    peers::Config,
+    report::Results,
+};
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub quick: bool,
+    /// Service counts for the connect-latency runs.
+    pub levels: Vec<u32>,
+    /// Service counts for the programming runs (the largest also gets the change runs).
+    pub programming: Vec<u32>,
+    pub change_reps: u32,
+    pub rounds: usize,
+    pub conns: usize,
+    pub warmup: usize,
+    pub tc_levels: Vec<u32>,
+    pub tc_batches: usize,
+    pub tc_calls: usize,
+    /// How long a program may take to serve every Service before the step is given up.
+    pub sync_timeout: Duration,
+    /// The agent's `--bpf-lb-map-max` (backends and reverse-NAT capacity).
+    pub backends_capacity: u32,
+    pub write_docs: bool,
+    pub skip_tc: bool,
+}
+
+impl Options {
+    pub fn new(quick: bool) -> Options {
+        let big = if quick { 1_000 } else { 10_000 };
+        Options {
+            quick,
+            levels: if quick { vec![10, 1_000] } else { vec![10, 1_000, 10_000] },
+            programming: if quick { vec![1_000] } else { vec![1_000, 10_000] },
+            change_reps: if quick { 5 } else { 15 },
+            rounds: if quick { 3 } else { 7 },
+            conns: if quick { 5_000 } else { 20_000 },
+            warmup: if quick { 1_000 } else { 2_000 },
+            tc_levels: vec![10, big],
+            tc_batches: if quick { 3 } else { 10 },
+            tc_calls: 20_000,
+            sync_timeout: Duration::from_secs(if quick { 600 } else { 2_400 }),
+            // 10,000 Services × 10 distinct endpoints do not fit the default 65,536 backends.
+            backends_capacity: 131_072,
+            write_docs: true,
+            skip_tc: false,
+        }
+    }
+}
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// Ctrl-C / SIGTERM: stop at the next step, unwinding so every guard cleans up.
+pub fn install_signal_handlers() {
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as usize);
+        libc::signal(libc::SIGTERM, on_signal as *const () as usize);
+    }
+}
+
+pub fn check_interrupted() {
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        panic!("interrupted; cleaning up");
+    }
+}
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+fn step(what: &str) {
+    eprintln!("\n==> {what}");
+}
+
+fn save(results: &Results, path: &Path) {
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    let _ = std::fs::write(path, serde_json::to_string_pretty(results).expect("json"));
+}
+
+/// Runs the whole suite and returns the results (also saved as JSON after every step).
+pub fn run(opts: &Options, command: String) -> Results {
+    let started = Instant::now();
+    let root = workspace_root();
+    let out_json = root
+        .join("target/bench")
+        .join(if opts.quick { "results-quick.json" } else { "results-full.json" });
+    let workdir = tempfile::Builder::new()
+        .prefix("lb-bench-")
+        .tempdir()
+        .expect("work dir");
+    let bins = lb_tests::control_plane::Binaries::locate().expect("control-plane binaries");
+    let mut r = Results {
+        quick: opts.quick,
+        command,
+        machine: report::machine(&bins, &lb_tests::process::workspace_bin("lb-agent"), &root),
+        rounds: opts.rounds,
+        conns: opts.conns,
+        warmup: opts.warmup,
+        change_reps: opts.change_reps,
+        backends_capacity: opts.backends_capacity,
+        ..Default::default()
+    };
+
+    if !opts.skip_tc {
+        for &n in &opts.tc_levels {
+            step(&format!("tc cost per packet (BPF_PROG_TEST_RUN) with {n} Services × 10 endpoints"));
+            match tcrun::measure(n, opts.tc_batches, opts.tc_calls) {
+                Ok(level) => r.tc.push(level),
+                Err(e) => {
+                    eprintln!("  FAILED: {e:#}");
+                    r.problems.push(format!("tc measurement at {n} Services failed: {e:#}"));
+                }
+            }
+            check_interrupted();
+        }
+        save(&r, &out_json);
+    }
+
+    step("starting etcd and kube-apiserver");
+    let cp = ControlPlane::start().expect("control plane");
+    let api_addr: SocketAddr = cp
+        .server_url()
+        .trim_start_matches("https://")
+        .parse()
+        .expect("API address");
+    let mut cluster = api::Cluster::setup(&cp);
+    let mut ctx = Ctx {
+        cluster: &mut cluster,
+        api_addr,
+        kubeconfig: cp.kubeconfig_path().to_path_buf(),
+        kube_proxy: cp.binaries().kube_proxy.clone(),
+        workdir: workdir.path().to_path_buf(),
+        opts,
+    };
+    let change_n = opts.programming.iter().copied().max().unwrap_or(0);
+    for &n in &opts.levels {
+        check_interrupted();
+        if opts.programming.contains(&n) {
+            for (k, config) in Config::PROXIES.into_iter().enumerate() {
+                check_interrupted();
+                if ctx.cluster.present > 0 {
+                    step(&format!("deleting the {} benchmark Services", ctx.cluster.present));
+                    ctx.cluster.shrink_to(0);
+                }
+                let reps = if n == change_n { opts.change_reps } else { 0 };
+                step(&format!(
+                    "programming: {} creating {n} Services through the API{} ({}/{})",
+                    config.program(),
+                    if reps > 0 { ", then add/change/remove latency" } else { "" },
+                    k + 1,
+                    Config::PROXIES.len()
+                ));
+                let (p, c, m) = measure::programming(&mut ctx, config, n, reps);
+                for (what, missing) in [("the last Service", p.last_s.is_none()), ("every Service", p.all_s.is_none() || p.not_answering > 0)] {
+                    if missing {
+                        r.problems.push(format!(
+                            "{} did not serve {what} within {:?} after creating {n} Services",
+                            config.program(),
+                            opts.sync_timeout
+                        ));
+                    }
+                }
+                r.programming.push(p);
+                if let Some(c) = c {
+                    if c.failures > 0 {
+                        r.problems.push(format!(
+                            "{}: {} of the add/change/remove probes on top of {n} did not see the change within 120 s",
+                            config.program(),
+                            c.failures
+                        ));
+                    }
+                    r.changes.push(c);
+                }
+                r.memory.extend(m);
+                save(&r, &out_json);
+            }
+        } else {
+            step(&format!("creating {n} Services through the API"));
+            ctx.cluster.shrink_to(n);
+            ctx.cluster.grow_to(n);
+        }
+        step(&format!("connect latency with {n} Services: starting the five configurations"));
+        let (level, mem) = measure::latency_level(&mut ctx, n);
+        for c in &level.cold {
+            if c.all_s.is_none() || c.not_answering > 0 {
+                r.problems.push(format!(
+                    "{} did not serve every one of {n} Services within {:?} of its start",
+                    c.config.map(Config::label).unwrap_or(""),
+                    opts.sync_timeout
+                ));
+            }
+        }
+        for (c, runs) in &level.runs {
+            let errors: usize = runs.iter().map(|x| x.errors).sum();
+            if errors > 0 {
+                r.problems.push(format!(
+                    "{} at {n} Services: {errors} failed connections (first: {})",
+                    c.label(),
+                    runs.iter().find_map(|x| x.first_error.clone()).unwrap_or_default()
+                ));
+            }
+        }
+        r.latency.push(level);
+        r.memory.extend(mem);
+        save(&r, &out_json);
+    }
+    drop(ctx);
+    drop(cluster);
+    drop(cp);
+    r.duration_s = started.elapsed().as_secs_f64();
+    save(&r, &out_json);
+    eprintln!("results saved in {}", out_json.display());
+    r
+}
+
+/// Writes docs/benchmarks.md and docs/bench/*.png from the results.
+pub fn write_docs(r: &Results) {
+    let root = workspace_root();
+    let work = tempfile::tempdir().expect("temp dir");
+    match report::plots(r, &root.join("docs/bench"), work.path()) {
+        Ok(()) => eprintln!("plots written to {}", root.join("docs/bench").display()),
+        Err(e) => eprintln!("plots not written: {e}"),
+    }
+    let doc = root.join("docs/benchmarks.md");
+    std::fs::write(&doc, report::markdown(r)).expect("write docs/benchmarks.md");
+    eprintln!("{} written", doc.display());
+}

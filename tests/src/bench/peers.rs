@@ -1,0 +1,422 @@
+//! The configurations compared, each run on its own fresh topology: nothing (the floor), the real
+//! kube-proxy in iptables and in nftables mode, and lb-agent (socket path and tc path).
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    io::{BufRead, BufReader},
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use lb_tests::{
+    cgroup::Cgroup,
+    process::{Place, Proc, workspace_bin},
+};
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
+use serde::{Deserialize, Serialize};
+
+use super::{api, crr::now_ns, topo::{self, Topo}};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Config {
+    Direct,
+    Iptables,
+    Nftables,
+    LbSocket,
+    LbTc,
+}
+
+impl Config {
+    pub const ALL: [Config; 5] = [
+        Config::Direct,
+        Config::Iptables,
+        Config::Nftables,
+        Config::LbSocket,
+        Config::LbTc,
+    ];
+    /// The programs that program something (measured for programming time and memory).
+    pub const PROXIES: [Config; 3] = [Config::LbSocket, Config::Iptables, Config::Nftables];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Config::Direct => "direct (floor)",
+            Config::Iptables => "kube-proxy iptables",
+            Config::Nftables => "kube-proxy nftables",
+            Config::LbSocket => "lb socket",
+            Config::LbTc => "lb tc",
+        }
+    }
+
+    /// The program's name in the programming/memory tables.
+    pub fn program(self) -> &'static str {
+        match self {
+            Config::Direct => "-",
+            Config::Iptables => "kube-proxy iptables",
+            Config::Nftables => "kube-proxy nftables",
+            Config::LbSocket | Config::LbTc => "lb-agent",
+        }
+    }
+
+    pub fn is_agent(self) -> bool {
+        matches!(self, Config::LbSocket | Config::LbTc)
+    }
+
+    pub fn is_kube_proxy(self) -> bool {
+        matches!(self, Config::Iptables | Config::Nftables)
+    }
+}
+
+/// Flags every peer ran with (besides kubeconfig, node name, cgroup and bpffs paths), for the doc.
+pub fn kube_proxy_flags(mode: &str) -> Vec<String> {
+    vec![
+        format!("--proxy-mode={mode}"),
+        format!("--hostname-override={}", api::NODE),
+        format!("--cluster-cidr={}", topo::CLUSTER_CIDR),
+        "--conntrack-max-per-core=0".into(),
+        "--conntrack-tcp-timeout-established=0".into(),
+        "--conntrack-tcp-timeout-close-wait=0".into(),
+        "--metrics-bind-address=127.0.0.1:10249".into(),
+        "--healthz-bind-address=127.0.0.1:10256".into(),
+        "--iptables-sync-period=1h".into(),
+        "--oom-score-adj=0".into(),
+    ]
+}
+
+pub fn agent_flags(backends_capacity: u32) -> Vec<String> {
+    vec![
+        format!("--hostname-override={}", api::NODE),
+        format!("--cluster-cidr={}", topo::CLUSTER_CIDR),
+        "--metrics-bind-address=127.0.0.1:10249".into(),
+        "--healthz-bind-address=127.0.0.1:10256".into(),
+        "--sync-period=1h".into(),
+        format!("--bpf-lb-map-max={backends_capacity}"),
+    ]
+}
+
+/// A private bpffs mount for one agent (its own name space of pins), unmounted on drop.
+pub struct BpfMount {
+    dir: PathBuf,
+}
+
+impl BpfMount {
+    fn new() -> BpfMount {
+        let dir = tempfile::Builder::new()
+            .prefix("lb-bench-bpffs-")
+            .tempdir()
+            .expect("temp dir")
+            .keep();
+        mount(Some("bpf"), &dir, Some("bpf"), MsFlags::empty(), None::<&str>)
+            .unwrap_or_else(|e| panic!("mount bpffs on {}: {e}", dir.display()));
+        BpfMount { dir }
+    }
+}
+
+impl Drop for BpfMount {
+    fn drop(&mut self) {
+        let _ = umount2(&self.dir, MntFlags::MNT_DETACH);
+        let _ = fs::remove_dir(&self.dir);
+    }
+}
+
+/// Log lines with the monotonic time they were read.
+type Log = Arc<Mutex<Vec<(u64, String)>>>;
+
+/// One configuration: its topology and, except for the floor, the proxy in the node namespace.
+pub struct Peer {
+    pub config: Config,
+    // Drop order: the process, then its cgroup and pins, then the namespaces.
+    proc: Option<Proc>,
+    pub cgroup: Option<Cgroup>,
+    _bpf: Option<BpfMount>,
+    pub topo: Topo,
+    log: Log,
+    pub launched_ns: u64,
+}
+
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+fn collect(reader: impl std::io::Read + Send + 'static, log: Log, tag: &'static str) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(reader).lines().map_while(Result::ok) {
+            let line = strip_ansi(&line);
+            if std::env::var_os("LB_BENCH_VERBOSE").is_some() {
+                eprintln!("[{tag}] {line}");
+            }
+            log.lock().expect("log").push((now_ns(), line));
+        }
+    });
+}
+
+impl Peer {
+    /// A fresh topology; the proxy is started by [`Peer::launch`].
+    pub fn new(config: Config, api_addr: SocketAddr) -> Peer {
+        Peer {
+            config,
+            proc: None,
+            cgroup: config.is_agent().then(|| Cgroup::new("lbb")),
+            _bpf: None,
+            topo: Topo::new(api_addr),
+            log: Arc::new(Mutex::new(Vec::new())),
+            launched_ns: 0,
+        }
+    }
+
+    /// Where the measuring client runs: in the agent's cgroup for the socket path only.
+    pub fn client(&self) -> Place<'_> {
+        match (self.config, &self.cgroup) {
+            (Config::LbSocket, Some(cg)) => Place::new(&self.topo.client, cg),
+            _ => Place::netns(&self.topo.client),
+        }
+    }
+
+    /// Starts the proxy (nothing for the floor).
+    pub fn launch(&mut self, kubeconfig: &Path, kube_proxy: &Path, backends_capacity: u32) {
+        self.launched_ns = now_ns();
+        let mut cmd = match self.config {
+            Config::Direct => return,
+            Config::Iptables | Config::Nftables => {
+                let mode = if self.config == Config::Iptables { "iptables" } else { "nftables" };
+                let mut cmd = Command::new(kube_proxy);
+                cmd.arg(format!("--kubeconfig={}", kubeconfig.display()))
+                    .args(kube_proxy_flags(mode));
+                cmd
+            }
+            Config::LbSocket | Config::LbTc => {
+                let bpf = BpfMount::new();
+                let mut cmd = Command::new(workspace_bin("lb-agent"));
+                cmd.arg("--kubeconfig")
+                    .arg(kubeconfig)
+                    .arg("--bpf-root")
+                    .arg(bpf.dir.join("lb"))
+                    .arg("--cgroup-root")
+                    .arg(self.cgroup.as_ref().expect("agent cgroup").path())
+                    .args(agent_flags(backends_capacity))
+                    .env("RUST_LOG", "info")
+                    .env("NO_COLOR", "1");
+                self._bpf = Some(bpf);
+                cmd
+            }
+        };
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        Place::netns(&self.topo.node).apply(&mut cmd);
+        let mut proc = Proc::spawn_command(cmd);
+        let tag = match self.config {
+            Config::Iptables => "kube-proxy-ipt",
+            Config::Nftables => "kube-proxy-nft",
+            _ => "lb-agent",
+        };
+        collect(proc.child_mut().stdout.take().expect("piped"), self.log.clone(), tag);
+        collect(proc.child_mut().stderr.take().expect("piped"), self.log.clone(), tag);
+        self.proc = Some(proc);
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.as_ref().map(Proc::pid)
+    }
+
+    pub fn running(&mut self) -> bool {
+        self.proc.as_mut().is_none_or(Proc::running)
+    }
+
+    pub fn log_text(&self) -> String {
+        let log = self.log.lock().expect("log");
+        let start = log.len().saturating_sub(40);
+        log[start..].iter().map(|(_, l)| l.as_str()).collect::<Vec<_>>().join("\n")
+    }
+
+    /// The proxy's /metrics (kube-proxy's names; the agent keeps them).
+    pub fn metrics(&self) -> Option<Metrics> {
+        if self.config == Config::Direct {
+            return None;
+        }
+        self.topo
+            .http_get("127.0.0.1:10249", "/metrics")
+            .map(|t| Metrics::parse(&t))
+    }
+
+    /// kube-proxy's /configz (the effective configuration), for the record.
+    pub fn configz(&self) -> Option<String> {
+        self.topo.http_get("127.0.0.1:10249", "/configz")
+    }
+
+    /// Number of syncs so far: the agent's log lines, or kube-proxy's histogram count.
+    pub fn syncs(&self) -> u64 {
+        if self.config.is_agent() {
+            return self.agent_syncs_since(0).len() as u64;
+        }
+        self.metrics()
+            .and_then(|m| m.get("kubeproxy_sync_proxy_rules_duration_seconds_count"))
+            .unwrap_or(0.0) as u64
+    }
+
+    /// Waits for the first sync after start (with whatever objects exist).
+    pub fn wait_first_sync(&mut self, timeout: Duration) -> bool {
+        if self.config == Config::Direct {
+            return true;
+        }
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            super::check_interrupted();
+            if !self.running() {
+                panic!("{} exited:\n{}", self.config.label(), self.log_text());
+            }
+            if self.syncs() > 0 {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        false
+    }
+
+    /// Waits until no sync has happened for `quiet` (the proxy is idle, and past its min-sync-period).
+    pub fn settle(&self, quiet: Duration, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut last = self.syncs();
+        let mut since = Instant::now();
+        while Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+            let now = self.syncs();
+            if now != last {
+                last = now;
+                since = Instant::now();
+            } else if since.elapsed() >= quiet {
+                return;
+            }
+        }
+    }
+
+    /// The agent's "data path programmed" log lines after `since_ns`: (time read, fields).
+    pub fn agent_syncs_since(&self, since_ns: u64) -> Vec<(u64, BTreeMap<String, f64>)> {
+        self.log
+            .lock()
+            .expect("log")
+            .iter()
+            .filter(|(t, l)| *t >= since_ns && l.contains("data path programmed"))
+            .map(|(t, l)| {
+                let fields = l
+                    .split_whitespace()
+                    .filter_map(|w| w.split_once('='))
+                    .filter_map(|(k, v)| Some((k.to_string(), v.parse::<f64>().ok()?)))
+                    .collect();
+                (*t, fields)
+            })
+            .collect()
+    }
+
+    /// VmRSS and VmHWM of the proxy, in KiB.
+    pub fn rss_kib(&self) -> Option<(u64, u64)> {
+        let status = fs::read_to_string(format!("/proc/{}/status", self.pid()?)).ok()?;
+        let field = |name: &str| {
+            status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        };
+        Some((field("VmRSS:")?, field("VmHWM:")?))
+    }
+
+    /// SIGTERM and a short wait (the guard kills it otherwise).
+    pub fn stop(mut self) {
+        if let Some(p) = self.proc.as_mut() {
+            p.signal(libc::SIGTERM);
+            let _ = p.wait_timeout(Duration::from_secs(10));
+        }
+    }
+}
+
+/// A scraped Prometheus text page: `name{labels}` -> value.
+#[derive(Clone, Debug, Default)]
+pub struct Metrics(pub BTreeMap<String, f64>);
+
+impl Metrics {
+    fn parse(text: &str) -> Metrics {
+        Metrics(
+            text.lines()
+                .filter(|l| !l.starts_with('#'))
+                .filter_map(|l| {
+                    let (k, v) = l.rsplit_once(' ')?;
+                    Some((k.trim().to_string(), v.trim().parse().ok()?))
+                })
+                .collect(),
+        )
+    }
+
+    pub fn get(&self, key: &str) -> Option<f64> {
+        self.0.get(key).copied()
+    }
+
+    /// (count, sum) of a histogram.
+    pub fn histogram(&self, name: &str) -> (f64, f64) {
+        (
+            self.get(&format!("{name}_count")).unwrap_or(0.0),
+            self.get(&format!("{name}_sum")).unwrap_or(0.0),
+        )
+    }
+}
+
+/// One BPF map the agent holds (from /proc/<pid>/fdinfo, named through bpftool).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct MapMem {
+    pub name: String,
+    pub map_type: u32,
+    pub max_entries: u64,
+    pub memlock: u64,
+}
+
+/// The BPF maps an agent process holds open.
+pub fn agent_maps(pid: u32) -> Vec<MapMem> {
+    let names: BTreeMap<u64, String> = Command::new("bpftool")
+        .args(["-j", "map", "show"])
+        .output()
+        .ok()
+        .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok())
+        .and_then(|v| v.as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|m| Some((m["id"].as_u64()?, m["name"].as_str()?.to_string())))
+        .collect();
+    let mut seen = BTreeMap::new();
+    let Ok(dir) = fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
+        return vec![];
+    };
+    for entry in dir.flatten() {
+        let Ok(text) = fs::read_to_string(entry.path()) else { continue };
+        if !text.contains("map_type:") {
+            continue;
+        }
+        let field = |name: &str| -> u64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0)
+        };
+        let id = field("map_id:");
+        seen.entry(id).or_insert_with(|| MapMem {
+            name: names.get(&id).cloned().unwrap_or_else(|| format!("id {id}")),
+            map_type: field("map_type:") as u32,
+            max_entries: field("max_entries:"),
+            memlock: field("memlock:"),
+        });
+    }
+    seen.into_values().collect()
+}
