@@ -17,7 +17,13 @@ pub fn run(bpf_root: &Path) -> Result<()> {
         anyhow::bail!("{} is not on a bpffs; refusing to delete it", bpf_root.display());
     }
     let paths = bpffs::PinPaths::new(bpf_root);
-    // Links first: the data path stops translating before its maps go.
+    // Links first: the data path stops translating before its maps go. On kernels without TCX
+    // the tc programs are clsact filters, not links: remove those by name on every interface.
+    for (_, ifindex) in crate::datapath::tc::interfaces_up().unwrap_or_default() {
+        for (program, attach_type, _) in crate::datapath::tc::TC_PROGRAMS {
+            let _ = aya::programs::tc::qdisc_detach_program(ifindex, attach_type.into(), program);
+        }
+    }
     let links = count_files(&paths.links());
     remove(&paths.links()).with_context(|| format!("removing {}", paths.links().display()))?;
     let maps = count_files(&paths.maps());

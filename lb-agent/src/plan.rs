@@ -216,21 +216,30 @@ pub fn plan(
         }
         desired.frontends.insert(frontend, plan);
     }
-    for (svc, endpoints) in services {
-        for ep in endpoints.cluster.iter().chain(&endpoints.local) {
-            desired
-                .backends
-                .entry(backend_addr(ep, svc.name.protocol))
-                .or_insert_with(|| backend_flags(ep));
-        }
-    }
-    // Only backends that a kept frontend uses are written.
+    // Only backends that a kept frontend uses are written. One address may be an endpoint of
+    // several Service ports, whose slices need not agree on its node or conditions: the flags are
+    // merged, whatever the order of the input (local if any says so, terminating only if all do,
+    // as kube-proxy prefers a running copy of a duplicate endpoint).
     let used: BTreeSet<BackendAddr> = desired
         .frontends
         .values()
         .flat_map(|p| p.backends().copied())
         .collect();
-    desired.backends.retain(|addr, _| used.contains(addr));
+    let mut merged: BTreeMap<BackendAddr, (bool, bool)> = BTreeMap::new();
+    for (svc, endpoints) in services {
+        for ep in endpoints.cluster.iter().chain(&endpoints.local) {
+            let addr = backend_addr(ep, svc.name.protocol);
+            if used.contains(&addr) {
+                let (local, terminating) = merged.entry(addr).or_insert((false, true));
+                *local |= ep.is_local;
+                *terminating &= ep.terminating;
+            }
+        }
+    }
+    desired.backends = merged
+        .into_iter()
+        .map(|(addr, (local, terminating))| (addr, backend_flags(local, terminating)))
+        .collect();
     (desired, problems)
 }
 
@@ -279,12 +288,12 @@ fn backend_addr(ep: &Endpoint, proto: Protocol) -> BackendAddr {
     }
 }
 
-fn backend_flags(ep: &Endpoint) -> u8 {
+fn backend_flags(local: bool, terminating: bool) -> u8 {
     let mut f = 0;
-    if ep.is_local {
+    if local {
         f |= backend::flags::LOCAL;
     }
-    if ep.terminating {
+    if terminating {
         f |= backend::flags::TERMINATING;
     }
     f
@@ -395,5 +404,7 @@ fn plan_frontend(
     }
 }
 
+#[cfg(test)]
+mod proptests;
 #[cfg(test)]
 mod tests;

@@ -292,7 +292,9 @@ impl Agent {
     /// drops the pins of maps that were migrated. A restarted or upgraded agent therefore swaps
     /// programs only after its maps are complete; until then the previous programs keep serving.
     fn attach_programs(&mut self) -> Result<()> {
-        self.datapath.attach_cgroup(&self.cgroup_root).context("attaching the socket programs")?;
+        self.datapath
+            .attach_cgroup(&self.cgroup_root)
+            .context("attaching the socket programs")?;
         self.cgroup_attached = true;
         self.attach_tc();
         if self.datapath.migrating() {
@@ -395,11 +397,13 @@ async fn kube_client(args: &RunArgs) -> Result<kube::Client> {
 }
 
 /// Binds a server or fails with a clear message.
+/// Serves `what` on `addr` in the background; a bind failure (say, kube-proxy still holds the
+/// port) is logged and retried every 5 s, as kube-proxy does without --bind-address-hard-fail.
 fn spawn_server<F>(
     what: &str,
     addr: &str,
     shutdown: &CancellationToken,
-    serve: impl FnOnce(std::net::SocketAddr, CancellationToken) -> F,
+    serve: impl Fn(std::net::SocketAddr, CancellationToken) -> F + Send + 'static,
 ) -> Result<()>
 where
     F: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
@@ -410,11 +414,18 @@ where
     else {
         return Ok(());
     };
-    let task = serve(addr, shutdown.clone());
     let what = what.to_string();
+    let shutdown = shutdown.clone();
     tokio::spawn(async move {
-        if let Err(e) = task.await {
-            tracing::error!("{what} server on {addr}: {e:#}");
+        loop {
+            match serve(addr, shutdown.clone()).await {
+                Ok(()) => return,
+                Err(e) => tracing::error!("{what} server on {addr}: {e:#}; retrying in 5s"),
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(std::time::Duration::from_secs(5)) => {}
+            }
         }
     });
     Ok(())
@@ -449,8 +460,8 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     let applier = Applier::recover(maps, caps).context("reading the pinned maps")?;
     let host_cookie =
         netns_cookie().context("reading this network namespace's cookie (needs kernel >= 5.14)")?;
-    dp.attach_cgroup(&cgroup_root)
-        .context("attaching the socket programs")?;
+    cgroup::check_cgroup2_dir(&cgroup_root)
+        .with_context(|| format!("--cgroup-root {}", cgroup_root.display()))?;
     tracing::info!(
         node = %settings.node_name,
         bpf_root = %paths.root.display(),
@@ -469,14 +480,14 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
             "healthz",
             &args.healthz_bind_address,
             &shutdown,
-            move |addr, s| health::serve_proxy_health(addr, h, s),
+            move |addr, s| health::serve_proxy_health(addr, h.clone(), s),
         )?;
         let m = metrics.clone();
         spawn_server(
             "metrics",
             &args.metrics_bind_address,
             &shutdown,
-            move |addr, s| metrics::serve_metrics(addr, m, s),
+            move |addr, s| metrics::serve_metrics(addr, m.clone(), s),
         )?;
     }
 

@@ -121,7 +121,10 @@ pub fn compute(state: &ClusterState, node: &NodeInfo, ctx: &NodeContext) -> Comp
                 no_local_external += usize::from(port.external_policy_local);
             }
             if let Some(hc_port) = port.health_check_node_port {
-                health_checks.push((hc_port, port.name.clone(), categorized.local.len()));
+                // kube-proxy's health check counts local *ready* endpoints (LocalReadyEndpoints),
+                // so a node whose pods are all terminating answers 503 and is drained.
+                let local_ready = endpoints.iter().filter(|e| e.is_local && e.ready).count();
+                health_checks.push((hc_port, port.name.clone(), local_ready));
             }
             ports.push((port, categorized));
         }

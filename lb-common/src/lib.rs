@@ -6,7 +6,7 @@
 //! - Ports and every other integer are in host order; the programs convert. `bpftool map dump`
 //!   then shows `"port": 80` rather than a byte-swapped number.
 //! - Padding is an explicit `_pad` field that writers zero: padding bytes are part of a hash key.
-//! - A layout change renames the map (`lb4_services` -> `lb4_services2`), so an agent never reuses a
+//! - A layout change renames the map (`lb4_services` -> `lb4_services_v2`), so an agent never reuses a
 //!   pinned map of the old layout; see [`maps`].
 //!
 //! The `user` feature adds `aya::Pod` for the agent.

@@ -73,6 +73,10 @@ counters! {
     TcStaleUdpMoved => "tc_stale_udp_moved",
     /// tc: rewriting a packet failed (checksum or store helper error); dropped.
     TcRewriteFailed => "tc_rewrite_failed",
+    /// Bumped by connect4 only in the test build of the programs (`--cfg lb_test_variant`), which
+    /// the upgrade tests load to prove that an upgrade replaced the running programs. Always zero
+    /// in a production build.
+    TestVariant => "test_variant",
 }
 
 /// Number of counters (`lb_stats` max_entries).

@@ -106,6 +106,8 @@ fn sock_verdict(outcome: Outcome) -> i32 {
 
 #[cgroup_sock_addr(connect4)]
 pub fn lb_connect4(ctx: SockAddrContext) -> i32 {
+    #[cfg(lb_test_variant)]
+    lb_ebpf::stats::count(lb_common::stats::Counter::TestVariant);
     sock_verdict(sock::translate_forward(&mut KernelCall::<false> { ctx }))
 }
 

@@ -117,9 +117,23 @@ impl Agent {
     /// Waits until the log has a line containing `text`.
     pub fn wait_for_line(&self, text: &str, timeout: Duration) {
         let deadline = Instant::now() + timeout;
-        while !self.log.lock().expect("log lock").iter().any(|l| l.contains(text)) {
-            assert!(!self.exited.load(std::sync::atomic::Ordering::SeqCst), "lb-agent exited; log:\n{}", self.log());
-            assert!(Instant::now() < deadline, "lb-agent logged no {text:?} within {timeout:?}; log:\n{}", self.log());
+        while !self
+            .log
+            .lock()
+            .expect("log lock")
+            .iter()
+            .any(|l| l.contains(text))
+        {
+            assert!(
+                !self.exited.load(std::sync::atomic::Ordering::SeqCst),
+                "lb-agent exited; log:\n{}",
+                self.log()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "lb-agent logged no {text:?} within {timeout:?}; log:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }

@@ -29,7 +29,9 @@ impl BpfFs {
         fs::create_dir_all(dir).unwrap_or_else(|e| panic!("mkdir {}: {e}", dir.display()));
         mount(Some("bpf"), dir, Some("bpf"), MsFlags::empty(), None::<&str>)
             .unwrap_or_else(|e| panic!("mount bpffs on {}: {e}", dir.display()));
-        BpfFs { dir: dir.to_path_buf() }
+        BpfFs {
+            dir: dir.to_path_buf(),
+        }
     }
 
     /// The mount point; pass it (or a directory below it) as the agent's `--bpf-root`.

@@ -18,10 +18,12 @@ pub mod bpffs;
 pub mod cgroup;
 pub mod control_plane;
 pub mod fixtures;
+pub mod load;
 pub mod netns;
 pub mod packet;
 pub mod probe;
 pub mod process;
+pub mod report;
 pub mod topo;
 
 /// Fails the test with a clear message when not running as root (CI runs as root, so nothing is

@@ -34,7 +34,9 @@ impl NetNs {
         assert!(name.len() <= 15, "{name} is too long");
         let _ = Command::new("ip").args(["netns", "delete", name]).output();
         run_ip(&["netns", "add", name]);
-        let ns = NetNs { name: name.to_string() };
+        let ns = NetNs {
+            name: name.to_string(),
+        };
         ns.ip(&["link", "set", "lo", "up"]);
         ns
     }
@@ -162,6 +164,9 @@ fn run_ip(args: &[&str]) {
 /// the same address. Stops (and closes its listener) on drop.
 pub struct PortForward {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    paused: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Open connections (client side), shut down on `pause`.
+    open: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
     accept: Option<thread::JoinHandle<()>>,
 }
 
@@ -184,11 +189,22 @@ impl PortForward {
         listener.set_nonblocking(true).expect("nonblocking listener");
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = stop.clone();
+        let paused = Arc::new(AtomicBool::new(false));
+        let is_paused = paused.clone();
+        let open: Arc<std::sync::Mutex<Vec<TcpStream>>> = Arc::default();
+        let tracked = open.clone();
         let accept = thread::spawn(move || {
             while !stopped.load(Ordering::SeqCst) {
                 match listener.accept() {
+                    Ok((client, _)) if is_paused.load(Ordering::SeqCst) => {
+                        // An outage: the connection is refused outright.
+                        let _ = client.shutdown(Shutdown::Both);
+                    }
                     Ok((client, _)) => {
                         let _ = client.set_nonblocking(false);
+                        if let Ok(c) = client.try_clone() {
+                            tracked.lock().expect("open lock").push(c);
+                        }
                         thread::spawn(move || {
                             let Ok(server) = TcpStream::connect_timeout(&target, Duration::from_secs(5))
                             else {
@@ -218,8 +234,23 @@ impl PortForward {
         });
         PortForward {
             stop,
+            paused,
+            open,
             accept: Some(accept),
         }
+    }
+
+    /// Cuts the path: open connections are shut down and new ones are closed at once, as if the
+    /// API server were unreachable from the namespace.
+    pub fn pause(&self) {
+        self.paused.store(true, std::sync::atomic::Ordering::SeqCst);
+        for c in self.open.lock().expect("open lock").drain(..) {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    pub fn resume(&self) {
+        self.paused.store(false, std::sync::atomic::Ordering::SeqCst);
     }
 }
 

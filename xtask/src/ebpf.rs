@@ -15,19 +15,41 @@ pub fn object_path() -> PathBuf {
     workspace_root().join("target/bpf/lb-ebpf.o")
 }
 
+/// The test build of the programs (`--cfg lb_test_variant`: connect4 bumps the `test_variant`
+/// counter), which the upgrade tests swap in to prove a running data path is replaced in place.
+pub fn variant_object_path() -> PathBuf {
+    workspace_root().join("target/bpf/lb-ebpf-test-variant.o")
+}
+
 pub fn build() -> Result<PathBuf> {
-    step("building the eBPF object (lb-ebpf, bpfel-unknown-none)");
-    let target_dir = workspace_root().join("target/bpf");
+    build_into("target/bpf", &[], &object_path())
+}
+
+pub fn build_variant() -> Result<PathBuf> {
+    build_into(
+        "target/bpf-variant",
+        &["--cfg=lb_test_variant"],
+        &variant_object_path(),
+    )
+}
+
+fn build_into(dir: &str, extra_flags: &[&str], object: &std::path::Path) -> Result<PathBuf> {
+    step(&format!(
+        "building the eBPF object {} (lb-ebpf, bpfel-unknown-none)",
+        object.file_name().unwrap_or_default().to_string_lossy()
+    ));
+    let target_dir = workspace_root().join(dir);
     let path = std::env::var_os("PATH").unwrap_or_default();
     let mut paths = vec![bpf_linker_dir().join("bin")];
     paths.extend(std::env::split_paths(&path));
     // The same flags as aya-build: BTF comes from debuginfo plus bpf-linker's --btf.
-    let rustflags = [
+    let mut flags = vec![
         "--cfg=bpf_target_arch=\"x86_64\"",
         "-Cdebuginfo=2",
         "-Clink-arg=--btf",
-    ]
-    .join("\x1f");
+    ];
+    flags.extend_from_slice(extra_flags);
+    let rustflags = flags.join("\x1f");
     run(clean_cargo(Some(&ebpf_toolchain()))
         .args(["build", "--package", "lb-ebpf", "--bins", "--release"])
         .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
@@ -36,11 +58,13 @@ pub fn build() -> Result<PathBuf> {
         .env("PATH", std::env::join_paths(paths)?)
         .env("CARGO_ENCODED_RUSTFLAGS", rustflags))?;
     let built = target_dir.join("bpfel-unknown-none/release/lb-ebpf");
-    let object = object_path();
     // Copy only when changed, so lb-agent is not rebuilt for nothing.
     let new = fs::read(&built).with_context(|| format!("reading {}", built.display()))?;
-    if fs::read(&object).ok().as_deref() != Some(new.as_slice()) {
-        fs::write(&object, &new).with_context(|| format!("writing {}", object.display()))?;
+    if let Some(parent) = object.parent() {
+        fs::create_dir_all(parent)?;
     }
-    Ok(object)
+    if fs::read(object).ok().as_deref() != Some(new.as_slice()) {
+        fs::write(object, &new).with_context(|| format!("writing {}", object.display()))?;
+    }
+    Ok(object.to_path_buf())
 }

@@ -11,6 +11,7 @@
 
 mod ebpf;
 mod k8s;
+mod report;
 mod setup;
 mod test;
 mod util;
@@ -32,7 +33,11 @@ enum Command {
     /// Install missing toolchains, Debian packages and bpf-linker.
     Setup,
     /// Build the eBPF object into target/bpf/lb-ebpf.o.
-    BuildEbpf,
+    BuildEbpf {
+        /// Also build the test variant of the programs (target/bpf/lb-ebpf-test-variant.o).
+        #[arg(long)]
+        variant: bool,
+    },
     /// Run the whole test suite (needs root for the privileged tests).
     Test {
         /// Only run tests whose name contains this string.
@@ -62,9 +67,13 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Setup => setup::all(),
-        Command::BuildEbpf => {
+        Command::BuildEbpf { variant } => {
             setup::ebpf_toolchain_and_linker()?;
-            ebpf::build().map(|_| ())
+            ebpf::build()?;
+            if variant {
+                ebpf::build_variant()?;
+            }
+            Ok(())
         }
         Command::Test { filter, no_e2e } => test::run_all(filter.as_deref(), !no_e2e),
         Command::E2e { filter } => test::run_e2e(filter.as_deref()),

@@ -177,6 +177,7 @@ pub fn run_all(filter: Option<&str>, with_e2e: bool) -> Result<()> {
         &mut summary,
     )?;
     build_agent()?;
+    ebpf::build_variant()?;
     step("privileged and end-to-end tests (tests/)");
     let mut args = vec!["--package".to_string(), "lb-tests".into(), "--lib".into()];
     for t in lb_tests_targets(with_e2e)? {
@@ -185,6 +186,9 @@ pub fn run_all(filter: Option<&str>, with_e2e: bool) -> Result<()> {
     }
     ok &= cargo_test(&args, filter, &envs, &mut summary)?;
     ok &= summary.failed == 0;
+    if let Err(e) = crate::report::write_reliability() {
+        eprintln!("docs/reliability.md not regenerated: {e:#}");
+    }
     print_summary(&summary, started, ok);
     if !ok {
         bail!("tests failed");

@@ -19,7 +19,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use aya::maps::{lpm_trie::Key, HashMap, LpmTrie, Map, MapData, MapInfo};
+use aya::maps::{HashMap, LpmTrie, Map, MapData, MapInfo, lpm_trie::Key};
 use lb_common::{
     affinity::{Affinity4Key, Affinity4Value, AffinityMatchKey},
     backend::Backend4Value,
@@ -51,8 +51,16 @@ pub const LAYOUTS: &[(&str, u32)] = &[
 
 /// The pin file name of a map at its current layout version.
 pub fn pin_name(name: &str) -> String {
-    let version = LAYOUTS.iter().find(|(n, _)| *n == name).map(|(_, v)| *v).unwrap_or(1);
-    if version == 1 { name.to_string() } else { format!("{name}_v{version}") }
+    let version = LAYOUTS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, v)| *v)
+        .unwrap_or(1);
+    if version == 1 {
+        name.to_string()
+    } else {
+        format!("{name}_v{version}")
+    }
 }
 
 /// What the kernel must agree with for a pin to be reused.
@@ -63,21 +71,33 @@ struct Expected {
 }
 
 fn expected(name: &str, caps: &Capacities) -> Expected {
-    let sizes = |k: usize, v: usize, max: Option<u32>| Expected { key_size: k as u32, value_size: v as u32, max_entries: max };
+    let sizes = |k: usize, v: usize, max: Option<u32>| Expected {
+        key_size: k as u32,
+        value_size: v as u32,
+        max_entries: max,
+    };
     match name {
         names::SERVICES => sizes(size_of::<Svc4Key>(), size_of::<Svc4Value>(), Some(caps.services)),
         names::BACKENDS => sizes(4, size_of::<Backend4Value>(), Some(caps.backends)),
         names::REVNAT => sizes(4, size_of::<RevNat4Value>(), Some(caps.revnat)),
         names::SVC_NAMES => sizes(4, size_of::<SvcName>(), Some(caps.revnat)),
-        names::SOCK_REVNAT => sizes(size_of::<SockRevNat4Key>(), size_of::<SockRevNat4Value>(), Some(caps.sock_revnat)),
-        names::AFFINITY => sizes(size_of::<Affinity4Key>(), size_of::<Affinity4Value>(), Some(caps.affinity)),
+        names::SOCK_REVNAT => sizes(
+            size_of::<SockRevNat4Key>(),
+            size_of::<SockRevNat4Value>(),
+            Some(caps.sock_revnat),
+        ),
+        names::AFFINITY => sizes(
+            size_of::<Affinity4Key>(),
+            size_of::<Affinity4Value>(),
+            Some(caps.affinity),
+        ),
         names::AFFINITY_MATCH => sizes(size_of::<AffinityMatchKey>(), 1, Some(caps.affinity_match)),
         names::SOURCE_RANGES => sizes(4 + size_of::<SrcRange4>(), 1, Some(caps.source_ranges)),
         names::CONNTRACK => sizes(size_of::<Ct4Key>(), size_of::<Ct4Value>(), Some(caps.conntrack)),
-        names::CONFIG => sizes(4, size_of::<DatapathConfig>(), None),
-        // Per-CPU values: the kernel reports the per-CPU value size; the entry count is fixed by
-        // the object.
-        _ => sizes(4, 8, None),
+        names::CONFIG => sizes(4, size_of::<DatapathConfig>(), Some(1)),
+        // Per-CPU values: the kernel reports the per-CPU value size. New counters grow the map;
+        // counters then restart from zero.
+        _ => sizes(4, 8, Some(lb_common::stats::COUNT)),
     }
 }
 
@@ -113,11 +133,18 @@ impl Migration {
 pub fn prepare(paths: &PinPaths, caps: &Capacities) -> Result<Migration, DatapathError> {
     let mut migration = Migration::default();
     let existing: Vec<String> = fs::read_dir(paths.maps())
-        .map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
         .unwrap_or_default();
     for (name, _) in LAYOUTS {
         let current = pin_name(name);
-        for other in existing.iter().filter(|f| is_version_of(f, name) && **f != current) {
+        for other in existing
+            .iter()
+            .filter(|f| is_version_of(f, name) && **f != current)
+        {
             tracing::warn!(map = name, pin = %other, "a map of another layout version is pinned; it is replaced, its entries are rebuilt");
             migration.stale.push(paths.maps().join(other));
         }
@@ -142,7 +169,10 @@ pub fn prepare(paths: &PinPaths, caps: &Capacities) -> Result<Migration, Datapat
         if want.max_entries.is_some_and(|max| max != info.max_entries()) {
             let aside = paths.maps().join(format!("{current}-old"));
             let _ = fs::remove_file(&aside);
-            fs::rename(&pin, &aside).map_err(|e| DatapathError::Pin { path: pin.clone(), message: e.to_string() })?;
+            fs::rename(&pin, &aside).map_err(|e| DatapathError::Pin {
+                path: pin.clone(),
+                message: e.to_string(),
+            })?;
             tracing::info!(
                 map = name,
                 from = info.max_entries(),
@@ -157,12 +187,25 @@ pub fn prepare(paths: &PinPaths, caps: &Capacities) -> Result<Migration, Datapat
 
 /// Whether a pin file name is some layout version of map `name`.
 fn is_version_of(file: &str, name: &str) -> bool {
-    file == name || file.strip_prefix(name).and_then(|rest| rest.strip_prefix("_v")).is_some_and(|v| v.chars().all(|c| c.is_ascii_digit()))
+    file == name
+        || file
+            .strip_prefix(name)
+            .and_then(|rest| rest.strip_prefix("_v"))
+            .is_some_and(|v| v.chars().all(|c| c.is_ascii_digit()))
 }
 
-fn copy_hash<K: aya::Pod, V: aya::Pod>(from: &Path, to: &mut Map, lru: bool) -> Result<(usize, usize), aya::maps::MapError> {
+fn copy_hash<K: aya::Pod, V: aya::Pod>(
+    from: &Path,
+    to: &mut Map,
+    lru: bool,
+) -> Result<(usize, usize), aya::maps::MapError> {
     let data = MapData::from_pin(from)?;
-    let old: HashMap<MapData, K, V> = if lru { Map::LruHashMap(data) } else { Map::HashMap(data) }.try_into()?;
+    let old: HashMap<MapData, K, V> = if lru {
+        Map::LruHashMap(data)
+    } else {
+        Map::HashMap(data)
+    }
+    .try_into()?;
     let mut new: HashMap<&mut MapData, K, V> = to.try_into()?;
     let (mut copied, mut dropped) = (0, 0);
     for (k, v) in old.iter().flatten() {
@@ -174,7 +217,10 @@ fn copy_hash<K: aya::Pod, V: aya::Pod>(from: &Path, to: &mut Map, lru: bool) -> 
     Ok((copied, dropped))
 }
 
-fn copy_lpm<K: aya::Pod, V: aya::Pod>(from: &Path, to: &mut Map) -> Result<(usize, usize), aya::maps::MapError> {
+fn copy_lpm<K: aya::Pod, V: aya::Pod>(
+    from: &Path,
+    to: &mut Map,
+) -> Result<(usize, usize), aya::maps::MapError> {
     let old: LpmTrie<MapData, K, V> = Map::LpmTrie(MapData::from_pin(from)?).try_into()?;
     let mut new: LpmTrie<&mut MapData, K, V> = to.try_into()?;
     let (mut copied, mut dropped) = (0, 0);
@@ -205,7 +251,9 @@ pub fn copy_entries(migration: &Migration, ebpf: &mut aya::Ebpf) {
         };
         match result {
             Ok((copied, 0)) => tracing::info!(map = %name, copied, "entries migrated"),
-            Ok((copied, dropped)) => tracing::warn!(map = %name, copied, dropped, "entries migrated; the new map is too small for some"),
+            Ok((copied, dropped)) => {
+                tracing::warn!(map = %name, copied, dropped, "entries migrated; the new map is too small for some")
+            }
             Err(e) => tracing::error!(map = %name, "migrating entries failed: {e}"),
         }
     }
@@ -228,7 +276,10 @@ mod tests {
     #[test]
     fn every_map_has_a_layout_version_and_an_expected_size() {
         for name in names::ALL {
-            assert!(LAYOUTS.iter().any(|(n, _)| n == name), "{name} has no layout version");
+            assert!(
+                LAYOUTS.iter().any(|(n, _)| n == name),
+                "{name} has no layout version"
+            );
             let e = expected(name, &Capacities::default());
             assert!(e.key_size > 0 && e.value_size > 0, "{name}");
         }

@@ -113,6 +113,8 @@ pub struct Datapath {
     paths: Option<PinPaths>,
     /// Old pins to remove once the new programs are attached.
     migration: migrate::Migration,
+    /// Interfaces this process attached the tc programs to (they are not touched again).
+    tc_attached: std::collections::BTreeSet<u32>,
 }
 
 impl Datapath {
@@ -135,13 +137,19 @@ impl Datapath {
             ebpf,
             paths: Some(paths.clone()),
             migration,
+            tc_attached: Default::default(),
         })
     }
 
     /// Loads the object with private, unpinned maps (trace against manifests, tests).
     pub fn load_unpinned(caps: &Capacities, object: &[u8]) -> Result<Self, DatapathError> {
         let ebpf = Self::load_with(&mut EbpfLoader::new(), caps, object)?;
-        Ok(Self { ebpf, paths: None, migration: migrate::Migration::default() })
+        Ok(Self {
+            ebpf,
+            paths: None,
+            migration: migrate::Migration::default(),
+            tc_attached: Default::default(),
+        })
     }
 
     /// Loads the object for `trace` against a running agent: the service-state maps are the live
@@ -176,7 +184,12 @@ impl Datapath {
             loader.map_pin_path(name, path.as_path());
         }
         let ebpf = Self::load_with(&mut loader, &caps, object)?;
-        Ok(Self { ebpf, paths: None, migration: migrate::Migration::default() })
+        Ok(Self {
+            ebpf,
+            paths: None,
+            migration: migrate::Migration::default(),
+            tc_attached: Default::default(),
+        })
     }
 
     fn load_with(

@@ -104,6 +104,9 @@ pub fn pinned_devices(paths: &PinPaths) -> BTreeMap<u32, PathBuf> {
 impl Datapath {
     /// Attaches the tc programs to one interface (ingress and egress), adopting pinned links.
     pub fn attach_tc(&mut self, ifname: &str, ifindex: u32) -> Result<(), DatapathError> {
+        if self.tc_attached.contains(&ifindex) {
+            return Ok(());
+        }
         let paths = self.pinned_paths()?;
         let dir = device_dir(&paths, ifindex, ifname);
         fs::create_dir_all(&dir).map_err(|e| DatapathError::Pin {
@@ -153,17 +156,20 @@ impl Datapath {
                 }
             }
         }
+        self.tc_attached.insert(ifindex);
         Ok(())
     }
 
     /// Detaches the tc programs from interfaces no longer wanted (or gone): removing a pinned TCX
     /// link detaches its program.
-    pub fn detach_tc_except(&self, keep: &BTreeMap<String, u32>) -> Vec<String> {
+    pub fn detach_tc_except(&mut self, keep: &BTreeMap<String, u32>) -> Vec<String> {
         let Ok(paths) = self.pinned_paths() else {
             return Vec::new();
         };
         let wanted: Vec<PathBuf> = keep.iter().map(|(n, i)| device_dir(&paths, *i, n)).collect();
         let mut removed = Vec::new();
+        let keep_ids: std::collections::BTreeSet<u32> = keep.values().copied().collect();
+        self.tc_attached.retain(|i| keep_ids.contains(i));
         for (_, dir) in pinned_devices(&paths) {
             if !wanted.contains(&dir) && fs::remove_dir_all(&dir).is_ok() {
                 removed.push(dir.file_name().unwrap_or_default().to_string_lossy().to_string());

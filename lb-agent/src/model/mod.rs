@@ -14,6 +14,8 @@ use std::{collections::BTreeSet, fmt, net::Ipv4Addr};
 use ipnet::Ipv4Net;
 
 pub mod endpoints;
+#[cfg(test)]
+pub(crate) mod proptests;
 pub mod service;
 pub mod topology;
 

@@ -341,10 +341,7 @@ fn a_scope_over_the_limit_is_refused_and_the_rest_is_programmed() {
         b.node_port = Some(30080);
         let mut other = svc("web");
         other.cluster_ips = vec![ip("10.96.0.11")];
-        let input = [
-            (b, cat(&big, &[], true)),
-            (other, cat(&small, &small, true)),
-        ];
+        let input = [(b, cat(&big, &[], true)), (other, cat(&small, &small, true))];
         let (d, problems) = plan(&input, &ctx());
         // Every frontend of the big Service uses the 'cluster' list: none is programmed.
         assert_eq!(
@@ -368,7 +365,11 @@ fn a_scope_over_the_limit_is_refused_and_the_rest_is_programmed() {
             "192.168.1.10:30080/TCP".into(),
             "127.0.0.1:30080/TCP".into(),
         ] {
-            assert!(p.message.contains(&needle), "{needle:?} missing from {:?}", p.message);
+            assert!(
+                p.message.contains(&needle),
+                "{needle:?} missing from {:?}",
+                p.message
+            );
         }
     }
 }
@@ -412,7 +413,11 @@ fn the_internal_scope_of_a_local_policy_counts_too() {
     assert!(d.frontends.is_empty(), "{:?}", d.frontends.keys());
     assert!(d.backends.is_empty());
     assert_eq!(problems.len(), 1);
-    assert!(problems[0].message.contains(&(MAX_BACKENDS_PER_SCOPE + 2).to_string()));
+    assert!(
+        problems[0]
+            .message
+            .contains(&(MAX_BACKENDS_PER_SCOPE + 2).to_string())
+    );
 }
 
 #[test]
@@ -431,4 +436,30 @@ fn a_refused_claim_leaves_a_shared_external_ip_to_the_next_claimant() {
     assert_eq!(d.frontends[&fe("198.51.100.9", 80)].service.name, "beta");
     assert_eq!(problems.len(), 1, "{problems:?}");
     assert_eq!(problems[0].service.name, "alpha");
+}
+
+#[test]
+fn backend_flags_do_not_depend_on_the_order_of_the_services() {
+    // The same address in two Services' slices, which disagree on its node and conditions.
+    let mut running = ep("10.244.1.1", false);
+    running.ready = true;
+    let mut terminating = ep("10.244.1.1", true);
+    terminating.ready = false;
+    terminating.terminating = true;
+    let mut a = svc("alpha");
+    a.cluster_ips = vec![ip("10.96.0.11")];
+    let b = svc("beta");
+    let input = [
+        (a, cat(&[running.clone()], &[], true)),
+        (b, cat(&[terminating.clone()], &[], true)),
+    ];
+    let (d1, _) = plan(&input, &ctx());
+    let reversed = [input[1].clone(), input[0].clone()];
+    let (d2, _) = plan(&reversed, &ctx());
+    assert_eq!(d1, d2);
+    assert_eq!(
+        d1.backends[&backends(&["10.244.1.1"])[0]],
+        lb_common::backend::flags::LOCAL,
+        "local if any Service says so; terminating only if all do"
+    );
 }

@@ -75,6 +75,31 @@ pub fn build_slice(i: u32) -> EndpointSlice {
     s.port("http", "TCP", i32::from(topo::BACKEND_PORT)).build()
 }
 
+/// Service watch events seen by lb-bench itself: (time, name, first port, deleted).
+pub struct ServiceWatch {
+    events: Arc<std::sync::Mutex<Vec<(u64, String, u16, bool)>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ServiceWatch {
+    /// When the first event for `i` after `since` with this port (or a deletion) arrived.
+    pub fn seen(&self, since: u64, i: u32, port: u16, deleted: bool) -> Option<u64> {
+        let name = svc_name(i);
+        self.events
+            .lock()
+            .expect("watch log")
+            .iter()
+            .find(|(t, n, p, d)| *t >= since && *n == name && *d == deleted && (deleted || *p == port))
+            .map(|(t, ..)| *t)
+    }
+}
+
+impl Drop for ServiceWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// The API client and the number of benchmark Services that exist (`0..present`).
 pub struct Cluster {
     pub rt: tokio::runtime::Runtime,
@@ -228,11 +253,19 @@ impl Cluster {
     pub fn grow_to(&mut self, n: u32) -> (u64, u64) {
         let started = now_ns();
         let indices: Vec<u32> = (self.present..n).collect();
-        self.parallel("creating Services + EndpointSlices", indices, |svcs, slices, i| async move {
-            let (pp, svc, sl) = (PostParams::default(), build_service(i, SERVICE_PORT), build_slice(i));
-            retry("create service", 409, || svcs.create(&pp, &svc)).await;
-            retry("create slice", 409, || slices.create(&pp, &sl)).await;
-        });
+        self.parallel(
+            "creating Services + EndpointSlices",
+            indices,
+            |svcs, slices, i| async move {
+                let (pp, svc, sl) = (
+                    PostParams::default(),
+                    build_service(i, SERVICE_PORT),
+                    build_slice(i),
+                );
+                retry("create service", 409, || svcs.create(&pp, &svc)).await;
+                retry("create slice", 409, || slices.create(&pp, &sl)).await;
+            },
+        );
         self.present = self.present.max(n);
         (started, now_ns())
     }
@@ -240,36 +273,77 @@ impl Cluster {
     /// Deletes Services (and slices) `n..present`.
     pub fn shrink_to(&mut self, n: u32) {
         let indices: Vec<u32> = (n..self.present).rev().collect();
-        self.parallel("deleting Services + EndpointSlices", indices, |svcs, slices, i| async move {
-            let (dp, svc, name) = (DeleteParams::default(), svc_name(i), format!("{}-1", svc_name(i)));
-            retry("delete service", 404, || svcs.delete(&svc, &dp)).await;
-            retry("delete slice", 404, || slices.delete(&name, &dp)).await;
-        });
+        self.parallel(
+            "deleting Services + EndpointSlices",
+            indices,
+            |svcs, slices, i| async move {
+                let (dp, svc, name) = (DeleteParams::default(), svc_name(i), format!("{}-1", svc_name(i)));
+                retry("delete service", 404, || svcs.delete(&svc, &dp)).await;
+                retry("delete slice", 404, || slices.delete(&name, &dp)).await;
+            },
+        );
         self.present = self.present.min(n);
+    }
+
+    /// Watches the benchmark Services from this process: when each Service event reached an API
+    /// client. This is the API server's share of a change's latency (persisting the object and
+    /// delivering the watch event), which every proxy pays before it can do anything.
+    pub fn watch_services(&self) -> ServiceWatch {
+        use futures::StreamExt;
+        use kube::runtime::watcher;
+        let events = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = events.clone();
+        let api = self.services();
+        let task = self.rt.spawn(async move {
+            let mut stream = std::pin::pin!(watcher(api, watcher::Config::default()));
+            while let Some(ev) = stream.next().await {
+                let (deleted, svc) = match ev {
+                    Ok(watcher::Event::Apply(s)) => (false, s),
+                    Ok(watcher::Event::Delete(s)) => (true, s),
+                    _ => continue,
+                };
+                let port = svc
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.ports.as_ref())
+                    .and_then(|p| p.first())
+                    .map(|p| p.port as u16)
+                    .unwrap_or(0);
+                let name = svc.metadata.name.unwrap_or_default();
+                sink.lock()
+                    .expect("watch log")
+                    .push((now_ns(), name, port, deleted));
+            }
+        });
+        ServiceWatch { events, task }
     }
 
     pub fn create_slice(&self, i: u32) {
         let api = self.slices();
         let (pp, sl) = (PostParams::default(), build_slice(i));
-        self.rt.block_on(retry("create slice", 409, || api.create(&pp, &sl)));
+        self.rt
+            .block_on(retry("create slice", 409, || api.create(&pp, &sl)));
     }
 
     pub fn delete_slice(&self, i: u32) {
         let api = self.slices();
         let (dp, name) = (DeleteParams::default(), format!("{}-1", svc_name(i)));
-        self.rt.block_on(retry("delete slice", 404, || api.delete(&name, &dp)));
+        self.rt
+            .block_on(retry("delete slice", 404, || api.delete(&name, &dp)));
     }
 
     pub fn create_service(&self, i: u32) {
         let api = self.services();
         let (pp, svc) = (PostParams::default(), build_service(i, SERVICE_PORT));
-        self.rt.block_on(retry("create service", 409, || api.create(&pp, &svc)));
+        self.rt
+            .block_on(retry("create service", 409, || api.create(&pp, &svc)));
     }
 
     pub fn delete_service(&self, i: u32) {
         let api = self.services();
         let (dp, name) = (DeleteParams::default(), svc_name(i));
-        self.rt.block_on(retry("delete service", 404, || api.delete(&name, &dp)));
+        self.rt
+            .block_on(retry("delete service", 404, || api.delete(&name, &dp)));
     }
 
     /// Changes the Service's port (the whole ports list is replaced by a JSON merge patch).

@@ -100,6 +100,13 @@ pub struct ChangeLatency {
     pub remove_ms: Vec<f64>,
     /// The agent's sync that applied each change (elapsed_ms from its log).
     pub agent_sync_ms: Vec<f64>,
+    /// API call to the Service's watch event reaching a client (lb-bench's own watch): the API
+    /// server's share, the same for every program.
+    #[serde(default)]
+    pub api_watch_ms: Vec<f64>,
+    /// Per change: the data path time minus the API watch time (from the event to the data path).
+    #[serde(default)]
+    pub after_watch_ms: Vec<f64>,
     /// kube-proxy's own sync durations over the changes (count, total seconds).
     pub sync_count: f64,
     pub sync_sum_s: f64,
@@ -138,8 +145,7 @@ fn memory(peer: &Peer, n: u32, when: &str) -> Option<Memory> {
         if let Some(metrics) = peer.metrics() {
             for (k, v) in &metrics.0 {
                 if let Some(rest) = k.strip_prefix("lb_map_entries{map=\"") {
-                    m.map_entries
-                        .insert(rest.trim_end_matches("\"}").to_string(), *v);
+                    m.map_entries.insert(rest.trim_end_matches("\"}").to_string(), *v);
                 }
             }
         }
@@ -233,7 +239,11 @@ pub fn latency_level(ctx: &mut Ctx<'_>, n: u32) -> (LatencyLevel, Vec<Memory>) {
         };
         for k in order {
             let peer = &peers[k];
-            let targets = if peer.config == Config::Direct { &direct } else { &vips };
+            let targets = if peer.config == Config::Direct {
+                &direct
+            } else {
+                &vips
+            };
             let seed = u64::from(n) * 1000 + round as u64 * 10 + k as u64;
             let r = crr::run_crr(peer.client(), targets, ctx.opts.conns, ctx.opts.warmup, seed);
             eprintln!(
@@ -247,7 +257,11 @@ pub fn latency_level(ctx: &mut Ctx<'_>, n: u32) -> (LatencyLevel, Vec<Memory>) {
                 r.p999_us,
                 r.conn_per_s,
                 if r.errors > 0 {
-                    format!("  ({} errors, first: {})", r.errors, r.first_error.clone().unwrap_or_default())
+                    format!(
+                        "  ({} errors, first: {})",
+                        r.errors,
+                        r.first_error.clone().unwrap_or_default()
+                    )
                 } else {
                     String::new()
                 }
@@ -270,14 +284,18 @@ pub fn programming(
     n: u32,
     change_reps: u32,
 ) -> (Programming, Option<ChangeLatency>, Vec<Memory>) {
-    assert_eq!(ctx.cluster.present, 0, "programming starts from no benchmark Service");
+    assert_eq!(
+        ctx.cluster.present, 0,
+        "programming starts from no benchmark Service"
+    );
     let (vips, _) = ctx.targets(n);
     let mut peer = Peer::new(config, ctx.api_addr);
     ctx.launch(&mut peer);
     assert!(
         peer.wait_first_sync(Duration::from_secs(120)),
-        "{} did not sync within 120 s:\n{}",
+        "{} did not sync within 120 s (metrics: {}):\n{}",
         config.label(),
+        peer.metric_names("sync_proxy_rules"),
         peer.log_text()
     );
     peer.settle(Duration::from_millis(1500), Duration::from_secs(60));
@@ -328,7 +346,9 @@ pub fn programming(
             peer.log_text()
         );
     }
-    let mut mem: Vec<Memory> = memory(&peer, n, "after creating N through the API").into_iter().collect();
+    let mut mem: Vec<Memory> = memory(&peer, n, "after creating N through the API")
+        .into_iter()
+        .collect();
     let changes = (change_reps > 0).then(|| change_latency(ctx, &peer, n, change_reps));
     if let Some(m) = memory(&peer, n, "after the changes") {
         mem.push(m);
@@ -350,21 +370,57 @@ fn change_latency(ctx: &mut Ctx<'_>, peer: &Peer, n: u32, reps: u32) -> ChangeLa
     let quiet = Duration::from_millis(1500);
     let settle_max = ctx.opts.sync_timeout;
     let (c0, s0) = sync_hist(peer);
+    let watch = ctx.cluster.watch_services();
     for rep in 0..reps {
         check_interrupted();
         let i = api::EXTRA_BASE + rep;
         ctx.cluster.create_slice(i);
         let steps: [(&str, u16, bool, Action); 3] = [
-            ("add", api::SERVICE_PORT, true, Box::new(move |c: &Cluster| c.create_service(i))),
-            ("change", api::SERVICE_PORT + 1, true, Box::new(move |c: &Cluster| c.set_port(i, api::SERVICE_PORT + 1))),
-            ("remove", api::SERVICE_PORT + 1, false, Box::new(move |c: &Cluster| c.delete_service(i))),
+            (
+                "add",
+                api::SERVICE_PORT,
+                true,
+                Box::new(move |c: &Cluster| c.create_service(i)),
+            ),
+            (
+                "change",
+                api::SERVICE_PORT + 1,
+                true,
+                Box::new(move |c: &Cluster| c.set_port(i, api::SERVICE_PORT + 1)),
+            ),
+            (
+                "remove",
+                api::SERVICE_PORT + 1,
+                false,
+                Box::new(move |c: &Cluster| c.delete_service(i)),
+            ),
         ];
-        let mut line = format!("  {:<20} on top of {n}: rep {}/{reps}:", peer.config.program(), rep + 1);
+        let mut line = format!(
+            "  {:<20} on top of {n}: rep {}/{reps}:",
+            peer.config.program(),
+            rep + 1
+        );
         for (what, port, up, act) in steps {
-            let step = Step { peer, quiet, settle_max, what, to: api::vip(i, port), want_up: up };
+            let step = Step {
+                peer,
+                quiet,
+                settle_max,
+                what,
+                index: i,
+                to: api::vip(i, port),
+                want_up: up,
+                watch: &watch,
+            };
             match step.run(ctx.cluster, &*act) {
-                Some((ms, agent)) => {
-                    line.push_str(&format!(" {what} {ms:.1} ms"));
+                Some((ms, agent, api_ms)) => {
+                    if let Some(a) = api_ms {
+                        out.api_watch_ms.push(a);
+                        out.after_watch_ms.push(ms - a);
+                    }
+                    line.push_str(&format!(
+                        " {what} {ms:.1} ms (API watch event after {})",
+                        api_ms.map(|a| format!("{a:.1} ms")).unwrap_or_else(|| "?".into())
+                    ));
                     match what {
                         "add" => out.add_ms.push(ms),
                         "change" => out.change_ms.push(ms),
@@ -397,16 +453,25 @@ struct Step<'a> {
     quiet: Duration,
     settle_max: Duration,
     what: &'a str,
+    index: u32,
     to: std::net::SocketAddrV4,
     want_up: bool,
+    watch: &'a api::ServiceWatch,
 }
 
 impl Step<'_> {
     /// Waits for the proxy to be idle, then times `act` until the probe sees the wanted state.
-    /// Returns (ms, the agent's sync elapsed_ms if it logged one).
-    fn run(&self, cluster: &Cluster, act: &dyn Fn(&Cluster)) -> Option<(f64, Option<f64>)> {
+    /// Returns (ms, the agent's sync elapsed_ms if it logged one, ms to the API watch event).
+    fn run(&self, cluster: &Cluster, act: &dyn Fn(&Cluster)) -> Option<(f64, Option<f64>, Option<f64>)> {
         self.peer.settle(self.quiet, self.settle_max);
-        let probe = Probe::start(self.peer.client(), self.to, self.want_up, Duration::from_secs(120), 200, None);
+        let probe = Probe::start(
+            self.peer.client(),
+            self.to,
+            self.want_up,
+            Duration::from_secs(120),
+            200,
+            None,
+        );
         if probe.initially_up == self.want_up {
             eprintln!(
                 "  WARNING: {}: {} was already {}",
@@ -429,7 +494,14 @@ impl Step<'_> {
             .filter(|(t, _)| *t <= r.at_ns + 50_000_000)
             .filter_map(|(_, f)| f.get("elapsed_ms").copied())
             .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))));
-        Some((ms, agent))
+        let seen = || self.watch.seen(since, self.index, self.to.port(), !self.want_up);
+        let api_ms = seen()
+            .or_else(|| {
+                std::thread::sleep(Duration::from_millis(50));
+                seen()
+            })
+            .map(|t| t.saturating_sub(since) as f64 / 1e6);
+        Some((ms, agent, api_ms))
     }
 }
 

@@ -28,11 +28,7 @@ use std::{
 
 use lb_tests::control_plane::ControlPlane;
 
-use self::{
-    measure::Ctx,
-    peers::Config,
-    report::Results,
-};
+use self::{measure::Ctx, peers::Config, report::Results};
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -62,7 +58,11 @@ impl Options {
         let big = if quick { 1_000 } else { 10_000 };
         Options {
             quick,
-            levels: if quick { vec![10, 1_000] } else { vec![10, 1_000, 10_000] },
+            levels: if quick {
+                vec![10, 1_000]
+            } else {
+                vec![10, 1_000, 10_000]
+            },
             programming: if quick { vec![1_000] } else { vec![1_000, 10_000] },
             change_reps: if quick { 5 } else { 15 },
             rounds: if quick { 3 } else { 7 },
@@ -123,9 +123,11 @@ fn save(results: &Results, path: &Path) {
 pub fn run(opts: &Options, command: String) -> Results {
     let started = Instant::now();
     let root = workspace_root();
-    let out_json = root
-        .join("target/bench")
-        .join(if opts.quick { "results-quick.json" } else { "results-full.json" });
+    let out_json = root.join("target/bench").join(if opts.quick {
+        "results-quick.json"
+    } else {
+        "results-full.json"
+    });
     let workdir = tempfile::Builder::new()
         .prefix("lb-bench-")
         .tempdir()
@@ -145,12 +147,15 @@ pub fn run(opts: &Options, command: String) -> Results {
 
     if !opts.skip_tc {
         for &n in &opts.tc_levels {
-            step(&format!("tc cost per packet (BPF_PROG_TEST_RUN) with {n} Services × 10 endpoints"));
+            step(&format!(
+                "tc cost per packet (BPF_PROG_TEST_RUN) with {n} Services × 10 endpoints"
+            ));
             match tcrun::measure(n, opts.tc_batches, opts.tc_calls) {
                 Ok(level) => r.tc.push(level),
                 Err(e) => {
                     eprintln!("  FAILED: {e:#}");
-                    r.problems.push(format!("tc measurement at {n} Services failed: {e:#}"));
+                    r.problems
+                        .push(format!("tc measurement at {n} Services failed: {e:#}"));
                 }
             }
             check_interrupted();
@@ -181,19 +186,29 @@ pub fn run(opts: &Options, command: String) -> Results {
             for (k, config) in Config::PROXIES.into_iter().enumerate() {
                 check_interrupted();
                 if ctx.cluster.present > 0 {
-                    step(&format!("deleting the {} benchmark Services", ctx.cluster.present));
+                    step(&format!(
+                        "deleting the {} benchmark Services",
+                        ctx.cluster.present
+                    ));
                     ctx.cluster.shrink_to(0);
                 }
                 let reps = if n == change_n { opts.change_reps } else { 0 };
                 step(&format!(
                     "programming: {} creating {n} Services through the API{} ({}/{})",
                     config.program(),
-                    if reps > 0 { ", then add/change/remove latency" } else { "" },
+                    if reps > 0 {
+                        ", then add/change/remove latency"
+                    } else {
+                        ""
+                    },
                     k + 1,
                     Config::PROXIES.len()
                 ));
                 let (p, c, m) = measure::programming(&mut ctx, config, n, reps);
-                for (what, missing) in [("the last Service", p.last_s.is_none()), ("every Service", p.all_s.is_none() || p.not_answering > 0)] {
+                for (what, missing) in [
+                    ("the last Service", p.last_s.is_none()),
+                    ("every Service", p.all_s.is_none() || p.not_answering > 0),
+                ] {
                     if missing {
                         r.problems.push(format!(
                             "{} did not serve {what} within {:?} after creating {n} Services",
@@ -221,7 +236,9 @@ pub fn run(opts: &Options, command: String) -> Results {
             ctx.cluster.shrink_to(n);
             ctx.cluster.grow_to(n);
         }
-        step(&format!("connect latency with {n} Services: starting the five configurations"));
+        step(&format!(
+            "connect latency with {n} Services: starting the five configurations"
+        ));
         let (level, mem) = measure::latency_level(&mut ctx, n);
         for c in &level.cold {
             if c.all_s.is_none() || c.not_answering > 0 {
@@ -238,7 +255,9 @@ pub fn run(opts: &Options, command: String) -> Results {
                 r.problems.push(format!(
                     "{} at {n} Services: {errors} failed connections (first: {})",
                     c.label(),
-                    runs.iter().find_map(|x| x.first_error.clone()).unwrap_or_default()
+                    runs.iter()
+                        .find_map(|x| x.first_error.clone())
+                        .unwrap_or_default()
                 ));
             }
         }

@@ -19,7 +19,11 @@ use lb_tests::{
 use nix::mount::{MntFlags, MsFlags, mount, umount2};
 use serde::{Deserialize, Serialize};
 
-use super::{api, crr::now_ns, topo::{self, Topo}};
+use super::{
+    api,
+    crr::now_ns,
+    topo::{self, Topo},
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum Config {
@@ -194,7 +198,11 @@ impl Peer {
         let mut cmd = match self.config {
             Config::Direct => return,
             Config::Iptables | Config::Nftables => {
-                let mode = if self.config == Config::Iptables { "iptables" } else { "nftables" };
+                let mode = if self.config == Config::Iptables {
+                    "iptables"
+                } else {
+                    "nftables"
+                };
                 let mut cmd = Command::new(kube_proxy);
                 cmd.arg(format!("--kubeconfig={}", kubeconfig.display()))
                     .args(kube_proxy_flags(mode));
@@ -216,7 +224,9 @@ impl Peer {
                 cmd
             }
         };
-        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         Place::netns(&self.topo.node).apply(&mut cmd);
         let mut proc = Proc::spawn_command(cmd);
         let tag = match self.config {
@@ -224,8 +234,16 @@ impl Peer {
             Config::Nftables => "kube-proxy-nft",
             _ => "lb-agent",
         };
-        collect(proc.child_mut().stdout.take().expect("piped"), self.log.clone(), tag);
-        collect(proc.child_mut().stderr.take().expect("piped"), self.log.clone(), tag);
+        collect(
+            proc.child_mut().stdout.take().expect("piped"),
+            self.log.clone(),
+            tag,
+        );
+        collect(
+            proc.child_mut().stderr.take().expect("piped"),
+            self.log.clone(),
+            tag,
+        );
         self.proc = Some(proc);
     }
 
@@ -240,7 +258,11 @@ impl Peer {
     pub fn log_text(&self) -> String {
         let log = self.log.lock().expect("log");
         let start = log.len().saturating_sub(40);
-        log[start..].iter().map(|(_, l)| l.as_str()).collect::<Vec<_>>().join("\n")
+        log[start..]
+            .iter()
+            .map(|(_, l)| l.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     /// The proxy's /metrics (kube-proxy's names; the agent keeps them).
@@ -266,6 +288,20 @@ impl Peer {
         self.metrics()
             .and_then(|m| m.get("kubeproxy_sync_proxy_rules_duration_seconds_count"))
             .unwrap_or(0.0) as u64
+    }
+
+    /// The metric names mentioning `part` (diagnostics).
+    pub fn metric_names(&self, part: &str) -> String {
+        match self.metrics() {
+            None => "(no /metrics answer)".into(),
+            Some(m) => {
+                m.0.keys()
+                    .filter(|k| k.contains(part))
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        }
     }
 
     /// Waits for the first sync after start (with whatever objects exist).
@@ -361,8 +397,16 @@ impl Metrics {
         )
     }
 
-    pub fn get(&self, key: &str) -> Option<f64> {
-        self.0.get(key).copied()
+    /// The value of `name`, summed over its label sets (None when absent).
+    pub fn get(&self, name: &str) -> Option<f64> {
+        let mut found = None;
+        for (k, v) in &self.0 {
+            let base = k.split('{').next().unwrap_or(k);
+            if base == name {
+                *found.get_or_insert(0.0) += v;
+            }
+        }
+        found
     }
 
     /// (count, sum) of a histogram.
@@ -400,7 +444,9 @@ pub fn agent_maps(pid: u32) -> Vec<MapMem> {
         return vec![];
     };
     for entry in dir.flatten() {
-        let Ok(text) = fs::read_to_string(entry.path()) else { continue };
+        let Ok(text) = fs::read_to_string(entry.path()) else {
+            continue;
+        };
         if !text.contains("map_type:") {
             continue;
         }

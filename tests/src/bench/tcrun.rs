@@ -69,7 +69,12 @@ fn state(n: u32) -> ClusterState {
         s.add_slice(api::build_slice(i));
     }
     for (name, vip, ep) in [("ping", A, B), ("pong", B, A)] {
-        s.add_service(service("tc", name).cluster_ip(vip).port("http", "TCP", 80, 80).build());
+        s.add_service(
+            service("tc", name)
+                .cluster_ip(vip)
+                .port("http", "TCP", 80, 80)
+                .build(),
+        );
         s.add_slice(
             slice("tc", name, &format!("{name}-1"))
                 .endpoint(ep, "bench-node-b", State::Ready)
@@ -193,8 +198,11 @@ pub fn measure(n: u32, batches: usize, calls: usize) -> Result<TcLevel> {
 
     // Established flow and reply, one call at a time: a flow to the last Service.
     let est_vip = vip(n - 1);
-    s.datapath
-        .test_run_tc("lb_tc_ingress", &packet::tcp(client, 61000, &est_vip, 80).build(), 1)?;
+    s.datapath.test_run_tc(
+        "lb_tc_ingress",
+        &packet::tcp(client, 61000, &est_vip, 80).build(),
+        1,
+    )?;
     let est = packet::tcp(client, 61000, &est_vip, 80).data(b"GET /").build();
     let est_out = s.datapath.test_run_tc("lb_tc_ingress", &est, 1)?;
     let backend = packet::summary(&est_out.packet);

@@ -5,7 +5,8 @@
 //!  c0 10.240.0.2/24 ──veth── n0 10.240.0.1/24   n1 10.250.0.1/30 ──veth── b0 10.250.0.2/30
 //!  default via 10.240.0.1     10.128.0.0/12 via 10.250.0.2                 local 10.128.0.0/12 dev lo
 //!                             (no route to 10.96.0.0/16: an untranslated   accept-and-close server on
-//!                              ClusterIP fails fast with ICMP)             :8080, pinned to CPU 0
+//!                              ClusterIP fails fast with ICMP, not rate    :8080, pinned to CPU 0
+//!                              limited in this namespace)
 //! ```
 //!
 //! The endpoint range is AnyIP in the backend namespace, so one server answers every endpoint IP.
@@ -43,12 +44,32 @@ impl Topo {
         let client = NetNs::new("bc");
         let node = NetNs::new("bn");
         let backend = NetNs::new("bs");
-        veth(&node, "n0", Some("10.240.0.1/24"), &client, "c0", Some("10.240.0.2/24"));
-        veth(&node, "n1", Some("10.250.0.1/30"), &backend, "b0", Some("10.250.0.2/30"));
+        veth(
+            &node,
+            "n0",
+            Some("10.240.0.1/24"),
+            &client,
+            "c0",
+            Some("10.240.0.2/24"),
+        );
+        veth(
+            &node,
+            "n1",
+            Some("10.250.0.1/30"),
+            &backend,
+            "b0",
+            Some("10.250.0.2/30"),
+        );
         client.ip(&["route", "add", "default", "via", NODE_IP]);
         node.sysctl("net.ipv4.ip_forward=1");
         node.sysctl("net.ipv4.conf.all.rp_filter=0");
         node.sysctl("net.ipv4.conf.default.rp_filter=0");
+        // An untranslated ClusterIP is unroutable here: answer every such SYN with an ICMP error
+        // (no rate limit in this namespace), so a probe sees "not served" at once instead of
+        // waiting for its connect timeout once the default rate limit stops the errors.
+        node.sysctl("net.ipv4.icmp_ratelimit=0");
+        node.sysctl("net.ipv4.icmp_msgs_per_sec=1000000");
+        node.sysctl("net.ipv4.icmp_msgs_burst=1000000");
         node.ip(&["route", "add", ENDPOINT_RANGE, "via", "10.250.0.2"]);
         backend.ip(&["route", "add", "local", ENDPOINT_RANGE, "dev", "lo"]);
         backend.ip(&["route", "add", "default", "via", "10.250.0.1"]);
@@ -70,7 +91,8 @@ impl Topo {
         self.node.run(|| {
             let mut s =
                 std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(2)).ok()?;
-            s.set_read_timeout(Some(std::time::Duration::from_secs(20))).ok()?;
+            s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+                .ok()?;
             write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
             let mut body = String::new();
             s.read_to_string(&mut body).ok()?;

@@ -12,7 +12,10 @@ mod bench;
 use clap::Parser;
 
 #[derive(Parser, Debug)]
-#[command(name = "lb-bench", about = "Benchmarks side by side with kube-proxy; writes docs/benchmarks.md")]
+#[command(
+    name = "lb-bench",
+    about = "Benchmarks side by side with kube-proxy; writes docs/benchmarks.md"
+)]
 struct Cli {
     /// 10 and 1,000 Services, fewer rounds (a few minutes).
     #[arg(long)]

@@ -72,6 +72,10 @@ enum Cmd {
         interval_ms: u64,
         #[arg(long, default_value_t = 1000)]
         timeout_ms: u64,
+        /// UDP: send every datagram from one long-lived (unconnected) socket, like a client that
+        /// keeps a flow, instead of a fresh socket each time.
+        #[arg(long)]
+        persistent: bool,
     },
     /// One HTTP/1.1 GET; prints {"status": N, "headers": {...}, "body": "..."}.
     Http {
@@ -261,6 +265,21 @@ fn udp_once(to: SocketAddr, connected: bool, timeout: Duration) -> serde_json::V
     }
 }
 
+/// One request/response on an existing unconnected UDP socket (stray late replies are skipped).
+fn udp_exchange(sock: &UdpSocket, to: SocketAddr) -> serde_json::Value {
+    if let Err(e) = sock.send_to(b"hello", to) {
+        return json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)});
+    }
+    let mut buf = [0u8; 4096];
+    match sock.recv_from(&mut buf) {
+        Ok((n, from)) => {
+            let reply: serde_json::Value = serde_json::from_slice(&buf[..n]).unwrap_or(json!(null));
+            json!({"ok": true, "from": from.to_string(), "reply": reply})
+        }
+        Err(e) => json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)}),
+    }
+}
+
 fn hold(to: SocketAddr, interval: Duration, seconds: u64) {
     let mut stream = match TcpStream::connect_timeout(&to, Duration::from_secs(2)) {
         Ok(s) => s,
@@ -363,22 +382,46 @@ fn main() {
                 println!("{}", udp_once(to, connected, Duration::from_millis(timeout_ms)));
             }
         }
-        Cmd::Load { to, kind, interval_ms, timeout_ms } => {
+        Cmd::Load {
+            to,
+            kind,
+            interval_ms,
+            timeout_ms,
+            persistent,
+        } => {
             let timeout = Duration::from_millis(timeout_ms);
+            let flow = persistent.then(|| {
+                let sock = UdpSocket::bind("0.0.0.0:0").expect("bind udp");
+                let _ = sock.set_read_timeout(Some(timeout));
+                sock
+            });
             loop {
-                let result = match kind.as_str() {
+                let started_us = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_micros() as u64)
+                    .unwrap_or(0);
+                let mut result = match kind.as_str() {
                     "tcp" => tcp_once(to, 0, timeout),
-                    "udp" => udp_once(to, false, timeout),
+                    "udp" => match &flow {
+                        Some(sock) => udp_exchange(sock, to),
+                        None => udp_once(to, false, timeout),
+                    },
                     _ => {
                         // An HTTP GET whose JSON body says who answered and whom it saw.
                         let r = http_get(to, "/", timeout);
-                        match r["body"].as_str().and_then(|b| serde_json::from_str::<serde_json::Value>(b.trim()).ok()) {
+                        match r["body"]
+                            .as_str()
+                            .and_then(|b| serde_json::from_str::<serde_json::Value>(b.trim()).ok())
+                        {
                             Some(body) if r["status"] == 200 => json!({"ok": true, "reply": body}),
-                            _ if r["ok"] == true => json!({"ok": false, "error": format!("HTTP status {}", r["status"]), "errno": 0}),
+                            _ if r["ok"] == true => {
+                                json!({"ok": false, "error": format!("HTTP status {}", r["status"]), "errno": 0})
+                            }
                             _ => r,
                         }
                     }
                 };
+                result["t_us"] = json!(started_us);
                 println!("{result}");
                 thread::sleep(Duration::from_millis(interval_ms));
             }

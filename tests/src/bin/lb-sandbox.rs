@@ -21,13 +21,13 @@ use std::{
     path::{Path, PathBuf},
     process::{Command, Stdio},
     sync::{
-        atomic::{AtomicBool, Ordering},
         Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
     },
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Parser;
 use k8s_openapi::{
     api::{
@@ -42,7 +42,7 @@ use lb_tests::{
     cgroup::{self, Cgroup},
     control_plane::ControlPlane,
     netns::{NetNs, PortForward},
-    process::{workspace_bin, Place, Proc},
+    process::{Place, Proc, workspace_bin},
 };
 
 const STATE_DIR: &str = "/run/lb-sandbox";
@@ -50,7 +50,10 @@ const CGROUP: &str = "lb-sandbox";
 const LB_POOL: [u8; 3] = [203, 0, 113];
 
 #[derive(Parser)]
-#[command(name = "lb-sandbox", about = "A local cluster in network namespaces running lb-agent, with live traffic")]
+#[command(
+    name = "lb-sandbox",
+    about = "A local cluster in network namespaces running lb-agent, with live traffic"
+)]
 struct Args {
     /// Stop after this long (e.g. 60s, 5m); default: until Ctrl-C.
     #[arg(long, value_parser = lb_agent::cli::parse_duration)]
@@ -79,7 +82,9 @@ fn step(message: &str) {
 fn clean_leftovers() {
     if let Ok(procs) = fs::read_dir("/proc") {
         for p in procs.flatten() {
-            let Ok(pid) = p.file_name().to_string_lossy().parse::<i32>() else { continue };
+            let Ok(pid) = p.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
             if pid == std::process::id() as i32 {
                 continue;
             }
@@ -97,8 +102,16 @@ fn clean_leftovers() {
             cgroup::remove_tree(&tree);
         }
     }
-    let listed = Command::new("ip").args(["netns", "list"]).output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
-    for name in listed.lines().filter_map(|l| l.split_whitespace().next()).filter(|n| n.starts_with("lbsb-")) {
+    let listed = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    for name in listed
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with("lbsb-"))
+    {
         let _ = Command::new("ip").args(["netns", "delete", name]).output();
     }
     let bpf = Path::new(STATE_DIR).join("bpf");
@@ -155,7 +168,10 @@ fn build(args: &Args) -> Result<Cluster> {
     unsafe { std::env::set_var("TMPDIR", Path::new(STATE_DIR).join("tmp")) };
     step("starting etcd and kube-apiserver");
     let cp = ControlPlane::start()?;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     let client = rt.block_on(cp.client())?;
     let api: SocketAddr = cp.server_url().trim_start_matches("https://").parse()?;
 
@@ -173,12 +189,26 @@ fn build(args: &Args) -> Result<Cluster> {
         ns.sysctl("net.ipv4.conf.default.rp_filter=0");
         let ip = Ipv4Addr::new(192, 168, 50, 10 + index);
         veth_to_lan(&lan, &format!("ln{index}"), &ns, "eth0", &format!("{ip}/24"));
-        nodes.push(SandboxNode { name: format!("node-{index}"), index, ip, ns, cgroup: root.child(&format!("node-{index}")), agent: None, _forward: None });
+        nodes.push(SandboxNode {
+            name: format!("node-{index}"),
+            index,
+            ip,
+            ns,
+            cgroup: root.child(&format!("node-{index}")),
+            agent: None,
+            _forward: None,
+        });
     }
     for a in &nodes {
         for b in &nodes {
             if a.index != b.index {
-                a.ns.ip(&["route", "add", &format!("10.244.{}.0/24", b.index), "via", &b.ip.to_string()]);
+                a.ns.ip(&[
+                    "route",
+                    "add",
+                    &format!("10.244.{}.0/24", b.index),
+                    "via",
+                    &b.ip.to_string(),
+                ]);
             }
         }
     }
@@ -186,7 +216,13 @@ fn build(args: &Args) -> Result<Cluster> {
     let ext_ip = Ipv4Addr::new(192, 168, 50, 100);
     veth_to_lan(&lan, "lext", &ext_ns, "eth0", &format!("{ext_ip}/24"));
     // The load balancer announces its IPs at node-1 (as an L2 or BGP load balancer would).
-    ext_ns.ip(&["route", "add", &format!("{}.{}.{}.0/24", LB_POOL[0], LB_POOL[1], LB_POOL[2]), "via", &nodes[0].ip.to_string()]);
+    ext_ns.ip(&[
+        "route",
+        "add",
+        &format!("{}.{}.{}.0/24", LB_POOL[0], LB_POOL[1], LB_POOL[2]),
+        "via",
+        &nodes[0].ip.to_string(),
+    ]);
     let ext_cgroup = root.child("external");
 
     let probe = workspace_bin("lb-probe");
@@ -206,24 +242,60 @@ fn build(args: &Args) -> Result<Cluster> {
         let ip = Ipv4Addr::new(10, 244, node.index, host);
         let gw = format!("10.244.{}.1", node.index);
         let dev = format!("vp-{name}");
-        node.ns.ip(&["link", "add", &dev, "type", "veth", "peer", "name", "eth0", "netns", ns.name()]);
+        node.ns.ip(&[
+            "link",
+            "add",
+            &dev,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            ns.name(),
+        ]);
         node.ns.ip(&["addr", "add", &format!("{gw}/32"), "dev", &dev]);
         node.ns.ip(&["link", "set", &dev, "up"]);
         node.ns.ip(&["route", "add", &format!("{ip}/32"), "dev", &dev]);
         ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"]);
         ns.ip(&["link", "set", "eth0", "up"]);
-        ns.ip(&["route", "add", &format!("{gw}/32"), "dev", "eth0", "scope", "link"]);
+        ns.ip(&[
+            "route",
+            "add",
+            &format!("{gw}/32"),
+            "dev",
+            "eth0",
+            "scope",
+            "link",
+        ]);
         ns.ip(&["route", "add", "default", "via", &gw, "dev", "eth0"]);
         let pod_cgroup = node.cgroup.child(name);
         let server = (app != "client").then(|| {
             let mut cmd = Command::new(&probe);
-            cmd.args(["serve", "--name", name, "--tcp", "0.0.0.0:8080", "--udp", "0.0.0.0:5353"]).stdin(Stdio::null()).stdout(Stdio::piped());
+            cmd.args([
+                "serve",
+                "--name",
+                name,
+                "--tcp",
+                "0.0.0.0:8080",
+                "--udp",
+                "0.0.0.0:5353",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped());
             Place::new(&ns, &pod_cgroup).apply(&mut cmd);
             let mut p = Proc::spawn_command(cmd);
             p.wait_for_line(Duration::from_secs(10), |l| l.contains("ready"));
             p
         });
-        pods.push(Pod { node: node.name.clone(), ip, app, ns, _cgroup: pod_cgroup, _server: server });
+        pods.push(Pod {
+            node: node.name.clone(),
+            ip,
+            app,
+            ns,
+            _cgroup: pod_cgroup,
+            _server: server,
+        });
     }
 
     step("registering the nodes with the API server");
@@ -233,14 +305,29 @@ fn build(args: &Args) -> Result<Cluster> {
             let obj = Node {
                 metadata: ObjectMeta {
                     name: Some(node.name.clone()),
-                    labels: Some(BTreeMap::from([("topology.kubernetes.io/zone".to_string(), format!("zone-{}", node.index))])),
+                    labels: Some(BTreeMap::from([(
+                        "topology.kubernetes.io/zone".to_string(),
+                        format!("zone-{}", node.index),
+                    )])),
                     ..Default::default()
                 },
                 ..Default::default()
             };
             api_nodes.create(&PostParams::default(), &obj).await?;
-            let status = NodeStatus { addresses: Some(vec![NodeAddress { type_: "InternalIP".into(), address: node.ip.to_string() }]), ..Default::default() };
-            api_nodes.patch_status(&node.name, &PatchParams::default(), &Patch::Merge(&serde_json::json!({ "status": status }))).await?;
+            let status = NodeStatus {
+                addresses: Some(vec![NodeAddress {
+                    type_: "InternalIP".into(),
+                    address: node.ip.to_string(),
+                }]),
+                ..Default::default()
+            };
+            api_nodes
+                .patch_status(
+                    &node.name,
+                    &PatchParams::default(),
+                    &Patch::Merge(&serde_json::json!({ "status": status })),
+                )
+                .await?;
         }
         anyhow::Ok(())
     })?;
@@ -249,11 +336,21 @@ fn build(args: &Args) -> Result<Cluster> {
     let agent_bin = workspace_bin("lb-agent");
     for node in &mut nodes {
         node._forward = Some(PortForward::start(&node.ns, api, api));
-        let log = fs::File::create(Path::new(STATE_DIR).join("logs").join(format!("{}.log", node.name)))?;
+        let log = fs::File::create(
+            Path::new(STATE_DIR)
+                .join("logs")
+                .join(format!("{}.log", node.name)),
+        )?;
         let mut cmd = Command::new(&agent_bin);
         cmd.args(["--kubeconfig"])
             .arg(cp.kubeconfig_path())
-            .args(["--hostname-override", &node.name, "--cluster-cidr", "10.244.0.0/16", "--bpf-root"])
+            .args([
+                "--hostname-override",
+                &node.name,
+                "--cluster-cidr",
+                "10.244.0.0/16",
+                "--bpf-root",
+            ])
             .arg(Path::new(STATE_DIR).join("bpf").join(&node.name))
             .arg("--cgroup-root")
             .arg(node.cgroup.path())
@@ -265,9 +362,22 @@ fn build(args: &Args) -> Result<Cluster> {
         node.agent = Some(Proc::spawn_command(cmd));
     }
 
-    let mut cluster = Cluster { flows: Vec::new(), pods, nodes, external: (ext_ns, ext_ip, ext_cgroup), _lan: lan, _root: root, _bpffs: bpffs, cp, rt };
+    let mut cluster = Cluster {
+        flows: Vec::new(),
+        pods,
+        nodes,
+        external: (ext_ns, ext_ip, ext_cgroup),
+        _lan: lan,
+        _root: root,
+        _bpffs: bpffs,
+        cp,
+        rt,
+    };
     step(&format!("applying {}", args.examples.display()));
-    let out = cluster.cp.kubectl(["apply", "-f", &args.examples.display().to_string()]).context("kubectl apply")?;
+    let out = cluster
+        .cp
+        .kubectl(["apply", "-f", &args.examples.display().to_string()])
+        .context("kubectl apply")?;
     for line in out.lines() {
         eprintln!("    {line}");
     }
@@ -298,10 +408,15 @@ impl Cluster {
     /// Plays the EndpointSlice controller (selector -> pods) and the load-balancer controller
     /// (an IP from 203.0.113.0/24 for each LoadBalancer Service).
     fn program_endpoints_and_status(&mut self, client: &kube::Client) -> Result<()> {
-        let services: Vec<Service> = self.rt.block_on(Api::<Service>::all(client.clone()).list(&ListParams::default()))?.items;
+        let services: Vec<Service> = self
+            .rt
+            .block_on(Api::<Service>::all(client.clone()).list(&ListParams::default()))?
+            .items;
         let mut next_lb = 10u8;
         for svc in services {
-            let (Some(ns), Some(name)) = (svc.metadata.namespace.clone(), svc.metadata.name.clone()) else { continue };
+            let (Some(ns), Some(name)) = (svc.metadata.namespace.clone(), svc.metadata.name.clone()) else {
+                continue;
+            };
             let Some(spec) = &svc.spec else { continue };
             let Some(selector) = &spec.selector else { continue };
             let app = selector.get("app").cloned().unwrap_or_default();
@@ -311,7 +426,11 @@ impl Cluster {
                 .filter(|p| p.app == app)
                 .map(|p| Endpoint {
                     addresses: vec![p.ip.to_string()],
-                    conditions: Some(EndpointConditions { ready: Some(true), serving: Some(true), terminating: Some(false) }),
+                    conditions: Some(EndpointConditions {
+                        ready: Some(true),
+                        serving: Some(true),
+                        terminating: Some(false),
+                    }),
                     node_name: Some(p.node.clone()),
                     target_ref: None,
                     ..Default::default()
@@ -326,9 +445,20 @@ impl Cluster {
                     let number = match &p.target_port {
                         Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(n)) => *n,
                         // Named target ports: the pods serve http on 8080 and dns on 5353.
-                        _ => if protocol == "UDP" { 5353 } else { 8080 },
+                        _ => {
+                            if protocol == "UDP" {
+                                5353
+                            } else {
+                                8080
+                            }
+                        }
                     };
-                    EndpointPort { name: p.name.clone(), protocol: Some(protocol), port: Some(number), ..Default::default() }
+                    EndpointPort {
+                        name: p.name.clone(),
+                        protocol: Some(protocol),
+                        port: Some(number),
+                        ..Default::default()
+                    }
                 })
                 .collect();
             let slice = EndpointSlice {
@@ -337,7 +467,10 @@ impl Cluster {
                     namespace: Some(ns.clone()),
                     labels: Some(BTreeMap::from([
                         ("kubernetes.io/service-name".to_string(), name.clone()),
-                        ("endpointslice.kubernetes.io/managed-by".to_string(), "lb-sandbox".to_string()),
+                        (
+                            "endpointslice.kubernetes.io/managed-by".to_string(),
+                            "lb-sandbox".to_string(),
+                        ),
                     ])),
                     ..Default::default()
                 },
@@ -345,12 +478,19 @@ impl Cluster {
                 endpoints: Some(endpoints),
                 ports: Some(ports),
             };
-            self.rt.block_on(Api::<EndpointSlice>::namespaced(client.clone(), &ns).create(&PostParams::default(), &slice))?;
+            self.rt.block_on(
+                Api::<EndpointSlice>::namespaced(client.clone(), &ns).create(&PostParams::default(), &slice),
+            )?;
             if spec.type_.as_deref() == Some("LoadBalancer") {
                 let ip = Ipv4Addr::new(LB_POOL[0], LB_POOL[1], LB_POOL[2], next_lb);
                 next_lb += 1;
                 let status = serde_json::json!({"status": {"loadBalancer": {"ingress": [{"ip": ip.to_string(), "ipMode": "VIP"}]}}});
-                self.rt.block_on(Api::<Service>::namespaced(client.clone(), &ns).patch_status(&name, &PatchParams::default(), &Patch::Merge(&status)))?;
+                self.rt
+                    .block_on(Api::<Service>::namespaced(client.clone(), &ns).patch_status(
+                        &name,
+                        &PatchParams::default(),
+                        &Patch::Merge(&status),
+                    ))?;
             }
         }
         Ok(())
@@ -359,12 +499,21 @@ impl Cluster {
     /// One load generator per (Service frontend, client): pods call cluster IPs, the external
     /// client calls NodePorts on both nodes and load-balancer IPs.
     fn start_traffic(&mut self, client: &kube::Client, rate: u32) -> Result<()> {
-        let services: Vec<Service> = self.rt.block_on(Api::<Service>::all(client.clone()).list(&ListParams::default()))?.items;
+        let services: Vec<Service> = self
+            .rt
+            .block_on(Api::<Service>::all(client.clone()).list(&ListParams::default()))?
+            .items;
         let probe = workspace_bin("lb-probe");
         let interval = (1000 / rate.max(1)).to_string();
-        let client_pod = self.pods.iter().find(|p| p.app == "client").context("client pod")?;
+        let client_pod = self
+            .pods
+            .iter()
+            .find(|p| p.app == "client")
+            .context("client pod")?;
         for svc in services {
-            let (Some(ns), Some(name)) = (svc.metadata.namespace.clone(), svc.metadata.name.clone()) else { continue };
+            let (Some(ns), Some(name)) = (svc.metadata.namespace.clone(), svc.metadata.name.clone()) else {
+                continue;
+            };
             if ns == "default" {
                 continue; // the `kubernetes` Service has no endpoints here
             }
@@ -377,7 +526,11 @@ impl Cluster {
                 .map(|i| i.iter().filter_map(|x| x.ip.clone()).collect())
                 .unwrap_or_default();
             for port in spec.ports.iter().flatten() {
-                let kind = if port.protocol.as_deref() == Some("UDP") { "udp" } else { "http" };
+                let kind = if port.protocol.as_deref() == Some("UDP") {
+                    "udp"
+                } else {
+                    "http"
+                };
                 let mut targets: Vec<(String, &'static str)> = Vec::new();
                 if let Some(cip) = spec.cluster_ip.as_deref().filter(|c| *c != "None") {
                     targets.push((format!("{cip}:{}", port.port), "pod"));
@@ -397,7 +550,19 @@ impl Cluster {
                     };
                     wait_until_served(place, &to, kind);
                     let mut cmd = Command::new(&probe);
-                    cmd.args(["load", "--to", &to, "--kind", kind, "--interval-ms", &interval, "--timeout-ms", "500"]).stdin(Stdio::null()).stdout(Stdio::piped());
+                    cmd.args([
+                        "load",
+                        "--to",
+                        &to,
+                        "--kind",
+                        kind,
+                        "--interval-ms",
+                        &interval,
+                        "--timeout-ms",
+                        "500",
+                    ])
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::piped());
                     place.apply(&mut cmd);
                     let mut proc = Proc::spawn_command(cmd);
                     let stdout = proc.child_mut().stdout.take().context("piped stdout")?;
@@ -405,12 +570,24 @@ impl Cluster {
                     let sink = stats.clone();
                     std::thread::spawn(move || {
                         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                            let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else { continue };
+                            let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
+                                continue;
+                            };
                             let mut s = sink.lock().expect("stats lock");
                             if v["ok"] == true {
-                                let server = v.pointer("/reply/server").and_then(|x| x.as_str()).unwrap_or("?").to_string();
+                                let server = v
+                                    .pointer("/reply/server")
+                                    .and_then(|x| x.as_str())
+                                    .unwrap_or("?")
+                                    .to_string();
                                 *s.per_backend.entry(server).or_default() += 1;
-                                let seen = v.pointer("/reply/client").and_then(|x| x.as_str()).unwrap_or("").rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or_default();
+                                let seen = v
+                                    .pointer("/reply/client")
+                                    .and_then(|x| x.as_str())
+                                    .unwrap_or("")
+                                    .rsplit_once(':')
+                                    .map(|(h, _)| h.to_string())
+                                    .unwrap_or_default();
                                 if seen == client_ip.to_string() {
                                     s.kept_client_ip += 1;
                                 } else {
@@ -429,7 +606,10 @@ impl Cluster {
                     };
                     self.flows.push(Flow {
                         service: format!("{ns}/{name}:{}", port.name.clone().unwrap_or_default()),
-                        frontend: format!("{kind_label} {to}/{}", port.protocol.clone().unwrap_or_else(|| "TCP".into())),
+                        frontend: format!(
+                            "{kind_label} {to}/{}",
+                            port.protocol.clone().unwrap_or_else(|| "TCP".into())
+                        ),
                         from,
                         client_ip,
                         stats,
@@ -455,13 +635,20 @@ impl Cluster {
         }
         for (service, flows) in by_service {
             out.push_str(&format!("{service}\n"));
-            out.push_str(&format!("  {:<36} {:<9} {:<48} {:>6}  {}\n", "FRONTEND", "FROM", "REQUESTS PER BACKEND", "ERRORS", "CLIENT IP"));
+            out.push_str(&format!(
+                "  {:<36} {:<9} {:<48} {:>6}  {}\n",
+                "FRONTEND", "FROM", "REQUESTS PER BACKEND", "ERRORS", "CLIENT IP"
+            ));
             for f in flows {
                 let s = f.stats.lock().expect("stats lock");
                 let backends = if s.per_backend.is_empty() {
                     "-".to_string()
                 } else {
-                    s.per_backend.iter().map(|(b, n)| format!("{b}:{n}")).collect::<Vec<_>>().join(" ")
+                    s.per_backend
+                        .iter()
+                        .map(|(b, n)| format!("{b}:{n}"))
+                        .collect::<Vec<_>>()
+                        .join(" ")
                 };
                 let kept = match (s.kept_client_ip, s.replaced_client_ip) {
                     (0, 0) => "-".to_string(),
@@ -470,10 +657,15 @@ impl Cluster {
                     _ => "mixed".to_string(),
                 };
                 let errors = match &s.last_error {
-                    Some(e) if s.errors > 0 => format!("{} ({})", s.errors, e.chars().take(30).collect::<String>()),
+                    Some(e) if s.errors > 0 => {
+                        format!("{} ({})", s.errors, e.chars().take(30).collect::<String>())
+                    }
                     _ => s.errors.to_string(),
                 };
-                out.push_str(&format!("  {:<36} {:<9} {:<48} {:>6}  {}\n", f.frontend, f.from, backends, errors, kept));
+                out.push_str(&format!(
+                    "  {:<36} {:<9} {:<48} {:>6}  {}\n",
+                    f.frontend, f.from, backends, errors, kept
+                ));
             }
             out.push('\n');
         }
@@ -484,7 +676,9 @@ impl Cluster {
         let kubeconfig = self.cp.kubeconfig_path().display();
         let mut s = String::new();
         s.push_str("Poke at it while it runs:\n");
-        s.push_str(&format!("  kubectl --kubeconfig {kubeconfig} get svc,endpointslices -A\n"));
+        s.push_str(&format!(
+            "  kubectl --kubeconfig {kubeconfig} get svc,endpointslices -A\n"
+        ));
         for n in &self.nodes {
             s.push_str(&format!(
                 "  nsenter --net=/run/netns/{} {} services --bpf-root {STATE_DIR}/bpf/{}\n",
@@ -493,8 +687,12 @@ impl Cluster {
                 n.name
             ));
         }
-        s.push_str(&format!("  bpftool map dump pinned {STATE_DIR}/bpf/node-1/maps/lb4_services\n"));
-        s.push_str(&format!("  agent logs: {STATE_DIR}/logs/node-*.log   (Ctrl-C tears everything down)\n"));
+        s.push_str(&format!(
+            "  bpftool map dump pinned {STATE_DIR}/bpf/node-1/maps/lb4_services\n"
+        ));
+        s.push_str(&format!(
+            "  agent logs: {STATE_DIR}/logs/node-*.log   (Ctrl-C tears everything down)\n"
+        ));
         s
     }
 }
@@ -504,7 +702,11 @@ impl Cluster {
 fn wait_until_served(place: Place<'_>, to: &str, kind: &str) {
     let probe = workspace_bin("lb-probe");
     let deadline = Instant::now() + Duration::from_secs(20);
-    let args: Vec<&str> = if kind == "udp" { vec!["udp", "--to", to, "--timeout-ms", "300"] } else { vec!["tcp", "--connect", to, "--timeout-ms", "300"] };
+    let args: Vec<&str> = if kind == "udp" {
+        vec!["udp", "--to", to, "--timeout-ms", "300"]
+    } else {
+        vec!["tcp", "--connect", to, "--timeout-ms", "300"]
+    };
     while Instant::now() < deadline {
         let out = lb_tests::process::run_in(place, &probe, &args);
         if String::from_utf8_lossy(&out.stdout).contains("\"ok\":true") {
@@ -519,16 +721,29 @@ fn wait_for_agents(cluster: &mut Cluster) -> Result<()> {
     step("waiting for the agents' first sync");
     let deadline = Instant::now() + Duration::from_secs(60);
     for node in &mut cluster.nodes {
-        let log = Path::new(STATE_DIR).join("logs").join(format!("{}.log", node.name));
+        let log = Path::new(STATE_DIR)
+            .join("logs")
+            .join(format!("{}.log", node.name));
         loop {
-            if fs::read_to_string(&log).unwrap_or_default().contains("data path attached") {
+            if fs::read_to_string(&log)
+                .unwrap_or_default()
+                .contains("data path attached")
+            {
                 break;
             }
             if node.agent.as_mut().is_some_and(|a| !a.running()) {
-                bail!("lb-agent on {} exited:\n{}", node.name, fs::read_to_string(&log).unwrap_or_default());
+                bail!(
+                    "lb-agent on {} exited:\n{}",
+                    node.name,
+                    fs::read_to_string(&log).unwrap_or_default()
+                );
             }
             if Instant::now() > deadline {
-                bail!("lb-agent on {} did not sync within 60s:\n{}", node.name, fs::read_to_string(&log).unwrap_or_default());
+                bail!(
+                    "lb-agent on {} did not sync within 60s:\n{}",
+                    node.name,
+                    fs::read_to_string(&log).unwrap_or_default()
+                );
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -559,7 +774,11 @@ fn main() -> Result<()> {
     let traffic_started = Instant::now();
     let mut last_print = Instant::now() - Duration::from_secs(60);
     while !STOP.load(Ordering::SeqCst) && args.duration.is_none_or(|d| traffic_started.elapsed() < d) {
-        let every = if tty { Duration::from_secs(1) } else { Duration::from_secs(10) };
+        let every = if tty {
+            Duration::from_secs(1)
+        } else {
+            Duration::from_secs(10)
+        };
         if last_print.elapsed() >= every {
             let table = cluster.render(traffic_started.elapsed());
             let mut stdout = std::io::stdout();
@@ -583,6 +802,9 @@ fn main() -> Result<()> {
     }
     drop(cluster);
     let _ = fs::remove_dir_all(STATE_DIR);
-    step(&format!("done after {:.0?}", Duration::from_secs(started.elapsed().as_secs())));
+    step(&format!(
+        "done after {:.0?}",
+        Duration::from_secs(started.elapsed().as_secs())
+    ));
     Ok(())
 }
