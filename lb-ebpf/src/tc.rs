@@ -407,6 +407,15 @@ fn new_flow(ctx: &mut TcContext, pkt: &Packet) -> i32 {
         dport: flow.sport,
         proto: flow.proto,
     };
+    // The tuple this flow has on the wire after DNAT; egress masquerades it when it carries an
+    // SNAT entry.
+    let fwd_after_dnat = Flow {
+        saddr: flow.saddr,
+        daddr: backend.addr,
+        sport: flow.sport,
+        dport: backend.port,
+        proto: flow.proto,
+    };
     if !masquerade {
         // Replies (backend -> client) get the frontend back as their source on the way out. If a
         // live flow already owns that tuple (the same client port to two frontends with a shared
@@ -437,6 +446,13 @@ fn new_flow(ctx: &mut TcContext, pkt: &Packet) -> i32 {
             }
         }
     }
+    if !masquerade {
+        // An earlier masqueraded flow from this client port to this backend through another
+        // frontend leaves an SNAT entry for the same post-DNAT tuple; left in place it would
+        // masquerade this flow too and its replies would go back as the wrong frontend. Egress
+        // cannot tell two such flows apart, so the newest owns the tuple.
+        let _ = CONNTRACK.remove(&fwd_after_dnat.key(dir::EGRESS));
+    }
     if masquerade {
         let Some(port) = reserve_snat_port(&cfg, &reply_tuple, &flow, &base) else {
             count(Counter::TcSnatPortsExhausted);
@@ -447,13 +463,6 @@ fn new_flow(ctx: &mut TcContext, pkt: &Packet) -> i32 {
             nat_port: port,
             flags: ct::SNAT,
             ..base
-        };
-        let fwd_after_dnat = Flow {
-            saddr: flow.saddr,
-            daddr: backend.addr,
-            sport: flow.sport,
-            dport: backend.port,
-            proto: flow.proto,
         };
         if CONNTRACK
             .insert(&fwd_after_dnat.key(dir::EGRESS), &snat, 0)

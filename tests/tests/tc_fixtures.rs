@@ -332,6 +332,52 @@ fn local_policy_keeps_the_client_source_and_uses_local_endpoints_only() {
 }
 
 #[test]
+fn a_client_port_reused_on_another_frontend_is_not_masqueraded_by_the_old_flow() {
+    // Two NodePorts share a backend: 30090 masquerades (Cluster policy), 30081 keeps the client
+    // address (Local). The client reuses its source port from the first for the second.
+    let mut st = state();
+    st.add_service(
+        service("t", "shared")
+            .cluster_ip("10.96.0.20")
+            .port("http", "TCP", 80, 8080)
+            .node_port(30090)
+            .build(),
+    );
+    st.add_slice(
+        slice("t", "shared", "shared-1")
+            .endpoint("10.244.1.6", "node-a", State::Ready)
+            .port("http", "TCP", 8080)
+            .build(),
+    );
+    let mut s = scratch_with(&st, true);
+    let first = ingress(&mut s, &packet::tcp(CLIENT, 44000, NODE_IP, 30090).build()).packet;
+    let masqueraded = egress(&mut s, &first);
+    assert_eq!(
+        summary(&masqueraded.packet).src,
+        NODE_IP.parse::<Ipv4Addr>().unwrap(),
+        "the Cluster-policy NodePort masquerades"
+    );
+    // Same client tuple after DNAT (CLIENT:44000 -> 10.244.1.6:8080), but through the Local one.
+    let syn = packet::tcp(CLIENT, 44000, NODE_IP, 30081).build();
+    let dnat = ingress(&mut s, &syn);
+    assert_bytes(
+        &dnat.packet,
+        &rewritten(&syn, None, Some(("10.244.1.6", 8080))),
+        "ETP=Local DNAT",
+    );
+    let leaving = egress(&mut s, &dnat.packet);
+    assert_bytes(&leaving.packet, &dnat.packet, "client address preserved");
+    // Its replies go back as the Local NodePort.
+    let reply = packet::tcp("10.244.1.6", 8080, CLIENT, 44000).build();
+    let out = egress(&mut s, &reply);
+    assert_bytes(
+        &out.packet,
+        &rewritten(&reply, Some((NODE_IP, 30081)), None),
+        "reverse NAT to the Local NodePort",
+    );
+}
+
+#[test]
 fn local_policy_without_local_endpoints_drops() {
     let mut s = scratch(true);
     let syn = packet::tcp(CLIENT, 42100, NODE_IP, 30082).build();

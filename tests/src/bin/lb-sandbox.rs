@@ -64,6 +64,9 @@ struct Args {
     /// Requests per second per traffic flow.
     #[arg(long, default_value_t = 5)]
     rate: u32,
+    /// Write the final figures of every flow as JSON to this file (for tests).
+    #[arg(long)]
+    summary_json: Option<PathBuf>,
 }
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -147,6 +150,8 @@ struct Cluster {
     pods: Vec<Pod>,
     nodes: Vec<SandboxNode>,
     external: (NetNs, Ipv4Addr, Cgroup),
+    /// A second external client outside the LoadBalancer's source ranges.
+    outsider: (NetNs, Ipv4Addr),
     _lan: NetNs,
     _root: Cgroup,
     _bpffs: BpfFs,
@@ -224,6 +229,16 @@ fn build(args: &Args) -> Result<Cluster> {
         &nodes[0].ip.to_string(),
     ]);
     let ext_cgroup = root.child("external");
+    let out_ns = NetNs::named("lbsb-out");
+    let out_ip = Ipv4Addr::new(192, 168, 50, 200);
+    veth_to_lan(&lan, "lout", &out_ns, "eth0", &format!("{out_ip}/24"));
+    out_ns.ip(&[
+        "route",
+        "add",
+        &format!("{}.{}.{}.0/24", LB_POOL[0], LB_POOL[1], LB_POOL[2]),
+        "via",
+        &nodes[0].ip.to_string(),
+    ]);
 
     let probe = workspace_bin("lb-probe");
     let mut pods = Vec::new();
@@ -367,6 +382,7 @@ fn build(args: &Args) -> Result<Cluster> {
         pods,
         nodes,
         external: (ext_ns, ext_ip, ext_cgroup),
+        outsider: (out_ns, out_ip),
         _lan: lan,
         _root: root,
         _bpffs: bpffs,
@@ -390,6 +406,8 @@ struct Flow {
     service: String,
     frontend: String,
     from: &'static str,
+    /// Traffic the data path must drop (a source outside loadBalancerSourceRanges).
+    expect_denied: bool,
     client_ip: Ipv4Addr,
     stats: Arc<Mutex<FlowStats>>,
     _proc: Proc,
@@ -542,13 +560,25 @@ impl Cluster {
                 }
                 for ip in &lb_ips {
                     targets.push((format!("{ip}:{}", port.port), "external"));
+                    if !spec
+                        .load_balancer_source_ranges
+                        .clone()
+                        .unwrap_or_default()
+                        .is_empty()
+                    {
+                        targets.push((format!("{ip}:{}", port.port), "outsider"));
+                    }
                 }
                 for (to, from) in targets {
                     let (place, client_ip) = match from {
                         "pod" => (Place::new(&client_pod.ns, &self.nodes[0].cgroup), client_pod.ip),
+                        "outsider" => (Place::netns(&self.outsider.0), self.outsider.1),
                         _ => (Place::new(&self.external.0, &self.external.2), self.external.1),
                     };
-                    wait_until_served(place, &to, kind);
+                    let expect_denied = from == "outsider";
+                    if !expect_denied {
+                        wait_until_served(place, &to, kind);
+                    }
                     let mut cmd = Command::new(&probe);
                     cmd.args([
                         "load",
@@ -611,6 +641,7 @@ impl Cluster {
                             port.protocol.clone().unwrap_or_else(|| "TCP".into())
                         ),
                         from,
+                        expect_denied,
                         client_ip,
                         stats,
                         _proc: proc,
@@ -624,9 +655,10 @@ impl Cluster {
     fn render(&self, elapsed: Duration) -> String {
         let mut out = String::new();
         out.push_str(&format!(
-            "lb sandbox: 2 nodes, {} pods, external client {} — running for {:.0?}\n\n",
+            "lb sandbox: 2 nodes, {} pods, external clients {} and {} (outside the LB source ranges) — running for {:.0?}\n\n",
             self.pods.len(),
             self.external.1,
+            self.outsider.1,
             Duration::from_secs(elapsed.as_secs())
         ));
         let mut by_service: BTreeMap<&str, Vec<&Flow>> = BTreeMap::new();
@@ -670,6 +702,30 @@ impl Cluster {
             out.push('\n');
         }
         out
+    }
+
+    /// The final figures of every flow, for `--summary-json`.
+    fn summary(&self) -> serde_json::Value {
+        let flows: Vec<serde_json::Value> = self
+            .flows
+            .iter()
+            .map(|f| {
+                let s = f.stats.lock().expect("stats lock");
+                serde_json::json!({
+                    "service": f.service,
+                    "frontend": f.frontend,
+                    "from": f.from,
+                    "client_ip": f.client_ip.to_string(),
+                    "expect_denied": f.expect_denied,
+                    "per_backend": s.per_backend,
+                    "errors": s.errors,
+                    "last_error": s.last_error,
+                    "kept_client_ip": s.kept_client_ip,
+                    "replaced_client_ip": s.replaced_client_ip,
+                })
+            })
+            .collect();
+        serde_json::json!({ "flows": flows })
     }
 
     fn instructions(&self) -> String {
@@ -794,6 +850,9 @@ fn main() -> Result<()> {
     }
     // The final table, then an orderly teardown.
     println!("{}", cluster.render(traffic_started.elapsed()));
+    if let Some(path) = &args.summary_json {
+        fs::write(path, serde_json::to_string_pretty(&cluster.summary())?)?;
+    }
     step("tearing down");
     for node in &mut cluster.nodes {
         if let Some(agent) = &node.agent {
