@@ -17,6 +17,7 @@ pub mod backend;
 pub mod config;
 pub mod conntrack;
 pub mod maps;
+pub mod ratelimit;
 pub mod revnat;
 pub mod select;
 pub mod service;

@@ -28,6 +28,9 @@ pub const CONNTRACK: &str = "lb4_ct";
 pub const CONFIG: &str = "lb_config";
 /// Per-CPU counters: `u32` (a `stats::Counter`) -> `u64`. Written by the programs.
 pub const STATS: &str = "lb_stats";
+/// Per-CPU token bucket for the ICMP answers of rejected flows: `u32` 0 -> `RateBucket`. Written by
+/// the tc programs.
+pub const REJECT_LIMIT: &str = "lb_reject_rl";
 
 /// Every map, in the order the CLI and cleanup list them.
 pub const ALL: &[&str] = &[
@@ -42,6 +45,7 @@ pub const ALL: &[&str] = &[
     CONNTRACK,
     CONFIG,
     STATS,
+    REJECT_LIMIT,
 ];
 
 /// Default capacities. The agent overrides them with flags (`--bpf-lb-map-max` and friends) before

@@ -77,6 +77,15 @@ counters! {
     /// the upgrade tests load to prove that an upgrade replaced the running programs. Always zero
     /// in a production build.
     TestVariant => "test_variant",
+    /// tc: a flow to a Service without endpoints came from an address no ICMP error may go to
+    /// (unspecified, loopback, multicast, broadcast, or a link-layer broadcast); dropped unanswered.
+    TcRejectUnanswerable => "tc_reject_unanswerable",
+    /// tc: a flow to a Service without endpoints was dropped unanswered: the ICMP answer rate
+    /// (`lb_common::ratelimit`) was exceeded.
+    TcRejectRateLimited => "tc_reject_rate_limited",
+    /// tc egress: a packet carried this project's reply mark but was not a reply ingress had
+    /// un-SNATed (another component's mark); left untouched, mark included.
+    TcForeignMark => "tc_foreign_mark",
 }
 
 /// Number of counters (`lb_stats` max_entries).

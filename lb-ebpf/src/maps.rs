@@ -14,6 +14,7 @@ use lb_common::{
     config::DatapathConfig,
     conntrack::{Ct4Key, Ct4Value},
     maps::capacity,
+    ratelimit::RateBucket,
     revnat::{RevNat4Value, SockRevNat4Key, SockRevNat4Value, SvcName},
     service::{SrcRange4, Svc4Key, Svc4Value},
     stats,
@@ -94,3 +95,8 @@ pub static CONFIG: Array<DatapathConfig, 1, RDONLY_PROG> = Array::new();
 /// Per-CPU event counters, indexed by `lb_common::stats::Counter`.
 #[btf_map(name = "lb_stats")]
 pub static STATS: PerCpuArray<u64, { stats::COUNT as usize }> = PerCpuArray::new();
+
+/// Per-CPU token bucket of the ICMP port-unreachable answers (`lb_common::ratelimit`). Writer: tc
+/// ingress.
+#[btf_map(name = "lb_reject_rl")]
+pub static REJECT_LIMIT: PerCpuArray<RateBucket, 1> = PerCpuArray::new();

@@ -31,6 +31,7 @@ use lb_common::{
     affinity::kind,
     conntrack::{Ct4Key, Ct4Value, dir, flags as ct},
     proto,
+    revnat::RevNat4Value,
     service::flags,
     stats::Counter,
     trace::{tc as trace_cb, verdict},
@@ -39,7 +40,7 @@ use network_types::{eth::EthHdr, ip::Ipv4Hdr};
 
 use crate::{
     lb::{self, Frontend},
-    maps::{CONNTRACK, REVNAT},
+    maps::{CONNTRACK, REJECT_LIMIT, REVNAT},
     stats::count,
 };
 
@@ -555,20 +556,62 @@ fn csum_fold(mut sum: u32) -> u16 {
 }
 
 /// kube-proxy's REJECT: turn the packet into an ICMP port unreachable for the client and send it
-/// back out of the interface it came in on.
+/// back out of the interface it came in on. Like the kernel's `icmp_send` behind iptables' REJECT,
+/// it never answers a source an ICMP error may not go to, and answers at a bounded rate; either
+/// way the packet itself is dropped.
 #[inline(always)]
 fn reject(ctx: &TcContext, pkt: &Packet) -> i32 {
-    // The ICMP payload quotes the original IP header and the first 8 bytes of L4.
-    if pkt.l4 != ETH_HLEN + Ipv4Hdr::LEN {
-        return TC_ACT_SHOT;
-    }
-    // Fixed-size loads (a variable length could be zero, which the verifier refuses).
-    let (Ok(quote), Ok(macs)) = (ctx.load::<[u8; 28]>(ETH_HLEN), ctx.load::<[u8; 12]>(0)) else {
+    let Ok(head) = ctx.load::<[u8; ETH_HLEN + Ipv4Hdr::LEN]>(0) else {
         return TC_ACT_SHOT;
     };
-    const ICMP_LEN: usize = 8 + 28;
-    const TOTAL: usize = ETH_HLEN + Ipv4Hdr::LEN + ICMP_LEN;
-    if ctx.change_tail(TOTAL as u32, 0).is_err() {
+    let source = [head[26], head[27], head[28], head[29]];
+    // A link-layer broadcast or multicast frame (group bit of the destination MAC).
+    if head[0] & 1 != 0 || !answerable(source) {
+        count(Counter::TcRejectUnanswerable);
+        return TC_ACT_SHOT;
+    }
+    let allowed = REJECT_LIMIT
+        .get_ptr_mut(0)
+        .is_some_and(|bucket| unsafe { (*bucket).take(now_ns()) });
+    if !allowed {
+        count(Counter::TcRejectRateLimited);
+        return TC_ACT_SHOT;
+    }
+    // The ICMP payload quotes the whole original IP header (options included) and the first 8
+    // bytes of L4; one fixed-size copy per header length keeps the verifier happy.
+    match (pkt.l4 - ETH_HLEN) / 4 {
+        5 => reject_quoting::<28>(ctx),
+        6 => reject_quoting::<32>(ctx),
+        7 => reject_quoting::<36>(ctx),
+        8 => reject_quoting::<40>(ctx),
+        9 => reject_quoting::<44>(ctx),
+        10 => reject_quoting::<48>(ctx),
+        11 => reject_quoting::<52>(ctx),
+        12 => reject_quoting::<56>(ctx),
+        13 => reject_quoting::<60>(ctx),
+        14 => reject_quoting::<64>(ctx),
+        15 => reject_quoting::<68>(ctx),
+        _ => TC_ACT_SHOT,
+    }
+}
+
+/// Whether an ICMP error may be sent to `addr` (RFC 1122 3.2.2): not unspecified (0/8), loopback
+/// (127/8), multicast (224/4) or reserved/broadcast (240/4).
+#[inline(always)]
+fn answerable(addr: [u8; 4]) -> bool {
+    !matches!(addr[0], 0 | 127 | 224..=255)
+}
+
+/// Builds the port unreachable in place, quoting the first `Q` bytes of the IP packet.
+#[inline(always)]
+fn reject_quoting<const Q: usize>(ctx: &TcContext) -> i32 {
+    // Fixed-size loads (a variable length could be zero, which the verifier refuses).
+    let (Ok(quote), Ok(macs)) = (ctx.load::<[u8; Q]>(ETH_HLEN), ctx.load::<[u8; 12]>(0)) else {
+        return TC_ACT_SHOT;
+    };
+    let icmp_len = 8 + Q;
+    let total_len = ETH_HLEN + Ipv4Hdr::LEN + icmp_len;
+    if ctx.change_tail(total_len as u32, 0).is_err() {
         count(Counter::TcRewriteFailed);
         return TC_ACT_SHOT;
     }
@@ -576,7 +619,7 @@ fn reject(ctx: &TcContext, pkt: &Packet) -> i32 {
         macs[6], macs[7], macs[8], macs[9], macs[10], macs[11], macs[0], macs[1], macs[2], macs[3], macs[4],
         macs[5], 0x08, 0x00,
     ];
-    let total = (Ipv4Hdr::LEN + ICMP_LEN) as u16;
+    let total = (Ipv4Hdr::LEN + icmp_len) as u16;
     let mut ip = [
         0x45,
         0xc0,
@@ -789,27 +832,53 @@ fn icmp_error_ingress(ctx: &mut TcContext, icmp: usize, outer: &Flow) -> i32 {
     }
 }
 
+/// The frontend an un-SNAT mark names, if the packet (`backend` -> `client`) really is a reply
+/// of the flow ingress un-SNATed: the client's forward entry to that frontend must point at this
+/// backend. Other components use skb->mark too (Cilium keeps identities in the upper bits); a
+/// mark that merely looks like ours must not rewrite anything.
+#[inline(always)]
+fn marked_reply(mark: u32, client: ([u8; 4], u16), backend: ([u8; 4], u16), proto: u8) -> Option<RevNat4Value> {
+    if mark & MARK_MASK != MARK_MAGIC {
+        return None;
+    }
+    let id = mark & MARK_ID;
+    let frontend = REVNAT.get_ptr(&id).map(|p| unsafe { *p })?;
+    let forward = Flow {
+        saddr: client.0,
+        daddr: frontend.addr,
+        sport: client.1,
+        dport: frontend.port,
+        proto,
+    };
+    let entry = CONNTRACK
+        .get_ptr(&forward.key(dir::INGRESS))
+        .map(|p| unsafe { *p })?;
+    let ours = entry.flags & ct::REPLY == 0
+        && entry.rev_nat_id & MARK_ID == id
+        && entry.nat_addr == backend.0
+        && entry.nat_port == backend.1;
+    ours.then_some(frontend)
+}
+
 /// The tc egress program.
 #[inline(always)]
 pub fn egress(ctx: &mut TcContext) -> i32 {
     let mark = unsafe { (*skb(ctx)).mark };
-    let marked = mark & MARK_MASK == MARK_MAGIC;
-    let frontend = if marked {
-        ctx.set_mark(0);
-        REVNAT.get_ptr(&(mark & MARK_ID)).map(|p| unsafe { *p })
-    } else {
-        None
-    };
+    let ours = mark & MARK_MASK == MARK_MAGIC;
     match parse(ctx) {
         Parsed::L4(pkt) if pkt.flow.proto != proto::SCTP => {
-            if let Some(frontend) = frontend {
-                // A reply un-SNATed at ingress: the client called the frontend.
-                return apply(ctx, &pkt, true, frontend.addr, frontend.port);
+            let flow = pkt.flow;
+            if ours {
+                match marked_reply(mark, (flow.daddr, flow.dport), (flow.saddr, flow.sport), flow.proto) {
+                    Some(frontend) => {
+                        // A reply un-SNATed at ingress: the client called the frontend.
+                        ctx.set_mark(0);
+                        return apply(ctx, &pkt, true, frontend.addr, frontend.port);
+                    }
+                    None => count(Counter::TcForeignMark),
+                }
             }
-            match CONNTRACK
-                .get_ptr(&pkt.flow.key(dir::EGRESS))
-                .map(|p| unsafe { *p })
-            {
+            match CONNTRACK.get_ptr(&flow.key(dir::EGRESS)).map(|p| unsafe { *p }) {
                 Some(entry) => apply(ctx, &pkt, true, entry.nat_addr, entry.nat_port),
                 None => TC_ACT_OK,
             }
@@ -818,7 +887,18 @@ pub fn egress(ctx: &mut TcContext) -> i32 {
             let Some(q) = parse_icmp_error(ctx, icmp) else {
                 return TC_ACT_OK;
             };
-            let target = match frontend {
+            // Ingress made the quote client -> backend.
+            let marked = if ours {
+                let found = marked_reply(mark, (q.flow.saddr, q.flow.sport), (q.flow.daddr, q.flow.dport), q.flow.proto);
+                match found {
+                    Some(_) => ctx.set_mark(0),
+                    None => count(Counter::TcForeignMark),
+                }
+                found
+            } else {
+                None
+            };
+            let target = match marked {
                 Some(f) => Some((f.addr, f.port)),
                 None => {
                     // Quote: client -> backend. The client called the frontend.

@@ -388,9 +388,13 @@ fn local_policy_without_local_endpoints_drops() {
 #[test]
 fn a_service_without_endpoints_is_rejected_with_icmp_port_unreachable() {
     let mut s = scratch(true);
+    let mut with_options = packet::tcp(CLIENT, 42202, "10.96.0.14", 80);
+    with_options.options = vec![7, 7, 4, 0, 0, 0, 0, 0]; // record route (one slot), EOL padding
     for syn in [
         packet::tcp(CLIENT, 42200, "10.96.0.14", 80).build(),
         packet::udp(CLIENT, 42201, "10.96.0.14", 53).build(),
+        // The quote carries the whole IP header, options included.
+        with_options.build(),
     ] {
         let out = ingress(&mut s, &syn);
         assert_eq!(
@@ -423,6 +427,57 @@ fn a_service_without_endpoints_is_rejected_with_icmp_port_unreachable() {
             "ICMP port unreachable quoting the packet"
         );
     }
+}
+
+#[test]
+fn a_reject_never_answers_a_source_icmp_errors_may_not_go_to() {
+    let mut s = scratch(true);
+    for src in ["255.255.255.255", "0.0.0.0", "0.1.2.3", "224.0.0.5", "239.1.1.1", "240.0.0.1", "127.0.0.1"] {
+        let p = packet::udp(src, 5000, "10.96.0.14", 53).build();
+        let out = ingress(&mut s, &p);
+        assert_eq!(out.action, SHOT, "the packet from {src} is dropped unanswered");
+    }
+    // A unicast source in a link-layer broadcast frame (RFC 1122 3.2.2 too).
+    let mut p = packet::udp(CLIENT, 5000, "10.96.0.14", 53).build();
+    p[0..6].copy_from_slice(&[0xff; 6]);
+    assert_eq!(ingress(&mut s, &p).action, SHOT, "link-layer broadcast");
+    let unanswerable = s
+        .applier
+        .maps()
+        .counter(lb_common::stats::Counter::TcRejectUnanswerable as u32);
+    assert_eq!(unanswerable, 8);
+}
+
+#[test]
+fn reject_answers_are_rate_limited_like_the_kernels_icmp_errors() {
+    use lb_common::ratelimit::{REJECT_BURST, REJECT_RATE_PER_SEC};
+    let mut s = scratch(true);
+    let flood = 400u16;
+    let started = std::time::Instant::now();
+    let mut answered = 0u64;
+    for i in 0..flood {
+        let p = packet::udp(CLIENT, 10_000 + i, "10.96.0.14", 53).build();
+        match ingress(&mut s, &p).action {
+            REDIRECT => answered += 1,
+            SHOT => {}
+            other => panic!("verdict {other}"),
+        }
+    }
+    let elapsed_ms = started.elapsed().as_millis() as u64;
+    // One bucket per CPU: a full burst on the first CPU the test runs on, and at most a burst per
+    // CPU plus the refill over the time the flood took.
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    let ceiling = cpus * REJECT_BURST + (elapsed_ms + 1) * REJECT_RATE_PER_SEC / 1000 * cpus;
+    assert!(answered >= REJECT_BURST, "{answered} answers: less than one burst");
+    assert!(
+        answered <= ceiling.min(u64::from(flood)),
+        "{answered} answers in {elapsed_ms} ms (ceiling {ceiling})"
+    );
+    let limited = s
+        .applier
+        .maps()
+        .counter(lb_common::stats::Counter::TcRejectRateLimited as u32);
+    assert_eq!(limited, u64::from(flood) - answered, "every unanswered packet is counted");
 }
 
 #[test]

@@ -566,10 +566,10 @@ impl Fuzzer {
         if ![OK, SHOT, REDIRECT].contains(&run.action) {
             fail("unexpected verdict");
         }
-        // The mark: egress clears the un-SNAT mark; ingress sets it only for a known frontend.
+        // The mark: egress clears the un-SNAT mark when it uses it and leaves every other mark
+        // alone; ingress sets it only for a known frontend.
         match hook {
-            Hook::Egress if mark & MARK_MASK == MARK_MAGIC && run.mark != 0 => fail("egress kept the mark"),
-            Hook::Egress if mark & MARK_MASK != MARK_MAGIC && run.mark != mark => {
+            Hook::Egress if run.mark != mark && (run.mark != 0 || mark & MARK_MASK != MARK_MAGIC) => {
                 fail("egress changed the mark")
             }
             Hook::Ingress if run.mark != 0 && !w.valid_mark(run.mark) => fail("ingress set a bad mark"),
@@ -590,8 +590,8 @@ impl Fuzzer {
                 let Parsed::L4(t, l4) = parsed else {
                     fail("REDIRECT of a non-TCP/UDP packet")
                 };
-                if hook != Hook::Ingress || l4 != 34 {
-                    fail("REDIRECT outside ingress, or of a packet with IP options");
+                if hook != Hook::Ingress {
+                    fail("REDIRECT outside ingress");
                 }
                 let Some(fe) = w.frontends.get(&(t.dst, t.dport, t.proto)) else {
                     fail("REDIRECT of a packet to no frontend")
@@ -601,26 +601,19 @@ impl Fuzzer {
                     fail("REJECT of a frontend that has backends or drops");
                 }
                 let out = &run.packet;
-                if out.len() != 14 + 20 + 8 + 28 || out[23] != ICMP || out[34] != 3 || out[35] != 3 {
+                // The quote: the whole IP header, options included, and 8 bytes of L4.
+                let quote = l4 - 14 + 8;
+                if out.len() != 14 + 20 + 8 + quote || out[23] != ICMP || out[34] != 3 || out[35] != 3 {
                     fail("the REJECT is not an ICMP port unreachable");
                 }
-                if addr(out, 26) != t.dst || addr(out, 30) != t.src || out[42..70] != input[14..42] {
+                if addr(out, 26) != t.dst || addr(out, 30) != t.src || out[42..] != input[14..14 + quote] {
                     fail("the REJECT is not from the frontend to the client quoting the packet");
                 }
                 verify_checksums(out).unwrap_or_else(|e| fail(&format!("REJECT checksums: {e}")));
-                *self.stats.modified.entry("reject").or_default() += 1;
-                if t.src.is_broadcast()
-                    || t.src.is_unspecified()
-                    || t.src.is_multicast()
-                    || t.src.is_loopback()
-                {
-                    // See `reject_never_answers_a_broadcast_multicast_or_unspecified_source`.
-                    *self
-                        .stats
-                        .modified
-                        .entry("reject to a broadcast/multicast/unspecified/loopback source")
-                        .or_default() += 1;
+                if t.src.octets()[0] == 0 || t.src.is_loopback() || t.src.octets()[0] >= 224 || input[0] & 1 != 0 {
+                    fail("an ICMP error went to a source RFC 1122 forbids answering");
                 }
+                *self.stats.modified.entry("reject").or_default() += 1;
                 return Some(run);
             }
             SHOT => return Some(run),
@@ -666,27 +659,18 @@ impl Fuzzer {
             }
             (Hook::Egress, Parsed::L4(t, _), Parsed::L4(o, _)) => {
                 let to_snat = o.src == w.snat && w.in_snat_range(o.sport);
-                if w.valid_mark(mark) {
-                    // Marked by ingress as an un-SNATed reply: the source becomes the frontend the
-                    // mark names.
+                if w.valid_mark(mark) && run.mark == 0 {
+                    // Marked by ingress as an un-SNATed reply (and used, so cleared): the source
+                    // becomes the frontend the mark names.
                     let fe = w.by_rev[&(mark & MARK_ID)];
-                    if (o.src, o.sport) != (fe.0, fe.1) {
+                    if (o.src, o.sport, o.proto) != (fe.0, fe.1, fe.2) {
                         fail("egress restored another frontend than the mark names");
                     }
-                    if fe.2 != o.proto {
-                        // Only a mark ingress did not set can do this (see `foreign_mark`).
-                        *self
-                            .stats
-                            .modified
-                            .entry("egress reverse NAT, mark of another protocol")
-                            .or_default() += 1;
-                    } else {
-                        *self
-                            .stats
-                            .modified
-                            .entry("egress reverse NAT (marked)")
-                            .or_default() += 1;
-                    }
+                    *self
+                        .stats
+                        .modified
+                        .entry("egress reverse NAT (marked)")
+                        .or_default() += 1;
                 } else if to_snat && w.backend_addrs.contains(&t.dst) {
                     *self.stats.modified.entry("egress SNAT").or_default() += 1;
                 } else if w.frontends.contains_key(&(o.src, o.sport, o.proto))
@@ -704,7 +688,7 @@ impl Fuzzer {
                 *self.stats.modified.entry("ingress ICMP error").or_default() += 1;
             }
             (Hook::Egress, Parsed::Icmp(_, _, Some(_)), Parsed::Icmp(_, _, Some((q, _)))) => {
-                let expected = if w.valid_mark(mark) {
+                let expected = if w.valid_mark(mark) && run.mark == 0 {
                     let fe = w.by_rev[&(mark & MARK_ID)];
                     (fe.0, fe.1) == (q.dst, q.dport)
                 } else {
@@ -1423,7 +1407,6 @@ fn tc(s: &mut ScratchDatapath, name: &str, p: &[u8], mark: u32) -> TcRun {
 /// kernel's own `icmp_send`, which kube-proxy's REJECT goes through) never answers; nor is it
 /// rate limited as the kernel's ICMP errors are (`net.ipv4.icmp_msgs_per_sec`).
 #[test]
-#[ignore = "data-path hardening gap (ICMP errors to broadcast/multicast sources); reported, un-ignore once fixed"]
 fn reject_never_answers_a_broadcast_multicast_or_unspecified_source() {
     let mut s = scratch();
     for src in ["255.255.255.255", "0.0.0.0", "224.0.0.5", "127.0.0.1"] {
@@ -1439,7 +1422,6 @@ fn reject_never_answers_a_broadcast_multicast_or_unspecified_source() {
 /// 0x5EA0-0x5EAF are valid identities) gets its source rewritten to the frontend the low bits
 /// name, even a frontend of another protocol, and loses its mark.
 #[test]
-#[ignore = "data-path robustness gap (egress trusts a foreign skb->mark); reported, un-ignore once fixed"]
 fn egress_ignores_a_mark_ingress_did_not_set() {
     let mut s = scratch();
     let (w, _) = World::read(&s);

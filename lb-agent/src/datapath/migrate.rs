@@ -47,6 +47,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (names::CONNTRACK, 1),
     (names::CONFIG, 1),
     (names::STATS, 1),
+    (names::REJECT_LIMIT, 1),
 ];
 
 /// The pin file name of a map at its current layout version.
@@ -95,8 +96,9 @@ fn expected(name: &str, caps: &Capacities) -> Expected {
         names::SOURCE_RANGES => sizes(4 + size_of::<SrcRange4>(), 1, Some(caps.source_ranges)),
         names::CONNTRACK => sizes(size_of::<Ct4Key>(), size_of::<Ct4Value>(), Some(caps.conntrack)),
         names::CONFIG => sizes(4, size_of::<DatapathConfig>(), Some(1)),
-        // Per-CPU values: the kernel reports the per-CPU value size. New counters grow the map;
-        // counters then restart from zero.
+        // Per-CPU values: the kernel reports the per-CPU value size.
+        names::REJECT_LIMIT => sizes(4, size_of::<lb_common::ratelimit::RateBucket>(), Some(1)),
+        // New counters grow the map; counters then restart from zero.
         _ => sizes(4, 8, Some(lb_common::stats::COUNT)),
     }
 }
