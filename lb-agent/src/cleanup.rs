@@ -4,14 +4,29 @@
 
 use std::{fs, io, path::Path};
 
-use anyhow::{Context, Result};
+use anyhow::{Result, anyhow};
 
-use crate::datapath::bpffs;
+use crate::{datapath::bpffs, error::is_permission_denied};
+
+/// What an unprivileged user is missing to clean up.
+const HINT: &str = " (cleanup needs root: the agent's pins are owned by root, and detaching its \
+                    tc programs takes CAP_NET_ADMIN)";
+
+/// `error` while doing `what`, with the hint when it is a permission problem.
+fn failed(what: String, error: io::Error) -> anyhow::Error {
+    let hint = if is_permission_denied(&error) { HINT } else { "" };
+    anyhow!("{what}: {error}{hint}")
+}
 
 pub fn run(bpf_root: &Path) -> Result<()> {
-    if !bpf_root.exists() {
-        println!("nothing to clean up: {} does not exist", bpf_root.display());
-        return Ok(());
+    // `exists()` would say "no" for a root this user may not even look at.
+    match bpf_root.try_exists() {
+        Ok(true) => {}
+        Ok(false) => {
+            println!("nothing to clean up: {} does not exist", bpf_root.display());
+            return Ok(());
+        }
+        Err(e) => return Err(failed(format!("looking at {}", bpf_root.display()), e)),
     }
     if !bpffs::is_bpffs(bpf_root) {
         anyhow::bail!("{} is not on a bpffs; refusing to delete it", bpf_root.display());
@@ -25,10 +40,10 @@ pub fn run(bpf_root: &Path) -> Result<()> {
         }
     }
     let links = count_files(&paths.links());
-    remove(&paths.links()).with_context(|| format!("removing {}", paths.links().display()))?;
+    remove(&paths.links()).map_err(|e| failed(format!("removing {}", paths.links().display()), e))?;
     let maps = count_files(&paths.maps());
-    remove(&paths.maps()).with_context(|| format!("removing {}", paths.maps().display()))?;
-    remove(bpf_root).with_context(|| format!("removing {}", bpf_root.display()))?;
+    remove(&paths.maps()).map_err(|e| failed(format!("removing {}", paths.maps().display()), e))?;
+    remove(bpf_root).map_err(|e| failed(format!("removing {}", bpf_root.display()), e))?;
     println!(
         "detached {links} program link(s) and removed {maps} map pin(s) under {}",
         bpf_root.display()

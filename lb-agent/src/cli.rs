@@ -41,7 +41,9 @@ pub enum Command {
 
 #[derive(Args, Debug, Clone)]
 pub struct BpfRootArgs {
-    /// bpffs directory holding the agent's pinned maps and links.
+    /// bpffs directory holding the agent's pinned maps and links. When it is not on a bpffs, the
+    /// agent mounts one at /sys/fs/bpf (for a root below it), or else at this directory itself if
+    /// it is empty or missing; never over anything else.
     #[arg(long, default_value = "/sys/fs/bpf/lb", env = "LB_BPF_ROOT")]
     pub bpf_root: PathBuf,
 }

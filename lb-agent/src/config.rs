@@ -107,8 +107,8 @@ pub mod flag {
 /// A configuration file that cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("reading {}: {source}", path.display())]
-    Read { path: PathBuf, source: std::io::Error },
+    #[error("reading {}: {error}", path.display())]
+    Read { path: PathBuf, error: std::io::Error },
     #[error("parsing the configuration as YAML: {0}")]
     Yaml(String),
     #[error("the configuration must be a YAML mapping (a KubeProxyConfiguration object)")]
@@ -197,9 +197,9 @@ pub struct LoadedConfig {
 
 /// Reads and parses a configuration file.
 pub fn load_file(path: &Path) -> Result<LoadedConfig, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+    let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
         path: path.to_path_buf(),
-        source,
+        error,
     })?;
     parse(&text)
 }

@@ -496,14 +496,14 @@ fn service_health_router(service: Arc<RwLock<HealthCheckService>>, health: Proxy
 
 /// A health-check port that could not be opened.
 #[derive(Debug, thiserror::Error)]
-#[error("failed to start health check for service {namespace}/{name} on {address}: {source}")]
+#[error("failed to start health check for service {namespace}/{name} on {address}: {error}")]
 pub struct ServiceHealthError {
     pub port: u16,
     pub namespace: String,
     pub name: String,
     pub address: SocketAddr,
-    #[source]
-    pub source: io::Error,
+    /// Part of the message, hence not also a `source()` (it would be printed twice in a chain).
+    pub error: io::Error,
 }
 
 struct RunningServer {
@@ -601,12 +601,12 @@ impl ServiceHealthServers {
                     l.set_nonblocking(true)?;
                     tokio::net::TcpListener::from_std(l)
                 })
-                .map_err(|source| ServiceHealthError {
+                .map_err(|error| ServiceHealthError {
                     port,
                     namespace: service.namespace.clone(),
                     name: service.name.clone(),
                     address,
-                    source,
+                    error,
                 })?;
             // On error, the listeners bound so far are dropped (closed) on return.
             listeners.push(bound);
@@ -1134,7 +1134,7 @@ mod tests {
         let errors = servers.sync(&wanted);
         assert_eq!(errors.len(), 1);
         assert_eq!(errors[0].port, taken);
-        assert_eq!(errors[0].source.kind(), io::ErrorKind::AddrInUse);
+        assert_eq!(errors[0].error.kind(), io::ErrorKind::AddrInUse);
         let message = errors[0].to_string();
         assert!(
             message.contains("ns/blocked") && message.contains(&taken.to_string()),

@@ -5,7 +5,7 @@
 
 use std::{collections::BTreeMap, net::Ipv4Addr, time::Duration};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, anyhow, bail};
 use aya::maps::{HashMap, Map, MapData};
 use lb_common::{
     affinity::{Affinity4Key, Affinity4Value, kind},
@@ -21,24 +21,51 @@ use serde::Serialize;
 use crate::{
     cli::{InspectArgs, OutputFormat},
     datapath::PinPaths,
+    error::{Chain, is_permission_denied},
     maps::{KernelMaps, MapOps, Snapshot, apply::service_port_name},
 };
 
 fn open(args: &InspectArgs) -> Result<(PinPaths, KernelMaps)> {
     let paths = PinPaths::new(&args.root.bpf_root);
-    if !paths.map(names::SERVICES).exists() {
-        bail!(
-            "no pinned maps under {} (start the agent, or pass --bpf-root)",
-            paths.maps().display()
-        );
-    }
-    let maps = KernelMaps::from_pins(&paths.maps()).context("opening the pinned maps")?;
+    let maps = open_pinned_maps(&paths, "start the agent, or pass --bpf-root")?;
     Ok((paths, maps))
 }
 
+/// What an unprivileged user is missing to read the pins.
+const READ_HINT: &str = " (reading the pinned maps needs root, or CAP_BPF and read access to the pins)";
+
+fn read_hint(e: &(dyn std::error::Error + 'static)) -> &'static str {
+    if is_permission_denied(e) { READ_HINT } else { "" }
+}
+
+/// Opens the pinned maps under `paths` for reading; `missing` says what to do when there are
+/// none. A pin that cannot be looked at (a bpffs only root may enter) is "permission denied",
+/// not "missing".
+pub(crate) fn open_pinned_maps(paths: &PinPaths, missing: &str) -> Result<KernelMaps> {
+    let dir = paths.maps();
+    match paths.map(names::SERVICES).try_exists() {
+        Ok(true) => {}
+        Ok(false) => bail!("no pinned maps under {} ({missing})", dir.display()),
+        Err(e) => bail!(
+            "cannot look for the pinned maps under {}: {e}{}",
+            dir.display(),
+            read_hint(&e)
+        ),
+    }
+    KernelMaps::from_pins(&dir).map_err(|e| {
+        anyhow!(
+            "opening the pinned maps under {}: {}{}",
+            dir.display(),
+            Chain(&e),
+            read_hint(&e)
+        )
+    })
+}
+
 fn open_hash<K: aya::Pod, V: aya::Pod>(paths: &PinPaths, name: &str) -> Result<HashMap<MapData, K, V>> {
-    let data = MapData::from_pin(paths.map(name))
-        .with_context(|| format!("opening {}", paths.map(name).display()))?;
+    let pin = paths.map(name);
+    let data = MapData::from_pin(&pin)
+        .map_err(|e| anyhow!("opening {}: {}{}", pin.display(), Chain(&e), read_hint(&e)))?;
     Ok(Map::LruHashMap(data).try_into()?)
 }
 

@@ -16,6 +16,7 @@ pub mod cleanup;
 pub mod cli;
 pub mod config;
 pub mod datapath;
+pub mod error;
 pub mod health;
 pub mod inspect;
 pub mod maps;

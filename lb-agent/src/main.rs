@@ -1,13 +1,19 @@
 //! `lb-agent`: runs the agent, or one of the operator's commands.
 
+use std::io::IsTerminal;
+
 use clap::{CommandFactory, FromArgMatches};
 use lb_agent::cli::{Cli, Command, LogFormat};
 
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colours only for a person at a terminal: a pipe (`kubectl logs`, a file, a test harness)
+    // gets plain text. NO_COLOR (https://no-color.org) turns them off at a terminal too.
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
@@ -40,6 +46,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
+    let is_agent = cli.command.is_none() && !cli.run.cleanup;
     let result = runtime.block_on(async move {
         match cli.command {
             None if cli.run.cleanup => lb_agent::cleanup::run(&cli.run.bpf.root.bpf_root),
@@ -56,8 +63,13 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e:#}");
-            eprintln!("error: {e:#}");
+            // Once. The agent logs it, in its log format, as it logs everything else (what
+            // `kubectl logs` shows); the operator commands print it as Unix tools do.
+            if is_agent && tracing::enabled!(tracing::Level::ERROR) {
+                tracing::error!("{e:#}");
+            } else {
+                eprintln!("error: {e:#}");
+            }
             std::process::ExitCode::FAILURE
         }
     }

@@ -260,6 +260,14 @@ impl Agent {
         if !report.skipped.is_empty() {
             skipped_reasons.push(("map_full", report.skipped.len()));
         }
+        for (service, frontend) in &report.withdrawn {
+            tracing::warn!(
+                service = %service,
+                frontend = %frontend,
+                "a map is too full to rewrite this frontend in place: it was withdrawn and rewritten \
+                 (new connections to it may have failed meanwhile); raise the map capacities"
+            );
+        }
         for e in &report.errors {
             tracing::error!("map update failed: {e}");
         }

@@ -14,7 +14,6 @@ use std::{collections::BTreeSet, net::Ipv4Addr, path::Path};
 
 use anyhow::{Context, Result, bail};
 use lb_common::{
-    maps as names,
     service::Svc4Key,
     trace::{SockTraceIn, SockTraceOut, TRACE_PACKET_LEN, hook, tc as trace_cb, verdict},
 };
@@ -419,13 +418,10 @@ fn trace_live(
     object: &[u8],
 ) -> Result<(TraceResult, TraceDetails)> {
     let paths = PinPaths::new(bpf_root);
-    if !paths.map(names::SERVICES).exists() {
-        bail!(
-            "no pinned maps under {} (is the agent running? pass --bpf-root, or use --manifests)",
-            paths.maps().display()
-        );
-    }
-    let maps = KernelMaps::from_pins(&paths.maps()).context("opening the pinned maps")?;
+    let maps = crate::inspect::open_pinned_maps(
+        &paths,
+        "is the agent running? pass --bpf-root, or use --manifests",
+    )?;
     let host_cookie = maps.config.get(&0, 0).map(|c| c.host_netns_cookie).unwrap_or(0);
     let mut dp = Datapath::load_for_trace(&paths, object).context("loading the programs for tracing")?;
     let mut node_ips = node_ips.to_vec();

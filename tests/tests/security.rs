@@ -7,7 +7,13 @@
 //! - the listen defaults are the documented ones (`/metrics` on loopback only);
 //! - nothing listens on an undocumented port: with a LoadBalancer Service with
 //!   externalTrafficPolicy=Local, the node namespace has exactly /healthz, /metrics and the
-//!   Service's health-check NodePort open.
+//!   Service's health-check NodePort open;
+//! - loadBalancerSourceRanges hold for real connections: on a node with pods and external clients
+//!   (network namespaces), clients inside the ranges (an external one, a pod) are served through
+//!   the load-balancer IP, clients outside them (an external one, a pod, the node itself) never.
+//!
+//! Each check writes its figures for docs/reliability.md (scenario 7, `7-security-*.json`); the
+//! RBAC part of scenario 7 is checked against the real API server in e2e_manifests.rs.
 //!
 //! "Unprivileged" is uid/gid 65534 (nobody) without supplementary groups or capabilities,
 //! through util-linux `setpriv`.
@@ -22,15 +28,20 @@ use std::{
 };
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use lb_agent::datapath::bpffs::is_bpffs;
 use lb_tests::{
     agent::{Agent, AgentOptions, bpf_root_in},
     bpffs::BpfFs,
     cgroup::Cgroup,
     fixtures::{State, service, slice, write_manifests},
     netns::NetNs,
-    process::{Place, workspace_bin},
+    probe,
+    process::{Place, Proc, run_in, workspace_bin},
+    report::{record, started},
     require_root,
+    topo::{Lan, Node as TopoNode, external_client},
 };
+use serde_json::{Value, json};
 
 const NODE: &str = "node-a";
 const NOBODY: u32 = 65_534;
@@ -50,6 +61,12 @@ const PRIVILEGE_WORDS: &[&str] = &[
 fn says_what_is_missing(text: &str) -> bool {
     let lower = text.to_lowercase();
     PRIVILEGE_WORDS.iter().any(|w| lower.contains(w))
+}
+
+/// A refusal names the kernel's answer once: not twice in one chain ("X: X"), nor once in an
+/// ERROR log line and again in an "error:" line.
+fn says_it_once(text: &str) -> bool {
+    text.matches("Permission denied").count() + text.matches("Operation not permitted").count() == 1
 }
 
 /// A Service worth a health-check NodePort: LoadBalancer, externalTrafficPolicy=Local, with a
@@ -235,7 +252,19 @@ fn help_shows_the_documented_listen_defaults() {
 
 #[test]
 fn operator_commands_need_privileges_say_so_and_change_nothing() {
+    const SCENARIO: &str = "The CLI's commands that change kernel state (and those that read the pinned maps) run as an unprivileged user (nobody, no capabilities)";
+    started("7-security-privileges", SCENARIO);
     let node = Node::start();
+    // What each unprivileged attempt did, for the report.
+    let mut attempts: Vec<Value> = Vec::new();
+    let attempt = |what: String, out: &Output| -> Value {
+        json!({
+            "command": what,
+            "refused": !out.status.success(),
+            "says_why": says_what_is_missing(&text(out)),
+            "message": text(out).trim().lines().last().unwrap_or_default().chars().take(160).collect::<String>(),
+        })
+    };
     let root = node.bpf_root.to_str().expect("utf-8 path").to_owned();
     let place = Place::netns(&node.ns);
     let short = Duration::from_secs(30);
@@ -269,7 +298,8 @@ fn operator_commands_need_privileges_say_so_and_change_nothing() {
             text(&out)
         );
         eprintln!("lb-agent {cmd} as nobody: {}", text(&out).trim());
-        if !says_what_is_missing(&text(&out)) {
+        attempts.push(attempt(format!("lb-agent {cmd}"), &out));
+        if !says_what_is_missing(&text(&out)) || !says_it_once(&text(&out)) {
             unclear.push(format!("lb-agent {cmd}: {}", text(&out).trim()));
         }
     }
@@ -277,12 +307,13 @@ fn operator_commands_need_privileges_say_so_and_change_nothing() {
     // cleanup as nobody: refused, clearly, and every pin is still there.
     let out = lb_agent(place, true, &["cleanup", "--bpf-root", &root], short);
     eprintln!("lb-agent cleanup as nobody: {}", text(&out).trim());
+    attempts.push(attempt("lb-agent cleanup".into(), &out));
     assert!(
         !out.status.success(),
         "cleanup as nobody succeeded: {}",
         text(&out)
     );
-    if !says_what_is_missing(&text(&out)) {
+    if !says_what_is_missing(&text(&out)) || !says_it_once(&text(&out)) {
         unclear.push(format!("lb-agent cleanup: {}", text(&out).trim()));
     }
     assert_eq!(
@@ -319,8 +350,16 @@ fn operator_commands_need_privileges_say_so_and_change_nothing() {
             Duration::from_secs(60),
         );
         eprintln!("lb-agent --bpf-root {bpf_root} as nobody: {}", text(&out).trim());
+        attempts.push(attempt(
+            if bpf_root == root {
+                "lb-agent (run) on the live pins".to_string()
+            } else {
+                "lb-agent (run) on a fresh directory it owns".to_string()
+            },
+            &out,
+        ));
         assert!(!out.status.success(), "the agent ran as nobody: {}", text(&out));
-        if !says_what_is_missing(&text(&out)) {
+        if !says_what_is_missing(&text(&out)) || !says_it_once(&text(&out)) {
             unclear.push(format!("lb-agent --bpf-root {bpf_root}: {}", text(&out).trim()));
         }
     }
@@ -335,15 +374,32 @@ fn operator_commands_need_privileges_say_so_and_change_nothing() {
         own_root.display()
     );
     // A bpffs only root may enter (/sys/fs/bpf is often mounted with mode 0700): refused too
-    // (but with a misleading message today, see the ignored test below).
+    // (see `read_only_commands_behind_a_closed_bpffs_say_permission_denied`).
     let out = services_behind_a_closed_bpffs(&node);
+    attempts.push(attempt("lb-agent services, bpffs mode 0700".into(), &out));
     assert!(!out.status.success(), "{}", text(&out));
     // The root agent is still serving.
     let out = lb_agent(place, false, &["services", "--bpf-root", &root], short);
     assert!(out.status.success() && text(&out).contains("10.96.0.20"));
+    let refused = attempts.iter().filter(|a| a["refused"] == true).count();
+    let clear = attempts.iter().filter(|a| a["says_why"] == true).count();
+    record(
+        "7-security-privileges",
+        &json!({
+            "scenario": SCENARIO,
+            "attempted": attempts.len(),
+            "failed": attempts.len() - refused,
+            "refused": refused,
+            "refusals_saying_what_is_missing": clear,
+            "unclear_refusals": unclear.len(),
+            "pins_changed": false,
+            "attempts": attempts,
+        }),
+    );
     assert!(
         unclear.is_empty(),
-        "these refusals do not say what is missing (permission, CAP_BPF or root):\n{}",
+        "these refusals do not say what is missing (permission, CAP_BPF or root), or say it more \
+         than once:\n{}",
         unclear.join("\n")
     );
 }
@@ -367,18 +423,94 @@ fn services_behind_a_closed_bpffs(node: &Node) -> Output {
     out
 }
 
-/// Today the read-only commands check `Path::exists()`, which is false when the directory cannot
-/// be entered, and answer "no pinned maps under ... (start the agent, or pass --bpf-root)" while
-/// the agent runs: they should say that permission was denied (and that root or CAP_BPF is
-/// needed).
+/// Regression: the read-only commands checked `Path::exists()`, which is false when the directory
+/// cannot be entered, and answered "no pinned maps under ... (start the agent, or pass
+/// --bpf-root)" while the agent ran: they say that permission was denied, and that root or
+/// CAP_BPF is needed.
 #[test]
-#[ignore = "unclear message (\"no pinned maps\" instead of permission denied); reported, un-ignore once fixed"]
 fn read_only_commands_behind_a_closed_bpffs_say_permission_denied() {
     let node = Node::start();
     let out = services_behind_a_closed_bpffs(&node);
     assert!(!out.status.success());
     assert!(
         says_what_is_missing(&text(&out)) && !text(&out).contains("no pinned maps"),
+        "{}",
+        text(&out)
+    );
+}
+
+/// Regression: with a --bpf-root outside any bpffs, the agent mounted a bpffs over the nearest
+/// existing ancestor of the root (as root, `--bpf-root /var/lib/lb` hid /var/lib). It mounts one
+/// at the root itself, which it creates. Its log, a pipe here, has no colour codes.
+#[test]
+fn the_agent_mounts_bpffs_at_its_root_never_over_an_ancestor() {
+    require_root();
+    let parent = world_readable_tempdir();
+    fs::write(parent.path().join("keep"), "still here").expect("write");
+    let root = parent.path().join("lb");
+    let cgroup = Cgroup::new("lbmnt");
+    let ns = NetNs::new("lbmnt");
+    let manifests = manifests();
+    let agent = Agent::start(AgentOptions {
+        netns: &ns,
+        cgroup: &cgroup,
+        bpf_root: root.clone(),
+        node_name: NODE.into(),
+        manifests: Some(manifests.path().to_path_buf()),
+        kubeconfig: None,
+        extra_args: vec![],
+    });
+    let mounted_at_root = is_bpffs(&root);
+    let ancestor_untouched = !is_bpffs(parent.path()) && parent.path().join("keep").exists();
+    let log = agent.log();
+    agent.stop();
+    let _ = nix::mount::umount2(&root, nix::mount::MntFlags::MNT_DETACH);
+    let _ = fs::remove_dir(&root);
+    assert!(mounted_at_root, "no bpffs at {}; log:\n{log}", root.display());
+    assert!(
+        ancestor_untouched,
+        "a bpffs hides {}; log:\n{log}",
+        parent.path().display()
+    );
+    assert!(!log.contains('\x1b'), "colour codes in a piped log:\n{log}");
+}
+
+/// A --bpf-root outside any bpffs that holds files is refused, clearly and once: mounting there
+/// would hide them.
+#[test]
+fn the_agent_refuses_to_mount_bpffs_over_files() {
+    require_root();
+    let root = world_readable_tempdir();
+    fs::write(root.path().join("keep"), "still here").expect("write");
+    let ns = NetNs::new("lbmnt");
+    let cgroup = Cgroup::new("lbmnt");
+    let manifests = manifests();
+    let out = lb_agent(
+        Place::netns(&ns),
+        false,
+        &[
+            "--manifests",
+            manifests.path().to_str().expect("utf-8"),
+            "--bpf-root",
+            root.path().to_str().expect("utf-8"),
+            "--cgroup-root",
+            cgroup.path().to_str().expect("utf-8"),
+            "--hostname-override",
+            NODE,
+            "--healthz-bind-address",
+            "",
+            "--metrics-bind-address",
+            "",
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(!is_bpffs(root.path()) && root.path().join("keep").exists());
+    assert_eq!(
+        text(&out)
+            .matches("is not empty: refusing to mount a bpffs over it")
+            .count(),
+        1,
         "{}",
         text(&out)
     );
@@ -416,6 +548,24 @@ fn nothing_listens_on_an_undocumented_port() {
         std::thread::sleep(Duration::from_millis(100));
         got = listening(&node.ns);
     }
+    let show = |set: &mut dyn Iterator<Item = &(String, String, u16)>| -> Vec<String> {
+        set.map(|(p, a, n)| format!("{p} {a}:{n}")).collect()
+    };
+    let undocumented = show(&mut got.difference(&expected));
+    record(
+        "7-security-listening",
+        &json!({
+            "scenario": "Listening sockets of the node's network namespace with the agent running (a LoadBalancer Service with externalTrafficPolicy Local), against the documented ones",
+            "attempted": null,
+            "failed": null,
+            "documented": show(&mut expected.iter()),
+            "found": show(&mut got.iter()),
+            "undocumented": undocumented.len(),
+            "missing": show(&mut expected.difference(&got)),
+            "metrics_on_loopback_only": got.iter().filter(|s| s.2 == 10_249).all(|s| s.1 == "127.0.0.1")
+                && got.contains(&("tcp".to_string(), "127.0.0.1".to_string(), 10_249)),
+        }),
+    );
     assert_eq!(
         got,
         expected,
@@ -434,4 +584,187 @@ fn nothing_listens_on_an_undocumented_port() {
         ],
     );
     assert!(out.contains("localEndpoints"), "health check answer: {out}");
+}
+
+/// `count` TCP connections from `place` to `to` with a short timeout: (attempted, served, errnos).
+fn connections(place: Place<'_>, to: &str, count: u32) -> (usize, usize, BTreeSet<i64>) {
+    let out = run_in(
+        place,
+        workspace_bin("lb-probe"),
+        &[
+            "tcp",
+            "--connect",
+            to,
+            "--count",
+            &count.to_string(),
+            "--timeout-ms",
+            "300",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "lb-probe: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let results: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let served = results.iter().filter(|r| r["ok"] == true).count();
+    let errnos = results.iter().filter_map(|r| r["errno"].as_i64()).collect();
+    (results.len(), served, errnos)
+}
+
+/// loadBalancerSourceRanges with real sockets: a LoadBalancer Service whose ranges admit one
+/// external client and one pod. Through the load-balancer IP, those two are served (tc path);
+/// another external client and another pod are dropped (tc), and the node itself, outside the
+/// ranges, is refused at connect() (socket path, EHOSTUNREACH). The NodePort is not filtered
+/// (kube-proxy applies the ranges to the load-balancer IP only).
+#[test]
+fn load_balancer_source_ranges_hold_for_real_connections() {
+    const SCENARIO: &str = "loadBalancerSourceRanges with real connections: a LoadBalancer IP whose ranges admit one external client and one pod";
+    started("7-security-source-ranges", SCENARIO);
+    require_root();
+    let bpffs = BpfFs::new();
+    let cgroup = Cgroup::new("lbsec");
+    let lan = Lan::new();
+    let mut node = TopoNode::new(1);
+    let node_ip = node.attach_lan(&lan);
+    for n in 2..5 {
+        node.add_pod(n);
+    }
+    let backend = node.pods[2].ip.to_string();
+    let _server: Proc = probe::server(Place::netns(&node.pods[2].ns), &backend, &["0.0.0.0:8080"], &[]);
+    let (allowed_ns, allowed_ip) = external_client(&lan, 1);
+    let (denied_ns, denied_ip) = external_client(&lan, 2);
+    let lb_ip = "203.0.113.30";
+    for ns in [&allowed_ns, &denied_ns] {
+        ns.ip(&[
+            "route",
+            "add",
+            &format!("{lb_ip}/32"),
+            "via",
+            &node_ip.to_string(),
+        ]);
+    }
+    let (allowed_pod, denied_pod) = (node.pods[0].ip, node.pods[1].ip);
+    let manifests = world_readable_tempdir();
+    write_manifests(
+        manifests.path(),
+        "objects.yaml",
+        &[service("demo", "ranged")
+            .cluster_ip("10.96.0.30")
+            .port("http", "TCP", 80, 8080)
+            .node_port(30_130)
+            .load_balancer_ip(lb_ip)
+            .source_ranges(&[&format!("{allowed_ip}/32"), &format!("{allowed_pod}/32")])
+            .build()],
+        &[slice("demo", "ranged", "ranged-1")
+            .endpoint(&backend, NODE, State::Ready)
+            .port("http", "TCP", 8080)
+            .build()],
+    );
+    let agent = Agent::start(AgentOptions {
+        netns: &node.ns,
+        cgroup: &cgroup,
+        bpf_root: bpf_root_in(bpffs.path()),
+        node_name: NODE.into(),
+        manifests: Some(manifests.path().to_path_buf()),
+        kubeconfig: None,
+        extra_args: vec!["--cluster-cidr".into(), "10.244.0.0/16".into()],
+    });
+    let to_lb = format!("{lb_ip}:80");
+    let to_node_port = format!("{node_ip}:30130");
+    // (who, place, destination, admitted)
+    let flows: [(String, Place<'_>, &str, bool); 6] = [
+        (
+            format!("external client {allowed_ip} (in the ranges)"),
+            Place::netns(&allowed_ns),
+            &to_lb,
+            true,
+        ),
+        (
+            format!("pod {allowed_pod} (in the ranges)"),
+            Place::new(&node.pods[0].ns, &cgroup),
+            &to_lb,
+            true,
+        ),
+        (
+            format!("external client {denied_ip} (outside)"),
+            Place::netns(&denied_ns),
+            &to_lb,
+            false,
+        ),
+        (
+            format!("pod {denied_pod} (outside)"),
+            Place::new(&node.pods[1].ns, &cgroup),
+            &to_lb,
+            false,
+        ),
+        (
+            format!("the node itself, {node_ip} (outside)"),
+            Place::new(&node.ns, &cgroup),
+            &to_lb,
+            false,
+        ),
+        (
+            format!("external client {denied_ip} (outside) to the NodePort, which the ranges do not cover"),
+            Place::netns(&denied_ns),
+            &to_node_port,
+            true,
+        ),
+    ];
+    let mut per_flow = Vec::new();
+    let (mut admitted_attempts, mut admitted_failed, mut denied_attempts, mut denied_served) = (0, 0, 0, 0);
+    let mut wrong = Vec::new();
+    for (who, place, to, admitted) in flows {
+        let (attempted, served, errnos) = connections(place, to, 20);
+        let failed = attempted - served;
+        if admitted {
+            admitted_attempts += attempted;
+            admitted_failed += failed;
+        } else {
+            denied_attempts += attempted;
+            denied_served += served;
+        }
+        if (admitted && failed > 0) || (!admitted && served > 0) || attempted == 0 {
+            wrong.push(format!("{who} -> {to}: {served} of {attempted} served"));
+        }
+        per_flow.push(json!({
+            "load": format!("{who} -> {to}"),
+            "attempted": attempted,
+            "failed": failed,
+            "expected": if admitted { "all served" } else { "all refused" },
+            "errnos": errnos.into_iter().collect::<Vec<_>>(),
+        }));
+    }
+    let stats = run_in(
+        Place::netns(&node.ns),
+        workspace_bin("lb-agent"),
+        &[
+            "stats",
+            "-o",
+            "json",
+            "--bpf-root",
+            bpf_root_in(bpffs.path()).to_str().expect("utf-8"),
+        ],
+    );
+    let denied_counter = serde_json::from_slice::<Value>(&stats.stdout)
+        .ok()
+        .and_then(|v| v["source_range_denied"].as_u64());
+    record(
+        "7-security-source-ranges",
+        &json!({
+            "scenario": SCENARIO,
+            "load": per_flow,
+            "attempted": admitted_attempts,
+            "failed": admitted_failed,
+            "denied_attempts": denied_attempts,
+            "denied_but_served": denied_served,
+            "source_range_denied_counter": denied_counter,
+        }),
+    );
+    let log = agent.log();
+    drop(agent);
+    assert!(wrong.is_empty(), "{wrong:?}; agent log:\n{log}");
 }

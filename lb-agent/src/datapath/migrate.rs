@@ -9,6 +9,7 @@
 //! - pins of other versions are left to the programs that still use them;
 //! - a pin of the current version whose key or value size differs is a layout change without a
 //!   version bump: refused, with an error (it would be read with the wrong layout).
+//!
 //! The agent then programs the new maps completely, replaces the attached programs atomically
 //! (`bpf_link_update`), and only then removes the old pins (`finish`), so traffic never sees an
 //! empty or half-filled map.
@@ -30,7 +31,7 @@ use lb_common::{
     service::{SrcRange4, Svc4Key, Svc4Value},
 };
 
-use super::{DatapathError, PinPaths};
+use super::{DatapathError, PinPaths, hint_for};
 use crate::maps::Capacities;
 
 /// Layout version of every map. Bump a map's version when its key or value layout changes (and add
@@ -151,10 +152,18 @@ pub fn prepare(paths: &PinPaths, caps: &Capacities) -> Result<Migration, Datapat
             migration.stale.push(paths.maps().join(other));
         }
         let pin = paths.maps().join(&current);
-        if !pin.exists() {
-            continue;
+        // `exists()` would say "no" for a pin the agent may not even look at.
+        match pin.try_exists() {
+            Ok(true) => {}
+            Ok(false) => continue,
+            Err(e) => {
+                return Err(DatapathError::Pin {
+                    path: pin,
+                    message: format!("{e}{}", hint_for(&e.to_string())),
+                });
+            }
         }
-        let info = MapInfo::from_pin(&pin).map_err(DatapathError::Maps)?;
+        let info = MapInfo::from_pin(&pin)?;
         let want = expected(name, caps);
         if info.key_size() != want.key_size || info.value_size() != want.value_size {
             return Err(DatapathError::IncompatiblePin {

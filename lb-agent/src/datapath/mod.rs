@@ -26,7 +26,10 @@ use aya::{
 use lb_common::maps as names;
 
 pub use self::bpffs::PinPaths;
-use crate::maps::{Capacities, KernelMaps};
+use crate::{
+    error::Chain,
+    maps::{Capacities, KernelMaps},
+};
 
 /// The object built by `cargo xtask build-ebpf`, embedded at build time (empty when built
 /// without it).
@@ -43,44 +46,63 @@ pub const SOCK_PROGRAMS: [(&str, &str); 4] = [
 /// The trace harness (runs the socket code under BPF_PROG_TEST_RUN).
 pub const SOCK_TRACE_PROGRAM: &str = "lb_sock_trace";
 
+/// Why the data path cannot be loaded or attached. Each variant's message includes its cause
+/// (flattened with [`Chain`]) and none returns it from `source()`, so that the cause is printed
+/// once, in a plain `{e}` as in anyhow's `{:#}`.
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
     #[error(
         "this lb-agent was built without its eBPF object: run `cargo xtask build-ebpf` and rebuild, or pass --bpf-object"
     )]
     NoObject,
-    #[error("reading the eBPF object {path}: {source}")]
-    ReadObject { path: PathBuf, source: io::Error },
-    #[error("bpffs at {path}: {source}")]
-    Bpffs { path: PathBuf, source: io::Error },
+    #[error("reading the eBPF object {path}: {error}")]
+    ReadObject { path: PathBuf, error: io::Error },
+    #[error("--bpf-root {path}: {error}")]
+    Bpffs { path: PathBuf, error: io::Error },
     #[error(
         "pinned map {name} no longer matches this agent ({detail}); its layout or capacity changed. \
          Run `lb-agent cleanup` (drops flow state) or restart with the previous capacities"
     )]
     IncompatiblePin { name: String, detail: String },
-    #[error("loading the eBPF object: {source}{hint}")]
+    #[error("loading the eBPF object: {}{hint}", Chain(.error))]
     Load {
-        source: aya::EbpfError,
+        error: aya::EbpfError,
         hint: &'static str,
     },
-    #[error("program {name}: {source}{hint}")]
+    #[error("program {name}: {}{hint}", Chain(.error))]
     Program {
         name: String,
-        source: aya::programs::ProgramError,
+        error: aya::programs::ProgramError,
         hint: &'static str,
     },
-    #[error("cgroup {path}: {source}")]
-    Cgroup { path: PathBuf, source: io::Error },
+    #[error("cgroup {path}: {error}")]
+    Cgroup { path: PathBuf, error: io::Error },
     #[error("pinning {path}: {message}")]
     Pin { path: PathBuf, message: String },
-    #[error("maps: {0}")]
-    Maps(#[from] aya::maps::MapError),
+    #[error("maps: {}{hint}", Chain(.error))]
+    Maps {
+        error: aya::maps::MapError,
+        hint: &'static str,
+    },
 }
 
-/// Suggests the likely cause of a kernel refusal.
+impl From<aya::maps::MapError> for DatapathError {
+    fn from(error: aya::maps::MapError) -> Self {
+        let hint = hint_for(&format!("{error:?}"));
+        DatapathError::Maps { error, hint }
+    }
+}
+
+/// Suggests the likely cause of a kernel refusal: EPERM (missing capabilities) or EACCES (the
+/// pins or the bpffs belong to root), or a missing kernel feature.
 fn hint_for(message: &str) -> &'static str {
-    if message.contains("Operation not permitted") || message.contains("EPERM") {
-        " (permission denied: the agent needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON, or root)"
+    if message.contains("Operation not permitted")
+        || message.contains("EPERM")
+        || message.contains("Permission denied")
+        || message.contains("EACCES")
+    {
+        " (permission denied: the agent needs root, or CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON with \
+         access to the pins under --bpf-root)"
     } else if message.contains("Invalid argument")
         || message.contains("not supported")
         || message.contains("524")
@@ -97,9 +119,9 @@ pub fn object_bytes(path: Option<&Path>) -> Result<std::borrow::Cow<'static, [u8
         Some(path) => {
             fs::read(path)
                 .map(std::borrow::Cow::Owned)
-                .map_err(|source| DatapathError::ReadObject {
+                .map_err(|error| DatapathError::ReadObject {
                     path: path.to_path_buf(),
-                    source,
+                    error,
                 })
         }
         None if OBJECT.is_empty() => Err(DatapathError::NoObject),
@@ -121,9 +143,9 @@ impl Datapath {
     /// Loads the object with its maps pinned under `paths` (reusing existing pins) and the
     /// programs verified and ready to attach.
     pub fn load(paths: &PinPaths, caps: &Capacities, object: &[u8]) -> Result<Self, DatapathError> {
-        bpffs::prepare(paths).map_err(|source| DatapathError::Bpffs {
+        bpffs::prepare(paths).map_err(|error| DatapathError::Bpffs {
             path: paths.root.clone(),
-            source,
+            error,
         })?;
         let migration = migrate::prepare(paths, caps)?;
         let pin_paths: Vec<(&'static str, PathBuf)> = names::ALL.iter().map(|n| (*n, paths.map(n))).collect();
@@ -207,7 +229,7 @@ impl Datapath {
             .map_max_entries(names::AFFINITY_MATCH, caps.affinity_match)
             .map_max_entries(names::SOURCE_RANGES, caps.source_ranges)
             .map_max_entries(names::CONNTRACK, caps.conntrack);
-        let mut ebpf = loader.load(object).map_err(|source| match source {
+        let mut ebpf = loader.load(object).map_err(|error| match error {
             aya::EbpfError::MapError(aya::maps::MapError::IncompatiblePinnedMap {
                 name,
                 property,
@@ -217,9 +239,9 @@ impl Datapath {
                 name,
                 detail: format!("{property} is {actual}, expected {expected}"),
             },
-            source => {
-                let hint = hint_for(&format!("{source:?}"));
-                DatapathError::Load { source, hint }
+            error => {
+                let hint = hint_for(&format!("{error:?}"));
+                DatapathError::Load { error, hint }
             }
         })?;
         for (name, _) in SOCK_PROGRAMS {
@@ -261,22 +283,22 @@ impl Datapath {
             path: PathBuf::new(),
             message: "attaching needs a pinned data path (load, not load_unpinned)".into(),
         })?;
-        cgroup::check_cgroup2_dir(cgroup).map_err(|source| DatapathError::Cgroup {
+        cgroup::check_cgroup2_dir(cgroup).map_err(|error| DatapathError::Cgroup {
             path: cgroup.into(),
-            source,
+            error,
         })?;
-        let id = cgroup::cgroup_id(cgroup).map_err(|source| DatapathError::Cgroup {
+        let id = cgroup::cgroup_id(cgroup).map_err(|error| DatapathError::Cgroup {
             path: cgroup.into(),
-            source,
+            error,
         })?;
         let dir = cgroup_links_dir(&paths, id);
         fs::create_dir_all(&dir).map_err(|e| DatapathError::Pin {
             path: dir.clone(),
             message: e.to_string(),
         })?;
-        let cgroup_file = fs::File::open(cgroup).map_err(|source| DatapathError::Cgroup {
+        let cgroup_file = fs::File::open(cgroup).map_err(|error| DatapathError::Cgroup {
             path: cgroup.into(),
-            source,
+            error,
         })?;
         for (name, hook) in SOCK_PROGRAMS {
             let pin = dir.join(hook);
@@ -427,11 +449,11 @@ impl Datapath {
     }
 }
 
-pub(crate) fn program_error(name: &str, source: aya::programs::ProgramError) -> DatapathError {
-    let hint = hint_for(&format!("{source:?}"));
+pub(crate) fn program_error(name: &str, error: aya::programs::ProgramError) -> DatapathError {
+    let hint = hint_for(&format!("{error:?}"));
     DatapathError::Program {
         name: name.to_string(),
-        source,
+        error,
         hint,
     }
 }
@@ -442,7 +464,7 @@ where
 {
     let prog = ebpf.program_mut(name).ok_or_else(|| DatapathError::Program {
         name: name.to_string(),
-        source: aya::programs::ProgramError::UnexpectedProgramType,
+        error: aya::programs::ProgramError::UnexpectedProgramType,
         hint: " (not in the object: is the object out of date? run `cargo xtask build-ebpf`)",
     })?;
     prog.try_into().map_err(|source| program_error(name, source))

@@ -11,7 +11,10 @@
 //!
 //! A change to one Service costs writes proportional to that change. A Service whose entries do
 //! not fit the maps is skipped as a whole (its previous state stays) and reported, never written
-//! half-way. Ids are recovered from the maps on restart, so they stay stable.
+//! half-way. "Fit" counts the peak of each write sequence, not only its net growth: make-before-break
+//! writes a frontend's new entries before it deletes its stale ones. When only that transient peak
+//! is too much, the frontend is withdrawn first and rewritten (break-before-make, see
+//! [`Applier::plan_writes`]). Ids are recovered from the maps on restart, so they stay stable.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -101,6 +104,9 @@ pub struct ApplyReport {
     pub deletes: usize,
     /// Services left as they were because their entries do not fit (map full), with the reason.
     pub skipped: Vec<(ServicePortName, String)>,
+    /// Frontends that a full map left no room to rewrite in place: they were withdrawn (absent
+    /// for new connections for the few writes it takes) and written anew. Worth a warning.
+    pub withdrawn: Vec<(ServicePortName, Frontend)>,
     /// Map operations that failed unexpectedly.
     pub errors: Vec<String>,
 }
@@ -373,24 +379,38 @@ impl<M: MapOps> Applier<M> {
                 };
                 match entries_for(frontend, plan, rev_nat_id, &backend_id) {
                     Ok(entries) => built.push((**frontend, entries)),
-                    Err(addr) => {
+                    Err(EntriesError::NoBackendId(addr)) => {
                         missing_backend = Some(format!(
                             "no free backend id for {addr} (map {} full)",
                             lb_common::maps::BACKENDS
                         ));
                         break;
                     }
+                    Err(EntriesError::TooManyBackends(n)) => {
+                        missing_backend = Some(format!(
+                            "{frontend}: {n} backends in one scope, more than the {} a frontend \
+                             entry can count",
+                            u16::MAX
+                        ));
+                        break;
+                    }
                 }
             }
             let service = group[0].1.service.clone();
-            let refusal = missing_backend.or_else(|| self.fits(&built));
-            if let Some(reason) = refusal {
-                for id in new_rev_ids {
-                    self.rev_ids.free(id);
+            let writes = match missing_backend {
+                Some(reason) => Err(reason),
+                None => self.plan_writes(built),
+            };
+            let writes = match writes {
+                Ok(writes) => writes,
+                Err(reason) => {
+                    for id in new_rev_ids {
+                        self.rev_ids.free(id);
+                    }
+                    report.skipped.push((service, reason));
+                    continue;
                 }
-                report.skipped.push((service, reason));
-                continue;
-            }
+            };
             // Backends this Service needs that are new or changed.
             let needed: BTreeSet<BackendAddr> = group
                 .iter()
@@ -421,8 +441,10 @@ impl<M: MapOps> Applier<M> {
                 report.skipped.push((service, "writing a backend failed".into()));
                 continue;
             }
-            for (frontend, entries) in built {
-                self.write_frontend(frontend, entries, &mut report);
+            for (frontend, entries, mode) in writes {
+                if self.write_frontend(frontend, entries, mode, &mut report) {
+                    report.withdrawn.push((service.clone(), frontend));
+                }
             }
         }
 
@@ -463,44 +485,123 @@ impl<M: MapOps> Applier<M> {
         report
     }
 
-    /// Why a group of frontends would not fit the maps, if it would not.
-    fn fits(&self, built: &[(Frontend, FrontendEntries)]) -> Option<String> {
-        let (mut services, mut aff, mut ranges) = (0i64, 0i64, 0i64);
-        for (frontend, entries) in built {
-            let old = self.frontends.get(frontend);
-            let added = |new: usize, old: usize| (new as i64 - old as i64).max(0);
-            services += added(entries.services.len(), old.map_or(0, |o| o.services.len()));
-            aff += added(
-                entries.affinity_match.len(),
-                old.map_or(0, |o| o.affinity_match.len()),
-            );
-            ranges += added(
-                entries.source_ranges.len(),
-                old.map_or(0, |o| o.source_ranges.len()),
-            );
+    /// The order and the manner in which to write a group of frontends (one Service), or why they
+    /// do not fit the maps.
+    ///
+    /// Make-before-break writes a frontend's new entries before it deletes its stale ones, so it
+    /// transiently needs room for both: a NodePort going from externalTrafficPolicy=Local (1 + 3
+    /// slots) to Cluster (5 slots) needs 4 more entries for a moment although its size does not
+    /// change. The peak is what must fit, map by map, counted in write order (a frontend's
+    /// deletions happen before the next frontend's writes).
+    ///
+    /// When the net result fits but the peak does not, the choice is between leaving the Service
+    /// as it was for as long as the map stays full (a stale policy, source ranges or backends,
+    /// with no end in sight) and rewriting it with a brief gap. We rewrite: the frontends whose
+    /// peak does not fit are written break-before-make ([`WriteMode::BreakBeforeMake`]): their
+    /// slot-0 entries are deleted first, so lookups miss the frontend exactly as if it were being
+    /// removed (never a count pointing at missing slots, never a frontend without its source
+    /// ranges), then the stale entries, then it is written as new. Only new connections to that
+    /// frontend during those few writes are affected; established flows keep their conntrack
+    /// entries, reverse-NAT id and backends. Shrinking frontends are written first then, to make
+    /// room. A group whose net result does not fit is refused, as before.
+    fn plan_writes(
+        &self,
+        built: Vec<(Frontend, FrontendEntries)>,
+    ) -> Result<Vec<(Frontend, FrontendEntries, WriteMode)>, String> {
+        let deltas: Vec<[Delta; 3]> = built
+            .iter()
+            .map(|(frontend, new)| {
+                let old = self.frontends.get(frontend);
+                [
+                    delta(
+                        new.services.keys(),
+                        old.into_iter().flat_map(|o| o.services.keys()),
+                    ),
+                    delta(
+                        new.affinity_match.iter(),
+                        old.into_iter().flat_map(|o| o.affinity_match.iter()),
+                    ),
+                    delta(
+                        new.source_ranges.iter(),
+                        old.into_iter().flat_map(|o| o.source_ranges.iter()),
+                    ),
+                ]
+            })
+            .collect();
+        let used = [
+            i64::from(self.occupancy.services),
+            i64::from(self.occupancy.affinity_match),
+            i64::from(self.occupancy.source_ranges),
+        ];
+        let caps = [
+            i64::from(self.caps.services),
+            i64::from(self.caps.affinity_match),
+            i64::from(self.caps.source_ranges),
+        ];
+        // 1. Make-before-break throughout, in the usual order.
+        let mut running = used;
+        let mut fits = true;
+        for d in &deltas {
+            for m in 0..3 {
+                fits &= running[m] + d[m].added <= caps[m];
+                running[m] += d[m].net();
+            }
         }
-        let over = |used: u32, add: i64, cap: u32| used as i64 + add > cap as i64;
-        if over(self.occupancy.services, services, self.caps.services) {
-            return Some(format!(
-                "map {} is full ({} of {} entries used, {services} more needed)",
-                lb_common::maps::SERVICES,
-                self.occupancy.services,
-                self.caps.services
+        if fits {
+            return Ok(built
+                .into_iter()
+                .map(|(f, e)| (f, e, WriteMode::MakeBeforeBreak))
+                .collect());
+        }
+        // 2. Shrinking frontends first; break-before-make where the peak does not fit. A frontend
+        //    written break-before-make never holds more than max(before, after) entries.
+        let mut order: Vec<usize> = (0..built.len()).collect();
+        order.sort_by_key(|&i| deltas[i][0].net());
+        let mut running = used;
+        let mut modes = vec![WriteMode::MakeBeforeBreak; built.len()];
+        let mut peak = used;
+        for &i in &order {
+            let d = &deltas[i];
+            if (0..3).any(|m| running[m] + d[m].added > caps[m]) {
+                modes[i] = WriteMode::BreakBeforeMake;
+            }
+            for m in 0..3 {
+                running[m] += d[m].net();
+                peak[m] = peak[m].max(running[m]);
+            }
+        }
+        let names = [
+            lb_common::maps::SERVICES,
+            lb_common::maps::AFFINITY_MATCH,
+            lb_common::maps::SOURCE_RANGES,
+        ];
+        if let Some(m) = (0..3).find(|&m| peak[m] > caps[m]) {
+            return Err(format!(
+                "map {} is full ({} of {} entries used, {} more needed)",
+                names[m],
+                used[m],
+                caps[m],
+                peak[m] - used[m]
             ));
         }
-        if over(self.occupancy.affinity_match, aff, self.caps.affinity_match) {
-            return Some(format!("map {} is full", lb_common::maps::AFFINITY_MATCH));
-        }
-        if over(self.occupancy.source_ranges, ranges, self.caps.source_ranges) {
-            return Some(format!("map {} is full", lb_common::maps::SOURCE_RANGES));
-        }
-        None
+        let mut built: Vec<Option<(Frontend, FrontendEntries)>> = built.into_iter().map(Some).collect();
+        Ok(order
+            .into_iter()
+            .filter_map(|i| built[i].take().map(|(f, e)| (f, e, modes[i])))
+            .collect())
     }
 
-    fn write_frontend(&mut self, frontend: Frontend, new: FrontendEntries, report: &mut ApplyReport) {
+    /// Writes one frontend; true when it was withdrawn first (break-before-make).
+    fn write_frontend(
+        &mut self,
+        frontend: Frontend,
+        new: FrontendEntries,
+        mode: WriteMode,
+        report: &mut ApplyReport,
+    ) -> bool {
         let old = self.frontends.get(&frontend).cloned();
         if old.as_ref() == Some(&new) {
-            return;
+            return false;
         }
         // The entries as they are in the kernel right now, updated write by write, so that a
         // failure leaves an accurate mirror.
@@ -513,12 +614,20 @@ impl<M: MapOps> Applier<M> {
         if old.is_some() {
             self.count_frontend(&current, -1);
         }
-        let result = self.write_frontend_entries(old.as_ref(), &new, &mut current, report);
+        let mut result = Ok(());
+        let withdraw = mode == WriteMode::BreakBeforeMake && old.is_some();
+        if withdraw {
+            result = self.withdraw_frontend_entries(&new, &mut current, report);
+        }
+        if result.is_ok() {
+            result = self.write_frontend_entries(old.as_ref(), &new, &mut current, report);
+        }
         if let Err(e) = result {
             report.errors.push(format!("{frontend} ({}): {e}", new.service));
         }
         self.count_frontend(&current, 1);
         self.frontends.insert(frontend, current);
+        withdraw
     }
 
     fn write_frontend_entries(
@@ -584,6 +693,42 @@ impl<M: MapOps> Applier<M> {
         Ok(())
     }
 
+    /// Break-before-make, first half: deletes the frontend's slot-0 entries (the external scope
+    /// first, whose `TWO_SCOPES` flag points at the internal one), so lookups miss it as if it
+    /// were being removed, then every entry `new` does not have. The reverse-NAT entry stays (same
+    /// id: established flows are unaffected). `write_frontend_entries` then writes the frontend
+    /// as new, slot 0 last.
+    fn withdraw_frontend_entries(
+        &mut self,
+        new: &FrontendEntries,
+        current: &mut FrontendEntries,
+        report: &mut ApplyReport,
+    ) -> Result<(), MapError> {
+        let mut keys: Vec<Svc4Key> = current
+            .services
+            .keys()
+            .filter(|k| k.slot == 0 || !new.services.contains_key(k))
+            .copied()
+            .collect();
+        keys.sort_by_key(|k| (k.slot != 0, k.scope, k.slot));
+        for key in keys {
+            self.maps.delete_service(&key)?;
+            report.deletes += 1;
+            current.services.remove(&key);
+        }
+        for range in current.source_ranges.clone().difference(&new.source_ranges) {
+            self.maps.delete_source_range(range.0, &range.1.into())?;
+            report.deletes += 1;
+            current.source_ranges.remove(range);
+        }
+        for member in current.affinity_match.clone().difference(&new.affinity_match) {
+            self.maps.delete_affinity_match(member)?;
+            report.deletes += 1;
+            current.affinity_match.remove(member);
+        }
+        Ok(())
+    }
+
     fn remove_frontend(&mut self, frontend: &Frontend, report: &mut ApplyReport) {
         let Some(mut current) = self.frontends.remove(frontend) else {
             return;
@@ -621,22 +766,88 @@ impl<M: MapOps> Applier<M> {
     }
 }
 
-/// The map entries of one frontend. Fails with the backend that has no id.
+/// How a frontend is rewritten (see [`Applier::plan_writes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum WriteMode {
+    /// New entries first, slot 0 last, then the stale ones: lookups see the old or the new
+    /// frontend, never a gap; needs room for both for a moment.
+    MakeBeforeBreak,
+    /// Slot 0 and the stale entries first, then the new ones: lookups miss the frontend for a
+    /// moment; needs no more room than the larger of the old and new frontend.
+    BreakBeforeMake,
+}
+
+/// How one frontend changes the entry count of one map.
+#[derive(Clone, Copy, Debug, Default)]
+struct Delta {
+    /// Keys the new entries have and the old ones do not.
+    added: i64,
+    /// Keys the old entries have and the new ones do not.
+    removed: i64,
+}
+
+impl Delta {
+    fn net(self) -> i64 {
+        self.added - self.removed
+    }
+}
+
+/// Counts the keys only in `new` (added) and only in `old` (removed), from two sorted sequences.
+fn delta<K: Ord>(new: impl Iterator<Item = K>, old: impl Iterator<Item = K>) -> Delta {
+    let (mut new, mut old) = (new.peekable(), old.peekable());
+    let mut d = Delta::default();
+    loop {
+        let step = match (new.peek(), old.peek()) {
+            (Some(a), Some(b)) => a.cmp(b),
+            (Some(_), None) => std::cmp::Ordering::Less,
+            (None, Some(_)) => std::cmp::Ordering::Greater,
+            (None, None) => return d,
+        };
+        match step {
+            std::cmp::Ordering::Less => {
+                d.added += 1;
+                new.next();
+            }
+            std::cmp::Ordering::Greater => {
+                d.removed += 1;
+                old.next();
+            }
+            std::cmp::Ordering::Equal => {
+                new.next();
+                old.next();
+            }
+        }
+    }
+}
+
+/// Why a frontend's entries cannot be built.
+#[derive(Debug)]
+enum EntriesError {
+    /// A backend has no id (the backends map is full).
+    NoBackendId(BackendAddr),
+    /// A scope has more backends than `Svc4Value::count` (a `u16`) can count. The plan never
+    /// asks for this (`MAX_BACKENDS_PER_SCOPE`); checked here so that it could never wrap.
+    TooManyBackends(usize),
+}
+
+/// The map entries of one frontend.
 fn entries_for(
     frontend: &Frontend,
     plan: &FrontendPlan,
     rev_nat_id: u32,
     backend_id: &dyn Fn(&BackendAddr) -> Option<u32>,
-) -> Result<FrontendEntries, BackendAddr> {
+) -> Result<FrontendEntries, EntriesError> {
     let proto = frontend.proto.number();
     let addr = frontend.addr.octets();
     let mut services = BTreeMap::new();
     let mut affinity_match = BTreeSet::new();
     for scope in &plan.scopes {
         let key = Svc4Key::new(addr, frontend.port, proto, scope.scope, 0);
-        for (i, backend) in scope.backends.iter().enumerate() {
-            let id = backend_id(backend).ok_or(*backend)?;
-            services.insert(key.with_slot(i as u16 + 1), Svc4Value::slot(rev_nat_id, id));
+        let count = u16::try_from(scope.backends.len())
+            .map_err(|_| EntriesError::TooManyBackends(scope.backends.len()))?;
+        for (slot, backend) in (1..=count).zip(&scope.backends) {
+            let id = backend_id(backend).ok_or(EntriesError::NoBackendId(*backend))?;
+            services.insert(key.with_slot(slot), Svc4Value::slot(rev_nat_id, id));
             if plan.affinity_timeout > 0 {
                 affinity_match.insert(AffinityMatchKey {
                     backend_id: id,
@@ -646,12 +857,7 @@ fn entries_for(
         }
         services.insert(
             key,
-            Svc4Value::frontend(
-                rev_nat_id,
-                scope.backends.len() as u16,
-                scope.flags,
-                plan.affinity_timeout,
-            ),
+            Svc4Value::frontend(rev_nat_id, count, scope.flags, plan.affinity_timeout),
         );
     }
     let source_ranges = plan

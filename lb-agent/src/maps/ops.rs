@@ -10,24 +10,24 @@ use lb_common::{
     service::{SrcRange4, Svc4Key, Svc4Value},
 };
 
-/// A failed map operation.
+/// A failed map operation. The message includes the OS error, which is therefore not also a
+/// `source()` (it would be printed twice in a chain).
 #[derive(Debug, thiserror::Error)]
-#[error("{op} on map {map}: {source}")]
+#[error("{op} on map {map}: {error}")]
 pub struct MapError {
     pub map: &'static str,
     pub op: &'static str,
-    #[source]
-    pub source: std::io::Error,
+    pub error: std::io::Error,
 }
 
 impl MapError {
-    pub fn new(map: &'static str, op: &'static str, source: std::io::Error) -> Self {
-        Self { map, op, source }
+    pub fn new(map: &'static str, op: &'static str, error: std::io::Error) -> Self {
+        Self { map, op, error }
     }
 
     /// The kernel refused a new entry because the map is at max_entries.
     pub fn is_full(&self) -> bool {
-        matches!(self.source.raw_os_error(), Some(libc::E2BIG) | Some(libc::ENOSPC))
+        matches!(self.error.raw_os_error(), Some(libc::E2BIG) | Some(libc::ENOSPC))
     }
 }
 

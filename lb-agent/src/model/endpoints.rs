@@ -25,7 +25,7 @@ pub enum SliceError {
     #[error("EndpointSlice {slice:?} has no kubernetes.io/service-name label")]
     NoServiceName { slice: String },
     /// `endpointSliceCacheKeys`: "expected EndpointSlice name and namespace to be set".
-    #[error("EndpointSlice name and namespace must be set")]
+    #[error("an EndpointSlice labelled for this Service has no name or no namespace; ignored")]
     NoNameOrNamespace,
     /// `endpointInfoByServicePort`: "Ignoring invalid endpoint port" (nil or 0), or a number that
     /// is not a port at all.
@@ -119,6 +119,7 @@ pub fn endpoints_by_port_with_problems(
     node: &NodeInfo,
 ) -> (BTreeMap<ServicePortName, Vec<Endpoint>>, Vec<SliceError>) {
     let mut selected: BTreeMap<&str, &EndpointSlice> = BTreeMap::new();
+    let mut problems = Vec::new();
     for slice in slices {
         if !slice_is_proxied(slice) {
             continue;
@@ -127,11 +128,23 @@ pub fn endpoints_by_port_with_problems(
             Ok((ns, svc)) if ns == namespace && svc == service => {
                 selected.insert(slice.metadata.name.as_deref().unwrap_or_default(), slice);
             }
+            // Labelled for this Service but without a name or namespace: its endpoints cannot be
+            // used, which must not go unnoticed (the Service would silently have no backends).
+            Err(e @ SliceError::NoNameOrNamespace)
+                if slice
+                    .metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(LABEL_SERVICE_NAME))
+                    .is_some_and(|s| s == service) =>
+            {
+                problems.push(e);
+            }
+            // Another Service's slice, or one that belongs to no Service (no label).
             _ => {}
         }
     }
 
-    let mut problems = Vec::new();
     let mut by_port: BTreeMap<ServicePortName, BTreeMap<(Ipv4Addr, u16), Endpoint>> = BTreeMap::new();
     for (slice_name, slice) in selected {
         let parsed = parse_endpoints(slice_name, slice, node, &mut problems);
@@ -860,6 +873,39 @@ mod tests {
         assert!(!slice_is_proxied(&v6) && !slice_is_proxied(&fqdn) && !slice_is_proxied(&headless));
         // Only IPv6 slices: nothing.
         assert!(endpoints_by_port("ns1", "svc1", &[&v6], &node("n")).is_empty());
+    }
+
+    /// Regression: a slice labelled for the Service but without a namespace (or name) cannot be
+    /// tied to it; that used to be dropped silently, leaving the Service with no backends and
+    /// nothing reported.
+    #[test]
+    fn a_slice_that_cannot_be_tied_to_its_service_is_reported() {
+        let mk = |name: &str| {
+            let mut s = slice(name, "svc1", "ns1");
+            s.ports = Some(vec![slice_port(Some("http"), Some(80), Some("TCP"))]);
+            s.endpoints = Some(vec![ep("10.0.0.1")]);
+            s
+        };
+        let mut no_ns = mk("svc1-a");
+        no_ns.metadata.namespace = None;
+        let mut no_name = mk("");
+        no_name.metadata.name = None;
+        let mut other = mk("other-a");
+        other.metadata.namespace = None;
+        other
+            .metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .insert(LABEL_SERVICE_NAME.into(), "other".into());
+        let (got, problems) =
+            endpoints_by_port_with_problems("ns1", "svc1", &[&no_ns, &no_name, &other], &node("n"));
+        assert!(got.is_empty());
+        // One per slice labelled for svc1; not the slice of another Service.
+        assert_eq!(
+            problems,
+            vec![SliceError::NoNameOrNamespace, SliceError::NoNameOrNamespace]
+        );
     }
 
     #[test]

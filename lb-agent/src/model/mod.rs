@@ -85,7 +85,8 @@ pub struct NodeInfo {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePortInfo {
     pub name: ServicePortName,
-    /// `spec.clusterIPs` of the IPv4 family.
+    /// `spec.clusterIPs` of the IPv4 family (none when it is a special address such as 0.0.0.0,
+    /// see [`service::special_address`]).
     pub cluster_ips: Vec<Ipv4Addr>,
     pub port: u16,
     /// `spec.ports[].nodePort`, for NodePort and LoadBalancer Services.

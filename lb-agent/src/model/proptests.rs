@@ -582,7 +582,10 @@ proptest! {
             prop_assert_ne!(p.health_check_node_port, Some(0));
             prop_assert!(names.insert(p.name.clone()), "duplicate port name {}", p.name);
             prop_assert!(numbers.insert((p.port, p.name.protocol)), "duplicate port {}", p.port);
-            prop_assert_eq!(p.cluster_ips.len(), 1);
+            prop_assert!(p.cluster_ips.len() <= 1);
+            prop_assert!(p.cluster_ips.iter().all(|ip| super::service::special_address(*ip).is_none()));
+            prop_assert!(p.external_ips.iter().all(|ip| super::service::special_address(*ip).is_none()));
+            prop_assert!(p.load_balancer_ips.iter().all(|ip| super::service::special_address(*ip).is_none()));
             prop_assert_eq!(Some(&p.name.name), svc.metadata.name.as_ref());
             prop_assert_eq!(&p.name.namespace, &svc.metadata.namespace.clone().unwrap_or_default());
             if let Some(t) = p.session_affinity_timeout {

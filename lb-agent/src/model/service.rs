@@ -80,6 +80,10 @@ impl ServiceError {
 /// 3. `GetClusterIPByFamily(IPv4)` empty (an IPv6 single-stack Service) -> skipped;
 /// 4. then one [`ServicePortInfo`] per port, dropping (with a warning) the malformed ones.
 ///
+/// A special address ([`special_address`]: 0.0.0.0, loopback, link-local, multicast, broadcast)
+/// as the cluster IP, an external IP or a load-balancer IP is dropped with a warning naming its
+/// field; the rest of the Service is kept.
+///
 /// Fields left unset are filled with the API server's defaults (`type: ClusterIP`, port
 /// `protocol: TCP`, `clusterIPs` from `clusterIP`, `timeoutSeconds: 10800`) so that objects read
 /// from manifest files behave as they would once created through the API.
@@ -116,8 +120,21 @@ pub fn service_ports(svc: &Service) -> Result<ServicePorts, ServiceError> {
     let namespace = meta.namespace.clone().unwrap_or_default();
 
     let mut warnings = Vec::new();
-    let Some(cluster_ip) = ipv4_cluster_ip(spec, &mut warnings)? else {
+    let Some((index, cluster_ip)) = ipv4_cluster_ip(spec, &mut warnings)? else {
         return Err(ServiceError::Skipped("no IPv4 cluster IP"));
+    };
+    // A special cluster IP (0.0.0.0, loopback...) is dropped, and with it the Service's cluster-IP
+    // frontends; its NodePorts, external and load-balancer IPs are still served.
+    let cluster_ips = match special_address(cluster_ip) {
+        Some(reason) => {
+            warnings.push(special_address_warning(
+                &format!("spec.clusterIPs[{index}]"),
+                cluster_ip,
+                reason,
+            ));
+            Vec::new()
+        }
+        None => vec![cluster_ip],
     };
     let has_ipv6 = has_ipv6_family(spec);
 
@@ -176,7 +193,7 @@ pub fn service_ports(svc: &Service) -> Result<ServicePorts, ServiceError> {
         let node_port = node_port(sp, svc_type, &field, &mut warnings);
         ports.push(ServicePortInfo {
             name: port_name,
-            cluster_ips: vec![cluster_ip],
+            cluster_ips: cluster_ips.clone(),
             port,
             node_port,
             external_ips: external_ips.clone(),
@@ -229,7 +246,10 @@ fn cluster_ip_list(spec: &ServiceSpec) -> Vec<&str> {
 /// Without `ipFamilies` (version skew, or a manifest file), kube-proxy takes `clusterIP` when it
 /// is not IPv6; we take the first IPv4 entry of the list, and an unparsable entry is an error only
 /// when no IPv4 entry exists (kube-proxy would have used it as a nil IP).
-fn ipv4_cluster_ip(spec: &ServiceSpec, warnings: &mut Vec<String>) -> Result<Option<Ipv4Addr>, ServiceError> {
+fn ipv4_cluster_ip(
+    spec: &ServiceSpec,
+    warnings: &mut Vec<String>,
+) -> Result<Option<(usize, Ipv4Addr)>, ServiceError> {
     let ips = cluster_ip_list(spec);
     let families = spec.ip_families.as_deref().unwrap_or_default();
     let invalid = |i: usize, value: &str| ServiceError::InvalidClusterIp {
@@ -246,7 +266,7 @@ fn ipv4_cluster_ip(spec: &ServiceSpec, warnings: &mut Vec<String>) -> Result<Opt
         let Some(i) = v4_index else { return Ok(None) };
         let Some(ip) = ips.get(i) else { return Ok(None) };
         return match parse_ip_sloppy(ip) {
-            Some(IpAddr::V4(v4)) => Ok(Some(v4)),
+            Some(IpAddr::V4(v4)) => Ok(Some((i, v4))),
             _ => Err(invalid(i, ip)),
         };
     }
@@ -255,7 +275,7 @@ fn ipv4_cluster_ip(spec: &ServiceSpec, warnings: &mut Vec<String>) -> Result<Opt
     for (i, ip) in ips.iter().enumerate() {
         match parse_ip_sloppy(ip) {
             Some(IpAddr::V4(v4)) => {
-                found.get_or_insert(v4);
+                found.get_or_insert((i, v4));
             }
             Some(IpAddr::V6(_)) => {}
             None => {
@@ -287,10 +307,38 @@ fn has_ipv6_family(spec: &ServiceSpec) -> bool {
             .any(|ip| matches!(parse_ip_sloppy(ip), Some(IpAddr::V6(_))))
 }
 
+/// Why `ip` may not be a Service address, if it may not: API validation's `ValidateNonSpecialIP`
+/// (unspecified, loopback, link-local, link-local multicast), which also guards `externalIPs`,
+/// widened to all multicast and the limited broadcast address. The API server never lets such an
+/// address through (the cluster IP comes from the service CIDR), but `--manifests` skips the API
+/// server, and the socket programs would then take over the host's own connections (an external
+/// IP 127.0.0.1:22 would redirect `ssh localhost`).
+pub fn special_address(ip: Ipv4Addr) -> Option<&'static str> {
+    if ip.is_unspecified() {
+        Some("unspecified (0.0.0.0)")
+    } else if ip.is_loopback() {
+        Some("in the loopback range (127.0.0.0/8)")
+    } else if ip.is_link_local() {
+        Some("in the link-local range (169.254.0.0/16)")
+    } else if ip.is_multicast() {
+        Some("multicast (224.0.0.0/4)")
+    } else if ip.is_broadcast() {
+        Some("the broadcast address (255.255.255.255)")
+    } else {
+        None
+    }
+}
+
+/// The warning for a special address dropped from `field`.
+fn special_address_warning(field: &str, ip: Ipv4Addr, reason: &str) -> String {
+    format!("{field}: \"{ip}\" is {reason}, which a Service may not use; ignored")
+}
+
 /// `spec.externalIPs` of the IPv4 family: kube-proxy `proxyutil.MapIPsByIPFamily(...)[IPv4]`.
 ///
 /// Unparsable entries are dropped with a warning (upstream: "Skipping invalid IP"), except blank
 /// ones, which upstream drops silently ("ExternalIPs may not be validated by the API server").
+/// Special addresses ([`special_address`]) are dropped with a warning.
 /// IPv6 entries are dropped; with a warning only when the Service has no IPv6 cluster IP, since
 /// then no proxy at all will serve them.
 fn external_ips(spec: &ServiceSpec, has_ipv6: bool, warnings: &mut Vec<String>) -> Vec<Ipv4Addr> {
@@ -303,7 +351,14 @@ fn external_ips(spec: &ServiceSpec, has_ipv6: bool, warnings: &mut Vec<String>) 
         .enumerate()
     {
         match parse_ip_sloppy(ip) {
-            Some(IpAddr::V4(v4)) => out.push(v4),
+            Some(IpAddr::V4(v4)) => match special_address(v4) {
+                Some(reason) => warnings.push(special_address_warning(
+                    &format!("spec.externalIPs[{i}]"),
+                    v4,
+                    reason,
+                )),
+                None => out.push(v4),
+            },
             Some(IpAddr::V6(_)) if has_ipv6 => {}
             Some(IpAddr::V6(_)) => warnings.push(format!(
                 "spec.externalIPs[{i}]: {ip:?} is IPv6 but the Service has no IPv6 cluster IP; ignored"
@@ -320,7 +375,8 @@ fn external_ips(spec: &ServiceSpec, has_ipv6: bool, warnings: &mut Vec<String>) 
 /// `status.loadBalancer.ingress[].ip` of the IPv4 family in VIP mode: kube-proxy
 /// `newBaseServiceInfo`'s ingress loop with `proxyutil.IsVIPMode` (`ipMode` unset or `VIP`;
 /// `Proxy` means the load balancer delivers to the node itself, KEP-1860). Hostname-only ingress
-/// entries are skipped silently, as upstream; unparsable and (single-stack) IPv6 ones with a warning.
+/// entries are skipped silently, as upstream; unparsable, special ([`special_address`]) and
+/// (single-stack) IPv6 ones with a warning.
 fn load_balancer_ips(svc: &Service, has_ipv6: bool, warnings: &mut Vec<String>) -> Vec<Ipv4Addr> {
     let ingress = svc
         .status
@@ -343,7 +399,10 @@ fn load_balancer_ips(svc: &Service, has_ipv6: bool, warnings: &mut Vec<String>) 
             }
         }
         match parse_ip_sloppy(ip) {
-            Some(IpAddr::V4(v4)) => out.push(v4),
+            Some(IpAddr::V4(v4)) => match special_address(v4) {
+                Some(reason) => warnings.push(special_address_warning(&format!("{field}.ip"), v4, reason)),
+                None => out.push(v4),
+            },
             Some(IpAddr::V6(_)) if has_ipv6 => {}
             Some(IpAddr::V6(_)) => warnings.push(format!(
                 "{field}.ip: {ip:?} is IPv6 but the Service has no IPv6 cluster IP; ignored"
@@ -1046,6 +1105,99 @@ mod tests {
             .ports_ok();
         assert_eq!(out.ports[0].external_ips, vec![v4("192.0.2.1")]);
         assert!(out.warnings.is_empty(), "{:?}", out.warnings);
+    }
+
+    /// Regression: special addresses (which API validation rejects, but `--manifests` skips the
+    /// API server) were accepted; an external IP 127.0.0.1:22 would have let the socket programs
+    /// take over `ssh localhost`. Each is dropped with a warning naming its field; the rest of the
+    /// Service is kept.
+    #[test]
+    fn special_addresses_are_dropped_with_a_warning() {
+        let special = [
+            "0.0.0.0",
+            "127.0.0.1",
+            "127.1.2.3",
+            "169.254.169.254",
+            "224.0.0.1",
+            "239.255.255.250",
+            "255.255.255.255",
+        ];
+        let out = svc()
+            .type_("LoadBalancer")
+            .node_ports(&[30080])
+            .external_ips(&[&["192.0.2.1"][..], &special[..]].concat())
+            .ingress(
+                &[("198.51.100.1", None)]
+                    .into_iter()
+                    .chain(special.iter().map(|ip| (*ip, None)))
+                    .collect::<Vec<_>>(),
+            )
+            .ports_ok();
+        let p = &out.ports[0];
+        assert_eq!(p.cluster_ips, vec![v4("10.96.0.1")]);
+        assert_eq!(p.external_ips, vec![v4("192.0.2.1")]);
+        assert_eq!(p.load_balancer_ips, vec![v4("198.51.100.1")]);
+        assert_eq!(p.node_port, Some(30080));
+        assert_eq!(out.warnings.len(), 2 * special.len(), "{:?}", out.warnings);
+        assert_eq!(
+            out.warnings[1],
+            "spec.externalIPs[2]: \"127.0.0.1\" is in the loopback range (127.0.0.0/8), which a \
+             Service may not use; ignored"
+        );
+        for (i, ip) in special.iter().enumerate() {
+            assert!(
+                out.warnings[i].starts_with(&format!("spec.externalIPs[{}]: \"{ip}\" is ", i + 1))
+                    && out.warnings[i].ends_with("; ignored"),
+                "{}",
+                out.warnings[i]
+            );
+            let lb = &out.warnings[special.len() + i];
+            assert!(
+                lb.starts_with(&format!(
+                    "status.loadBalancer.ingress[{}].ip: \"{ip}\" is ",
+                    i + 1
+                )),
+                "{lb}"
+            );
+        }
+
+        // A special cluster IP: no cluster-IP frontend, the NodePort is still served.
+        for ip in special {
+            let out = svc()
+                .type_("NodePort")
+                .cluster_ips(&[ip], &["IPv4"])
+                .node_ports(&[30080])
+                .ports_ok();
+            assert!(out.ports[0].cluster_ips.is_empty(), "{ip}");
+            assert_eq!(out.ports[0].node_port, Some(30080));
+            assert_eq!(out.warnings.len(), 1, "{:?}", out.warnings);
+            assert!(
+                out.warnings[0].starts_with(&format!("spec.clusterIPs[0]: \"{ip}\" is ")),
+                "{}",
+                out.warnings[0]
+            );
+        }
+        // Without ipFamilies (a manifest), the field is the index of the IPv4 entry.
+        let out = svc().cluster_ips(&["fd00::1", "0.0.0.0"], &[]).ports_ok();
+        assert!(out.ports[0].cluster_ips.is_empty());
+        assert_eq!(
+            out.warnings,
+            vec![
+                "spec.clusterIPs[1]: \"0.0.0.0\" is unspecified (0.0.0.0), which a Service may not \
+                 use; ignored"
+            ]
+        );
+        // Ordinary addresses next to the special ranges are fine.
+        for ip in [
+            "1.0.0.0",
+            "126.255.255.255",
+            "128.0.0.1",
+            "169.253.0.1",
+            "223.255.255.255",
+            "240.0.0.1",
+        ] {
+            assert_eq!(special_address(v4(ip)), None, "{ip}");
+        }
     }
 
     /// KEP-1860: ipMode Proxy is excluded, VIP and unset kept; hostname-only entries skipped.

@@ -1,6 +1,8 @@
 //! Reads v1 Services, discovery.k8s.io/v1 EndpointSlices and v1 Nodes from a folder of YAML or
 //! JSON files, exactly as `kubectl get -o yaml` prints them (multi-document files and `kind: List`
-//! are accepted). Other kinds are ignored; a malformed object is an error naming its file.
+//! are accepted). Other kinds are ignored; a malformed object is an error naming its file. An
+//! object without `metadata.namespace` is in the `default` namespace, as `kubectl apply` would
+//! create it (see [`super::default_namespace`]).
 
 use std::{
     fs,
@@ -17,8 +19,8 @@ use super::ClusterState;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
-    #[error("reading {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    #[error("reading {path}: {error}")]
+    Read { path: PathBuf, error: std::io::Error },
     #[error("{path}: not valid YAML: {message}")]
     Yaml { path: PathBuf, message: String },
     #[error("{path}: {kind} {name:?} is malformed: {message}")]
@@ -34,9 +36,9 @@ pub enum ManifestError {
 /// `node_name` picks the Node object that describes this node, if the folder has one.
 pub fn load_dir(dir: &Path, node_name: &str) -> Result<ClusterState, ManifestError> {
     let mut files: Vec<PathBuf> = fs::read_dir(dir)
-        .map_err(|source| ManifestError::Read {
+        .map_err(|error| ManifestError::Read {
             path: dir.to_path_buf(),
-            source,
+            error,
         })?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
@@ -48,16 +50,16 @@ pub fn load_dir(dir: &Path, node_name: &str) -> Result<ClusterState, ManifestErr
     files.sort();
     let mut state = ClusterState::default();
     for path in files {
-        let text = fs::read_to_string(&path).map_err(|source| ManifestError::Read {
+        let text = fs::read_to_string(&path).map_err(|error| ManifestError::Read {
             path: path.clone(),
-            source,
+            error,
         })?;
         load_text(&text, &path, node_name, &mut state)?;
     }
     Ok(state)
 }
 
-/// Adds the objects of one file's text to `state`.
+/// Adds the objects of one file's text to `state` (objects without a namespace go to `default`).
 pub fn load_text(
     text: &str,
     path: &Path,
@@ -165,6 +167,54 @@ items:
         assert!(state.node.is_some());
         let by_svc = state.slices_by_service();
         assert_eq!(by_svc[&("demo".to_string(), "web".to_string())].len(), 1);
+    }
+
+    /// Regression: a Service and its slice written without `metadata.namespace` (as people write
+    /// manifests for `kubectl apply`) used to be keyed as "default" but named "" by the model, so
+    /// the slice was dropped silently and the Service programmed without backends.
+    #[test]
+    fn objects_without_a_namespace_are_in_the_default_namespace() {
+        let text = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web}
+spec:
+  clusterIP: 10.96.0.10
+  ports: [{name: http, port: 80, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-abc
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+endpoints:
+- addresses: [10.244.1.5]
+ports:
+- {name: http, port: 8080, protocol: TCP}
+"#;
+        let mut state = ClusterState::default();
+        load_text(text, Path::new("t.yaml"), "node-a", &mut state).unwrap();
+        let key = ("default".to_string(), "web".to_string());
+        assert_eq!(
+            state.services[&key].metadata.namespace.as_deref(),
+            Some("default")
+        );
+        let slice_key = ("default".to_string(), "web-abc".to_string());
+        assert_eq!(
+            state.slices[&slice_key].metadata.namespace.as_deref(),
+            Some("default")
+        );
+
+        let node = crate::sync::node_info("node-a", None);
+        let computed = crate::sync::compute(&state, &node, &crate::plan::NodeContext::default());
+        assert!(computed.problems.is_empty(), "{:?}", computed.problems);
+        let (frontend, plan) = computed.desired.frontends.iter().next().expect("a frontend");
+        assert_eq!(frontend.to_string(), "10.96.0.10:80/TCP");
+        assert_eq!(plan.service.to_string(), "default/web:http");
+        let backends: Vec<String> = plan.backends().map(|b| b.addr.to_string()).collect();
+        assert_eq!(backends, ["10.244.1.5"]);
+        assert_eq!(computed.desired.backends.len(), 1);
     }
 
     #[test]

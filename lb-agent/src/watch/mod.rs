@@ -7,9 +7,12 @@ pub mod manifests;
 
 use std::{collections::BTreeMap, sync::Arc};
 
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
+use k8s_openapi::{
+    api::{
+        core::v1::{Node, Service},
+        discovery::v1::EndpointSlice,
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
 /// The label that ties an EndpointSlice to its Service.
@@ -32,22 +35,33 @@ pub struct ClusterState {
     pub node: Option<Arc<Node>>,
 }
 
+/// The namespace of an object read without one: what `kubectl apply` and the API server give it.
+pub const DEFAULT_NAMESPACE: &str = "default";
+
+/// Gives an object without a namespace (or with an empty one) the default namespace, in its
+/// metadata itself, so that every later step (the state's keys, the model's names, the
+/// Service-to-slice matching) sees the same namespace. Objects from the API always have one.
+pub fn default_namespace(meta: &mut ObjectMeta) -> &str {
+    if meta.namespace.as_deref().is_none_or(str::is_empty) {
+        meta.namespace = Some(DEFAULT_NAMESPACE.to_owned());
+    }
+    meta.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE)
+}
+
 impl ClusterState {
-    pub fn add_service(&mut self, svc: Service) {
+    /// Adds a Service, in the default namespace if it names none.
+    pub fn add_service(&mut self, mut svc: Service) {
         let key = (
-            svc.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+            default_namespace(&mut svc.metadata).to_owned(),
             svc.metadata.name.clone().unwrap_or_default(),
         );
         self.services.insert(key, Arc::new(svc));
     }
 
-    pub fn add_slice(&mut self, slice: EndpointSlice) {
+    /// Adds an EndpointSlice, in the default namespace if it names none.
+    pub fn add_slice(&mut self, mut slice: EndpointSlice) {
         let key = (
-            slice
-                .metadata
-                .namespace
-                .clone()
-                .unwrap_or_else(|| "default".into()),
+            default_namespace(&mut slice.metadata).to_owned(),
             slice.metadata.name.clone().unwrap_or_default(),
         );
         self.slices.insert(key, Arc::new(slice));

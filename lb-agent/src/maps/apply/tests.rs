@@ -327,3 +327,197 @@ fn affinity_members_and_source_ranges_follow_the_plan() {
     assert!(a.apply(&d2).is_clean());
     assert_eq!(a.maps().state.affinity_match.len(), 1);
 }
+
+/// Replays `log` from `before`, checking the maps after every operation: what a reader running
+/// concurrently with this apply could observe.
+fn assert_consistent_from(before: Snapshot, log: &[Op]) {
+    let mut maps = FakeMaps {
+        state: before,
+        ..FakeMaps::new()
+    };
+    for (i, op) in log.iter().enumerate() {
+        let name = SvcName::default();
+        match op {
+            Op::PutService(k, v) => maps.put_service(k, v).unwrap(),
+            Op::DeleteService(k) => maps.delete_service(k).unwrap(),
+            Op::PutBackend(id, v) => maps.put_backend(*id, v).unwrap(),
+            Op::DeleteBackend(id) => maps.delete_backend(*id).unwrap(),
+            Op::PutRevNat(id, v) => maps.put_revnat(*id, v, &name).unwrap(),
+            Op::DeleteRevNat(id) => maps.delete_revnat(*id).unwrap(),
+            Op::PutAffinityMatch(k) => maps.put_affinity_match(k).unwrap(),
+            Op::DeleteAffinityMatch(k) => maps.delete_affinity_match(k).unwrap(),
+            Op::PutSourceRange(p, r) => maps.put_source_range(*p, r).unwrap(),
+            Op::DeleteSourceRange(p, r) => maps.delete_source_range(*p, r).unwrap(),
+            Op::PutConfig => {}
+        }
+        maps.check_consistent()
+            .unwrap_or_else(|e| panic!("after {i} {op:?}: {e}"));
+    }
+}
+
+/// Regression (see `plan::proptests::reshaping_a_frontend_in_a_full_services_map_is_not_an_error`):
+/// in a services map with no room for the transient peak of make-before-break, but room for the
+/// result, a frontend is withdrawn (slot 0 first) and written anew, never half-visible, and the
+/// kernel map never refuses a write.
+#[test]
+fn a_full_map_rewrites_a_frontend_break_before_make() {
+    // A NodePort with externalTrafficPolicy=Local (1 + 1 and 1 + 3 slots) going to Cluster
+    // (1 + 5 slots): six entries either way, but make-before-break would peak at ten.
+    let local = || {
+        let mut d = DesiredState::default();
+        let plan = FrontendPlan {
+            service: name("web"),
+            kind: FrontendKind::NodePort,
+            affinity_timeout: 0,
+            scopes: vec![
+                ScopePlan {
+                    scope: SCOPE_EXTERNAL,
+                    flags: flags::NODE_PORT | flags::TWO_SCOPES,
+                    backends: vec![be(1)],
+                },
+                ScopePlan {
+                    scope: SCOPE_INTERNAL,
+                    flags: flags::NODE_PORT,
+                    backends: vec![be(1), be(2), be(3)],
+                },
+            ],
+            source_ranges: vec![],
+        };
+        for b in plan.backends() {
+            d.backends.insert(*b, 0);
+        }
+        d.frontends.insert(fe(10), plan);
+        d
+    };
+    let cluster = || desired(&[(10, "web", &[1, 2, 3, 4, 5])]);
+    let caps = Capacities {
+        services: 6,
+        ..Capacities::default()
+    };
+    let maps = FakeMaps {
+        services_capacity: Some(6),
+        ..FakeMaps::new()
+    };
+    let mut a = Applier::new(maps, caps);
+    assert!(a.apply(&local()).is_clean());
+    let before = a.maps().state.clone();
+    a.maps_mut().log.clear();
+    let r = a.apply(&cluster());
+    assert!(r.is_clean(), "{r:?}");
+    assert_eq!(r.withdrawn, vec![(name("web"), fe(10))]);
+    let log = a.maps().log.clone();
+    let service_ops: Vec<&Op> = log
+        .iter()
+        .filter(|op| matches!(op, Op::PutService(..) | Op::DeleteService(_)))
+        .collect();
+    // Both frontend entries first, the external one (whose TWO_SCOPES points at the internal
+    // one) before the internal one; the new frontend entry last.
+    assert!(
+        matches!(service_ops[0], Op::DeleteService(k) if k.slot == 0 && k.scope == SCOPE_EXTERNAL)
+            && matches!(service_ops[1], Op::DeleteService(k) if k.slot == 0 && k.scope == SCOPE_INTERNAL)
+            && matches!(service_ops.last(), Some(Op::PutService(k, _)) if k.slot == 0),
+        "{log:?}"
+    );
+    assert_consistent_from(before, &log);
+    let mut fresh = applier();
+    fresh.apply(&cluster());
+    assert_eq!(a.maps().state.services, fresh.maps().state.services);
+    assert_eq!(a.occupancy().services, 6);
+
+    // With room for the peak, the usual make-before-break: no withdrawal.
+    let mut roomy = applier();
+    roomy.apply(&local());
+    let r = roomy.apply(&cluster());
+    assert!(r.is_clean() && r.withdrawn.is_empty(), "{r:?}");
+}
+
+/// What does not fit even break-before-make is skipped whole and reported, never an error.
+#[test]
+fn a_frontend_that_grows_past_a_full_map_is_skipped_not_an_error() {
+    let caps = Capacities {
+        services: 6,
+        ..Capacities::default()
+    };
+    let maps = FakeMaps {
+        services_capacity: Some(6),
+        ..FakeMaps::new()
+    };
+    let mut a = Applier::new(maps, caps);
+    assert!(a.apply(&desired(&[(10, "web", &[1, 2, 3, 4, 5])])).is_clean());
+    let before = a.maps().state.clone();
+    let r = a.apply(&desired(&[(10, "web", &[1, 2, 3, 4, 5, 6])]));
+    assert!(r.errors.is_empty(), "{r:?}");
+    assert_eq!(r.skipped.len(), 1, "{r:?}");
+    assert!(
+        r.skipped[0].1.contains("lb4_services") && r.skipped[0].1.contains("1 more needed"),
+        "{}",
+        r.skipped[0].1
+    );
+    assert_eq!(a.maps().state.services, before.services, "left as it was");
+}
+
+/// Source ranges too: with the source-range map full, changing a Service's ranges withdraws
+/// its frontend before the old ranges go, so it is never reachable without its ranges.
+#[test]
+fn a_full_source_range_map_never_leaves_a_frontend_without_its_ranges() {
+    let caps = Capacities {
+        source_ranges: 1,
+        ..Capacities::default()
+    };
+    let mut a = Applier::new(FakeMaps::new(), caps);
+    let with_range = |cidr: &str| {
+        let mut d = desired(&[(10, "web", &[1])]);
+        d.frontends.get_mut(&fe(10)).unwrap().source_ranges = vec![cidr.parse().unwrap()];
+        d
+    };
+    assert!(a.apply(&with_range("198.51.100.0/24")).is_clean());
+    a.maps_mut().log.clear();
+    let r = a.apply(&with_range("203.0.113.0/24"));
+    assert!(r.is_clean(), "{r:?}");
+    assert_eq!(r.withdrawn.len(), 1);
+    let log = &a.maps().log;
+    let pos = |pred: &dyn Fn(&Op) -> bool| log.iter().position(pred).unwrap();
+    let hide = pos(&|op| matches!(op, Op::DeleteService(k) if k.slot == 0));
+    let drop_range = pos(&|op| matches!(op, Op::DeleteSourceRange(..)));
+    let add_range = pos(&|op| matches!(op, Op::PutSourceRange(..)));
+    let show = pos(&|op| matches!(op, Op::PutService(k, _) if k.slot == 0));
+    assert!(
+        hide < drop_range && drop_range < add_range && add_range < show,
+        "{log:?}"
+    );
+    let rev = a.rev_nat_id(&fe(10)).unwrap();
+    assert_eq!(
+        a.maps().state.source_ranges,
+        vec![(56, SrcRange4::new(rev, [203, 0, 113, 0]))]
+    );
+    assert_eq!(a.occupancy().source_ranges, 1);
+}
+
+/// A scope with more backends than a frontend entry's `u16` count is refused with a reason, not
+/// truncated (the plan never asks for it; the writer checks anyway).
+#[test]
+fn a_scope_too_large_to_count_is_skipped() {
+    let mut d = desired(&[(10, "web", &[1])]);
+    let many: Vec<BackendAddr> = (0..=u32::from(u16::MAX))
+        .map(|i| BackendAddr {
+            addr: Ipv4Addr::from(0x0a00_0000 + i),
+            port: 8080,
+            proto: Protocol::Tcp,
+        })
+        .collect();
+    for b in &many {
+        d.backends.insert(*b, 0);
+    }
+    d.frontends.get_mut(&fe(10)).unwrap().scopes[0].backends = many;
+    let caps = Capacities {
+        backends: 1 << 17,
+        ..Capacities::default()
+    };
+    let mut a = Applier::new(FakeMaps::new(), caps);
+    let r = a.apply(&d);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(r.skipped.len(), 1);
+    assert!(r.skipped[0].1.contains("65536 backends"), "{}", r.skipped[0].1);
+    assert!(a.maps().state.services.is_empty());
+    assert!(a.maps().state.backends.is_empty());
+}
