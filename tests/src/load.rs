@@ -50,6 +50,11 @@ impl Load {
         Load { proc, results }
     }
 
+    /// The `lb-probe load` process.
+    pub fn pid(&self) -> u32 {
+        self.proc.pid()
+    }
+
     /// Results so far.
     pub fn results(&self) -> Vec<Value> {
         self.results.lock().expect("results lock").clone()

@@ -23,3 +23,21 @@ pub fn record(name: &str, figures: &Value) {
     std::fs::write(&path, serde_json::to_string_pretty(figures).expect("json")).expect("write the figures");
     eprintln!("{name}: {figures}");
 }
+
+/// Marks a scenario as started: its figures say it did not complete until [`record`] replaces
+/// them, so a test that fails before recording leaves no stale figures from an earlier run.
+pub fn started(name: &str, scenario: &str) {
+    let dir = dir();
+    std::fs::create_dir_all(&dir).expect("create the report folder");
+    let figures = serde_json::json!({
+        "scenario": scenario,
+        "completed": false,
+        "attempted": null,
+        "failed": null,
+    });
+    std::fs::write(
+        dir.join(format!("{name}.json")),
+        serde_json::to_string_pretty(&figures).expect("json"),
+    )
+    .expect("write the figures");
+}

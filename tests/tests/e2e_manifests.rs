@@ -131,6 +131,8 @@ fn grants(rules: &[PolicyRule]) -> BTreeSet<(String, String, String)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> {
+    const RBAC: &str = "The agent's ServiceAccount and ClusterRole (manifests/rbac.yaml) applied to a real kube-apiserver with RBAC on: the minimum the agent uses";
+    lb_tests::report::started("7-security-rbac", RBAC);
     let cp = tokio::task::spawn_blocking(ControlPlane::start)
         .await?
         .context("starting etcd and kube-apiserver for the manifest checks")?;
@@ -243,7 +245,7 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
     }
     assert_eq!(
         spec("web-lb").load_balancer_source_ranges,
-        Some(vec!["192.168.50.0/24".to_string()])
+        Some(vec!["192.168.50.0/25".to_string()])
     );
     let sticky = spec("sticky");
     assert_eq!(sticky.session_affinity.as_deref(), Some("ClientIP"));
@@ -282,6 +284,13 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
     println!("system:node-proxier grants: {theirs:?}");
     println!("lb-agent grants:            {ours:?}");
     let beyond: Vec<_> = ours.difference(&theirs).collect();
+    let granted: Vec<String> = ours
+        .iter()
+        .map(|(group, resource, verb)| match group.as_str() {
+            "" => format!("{verb} {resource}"),
+            g => format!("{verb} {resource}.{g}"),
+        })
+        .collect();
     assert!(
         beyond.is_empty(),
         "the lb-agent ClusterRole grants more than system:node-proxier: {beyond:?}"
@@ -332,6 +341,16 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
             "the agent's ServiceAccount must not be allowed to {verb} {resource} (namespace {ns:?})"
         );
     }
+    let rbac_checks = |list: &[(&str, &str, Option<&str>)]| -> Vec<String> {
+        list.iter()
+            .map(|(verb, resource, ns)| {
+                format!(
+                    "{verb} {resource}{}",
+                    ns.map(|n| format!(" in {n}")).unwrap_or_default()
+                )
+            })
+            .collect()
+    };
 
     // 4. The agent's own API calls, as the ServiceAccount, through the ConfigMap's kubeconfig.
     let config_map: ConfigMap = kustomized
@@ -469,6 +488,20 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
         ours[0]["series"]["count"], 2,
         "the repeated Event was not patched (events.k8s.io patch denied?): {}",
         ours[0]
+    );
+    lb_tests::report::record(
+        "7-security-rbac",
+        &serde_json::json!({
+            "scenario": RBAC,
+            // `kubectl auth can-i --as=<the ServiceAccount>` answers, and the agent's own calls.
+            "attempted": yes.len() + no.len() + 2,
+            "failed": 0,
+            "granted": granted,
+            "subset_of_system_node_proxier": true,
+            "allowed_as_needed": rbac_checks(yes),
+            "denied_as_expected": rbac_checks(no),
+            "agent_calls_as_the_serviceaccount": "list and watch Services, EndpointSlices and its Node (reflectors); create, then patch, an Event (ProblemReporter): allowed",
+        }),
     );
 
     // Stop the watches: the API server's graceful shutdown waits for open ones.

@@ -7,6 +7,7 @@
 //! - `e2e`          the end-to-end tests against a real etcd and kube-apiserver only;
 //! - `sandbox`      the main job: a local cluster in network namespaces, live traffic tables;
 //! - `bench`        benchmarks side by side with kube-proxy (writes docs/benchmarks.md);
+//! - `report`       regenerate docs/reliability.md from the figures the last test run recorded;
 //! - `k8s-bins`     build (or find cached) etcd, kube-apiserver, kubectl and kube-proxy.
 
 mod ebpf;
@@ -61,6 +62,8 @@ enum Command {
     },
     /// Build or locate the cached etcd, kube-apiserver, kubectl and kube-proxy binaries.
     K8sBins,
+    /// Regenerate docs/reliability.md from target/reliability/*.json (as `test` does at its end).
+    Report,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -79,6 +82,7 @@ fn main() -> anyhow::Result<()> {
         Command::E2e { filter } => test::run_e2e(filter.as_deref()),
         Command::Sandbox { args } => test::run_tool("lb-sandbox", &args),
         Command::Bench { args } => test::run_tool("lb-bench", &args),
+        Command::Report => report::write_reliability(),
         Command::K8sBins => {
             let bins = k8s::ensure(&util::cache_dir())?;
             println!("{}", bins.dir.display());

@@ -4,55 +4,202 @@
 use std::{fmt::Write as _, fs, process::Command};
 
 use anyhow::{Context, Result};
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::util::{output, workspace_root};
 
+/// A value as a Markdown table cell: strings as they are, lists joined, objects as `key: value`
+/// pairs; `|` and line breaks escaped.
 fn cell(v: &Value) -> String {
-    match v {
+    let text = match v {
         Value::String(s) => s.clone(),
         Value::Null => "-".into(),
+        Value::Array(items) if items.is_empty() => "none".into(),
+        Value::Array(items) => items.iter().map(cell).collect::<Vec<_>>().join(", "),
+        Value::Object(map) => map
+            .iter()
+            .map(|(k, v)| format!("{}: {}", key(k), cell(v)))
+            .collect::<Vec<_>>()
+            .join("; "),
+        // Measured durations and latencies: three decimals are plenty.
+        Value::Number(n) if n.is_f64() => {
+            let f = n.as_f64().unwrap_or(f64::NAN);
+            let text = format!("{f:.3}");
+            text.trim_end_matches('0').trim_end_matches('.').to_string()
+        }
         other => other.to_string(),
+    };
+    text.replace('|', "\\|").replace('\n', " ")
+}
+
+/// Columns shown first, in this order, when a list of objects is rendered as a table.
+const FIRST_COLUMNS: &[&str] = &["row", "load", "command", "object", "apiserver", "agent", "event"];
+/// Columns shown last.
+const LAST_COLUMNS: &[&str] = &["ok"];
+
+/// A list of objects as a Markdown table (columns: the union of their keys).
+fn table(items: &[Value]) -> String {
+    let mut keys: Vec<String> = Vec::new();
+    for item in items {
+        for k in item.as_object().into_iter().flat_map(Map::keys) {
+            if !keys.contains(k) {
+                keys.push(k.clone());
+            }
+        }
+    }
+    let rank = |k: &str| {
+        FIRST_COLUMNS
+            .iter()
+            .position(|c| *c == k)
+            .map(|p| (0, p))
+            .or_else(|| LAST_COLUMNS.iter().position(|c| *c == k).map(|p| (2, p)))
+            .unwrap_or((1, 0))
+    };
+    keys.sort_by_key(|k| rank(k));
+    let mut out = String::new();
+    let header: Vec<String> = keys.iter().map(|k| capitalized(&key(k))).collect();
+    let _ = writeln!(out, "| {} |", header.join(" | "));
+    let _ = writeln!(out, "|{}", "---|".repeat(keys.len()));
+    for item in items {
+        let cells: Vec<String> = keys.iter().map(|k| cell(&item[k.as_str()])).collect();
+        let _ = writeln!(out, "| {} |", cells.join(" | "));
+    }
+    out
+}
+
+/// A snake_case key as words; other keys (names like `TC_ACT_OK`) as they are.
+fn key(k: &str) -> String {
+    if k.chars()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+    {
+        k.replace('_', " ")
+    } else {
+        k.to_string()
     }
 }
 
-/// What a scenario lost: failed requests, broken or moved connections, misrouted connections.
+fn capitalized(s: &str) -> String {
+    let mut chars = s.chars();
+    chars
+        .next()
+        .map(|c| c.to_uppercase().chain(chars).collect())
+        .unwrap_or_default()
+}
+
+/// What a scenario lost: failed requests, broken or moved connections, misrouted connections,
+/// unexpected outcomes.
 fn lost(v: &Value) -> String {
+    if v["completed"] == false {
+        return "the test did not complete (it failed before recording its figures)".into();
+    }
     let mut parts = Vec::new();
-    if let Some(f) = v["failed"].as_u64().filter(|f| *f > 0) {
-        parts.push(format!("{f} failed requests"));
-    }
-    if let Some(b) = v
-        .pointer("/established/broken")
-        .and_then(Value::as_u64)
-        .filter(|b| *b > 0)
-    {
-        parts.push(format!("{b} broken connections"));
-    }
-    if let Some(m) = v
-        .pointer("/established/moved_backend")
-        .and_then(Value::as_u64)
-        .filter(|m| *m > 0)
-    {
-        parts.push(format!("{m} connections moved backend"));
-    }
-    if let Some(n) = v["new_connections_to_removed_endpoints"]
-        .as_u64()
-        .filter(|n| *n > 0)
-    {
-        parts.push(format!("{n} connections to removed endpoints"));
-    }
-    if let Some(h) = v["half_programmed"].as_u64().filter(|h| *h > 0) {
-        parts.push(format!("{h} half-programmed Services"));
+    let count = |pointer: &str| v.pointer(pointer).and_then(Value::as_u64).filter(|n| *n > 0);
+    for (pointer, what) in [
+        ("/failed", "failed requests"),
+        ("/established/broken", "broken connections"),
+        ("/established/moved_backend", "connections moved backend"),
+        (
+            "/new_connections_to_removed_endpoints",
+            "connections to removed endpoints",
+        ),
+        ("/half_programmed", "half-programmed Services"),
+        ("/mistranslations", "mistranslated packets"),
+        ("/rows_failed", "inputs not handled as expected"),
+        (
+            "/problems_after_delete",
+            "problems reported after the bad objects were gone",
+        ),
+        (
+            "/denied_but_served",
+            "connections served from outside loadBalancerSourceRanges",
+        ),
+        ("/undocumented", "undocumented listening sockets"),
+    ] {
+        if let Some(n) = count(pointer) {
+            parts.push(format!("{n} {what}"));
+        }
     }
     if v["ids_stable"] == false {
         parts.push("ids changed".into());
+    }
+    if let Some(n) = count("/known_bugs") {
+        parts.push(format!("{n} known bugs (see the table)"));
     }
     if parts.is_empty() {
         "nothing".into()
     } else {
         parts.join(", ")
     }
+}
+
+/// The document, from each scenario's (name, figures), in name order.
+fn render(scenarios: &[(String, Value)], header: &str) -> String {
+    let mut doc = String::new();
+    let _ = writeln!(doc, "# Reliability\n");
+    let _ = writeln!(doc, "{header}\n");
+    let _ = writeln!(
+        doc,
+        "| Scenario | Requests attempted | Failed | Lost |\n|---|---:|---:|---|"
+    );
+    let mut sections = String::new();
+    for (name, v) in scenarios {
+        let title = v["scenario"].as_str().unwrap_or(name).to_string();
+        let _ = writeln!(
+            doc,
+            "| {name}: {} | {} | {} | {} |",
+            cell(&json_string(&title)),
+            cell(&v["attempted"]),
+            cell(&v["failed"]),
+            lost(v)
+        );
+        let _ = writeln!(sections, "\n## {name}\n\n{title}\n");
+        if let Some(loads) = v["load"].as_array() {
+            let _ = writeln!(
+                sections,
+                "| Load held | Attempted | Failed | Details |\n|---|---:|---:|---|"
+            );
+            for l in loads {
+                let details: Vec<String> = l
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .filter(|(k, _)| !matches!(k.as_str(), "load" | "attempted" | "failed"))
+                    .map(|(k, v)| format!("{}: {}", key(k), cell(v)))
+                    .collect();
+                let _ = writeln!(
+                    sections,
+                    "| {} | {} | {} | {} |",
+                    cell(&l["load"]),
+                    cell(&l["attempted"]),
+                    cell(&l["failed"]),
+                    details.join("; ")
+                );
+            }
+            sections.push('\n');
+        }
+        let mut tables = String::new();
+        for (k, val) in v.as_object().into_iter().flatten() {
+            if matches!(k.as_str(), "scenario" | "load" | "attempted" | "failed") {
+                continue;
+            }
+            match val.as_array() {
+                // Lists of objects (per-input rows, per-command attempts) get their own table.
+                Some(items) if !items.is_empty() && items.iter().all(Value::is_object) => {
+                    let _ = writeln!(tables, "\n{}:\n\n{}", capitalized(&key(k)), table(items));
+                }
+                _ => {
+                    let _ = writeln!(sections, "- {}: {}", key(k), cell(val));
+                }
+            }
+        }
+        sections.push_str(&tables);
+    }
+    doc.push_str(&sections);
+    doc
+}
+
+fn json_string(s: &str) -> Value {
+    Value::String(s.to_string())
 }
 
 pub fn write_reliability() -> Result<()> {
@@ -68,6 +215,13 @@ pub fn write_reliability() -> Result<()> {
         return Ok(());
     }
     files.sort();
+    let mut scenarios = Vec::new();
+    for file in &files {
+        let v: Value = serde_json::from_str(&fs::read_to_string(file)?)
+            .with_context(|| format!("{}", file.display()))?;
+        let name = file.file_stem().unwrap_or_default().to_string_lossy().to_string();
+        scenarios.push((name, v));
+    }
     let kernel = output(Command::new("uname").arg("-r")).unwrap_or_default();
     let sha = output(
         Command::new("git")
@@ -76,70 +230,67 @@ pub fn write_reliability() -> Result<()> {
     )
     .unwrap_or_default();
     let date = output(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"])).unwrap_or_default();
-    let mut doc = String::new();
-    let _ = writeln!(doc, "# Reliability\n");
-    let _ = writeln!(
-        doc,
-        "Generated by `cargo xtask test` from the figures the reliability tests recorded (`target/reliability/*.json`), \
-         at {} on kernel {}, commit {}. Each scenario is an automated test in `tests/tests/`; the goal is that nothing \
-         is lost.\n",
+    let header = format!(
+        "Generated by `cargo xtask test` (or `cargo xtask report`) from the figures the reliability tests recorded \
+         (`target/reliability/*.json`), at {} on kernel {}, commit {}. Each scenario is an automated test in \
+         `tests/tests/`; the goal is that nothing is lost.",
         date.trim(),
         kernel.trim(),
         sha.trim()
     );
-    let _ = writeln!(
-        doc,
-        "| Scenario | Requests attempted | Failed | Lost |\n|---|---:|---:|---|"
-    );
-    let mut sections = String::new();
-    for file in &files {
-        let v: Value = serde_json::from_str(&fs::read_to_string(file)?)
-            .with_context(|| format!("{}", file.display()))?;
-        let name = file.file_stem().unwrap_or_default().to_string_lossy().to_string();
-        let title = v["scenario"].as_str().unwrap_or(&name).to_string();
-        let _ = writeln!(
-            doc,
-            "| {name}: {title} | {} | {} | {} |",
-            cell(&v["attempted"]),
-            cell(&v["failed"]),
-            lost(&v)
-        );
-        let _ = writeln!(sections, "\n## {name}\n\n{title}\n");
-        if let Some(loads) = v["load"].as_array() {
-            let _ = writeln!(
-                sections,
-                "| Load held | Attempted | Failed | Details |\n|---|---:|---:|---|"
-            );
-            for l in loads {
-                let details: Vec<String> = l
-                    .as_object()
-                    .into_iter()
-                    .flatten()
-                    .filter(|(k, _)| !matches!(k.as_str(), "load" | "attempted" | "failed"))
-                    .map(|(k, v)| format!("{k}: {}", cell(v)))
-                    .collect();
-                let _ = writeln!(
-                    sections,
-                    "| {} | {} | {} | {} |",
-                    cell(&l["load"]),
-                    cell(&l["attempted"]),
-                    cell(&l["failed"]),
-                    details.join("; ")
-                );
-            }
-            sections.push('\n');
-        }
-        for (k, val) in v.as_object().into_iter().flatten() {
-            if matches!(k.as_str(), "scenario" | "load" | "attempted" | "failed") {
-                continue;
-            }
-            let _ = writeln!(sections, "- {}: {}", k.replace('_', " "), cell(val));
-        }
-    }
-    doc.push_str(&sections);
+    let doc = render(&scenarios, &header);
     let path = workspace_root().join("docs/reliability.md");
     fs::create_dir_all(path.parent().expect("docs"))?;
     fs::write(&path, doc)?;
     eprintln!("==> wrote {} from {} scenario(s)", path.display(), files.len());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn rows_become_a_table_and_losses_are_named() {
+        let v = json!({
+            "scenario": "Hostile input",
+            "attempted": 10,
+            "failed": 0,
+            "load": [{"load": "tcp", "attempted": 10, "failed": 0}],
+            "rows": [
+                {"row": "port 0", "agent": "spec.ports[0].port | ignored", "ok": true},
+                {"row": "bad address", "agent": "skipped", "event": "InvalidService", "ok": "known bug (repro)"},
+            ],
+            "rows_failed": 0,
+            "known_bugs": 1,
+            "huge": {"endpoints": 200_000, "slices": 200, "created_in_s": 14.229_580_276},
+            "verdicts": {"ingress TC_ACT_OK": 3},
+            "granted": ["list services", "watch services"],
+        });
+        let doc = render(&[("5-hostile-input".into(), v)], "header");
+        assert!(
+            doc.contains("| 5-hostile-input: Hostile input | 10 | 0 | 1 known bugs (see the table) |"),
+            "{doc}"
+        );
+        assert!(doc.contains("| Row | Agent | Event | Ok |"), "{doc}");
+        assert!(
+            doc.contains("| port 0 | spec.ports[0].port \\| ignored | - | true |"),
+            "{doc}"
+        );
+        assert!(
+            doc.contains("| bad address | skipped | InvalidService | known bug (repro) |"),
+            "{doc}"
+        );
+        assert!(
+            doc.contains("- huge: created in s: 14.23; endpoints: 200000; slices: 200"),
+            "{doc}"
+        );
+        assert!(doc.contains("- verdicts: ingress TC_ACT_OK: 3"), "{doc}");
+        assert!(doc.contains("- granted: list services, watch services"), "{doc}");
+        // A test that failed before recording says so.
+        let failed = render(&[("x".into(), json!({"scenario": "x", "completed": false}))], "h");
+        assert!(failed.contains("did not complete"), "{failed}");
+    }
 }
