@@ -123,7 +123,7 @@ pub struct DesiredState {
 }
 
 /// Node-wide facts and settings the plan depends on.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeContext {
     /// Addresses NodePorts are served on (`--nodeport-addresses` applied to this node's addresses),
     /// not including loopback.
@@ -159,6 +159,55 @@ pub struct PlanProblem {
     pub message: String,
 }
 
+/// One service port's claim on a frontend (its plan for it), before other Services are
+/// considered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Claim {
+    pub kind: FrontendKind,
+    pub frontend: Frontend,
+    pub plan: FrontendPlan,
+}
+
+impl Claim {
+    /// Two Services may claim one frontend (externalIPs and LB IPs are not allocated by the API
+    /// server): the claim first in this order wins, deterministically, and the others are
+    /// reported.
+    pub fn priority(&self) -> (FrontendKind, &ServicePortName) {
+        (self.kind, &self.plan.service)
+    }
+
+    /// The problem reported for a claim that lost to `owner`'s.
+    pub fn lost_to(&self, owner: &ServicePortName) -> PlanProblem {
+        lost_claim(self.kind, &self.frontend, &self.plan.service, owner)
+    }
+}
+
+/// The problem reported for `loser`'s claim on `frontend`, which `owner` holds.
+pub fn lost_claim(
+    kind: FrontendKind,
+    frontend: &Frontend,
+    loser: &ServicePortName,
+    owner: &ServicePortName,
+) -> PlanProblem {
+    PlanProblem {
+        service: loser.clone(),
+        message: format!(
+            "{} {frontend} is already served for {owner}; this claim is ignored",
+            kind.as_str()
+        ),
+    }
+}
+
+/// What one service port asks of the maps on its own: its claims, the problem of frontends too
+/// large to program, and its endpoints (for the backend flags, merged across Services).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PortPlan {
+    pub claims: Vec<Claim>,
+    pub problem: Option<PlanProblem>,
+    /// Every endpoint of the port's cluster and local lists: (backend, local, terminating).
+    pub endpoints: Vec<(BackendAddr, bool, bool)>,
+}
+
 /// Computes the desired state. `services` holds each service port with its categorized
 /// endpoints; the result does not depend on their order. A frontend that would need more than
 /// [`MAX_BACKENDS_PER_SCOPE`] slots in a scope is left out and reported; the rest is planned.
@@ -166,81 +215,112 @@ pub fn plan(
     services: &[(ServicePortInfo, CategorizedEndpoints)],
     node: &NodeContext,
 ) -> (DesiredState, Vec<PlanProblem>) {
-    let mut claims: Vec<(FrontendKind, &ServicePortName, Frontend, FrontendPlan)> = Vec::new();
-    let mut problems = Vec::new();
-    for (svc, endpoints) in services {
-        // Frontends too large for the maps, skipped (and reported once per service port).
-        let mut too_large: BTreeSet<Frontend> = BTreeSet::new();
-        let mut largest = 0;
-        for (kind, frontend) in frontends_of(svc, node) {
-            let plan = plan_frontend(svc, endpoints, kind, node);
-            let size = plan.scopes.iter().map(|s| s.backends.len()).max().unwrap_or(0);
-            if size > MAX_BACKENDS_PER_SCOPE {
-                largest = largest.max(size);
-                too_large.insert(frontend);
-                continue;
-            }
-            claims.push((kind, &svc.name, frontend, plan));
+    let ports: Vec<PortPlan> = services
+        .iter()
+        .map(|(svc, endpoints)| plan_port(svc, endpoints, node))
+        .collect();
+    let mut problems: Vec<PlanProblem> = ports.iter().filter_map(|p| p.problem.clone()).collect();
+    let (desired, conflicts) = merge(&ports);
+    problems.extend(conflicts);
+    (desired, problems)
+}
+
+/// Plans one service port on its own (see [`PortPlan`]).
+pub fn plan_port(svc: &ServicePortInfo, endpoints: &CategorizedEndpoints, node: &NodeContext) -> PortPlan {
+    let mut claims = Vec::new();
+    // Frontends too large for the maps, skipped (and reported once per service port).
+    let mut too_large: BTreeSet<Frontend> = BTreeSet::new();
+    let mut largest = 0;
+    for (kind, frontend) in frontends_of(svc, node) {
+        let plan = plan_frontend(svc, endpoints, kind, node);
+        let size = plan.scopes.iter().map(|s| s.backends.len()).max().unwrap_or(0);
+        if size > MAX_BACKENDS_PER_SCOPE {
+            largest = largest.max(size);
+            too_large.insert(frontend);
+            continue;
         }
-        if !too_large.is_empty() {
-            let list: Vec<String> = too_large.iter().map(Frontend::to_string).collect();
-            problems.push(PlanProblem {
-                service: svc.name.clone(),
-                message: format!(
-                    "{}: {largest} endpoints in one scope, more than the {MAX_BACKENDS_PER_SCOPE} a \
-                     frontend can hold; not programmed: {}",
-                    svc.name,
-                    list.join(", ")
-                ),
-            });
-        }
+        claims.push(Claim { kind, frontend, plan });
     }
-    // Two Services may claim one frontend (externalIPs and LB IPs are not allocated by the API
-    // server). The first claim by (kind, Service name) wins, deterministically; the others are
-    // reported.
-    claims.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+    let problem = (!too_large.is_empty()).then(|| {
+        let list: Vec<String> = too_large.iter().map(Frontend::to_string).collect();
+        PlanProblem {
+            service: svc.name.clone(),
+            message: format!(
+                "{}: {largest} endpoints in one scope, more than the {MAX_BACKENDS_PER_SCOPE} a \
+                 frontend can hold; not programmed: {}",
+                svc.name,
+                list.join(", ")
+            ),
+        }
+    });
+    let endpoints = endpoints
+        .cluster
+        .iter()
+        .chain(&endpoints.local)
+        .map(|ep| (backend_addr(ep, svc.name.protocol), ep.is_local, ep.terminating))
+        .collect();
+    PortPlan {
+        claims,
+        problem,
+        endpoints,
+    }
+}
+
+/// Puts the service ports' plans together: claims resolved (see [`Claim::priority`]; the losing
+/// claims are returned as problems), and the backends the kept frontends use, with their flags
+/// merged across Services.
+pub fn merge(ports: &[PortPlan]) -> (DesiredState, Vec<PlanProblem>) {
+    let mut problems = Vec::new();
+    let mut claims: Vec<&Claim> = ports.iter().flat_map(|p| &p.claims).collect();
+    claims.sort_by(|a, b| a.priority().cmp(&b.priority()));
     let mut desired = DesiredState::default();
-    for (_, _, frontend, plan) in claims {
-        if let Some(owner) = desired.frontends.get(&frontend) {
-            if owner.service != plan.service {
-                problems.push(PlanProblem {
-                    service: plan.service.clone(),
-                    message: format!(
-                        "{} {frontend} is already served for {}; this claim is ignored",
-                        plan.kind.as_str(),
-                        owner.service
-                    ),
-                });
+    for claim in claims {
+        if let Some(owner) = desired.frontends.get(&claim.frontend) {
+            if owner.service != claim.plan.service {
+                problems.push(claim.lost_to(&owner.service));
             }
             continue;
         }
-        desired.frontends.insert(frontend, plan);
+        desired.frontends.insert(claim.frontend, claim.plan.clone());
     }
     // Only backends that a kept frontend uses are written. One address may be an endpoint of
     // several Service ports, whose slices need not agree on its node or conditions: the flags are
-    // merged, whatever the order of the input (local if any says so, terminating only if all do,
-    // as kube-proxy prefers a running copy of a duplicate endpoint).
+    // merged, whatever the order of the input (see [`BackendVotes`]).
     let used: BTreeSet<BackendAddr> = desired
         .frontends
         .values()
         .flat_map(|p| p.backends().copied())
         .collect();
-    let mut merged: BTreeMap<BackendAddr, (bool, bool)> = BTreeMap::new();
-    for (svc, endpoints) in services {
-        for ep in endpoints.cluster.iter().chain(&endpoints.local) {
-            let addr = backend_addr(ep, svc.name.protocol);
-            if used.contains(&addr) {
-                let (local, terminating) = merged.entry(addr).or_insert((false, true));
-                *local |= ep.is_local;
-                *terminating &= ep.terminating;
-            }
+    let mut votes: BTreeMap<BackendAddr, BackendVotes> = BTreeMap::new();
+    for (addr, local, terminating) in ports.iter().flat_map(|p| &p.endpoints) {
+        if used.contains(addr) {
+            votes.entry(*addr).or_default().add(*local, *terminating, 1);
         }
     }
-    desired.backends = merged
-        .into_iter()
-        .map(|(addr, (local, terminating))| (addr, backend_flags(local, terminating)))
-        .collect();
+    desired.backends = votes.into_iter().map(|(addr, v)| (addr, v.flags())).collect();
     (desired, problems)
+}
+
+/// What the endpoints sharing one backend address say about it: local if any says so,
+/// terminating only if all do (kube-proxy prefers a running copy of a duplicate endpoint).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendVotes {
+    pub endpoints: i64,
+    pub local: i64,
+    pub running: i64,
+}
+
+impl BackendVotes {
+    /// Adds (`sign` 1) or withdraws (`sign` -1) one endpoint's vote.
+    pub fn add(&mut self, local: bool, terminating: bool, sign: i64) {
+        self.endpoints += sign;
+        self.local += sign * i64::from(local);
+        self.running += sign * i64::from(!terminating);
+    }
+
+    pub fn flags(&self) -> u8 {
+        backend_flags(self.local > 0, self.running == 0)
+    }
 }
 
 /// The frontends of one service port: every cluster IP, the NodePort on every NodePort address

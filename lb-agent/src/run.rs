@@ -8,7 +8,7 @@
 
 use std::{
     cell::RefCell,
-    collections::HashSet,
+    collections::{BTreeMap, BTreeSet, HashSet},
     net::{IpAddr, Ipv4Addr},
     os::fd::AsRawFd,
     path::PathBuf,
@@ -18,6 +18,8 @@ use std::{
 };
 
 use anyhow::{Context, Result};
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::Resource;
 use lb_common::{
     config::{self as dpconfig, Cidr4, DatapathConfig, MAX_CLUSTER_CIDRS},
     maps as names,
@@ -35,10 +37,9 @@ use crate::{
     node::{self, NodePortAddress},
     plan::NodeContext,
     runner::BoundedFrequencyRunner,
-    sync,
+    sync::{self, Synchronizer, Totals},
     watch::{
-        ClusterState,
-        kube::{KubeSource, PendingChanges, ProblemReporter},
+        kube::{KubeSource, PendingChanges, ProblemReporter, Report},
         manifests,
     },
 };
@@ -168,7 +169,7 @@ impl NodeSettings {
 
 /// Where the agent gets the cluster's state.
 enum Source {
-    Manifests(PathBuf),
+    Manifests(manifests::Manifests),
     Kube(KubeSource),
 }
 
@@ -188,34 +189,56 @@ struct Agent {
     health: ProxyHealth,
     service_health: ServiceHealthServers,
     source: Source,
+    /// Steps 2 and 3, kept between syncs (one changed Service costs one Service's work).
+    synchronizer: Synchronizer,
     /// Problems of the last sync, for Events: (namespace, name, reason, message).
-    problems: Vec<(String, String, &'static str, String)>,
+    problems: Vec<Report>,
+    /// Bad files and objects of the manifests folder at the last sync (each is logged once).
+    manifest_problems: BTreeSet<manifests::Problem>,
 }
 
 impl Agent {
-    fn state(&self) -> Result<ClusterState> {
-        match &self.source {
-            Source::Manifests(dir) => Ok(manifests::load_dir(dir, &self.settings.node_name)?),
-            Source::Kube(kube) => Ok(kube.state()),
-        }
-    }
-
-    /// One sync: compute the desired state and write the difference.
+    /// One sync: bring the desired state up to date and write the difference. Only the Services
+    /// the watch marked dirty are recomputed and only what changed is written; everything is
+    /// recomputed (and compared with the maps) after a relist, when the node's facts change,
+    /// and for manifests, which have no watch.
     fn sync(&mut self) -> Result<()> {
         let started = Instant::now();
-        let pending = match &self.source {
-            Source::Kube(kube) => kube.take_pending(),
-            Source::Manifests(_) => PendingChanges::default(),
+        let (pending, manifests_state) = match &mut self.source {
+            Source::Kube(kube) => (kube.take_pending(), None),
+            Source::Manifests(folder) => {
+                let loaded = folder
+                    .load()
+                    .with_context(|| format!("loading the manifests of {}", folder.dir().display()))?;
+                // Logged when they appear, like the model's problems.
+                for p in loaded
+                    .problems
+                    .iter()
+                    .filter(|p| !self.manifest_problems.contains(*p))
+                {
+                    match &p.error {
+                        manifests::ManifestError::Object(o) => {
+                            tracing::warn!(kind = %o.kind, namespace = %o.namespace, name = %o.name, "{p}")
+                        }
+                        _ => tracing::warn!("{p}"),
+                    }
+                }
+                self.manifest_problems = loaded.problems.into_iter().collect();
+                (PendingChanges::default(), Some(loaded.state))
+            }
         };
-        let state = self.state()?;
+        let node = match (&self.source, &manifests_state) {
+            (_, Some(state)) => state.node.clone(),
+            (Source::Kube(kube), None) => kube.node(),
+            (Source::Manifests(_), None) => None,
+        };
         let settings = &self.settings;
-        let node = state.node.as_deref();
-        if let Some(node) = node {
+        if let Some(node) = node.as_deref() {
             self.health.set_node(node);
         }
-        let info = sync::node_info(&settings.node_name, node);
+        let info = sync::node_info(&settings.node_name, node.as_deref());
         let locals = node::local_addresses().context("listing this node's addresses")?;
-        let ctx = settings.node_context(&locals, &sync::node_primary_ips(node));
+        let ctx = settings.node_context(&locals, &sync::node_primary_ips(node.as_deref()));
         // Masqueraded flows leave with the node's primary IP (else its first NodePort address).
         let snat = ctx
             .node_ips
@@ -231,22 +254,42 @@ impl Agent {
                 .context("writing the datapath configuration")?;
             self.config_written = Some(config);
         }
-        let computed = sync::compute(&state, &info, &ctx);
-        let report = self.applier.apply(&computed.desired);
+        let full =
+            pending.relisted || manifests_state.is_some() || !self.synchronizer.is_current(&info, &ctx);
+        let (outcome, report) = match &self.source {
+            Source::Kube(kube) if !full => {
+                let outcome = self
+                    .synchronizer
+                    .update(&pending.dirty, |key| kube.service_inputs(key));
+                let report = self
+                    .applier
+                    .apply_changes(self.synchronizer.desired(), &outcome.changes);
+                (outcome, report)
+            }
+            _ => {
+                let state = match (manifests_state, &self.source) {
+                    (Some(state), _) => state,
+                    (None, Source::Kube(kube)) => kube.state(),
+                    (None, Source::Manifests(_)) => unreachable!("manifests are loaded above"),
+                };
+                let outcome = self.synchronizer.rebuild(&state, &info, &ctx);
+                (outcome, self.applier.apply(self.synchronizer.desired()))
+            }
+        };
         if self.cgroup_attached {
             self.attach_tc();
         }
 
-        self.problems.clear();
-        for p in &computed.problems {
+        // Problems are logged when they appear; Events are published from the current set.
+        for p in &outcome.new_problems {
             tracing::warn!(kind = p.kind, namespace = %p.namespace, name = %p.name, "{}", p.message);
-            self.problems.push((
-                p.namespace.clone(),
-                p.name.clone(),
-                "InvalidService",
-                p.message.clone(),
-            ));
         }
+        self.problems = self
+            .synchronizer
+            .problems()
+            .into_iter()
+            .map(|p| (p.namespace, p.name, "InvalidService", p.message))
+            .collect();
         let mut skipped_reasons: Vec<(&str, usize)> = Vec::new();
         for (service, reason) in &report.skipped {
             tracing::error!(service = %service, "not programmed: {reason}");
@@ -271,8 +314,9 @@ impl Agent {
         for e in &report.errors {
             tracing::error!("map update failed: {e}");
         }
-        self.record_metrics(&computed, &report, &pending, started);
-        let health_checks = health::targets_from_health_checks(&computed.health_checks);
+        let totals = self.synchronizer.totals();
+        self.record_metrics(&totals, &report, &pending, started);
+        let health_checks = health::targets_from_health_checks(&self.synchronizer.health_checks());
         for e in self.service_health.sync(&health_checks) {
             tracing::warn!("health check server: {e}");
         }
@@ -281,19 +325,47 @@ impl Agent {
             self.health.updated();
             self.metrics.sync_succeeded(SystemTime::now());
         }
-        tracing::info!(
-            service_ports = computed.service_ports,
-            frontends = computed.desired.frontends.len(),
-            backends = computed.desired.backends.len(),
-            writes = report.writes,
-            deletes = report.deletes,
-            elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
-            "data path programmed"
-        );
+        let desired = self.synchronizer.desired();
+        let elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
+        // A full sync, or one that changed something, is worth a line; a no-op resync is not.
+        let level_info = full || report.writes + report.deletes > 0 || !report.is_clean();
+        if level_info {
+            tracing::info!(
+                full,
+                services_recomputed = outcome.recomputed,
+                service_ports = totals.service_ports,
+                frontends = desired.frontends.len(),
+                backends = desired.backends.len(),
+                writes = report.writes,
+                deletes = report.deletes,
+                elapsed_ms,
+                "data path programmed"
+            );
+        } else {
+            tracing::debug!(
+                services_recomputed = outcome.recomputed,
+                elapsed_ms,
+                "data path up to date"
+            );
+        }
         if !report.errors.is_empty() {
             anyhow::bail!("{} map update(s) failed; retrying", report.errors.len());
         }
         Ok(())
+    }
+
+    /// The Services the current problems are about, for their Events.
+    fn problem_references(&self) -> BTreeMap<(String, String), ObjectReference> {
+        let Source::Kube(kube) = &self.source else {
+            return BTreeMap::new();
+        };
+        self.problems
+            .iter()
+            .map(|(ns, name, _, _)| (ns.clone(), name.clone()))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .filter_map(|key| kube.service(&key).map(|svc| (key, svc.object_ref(&()))))
+            .collect()
     }
 
     /// Attaches (or atomically replaces) the programs once the maps hold the desired state, then
@@ -335,7 +407,7 @@ impl Agent {
 
     fn record_metrics(
         &self,
-        computed: &sync::Computed,
+        totals: &Totals,
         report: &crate::maps::ApplyReport,
         pending: &PendingChanges,
         started: Instant,
@@ -355,7 +427,7 @@ impl Agent {
             m.set_service_changes_pending(services as usize);
             m.set_endpoint_changes_pending(endpoints as usize);
         }
-        m.set_no_local_endpoints(computed.no_local_internal, computed.no_local_external);
+        m.set_no_local_endpoints(totals.no_local_internal, totals.no_local_external);
         let caps = self.applier.capacities();
         let occ = self.applier.occupancy();
         for (name, used, cap) in [
@@ -506,7 +578,10 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     );
     let handle = runner.handle();
     let (source, reporter) = match &args.manifests {
-        Some(dir) => (Source::Manifests(dir.clone()), None),
+        Some(dir) => (
+            Source::Manifests(manifests::Manifests::new(dir, &settings.node_name)),
+            None,
+        ),
         None => {
             let client = kube_client(&args).await?;
             match tokio::time::timeout(Duration::from_secs(10), client.apiserver_version()).await {
@@ -559,7 +634,9 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         health: health.clone(),
         service_health: ServiceHealthServers::new(vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)], health),
         source,
+        synchronizer: Synchronizer::new(),
         problems: Vec::new(),
+        manifest_problems: BTreeSet::new(),
     }));
 
     {
@@ -589,11 +666,11 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
                 async move {
                     let result = agent.borrow_mut().sync();
                     if let Some(reporter) = reporter.as_ref() {
-                        let (state, problems) = {
+                        let (problems, services) = {
                             let a = agent.borrow();
-                            (a.state().unwrap_or_default(), a.problems.clone())
+                            (a.problems.clone(), a.problem_references())
                         };
-                        reporter.report(&state, &problems).await;
+                        reporter.report(&problems, &services).await;
                     }
                     result
                 }

@@ -3,11 +3,14 @@
 
 use std::net::Ipv4Addr;
 
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
 
 use crate::{
-    model::{self, CategorizedEndpoints, NodeInfo, ServicePortInfo, categorize_endpoints, service_ports},
-    plan::{self, DesiredState, NodeContext},
+    model::{self, NodeInfo, categorize_endpoints, service_ports},
+    plan::{self, DesiredState, NodeContext, PortPlan},
     watch::ClusterState,
 };
 
@@ -15,7 +18,7 @@ use crate::{
 pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 
 /// Something wrong with one object, reported and skipped while the rest is programmed.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Problem {
     /// "Service" or "EndpointSlice".
     pub kind: &'static str,
@@ -76,73 +79,113 @@ pub fn node_primary_ips(node: Option<&Node>) -> Vec<Ipv4Addr> {
     Vec::new()
 }
 
-/// Runs the model and the plan over `state`.
-pub fn compute(state: &ClusterState, node: &NodeInfo, ctx: &NodeContext) -> Computed {
-    let slices = state.slices_by_service();
-    let mut problems = Vec::new();
-    let mut ports: Vec<(ServicePortInfo, CategorizedEndpoints)> = Vec::new();
-    let mut endpoints_seen = 0;
-    let mut health_checks = Vec::new();
-    let (mut no_local_internal, mut no_local_external) = (0, 0);
-    for ((namespace, name), svc) in &state.services {
-        let report = |message: String| Problem {
-            kind: "Service",
-            namespace: namespace.clone(),
-            name: name.clone(),
+/// What one Service contributes, computed from its object and its EndpointSlices alone (steps 2
+/// and 3 short of putting Services together, which `plan::merge` and [`Synchronizer`] do).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServiceUnit {
+    /// Problems with the Service and its slices, and frontends too large to program.
+    pub problems: Vec<Problem>,
+    pub ports: Vec<PortPlan>,
+    /// Endpoints seen (before policy and topology).
+    pub endpoints: usize,
+    pub health_checks: Vec<(u16, model::ServicePortName, usize)>,
+    pub no_local_internal: usize,
+    pub no_local_external: usize,
+}
+
+impl ServiceUnit {
+    /// Runs the model and plans each port of one Service.
+    pub fn compute(
+        namespace: &str,
+        name: &str,
+        svc: &Service,
+        slices: &[&EndpointSlice],
+        node: &NodeInfo,
+        ctx: &NodeContext,
+    ) -> ServiceUnit {
+        let mut unit = ServiceUnit::default();
+        let report = |kind: &'static str, message: String| Problem {
+            kind,
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
             message,
         };
         let service = match service_ports(svc) {
             Ok(service) => service,
-            Err(e) if e.is_skipped() => continue,
+            Err(e) if e.is_skipped() => return unit,
             Err(e) => {
-                problems.push(report(e.to_string()));
-                continue;
+                unit.problems.push(report("Service", e.to_string()));
+                return unit;
             }
         };
-        problems.extend(service.warnings.iter().map(|w| report(w.clone())));
-        let service_slices = slices
-            .get(&(namespace.clone(), name.clone()))
-            .map(Vec::as_slice)
-            .unwrap_or_default();
+        unit.problems
+            .extend(service.warnings.iter().map(|w| report("Service", w.clone())));
         let (mut by_port, slice_problems) =
-            model::endpoints::endpoints_by_port_with_problems(namespace, name, service_slices, node);
-        problems.extend(slice_problems.into_iter().map(|p| Problem {
-            kind: "EndpointSlice",
-            namespace: namespace.clone(),
-            name: name.clone(),
-            message: p.to_string(),
-        }));
+            model::endpoints::endpoints_by_port_with_problems(namespace, name, slices, node);
+        unit.problems.extend(
+            slice_problems
+                .into_iter()
+                .map(|p| report("EndpointSlice", p.to_string())),
+        );
         for port in service.ports {
             let endpoints = by_port.remove(&port.name).unwrap_or_default();
-            endpoints_seen += endpoints.len();
+            unit.endpoints += endpoints.len();
             let categorized = categorize_endpoints(&endpoints, &port, node);
             if categorized.local.is_empty() && categorized.has_any {
-                no_local_internal += usize::from(port.internal_policy_local);
-                no_local_external += usize::from(port.external_policy_local);
+                unit.no_local_internal += usize::from(port.internal_policy_local);
+                unit.no_local_external += usize::from(port.external_policy_local);
             }
             if let Some(hc_port) = port.health_check_node_port {
                 // kube-proxy's health check counts local *ready* endpoints (LocalReadyEndpoints),
                 // so a node whose pods are all terminating answers 503 and is drained.
                 let local_ready = endpoints.iter().filter(|e| e.is_local && e.ready).count();
-                health_checks.push((hc_port, port.name.clone(), local_ready));
+                unit.health_checks.push((hc_port, port.name.clone(), local_ready));
             }
-            ports.push((port, categorized));
+            let planned = plan::plan_port(&port, &categorized, ctx);
+            if let Some(p) = &planned.problem {
+                unit.problems.push(report("Service", p.message.clone()));
+            }
+            unit.ports.push(planned);
         }
-    }
-    let (desired, plan_problems) = plan::plan(&ports, ctx);
-    problems.extend(plan_problems.into_iter().map(|p| Problem {
-        kind: "Service",
-        namespace: p.service.namespace.clone(),
-        name: p.service.name.clone(),
-        message: p.message,
-    }));
-    Computed {
-        desired,
-        problems,
-        service_ports: ports.len(),
-        endpoints: endpoints_seen,
-        health_checks,
-        no_local_internal,
-        no_local_external,
+        unit
     }
 }
+
+/// Runs the model and the plan over `state`, from scratch.
+pub fn compute(state: &ClusterState, node: &NodeInfo, ctx: &NodeContext) -> Computed {
+    let slices = state.slices_by_service();
+    let mut computed = Computed::default();
+    let mut ports = Vec::new();
+    for ((namespace, name), svc) in &state.services {
+        let service_slices = slices
+            .get(&(namespace.clone(), name.clone()))
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let unit = ServiceUnit::compute(namespace, name, svc, service_slices, node, ctx);
+        computed.problems.extend(unit.problems);
+        computed.service_ports += unit.ports.len();
+        computed.endpoints += unit.endpoints;
+        computed.health_checks.extend(unit.health_checks);
+        computed.no_local_internal += unit.no_local_internal;
+        computed.no_local_external += unit.no_local_external;
+        ports.extend(unit.ports);
+    }
+    let (desired, conflicts) = plan::merge(&ports);
+    computed.problems.extend(conflicts.iter().map(Problem::from_plan));
+    computed.desired = desired;
+    computed
+}
+
+impl Problem {
+    pub fn from_plan(p: &plan::PlanProblem) -> Problem {
+        Problem {
+            kind: "Service",
+            namespace: p.service.namespace.clone(),
+            name: p.service.name.clone(),
+            message: p.message.clone(),
+        }
+    }
+}
+
+mod incremental;
+pub use incremental::{Changes, Outcome, ServiceInputs, Synchronizer, Totals};

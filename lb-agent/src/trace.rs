@@ -392,7 +392,11 @@ pub fn run(args: &TraceArgs) -> Result<()> {
     let settings = NodeSettings::from_args(&args.node, true, args.node_ips.first().copied())?;
     let (result, details) = match &args.manifests {
         Some(dir) => {
-            let state = manifests::load_dir(dir, &settings.node_name)?;
+            let loaded = manifests::load_dir(dir, &settings.node_name)?;
+            for problem in &loaded.problems {
+                eprintln!("warning: {problem}");
+            }
+            let state = loaded.state;
             let node_ips = args.node_ips.clone();
             let mut scratch = ScratchDatapath::new(&state, settings, &node_ips, &object)?;
             let ScratchDatapath {

@@ -92,22 +92,20 @@ pub fn select_backend(
         _pad: [0; 3],
     };
     let affinity = frontend.has(flags::AFFINITY);
-    if affinity {
-        if let Some(entry) = AFFINITY.get_ptr(&affinity_key).map(|p| unsafe { *p }) {
-            let member = AffinityMatchKey {
+    if affinity
+        && let Some(entry) = AFFINITY.get_ptr(&affinity_key).map(|p| unsafe { *p })
+        && select::affinity_valid(entry.last_used_ns, now_ns, frontend.affinity_timeout)
+        && AFFINITY_MATCH
+            .get_ptr(&AffinityMatchKey {
                 backend_id: entry.backend_id,
                 rev_nat_id: frontend.rev_nat_id,
-            };
-            if select::affinity_valid(entry.last_used_ns, now_ns, frontend.affinity_timeout)
-                && AFFINITY_MATCH.get_ptr(&member).is_some()
-            {
-                if let Some(backend) = lookup_backend(entry.backend_id) {
-                    count(Counter::AffinityHit);
-                    remember_affinity(&affinity_key, entry.backend_id, now_ns);
-                    return Some((entry.backend_id, backend));
-                }
-            }
-        }
+            })
+            .is_some()
+        && let Some(backend) = lookup_backend(entry.backend_id)
+    {
+        count(Counter::AffinityHit);
+        remember_affinity(&affinity_key, entry.backend_id, now_ns);
+        return Some((entry.backend_id, backend));
     }
     let slot = select::slot_for(hash, frontend.count);
     let slot_entry = match lookup_service(&key.with_slot(slot)) {

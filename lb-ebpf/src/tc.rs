@@ -9,6 +9,7 @@
 //! - egress, after routing: SNAT of masqueraded flows to the node IP (after routing, so the kernel
 //!   never sees a forwarded packet with a local source address, which it drops as martian); and
 //!   reverse DNAT of replies on the client-facing side.
+//!
 //! The kernel routes in between: backends on other nodes are reached through the node's own
 //! routing, neighbour tables and netfilter, so any CNI or overlay works unchanged.
 //!
@@ -245,21 +246,57 @@ fn rewrite(ctx: &TcContext, pkt: &Packet, source: bool, addr: [u8; 4], port: u16
     } else {
         (pkt.l4 + TCP_CHECK, 0)
     };
+    let (from, to) = (
+        u32::from_ne_bytes(old_addr) as u64,
+        u32::from_ne_bytes(addr) as u64,
+    );
+    // The L4 checksum always goes through the helper: only the kernel knows how it holds it (the
+    // full sum, or the pseudo-header sum of an offloaded packet) and keeps skb->csum right.
     if old_addr != addr {
-        let (from, to) = (
-            u32::from_ne_bytes(old_addr) as u64,
-            u32::from_ne_bytes(addr) as u64,
-        );
         ctx.l4_csum_replace(csum_off, from, to, BPF_F_PSEUDO_HDR as u64 | mangled | 4)
             .map_err(|_| ())?;
+    }
+    if old_port != port {
+        ctx.l4_csum_replace(
+            csum_off,
+            old_port.to_be() as u64,
+            port.to_be() as u64,
+            mangled | 2,
+        )
+        .map_err(|_| ())?;
+    }
+    if pkt.l4 == ETH_HLEN + Ipv4Hdr::LEN {
+        // No IP options (the common case): the address, the IP header checksum (plain software,
+        // never offloaded) and the port are written in place, which saves three helper calls a
+        // packet. Taken after the helpers, which invalidate packet pointers.
+        let (Some(ip), Some(l4)) = (
+            ptr_at::<[u8; Ipv4Hdr::LEN]>(ctx, ETH_HLEN),
+            ptr_at::<[u8; 4]>(ctx, ETH_HLEN + Ipv4Hdr::LEN),
+        ) else {
+            return Err(());
+        };
+        // `source` is a constant at every call site, so are the offsets: no bounds checks.
+        unsafe {
+            if old_addr != addr {
+                let check_at = (ip as *mut u8).add(IP_CHECK) as *mut [u8; 2];
+                let check = u16::from_be_bytes(*check_at);
+                // RFC 1624: HC' = ~(~HC + ~m + m').
+                let sum = csum_add_bytes(!check as u32, &addr) + csum_add_bytes(0, &old_addr.map(|b| !b));
+                *check_at = csum_fold(sum).to_be_bytes();
+                *((ip as *mut u8).add(ip_off - ETH_HLEN) as *mut [u8; 4]) = addr;
+            }
+            if old_port != port {
+                *((l4 as *mut u8).add(port_off - pkt.l4) as *mut [u8; 2]) = port.to_be_bytes();
+            }
+        }
+        return Ok(());
+    }
+    if old_addr != addr {
         ctx.l3_csum_replace(ETH_HLEN + IP_CHECK, from, to, 4)
             .map_err(|_| ())?;
         ctx.store(ip_off, &addr, 0).map_err(|_| ())?;
     }
     if old_port != port {
-        let (from, to) = (old_port.to_be() as u64, port.to_be() as u64);
-        ctx.l4_csum_replace(csum_off, from, to, mangled | 2)
-            .map_err(|_| ())?;
         ctx.store(port_off, &port.to_be_bytes(), 0).map_err(|_| ())?;
     }
     Ok(())
@@ -837,7 +874,12 @@ fn icmp_error_ingress(ctx: &mut TcContext, icmp: usize, outer: &Flow) -> i32 {
 /// backend. Other components use skb->mark too (Cilium keeps identities in the upper bits); a
 /// mark that merely looks like ours must not rewrite anything.
 #[inline(always)]
-fn marked_reply(mark: u32, client: ([u8; 4], u16), backend: ([u8; 4], u16), proto: u8) -> Option<RevNat4Value> {
+fn marked_reply(
+    mark: u32,
+    client: ([u8; 4], u16),
+    backend: ([u8; 4], u16),
+    proto: u8,
+) -> Option<RevNat4Value> {
     if mark & MARK_MASK != MARK_MAGIC {
         return None;
     }
@@ -869,7 +911,12 @@ pub fn egress(ctx: &mut TcContext) -> i32 {
         Parsed::L4(pkt) if pkt.flow.proto != proto::SCTP => {
             let flow = pkt.flow;
             if ours {
-                match marked_reply(mark, (flow.daddr, flow.dport), (flow.saddr, flow.sport), flow.proto) {
+                match marked_reply(
+                    mark,
+                    (flow.daddr, flow.dport),
+                    (flow.saddr, flow.sport),
+                    flow.proto,
+                ) {
                     Some(frontend) => {
                         // A reply un-SNATed at ingress: the client called the frontend.
                         ctx.set_mark(0);
@@ -889,7 +936,12 @@ pub fn egress(ctx: &mut TcContext) -> i32 {
             };
             // Ingress made the quote client -> backend.
             let marked = if ours {
-                let found = marked_reply(mark, (q.flow.saddr, q.flow.sport), (q.flow.daddr, q.flow.dport), q.flow.proto);
+                let found = marked_reply(
+                    mark,
+                    (q.flow.saddr, q.flow.sport),
+                    (q.flow.daddr, q.flow.dport),
+                    q.flow.proto,
+                );
                 match found {
                     Some(_) => ctx.set_mark(0),
                     None => count(Counter::TcForeignMark),

@@ -15,8 +15,10 @@ use crate::{
     process::{Place, Proc, workspace_bin},
 };
 
-/// The log line the agent prints after each sync.
+/// The log line the agent prints after a sync that wrote something (or a full one).
 pub const SYNCED: &str = "data path programmed";
+/// The debug line the agent prints after a sync that had nothing to write.
+pub const UP_TO_DATE: &str = "data path up to date";
 /// The log line the agent prints once its programs are attached (after the first sync).
 pub const ATTACHED: &str = "data path attached";
 
@@ -54,7 +56,8 @@ impl Agent {
             .args(&opts.extra_args)
             .env(
                 "RUST_LOG",
-                std::env::var("LB_AGENT_LOG").unwrap_or_else(|_| "info".into()),
+                // lb_agent::run at debug: a sync that changes nothing says so at debug only.
+                std::env::var("LB_AGENT_LOG").unwrap_or_else(|_| "info,lb_agent::run=debug".into()),
             )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -92,7 +95,7 @@ impl Agent {
             .lock()
             .expect("log lock")
             .iter()
-            .filter(|l| l.contains(SYNCED))
+            .filter(|l| l.contains(SYNCED) || l.contains(UP_TO_DATE))
             .count()
     }
 

@@ -36,7 +36,10 @@ use k8s_openapi::{
     },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
-use kube::api::{Api, PostParams};
+use kube::{
+    Resource,
+    api::{Api, PostParams},
+};
 use lb_agent::{
     cli::Cli,
     config,
@@ -303,7 +306,6 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
         ("list", "nodes", None),
         ("watch", "nodes", None),
         ("create", "events.events.k8s.io", Some("demo")),
-        ("patch", "events.events.k8s.io", Some("demo")),
         ("create", "events.events.k8s.io", Some("default")),
     ];
     let no: &[(&str, &str, Option<&str>)] = &[
@@ -323,6 +325,7 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
         ("list", "servicecidrs.networking.k8s.io", None),
         ("create", "events", Some("demo")),
         ("update", "events.events.k8s.io", Some("demo")),
+        ("patch", "events.events.k8s.io", Some("demo")),
         ("delete", "events.events.k8s.io", Some("demo")),
         ("list", "configmaps", None),
         ("get", "configmaps", Some("kube-system")),
@@ -447,48 +450,46 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
         );
     }
     let reporter = ProblemReporter::new(agent_client, NODE);
-    let problem = vec![(
-        "demo".to_string(),
-        "web".to_string(),
-        "InvalidService",
-        "manifest test".to_string(),
-    )];
-    reporter.report(&state, &problem).await;
-    let listed = kubectl(
-        &cp,
-        [
-            "get",
-            "events",
-            "-n",
-            "demo",
-            "--field-selector",
-            "reportingComponent=lb-agent",
-            "-o",
-            "name",
-        ],
-    )?;
-    ensure!(
-        !listed.trim().is_empty(),
-        "the agent's Event was not created (events.k8s.io create denied?)"
-    );
-    // Forgotten, then reported again: kube-runtime's Recorder patches the cached Event's series.
-    reporter.report(&state, &[]).await;
-    reporter.report(&state, &problem).await;
-    let events = objects(&kubectl(
-        &cp,
-        ["get", "events.events.k8s.io", "-n", "demo", "-o", "json"],
-    )?)?;
-    let ours: Vec<&Value> = events
-        .iter()
+    let web = ("demo".to_string(), "web".to_string());
+    let web_ref = state.services[&web].object_ref(&());
+    let services = std::collections::BTreeMap::from([(web.clone(), web_ref)]);
+    let problem = |message: &str| {
+        (
+            web.0.clone(),
+            web.1.clone(),
+            "InvalidService",
+            message.to_string(),
+        )
+    };
+    reporter.report(&[problem("manifest test")], &services).await;
+    let ours = |cp: &ControlPlane| -> Result<Vec<Value>> {
+        Ok(objects(&kubectl(
+            cp,
+            ["get", "events.events.k8s.io", "-n", "demo", "-o", "json"],
+        )?)?
+        .into_iter()
         .filter(|e| e["reportingController"] == "lb-agent")
-        .collect();
-    assert_eq!(ours.len(), 1, "one Event, patched: {ours:?}");
-    assert_eq!(ours[0]["regarding"]["name"], "web");
-    assert_eq!(
-        ours[0]["series"]["count"], 2,
-        "the repeated Event was not patched (events.k8s.io patch denied?): {}",
-        ours[0]
+        .collect())
+    };
+    let events = ours(&cp)?;
+    ensure!(
+        events.len() == 1,
+        "the agent's Event was not created (events.k8s.io create denied?): {events:?}"
     );
+    assert_eq!(events[0]["regarding"]["name"], "web");
+    assert_eq!(events[0]["note"], "manifest test");
+    // Forgotten, then reported again: the same Event (same name, 409 ignored), not a copy; a
+    // second problem gets its own Event.
+    reporter.report(&[], &services).await;
+    reporter
+        .report(&[problem("manifest test"), problem("second problem")], &services)
+        .await;
+    let mut notes: Vec<String> = ours(&cp)?
+        .iter()
+        .map(|e| e["note"].as_str().unwrap_or_default().to_string())
+        .collect();
+    notes.sort();
+    assert_eq!(notes, ["manifest test", "second problem"]);
     lb_tests::report::record(
         "7-security-rbac",
         &serde_json::json!({

@@ -409,9 +409,6 @@ enum AgentExpect {
     Serves,
     /// Ignore it without a complaint, by design (the reason).
     Ignores(&'static str),
-    /// Should report it as `Reports` does, but a known bug (its ignored reproducer, in this file)
-    /// stops it: recorded as a known bug unless it is reported.
-    KnownBug(Vec<&'static str>, &'static str),
 }
 
 struct Row {
@@ -733,10 +730,7 @@ fn refused_rows(site: &Site) -> Vec<Row> {
                 ),
             ],
             api: ApiExpect::Refuses("may not be in the loopback range"),
-            agent: AgentExpect::KnownBug(
-                vec!["endpoints[0]", "endpoints[1]", "endpoints[2]"],
-                "manifests_endpoint_on_a_special_address_is_reported_and_skipped",
-            ),
+            agent: AgentExpect::Reports(vec!["endpoints[0]", "endpoints[1]", "endpoints[2]"]),
             serves: vec![(format!("{}:80", cip(33)), vec![2])],
             absent: vec![],
             absent_backends: vec![
@@ -1108,7 +1102,7 @@ fn judge(site: &Site, row: &Row, log: &[String], cluster: Option<&Cluster>, time
         event: Value::Null,
     };
     match &row.agent {
-        AgentExpect::Reports(needles) | AgentExpect::KnownBug(needles, _) => {
+        AgentExpect::Reports(needles) => {
             for n in needles {
                 match problem_lines(log, &row.service, n).first() {
                     Some(line) => {
@@ -1184,17 +1178,10 @@ fn judge(site: &Site, row: &Row, log: &[String], cluster: Option<&Cluster>, time
     v
 }
 
-/// A table row from a verdict: known bugs are recorded as such (their reproducer fails), other
-/// failures go to `failures`.
+/// A table row from a verdict; its failures go to `failures`.
 fn table_row(row: &Row, apiserver: &str, mode: &str, v: Verdict, failures: &mut Vec<String>) -> Value {
-    let ok = match (&row.agent, v.failed.is_empty()) {
-        (_, true) => json!(true),
-        (AgentExpect::KnownBug(_, reproducer), false) => json!(format!("known bug ({reproducer})")),
-        (_, false) => {
-            failures.extend(v.failed.iter().map(|f| format!("{} ({mode}): {f}", row.what)));
-            json!(false)
-        }
-    };
+    failures.extend(v.failed.iter().map(|f| format!("{} ({mode}): {f}", row.what)));
+    let ok = json!(v.failed.is_empty());
     let mut parts = v.notes.clone();
     if !v.failed.is_empty() {
         parts.push(format!("NOT AS EXPECTED: {}", v.failed.join("; ")));
@@ -1246,10 +1233,7 @@ fn malformed_row() -> Row {
         service: "malformed".into(),
         objects: vec![svc],
         api: ApiExpect::Refuses("cannot unmarshal"),
-        agent: AgentExpect::KnownBug(
-            vec!["malformed"],
-            "manifests_a_malformed_object_skips_only_that_object",
-        ),
+        agent: AgentExpect::Reports(vec!["spec.ports[0].port"]),
         serves: vec![],
         absent: vec![],
         absent_backends: vec![],
@@ -1536,7 +1520,7 @@ fn hostile_services_and_slices_are_reported_and_skipped_under_load() {
             None,
             Duration::from_secs(10),
         );
-        if matches!(row.agent, AgentExpect::Reports(_) | AgentExpect::KnownBug(..)) && v.failed.is_empty() {
+        if matches!(row.agent, AgentExpect::Reports(_)) && v.failed.is_empty() {
             reported_by_manifests += 1;
         }
         let said = api_outcome.get(row.what).cloned().unwrap_or_default();
@@ -1583,7 +1567,7 @@ fn hostile_services_and_slices_are_reported_and_skipped_under_load() {
     let log = plain_log(&manifests_agent);
     let named: Option<String> = log
         .iter()
-        .find(|l| is_problem(l) && l.contains("\"malformed\""))
+        .find(|l| is_problem(l) && l.contains("\"malformed\"") && l.contains("spec.ports[0].port"))
         .map(|l| message(l).replace(&dir.path().display().to_string(), "<manifests>"));
     let mut v = Verdict {
         notes: named.iter().cloned().collect(),
@@ -1591,20 +1575,22 @@ fn hostile_services_and_slices_are_reported_and_skipped_under_load() {
         event: Value::Null,
     };
     if named.is_none() {
-        v.failed.push("no log line names the object".into());
+        v.failed.push("no log line names the object and its field".into());
     }
-    if !latest_served {
+    if latest_served {
+        v.notes
+            .push("a valid Service added next to it was programmed; the rest kept serving".into());
+    } else {
         v.failed
             .push("a valid Service added next to it was not programmed within 5 s".into());
     }
+    if site.frontends().contains_key(&malformed.service) {
+        v.failed.push("programmed".into());
+    }
     let _ = std::fs::remove_file(dir.path().join("zz-malformed.yaml"));
-    let recovered = converge("the malformed object removed", Duration::from_secs(30), || {
+    converge("the malformed object removed", Duration::from_secs(30), || {
         served_by(&site, &latest) == Some(pods_of(&site, &[1]))
     });
-    v.notes.push(format!(
-        "the rest kept serving; the new Service was programmed {:.1} s after the malformed file was removed",
-        recovered.as_secs_f64()
-    ));
     if v.failed.is_empty() {
         reported_by_manifests += 1;
     }
@@ -1741,15 +1727,14 @@ impl Drop for ManifestNode {
     }
 }
 
-/// Bug (reported): in `--manifests` mode an EndpointSlice endpoint on a special address
-/// (127.0.0.1, 0.0.0.0, multicast) becomes a backend without a word. The API server refuses such
+/// Regression: in `--manifests` mode an EndpointSlice endpoint on a special address
+/// (127.0.0.1, 0.0.0.0, multicast) became a backend without a word. The API server refuses such
 /// addresses (`may not be in the loopback range`), as the agent now does for a Service's own
 /// addresses; a loopback backend sends a cluster IP's connections from the node to the node's own
 /// loopback services (here 127.0.0.1:22, sshd), the very redirection the special-address check on
 /// externalIPs prevents. Expected: the endpoint is skipped with a warning naming the slice and
 /// `endpoints[i]`; the valid endpoint stays.
 #[test]
-#[ignore = "bug: special endpoint addresses (127.0.0.1, 0.0.0.0, multicast) are programmed as backends in --manifests mode"]
 fn manifests_endpoint_on_a_special_address_is_reported_and_skipped() {
     let dir = tempfile::tempdir().expect("tempdir");
     write_objects(
@@ -1792,13 +1777,12 @@ fn manifests_endpoint_on_a_special_address_is_reported_and_skipped() {
     assert!(backends.contains("\"10.244.1.2:22\""), "{backends}");
 }
 
-/// Bug (reported): in `--manifests` mode one object that does not deserialize (a field of the
-/// wrong type, which the API server refuses with `cannot unmarshal`) fails the whole folder: every
-/// sync fails ("run failed ... is malformed"), so no other object is programmed (a fresh agent
-/// programs nothing; a running one freezes on its last state). Expected: the agent logs the object
+/// Regression: in `--manifests` mode one object that does not deserialize (a field of the
+/// wrong type, which the API server refuses with `cannot unmarshal`) failed the whole folder: every
+/// sync failed ("run failed ... is malformed"), so no other object was programmed (a fresh agent
+/// programmed nothing; a running one froze on its last state). Expected: the agent logs the object
 /// and skips just it, as for every other malformed field.
 #[test]
-#[ignore = "bug: one malformed object in --manifests makes the agent refuse every object of the folder"]
 fn manifests_a_malformed_object_skips_only_that_object() {
     let dir = tempfile::tempdir().expect("tempdir");
     write_objects(
@@ -1833,7 +1817,7 @@ fn manifests_a_malformed_object_skips_only_that_object() {
     );
 }
 
-/// Bug (reported), in `ProblemReporter` (lb-agent/src/watch/kube.rs) with kube-runtime's
+/// Regression, in `ProblemReporter` (lb-agent/src/watch/kube.rs) with kube-runtime's
 /// `Recorder`: the Recorder keys its Events by (type, action, reason, regarding object), not by
 /// message, so every `InvalidService` problem of one Service lands in the same Event, which it
 /// PATCHes with the message it cached first; and `ProblemReporter` remembers one message per
@@ -1843,7 +1827,6 @@ fn manifests_a_malformed_object_skips_only_that_object() {
 /// at every sync (about 9 per second with the tests' 200 ms sync period) for as long as the
 /// problems last. Expected: one Event per problem, each published once.
 #[test]
-#[ignore = "bug: a Service with two problems shows one of them, republished at every sync"]
 fn a_service_with_two_problems_gets_an_event_for_each_once() {
     let site = Site::new();
     let cluster = Cluster::new(&site);
@@ -1873,13 +1856,12 @@ fn a_service_with_two_problems_gets_an_event_for_each_once() {
     );
 }
 
-/// Bug (reported), same cause: once a Service has an `InvalidService` Event, a different problem
+/// Regression, same cause: once a Service has an `InvalidService` Event, a different problem
 /// on it (here the IPv6 externalIP changed from 2001:db8::1 to 2001:db8::2) only bumps the old
 /// Event's count; its message keeps naming the old problem (for the Recorder's 6-minute cache
 /// TTL). The 200,000-endpoint Service of the scenario above shows it too: its Event still says
 /// "19000 endpoints" once all 200,000 are listed. Expected: the Event names the current problem.
 #[test]
-#[ignore = "bug: an Event keeps the message of a Service's first problem when the problem changes"]
 fn an_event_follows_a_changed_problem() {
     let site = Site::new();
     let cluster = Cluster::new(&site);

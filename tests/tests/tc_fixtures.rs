@@ -432,7 +432,15 @@ fn a_service_without_endpoints_is_rejected_with_icmp_port_unreachable() {
 #[test]
 fn a_reject_never_answers_a_source_icmp_errors_may_not_go_to() {
     let mut s = scratch(true);
-    for src in ["255.255.255.255", "0.0.0.0", "0.1.2.3", "224.0.0.5", "239.1.1.1", "240.0.0.1", "127.0.0.1"] {
+    for src in [
+        "255.255.255.255",
+        "0.0.0.0",
+        "0.1.2.3",
+        "224.0.0.5",
+        "239.1.1.1",
+        "240.0.0.1",
+        "127.0.0.1",
+    ] {
         let p = packet::udp(src, 5000, "10.96.0.14", 53).build();
         let out = ingress(&mut s, &p);
         assert_eq!(out.action, SHOT, "the packet from {src} is dropped unanswered");
@@ -468,7 +476,10 @@ fn reject_answers_are_rate_limited_like_the_kernels_icmp_errors() {
     // CPU plus the refill over the time the flood took.
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
     let ceiling = cpus * REJECT_BURST + (elapsed_ms + 1) * REJECT_RATE_PER_SEC / 1000 * cpus;
-    assert!(answered >= REJECT_BURST, "{answered} answers: less than one burst");
+    assert!(
+        answered >= REJECT_BURST,
+        "{answered} answers: less than one burst"
+    );
     assert!(
         answered <= ceiling.min(u64::from(flood)),
         "{answered} answers in {elapsed_ms} ms (ceiling {ceiling})"
@@ -477,7 +488,11 @@ fn reject_answers_are_rate_limited_like_the_kernels_icmp_errors() {
         .applier
         .maps()
         .counter(lb_common::stats::Counter::TcRejectRateLimited as u32);
-    assert_eq!(limited, u64::from(flood) - answered, "every unanswered packet is counted");
+    assert_eq!(
+        limited,
+        u64::from(flood) - answered,
+        "every unanswered packet is counted"
+    );
 }
 
 #[test]

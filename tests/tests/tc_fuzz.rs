@@ -610,7 +610,11 @@ impl Fuzzer {
                     fail("the REJECT is not from the frontend to the client quoting the packet");
                 }
                 verify_checksums(out).unwrap_or_else(|e| fail(&format!("REJECT checksums: {e}")));
-                if t.src.octets()[0] == 0 || t.src.is_loopback() || t.src.octets()[0] >= 224 || input[0] & 1 != 0 {
+                if t.src.octets()[0] == 0
+                    || t.src.is_loopback()
+                    || t.src.octets()[0] >= 224
+                    || input[0] & 1 != 0
+                {
                     fail("an ICMP error went to a source RFC 1122 forbids answering");
                 }
                 *self.stats.modified.entry("reject").or_default() += 1;

@@ -17,7 +17,7 @@
 //! [`Applier::plan_writes`]). Ids are recovered from the maps on restart, so they stay stable.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashMap},
     net::Ipv4Addr,
 };
 
@@ -36,6 +36,7 @@ use super::{
 use crate::{
     model::{Protocol, ServicePortName},
     plan::{BackendAddr, DesiredState, Frontend, FrontendPlan},
+    sync::Changes,
 };
 
 /// Map capacities (`max_entries`), which bound what the writer may add.
@@ -130,8 +131,17 @@ pub struct Occupancy {
 pub struct Applier<M> {
     maps: M,
     caps: Capacities,
+    /// The mirror of the maps: what each frontend's entries are.
     frontends: BTreeMap<Frontend, FrontendEntries>,
     backends: BTreeMap<BackendAddr, (u32, Backend4Value)>,
+    backend_addrs: HashMap<u32, BackendAddr>,
+    /// How many backend slots point at each backend id.
+    backend_refs: HashMap<u32, u32>,
+    /// Backend ids that may have lost their last slot since the last apply.
+    maybe_unused: BTreeSet<u32>,
+    /// Frontends an apply could not bring to their desired state (skipped, or a write failed):
+    /// the next `apply_changes` looks at them again.
+    retry: BTreeSet<Frontend>,
     backend_ids: IdAllocator,
     rev_ids: IdAllocator,
     occupancy: Occupancy,
@@ -195,6 +205,10 @@ impl<M: MapOps> Applier<M> {
             caps,
             frontends: BTreeMap::new(),
             backends: BTreeMap::new(),
+            backend_addrs: HashMap::new(),
+            backend_refs: HashMap::new(),
+            maybe_unused: BTreeSet::new(),
+            retry: BTreeSet::new(),
             backend_ids: IdAllocator::new(caps.backends),
             rev_ids: IdAllocator::new(caps.revnat),
             occupancy: Occupancy::default(),
@@ -222,6 +236,9 @@ impl<M: MapOps> Applier<M> {
                     proto,
                 };
                 self.backends.insert(addr, (*id, *value));
+                self.backend_addrs.insert(*id, addr);
+                // Adopted backends no slot points at are deleted by the next apply.
+                self.maybe_unused.insert(*id);
             }
         }
         let mut by_rev: BTreeMap<u32, FrontendEntries> = BTreeMap::new();
@@ -310,50 +327,99 @@ impl<M: MapOps> Applier<M> {
         self.backends.get(backend).map(|(id, _)| *id)
     }
 
+    /// Counts a frontend's entries in (`sign` 1) or out (-1) of the occupancy and the backend
+    /// reference counts; called whenever the mirror gains or loses a frontend's entries.
     fn count_frontend(&mut self, entries: &FrontendEntries, sign: i64) {
         let add = |v: &mut u32, n: usize| *v = (*v as i64 + sign * n as i64).max(0) as u32;
         add(&mut self.occupancy.services, entries.services.len());
         add(&mut self.occupancy.revnat, 1);
         add(&mut self.occupancy.affinity_match, entries.affinity_match.len());
         add(&mut self.occupancy.source_ranges, entries.source_ranges.len());
+        for value in entries
+            .services
+            .iter()
+            .filter(|(k, _)| k.slot > 0)
+            .map(|(_, v)| v)
+        {
+            let id = value.backend_id;
+            if sign > 0 {
+                *self.backend_refs.entry(id).or_default() += 1;
+            } else if let Some(n) = self.backend_refs.get_mut(&id) {
+                *n -= 1;
+                if *n == 0 {
+                    self.backend_refs.remove(&id);
+                    self.maybe_unused.insert(id);
+                }
+            }
+        }
     }
 
-    /// Brings the maps to `desired`.
+    /// Brings the maps to `desired`, looking at every frontend and backend.
     pub fn apply(&mut self, desired: &DesiredState) -> ApplyReport {
+        let frontends: BTreeSet<Frontend> = desired
+            .frontends
+            .keys()
+            .chain(self.frontends.keys())
+            .copied()
+            .collect();
+        let backends: BTreeSet<BackendAddr> = desired
+            .backends
+            .keys()
+            .chain(self.backends.keys())
+            .copied()
+            .collect();
+        self.retry.clear();
+        self.maybe_unused
+            .extend(self.backends.values().map(|(id, _)| *id));
+        self.apply_to(desired, frontends, &backends)
+    }
+
+    /// Brings the maps to `desired` where `changes` says it differs from the last state given
+    /// (plus whatever an earlier apply could not write: skipped Services are retried, so they
+    /// appear once there is room). Work is proportional to the change, not to the maps.
+    pub fn apply_changes(&mut self, desired: &DesiredState, changes: &Changes) -> ApplyReport {
+        let mut frontends = changes.frontends.clone();
+        frontends.append(&mut self.retry);
+        self.apply_to(desired, frontends, &changes.backends)
+    }
+
+    fn apply_to(
+        &mut self,
+        desired: &DesiredState,
+        frontends: BTreeSet<Frontend>,
+        backends: &BTreeSet<BackendAddr>,
+    ) -> ApplyReport {
         let mut report = ApplyReport::default();
 
         // 1. Ids for new backends (writes come per Service, just before they are used).
         let mut new_backend_ids: BTreeMap<BackendAddr, u32> = BTreeMap::new();
-        for addr in desired.backends.keys() {
+        for addr in frontends
+            .iter()
+            .filter_map(|f| desired.frontends.get(f))
+            .flat_map(FrontendPlan::backends)
+        {
             if !self.backends.contains_key(addr)
+                && !new_backend_ids.contains_key(addr)
                 && let Some(id) = self.backend_ids.alloc()
             {
                 new_backend_ids.insert(*addr, id);
             }
         }
-        let mut all_ids: BTreeMap<BackendAddr, u32> =
-            self.backends.iter().map(|(a, (id, _))| (*a, *id)).collect();
-        all_ids.extend(new_backend_ids.iter().map(|(a, id)| (*a, *id)));
-        let backend_id = |addr: &BackendAddr| -> Option<u32> { all_ids.get(addr).copied() };
 
         // 2. Frontends that are gone.
-        let gone: Vec<Frontend> = self
-            .frontends
-            .keys()
-            .filter(|f| !desired.frontends.contains_key(f))
-            .copied()
-            .collect();
-        for frontend in gone {
-            self.remove_frontend(&frontend, &mut report);
+        for frontend in frontends.iter().filter(|f| !desired.frontends.contains_key(f)) {
+            self.remove_frontend(frontend, &mut report);
         }
 
         // 3. Desired frontends, one Service at a time.
         let mut by_service: BTreeMap<(&str, &str), Vec<(&Frontend, &FrontendPlan)>> = BTreeMap::new();
-        for (frontend, plan) in &desired.frontends {
-            by_service
-                .entry((plan.service.namespace.as_str(), plan.service.name.as_str()))
-                .or_default()
-                .push((frontend, plan));
+        for frontend in &frontends {
+            if let Some(plan) = desired.frontends.get(frontend) {
+                by_service
+                    .entry((plan.service.namespace.as_str(), plan.service.name.as_str()))
+                    .or_default()
+                    .push((frontend, plan));
+            }
         }
         for group in by_service.values() {
             // Build the group's entries (with ids), then check they fit before writing anything.
@@ -376,6 +442,12 @@ impl<M: MapOps> Applier<M> {
                             break;
                         }
                     },
+                };
+                let backend_id = |addr: &BackendAddr| -> Option<u32> {
+                    self.backends
+                        .get(addr)
+                        .map(|(id, _)| *id)
+                        .or_else(|| new_backend_ids.get(addr).copied())
                 };
                 match entries_for(frontend, plan, rev_nat_id, &backend_id) {
                     Ok(entries) => built.push((**frontend, entries)),
@@ -408,6 +480,7 @@ impl<M: MapOps> Applier<M> {
                         self.rev_ids.free(id);
                     }
                     report.skipped.push((service, reason));
+                    self.retry.extend(group.iter().map(|(f, _)| **f));
                     continue;
                 }
             };
@@ -419,61 +492,61 @@ impl<M: MapOps> Applier<M> {
             let mut backend_failed = false;
             for addr in &needed {
                 let flags = desired.backends.get(addr).copied().unwrap_or(0);
-                let id = backend_id(addr).expect("ids were checked by entries_for");
-                let value = backend_value(addr, flags);
-                if self.backends.get(addr) == Some(&(id, value)) {
-                    continue;
-                }
-                match self.maps.put_backend(id, &value) {
-                    Ok(()) => {
-                        report.writes += 1;
-                        if self.backends.insert(*addr, (id, value)).is_none() {
-                            self.occupancy.backends += 1;
-                        }
-                    }
-                    Err(e) => {
-                        report.errors.push(e.to_string());
-                        backend_failed = true;
-                    }
+                let id = self
+                    .backends
+                    .get(addr)
+                    .map(|(id, _)| *id)
+                    .or_else(|| new_backend_ids.get(addr).copied())
+                    .expect("ids were checked by entries_for");
+                if !self.put_backend(*addr, id, flags, &mut report) {
+                    backend_failed = true;
                 }
             }
             if backend_failed {
                 report.skipped.push((service, "writing a backend failed".into()));
+                self.retry.extend(group.iter().map(|(f, _)| **f));
                 continue;
             }
             for (frontend, entries, mode) in writes {
+                let errors = report.errors.len();
                 if self.write_frontend(frontend, entries, mode, &mut report) {
                     report.withdrawn.push((service.clone(), frontend));
+                }
+                if report.errors.len() > errors {
+                    self.retry.insert(frontend);
                 }
             }
         }
 
+        // 3b. Backends whose flags changed while their frontends did not (another Service's
+        //     endpoint at the same address started or stopped terminating, say).
+        for addr in backends {
+            if let (Some(flags), Some((id, _))) = (desired.backends.get(addr), self.backends.get(addr)) {
+                let id = *id;
+                self.put_backend(*addr, id, *flags, &mut report);
+            }
+        }
+
         // 4. Backends nothing references any more.
-        let used: BTreeSet<u32> = self
-            .frontends
-            .values()
-            .flat_map(|e| {
-                e.services
-                    .iter()
-                    .filter(|(k, _)| k.slot > 0)
-                    .map(|(_, v)| v.backend_id)
-            })
-            .collect();
-        let unused: Vec<(BackendAddr, u32)> = self
-            .backends
-            .iter()
-            .filter(|(_, (id, _))| !used.contains(id))
-            .map(|(a, (id, _))| (*a, *id))
-            .collect();
-        for (addr, id) in unused {
+        for id in std::mem::take(&mut self.maybe_unused) {
+            if self.backend_refs.contains_key(&id) {
+                continue;
+            }
+            let Some(addr) = self.backend_addrs.get(&id).copied() else {
+                continue;
+            };
             match self.maps.delete_backend(id) {
                 Ok(()) => {
                     report.deletes += 1;
                     self.backends.remove(&addr);
+                    self.backend_addrs.remove(&id);
                     self.backend_ids.free(id);
                     self.occupancy.backends = self.occupancy.backends.saturating_sub(1);
                 }
-                Err(e) => report.errors.push(e.to_string()),
+                Err(e) => {
+                    report.errors.push(e.to_string());
+                    self.maybe_unused.insert(id);
+                }
             }
         }
         // Ids allocated for backends that ended up unused (their Service was skipped).
@@ -483,6 +556,30 @@ impl<M: MapOps> Applier<M> {
             }
         }
         report
+    }
+
+    /// Writes a backend's entry unless the map already holds exactly that; false on failure.
+    fn put_backend(&mut self, addr: BackendAddr, id: u32, flags: u8, report: &mut ApplyReport) -> bool {
+        let value = backend_value(&addr, flags);
+        if self.backends.get(&addr) == Some(&(id, value)) {
+            return true;
+        }
+        match self.maps.put_backend(id, &value) {
+            Ok(()) => {
+                report.writes += 1;
+                if self.backends.insert(addr, (id, value)).is_none() {
+                    self.occupancy.backends += 1;
+                    self.backend_addrs.insert(id, addr);
+                    // Deleted again at the end of this apply unless a frontend now uses it.
+                    self.maybe_unused.insert(id);
+                }
+                true
+            }
+            Err(e) => {
+                report.errors.push(e.to_string());
+                false
+            }
+        }
     }
 
     /// The order and the manner in which to write a group of frontends (one Service), or why they

@@ -48,6 +48,18 @@ pub enum SliceError {
         index: usize,
         address: String,
     },
+    /// An address no backend may have (the API server's `ValidateEndpointIP` refuses them, but
+    /// `--manifests` is not validated): traffic to a Service would go to the node itself
+    /// (loopback, unspecified) or nowhere.
+    #[error(
+        "EndpointSlice {slice}: endpoints[{index}] address \"{address}\" is {reason}, which an endpoint may not use; ignored"
+    )]
+    SpecialAddress {
+        slice: String,
+        index: usize,
+        address: Ipv4Addr,
+        reason: &'static str,
+    },
 }
 
 /// The `(namespace, service name)` an EndpointSlice belongs to: kube-proxy
@@ -217,6 +229,15 @@ fn parse_endpoints(
             });
             continue;
         };
+        if let Some(reason) = super::service::special_address(ip) {
+            problems.push(SliceError::SpecialAddress {
+                slice: slice_name.to_owned(),
+                index,
+                address: ip,
+                reason,
+            });
+            continue;
+        }
         out.push(endpoint(ip, ep, node));
     }
     out
@@ -974,6 +995,39 @@ mod tests {
                     protocol: "ICMP".into()
                 },
             ]
+        );
+    }
+
+    #[test]
+    fn endpoints_at_special_addresses_are_reported_and_left_out() {
+        let mut s = slice("svc1-abc", "svc1", "ns1");
+        s.ports = Some(vec![slice_port(Some("http"), Some(80), Some("TCP"))]);
+        s.endpoints = Some(vec![
+            ep("127.0.0.1"),
+            ep("0.0.0.0"),
+            ep("224.0.0.1"),
+            ep("169.254.1.1"),
+            ep("255.255.255.255"),
+            ep("10.244.1.2"),
+        ]);
+        let (got, problems) = endpoints_by_port_with_problems("ns1", "svc1", &[&s], &node("n"));
+        let eps: Vec<_> = got[&spn("http", Protocol::Tcp)]
+            .iter()
+            .map(|e| e.ip.to_string())
+            .collect();
+        assert_eq!(eps, vec!["10.244.1.2"]);
+        let indexes: Vec<usize> = problems
+            .iter()
+            .map(|p| match p {
+                SliceError::SpecialAddress { index, .. } => *index,
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect();
+        assert_eq!(indexes, vec![0, 1, 2, 3, 4]);
+        assert_eq!(
+            problems[0].to_string(),
+            "EndpointSlice svc1-abc: endpoints[0] address \"127.0.0.1\" is in the loopback range \
+             (127.0.0.0/8), which an endpoint may not use; ignored"
         );
     }
 

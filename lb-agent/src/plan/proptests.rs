@@ -426,6 +426,105 @@ proptest! {
         prop_assert_eq!((report.writes, report.deletes), (0, 0), "a restart rewrote entries");
     }
 
+    /// The incremental path (`sync::Synchronizer` + `Applier::apply_changes`) through partial
+    /// changes: after every step the desired state, problems, totals and health checks equal a
+    /// from-scratch `sync::compute`; what it says changed covers every difference; the maps are
+    /// exactly the plan, consistent after every operation, and equal to a fresh apply.
+    #[test]
+    fn incremental_sync_equals_a_full_one(
+        first in cluster_state(),
+        nexts in vec((cluster_state(), any::<u64>()), 1..5),
+        node in node_info(),
+        ctx in node_context(),
+    ) {
+        let mut sync = sync::Synchronizer::new();
+        sync.rebuild(&first, &node, &ctx);
+        check_synchronizer(&sync, &first, &node, &ctx)?;
+        let mut a = Applier::new(FakeMaps::new(), Capacities::default());
+        let report = a.apply(sync.desired());
+        check_applied(&a, &report, sync.desired())?;
+        let mut state = first;
+        for (next, seed) in nexts {
+            let mixed = mix(&state, &next, seed);
+            let dirty = dirty_services(&state, &mixed);
+            let before = sync.desired().clone();
+            let outcome = sync.update(&dirty, |key| inputs_of(&mixed, key));
+            check_synchronizer(&sync, &mixed, &node, &ctx)?;
+            let after = sync.desired();
+            for f in before.frontends.keys().chain(after.frontends.keys()) {
+                if before.frontends.get(f) != after.frontends.get(f) {
+                    prop_assert!(outcome.changes.frontends.contains(f), "{f} changed unannounced");
+                }
+            }
+            for b in before.backends.keys().chain(after.backends.keys()) {
+                if before.backends.get(b) != after.backends.get(b) {
+                    prop_assert!(outcome.changes.backends.contains(b), "{b} changed unannounced");
+                }
+            }
+            let report = a.apply_changes(after, &outcome.changes);
+            check_applied(&a, &report, after)?;
+            state = mixed;
+        }
+        check_every_step(a.maps())?;
+        let mut fresh = Applier::new(FakeMaps::new(), Capacities::default());
+        fresh.apply(sync.desired());
+        prop_assert_eq!(
+            canon(&a.maps().state).map_err(TestCaseError::fail)?,
+            canon(&fresh.maps().state).map_err(TestCaseError::fail)?
+        );
+    }
+
+    /// The incremental path with maps too small: Services that do not fit are skipped, reported
+    /// and retried at every later apply; every Service not skipped is exactly as planned; and
+    /// when every Service is deleted, nothing is left behind (skipped Services' entries
+    /// included).
+    #[test]
+    fn incremental_apply_with_full_maps_retries_and_leaks_nothing(
+        first in cluster_state(),
+        nexts in vec((cluster_state(), any::<u64>()), 1..4),
+        node in node_info(),
+        ctx in node_context(),
+        services_cap in 4u32..48,
+        backends_cap in 2u32..24,
+        revnat_cap in 1u32..10,
+    ) {
+        let caps = Capacities {
+            services: services_cap,
+            backends: backends_cap,
+            revnat: revnat_cap,
+            affinity_match: 16,
+            source_ranges: 4,
+            ..Capacities::default()
+        };
+        let maps = FakeMaps { services_capacity: Some(services_cap as usize), ..FakeMaps::new() };
+        let mut a = Applier::new(maps, caps);
+        let mut sync = sync::Synchronizer::new();
+        sync.rebuild(&first, &node, &ctx);
+        let report = a.apply(sync.desired());
+        check_kept(&a, &report, sync.desired())?;
+        let mut state = first;
+        for (next, seed) in nexts {
+            let mixed = mix(&state, &next, seed);
+            let dirty = dirty_services(&state, &mixed);
+            let outcome = sync.update(&dirty, |key| inputs_of(&mixed, key));
+            let report = a.apply_changes(sync.desired(), &outcome.changes);
+            check_kept(&a, &report, sync.desired())?;
+            state = mixed;
+        }
+        let all: Vec<(String, String)> = state.services.keys().cloned().collect();
+        let outcome = sync.update(&all, |_| (None, Vec::new()));
+        prop_assert!(sync.desired().frontends.is_empty() && sync.desired().backends.is_empty());
+        let report = a.apply_changes(sync.desired(), &outcome.changes);
+        prop_assert!(report.is_clean(), "{report:?}");
+        let left = &a.maps().state;
+        prop_assert!(
+            left.services.is_empty() && left.backends.is_empty() && left.revnat.is_empty()
+                && left.affinity_match.is_empty() && left.source_ranges.is_empty(),
+            "left behind: {left:?}"
+        );
+        check_every_step(a.maps())?;
+    }
+
     /// Maps too small for the cluster: the writer skips whole Services and reports them; every
     /// Service it did not skip is exactly as planned; the maps stay consistent after every step
     /// and every operation.
@@ -575,4 +674,136 @@ fn reshaping_a_frontend_in_a_full_services_map_is_not_an_error() {
     assert!(report.is_clean(), "{report:?}");
     assert_eq!(canon(&a.maps().state).unwrap(), expected(&local));
     check_every_step(a.maps()).unwrap();
+}
+
+/// `next`'s version of some objects (chosen by `seed`), `prev`'s of the others: a partial change.
+fn mix(prev: &ClusterState, next: &ClusterState, seed: u64) -> ClusterState {
+    let pick = |key: &(String, String), salt: u64| {
+        use std::hash::{DefaultHasher, Hash, Hasher};
+        let mut h = DefaultHasher::new();
+        (key, seed, salt).hash(&mut h);
+        h.finish().is_multiple_of(3)
+    };
+    let mut out = ClusterState {
+        node: prev.node.clone(),
+        ..ClusterState::default()
+    };
+    let service_keys: BTreeSet<_> = prev.services.keys().chain(next.services.keys()).collect();
+    for key in service_keys {
+        let chosen = if pick(key, 1) {
+            next.services.get(key)
+        } else {
+            prev.services.get(key)
+        };
+        if let Some(svc) = chosen {
+            out.services.insert(key.clone(), svc.clone());
+        }
+    }
+    let slice_keys: BTreeSet<_> = prev.slices.keys().chain(next.slices.keys()).collect();
+    for key in slice_keys {
+        let chosen = if pick(key, 2) {
+            next.slices.get(key)
+        } else {
+            prev.slices.get(key)
+        };
+        if let Some(slice) = chosen {
+            out.slices.insert(key.clone(), slice.clone());
+        }
+    }
+    out
+}
+
+/// The Services whose object or slices differ between two states (as the watch reports them).
+fn dirty_services(prev: &ClusterState, next: &ClusterState) -> BTreeSet<(String, String)> {
+    let mut dirty = BTreeSet::new();
+    for key in prev.services.keys().chain(next.services.keys()) {
+        if prev.services.get(key) != next.services.get(key) {
+            dirty.insert(key.clone());
+        }
+    }
+    for key in prev.slices.keys().chain(next.slices.keys()) {
+        let (old, new) = (prev.slices.get(key), next.slices.get(key));
+        if old != new {
+            for slice in [old, new].into_iter().flatten() {
+                dirty.extend(crate::watch::slice_service(&key.0, slice));
+            }
+        }
+    }
+    dirty
+}
+
+fn inputs_of(state: &ClusterState, key: &(String, String)) -> sync::ServiceInputs {
+    let slices = state
+        .slices
+        .iter()
+        .filter(|((ns, _), slice)| crate::watch::slice_service(ns, slice).as_ref() == Some(key))
+        .map(|(_, slice)| slice.clone())
+        .collect();
+    (state.services.get(key).cloned(), slices)
+}
+
+fn check_synchronizer(
+    sync: &sync::Synchronizer,
+    state: &ClusterState,
+    node: &NodeInfo,
+    ctx: &NodeContext,
+) -> Result<(), TestCaseError> {
+    let full = sync::compute(state, node, ctx);
+    prop_assert_eq!(sync.desired(), &full.desired);
+    let got: BTreeSet<sync::Problem> = sync.problems().into_iter().collect();
+    let want: BTreeSet<sync::Problem> = full.problems.iter().cloned().collect();
+    prop_assert_eq!(got, want);
+    let t = sync.totals();
+    prop_assert_eq!(
+        (
+            t.service_ports,
+            t.endpoints,
+            t.no_local_internal,
+            t.no_local_external
+        ),
+        (
+            full.service_ports,
+            full.endpoints,
+            full.no_local_internal,
+            full.no_local_external
+        )
+    );
+    let mut got_hc = sync.health_checks();
+    let mut want_hc = full.health_checks.clone();
+    got_hc.sort();
+    want_hc.sort();
+    prop_assert_eq!(got_hc, want_hc);
+    Ok(())
+}
+
+/// With maps too small: consistent, no write failed, and every Service the report did not skip
+/// is exactly as planned.
+fn check_kept(
+    a: &Applier<FakeMaps>,
+    report: &ApplyReport,
+    desired: &DesiredState,
+) -> Result<(), TestCaseError> {
+    a.maps().check_consistent().map_err(TestCaseError::fail)?;
+    prop_assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let got = canon(&a.maps().state).map_err(TestCaseError::fail)?;
+    let skipped: BTreeSet<(&str, &str)> = report
+        .skipped
+        .iter()
+        .map(|(s, _)| (s.namespace.as_str(), s.name.as_str()))
+        .collect();
+    let mut kept = DesiredState::default();
+    for (fe, p) in &desired.frontends {
+        if !skipped.contains(&(p.service.namespace.as_str(), p.service.name.as_str())) {
+            kept.frontends.insert(*fe, p.clone());
+            for b in p.backends() {
+                kept.backends.insert(*b, desired.backends[b]);
+            }
+        }
+    }
+    let want = expected(&kept);
+    for (key, entry) in &want.services {
+        prop_assert_eq!(got.services.get(key), Some(entry), "{:?} not as planned", key);
+    }
+    prop_assert!(want.backends.is_subset(&got.backends));
+    Ok(())
 }

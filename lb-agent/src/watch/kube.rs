@@ -7,29 +7,34 @@
 //! restarted agent never programs an empty cluster over a full one.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet, HashMap},
+    hash::{Hash, Hasher},
     sync::{Arc, Mutex},
     time::{Duration, SystemTime},
 };
 
 use futures::TryStreamExt;
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
+use k8s_openapi::{
+    api::{
+        core::v1::{Node, ObjectReference, Service},
+        discovery::v1::EndpointSlice,
+        events::v1 as events,
+    },
+    apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta},
 };
 use kube::{
     Client, Resource, ResourceExt,
-    api::Api,
+    api::{Api, PostParams},
     runtime::{
         WatchStreamExt,
-        events::{Event, EventType, Recorder, Reporter},
-        reflector::{self, Store},
+        reflector::{self, ObjectRef, Store},
         watcher,
     },
 };
 use tokio_util::sync::CancellationToken;
 
-use super::{ClusterState, LABEL_SELECTOR};
+use super::{ClusterState, LABEL_SELECTOR, ServiceKey};
+use crate::sync::ServiceInputs;
 
 /// kube-proxy reads this EndpointSlice annotation to compute network programming latency.
 pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
@@ -42,13 +47,62 @@ pub enum ChangeKind {
     Node,
 }
 
-/// Changes not yet covered by a sync: counts for kube-proxy's `*_changes_pending` metrics and the
-/// trigger times of EndpointSlice changes for `network_programming_duration_seconds`.
+/// Changes not yet covered by a sync: the Services to recompute, counts for kube-proxy's
+/// `*_changes_pending` metrics and the trigger times of EndpointSlice changes for
+/// `network_programming_duration_seconds`.
 #[derive(Debug, Default)]
 pub struct PendingChanges {
     pub services: u64,
     pub endpoints: u64,
     pub trigger_times: Vec<SystemTime>,
+    /// Services whose object or EndpointSlices changed.
+    pub dirty: BTreeSet<ServiceKey>,
+    /// A watch relisted (its store was replaced): recompute everything.
+    pub relisted: bool,
+}
+
+/// What the watch tasks record for the sync loop, under one lock so that a sync never sees a
+/// store change without its dirty mark: the pending changes, and which EndpointSlices belong to
+/// which Service (so that one Service's inputs are found without scanning every slice).
+#[derive(Debug, Default)]
+struct Tracker {
+    pending: PendingChanges,
+    slice_owner: HashMap<ServiceKey, ServiceKey>,
+    service_slices: HashMap<ServiceKey, BTreeSet<String>>,
+}
+
+impl Tracker {
+    /// Records a slice (stored as `slice_key`) now belonging to `owner`, marking both its old and
+    /// new Service dirty.
+    fn set_slice(&mut self, slice_key: ServiceKey, owner: Option<ServiceKey>) {
+        if let Some(old) = self.slice_owner.remove(&slice_key) {
+            if let Some(names) = self.service_slices.get_mut(&old) {
+                names.remove(&slice_key.1);
+                if names.is_empty() {
+                    self.service_slices.remove(&old);
+                }
+            }
+            self.pending.dirty.insert(old);
+        }
+        if let Some(owner) = owner {
+            self.service_slices
+                .entry(owner.clone())
+                .or_default()
+                .insert(slice_key.1.clone());
+            self.slice_owner.insert(slice_key, owner.clone());
+            self.pending.dirty.insert(owner);
+        }
+    }
+
+    fn reindex(&mut self, slices: &Store<EndpointSlice>) {
+        self.slice_owner.clear();
+        self.service_slices.clear();
+        for slice in slices.state() {
+            let key = (slice.namespace().unwrap_or_default(), slice.name_any());
+            let owner = super::slice_service(&key.0, &slice);
+            self.set_slice(key, owner);
+        }
+    }
 }
 
 /// The reflector stores and their watch tasks.
@@ -56,7 +110,7 @@ pub struct KubeSource {
     services: Store<Service>,
     slices: Store<EndpointSlice>,
     nodes: Store<Node>,
-    pending: Arc<Mutex<PendingChanges>>,
+    tracker: Arc<Mutex<Tracker>>,
 }
 
 impl KubeSource {
@@ -67,7 +121,7 @@ impl KubeSource {
         on_change: Arc<dyn Fn(ChangeKind) + Send + Sync>,
         shutdown: CancellationToken,
     ) -> Self {
-        let pending = Arc::new(Mutex::new(PendingChanges::default()));
+        let tracker = Arc::new(Mutex::new(Tracker::default()));
         let selector = watcher::Config::default().labels(LABEL_SELECTOR);
 
         let (services, writer) = reflector::store::<Service>();
@@ -78,9 +132,18 @@ impl KubeSource {
             "Service",
             stream,
             ChangeKind::Service,
-            |_| None,
+            Box::new(|t: &mut Tracker, event: &watcher::Event<Service>| match event {
+                watcher::Event::Apply(svc) | watcher::Event::Delete(svc) => {
+                    t.pending.services += 1;
+                    t.pending
+                        .dirty
+                        .insert((svc.namespace().unwrap_or_default(), svc.name_any()));
+                }
+                watcher::Event::InitDone => t.pending.relisted = true,
+                watcher::Event::Init | watcher::Event::InitApply(_) => {}
+            }),
             on_change.clone(),
-            pending.clone(),
+            tracker.clone(),
             shutdown.clone(),
         );
 
@@ -88,13 +151,33 @@ impl KubeSource {
         let stream = watcher(Api::<EndpointSlice>::all(client.clone()), selector)
             .default_backoff()
             .reflect(writer);
+        let store = slices.clone();
         spawn_watch(
             "EndpointSlice",
             stream,
             ChangeKind::EndpointSlice,
-            trigger_time,
+            Box::new(
+                move |t: &mut Tracker, event: &watcher::Event<EndpointSlice>| match event {
+                    watcher::Event::Apply(slice) | watcher::Event::Delete(slice) => {
+                        t.pending.endpoints += 1;
+                        t.pending.trigger_times.extend(trigger_time(slice));
+                        let key = (slice.namespace().unwrap_or_default(), slice.name_any());
+                        let owner = match event {
+                            watcher::Event::Apply(_) => super::slice_service(&key.0, slice),
+                            _ => None,
+                        };
+                        t.set_slice(key, owner);
+                    }
+                    // The reflector has swapped the store by now: index it afresh.
+                    watcher::Event::InitDone => {
+                        t.reindex(&store);
+                        t.pending.relisted = true;
+                    }
+                    watcher::Event::Init | watcher::Event::InitApply(_) => {}
+                },
+            ),
             on_change.clone(),
-            pending.clone(),
+            tracker.clone(),
             shutdown.clone(),
         );
 
@@ -103,13 +186,15 @@ impl KubeSource {
         let stream = watcher(Api::<Node>::all(client), by_name)
             .default_backoff()
             .reflect(writer);
+        // The sync loop compares the node facts it derives with the last ones at every sync, so
+        // a Node change needs no mark of its own.
         spawn_watch(
             "Node",
             stream,
             ChangeKind::Node,
-            |_| None,
+            Box::new(|_: &mut Tracker, _: &watcher::Event<Node>| {}),
             on_change,
-            pending.clone(),
+            tracker.clone(),
             shutdown,
         );
 
@@ -117,7 +202,7 @@ impl KubeSource {
             services,
             slices,
             nodes,
-            pending,
+            tracker,
         }
     }
 
@@ -148,13 +233,39 @@ impl KubeSource {
 
     /// Takes the changes seen since the last call (the caller is about to sync them).
     pub fn take_pending(&self) -> PendingChanges {
-        std::mem::take(&mut *self.pending.lock().expect("pending lock"))
+        std::mem::take(&mut self.tracker.lock().expect("tracker lock").pending)
     }
 
     /// Changes not yet taken.
     pub fn pending_counts(&self) -> (u64, u64) {
-        let p = self.pending.lock().expect("pending lock");
-        (p.services, p.endpoints)
+        let t = self.tracker.lock().expect("tracker lock");
+        (t.pending.services, t.pending.endpoints)
+    }
+
+    /// One Service and its EndpointSlices as the stores hold them now.
+    pub fn service_inputs(&self, key: &ServiceKey) -> ServiceInputs {
+        let names: Vec<String> = self
+            .tracker
+            .lock()
+            .expect("tracker lock")
+            .service_slices
+            .get(key)
+            .map(|n| n.iter().cloned().collect())
+            .unwrap_or_default();
+        let slices = names
+            .iter()
+            .filter_map(|name| self.slices.get(&ObjectRef::new(name).within(&key.0)))
+            .collect();
+        (self.service(key), slices)
+    }
+
+    pub fn service(&self, key: &ServiceKey) -> Option<Arc<Service>> {
+        self.services.get(&ObjectRef::new(&key.1).within(&key.0))
+    }
+
+    /// This node's Node object, once seen.
+    pub fn node(&self) -> Option<Arc<Node>> {
+        self.nodes.state().into_iter().next()
     }
 }
 
@@ -164,13 +275,16 @@ fn trigger_time(slice: &EndpointSlice) -> Option<SystemTime> {
     Some(SystemTime::from(parsed))
 }
 
+/// How a watch event is recorded for the sync loop.
+type Track<K> = Box<dyn Fn(&mut Tracker, &watcher::Event<K>) + Send>;
+
 fn spawn_watch<K, S>(
     kind_name: &'static str,
     stream: S,
     kind: ChangeKind,
-    trigger: fn(&K) -> Option<SystemTime>,
+    track: Track<K>,
     on_change: Arc<dyn Fn(ChangeKind) + Send + Sync>,
-    pending: Arc<Mutex<PendingChanges>>,
+    tracker: Arc<Mutex<Tracker>>,
     shutdown: CancellationToken,
 ) where
     K: Resource + Clone + Send + Sync + 'static,
@@ -190,23 +304,12 @@ fn spawn_watch<K, S>(
                         tracing::info!(kind = kind_name, "watch recovered");
                         failing = false;
                     }
-                    let touched = match &event {
-                        watcher::Event::Apply(obj) | watcher::Event::Delete(obj) => {
-                            let mut p = pending.lock().expect("pending lock");
-                            match kind {
-                                ChangeKind::Service => p.services += 1,
-                                ChangeKind::EndpointSlice => {
-                                    p.endpoints += 1;
-                                    p.trigger_times.extend(trigger(obj));
-                                }
-                                ChangeKind::Node => {}
-                            }
-                            true
-                        }
-                        // A relist completed: the store was replaced.
-                        watcher::Event::InitDone => true,
-                        watcher::Event::Init | watcher::Event::InitApply(_) => false,
-                    };
+                    track(&mut tracker.lock().expect("tracker lock"), &event);
+                    // A change, or a relist completed (the store was replaced).
+                    let touched = matches!(
+                        event,
+                        watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone
+                    );
                     if touched {
                         on_change(kind);
                     }
@@ -227,57 +330,95 @@ fn spawn_watch<K, S>(
     });
 }
 
-/// Publishes Warning Events on Services for per-Service problems, once per distinct problem.
+/// Publishes Warning Events on Services for per-Service problems: one Event per distinct
+/// problem, published once. The Event is named after the Service and a hash of the problem, so
+/// each problem has its own Event with its own message (kube-runtime's `Recorder` keys Events by
+/// reason and object only: two problems would share one Event showing the first message), and the
+/// agents of other nodes finding the same problem meet the same name instead of adding copies.
 pub struct ProblemReporter {
-    recorder: Recorder,
-    published: Mutex<BTreeMap<(String, String), String>>,
+    client: Client,
+    node_name: String,
+    /// The problems published, per Service: (reason, message).
+    published: Mutex<BTreeMap<ServiceKey, BTreeSet<(String, String)>>>,
 }
+
+/// A problem to report: (namespace, name, reason, message).
+pub type Report = (String, String, &'static str, String);
 
 impl ProblemReporter {
     pub fn new(client: Client, node_name: &str) -> Self {
-        let reporter = Reporter {
-            controller: "lb-agent".into(),
-            instance: Some(node_name.to_string()),
-        };
         Self {
-            recorder: Recorder::new(client, reporter),
+            client,
+            node_name: node_name.to_owned(),
             published: Mutex::new(BTreeMap::new()),
         }
     }
 
-    /// Reports `problems` (namespace, name, reason, message) on their Services; a problem already
-    /// reported with the same message is not repeated, and a Service whose problems are gone is
-    /// forgotten so a recurrence is reported again.
-    pub async fn report(&self, state: &ClusterState, problems: &[(String, String, &'static str, String)]) {
+    /// Reports `problems` on their Services (`services` holds the references of those that
+    /// exist). A problem already reported is not repeated; a Service's problems that are gone are
+    /// forgotten, so a recurrence is reported again.
+    pub async fn report(&self, problems: &[Report], services: &BTreeMap<ServiceKey, ObjectReference>) {
         let mut fresh = Vec::new();
         {
             let mut published = self.published.lock().expect("published lock");
-            let current: BTreeMap<(String, String), String> = problems
-                .iter()
-                .map(|(ns, name, _, msg)| ((ns.clone(), name.clone()), msg.clone()))
-                .collect();
-            published.retain(|k, _| current.contains_key(k));
+            let mut current: BTreeMap<ServiceKey, BTreeSet<(String, String)>> = BTreeMap::new();
             for (ns, name, reason, msg) in problems {
-                let key = (ns.clone(), name.clone());
-                if published.get(&key) != Some(msg) {
-                    published.insert(key.clone(), msg.clone());
-                    if let Some(svc) = state.services.get(&key) {
-                        fresh.push((svc.object_ref(&()), *reason, msg.clone()));
+                current
+                    .entry((ns.clone(), name.clone()))
+                    .or_default()
+                    .insert((reason.to_string(), msg.clone()));
+            }
+            for (key, now) in &current {
+                let before = published.get(key);
+                for (reason, msg) in now {
+                    if before.is_some_and(|b| b.contains(&(reason.clone(), msg.clone()))) {
+                        continue;
+                    }
+                    if let Some(reference) = services.get(key) {
+                        fresh.push((key.clone(), reference.clone(), reason.clone(), msg.clone()));
                     }
                 }
             }
+            *published = current;
         }
-        for (reference, reason, msg) in fresh {
-            let event = Event {
-                type_: EventType::Warning,
-                reason: reason.to_string(),
-                note: Some(msg.chars().take(1000).collect()),
-                action: "Program".into(),
-                secondary: None,
-            };
-            if let Err(e) = self.recorder.publish(&event, &reference).await {
+        for (key, regarding, reason, note) in fresh {
+            if let Err(e) = self.publish(&key, regarding, reason, note).await {
                 tracing::debug!("publishing an Event failed: {e}");
             }
+        }
+    }
+
+    async fn publish(
+        &self,
+        (namespace, name): &ServiceKey,
+        regarding: ObjectReference,
+        reason: String,
+        note: String,
+    ) -> Result<(), kube::Error> {
+        let mut hash = std::hash::DefaultHasher::new();
+        (&reason, &note, &regarding.uid).hash(&mut hash);
+        let event = events::Event {
+            metadata: ObjectMeta {
+                name: Some(format!("{name}.{:016x}", hash.finish())),
+                namespace: Some(namespace.clone()),
+                ..ObjectMeta::default()
+            },
+            event_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
+            action: Some("Program".into()),
+            reason: Some(reason),
+            note: Some(note.chars().take(1000).collect()),
+            regarding: Some(regarding),
+            reporting_controller: Some("lb-agent".into()),
+            reporting_instance: Some(self.node_name.clone()),
+            type_: Some("Warning".into()),
+            ..events::Event::default()
+        };
+        let api: Api<events::Event> = Api::namespaced(self.client.clone(), namespace);
+        match api.create(&PostParams::default(), &event).await {
+            Ok(_) => Ok(()),
+            // The same problem, already reported (by this agent before a restart, or another).
+            Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+            Err(e) => Err(e),
         }
     }
 }

@@ -1,10 +1,16 @@
 //! Reads v1 Services, discovery.k8s.io/v1 EndpointSlices and v1 Nodes from a folder of YAML or
 //! JSON files, exactly as `kubectl get -o yaml` prints them (multi-document files and `kind: List`
-//! are accepted). Other kinds are ignored; a malformed object is an error naming its file. An
-//! object without `metadata.namespace` is in the `default` namespace, as `kubectl apply` would
-//! create it (see [`super::default_namespace`]).
+//! are accepted). Other kinds are ignored. An object without `metadata.namespace` is in the
+//! `default` namespace, as `kubectl apply` would create it (see [`super::default_namespace`]).
+//!
+//! A bad file or object costs only itself: a file that cannot be read or parsed, or an object
+//! that does not deserialize (the API server would refuse it), is reported with its file, kind,
+//! name and field path, and the rest of the folder is loaded. [`Manifests`] also remembers the
+//! last good version of every file and object, so a typo saved over a working manifest keeps the
+//! working version programmed (and reported) instead of withdrawing it.
 
 use std::{
+    collections::BTreeMap,
     fs,
     path::{Path, PathBuf},
 };
@@ -13,100 +19,264 @@ use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
 };
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use super::ClusterState;
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, thiserror::Error)]
 pub enum ManifestError {
-    #[error("reading {path}: {error}")]
-    Read { path: PathBuf, error: std::io::Error },
+    #[error("reading {path}: {message}")]
+    Read { path: PathBuf, message: String },
     #[error("{path}: not valid YAML: {message}")]
     Yaml { path: PathBuf, message: String },
-    #[error("{path}: {kind} {name:?} is malformed: {message}")]
-    Object {
-        path: PathBuf,
-        kind: String,
-        name: String,
-        message: String,
-    },
+    #[error("{0}")]
+    Object(Box<BadObject>),
 }
 
-/// Loads every `*.yaml`, `*.yml` and `*.json` file of `dir` (not recursive), in name order.
-/// `node_name` picks the Node object that describes this node, if the folder has one.
-pub fn load_dir(dir: &Path, node_name: &str) -> Result<ClusterState, ManifestError> {
-    let mut files: Vec<PathBuf> = fs::read_dir(dir)
-        .map_err(|error| ManifestError::Read {
-            path: dir.to_path_buf(),
-            error,
-        })?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.extension()
-                .and_then(|e| e.to_str())
-                .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"))
-        })
-        .collect();
-    files.sort();
-    let mut state = ClusterState::default();
-    for path in files {
-        let text = fs::read_to_string(&path).map_err(|error| ManifestError::Read {
-            path: path.clone(),
-            error,
-        })?;
-        load_text(&text, &path, node_name, &mut state)?;
+/// An object that does not deserialize.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, thiserror::Error)]
+#[error("{}: {kind} {name:?} (namespace {namespace}) is malformed at {field}: {message}", path.display())]
+pub struct BadObject {
+    pub path: PathBuf,
+    pub kind: String,
+    pub namespace: String,
+    pub name: String,
+    /// Where in the object, as a path (`spec.ports[0].port`).
+    pub field: String,
+    pub message: String,
+}
+
+/// What one load of the folder found.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    pub state: ClusterState,
+    /// Files and objects that were skipped, or replaced by their last good version.
+    pub problems: Vec<Problem>,
+}
+
+/// A bad file or object, and what was done about it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Problem {
+    pub error: ManifestError,
+    /// True when the last good version (from an earlier load) was used instead.
+    pub kept_last_good: bool,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let outcome = if self.kept_last_good {
+            "keeping its last good version"
+        } else {
+            "skipped"
+        };
+        write!(f, "{}; {outcome}", self.error)
     }
-    Ok(state)
 }
 
-/// Adds the objects of one file's text to `state` (objects without a namespace go to `default`).
+/// An object of the folder: (file, kind, namespace, name).
+type ObjectId = (PathBuf, String, String, String);
+
+/// A manifests folder, loaded again at every sync.
+#[derive(Debug)]
+pub struct Manifests {
+    dir: PathBuf,
+    node_name: String,
+    /// The text of every file as last read and parsed.
+    good_files: BTreeMap<PathBuf, String>,
+    /// Every object as last deserialized.
+    good_objects: BTreeMap<ObjectId, Value>,
+}
+
+impl Manifests {
+    /// `node_name` picks the Node object that describes this node, if the folder has one.
+    pub fn new(dir: &Path, node_name: &str) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+            node_name: node_name.to_string(),
+            good_files: BTreeMap::new(),
+            good_objects: BTreeMap::new(),
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Loads every `*.yaml`, `*.yml` and `*.json` file of the folder (not recursive), in name
+    /// order. Only an unreadable folder is an error.
+    pub fn load(&mut self) -> Result<Loaded, ManifestError> {
+        let mut files: Vec<PathBuf> = fs::read_dir(&self.dir)
+            .map_err(|e| ManifestError::Read {
+                path: self.dir.clone(),
+                message: e.to_string(),
+            })?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.extension()
+                    .and_then(|e| e.to_str())
+                    .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"))
+            })
+            .collect();
+        files.sort();
+        let mut loaded = Loaded::default();
+        let mut good_files = BTreeMap::new();
+        let mut good_objects = BTreeMap::new();
+        for path in files {
+            let docs = fs::read_to_string(&path)
+                .map_err(|e| ManifestError::Read {
+                    path: path.clone(),
+                    message: e.to_string(),
+                })
+                .and_then(|text| parse_documents(&text, &path).map(|docs| (text, docs)));
+            let docs = match docs {
+                Ok((text, docs)) => {
+                    good_files.insert(path.clone(), text);
+                    docs
+                }
+                Err(error) => {
+                    // It parsed before: keep serving what it said then.
+                    let previous = self
+                        .good_files
+                        .get(&path)
+                        .and_then(|text| parse_documents(text, &path).ok().map(|docs| (text.clone(), docs)));
+                    loaded.problems.push(Problem {
+                        error,
+                        kept_last_good: previous.is_some(),
+                    });
+                    let Some((text, docs)) = previous else {
+                        continue;
+                    };
+                    good_files.insert(path.clone(), text);
+                    docs
+                }
+            };
+            for doc in docs {
+                self.add(doc, &path, &mut loaded, &mut good_objects);
+            }
+        }
+        self.good_files = good_files;
+        self.good_objects = good_objects;
+        Ok(loaded)
+    }
+
+    /// Adds one object (or the items of a list) to the state, or reports why it cannot.
+    fn add(
+        &self,
+        doc: Value,
+        path: &Path,
+        loaded: &mut Loaded,
+        good_objects: &mut BTreeMap<ObjectId, Value>,
+    ) {
+        let field = |pointer: &str| {
+            doc.pointer(pointer)
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string()
+        };
+        let kind = field("/kind");
+        let name = field("/metadata/name");
+        let namespace = Some(field("/metadata/namespace"))
+            .filter(|ns| !ns.is_empty())
+            .unwrap_or_else(|| "default".into());
+        if matches!(
+            kind.as_str(),
+            "List" | "ServiceList" | "EndpointSliceList" | "NodeList"
+        ) {
+            if let Some(items) = doc.get("items").and_then(Value::as_array) {
+                for item in items {
+                    self.add(item.clone(), path, loaded, good_objects);
+                }
+            }
+            return;
+        }
+        let wanted = match kind.as_str() {
+            "Service" | "EndpointSlice" => true,
+            "Node" => name == self.node_name,
+            _ => false,
+        };
+        if !wanted {
+            return;
+        }
+        let id: ObjectId = (path.to_path_buf(), kind.clone(), namespace.clone(), name.clone());
+        let object = match add_object(&mut loaded.state, &kind, &doc) {
+            Ok(()) => doc,
+            Err((field, message)) => {
+                let previous = self.good_objects.get(&id);
+                loaded.problems.push(Problem {
+                    error: ManifestError::Object(Box::new(BadObject {
+                        path: path.to_path_buf(),
+                        kind: kind.clone(),
+                        namespace,
+                        name,
+                        field,
+                        message,
+                    })),
+                    kept_last_good: previous.is_some(),
+                });
+                let Some(previous) = previous else {
+                    return;
+                };
+                if add_object(&mut loaded.state, &kind, previous).is_err() {
+                    return;
+                }
+                previous.clone()
+            }
+        };
+        good_objects.insert(id, object);
+    }
+}
+
+/// Loads a folder once, without last good versions (for one-shot commands such as `trace`).
+pub fn load_dir(dir: &Path, node_name: &str) -> Result<Loaded, ManifestError> {
+    Manifests::new(dir, node_name).load()
+}
+
+/// The documents of one file (a YAML stream; JSON is YAML), without the empty ones.
+fn parse_documents(text: &str, path: &Path) -> Result<Vec<Value>, ManifestError> {
+    let docs: Vec<Value> = serde_saphyr::from_multiple(text).map_err(|e| ManifestError::Yaml {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    Ok(docs.into_iter().filter(|d| !d.is_null()).collect())
+}
+
+/// Deserializes one object of a kind we read and adds it; the error is (field path, message).
+fn add_object(state: &mut ClusterState, kind: &str, doc: &Value) -> Result<(), (String, String)> {
+    match kind {
+        "Service" => state.add_service(typed::<Service>(doc)?),
+        "EndpointSlice" => state.add_slice(typed::<EndpointSlice>(doc)?),
+        "Node" => state.node = Some(std::sync::Arc::new(typed::<Node>(doc)?)),
+        _ => {}
+    }
+    Ok(())
+}
+
+fn typed<T: DeserializeOwned>(doc: &Value) -> Result<T, (String, String)> {
+    serde_path_to_error::deserialize(doc).map_err(|e| (e.path().to_string(), e.into_inner().to_string()))
+}
+
+/// Adds the objects of one file's text to `state` (objects without a namespace go to `default`);
+/// for tests and tools that hold manifests in memory. Any problem is an error.
 pub fn load_text(
     text: &str,
     path: &Path,
     node_name: &str,
     state: &mut ClusterState,
 ) -> Result<(), ManifestError> {
-    let docs: Vec<Value> = serde_saphyr::from_multiple(text).map_err(|e| ManifestError::Yaml {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    })?;
-    let mut queue: Vec<Value> = docs.into_iter().filter(|d| !d.is_null()).collect();
-    while let Some(doc) = queue.pop() {
-        let kind = doc
-            .get("kind")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string();
-        let name = doc
-            .pointer("/metadata/name")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string();
-        let malformed = |e: serde_json::Error| ManifestError::Object {
-            path: path.to_path_buf(),
-            kind: kind.clone(),
-            name: name.clone(),
-            message: e.to_string(),
-        };
-        match kind.as_str() {
-            "List" | "ServiceList" | "EndpointSliceList" | "NodeList" => {
-                if let Some(items) = doc.get("items").and_then(Value::as_array) {
-                    queue.extend(items.iter().cloned());
-                }
-            }
-            "Service" => state.add_service(serde_json::from_value::<Service>(doc).map_err(malformed)?),
-            "EndpointSlice" => {
-                state.add_slice(serde_json::from_value::<EndpointSlice>(doc).map_err(malformed)?)
-            }
-            "Node" if name == node_name => {
-                state.node = Some(std::sync::Arc::new(
-                    serde_json::from_value::<Node>(doc).map_err(malformed)?,
-                ));
-            }
-            _ => {}
-        }
+    let manifests = Manifests::new(path.parent().unwrap_or(Path::new(".")), node_name);
+    let mut loaded = Loaded {
+        state: std::mem::take(state),
+        problems: Vec::new(),
+    };
+    for doc in parse_documents(text, path)? {
+        manifests.add(doc, path, &mut loaded, &mut BTreeMap::new());
     }
-    Ok(())
+    *state = loaded.state;
+    match loaded.problems.into_iter().next() {
+        Some(problem) => Err(problem.error),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
@@ -218,10 +388,103 @@ ports:
     }
 
     #[test]
-    fn malformed_objects_name_their_file() {
-        let bad = "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {ports: 7}\n";
+    fn malformed_objects_name_their_file_kind_name_and_field() {
+        let bad = "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {ports: [{port: eighty}]}\n";
         let err = load_text(bad, Path::new("bad.yaml"), "n", &mut ClusterState::default()).unwrap_err();
         let text = err.to_string();
-        assert!(text.contains("bad.yaml") && text.contains("Service"), "{text}");
+        assert!(
+            text.contains("bad.yaml")
+                && text.contains("Service \"x\" (namespace default)")
+                && text.contains("spec.ports[0].port"),
+            "{text}"
+        );
+    }
+
+    const GOOD: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: good, namespace: demo}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n";
+
+    fn service(port: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: edited, namespace: demo}}\nspec: {{clusterIP: 10.96.0.2, ports: [{{port: {port}}}]}}\n"
+        )
+    }
+
+    fn port_of(state: &ClusterState, name: &str) -> Option<i32> {
+        let svc = state.services.get(&("demo".to_string(), name.to_string()))?;
+        Some(svc.spec.as_ref()?.ports.as_ref()?[0].port)
+    }
+
+    #[test]
+    fn a_bad_object_or_file_costs_only_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let bad_object = format!("{}---\n{GOOD}", service("eighty"));
+        fs::write(dir.path().join("a.yaml"), bad_object).unwrap();
+        fs::write(dir.path().join("b.yaml"), "kind: [unclosed").unwrap();
+        fs::write(
+            dir.path().join("c.yaml"),
+            GOOD.replace("name: good", "name: other"),
+        )
+        .unwrap();
+        let loaded = load_dir(dir.path(), "n").unwrap();
+        assert_eq!(port_of(&loaded.state, "good"), Some(80));
+        assert_eq!(port_of(&loaded.state, "other"), Some(80));
+        assert_eq!(port_of(&loaded.state, "edited"), None);
+        let problems: Vec<String> = loaded.problems.iter().map(ToString::to_string).collect();
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(
+            problems[0].contains("a.yaml")
+                && problems[0].contains("spec.ports[0].port")
+                && problems[0].ends_with("skipped"),
+            "{problems:?}"
+        );
+        assert!(
+            problems[1].contains("b.yaml") && problems[1].contains("not valid YAML"),
+            "{problems:?}"
+        );
+    }
+
+    #[test]
+    fn a_broken_edit_keeps_the_last_good_version_until_fixed_or_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a.yaml");
+        let mut manifests = Manifests::new(dir.path(), "n");
+        fs::write(&file, service("80")).unwrap();
+        assert_eq!(port_of(&manifests.load().unwrap().state, "edited"), Some(80));
+
+        // A malformed object: the last good version stays, and the problem says so.
+        fs::write(&file, service("eighty")).unwrap();
+        let loaded = manifests.load().unwrap();
+        assert_eq!(port_of(&loaded.state, "edited"), Some(80));
+        assert!(loaded.problems[0].kept_last_good, "{:?}", loaded.problems);
+        assert!(
+            loaded.problems[0]
+                .to_string()
+                .ends_with("keeping its last good version")
+        );
+
+        // A file that no longer parses: the same.
+        fs::write(&file, "kind: [unclosed").unwrap();
+        let loaded = manifests.load().unwrap();
+        assert_eq!(port_of(&loaded.state, "edited"), Some(80));
+        assert!(loaded.problems[0].kept_last_good);
+
+        // Fixed: the new version, no problem.
+        fs::write(&file, service("81")).unwrap();
+        let loaded = manifests.load().unwrap();
+        assert_eq!(port_of(&loaded.state, "edited"), Some(81));
+        assert!(loaded.problems.is_empty());
+
+        // Removed: gone, and a later broken file of the same name has nothing to fall back on.
+        fs::remove_file(&file).unwrap();
+        assert_eq!(port_of(&manifests.load().unwrap().state, "edited"), None);
+        fs::write(&file, service("eighty")).unwrap();
+        let loaded = manifests.load().unwrap();
+        assert_eq!(port_of(&loaded.state, "edited"), None);
+        assert!(!loaded.problems[0].kept_last_good);
+    }
+
+    #[test]
+    fn an_unreadable_folder_is_an_error() {
+        let err = load_dir(Path::new("/nonexistent/manifests"), "n").unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/manifests"), "{err}");
     }
 }

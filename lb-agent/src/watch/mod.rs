@@ -69,21 +69,28 @@ impl ClusterState {
 
     /// The EndpointSlices of each Service, by (namespace, service name) from the
     /// `kubernetes.io/service-name` label. Slices without the label belong to no Service.
-    pub fn slices_by_service(&self) -> BTreeMap<(String, String), Vec<&EndpointSlice>> {
-        let mut out: BTreeMap<(String, String), Vec<&EndpointSlice>> = BTreeMap::new();
+    pub fn slices_by_service(&self) -> BTreeMap<ServiceKey, Vec<&EndpointSlice>> {
+        let mut out: BTreeMap<ServiceKey, Vec<&EndpointSlice>> = BTreeMap::new();
         for ((namespace, _), slice) in &self.slices {
-            let labels = slice.metadata.labels.as_ref();
-            if labels
-                .is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL) || l.contains_key(HEADLESS_LABEL))
-            {
-                continue;
-            }
-            if let Some(service) = labels.and_then(|l| l.get(SERVICE_NAME_LABEL)) {
-                out.entry((namespace.clone(), service.clone()))
-                    .or_default()
-                    .push(slice);
+            if let Some(service) = slice_service(namespace, slice) {
+                out.entry(service).or_default().push(slice);
             }
         }
         out
     }
+}
+
+/// A Service's (namespace, name).
+pub type ServiceKey = (String, String);
+
+/// The Service an EndpointSlice (stored under `namespace`) belongs to: its
+/// `kubernetes.io/service-name` label, unless kube-proxy ignores the slice (another proxy's, or a
+/// headless Service's).
+pub fn slice_service(namespace: &str, slice: &EndpointSlice) -> Option<ServiceKey> {
+    let labels = slice.metadata.labels.as_ref()?;
+    if labels.contains_key(SERVICE_PROXY_NAME_LABEL) || labels.contains_key(HEADLESS_LABEL) {
+        return None;
+    }
+    let service = labels.get(SERVICE_NAME_LABEL)?;
+    Some((namespace.to_owned(), service.clone()))
 }

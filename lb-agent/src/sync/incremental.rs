@@ -1,0 +1,349 @@
+//! Steps 2 and 3 kept between syncs: the desired state, updated one Service at a time, so that a
+//! change to one Service costs work in proportion to that Service rather than to the cluster (the
+//! map writer then looks only at what changed, `Applier::apply_changes`). The result is exactly
+//! what [`super::compute`] gives from scratch; the property tests below hold it to that.
+//!
+//! What ties Services together is kept as indexes: who claims each frontend (the winner is the
+//! first by [`plan::Claim::priority`]), how many kept frontends use each backend, and what the
+//! endpoints at each backend address say about it ([`BackendVotes`]).
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, btree_map::Entry},
+    sync::Arc,
+};
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+
+use super::{Problem, ServiceUnit};
+use crate::{
+    model::{NodeInfo, ServicePortName},
+    plan::{
+        self, BackendAddr, BackendVotes, DesiredState, Frontend, FrontendKind, FrontendPlan, NodeContext,
+    },
+    watch::{ClusterState, ServiceKey},
+};
+
+/// The frontends and backends whose desired entries changed in one update.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    pub frontends: BTreeSet<Frontend>,
+    pub backends: BTreeSet<BackendAddr>,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.frontends.is_empty() && self.backends.is_empty()
+    }
+}
+
+/// Sums over every Service, for metrics and logs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Totals {
+    pub services: usize,
+    pub service_ports: usize,
+    pub endpoints: usize,
+    pub no_local_internal: usize,
+    pub no_local_external: usize,
+}
+
+/// What one update did.
+#[derive(Clone, Debug, Default)]
+pub struct Outcome {
+    pub changes: Changes,
+    /// Problems that were not there before this update (to log once, not at every sync).
+    pub new_problems: Vec<Problem>,
+    /// Services recomputed.
+    pub recomputed: usize,
+}
+
+/// The objects of one Service, as the watch holds them now (`None`: the Service is gone).
+pub type ServiceInputs = (Option<Arc<Service>>, Vec<Arc<EndpointSlice>>);
+
+#[derive(Debug, Default)]
+pub struct Synchronizer {
+    /// The node facts every unit was computed with; other facts need a rebuild.
+    inputs: Option<(NodeInfo, NodeContext)>,
+    units: BTreeMap<ServiceKey, ServiceUnit>,
+    /// Every claim on each frontend, in priority order; the first is served.
+    claimants: HashMap<Frontend, BTreeMap<(FrontendKind, ServicePortName), FrontendPlan>>,
+    desired: DesiredState,
+    /// How many times kept frontends' scopes list each backend.
+    used: HashMap<BackendAddr, u32>,
+    votes: HashMap<BackendAddr, BackendVotes>,
+    /// The losing claims on each contested frontend.
+    conflicts: BTreeMap<Frontend, Vec<Problem>>,
+    totals: Totals,
+}
+
+/// What a unit's arrival or departure may have changed.
+#[derive(Default)]
+struct Touched {
+    frontends: BTreeSet<Frontend>,
+    backends: BTreeSet<BackendAddr>,
+}
+
+impl Synchronizer {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Whether the state was computed for these node facts (else only [`Self::rebuild`] may be
+    /// used: every Service depends on them).
+    pub fn is_current(&self, node: &NodeInfo, ctx: &NodeContext) -> bool {
+        self.inputs.as_ref().is_some_and(|(n, c)| n == node && c == ctx)
+    }
+
+    pub fn desired(&self) -> &DesiredState {
+        &self.desired
+    }
+
+    pub fn totals(&self) -> Totals {
+        self.totals
+    }
+
+    /// Every current problem: the Services' own (in Service order), then the lost claims.
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut out: Vec<Problem> = self
+            .units
+            .values()
+            .flat_map(|u| u.problems.iter().cloned())
+            .collect();
+        out.extend(self.conflicts.values().flatten().cloned());
+        out
+    }
+
+    /// The externalTrafficPolicy=Local health checks: (port, service port, local ready
+    /// endpoints).
+    pub fn health_checks(&self) -> Vec<(u16, ServicePortName, usize)> {
+        self.units
+            .values()
+            .flat_map(|u| u.health_checks.iter().cloned())
+            .collect()
+    }
+
+    /// Recomputes everything from `state`. The caller writes the whole desired state
+    /// (`Applier::apply`); the outcome's changes list every frontend and backend anyway.
+    pub fn rebuild(&mut self, state: &ClusterState, node: &NodeInfo, ctx: &NodeContext) -> Outcome {
+        let before: BTreeSet<Problem> = self.problems().into_iter().collect();
+        let old_frontends: Vec<Frontend> = self.desired.frontends.keys().copied().collect();
+        let old_backends: Vec<BackendAddr> = self.desired.backends.keys().copied().collect();
+        *self = Self {
+            inputs: Some((node.clone(), ctx.clone())),
+            ..Self::default()
+        };
+        let slices = state.slices_by_service();
+        let mut touched = Touched::default();
+        for (key, svc) in &state.services {
+            let service_slices = slices.get(key).map(Vec::as_slice).unwrap_or_default();
+            let unit = ServiceUnit::compute(&key.0, &key.1, svc, service_slices, node, ctx);
+            self.contribute(&unit, &mut touched);
+            self.units.insert(key.clone(), unit);
+        }
+        let mut changes = self.settle(touched);
+        // Whatever was desired before is gone unless settled again.
+        changes.frontends.extend(old_frontends);
+        changes.backends.extend(old_backends);
+        let new_problems = self
+            .problems()
+            .into_iter()
+            .filter(|p| !before.contains(p))
+            .collect();
+        Outcome {
+            changes,
+            new_problems,
+            recomputed: self.units.len(),
+        }
+    }
+
+    /// Recomputes the Services in `dirty` from their current objects. Only valid while
+    /// [`Self::is_current`] holds for the node facts.
+    pub fn update<'a>(
+        &mut self,
+        dirty: impl IntoIterator<Item = &'a ServiceKey>,
+        inputs: impl Fn(&ServiceKey) -> ServiceInputs,
+    ) -> Outcome {
+        let Some((node, ctx)) = self.inputs.clone() else {
+            return Outcome::default();
+        };
+        let mut touched = Touched::default();
+        let mut new_problems = Vec::new();
+        let mut recomputed = 0;
+        for key in dirty {
+            recomputed += 1;
+            let (svc, slices) = inputs(key);
+            let unit = svc.map(|svc| {
+                let slices: Vec<&EndpointSlice> = slices.iter().map(Arc::as_ref).collect();
+                ServiceUnit::compute(&key.0, &key.1, &svc, &slices, &node, &ctx)
+            });
+            let old = self.units.remove(key);
+            if old.as_ref() == unit.as_ref() {
+                if let Some(old) = old {
+                    self.units.insert(key.clone(), old);
+                }
+                continue;
+            }
+            if let Some(old) = &old {
+                self.withdraw(old, &mut touched);
+            }
+            if let Some(unit) = unit {
+                let before = old.as_ref().map(|o| o.problems.as_slice()).unwrap_or_default();
+                new_problems.extend(unit.problems.iter().filter(|p| !before.contains(p)).cloned());
+                self.contribute(&unit, &mut touched);
+                self.units.insert(key.clone(), unit);
+            }
+        }
+        let conflicts_before: BTreeSet<Problem> = touched
+            .frontends
+            .iter()
+            .filter_map(|f| self.conflicts.get(f))
+            .flatten()
+            .cloned()
+            .collect();
+        let changes = self.settle(touched);
+        new_problems.extend(
+            changes
+                .frontends
+                .iter()
+                .filter_map(|f| self.conflicts.get(f))
+                .flatten()
+                .filter(|p| !conflicts_before.contains(p))
+                .cloned(),
+        );
+        Outcome {
+            changes,
+            new_problems,
+            recomputed,
+        }
+    }
+
+    fn contribute(&mut self, unit: &ServiceUnit, touched: &mut Touched) {
+        self.count(unit, 1);
+        for port in &unit.ports {
+            for claim in &port.claims {
+                touched.frontends.insert(claim.frontend);
+                self.claimants
+                    .entry(claim.frontend)
+                    .or_default()
+                    .insert((claim.kind, claim.plan.service.clone()), claim.plan.clone());
+            }
+            for (addr, local, terminating) in &port.endpoints {
+                touched.backends.insert(*addr);
+                self.votes.entry(*addr).or_default().add(*local, *terminating, 1);
+            }
+        }
+    }
+
+    fn withdraw(&mut self, unit: &ServiceUnit, touched: &mut Touched) {
+        self.count(unit, -1);
+        for port in &unit.ports {
+            for claim in &port.claims {
+                touched.frontends.insert(claim.frontend);
+                if let Some(claims) = self.claimants.get_mut(&claim.frontend) {
+                    claims.remove(&(claim.kind, claim.plan.service.clone()));
+                    if claims.is_empty() {
+                        self.claimants.remove(&claim.frontend);
+                    }
+                }
+            }
+            for (addr, local, terminating) in &port.endpoints {
+                touched.backends.insert(*addr);
+                if let Some(votes) = self.votes.get_mut(addr) {
+                    votes.add(*local, *terminating, -1);
+                    if votes.endpoints <= 0 {
+                        self.votes.remove(addr);
+                    }
+                }
+            }
+        }
+    }
+
+    fn count(&mut self, unit: &ServiceUnit, sign: isize) {
+        let t = &mut self.totals;
+        let add = |v: &mut usize, n: usize| *v = v.saturating_add_signed(sign * n as isize);
+        add(&mut t.services, 1);
+        add(&mut t.service_ports, unit.ports.len());
+        add(&mut t.endpoints, unit.endpoints);
+        add(&mut t.no_local_internal, unit.no_local_internal);
+        add(&mut t.no_local_external, unit.no_local_external);
+    }
+
+    /// Re-decides the touched frontends (winner, conflicts) and backends (used, flags).
+    fn settle(&mut self, touched: Touched) -> Changes {
+        let mut changes = Changes::default();
+        let mut backends = touched.backends;
+        for frontend in touched.frontends {
+            let claims = self.claimants.get(&frontend);
+            let winner = claims.and_then(|c| c.iter().next());
+            let served = self.desired.frontends.get(&frontend);
+            if served != winner.map(|(_, plan)| plan) {
+                if let Some(old) = served {
+                    for b in old.backends() {
+                        backends.insert(*b);
+                        if let Some(n) = self.used.get_mut(b) {
+                            *n -= 1;
+                            if *n == 0 {
+                                self.used.remove(b);
+                            }
+                        }
+                    }
+                }
+                match winner {
+                    Some((_, plan)) => {
+                        for b in plan.backends() {
+                            backends.insert(*b);
+                            *self.used.entry(*b).or_default() += 1;
+                        }
+                        self.desired.frontends.insert(frontend, plan.clone());
+                    }
+                    None => {
+                        self.desired.frontends.remove(&frontend);
+                    }
+                }
+                changes.frontends.insert(frontend);
+            }
+            let lost: Vec<Problem> = match (claims, winner) {
+                (Some(claims), Some(((_, owner), _))) => claims
+                    .iter()
+                    .skip(1)
+                    .filter(|((_, service), _)| service != owner)
+                    .map(|((kind, service), _)| {
+                        Problem::from_plan(&plan::lost_claim(*kind, &frontend, service, owner))
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            };
+            if lost.is_empty() {
+                self.conflicts.remove(&frontend);
+            } else {
+                self.conflicts.insert(frontend, lost);
+            }
+        }
+        for addr in backends {
+            let want = self
+                .used
+                .contains_key(&addr)
+                .then(|| self.votes.get(&addr).map(BackendVotes::flags).unwrap_or(0));
+            match (self.desired.backends.entry(addr), want) {
+                (Entry::Occupied(e), None) => {
+                    e.remove();
+                    changes.backends.insert(addr);
+                }
+                (Entry::Occupied(mut e), Some(flags)) => {
+                    if *e.get() != flags {
+                        e.insert(flags);
+                        changes.backends.insert(addr);
+                    }
+                }
+                (Entry::Vacant(e), Some(flags)) => {
+                    e.insert(flags);
+                    changes.backends.insert(addr);
+                }
+                (Entry::Vacant(_), None) => {}
+            }
+        }
+        changes
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,156 @@
+//! Cases the property tests (`plan::proptests::incremental_*`) reach only by luck: a backend
+//! whose flags change while no frontend does, contested frontends changing hands, problems
+//! reported once, and a recomputed Service that did not change costing nothing.
+
+use std::path::Path;
+
+use super::*;
+use crate::{plan::NodeContext, sync, watch::manifests::load_text};
+
+fn state(yaml: &str) -> ClusterState {
+    let mut s = ClusterState::default();
+    load_text(yaml, Path::new("t.yaml"), "node-a", &mut s).unwrap();
+    s
+}
+
+fn node() -> NodeInfo {
+    sync::node_info("node-a", None)
+}
+
+fn inputs(s: &ClusterState) -> impl Fn(&ServiceKey) -> ServiceInputs + '_ {
+    |key| {
+        let slices = s
+            .slices
+            .iter()
+            .filter(|((ns, _), sl)| crate::watch::slice_service(ns, sl).as_ref() == Some(key))
+            .map(|(_, sl)| sl.clone())
+            .collect();
+        (s.services.get(key).cloned(), slices)
+    }
+}
+
+fn key(name: &str) -> ServiceKey {
+    ("t".to_string(), name.to_string())
+}
+
+const WEB: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: t}
+spec:
+  clusterIP: 10.96.0.10
+  ports: [{name: http, port: 80, protocol: TCP}]
+"#;
+
+fn web_slice(node: &str) -> String {
+    format!(
+        r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: t
+  labels: {{kubernetes.io/service-name: web}}
+addressType: IPv4
+endpoints:
+- addresses: [10.244.1.5]
+  nodeName: {node}
+ports:
+- {{name: http, port: 8080, protocol: TCP}}
+"#
+    )
+}
+
+#[test]
+fn a_backend_moving_to_this_node_changes_its_flags_only() {
+    let ctx = NodeContext::default();
+    let before = state(&format!("{WEB}---{}", web_slice("node-b")));
+    let mut s = Synchronizer::new();
+    s.rebuild(&before, &node(), &ctx);
+    let after = state(&format!("{WEB}---{}", web_slice("node-a")));
+    let outcome = s.update(&[key("web")], inputs(&after));
+    // Cluster policy: the frontend's backends are the same; the backend is now local.
+    assert!(outcome.changes.frontends.is_empty(), "{:?}", outcome.changes);
+    assert_eq!(outcome.changes.backends.len(), 1);
+    assert_eq!(s.desired(), &sync::compute(&after, &node(), &ctx).desired);
+    let (_, flags) = s.desired().backends.iter().next().unwrap();
+    assert_eq!(*flags, lb_common::backend::flags::LOCAL);
+}
+
+#[test]
+fn an_unchanged_service_costs_nothing() {
+    let ctx = NodeContext::default();
+    let st = state(&format!("{WEB}---{}", web_slice("node-a")));
+    let mut s = Synchronizer::new();
+    s.rebuild(&st, &node(), &ctx);
+    let outcome = s.update(&[key("web"), key("absent")], inputs(&st));
+    assert!(outcome.changes.is_empty(), "{:?}", outcome.changes);
+    assert!(outcome.new_problems.is_empty());
+}
+
+fn with_external_ip(name: &str, cluster_ip: &str) -> String {
+    format!(
+        r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: t}}
+spec:
+  clusterIP: {cluster_ip}
+  externalIPs: [203.0.113.7]
+  ports: [{{name: http, port: 80, protocol: TCP}}]
+"#
+    )
+}
+
+#[test]
+fn a_contested_frontend_changes_hands_and_conflicts_are_reported_once() {
+    let ctx = NodeContext::default();
+    let both = state(&format!(
+        "{}---{}",
+        with_external_ip("a", "10.96.0.1"),
+        with_external_ip("b", "10.96.0.2")
+    ));
+    let mut s = Synchronizer::new();
+    let first = s.rebuild(&both, &node(), &ctx);
+    // "a" wins (first by name); "b"'s claim is reported, once.
+    let lost: Vec<_> = first
+        .new_problems
+        .iter()
+        .filter(|p| p.message.contains("already served"))
+        .collect();
+    assert_eq!(lost.len(), 1, "{:?}", first.new_problems);
+    assert_eq!(lost[0].name, "b");
+    let external = s
+        .desired()
+        .frontends
+        .iter()
+        .find(|(f, _)| f.addr.to_string() == "203.0.113.7")
+        .map(|(f, p)| (*f, p.service.name.clone()))
+        .unwrap();
+    assert_eq!(external.1, "a");
+    // Recomputing "b" unchanged reports nothing new.
+    let again = s.update(&[key("b")], inputs(&both));
+    assert!(again.new_problems.is_empty(), "{:?}", again.new_problems);
+    // "a" goes: the external IP passes to "b", and the conflict is gone.
+    let only_b = state(&with_external_ip("b", "10.96.0.2"));
+    let outcome = s.update(&[key("a")], inputs(&only_b));
+    assert!(outcome.changes.frontends.contains(&external.0));
+    assert_eq!(s.desired().frontends[&external.0].service.name, "b");
+    assert!(s.problems().is_empty(), "{:?}", s.problems());
+    assert_eq!(s.desired(), &sync::compute(&only_b, &node(), &ctx).desired);
+}
+
+#[test]
+fn other_node_facts_need_a_rebuild() {
+    let ctx = NodeContext::default();
+    let mut s = Synchronizer::new();
+    assert!(!s.is_current(&node(), &ctx), "nothing computed yet");
+    s.rebuild(&ClusterState::default(), &node(), &ctx);
+    assert!(s.is_current(&node(), &ctx));
+    let moved = NodeContext {
+        nodeport_addresses: vec!["192.168.1.10".parse().unwrap()],
+        ..NodeContext::default()
+    };
+    assert!(!s.is_current(&node(), &moved));
+    assert!(!s.is_current(&sync::node_info("node-b", None), &ctx));
+}
