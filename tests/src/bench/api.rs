@@ -75,9 +75,11 @@ pub fn build_slice(i: u32) -> EndpointSlice {
     s.port("http", "TCP", i32::from(topo::BACKEND_PORT)).build()
 }
 
+type WatchLog = Arc<std::sync::Mutex<Vec<(u64, String, u16, bool)>>>;
+
 /// Service watch events seen by lb-bench itself: (time, name, first port, deleted).
 pub struct ServiceWatch {
-    events: Arc<std::sync::Mutex<Vec<(u64, String, u16, bool)>>>,
+    events: WatchLog,
     task: tokio::task::JoinHandle<()>,
 }
 

@@ -9,8 +9,9 @@
 //!   rate over the whole loop (socket, connect, close).
 //! - `serve`: the accept-and-close server that answers every endpoint IP (AnyIP route).
 //! - `probe`: polls one address with short-timeout connects until it answers (or stops
-//!   answering), and reports the CLOCK_MONOTONIC time it happened, which the parent compares with
-//!   the time it made the API call (the clock is shared by every process on the machine).
+//!   answering), and reports the CLOCK_MONOTONIC time at which the deciding attempt started,
+//!   which the parent compares with the time it made the API call (the clock is shared by every
+//!   process on the machine). The resolution is one attempt plus the polling interval.
 
 use std::{
     fs,
@@ -208,10 +209,7 @@ pub fn crr_main(args: &[String]) {
 pub fn serve_main(args: &[String]) {
     let (cpu, ports) = args.split_first().expect("usage: lb-bench serve CPU PORT...");
     pin_to_cpu(cpu.parse().expect("cpu"));
-    let listeners: Vec<TcpListener> = ports
-        .iter()
-        .map(|p| listen(p.parse().expect("port")))
-        .collect();
+    let listeners: Vec<TcpListener> = ports.iter().map(|p| listen(p.parse().expect("port"))).collect();
     println!("{{\"ready\":true}}");
     let _ = std::io::stdout().flush();
     let handles: Vec<_> = listeners
@@ -259,7 +257,11 @@ fn listen(port: u16) -> TcpListener {
             std::mem::size_of::<libc::sockaddr_in>() as u32,
         );
         assert!(r == 0, "bind :{port}: {}", std::io::Error::last_os_error());
-        assert!(libc::listen(fd, 4096) == 0, "listen: {}", std::io::Error::last_os_error());
+        assert!(
+            libc::listen(fd, 4096) == 0,
+            "listen: {}",
+            std::io::Error::last_os_error()
+        );
         TcpListener::from_raw_fd(fd)
     }
 }
@@ -268,7 +270,7 @@ fn listen(port: u16) -> TcpListener {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct ProbeResult {
     pub ok: bool,
-    /// CLOCK_MONOTONIC ns when `to` first showed the wanted state.
+    /// CLOCK_MONOTONIC ns when the attempt that first showed the wanted state started.
     pub at_ns: u64,
     pub attempts: u64,
     /// With a list of all targets: when every one of them answered.
@@ -290,11 +292,16 @@ pub fn probe_main(args: &[String]) {
     let want_up = want == "up";
     let deadline = now_ns() + timeout_ms.parse::<u64>().expect("timeout") * 1_000_000;
     let interval = Duration::from_micros(interval_us.parse().expect("interval"));
-    let attempt_timeout = Duration::from_millis(20);
+    // Waiting for "up", an attempt that times out only delays the answer, so it is short (a
+    // dropped SYN, e.g. nftables dropping an unallocated ClusterIP, costs 2 ms, not more);
+    // waiting for "down", a slow success must not pass for a failure, so it is longer.
+    let attempt_timeout = Duration::from_millis(if want_up { 2 } else { 20 });
     let mut attempts = 0u64;
     let mut result = ProbeResult::default();
     loop {
         attempts += 1;
+        // The SYN of this attempt leaves at `sent`: the state it sees held then.
+        let sent = now_ns();
         let up = connect_once(to, attempt_timeout).is_ok();
         if attempts == 1 {
             println!("{{\"ready\":true,\"initially_up\":{up}}}");
@@ -302,7 +309,7 @@ pub fn probe_main(args: &[String]) {
         }
         if up == want_up {
             result.ok = true;
-            result.at_ns = now_ns();
+            result.at_ns = sent;
             break;
         }
         if now_ns() > deadline {

@@ -69,8 +69,12 @@ pub struct LatencyLevel {
     pub n: u32,
     pub runs: BTreeMap<Config, Vec<CrrResult>>,
     pub cold: Vec<ColdStart>,
-    /// kube-proxy's effective configuration (/configz), for the record.
-    pub kube_proxy_configz: Option<String>,
+    /// The machine's 1-minute load average at the start of each round (other work on the VM).
+    #[serde(default)]
+    pub round_load: Vec<f64>,
+    /// kube-proxy's effective configuration (/configz) per mode, for the record.
+    #[serde(default)]
+    pub configz: BTreeMap<Config, String>,
 }
 
 /// Creating N Services through the API while the proxy runs.
@@ -184,9 +188,18 @@ pub fn latency_level(ctx: &mut Ctx<'_>, n: u32) -> (LatencyLevel, Vec<Memory>) {
         } else {
             (api::vip(n - 1, api::SERVICE_PORT), &vips)
         };
-        let probe = Probe::start(peer.client(), last, true, ctx.opts.sync_timeout, 2000, Some(all));
+        let probe = Probe::start(peer.client(), last, true, ctx.opts.cold_timeout, 2000, Some(all));
         ctx.launch(&mut peer);
         let r = probe.wait();
+        // The data path can serve before the program records its sync (kube-proxy observes the
+        // duration after iptables-restore/nft returns, the agent logs after its writes): wait
+        // for that record so the sync columns hold the sync that did the work.
+        if r.ok && !peer.wait_first_sync(Duration::from_secs(30)) {
+            eprintln!(
+                "  WARNING: {} recorded no sync within 30 s of serving",
+                config.label()
+            );
+        }
         let (sync_count, sync_sum_s) = sync_hist(&peer);
         let cold = ColdStart {
             config: Some(config),
@@ -218,7 +231,15 @@ pub fn latency_level(ctx: &mut Ctx<'_>, n: u32) -> (LatencyLevel, Vec<Memory>) {
                 peer.log_text()
             );
         }
+        let failed = !r.ok;
         level.cold.push(cold);
+        if failed {
+            // Not measured at this N: it would only time out, and keep a CPU busy meanwhile.
+            eprintln!("  {} is left out of the rounds at N={n}", config.label());
+            peer.save_log(&ctx.opts.log_dir, &format!("cold-{n}-{config:?}.log"));
+            peer.stop();
+            continue;
+        }
         if config != Config::Direct
             && config != Config::LbTc
             && let Some(m) = memory(&peer, n, "cold start")
@@ -227,11 +248,19 @@ pub fn latency_level(ctx: &mut Ctx<'_>, n: u32) -> (LatencyLevel, Vec<Memory>) {
         }
         peers.push(peer);
     }
-    if let Some(p) = peers.iter().find(|p| p.config.is_kube_proxy()) {
-        level.kube_proxy_configz = p.configz();
+    for p in peers.iter().filter(|p| p.config.is_kube_proxy()) {
+        if let Some(c) = p.configz() {
+            level.configz.insert(p.config, c);
+        }
     }
     for round in 0..ctx.opts.rounds {
         check_interrupted();
+        if let Some(load) = std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        {
+            level.round_load.push(load);
+        }
         let order: Vec<usize> = if round % 2 == 0 {
             (0..peers.len()).collect()
         } else {
@@ -270,6 +299,9 @@ pub fn latency_level(ctx: &mut Ctx<'_>, n: u32) -> (LatencyLevel, Vec<Memory>) {
         }
     }
     for p in peers {
+        if p.config != Config::Direct {
+            p.save_log(&ctx.opts.log_dir, &format!("cold-{n}-{:?}.log", p.config));
+        }
         p.stop();
     }
     (level, mem)
@@ -310,6 +342,9 @@ pub fn programming(
     );
     let (first, created) = ctx.cluster.grow_to(n);
     let r = probe.wait();
+    // The sync that made the last Service answer may be recorded just after (see latency_level):
+    // the sync counts cover the period until the program is idle again.
+    peer.settle(Duration::from_millis(1500), Duration::from_secs(60));
     let (c1, s1) = sync_hist(&peer);
     let prog = Programming {
         config: Some(config),
@@ -353,14 +388,16 @@ pub fn programming(
     if let Some(m) = memory(&peer, n, "after the changes") {
         mem.push(m);
     }
+    peer.save_log(&ctx.opts.log_dir, &format!("programming-{n}-{config:?}.log"));
     peer.stop();
     (prog, changes, mem)
 }
 
 /// One Service added, changed (its port 80 -> 81) and removed, `reps` times, each timed from the
-/// API call to the data path showing it (a probe polling every 200 µs with 20 ms connects). The
-/// proxy is idle (no sync for 1.5 s, past kube-proxy's 1 s min-sync-period) before every timed
-/// call; the EndpointSlice is created before the Service, untimed.
+/// API call to the data path showing it (a probe polling every 200 µs; the time is when the SYN
+/// of the deciding attempt left). The proxy is idle (no sync for 1.5 s, past kube-proxy's 1 s
+/// min-sync-period) before every timed call; the EndpointSlice is created before the Service,
+/// untimed.
 fn change_latency(ctx: &mut Ctx<'_>, peer: &Peer, n: u32, reps: u32) -> ChangeLatency {
     let mut out = ChangeLatency {
         config: Some(peer.config),
@@ -487,6 +524,28 @@ impl Step<'_> {
             return None;
         }
         let ms = r.at_ns.saturating_sub(since) as f64 / 1e6;
+        if std::env::var_os("LB_BENCH_DEBUG").is_some() {
+            let syncs: Vec<String> = self
+                .peer
+                .agent_syncs_since(since)
+                .iter()
+                .map(|(t, f)| {
+                    format!(
+                        "{:.1}ms({:?})",
+                        t.saturating_sub(since) as f64 / 1e6,
+                        f.get("elapsed_ms")
+                    )
+                })
+                .collect();
+            eprintln!(
+                "    debug {}: probe {ms:.1} ms after {} attempts; agent sync lines at {syncs:?}; watch {:?}",
+                self.what,
+                r.attempts,
+                self.watch
+                    .seen(since, self.index, self.to.port(), !self.want_up)
+                    .map(|t| t.saturating_sub(since) as f64 / 1e6)
+            );
+        }
         let agent = self
             .peer
             .agent_syncs_since(since)

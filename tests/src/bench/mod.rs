@@ -22,7 +22,10 @@ pub mod topo;
 use std::{
     net::SocketAddr,
     path::{Path, PathBuf},
-    sync::atomic::{AtomicBool, Ordering},
+    sync::{
+        OnceLock,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -47,10 +50,15 @@ pub struct Options {
     pub tc_calls: usize,
     /// How long a program may take to serve every Service before the step is given up.
     pub sync_timeout: Duration,
+    /// How long a configuration may take to serve every Service after its start (cold start)
+    /// before it is left out of the connect-latency rounds at that N.
+    pub cold_timeout: Duration,
     /// The agent's `--bpf-lb-map-max` (backends and reverse-NAT capacity).
     pub backends_capacity: u32,
     pub write_docs: bool,
     pub skip_tc: bool,
+    /// Where every proxy's log is saved (target/bench/logs).
+    pub log_dir: PathBuf,
 }
 
 impl Options {
@@ -72,10 +80,12 @@ impl Options {
             tc_batches: if quick { 3 } else { 10 },
             tc_calls: 20_000,
             sync_timeout: Duration::from_secs(if quick { 600 } else { 2_400 }),
+            cold_timeout: Duration::from_secs(if quick { 600 } else { 1_200 }),
             // 10,000 Services × 10 distinct endpoints do not fit the default 65,536 backends.
             backends_capacity: 131_072,
             write_docs: true,
             skip_tc: false,
+            log_dir: workspace_root().join("target/bench/logs"),
         }
     }
 }
@@ -99,6 +109,22 @@ pub fn check_interrupted() {
     if INTERRUPTED.load(Ordering::SeqCst) {
         panic!("interrupted; cleaning up");
     }
+}
+
+static AGENT: OnceLock<PathBuf> = OnceLock::new();
+
+/// Measure this lb-agent binary (instead of the one next to lb-bench).
+pub fn use_agent(path: PathBuf) {
+    assert!(path.is_file(), "{} is not built", path.display());
+    let _ = AGENT.set(path);
+}
+
+/// The lb-agent binary measured.
+pub fn agent_bin() -> PathBuf {
+    AGENT
+        .get()
+        .cloned()
+        .unwrap_or_else(|| lb_tests::process::workspace_bin("lb-agent"))
 }
 
 pub fn workspace_root() -> PathBuf {
@@ -132,11 +158,13 @@ pub fn run(opts: &Options, command: String) -> Results {
         .prefix("lb-bench-")
         .tempdir()
         .expect("work dir");
+    // Only this run's logs (the proxies' logs of an earlier run would read as this one's).
+    let _ = std::fs::remove_dir_all(&opts.log_dir);
     let bins = lb_tests::control_plane::Binaries::locate().expect("control-plane binaries");
     let mut r = Results {
         quick: opts.quick,
         command,
-        machine: report::machine(&bins, &lb_tests::process::workspace_bin("lb-agent"), &root),
+        machine: report::machine(&bins, &agent_bin(), &root),
         rounds: opts.rounds,
         conns: opts.conns,
         warmup: opts.warmup,
@@ -243,9 +271,14 @@ pub fn run(opts: &Options, command: String) -> Results {
         for c in &level.cold {
             if c.all_s.is_none() || c.not_answering > 0 {
                 r.problems.push(format!(
-                    "{} did not serve every one of {n} Services within {:?} of its start",
+                    "{} did not serve every one of {n} Services within {:?} of its start{}",
                     c.config.map(Config::label).unwrap_or(""),
-                    opts.sync_timeout
+                    opts.cold_timeout,
+                    if c.last_s.is_none() {
+                        " (left out of the connect-latency rounds at this N)"
+                    } else {
+                        ""
+                    }
                 ));
             }
         }
@@ -271,6 +304,7 @@ pub fn run(opts: &Options, command: String) -> Results {
     r.duration_s = started.elapsed().as_secs_f64();
     save(&r, &out_json);
     eprintln!("results saved in {}", out_json.display());
+    eprintln!("the proxies' logs saved in {}", opts.log_dir.display());
     r
 }
 

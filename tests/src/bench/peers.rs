@@ -14,7 +14,7 @@ use std::{
 
 use lb_tests::{
     cgroup::Cgroup,
-    process::{Place, Proc, workspace_bin},
+    process::{Place, Proc},
 };
 use nix::mount::{MntFlags, MsFlags, mount, umount2};
 use serde::{Deserialize, Serialize};
@@ -210,7 +210,7 @@ impl Peer {
             }
             Config::LbSocket | Config::LbTc => {
                 let bpf = BpfMount::new();
-                let mut cmd = Command::new(workspace_bin("lb-agent"));
+                let mut cmd = Command::new(super::agent_bin());
                 cmd.arg("--kubeconfig")
                     .arg(kubeconfig)
                     .arg("--bpf-root")
@@ -280,14 +280,18 @@ impl Peer {
         self.topo.http_get("127.0.0.1:10249", "/configz")
     }
 
-    /// Number of syncs so far: the agent's log lines, or kube-proxy's histogram count.
+    /// Number of syncs so far: the program's sync histogram count (the agent keeps kube-proxy's
+    /// metric names, and counts a sync that changed nothing too, which it does not log). Without
+    /// an answer from /metrics: the agent's "data path programmed" lines, or 0.
     pub fn syncs(&self) -> u64 {
-        if self.config.is_agent() {
-            return self.agent_syncs_since(0).len() as u64;
+        let count = self
+            .metrics()
+            .and_then(|m| m.get("kubeproxy_sync_proxy_rules_duration_seconds_count"));
+        match count {
+            Some(c) => c as u64,
+            None if self.config.is_agent() => self.agent_syncs_since(0).len() as u64,
+            None => 0,
         }
-        self.metrics()
-            .and_then(|m| m.get("kubeproxy_sync_proxy_rules_duration_seconds_count"))
-            .unwrap_or(0.0) as u64
     }
 
     /// The metric names mentioning `part` (diagnostics).
@@ -371,11 +375,45 @@ impl Peer {
         Some((field("VmRSS:")?, field("VmHWM:")?))
     }
 
+    /// Writes everything the proxy logged (for a look after the run).
+    pub fn save_log(&self, dir: &Path, name: &str) {
+        let _ = fs::create_dir_all(dir);
+        let text: String = self
+            .log
+            .lock()
+            .expect("log")
+            .iter()
+            .map(|(_, l)| format!("{l}\n"))
+            .collect();
+        let _ = fs::write(dir.join(name), text);
+    }
+
     /// SIGTERM and a short wait (the guard kills it otherwise).
     pub fn stop(mut self) {
         if let Some(p) = self.proc.as_mut() {
             p.signal(libc::SIGTERM);
             let _ = p.wait_timeout(Duration::from_secs(10));
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        // The proxy first, then whatever it started that is still in the node namespace (an
+        // iptables-restore outlives a killed kube-proxy), so the namespace really goes away.
+        drop(self.proc.take());
+        let out = Command::new("ip")
+            .args(["netns", "pids", self.topo.node.name()])
+            .output();
+        if let Ok(out) = out {
+            for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                if let Ok(pid) = pid.parse::<i32>()
+                    && pid as u32 != std::process::id()
+                {
+                    // SAFETY: kill has no memory-safety preconditions.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
         }
     }
 }

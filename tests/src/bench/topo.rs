@@ -4,10 +4,15 @@
 //!  client netns                node netns (the proxy runs here)          backend netns
 //!  c0 10.240.0.2/24 ──veth── n0 10.240.0.1/24   n1 10.250.0.1/30 ──veth── b0 10.250.0.2/30
 //!  default via 10.240.0.1     10.128.0.0/12 via 10.250.0.2                 local 10.128.0.0/12 dev lo
-//!                             (no route to 10.96.0.0/16: an untranslated   accept-and-close server on
-//!                              ClusterIP fails fast with ICMP, not rate    :8080, pinned to CPU 0
-//!                              limited in this namespace)
+//!                             10.96.0.0/16 via 10.250.0.2                  local 10.96.0.0/16 dev lo
+//!                                                                          accept-and-close server on
+//!                                                                          :8080, pinned to CPU 0
 //! ```
+//!
+//! A connection to a ClusterIP that no proxy translated is refused by the backend namespace (the
+//! Service range is local there, nothing listens on the Service ports), so "not served" shows
+//! at once (an unroutable ClusterIP would instead get ICMP errors, which the kernel rate-limits
+//! globally, and a probe would wait for its connect timeout).
 //!
 //! The endpoint range is AnyIP in the backend namespace, so one server answers every endpoint IP.
 //! The API server (host loopback) is forwarded into the node namespace at the same address.
@@ -29,6 +34,8 @@ pub const ENDPOINT_RANGE: &str = "10.128.0.0/12";
 /// is an in-cluster pod and no configuration masquerades.
 pub const CLUSTER_CIDR: &str = "10.128.0.0/9";
 pub const BACKEND_PORT: u16 = 8080;
+/// The API server's Service CIDR (the ClusterIPs).
+pub const SERVICE_RANGE: &str = lb_tests::control_plane::SERVICE_CIDR;
 
 pub struct Topo {
     // Dropped first: processes before the namespaces they live in.
@@ -64,14 +71,15 @@ impl Topo {
         node.sysctl("net.ipv4.ip_forward=1");
         node.sysctl("net.ipv4.conf.all.rp_filter=0");
         node.sysctl("net.ipv4.conf.default.rp_filter=0");
-        // An untranslated ClusterIP is unroutable here: answer every such SYN with an ICMP error
-        // (no rate limit in this namespace), so a probe sees "not served" at once instead of
-        // waiting for its connect timeout once the default rate limit stops the errors.
-        node.sysctl("net.ipv4.icmp_ratelimit=0");
-        node.sysctl("net.ipv4.icmp_msgs_per_sec=1000000");
-        node.sysctl("net.ipv4.icmp_msgs_burst=1000000");
         node.ip(&["route", "add", ENDPOINT_RANGE, "via", "10.250.0.2"]);
         backend.ip(&["route", "add", "local", ENDPOINT_RANGE, "dev", "lo"]);
+        // A connection to a ClusterIP that nothing translated reaches the backend namespace, where
+        // the Service range is local but nothing listens on the Service ports: it is refused at
+        // once (a TCP RST). Without this it would be unroutable in the node, and the kernel
+        // rate-limits the ICMP errors for that (net.ipv4.route.error_cost, global), so a probe
+        // would wait for its connect timeout instead of seeing "not served".
+        node.ip(&["route", "add", SERVICE_RANGE, "via", "10.250.0.2"]);
+        backend.ip(&["route", "add", "local", SERVICE_RANGE, "dev", "lo"]);
         backend.ip(&["route", "add", "default", "via", "10.250.0.1"]);
         let server = crr::start_server(Place::netns(&backend), &[BACKEND_PORT]);
         let forward = PortForward::start(&node, api, api);

@@ -5,6 +5,11 @@
 //!
 //! Hidden subcommands (`crr`, `serve`, `probe`) are the child processes the suite starts inside
 //! its namespaces and cgroups.
+//!
+//! The results are saved as JSON after every step (target/bench/results-{quick,full}.json) and
+//! every proxy's log in target/bench/logs. `LB_BENCH_VERBOSE=1` echoes the proxies' logs live;
+//! `LB_BENCH_DEBUG=1` prints, for every add/change/remove, when the agent's syncs and the API
+//! watch event happened relative to the API call.
 
 #[path = "../bench/mod.rs"]
 mod bench;
@@ -35,15 +40,54 @@ struct Cli {
     /// Service counts of the programming runs, each one of --levels (development).
     #[arg(long, value_delimiter = ',')]
     programming_levels: Vec<u32>,
+    /// Only the connect-latency runs (no programming runs, no BPF_PROG_TEST_RUN).
+    #[arg(long)]
+    latency_only: bool,
+    /// Seconds a configuration may take to serve every Service after its start before it is
+    /// left out of the connect-latency rounds (default: 600 quick, 1200 full).
+    #[arg(long)]
+    cold_timeout: Option<u64>,
     /// Skip the BPF_PROG_TEST_RUN measurements.
     #[arg(long)]
     skip_tc: bool,
     /// Do not rewrite docs/benchmarks.md and docs/bench/*.png.
     #[arg(long)]
     no_docs: bool,
-    /// Regenerate the docs from a results JSON of an earlier run (target/bench/results-*.json).
-    #[arg(long, value_name = "FILE")]
-    report: Option<std::path::PathBuf>,
+    /// Regenerate the docs from the results JSON of earlier runs (target/bench/results-*.json);
+    /// several files are merged in order (e.g. a run and a --latency-only run completing it).
+    #[arg(long, value_name = "FILE", num_args = 1..)]
+    report: Vec<std::path::PathBuf>,
+}
+
+/// `cargo xtask bench` builds only this binary: build the lb-agent it measures (release, with the
+/// eBPF object xtask just built) so that a stale one is never measured. It has its own target
+/// directory: this process carries the variables `cargo run` set for lb-bench (CARGO_MANIFEST_DIR,
+/// CARGO_PKG_NAME, ...), which build scripts such as ring's watch, so a build in the main target
+/// directory would redo a good part of the dependencies there, and the next `cargo xtask` build
+/// would redo them again. Without cargo (lb-bench run by hand), the lb-agent next to lb-bench.
+fn build_agent() {
+    let Some(cargo) = std::env::var_os("CARGO") else {
+        return;
+    };
+    let target_dir = bench::workspace_root().join("target/bench/agent");
+    eprintln!("==> building lb-agent (release, in {})", target_dir.display());
+    let status = std::process::Command::new(cargo)
+        .args([
+            "build",
+            "--release",
+            "--quiet",
+            "--package",
+            "lb-agent",
+            "--bin",
+            "lb-agent",
+            "--target-dir",
+        ])
+        .arg(&target_dir)
+        .current_dir(bench::workspace_root())
+        .status()
+        .expect("run cargo");
+    assert!(status.success(), "building lb-agent failed ({status})");
+    bench::use_agent(target_dir.join("release/lb-agent"));
 }
 
 fn main() {
@@ -55,14 +99,23 @@ fn main() {
         _ => {}
     }
     let cli = Cli::parse();
-    if let Some(file) = &cli.report {
-        let text = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-        let r: bench::report::Results = serde_json::from_str(&text).expect("results JSON");
+    if !cli.report.is_empty() {
+        let mut r: Option<bench::report::Results> = None;
+        for file in &cli.report {
+            let text = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+            let next: bench::report::Results = serde_json::from_str(&text).expect("results JSON");
+            r = Some(match r {
+                None => next,
+                Some(r) => r.merge(next),
+            });
+        }
+        let r = r.expect("a results file");
         println!("{}", bench::report::summary(&r));
         bench::write_docs(&r);
         return;
     }
     lb_tests::require_root();
+    build_agent();
     bench::install_signal_handlers();
     let mut opts = bench::Options::new(cli.quick);
     if let Some(r) = cli.rounds {
@@ -84,8 +137,21 @@ fn main() {
         opts.programming = cli.programming_levels.clone();
     }
     opts.skip_tc = cli.skip_tc;
+    if cli.latency_only {
+        opts.programming.clear();
+        opts.skip_tc = true;
+    }
+    if let Some(t) = cli.cold_timeout {
+        opts.cold_timeout = std::time::Duration::from_secs(t);
+    }
     opts.write_docs = !cli.no_docs;
-    let command = format!("cargo xtask bench{}", if cli.quick { " --quick" } else { "" });
+    let command = format!(
+        "cargo xtask bench{}",
+        std::env::args()
+            .skip(1)
+            .map(|a| format!(" {a}"))
+            .collect::<String>()
+    );
     let results = bench::run(&opts, command);
     println!("{}", bench::report::summary(&results));
     if opts.write_docs {
