@@ -74,3 +74,18 @@ pub fn tally(results: &[Value]) -> (u64, u64) {
     let failed = results.iter().filter(|r| r["ok"] != true).count() as u64;
     (results.len() as u64, failed)
 }
+
+/// The failed results, one line each (their start time in µs since the epoch, and the error), for
+/// assertion messages: a rare failure is only understood with when and how it failed.
+pub fn failures(what: &str, results: &[Value]) -> Vec<String> {
+    results
+        .iter()
+        .filter(|r| r["ok"] != true)
+        .map(|r| {
+            format!(
+                "{what}: at {} µs: {} (errno {})",
+                r["t_us"], r["error"], r["errno"]
+            )
+        })
+        .collect()
+}

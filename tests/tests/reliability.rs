@@ -11,6 +11,7 @@
 //!    flows move off removed backends; programming latency is reported;
 //! 6. map pressure: a full map skips whole Services (Event, metric) and they appear once there is
 //!    room again.
+//!
 //! Scenarios run one at a time (they measure; running them together would measure contention).
 
 use std::{
@@ -320,8 +321,11 @@ fn restart_under_load_loses_nothing() {
 
     let mut per_load = Vec::new();
     let (mut attempted, mut failed) = (0, 0);
+    let mut failures = Vec::new();
     for (what, load) in loads {
-        let (a, f) = tally(&load.stop());
+        let results = load.stop();
+        let (a, f) = tally(&results);
+        failures.extend(lb_tests::load::failures(what, &results));
         attempted += a;
         failed += f;
         per_load.push(json!({"load": what, "attempted": a, "failed": f}));
@@ -340,7 +344,7 @@ fn restart_under_load_loses_nothing() {
             "ids_stable": ids_before == ids_after_restart && ids_before == ids_after_kill,
         }),
     );
-    assert_eq!(failed, 0, "no connection may fail across restarts");
+    assert_eq!(failed, 0, "no connection may fail across restarts: {failures:#?}");
     assert_eq!(
         (broken_s + broken_t, moved_s + moved_t),
         (0, 0),
@@ -420,8 +424,11 @@ fn upgrade_swaps_programs_and_migrates_maps_under_load() {
 
     let mut per_load = Vec::new();
     let (mut attempted, mut failed) = (0, 0);
+    let mut failures = Vec::new();
     for (what, load) in loads {
-        let (a, f) = tally(&load.stop());
+        let results = load.stop();
+        let (a, f) = tally(&results);
+        failures.extend(lb_tests::load::failures(what, &results));
         attempted += a;
         failed += f;
         per_load.push(json!({"load": what, "attempted": a, "failed": f}));
@@ -459,7 +466,10 @@ fn upgrade_swaps_programs_and_migrates_maps_under_load() {
         "links kept, programs replaced: {links_before:?} -> {links_after:?}"
     );
     assert!(variant_hits > 0, "the new programs run");
-    assert_eq!(failed, 0, "no connection may fail during the upgrade");
+    assert_eq!(
+        failed, 0,
+        "no connection may fail during the upgrade: {failures:#?}"
+    );
     assert_eq!((broken, moved), (0, 0));
     assert_eq!(ids_before, ids_after);
 }
@@ -660,6 +670,7 @@ fn api_outage_of_30s_keeps_serving_and_converges() {
     // The agent loses the API for 30 s; changes are made meanwhile.
     s.forward.pause();
     let outage = Instant::now();
+    let outage_us = now_us();
     std::thread::sleep(Duration::from_secs(5));
     s.put_slice(
         slice("rel", "web", "web-1")
@@ -686,18 +697,22 @@ fn api_outage_of_30s_keeps_serving_and_converges() {
         .collect();
     s.forward.resume();
     let back = Instant::now();
+    let back_us = now_us();
     let converged = converge("changes made during the outage", Duration::from_secs(60), || {
         serves(
             s.site.host(),
             "10.96.50.10:80",
             &[p0.clone(), p1.clone(), p2.clone()],
-        ) && serves(s.site.host(), "10.96.50.11:80", &[p2.clone()])
+        ) && serves(s.site.host(), "10.96.50.11:80", std::slice::from_ref(&p2))
     });
     let _ = back;
     let mut per_load = Vec::new();
     let (mut attempted, mut failed) = (0, 0);
+    let mut failures = Vec::new();
     for (what, load) in loads {
-        let (a, f) = tally(&load.stop());
+        let results = load.stop();
+        let (a, f) = tally(&results);
+        failures.extend(lb_tests::load::failures(what, &results));
         attempted += a;
         failed += f;
         per_load.push(json!({"load": what, "attempted": a, "failed": f}));
@@ -713,7 +728,10 @@ fn api_outage_of_30s_keeps_serving_and_converges() {
             "converged_after_return_s": converged.as_secs_f64(),
         }),
     );
-    assert_eq!(failed, 0, "the data path keeps serving through the outage");
+    assert_eq!(
+        failed, 0,
+        "the data path keeps serving through the outage (outage from {outage_us} µs, API back at {back_us} µs): {failures:#?}"
+    );
     assert_eq!(
         during,
         [p0, p1].into_iter().collect(),
@@ -752,7 +770,9 @@ fn endpoint_churn_never_sends_new_connections_to_removed_endpoints() {
     });
 
     // Watch the applied backend set through the pinned maps (every ~1 ms).
-    let applied: Arc<Mutex<Vec<(u64, BTreeSet<String>)>>> = Arc::default();
+    // (when in µs, the backend set then).
+    type Applied = Vec<(u64, BTreeSet<String>)>;
+    let applied: Arc<Mutex<Applied>> = Arc::default();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let watcher = {
         let (applied, stop, maps_dir) = (applied.clone(), stop.clone(), s.site.bpf_root().join("maps"));
