@@ -421,7 +421,15 @@ fn main() {
                         }
                     }
                 };
+                // When the attempt started and how long it took, so that a checker can bound
+                // when the kernel made its choice (between the two) without trusting the
+                // scheduler.
+                let done_us = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_micros() as u64)
+                    .unwrap_or(0);
                 result["t_us"] = json!(started_us);
+                result["elapsed_us"] = json!(done_us.saturating_sub(started_us));
                 println!("{result}");
                 thread::sleep(Duration::from_millis(interval_ms));
             }
