@@ -10,6 +10,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
     net::Ipv4Addr,
+    sync::Arc,
 };
 
 use ipnet::Ipv4Net;
@@ -117,7 +118,9 @@ impl FrontendPlan {
 /// The whole desired state of the service maps.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DesiredState {
-    pub frontends: BTreeMap<Frontend, FrontendPlan>,
+    /// Shared with the claims they come from (`Claim::plan`): a plan is kept once, however many
+    /// indexes refer to it.
+    pub frontends: BTreeMap<Frontend, Arc<FrontendPlan>>,
     /// Every backend some frontend uses, with its `lb_common::backend::flags`.
     pub backends: BTreeMap<BackendAddr, u8>,
 }
@@ -165,7 +168,7 @@ pub struct PlanProblem {
 pub struct Claim {
     pub kind: FrontendKind,
     pub frontend: Frontend,
-    pub plan: FrontendPlan,
+    pub plan: Arc<FrontendPlan>,
 }
 
 impl Claim {
@@ -239,7 +242,11 @@ pub fn plan_port(svc: &ServicePortInfo, endpoints: &CategorizedEndpoints, node: 
             too_large.insert(frontend);
             continue;
         }
-        claims.push(Claim { kind, frontend, plan });
+        claims.push(Claim {
+            kind,
+            frontend,
+            plan: Arc::new(plan),
+        });
     }
     let problem = (!too_large.is_empty()).then(|| {
         let list: Vec<String> = too_large.iter().map(Frontend::to_string).collect();
@@ -259,6 +266,8 @@ pub fn plan_port(svc: &ServicePortInfo, endpoints: &CategorizedEndpoints, node: 
         .chain(&endpoints.local)
         .map(|ep| (backend_addr(ep, svc.name.protocol), ep.is_local, ep.terminating))
         .collect();
+    // Kept between syncs for every Service port: no spare capacity.
+    claims.shrink_to_fit();
     PortPlan {
         claims,
         problem,

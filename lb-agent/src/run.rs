@@ -273,7 +273,10 @@ impl Agent {
                     (None, Source::Manifests(_)) => unreachable!("manifests are loaded above"),
                 };
                 let outcome = self.synchronizer.rebuild(&state, &info, &ctx);
-                (outcome, self.applier.apply(self.synchronizer.desired()))
+                let report = self.applier.apply(self.synchronizer.desired());
+                drop(state);
+                release_freed_memory();
+                (outcome, report)
             }
         };
         if self.cgroup_attached {
@@ -681,4 +684,15 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     agent.borrow_mut().service_health.close_all();
     tracing::info!("stopping; the data path stays attached and keeps serving");
     Ok(())
+}
+
+/// Hands the memory a full sync freed back to the kernel. A full sync builds the whole desired
+/// state anew (and, at start, the watch's initial lists come and go); glibc would otherwise keep
+/// the freed pages of every thread's arena resident.
+fn release_freed_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only walks and releases the allocator's own free memory.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }

@@ -3,10 +3,7 @@
 
 use std::net::Ipv4Addr;
 
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
-};
+use k8s_openapi::api::core::v1::{Node, Service};
 
 use crate::{
     model::{self, NodeInfo, categorize_endpoints, service_ports},
@@ -99,7 +96,7 @@ impl ServiceUnit {
         namespace: &str,
         name: &str,
         svc: &Service,
-        slices: &[&EndpointSlice],
+        slices: &[&model::Slice],
         node: &NodeInfo,
         ctx: &NodeContext,
     ) -> ServiceUnit {
@@ -147,6 +144,9 @@ impl ServiceUnit {
             }
             unit.ports.push(planned);
         }
+        // Kept between syncs for every Service: no spare capacity.
+        unit.ports.shrink_to_fit();
+        unit.problems.shrink_to_fit();
         unit
     }
 }

@@ -396,7 +396,7 @@ impl<M: MapOps> Applier<M> {
         for addr in frontends
             .iter()
             .filter_map(|f| desired.frontends.get(f))
-            .flat_map(FrontendPlan::backends)
+            .flat_map(|plan| plan.backends())
         {
             if !self.backends.contains_key(addr)
                 && !new_backend_ids.contains_key(addr)

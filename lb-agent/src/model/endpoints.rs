@@ -5,11 +5,15 @@
 //! filter of `EndpointsChangeTracker.EndpointSliceUpdate` (`pkg/proxy/endpointschangetracker.go`)
 //! and kube-proxy's informer label selector, for the IPv4 family. The cache's incremental
 //! bookkeeping (pending/applied) is the caller's business: this is the function it computes.
+//!
+//! The model reads [`Slice`], what the cache keeps of an EndpointSlice (upstream's
+//! `endpointSliceData`: its ports and endpoints, not the object); the agent keeps its slices in
+//! this form between syncs, at about a fifth of the API object's memory.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 
-use k8s_openapi::api::discovery::v1::{Endpoint as SliceEndpoint, EndpointSlice};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::service::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, parse_ip_sloppy, parse_protocol};
 use super::{Endpoint, NodeInfo, ServicePortName};
@@ -62,37 +66,130 @@ pub enum SliceError {
     },
 }
 
+/// An EndpointSlice as the model reads it: the fields kube-proxy's `EndpointSliceCache` uses, as
+/// written in the object (validation is the model's: a bad address is reported, not lost on the
+/// way). Built with `Slice::from(&EndpointSlice)`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Slice {
+    /// `metadata.name` ("" when unset).
+    pub name: Box<str>,
+    /// `metadata.namespace` ("" when unset).
+    pub namespace: Box<str>,
+    /// The `kubernetes.io/service-name` label, as written.
+    pub service_name: Option<Box<str>>,
+    /// Labelled `service.kubernetes.io/service-proxy-name` or `service.kubernetes.io/headless`,
+    /// which kube-proxy's informers exclude.
+    pub excluded: bool,
+    /// `addressType` is `IPv4`.
+    pub ipv4: bool,
+    pub ports: Box<[SlicePort]>,
+    pub endpoints: Box<[SliceEndpoint]>,
+}
+
+/// One `ports[]` entry of a slice.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SlicePort {
+    pub name: Option<Box<str>>,
+    pub port: Option<i32>,
+    pub protocol: Option<Box<str>>,
+}
+
+/// One `endpoints[]` entry of a slice.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SliceEndpoint {
+    /// The first address (`addEndpoints` uses no other).
+    pub address: Option<Box<str>>,
+    pub ready: Option<bool>,
+    pub serving: Option<bool>,
+    pub terminating: Option<bool>,
+    pub node_name: Option<Box<str>>,
+    pub zone: Option<Box<str>>,
+    /// `hints.forZones[].name`.
+    pub zone_hints: Box<[Box<str>]>,
+    /// `hints.forNodes[].name`.
+    pub node_hints: Box<[Box<str>]>,
+}
+
+impl From<&EndpointSlice> for Slice {
+    fn from(slice: &EndpointSlice) -> Self {
+        let meta = &slice.metadata;
+        let labels = meta.labels.as_ref();
+        let boxed = |s: &Option<String>| s.as_deref().map(Box::from);
+        Slice {
+            name: meta.name.as_deref().unwrap_or_default().into(),
+            namespace: meta.namespace.as_deref().unwrap_or_default().into(),
+            service_name: labels
+                .and_then(|l| l.get(LABEL_SERVICE_NAME))
+                .map(|s| s.as_str().into()),
+            excluded: labels
+                .is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME) || l.contains_key(LABEL_HEADLESS)),
+            ipv4: slice.address_type == "IPv4",
+            ports: slice
+                .ports
+                .iter()
+                .flatten()
+                .map(|p| SlicePort {
+                    name: boxed(&p.name),
+                    port: p.port,
+                    protocol: boxed(&p.protocol),
+                })
+                .collect(),
+            endpoints: slice
+                .endpoints
+                .iter()
+                .flatten()
+                .map(|ep| {
+                    let conditions = ep.conditions.as_ref();
+                    let hints = ep.hints.as_ref();
+                    SliceEndpoint {
+                        address: ep.addresses.first().map(|a| a.as_str().into()),
+                        ready: conditions.and_then(|c| c.ready),
+                        serving: conditions.and_then(|c| c.serving),
+                        terminating: conditions.and_then(|c| c.terminating),
+                        node_name: boxed(&ep.node_name),
+                        zone: boxed(&ep.zone),
+                        zone_hints: hints
+                            .and_then(|h| h.for_zones.as_deref())
+                            .unwrap_or_default()
+                            .iter()
+                            .map(|z| z.name.as_str().into())
+                            .collect(),
+                        node_hints: hints
+                            .and_then(|h| h.for_nodes.as_deref())
+                            .unwrap_or_default()
+                            .iter()
+                            .map(|n| n.name.as_str().into())
+                            .collect(),
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
 /// The `(namespace, service name)` an EndpointSlice belongs to: kube-proxy
 /// `endpointSliceCacheKeys` (the `kubernetes.io/service-name` label, which must be non-empty, and
 /// the slice's own namespace; the slice must have a name and a namespace).
-pub fn slice_service_name(slice: &EndpointSlice) -> Result<(String, String), SliceError> {
-    let meta = &slice.metadata;
-    let slice_name = meta.name.clone().unwrap_or_default();
-    let service = meta
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(LABEL_SERVICE_NAME))
+pub fn slice_service_name(slice: &Slice) -> Result<(String, String), SliceError> {
+    let service = slice
+        .service_name
+        .as_deref()
         .filter(|s| !s.is_empty())
         .ok_or_else(|| SliceError::NoServiceName {
-            slice: slice_name.clone(),
+            slice: slice.name.to_string(),
         })?;
-    match meta.namespace.as_deref() {
-        Some(ns) if !ns.is_empty() && !slice_name.is_empty() => Ok((ns.to_owned(), service.clone())),
-        _ => Err(SliceError::NoNameOrNamespace),
+    if slice.namespace.is_empty() || slice.name.is_empty() {
+        return Err(SliceError::NoNameOrNamespace);
     }
+    Ok((slice.namespace.to_string(), service.to_owned()))
 }
 
 /// Whether kube-proxy handles this slice at all: an `IPv4` address type (the IPv4 proxier's
 /// `EndpointSliceUpdate` ignores `IPv6` slices, and kube-proxy never handles `FQDN` ones), and none
 /// of the labels its informers exclude (`service.kubernetes.io/service-proxy-name`,
 /// `service.kubernetes.io/headless`; the EndpointSlice controller copies them from the Service).
-pub fn slice_is_proxied(slice: &EndpointSlice) -> bool {
-    let excluded = slice
-        .metadata
-        .labels
-        .as_ref()
-        .is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME) || l.contains_key(LABEL_HEADLESS));
-    slice.address_type == "IPv4" && !excluded
+pub fn slice_is_proxied(slice: &Slice) -> bool {
+    slice.ipv4 && !slice.excluded
 }
 
 /// The endpoints of each port of Service `namespace/service`, from all the given slices (slices of
@@ -101,7 +198,7 @@ pub fn slice_is_proxied(slice: &EndpointSlice) -> bool {
 pub fn endpoints_by_port(
     namespace: &str,
     service: &str,
-    slices: &[&EndpointSlice],
+    slices: &[&Slice],
     node: &NodeInfo,
 ) -> BTreeMap<ServicePortName, Vec<Endpoint>> {
     endpoints_by_port_with_problems(namespace, service, slices, node).0
@@ -127,10 +224,10 @@ pub fn endpoints_by_port(
 pub fn endpoints_by_port_with_problems(
     namespace: &str,
     service: &str,
-    slices: &[&EndpointSlice],
+    slices: &[&Slice],
     node: &NodeInfo,
 ) -> (BTreeMap<ServicePortName, Vec<Endpoint>>, Vec<SliceError>) {
-    let mut selected: BTreeMap<&str, &EndpointSlice> = BTreeMap::new();
+    let mut selected: BTreeMap<&str, &Slice> = BTreeMap::new();
     let mut problems = Vec::new();
     for slice in slices {
         if !slice_is_proxied(slice) {
@@ -138,18 +235,11 @@ pub fn endpoints_by_port_with_problems(
         }
         match slice_service_name(slice) {
             Ok((ns, svc)) if ns == namespace && svc == service => {
-                selected.insert(slice.metadata.name.as_deref().unwrap_or_default(), slice);
+                selected.insert(&slice.name, slice);
             }
             // Labelled for this Service but without a name or namespace: its endpoints cannot be
             // used, which must not go unnoticed (the Service would silently have no backends).
-            Err(e @ SliceError::NoNameOrNamespace)
-                if slice
-                    .metadata
-                    .labels
-                    .as_ref()
-                    .and_then(|l| l.get(LABEL_SERVICE_NAME))
-                    .is_some_and(|s| s == service) =>
-            {
+            Err(e @ SliceError::NoNameOrNamespace) if slice.service_name.as_deref() == Some(service) => {
                 problems.push(e);
             }
             // Another Service's slice, or one that belongs to no Service (no label).
@@ -160,7 +250,7 @@ pub fn endpoints_by_port_with_problems(
     let mut by_port: BTreeMap<ServicePortName, BTreeMap<(Ipv4Addr, u16), Endpoint>> = BTreeMap::new();
     for (slice_name, slice) in selected {
         let parsed = parse_endpoints(slice_name, slice, node, &mut problems);
-        for (index, port) in slice.ports.as_deref().unwrap_or_default().iter().enumerate() {
+        for (index, port) in slice.ports.iter().enumerate() {
             let Some(number) = port.port.and_then(|p| u16::try_from(p).ok()).filter(|&p| p != 0) else {
                 problems.push(SliceError::InvalidPort {
                     slice: slice_name.to_owned(),
@@ -172,14 +262,14 @@ pub fn endpoints_by_port_with_problems(
                 problems.push(SliceError::UnsupportedProtocol {
                     slice: slice_name.to_owned(),
                     index,
-                    protocol: port.protocol.clone().unwrap_or_default(),
+                    protocol: port.protocol.as_deref().unwrap_or_default().to_owned(),
                 });
                 continue;
             };
             let name = ServicePortName {
                 namespace: namespace.to_owned(),
                 name: service.to_owned(),
-                port: port.name.clone().unwrap_or_default(),
+                port: port.name.as_deref().unwrap_or_default().to_owned(),
                 protocol,
             };
             let set = by_port.entry(name).or_default();
@@ -208,13 +298,13 @@ pub fn endpoints_by_port_with_problems(
 /// out and reported once per slice.
 fn parse_endpoints(
     slice_name: &str,
-    slice: &EndpointSlice,
+    slice: &Slice,
     node: &NodeInfo,
     problems: &mut Vec<SliceError>,
 ) -> Vec<Endpoint> {
     let mut out = Vec::new();
-    for (index, ep) in slice.endpoints.as_deref().unwrap_or_default().iter().enumerate() {
-        let Some(address) = ep.addresses.first() else {
+    for (index, ep) in slice.endpoints.iter().enumerate() {
+        let Some(address) = ep.address.as_deref() else {
             problems.push(SliceError::NoAddress {
                 slice: slice_name.to_owned(),
                 index,
@@ -225,7 +315,7 @@ fn parse_endpoints(
             problems.push(SliceError::InvalidAddress {
                 slice: slice_name.to_owned(),
                 index,
-                address: address.clone(),
+                address: address.to_owned(),
             });
             continue;
         };
@@ -245,29 +335,18 @@ fn parse_endpoints(
 
 /// kube-proxy `addEndpoints`' conversion of one slice endpoint (before the port is known).
 fn endpoint(ip: Ipv4Addr, ep: &SliceEndpoint, node: &NodeInfo) -> Endpoint {
-    let conditions = ep.conditions.as_ref();
-    let hints = ep.hints.as_ref();
+    let owned = |s: &Option<Box<str>>| s.as_deref().map(str::to_owned);
     Endpoint {
         ip,
         port: 0,
-        ready: conditions.and_then(|c| c.ready).unwrap_or(true),
-        serving: conditions.and_then(|c| c.serving).unwrap_or(true),
-        terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
+        ready: ep.ready.unwrap_or(true),
+        serving: ep.serving.unwrap_or(true),
+        terminating: ep.terminating.unwrap_or(false),
         is_local: !node.name.is_empty() && ep.node_name.as_deref() == Some(node.name.as_str()),
-        node_name: ep.node_name.clone(),
-        zone: ep.zone.clone(),
-        zone_hints: hints
-            .and_then(|h| h.for_zones.as_deref())
-            .unwrap_or_default()
-            .iter()
-            .map(|z| z.name.clone())
-            .collect(),
-        node_hints: hints
-            .and_then(|h| h.for_nodes.as_deref())
-            .unwrap_or_default()
-            .iter()
-            .map(|n| n.name.clone())
-            .collect(),
+        node_name: owned(&ep.node_name),
+        zone: owned(&ep.zone),
+        zone_hints: ep.zone_hints.iter().map(|z| z.to_string()).collect(),
+        node_hints: ep.node_hints.iter().map(|n| n.to_string()).collect(),
     }
 }
 
@@ -282,6 +361,42 @@ mod tests {
 
     use super::*;
     use crate::model::Protocol;
+
+    // The cases are written as API objects, as upstream's; the model reads them compacted, as
+    // the agent keeps them.
+    type SliceEndpoint = k8s_openapi::api::discovery::v1::Endpoint;
+
+    fn compact(slices: &[&EndpointSlice]) -> Vec<Slice> {
+        slices.iter().map(|s| Slice::from(*s)).collect()
+    }
+
+    fn endpoints_by_port(
+        namespace: &str,
+        service: &str,
+        slices: &[&EndpointSlice],
+        node: &NodeInfo,
+    ) -> BTreeMap<ServicePortName, Vec<Endpoint>> {
+        endpoints_by_port_with_problems(namespace, service, slices, node).0
+    }
+
+    fn endpoints_by_port_with_problems(
+        namespace: &str,
+        service: &str,
+        slices: &[&EndpointSlice],
+        node: &NodeInfo,
+    ) -> (BTreeMap<ServicePortName, Vec<Endpoint>>, Vec<SliceError>) {
+        let compacted = compact(slices);
+        let refs: Vec<&Slice> = compacted.iter().collect();
+        super::endpoints_by_port_with_problems(namespace, service, &refs, node)
+    }
+
+    fn slice_is_proxied(slice: &EndpointSlice) -> bool {
+        super::slice_is_proxied(&Slice::from(slice))
+    }
+
+    fn slice_service_name(slice: &EndpointSlice) -> Result<(String, String), SliceError> {
+        super::slice_service_name(&Slice::from(slice))
+    }
 
     fn node(name: &str) -> NodeInfo {
         NodeInfo {
@@ -1065,6 +1180,51 @@ mod tests {
     }
 
     /// `endpointSliceCacheKeys`.
+    #[test]
+    fn a_compacted_slice_keeps_what_the_model_reads() {
+        let mut s = slice("svc1-1", "svc1", "ns1");
+        let mut e = ep("10.0.0.1")
+            .conditions(Some(false), Some(true), Some(true))
+            .node("n1")
+            .zone("zone-a")
+            .hints(&["zone-a"], &["n1"]);
+        e.addresses.push("10.0.0.2".into());
+        e.hostname = Some("web-0".into());
+        e.target_ref = Some(Default::default());
+        s.endpoints = Some(vec![e, SliceEndpoint::default()]);
+        s.ports = Some(vec![slice_port(Some("http"), Some(80), None)]);
+        assert_eq!(
+            Slice::from(&s),
+            Slice {
+                name: "svc1-1".into(),
+                namespace: "ns1".into(),
+                service_name: Some("svc1".into()),
+                excluded: false,
+                ipv4: true,
+                ports: vec![SlicePort {
+                    name: Some("http".into()),
+                    port: Some(80),
+                    protocol: None,
+                }]
+                .into(),
+                endpoints: vec![
+                    super::SliceEndpoint {
+                        address: Some("10.0.0.1".into()),
+                        ready: Some(false),
+                        serving: Some(true),
+                        terminating: Some(true),
+                        node_name: Some("n1".into()),
+                        zone: Some("zone-a".into()),
+                        zone_hints: vec!["zone-a".into()].into(),
+                        node_hints: vec!["n1".into()].into(),
+                    },
+                    super::SliceEndpoint::default(),
+                ]
+                .into(),
+            }
+        );
+    }
+
     #[test]
     fn slice_service_names() {
         let s = slice("svc1-abc", "svc1", "ns1");

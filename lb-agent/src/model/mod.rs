@@ -19,7 +19,7 @@ pub(crate) mod proptests;
 pub mod service;
 pub mod topology;
 
-pub use endpoints::{SliceError, endpoints_by_port, endpoints_by_port_with_problems};
+pub use endpoints::{Slice, SliceError, endpoints_by_port, endpoints_by_port_with_problems};
 pub use service::{ServiceError, ServicePorts, service_ports};
 pub use topology::{CategorizedEndpoints, categorize_endpoints};
 

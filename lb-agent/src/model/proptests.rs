@@ -27,7 +27,8 @@ use k8s_openapi::{
 use proptest::{collection::vec, option, prelude::*, sample::select};
 
 use super::{
-    Endpoint, NodeInfo, ServicePortInfo, categorize_endpoints, endpoints_by_port_with_problems, service_ports,
+    Endpoint, NodeInfo, ServicePortInfo, Slice, categorize_endpoints, endpoints_by_port_with_problems,
+    service_ports,
 };
 use crate::watch::ClusterState;
 
@@ -609,7 +610,8 @@ proptest! {
         service in select(strings(&["web", "api"])),
         seed in any::<u64>(),
     ) {
-        let refs: Vec<&EndpointSlice> = slices.iter().collect();
+        let compact: Vec<Slice> = slices.iter().map(Slice::from).collect();
+        let refs: Vec<&Slice> = compact.iter().collect();
         let (by_port, _problems) = endpoints_by_port_with_problems(&namespace, &service, &refs, &node);
         for (name, eps) in &by_port {
             prop_assert_eq!(&name.namespace, &namespace);
@@ -623,10 +625,10 @@ proptest! {
         }
         // Distinct names (a later slice of the same name replaces an earlier one by design).
         let mut seen = BTreeSet::new();
-        let mut unique: Vec<&EndpointSlice> = refs
+        let mut unique: Vec<&Slice> = refs
             .iter()
             .rev()
-            .filter(|s| seen.insert(s.metadata.name.clone()))
+            .filter(|s| seen.insert(s.name.clone()))
             .copied()
             .collect();
         let (a, pa) = endpoints_by_port_with_problems(&namespace, &service, &unique, &node);
@@ -655,7 +657,8 @@ proptest! {
             s.metadata.labels.get_or_insert_with(BTreeMap::new)
                 .insert(super::endpoints::LABEL_SERVICE_NAME.to_owned(), name.clone());
         }
-        let refs: Vec<&EndpointSlice> = slices.iter().collect();
+        let compact: Vec<Slice> = slices.iter().map(Slice::from).collect();
+        let refs: Vec<&Slice> = compact.iter().collect();
         let (by_port, _) = endpoints_by_port_with_problems(&ns, &name, &refs, &node);
         for port in &ports.ports {
             let eps = by_port.get(&port.name).cloned().unwrap_or_default();

@@ -627,7 +627,7 @@ fn reshaping_a_frontend_in_a_full_services_map_is_not_an_error() {
         for b in plan.backends() {
             d.backends.insert(*b, 0);
         }
-        d.frontends.insert(fe, plan);
+        d.frontends.insert(fe, plan.into());
         d
     };
     let local = desired(vec![

@@ -1,6 +1,8 @@
 //! The Kubernetes API as a source: kube-rs reflectors for Services and EndpointSlices (with
 //! kube-proxy's informer label selector) and for this node's Node object.
 //!
+//! Objects are pruned to what the agent reads before the stores keep them (`prune`).
+//!
 //! Watch errors back off and relist (kube-rs `default_backoff`); while the API server is away the
 //! stores keep the last state, so the data path keeps serving it. Every change pokes the sync
 //! loop through `on_change`; the first sync waits until every store has its initial list, so a
@@ -34,7 +36,7 @@ use kube::{
 use tokio_util::sync::CancellationToken;
 
 use super::{ClusterState, LABEL_SELECTOR, ServiceKey};
-use crate::sync::ServiceInputs;
+use crate::{model::Slice, sync::ServiceInputs};
 
 /// kube-proxy reads this EndpointSlice annotation to compute network programming latency.
 pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
@@ -62,55 +64,80 @@ pub struct PendingChanges {
 }
 
 /// What the watch tasks record for the sync loop, under one lock so that a sync never sees a
-/// store change without its dirty mark: the pending changes, and which EndpointSlices belong to
-/// which Service (so that one Service's inputs are found without scanning every slice).
+/// store change without its dirty mark: the pending changes, and the EndpointSlices themselves
+/// with the index of which belong to which Service (so that one Service's inputs are found
+/// without scanning every slice).
 #[derive(Debug, Default)]
 struct Tracker {
     pending: PendingChanges,
-    slice_owner: HashMap<ServiceKey, ServiceKey>,
-    service_slices: HashMap<ServiceKey, BTreeSet<String>>,
+    slices: SliceStore,
+    /// The slices of a list in progress (a start or a relist), swapped in when it completes.
+    listing: Option<HashMap<ServiceKey, Arc<Slice>>>,
 }
 
-impl Tracker {
-    /// Records a slice (stored as `slice_key`) now belonging to `owner`, marking both its old and
-    /// new Service dirty.
-    fn set_slice(&mut self, slice_key: ServiceKey, owner: Option<ServiceKey>) {
-        if let Some(old) = self.slice_owner.remove(&slice_key) {
-            if let Some(names) = self.service_slices.get_mut(&old) {
-                names.remove(&slice_key.1);
+/// The EndpointSlices in the form the model reads (`model::Slice`, a fraction of the API
+/// object's memory), by (namespace, slice name), and the names of each Service's slices.
+#[derive(Debug, Default)]
+struct SliceStore {
+    slices: HashMap<ServiceKey, (Arc<Slice>, Option<ServiceKey>)>,
+    by_service: HashMap<ServiceKey, BTreeSet<String>>,
+}
+
+impl SliceStore {
+    /// Stores (`Some`) or forgets (`None`) the slice at `key`, and returns the Services whose
+    /// slices changed: its old and its new owner.
+    fn set(&mut self, key: ServiceKey, slice: Option<Arc<Slice>>) -> Vec<ServiceKey> {
+        let mut touched = Vec::new();
+        if let Some((_, Some(old))) = self.slices.remove(&key) {
+            if let Some(names) = self.by_service.get_mut(&old) {
+                names.remove(&key.1);
                 if names.is_empty() {
-                    self.service_slices.remove(&old);
+                    self.by_service.remove(&old);
                 }
             }
-            self.pending.dirty.insert(old);
+            touched.push(old);
         }
-        if let Some(owner) = owner {
-            self.service_slices
-                .entry(owner.clone())
-                .or_default()
-                .insert(slice_key.1.clone());
-            self.slice_owner.insert(slice_key, owner.clone());
-            self.pending.dirty.insert(owner);
+        if let Some(slice) = slice {
+            let owner = super::slice_service(&key.0, &slice);
+            if let Some(owner) = &owner {
+                self.by_service
+                    .entry(owner.clone())
+                    .or_default()
+                    .insert(key.1.clone());
+                touched.push(owner.clone());
+            }
+            self.slices.insert(key, (slice, owner));
         }
+        touched
     }
 
-    fn reindex(&mut self, slices: &Store<EndpointSlice>) {
-        self.slice_owner.clear();
-        self.service_slices.clear();
-        for slice in slices.state() {
-            let key = (slice.namespace().unwrap_or_default(), slice.name_any());
-            let owner = super::slice_service(&key.0, &slice);
-            self.set_slice(key, owner);
-        }
+    /// The slices of one Service.
+    fn of_service(&self, service: &ServiceKey) -> Vec<Arc<Slice>> {
+        self.by_service
+            .get(service)
+            .into_iter()
+            .flatten()
+            .filter_map(|name| {
+                self.slices
+                    .get(&(service.0.clone(), name.clone()))
+                    .map(|(slice, _)| slice.clone())
+            })
+            .collect()
     }
 }
 
-/// The reflector stores and their watch tasks.
+fn slice_key(slice: &EndpointSlice) -> ServiceKey {
+    (slice.namespace().unwrap_or_default(), slice.name_any())
+}
+
+/// The stores and their watch tasks: reflector stores for the Services and the Node, the
+/// tracker's own store for the EndpointSlices (kept compacted).
 pub struct KubeSource {
     services: Store<Service>,
-    slices: Store<EndpointSlice>,
     nodes: Store<Node>,
     tracker: Arc<Mutex<Tracker>>,
+    /// Set once the first list of EndpointSlices is stored.
+    slices_listed: tokio::sync::watch::Receiver<bool>,
 }
 
 impl KubeSource {
@@ -127,6 +154,7 @@ impl KubeSource {
         let (services, writer) = reflector::store::<Service>();
         let stream = watcher(Api::<Service>::all(client.clone()), selector.clone())
             .default_backoff()
+            .modify(super::prune::service)
             .reflect(writer);
         spawn_watch(
             "Service",
@@ -147,11 +175,11 @@ impl KubeSource {
             shutdown.clone(),
         );
 
-        let (slices, writer) = reflector::store::<EndpointSlice>();
-        let stream = watcher(Api::<EndpointSlice>::all(client.clone()), selector)
-            .default_backoff()
-            .reflect(writer);
-        let store = slices.clone();
+        // No reflector here: each slice is stored compacted, under the tracker's lock, by the
+        // event handler itself (a start or relist is collected aside and swapped in whole, as a
+        // reflector would).
+        let stream = watcher(Api::<EndpointSlice>::all(client.clone()), selector).default_backoff();
+        let (listed, slices_listed) = tokio::sync::watch::channel(false);
         spawn_watch(
             "EndpointSlice",
             stream,
@@ -161,19 +189,25 @@ impl KubeSource {
                     watcher::Event::Apply(slice) | watcher::Event::Delete(slice) => {
                         t.pending.endpoints += 1;
                         t.pending.trigger_times.extend(trigger_time(slice));
-                        let key = (slice.namespace().unwrap_or_default(), slice.name_any());
-                        let owner = match event {
-                            watcher::Event::Apply(_) => super::slice_service(&key.0, slice),
-                            _ => None,
-                        };
-                        t.set_slice(key, owner);
+                        let kept =
+                            matches!(event, watcher::Event::Apply(_)).then(|| Arc::new(Slice::from(slice)));
+                        let touched = t.slices.set(slice_key(slice), kept);
+                        t.pending.dirty.extend(touched);
                     }
-                    // The reflector has swapped the store by now: index it afresh.
+                    watcher::Event::Init => t.listing = Some(HashMap::new()),
+                    watcher::Event::InitApply(slice) => {
+                        t.listing
+                            .get_or_insert_default()
+                            .insert(slice_key(slice), Arc::new(Slice::from(slice)));
+                    }
                     watcher::Event::InitDone => {
-                        t.reindex(&store);
+                        t.slices = SliceStore::default();
+                        for (key, slice) in t.listing.take().unwrap_or_default() {
+                            t.slices.set(key, Some(slice));
+                        }
                         t.pending.relisted = true;
+                        listed.send_replace(true);
                     }
-                    watcher::Event::Init | watcher::Event::InitApply(_) => {}
                 },
             ),
             on_change.clone(),
@@ -185,6 +219,7 @@ impl KubeSource {
         let by_name = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
         let stream = watcher(Api::<Node>::all(client), by_name)
             .default_backoff()
+            .modify(super::prune::node)
             .reflect(writer);
         // The sync loop compares the node facts it derives with the last ones at every sync, so
         // a Node change needs no mark of its own.
@@ -200,9 +235,9 @@ impl KubeSource {
 
         Self {
             services,
-            slices,
             nodes,
             tracker,
+            slices_listed,
         }
     }
 
@@ -210,7 +245,7 @@ impl KubeSource {
     pub async fn wait_ready(&self, timeout: Duration) -> bool {
         let all = async {
             let _ = self.services.wait_until_ready().await;
-            let _ = self.slices.wait_until_ready().await;
+            let _ = self.slices_listed.clone().wait_for(|listed| *listed).await;
             let _ = self.nodes.wait_until_ready().await;
         };
         tokio::time::timeout(timeout, all).await.is_ok()
@@ -223,9 +258,9 @@ impl KubeSource {
             let key = (svc.namespace().unwrap_or_default(), svc.name_any());
             state.services.insert(key, svc);
         }
-        for slice in self.slices.state() {
-            let key = (slice.namespace().unwrap_or_default(), slice.name_any());
-            state.slices.insert(key, slice);
+        let tracker = self.tracker.lock().expect("tracker lock");
+        for (key, (slice, _)) in &tracker.slices.slices {
+            state.slices.insert(key.clone(), slice.clone());
         }
         state.node = self.nodes.state().into_iter().next();
         state
@@ -244,18 +279,7 @@ impl KubeSource {
 
     /// One Service and its EndpointSlices as the stores hold them now.
     pub fn service_inputs(&self, key: &ServiceKey) -> ServiceInputs {
-        let names: Vec<String> = self
-            .tracker
-            .lock()
-            .expect("tracker lock")
-            .service_slices
-            .get(key)
-            .map(|n| n.iter().cloned().collect())
-            .unwrap_or_default();
-        let slices = names
-            .iter()
-            .filter_map(|name| self.slices.get(&ObjectRef::new(name).within(&key.0)))
-            .collect();
+        let slices = self.tracker.lock().expect("tracker lock").slices.of_service(key);
         (self.service(key), slices)
     }
 

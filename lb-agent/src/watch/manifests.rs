@@ -371,10 +371,7 @@ ports:
             Some("default")
         );
         let slice_key = ("default".to_string(), "web-abc".to_string());
-        assert_eq!(
-            state.slices[&slice_key].metadata.namespace.as_deref(),
-            Some("default")
-        );
+        assert_eq!(&*state.slices[&slice_key].namespace, "default");
 
         let node = crate::sync::node_info("node-a", None);
         let computed = crate::sync::compute(&state, &node, &crate::plan::NodeContext::default());

@@ -4,6 +4,7 @@
 
 pub mod kube;
 pub mod manifests;
+pub mod prune;
 
 use std::{collections::BTreeMap, sync::Arc};
 
@@ -15,13 +16,10 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
-/// The label that ties an EndpointSlice to its Service.
-pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
-/// kube-proxy ignores Services (and their slices) that name another proxy.
-pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
-/// Set on the EndpointSlices of headless Services, which kube-proxy ignores.
-pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
-/// kube-proxy's informer label selector, for Services and EndpointSlices alike.
+use crate::model::Slice;
+
+/// kube-proxy's informer label selector (the labels are `model::service::LABEL_SERVICE_PROXY_NAME`
+/// and `LABEL_HEADLESS`), for Services and EndpointSlices alike.
 pub const LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 
 /// A consistent view of the objects the agent programs from.
@@ -29,8 +27,8 @@ pub const LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!ser
 pub struct ClusterState {
     /// By (namespace, name).
     pub services: BTreeMap<(String, String), Arc<Service>>,
-    /// By (namespace, slice name).
-    pub slices: BTreeMap<(String, String), Arc<EndpointSlice>>,
+    /// By (namespace, slice name), in the form the model reads (`model::Slice`).
+    pub slices: BTreeMap<(String, String), Arc<Slice>>,
     /// This node, when known.
     pub node: Option<Arc<Node>>,
 }
@@ -49,8 +47,9 @@ pub fn default_namespace(meta: &mut ObjectMeta) -> &str {
 }
 
 impl ClusterState {
-    /// Adds a Service, in the default namespace if it names none.
+    /// Adds a Service (pruned to what the agent reads), in the default namespace if it names none.
     pub fn add_service(&mut self, mut svc: Service) {
+        prune::service(&mut svc);
         let key = (
             default_namespace(&mut svc.metadata).to_owned(),
             svc.metadata.name.clone().unwrap_or_default(),
@@ -58,19 +57,20 @@ impl ClusterState {
         self.services.insert(key, Arc::new(svc));
     }
 
-    /// Adds an EndpointSlice, in the default namespace if it names none.
+    /// Adds an EndpointSlice (in the form the model reads), in the default namespace if it names
+    /// none.
     pub fn add_slice(&mut self, mut slice: EndpointSlice) {
         let key = (
             default_namespace(&mut slice.metadata).to_owned(),
             slice.metadata.name.clone().unwrap_or_default(),
         );
-        self.slices.insert(key, Arc::new(slice));
+        self.slices.insert(key, Arc::new(Slice::from(&slice)));
     }
 
     /// The EndpointSlices of each Service, by (namespace, service name) from the
     /// `kubernetes.io/service-name` label. Slices without the label belong to no Service.
-    pub fn slices_by_service(&self) -> BTreeMap<ServiceKey, Vec<&EndpointSlice>> {
-        let mut out: BTreeMap<ServiceKey, Vec<&EndpointSlice>> = BTreeMap::new();
+    pub fn slices_by_service(&self) -> BTreeMap<ServiceKey, Vec<&Slice>> {
+        let mut out: BTreeMap<ServiceKey, Vec<&Slice>> = BTreeMap::new();
         for ((namespace, _), slice) in &self.slices {
             if let Some(service) = slice_service(namespace, slice) {
                 out.entry(service).or_default().push(slice);
@@ -86,11 +86,10 @@ pub type ServiceKey = (String, String);
 /// The Service an EndpointSlice (stored under `namespace`) belongs to: its
 /// `kubernetes.io/service-name` label, unless kube-proxy ignores the slice (another proxy's, or a
 /// headless Service's).
-pub fn slice_service(namespace: &str, slice: &EndpointSlice) -> Option<ServiceKey> {
-    let labels = slice.metadata.labels.as_ref()?;
-    if labels.contains_key(SERVICE_PROXY_NAME_LABEL) || labels.contains_key(HEADLESS_LABEL) {
+pub fn slice_service(namespace: &str, slice: &Slice) -> Option<ServiceKey> {
+    if slice.excluded {
         return None;
     }
-    let service = labels.get(SERVICE_NAME_LABEL)?;
-    Some((namespace.to_owned(), service.clone()))
+    let service = slice.service_name.as_deref()?;
+    Some((namespace.to_owned(), service.to_owned()))
 }

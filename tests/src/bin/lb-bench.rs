@@ -4,7 +4,9 @@
 //! `cargo xtask k8s-bins`; everything it creates is removed by guards, also on panic or Ctrl-C.
 //!
 //! Hidden subcommands (`crr`, `serve`, `probe`) are the child processes the suite starts inside
-//! its namespaces and cgroups.
+//! its namespaces and cgroups. `lb-bench cluster N` is for profiling by hand: a control plane
+//! holding the suite's N Services (10 endpoints each) until Ctrl-C, its kubeconfig printed, so
+//! an agent can be started against it as often as needed without creating them again.
 //!
 //! The results are saved as JSON after every step (target/bench/results-{quick,full}.json) and
 //! every proxy's log in target/bench/logs. `LB_BENCH_VERBOSE=1` echoes the proxies' logs live;
@@ -96,6 +98,7 @@ fn main() {
         Some("crr") => return bench::crr::crr_main(&args[2..]),
         Some("serve") => return bench::crr::serve_main(&args[2..]),
         Some("probe") => return bench::crr::probe_main(&args[2..]),
+        Some("cluster") => return hold_cluster(&args[2..]),
         _ => {}
     }
     let cli = Cli::parse();
@@ -157,4 +160,35 @@ fn main() {
     if opts.write_docs {
         bench::write_docs(&results);
     }
+}
+
+/// `lb-bench cluster N`: the suite's N Services in a real control plane, until Ctrl-C.
+fn hold_cluster(args: &[String]) {
+    let n: u32 = args
+        .first()
+        .and_then(|a| a.parse().ok())
+        .expect("usage: lb-bench cluster <number of Services>");
+    bench::install_signal_handlers();
+    let cp = lb_tests::control_plane::ControlPlane::start().expect("control plane");
+    let mut cluster = bench::api::Cluster::setup(&cp);
+    let started = std::time::Instant::now();
+    cluster.grow_to(n);
+    eprintln!(
+        "==> {n} Services created in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    println!("kubeconfig: {}", cp.kubeconfig_path().display());
+    println!(
+        "node: {} (InternalIP {}); Ctrl-C stops the control plane",
+        bench::api::NODE,
+        bench::topo::NODE_IP
+    );
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        if std::panic::catch_unwind(bench::check_interrupted).is_err() {
+            break;
+        }
+    }
+    drop(cluster);
+    drop(cp);
 }

@@ -1,6 +1,6 @@
 //! The writer against the fake maps: write order, minimal writes, recovery, and full maps.
 
-use std::net::Ipv4Addr;
+use std::{net::Ipv4Addr, sync::Arc};
 
 use lb_common::service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, flags};
 
@@ -57,7 +57,7 @@ fn desired(services: &[(u8, &str, &[u8])]) -> DesiredState {
         for b in plan.backends() {
             d.backends.insert(*b, 0);
         }
-        d.frontends.insert(fe(*vip), plan);
+        d.frontends.insert(fe(*vip), plan.into());
     }
     d
 }
@@ -201,7 +201,7 @@ fn switching_local_to_cluster_policy_rewrites_the_frontend_before_dropping_the_i
         for b in plan.backends() {
             d.backends.insert(*b, 0);
         }
-        d.frontends.insert(fe(20), plan);
+        d.frontends.insert(fe(20), plan.into());
         d
     };
     let mut a = applier();
@@ -305,7 +305,7 @@ fn a_service_that_does_not_fit_is_skipped_whole_and_appears_once_room_is_made() 
 #[test]
 fn affinity_members_and_source_ranges_follow_the_plan() {
     let mut d = desired(&[(10, "web", &[1, 2])]);
-    let plan = d.frontends.get_mut(&fe(10)).unwrap();
+    let plan = Arc::make_mut(d.frontends.get_mut(&fe(10)).unwrap());
     plan.affinity_timeout = 60;
     plan.scopes[0].flags |= flags::AFFINITY;
     plan.source_ranges = vec!["198.51.100.0/24".parse().unwrap()];
@@ -323,7 +323,9 @@ fn affinity_members_and_source_ranges_follow_the_plan() {
 
     // Dropping a backend drops its affinity member.
     let mut d2 = d.clone();
-    d2.frontends.get_mut(&fe(10)).unwrap().scopes[0].backends.pop();
+    Arc::make_mut(d2.frontends.get_mut(&fe(10)).unwrap()).scopes[0]
+        .backends
+        .pop();
     assert!(a.apply(&d2).is_clean());
     assert_eq!(a.maps().state.affinity_match.len(), 1);
 }
@@ -386,7 +388,7 @@ fn a_full_map_rewrites_a_frontend_break_before_make() {
         for b in plan.backends() {
             d.backends.insert(*b, 0);
         }
-        d.frontends.insert(fe(10), plan);
+        d.frontends.insert(fe(10), plan.into());
         d
     };
     let cluster = || desired(&[(10, "web", &[1, 2, 3, 4, 5])]);
@@ -467,7 +469,7 @@ fn a_full_source_range_map_never_leaves_a_frontend_without_its_ranges() {
     let mut a = Applier::new(FakeMaps::new(), caps);
     let with_range = |cidr: &str| {
         let mut d = desired(&[(10, "web", &[1])]);
-        d.frontends.get_mut(&fe(10)).unwrap().source_ranges = vec![cidr.parse().unwrap()];
+        Arc::make_mut(d.frontends.get_mut(&fe(10)).unwrap()).source_ranges = vec![cidr.parse().unwrap()];
         d
     };
     assert!(a.apply(&with_range("198.51.100.0/24")).is_clean());
@@ -508,7 +510,7 @@ fn a_scope_too_large_to_count_is_skipped() {
     for b in &many {
         d.backends.insert(*b, 0);
     }
-    d.frontends.get_mut(&fe(10)).unwrap().scopes[0].backends = many;
+    Arc::make_mut(d.frontends.get_mut(&fe(10)).unwrap()).scopes[0].backends = many;
     let caps = Capacities {
         backends: 1 << 17,
         ..Capacities::default()
