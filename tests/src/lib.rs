@@ -24,6 +24,7 @@ pub mod packet;
 pub mod probe;
 pub mod process;
 pub mod report;
+pub mod sweep;
 pub mod topo;
 
 /// Fails the test with a clear message when not running as root (CI runs as root, so nothing is
@@ -33,6 +34,14 @@ pub fn require_root() {
     if unsafe { libc::geteuid() } != 0 {
         panic!("this test needs root (network namespaces, cgroups, BPF); run it through `./x test` as root");
     }
+    // Once per process: what killed runs (Ctrl-C skips every guard) left behind.
+    static SWEPT: std::sync::Once = std::sync::Once::new();
+    SWEPT.call_once(|| {
+        let removed = sweep::leftovers_of_dead_runs();
+        if !removed.is_empty() {
+            eprintln!("removed the leftovers of runs that died: {}", removed.join(", "));
+        }
+    });
 }
 
 /// A name unique to this process and call, short enough for interface names (15 bytes).

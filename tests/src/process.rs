@@ -101,6 +101,16 @@ impl Proc {
     /// Waits until a line of the child's stdout (which must be piped) satisfies `ready`. A thread
     /// keeps draining stdout afterwards, so the child never blocks or dies writing to it.
     pub fn wait_for_line(&mut self, timeout: Duration, ready: impl Fn(&str) -> bool) -> String {
+        self.wait_for_line_or(timeout, ready, || {})
+    }
+
+    /// [`Proc::wait_for_line`], calling `check` (which may panic, e.g. on Ctrl-C) while waiting.
+    pub fn wait_for_line_or(
+        &mut self,
+        timeout: Duration,
+        ready: impl Fn(&str) -> bool,
+        check: impl Fn(),
+    ) -> String {
         let lines = self.stdout_lines.get_or_insert_with(|| {
             let stdout = self
                 .child
@@ -121,6 +131,7 @@ impl Proc {
             if let Some(line) = lines.lock().expect("lines lock").iter().find(|l| ready(l)) {
                 return line.clone();
             }
+            check();
             if Instant::now() > deadline {
                 panic!(
                     "{}: no such line within {timeout:?}; got {:?}",

@@ -90,15 +90,21 @@ pub fn kube_proxy_flags(mode: &str) -> Vec<String> {
     ]
 }
 
+/// `LB_BENCH_AGENT_FLAGS` (space-separated) adds flags to the agent's, for experiments by hand
+/// (e.g. `--no-tc`); the report lists them with the rest.
 pub fn agent_flags(backends_capacity: u32) -> Vec<String> {
-    vec![
+    let mut flags = vec![
         format!("--hostname-override={}", api::NODE),
         format!("--cluster-cidr={}", topo::CLUSTER_CIDR),
         "--metrics-bind-address=127.0.0.1:10249".into(),
         "--healthz-bind-address=127.0.0.1:10256".into(),
         "--sync-period=1h".into(),
         format!("--bpf-lb-map-max={backends_capacity}"),
-    ]
+    ];
+    if let Ok(extra) = std::env::var("LB_BENCH_AGENT_FLAGS") {
+        flags.extend(extra.split_whitespace().map(str::to_owned));
+    }
+    flags
 }
 
 /// A private bpffs mount for one agent (its own name space of pins), unmounted on drop.
@@ -108,11 +114,9 @@ pub struct BpfMount {
 
 impl BpfMount {
     fn new() -> BpfMount {
-        let dir = tempfile::Builder::new()
-            .prefix("lb-bench-bpffs-")
-            .tempdir()
-            .expect("temp dir")
-            .keep();
+        // Named like the tests' bpffs mounts, so a killed run's are swept (`lb_tests::sweep`).
+        let dir = std::env::temp_dir().join(lb_tests::unique_name("lbbpffs"));
+        fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("mkdir {}: {e}", dir.display()));
         mount(Some("bpf"), &dir, Some("bpf"), MsFlags::empty(), None::<&str>)
             .unwrap_or_else(|e| panic!("mount bpffs on {}: {e}", dir.display()));
         BpfMount { dir }

@@ -117,7 +117,7 @@ fn main() {
         bench::write_docs(&r);
         return;
     }
-    lb_tests::require_root();
+    lb_tests::require_root(); // also sweeps what killed runs left behind
     build_agent();
     bench::install_signal_handlers();
     let mut opts = bench::Options::new(cli.quick);

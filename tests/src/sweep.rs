@@ -1,0 +1,116 @@
+//! Removes what runs that died without their guards (SIGKILL, a crashed runner, a lost machine
+//! session) left behind: network namespaces, test cgroups and bpffs mounts. Every such object is
+//! named by [`crate::unique_name`] (`<prefix><pid % 100000>x<n>`), so an object is only swept when
+//! no live process has a matching pid: a concurrent run's objects are never touched.
+
+use std::{fs, path::Path, process::Command};
+
+use nix::mount::{MntFlags, umount2};
+
+/// The pid part of a [`crate::unique_name`] (`bn20974x3` -> 20974), if `name` is one.
+fn pid_of(name: &str) -> Option<u32> {
+    let (head, n) = name.rsplit_once('x')?;
+    if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let digits = head.len() - head.bytes().rev().take_while(u8::is_ascii_digit).count();
+    let (prefix, pid) = head.split_at(digits);
+    if prefix.is_empty() || pid.is_empty() || !prefix.bytes().all(|b| b.is_ascii_lowercase()) {
+        return None;
+    }
+    pid.parse().ok()
+}
+
+/// The pids (mod 100,000, as names carry them) of the processes alive now.
+fn live_pids() -> std::collections::BTreeSet<u32> {
+    fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .map(|pid| pid % 100_000)
+        .collect()
+}
+
+/// Sweeps the leftovers of dead runs; returns what it removed (for one line of output).
+pub fn leftovers_of_dead_runs() -> Vec<String> {
+    let live = live_pids();
+    let dead = |name: &str| pid_of(name).is_some_and(|pid| !live.contains(&pid));
+    // Only the prefixes this crate gives namespaces (`lb...` for the tests, `bc`/`bn`/`bs` for
+    // the benchmark's client, node and server): a namespace of someone else's is never ours.
+    let ours = |name: &str| {
+        let prefix = name.trim_end_matches(|c: char| c.is_ascii_digit() || c == 'x');
+        prefix.starts_with("lb") || matches!(prefix, "bc" | "bn" | "bs")
+    };
+    let mut removed = Vec::new();
+
+    // Namespaces: kill what still runs inside, then delete the name.
+    for entry in fs::read_dir("/run/netns").into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !ours(&name) || !dead(&name) {
+            continue;
+        }
+        if let Ok(out) = Command::new("ip").args(["netns", "pids", &name]).output() {
+            for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                if let Ok(pid) = pid.parse::<i32>() {
+                    // SAFETY: kill has no memory effects.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
+        }
+        if Command::new("ip")
+            .args(["netns", "delete", &name])
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
+            removed.push(format!("netns {name}"));
+        }
+    }
+
+    // Test cgroups (their processes are killed by the removal).
+    if let Ok(mount) = lb_agent::datapath::cgroup::cgroup2_mount() {
+        let parent = mount.join("lb-tests");
+        for entry in fs::read_dir(&parent).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if entry.path().is_dir() && dead(&name) {
+                crate::cgroup::remove_tree(&entry.path());
+                removed.push(format!("cgroup {name}"));
+            }
+        }
+    }
+
+    // bpffs mounts in the temp dir (dropping the pins detaches pinned links).
+    let tmp = std::env::temp_dir();
+    let mounts = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    for line in mounts.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(_), Some(point), Some("bpf")) = (fields.next(), fields.next(), fields.next()) else {
+            continue;
+        };
+        let point = Path::new(point);
+        let Some(name) = point.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        if point.parent() == Some(tmp.as_path()) && dead(name) {
+            while umount2(point, MntFlags::MNT_DETACH).is_ok() {}
+            let _ = fs::remove_dir(point);
+            removed.push(format!("bpffs {}", point.display()));
+        }
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pid_of;
+
+    #[test]
+    fn names_made_by_unique_name_give_their_pid() {
+        assert_eq!(pid_of("bn20974x15"), Some(20974));
+        assert_eq!(pid_of("lbbpffs7x0"), Some(7));
+        assert_eq!(pid_of("lbb123x9"), Some(123));
+        for other in ["eth0", "lb-tests", "x1", "bnx1", "bn12x", "cni-1x2", "Bn1x2", "lb-node-a"] {
+            assert_eq!(pid_of(other), None, "{other}");
+        }
+    }
+}
