@@ -109,7 +109,16 @@ mod tests {
         assert_eq!(pid_of("bn20974x15"), Some(20974));
         assert_eq!(pid_of("lbbpffs7x0"), Some(7));
         assert_eq!(pid_of("lbb123x9"), Some(123));
-        for other in ["eth0", "lb-tests", "x1", "bnx1", "bn12x", "cni-1x2", "Bn1x2", "lb-node-a"] {
+        for other in [
+            "eth0",
+            "lb-tests",
+            "x1",
+            "bnx1",
+            "bn12x",
+            "cni-1x2",
+            "Bn1x2",
+            "lb-node-a",
+        ] {
             assert_eq!(pid_of(other), None, "{other}");
         }
     }

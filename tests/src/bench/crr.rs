@@ -411,13 +411,11 @@ impl Probe {
 
     /// Waits for the result (the probe stops by itself at its timeout).
     pub fn wait(mut self) -> ProbeResult {
-        let line = self
-            .proc
-            .wait_for_line_or(
-                self.timeout + Duration::from_secs(120),
-                |l| l.contains("\"ok\""),
-                super::check_interrupted,
-            );
+        let line = self.proc.wait_for_line_or(
+            self.timeout + Duration::from_secs(120),
+            |l| l.contains("\"ok\""),
+            super::check_interrupted,
+        );
         serde_json::from_str(&line).unwrap_or_else(|e| panic!("probe printed {line:?}: {e}"))
     }
 }

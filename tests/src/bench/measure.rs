@@ -75,6 +75,65 @@ pub struct LatencyLevel {
     /// kube-proxy's effective configuration (/configz) per mode, for the record.
     #[serde(default)]
     pub configz: BTreeMap<Config, String>,
+    /// What each of our programs cost in the real stack during one extra (untimed) round of each
+    /// lb configuration, from the kernel's run-time statistics.
+    #[serde(default)]
+    pub in_stack: BTreeMap<Config, Vec<ProgramCost>>,
+}
+
+/// One program's runs during a diagnostic round (kernel BPF run-time statistics).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ProgramCost {
+    pub program: String,
+    pub runs: u64,
+    pub ns_per_run: f64,
+    /// Runs per connection of the round.
+    pub runs_per_conn: f64,
+}
+
+/// The `lb_*` programs loaded now: id -> (name, run time ns, run count).
+fn lb_program_counters() -> BTreeMap<u32, (String, u64, u64)> {
+    aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .filter_map(|p| {
+            let name = p.name_as_str()?.to_owned();
+            name.starts_with("lb_")
+                .then(|| (p.id(), (name, p.run_time().as_nanos() as u64, p.run_count())))
+        })
+        .collect()
+}
+
+/// One more round of `peer` with the kernel's BPF run-time statistics on (`BPF_ENABLE_STATS`,
+/// which lasts as long as its file descriptor; they cost every program ~20 ns a run, so the
+/// timed rounds run without them): ns per run of each of our programs that ran.
+fn in_stack_costs(peer: &Peer, targets: &Path, conns: usize, seed: u64) -> Vec<ProgramCost> {
+    let Ok(stats) = aya::sys::enable_stats(aya::sys::Stats::RunTime) else {
+        eprintln!("  note: BPF run-time statistics are not available; in-stack costs not measured");
+        return Vec::new();
+    };
+    let before = lb_program_counters();
+    crr::run_crr(peer.client(), targets, conns, 0, seed);
+    let after = lb_program_counters();
+    drop(stats);
+    let mut costs: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for (id, (name, time, count)) in &after {
+        let (t0, c0) = before.get(id).map_or((0, 0), |(_, t, c)| (*t, *c));
+        let runs = count.saturating_sub(c0);
+        if runs > 0 {
+            let e = costs.entry(name.clone()).or_default();
+            e.0 += time.saturating_sub(t0);
+            e.1 += runs;
+        }
+    }
+    costs
+        .into_iter()
+        .map(|(program, (time, runs))| ProgramCost {
+            program,
+            runs,
+            ns_per_run: time as f64 / runs as f64,
+            runs_per_conn: runs as f64 / conns as f64,
+        })
+        .collect()
 }
 
 /// Creating N Services through the API while the proxy runs.
@@ -297,6 +356,20 @@ pub fn latency_level(ctx: &mut Ctx<'_>, n: u32) -> (LatencyLevel, Vec<Memory>) {
             );
             level.runs.entry(peer.config).or_default().push(r);
         }
+    }
+    for peer in peers.iter().filter(|p| p.config.is_agent()) {
+        check_interrupted();
+        let costs = in_stack_costs(peer, &vips, ctx.opts.conns, u64::from(n) * 1000 + 999);
+        for c in &costs {
+            eprintln!(
+                "  in-stack N={n} {:<22} {:<14} {:>7.0} ns/run  {:.1} runs/connection",
+                peer.config.label(),
+                c.program,
+                c.ns_per_run,
+                c.runs_per_conn
+            );
+        }
+        level.in_stack.insert(peer.config, costs);
     }
     for p in peers {
         if p.config != Config::Direct {

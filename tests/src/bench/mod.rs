@@ -57,6 +57,8 @@ pub struct Options {
     pub backends_capacity: u32,
     pub write_docs: bool,
     pub skip_tc: bool,
+    /// Only the BPF_PROG_TEST_RUN measurements (development).
+    pub tc_only: bool,
     /// Where every proxy's log is saved (target/bench/logs).
     pub log_dir: PathBuf,
 }
@@ -85,6 +87,7 @@ impl Options {
             backends_capacity: 131_072,
             write_docs: true,
             skip_tc: false,
+            tc_only: false,
             log_dir: workspace_root().join("target/bench/logs"),
         }
     }
@@ -189,6 +192,9 @@ pub fn run(opts: &Options, command: String) -> Results {
             check_interrupted();
         }
         save(&r, &out_json);
+    }
+    if opts.tc_only {
+        return r;
     }
 
     step("starting etcd and kube-apiserver");

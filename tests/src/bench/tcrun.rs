@@ -24,12 +24,13 @@ use std::net::Ipv4Addr;
 
 use anyhow::{Context, Result, bail};
 use lb_agent::{
-    datapath::{Datapath, OBJECT},
+    datapath::{Datapath, OBJECT, SOCK_TRACE_PROGRAM},
     maps::{Applier, Capacities},
     run::NodeSettings,
     trace::ScratchDatapath,
     watch::ClusterState,
 };
+use lb_common::trace::{SockTraceIn, SockTraceOut, TRACE_PACKET_LEN, hook, verdict};
 use lb_tests::{
     fixtures::{State, service, slice},
     packet,
@@ -120,6 +121,31 @@ fn scratch(n: u32) -> Result<ScratchDatapath> {
     };
     s.program(&state(n))?;
     Ok(s)
+}
+
+/// A `SockTraceIn` as the packet `lb_sock_trace` reads.
+fn sock_call(hook: u32, addr: Ipv4Addr, port: u16, socket_cookie: u64, random: u32) -> Vec<u8> {
+    let input = SockTraceIn {
+        hook,
+        protocol: u32::from(lb_common::proto::TCP),
+        addr: addr.octets(),
+        port,
+        _pad: 0,
+        src_addr: [0; 4],
+        random,
+        socket_cookie,
+        netns_cookie: 0x1000_0001,
+    };
+    let mut packet = vec![0u8; TRACE_PACKET_LEN];
+    // SAFETY: SockTraceIn is plain old data and fits the buffer (checked at compile time in lb-common).
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            (&raw const input).cast::<u8>(),
+            packet.as_mut_ptr(),
+            size_of::<SockTraceIn>(),
+        )
+    };
+    packet
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -254,6 +280,34 @@ pub fn measure(n: u32, batches: usize, calls: usize) -> Result<TcLevel> {
         single_median_ns: Some(reply_single),
         single_corrected_ns: Some(reply_single - overhead),
         action: reply_out.action,
+    });
+
+    // The socket path's connect4 code, run through `lb_sock_trace` (the same translation on a
+    // described socket call; cgroup programs cannot be test-run): a connect to a random
+    // Service, a new socket cookie each call. One call at a time (the harness overwrites its
+    // input with the outcome).
+    let connect = |k: usize| {
+        let i = (k as u32).wrapping_mul(2_654_435_761) % n;
+        sock_call(hook::CONNECT4, api::cluster_ip(i), 80, k as u64 + 1, k as u32)
+    };
+    let first = s.datapath.test_run_tc(SOCK_TRACE_PROGRAM, &connect(0), 1)?;
+    // SAFETY: the harness wrote a SockTraceOut at the start of the packet.
+    let out: SockTraceOut = unsafe { std::ptr::read_unaligned(first.packet.as_ptr().cast()) };
+    if out.verdict != verdict::TRANSLATED {
+        bail!(
+            "the socket connect to a ClusterIP was not translated (verdict {})",
+            out.verdict
+        );
+    }
+    let connect_single = single(&mut s, SOCK_TRACE_PROGRAM, calls, |k| connect(k + 1))?;
+    level.fixtures.push(TcFixture {
+        name: "socket connect (connect4's code via lb_sock_trace: lookup, backend choice, reverse-NAT entry)"
+            .into(),
+        program: SOCK_TRACE_PROGRAM.into(),
+        batched_ns: vec![],
+        single_median_ns: Some(connect_single),
+        single_corrected_ns: Some(connect_single - overhead),
+        action: first.action,
     });
 
     // Non-service at egress too.

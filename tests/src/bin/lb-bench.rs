@@ -52,6 +52,9 @@ struct Cli {
     /// Skip the BPF_PROG_TEST_RUN measurements.
     #[arg(long)]
     skip_tc: bool,
+    /// Only the BPF_PROG_TEST_RUN measurements (development).
+    #[arg(long, conflicts_with_all = ["skip_tc", "latency_only"])]
+    tc_only: bool,
     /// Do not rewrite docs/benchmarks.md and docs/bench/*.png.
     #[arg(long)]
     no_docs: bool,
@@ -140,6 +143,7 @@ fn main() {
         opts.programming = cli.programming_levels.clone();
     }
     opts.skip_tc = cli.skip_tc;
+    opts.tc_only = cli.tc_only;
     if cli.latency_only {
         opts.programming.clear();
         opts.skip_tc = true;
