@@ -148,23 +148,21 @@ impl From<&EndpointSlice> for Slice {
                         terminating: conditions.and_then(|c| c.terminating),
                         node_name: boxed(&ep.node_name),
                         zone: boxed(&ep.zone),
-                        zone_hints: hints
-                            .and_then(|h| h.for_zones.as_deref())
-                            .unwrap_or_default()
-                            .iter()
-                            .map(|z| z.name.as_str().into())
-                            .collect(),
-                        node_hints: hints
-                            .and_then(|h| h.for_nodes.as_deref())
-                            .unwrap_or_default()
-                            .iter()
-                            .map(|n| n.name.as_str().into())
-                            .collect(),
+                        zone_hints: names(hints.and_then(|h| h.for_zones.as_deref()), |z| &z.name),
+                        node_hints: names(hints.and_then(|h| h.for_nodes.as_deref()), |n| &n.name),
                     }
                 })
                 .collect(),
         }
     }
+}
+
+/// The names of a list of hints.
+fn names<T>(list: Option<&[T]>, name: impl Fn(&T) -> &String) -> Box<[Box<str>]> {
+    list.unwrap_or_default()
+        .iter()
+        .map(|h| name(h).as_str().into())
+        .collect()
 }
 
 /// The `(namespace, service name)` an EndpointSlice belongs to: kube-proxy

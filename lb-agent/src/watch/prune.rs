@@ -21,30 +21,21 @@ use crate::model::service::{ANNOTATION_TOPOLOGY_AWARE_HINTS, ANNOTATION_TOPOLOGY
 
 /// The metadata every kept object needs; `annotations` keeps only the keys listed.
 fn prune_meta(meta: &mut ObjectMeta, keep_annotations: &[&str]) {
-    let ObjectMeta {
-        name,
-        namespace,
-        uid,
-        resource_version,
-        labels,
-        annotations,
-        deletion_timestamp,
-        ..
-    } = std::mem::take(meta);
-    let annotations = annotations
-        .map(|mut all| {
-            all.retain(|k, _| keep_annotations.contains(&k.as_str()));
-            all
-        })
-        .filter(|kept| !kept.is_empty());
+    let all = std::mem::take(meta);
     *meta = ObjectMeta {
-        name,
-        namespace,
-        uid,
-        resource_version,
-        labels,
-        annotations,
-        deletion_timestamp,
+        annotations: all
+            .annotations
+            .map(|mut annotations| {
+                annotations.retain(|k, _| keep_annotations.contains(&k.as_str()));
+                annotations
+            })
+            .filter(|kept| !kept.is_empty()),
+        name: all.name,
+        namespace: all.namespace,
+        uid: all.uid,
+        resource_version: all.resource_version,
+        labels: all.labels,
+        deletion_timestamp: all.deletion_timestamp,
         ..ObjectMeta::default()
     };
 }
