@@ -67,14 +67,13 @@ impl Default for Capacities {
     }
 }
 
-/// Everything the maps hold for one frontend.
+/// Everything the maps hold for one frontend (its `lb_svc_names` entry is `svc_name(&service)`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct FrontendEntries {
     rev_nat_id: u32,
     service: ServicePortName,
     services: BTreeMap<Svc4Key, Svc4Value>,
     revnat: RevNat4Value,
-    name: SvcName,
     affinity_match: BTreeSet<AffinityMatchKey>,
     source_ranges: BTreeSet<(u32, SrcRange4Ord)>,
 }
@@ -258,7 +257,6 @@ impl<M: MapOps> Applier<M> {
                     proto: key.proto,
                     _pad: 0,
                 },
-                name: SvcName::default(),
                 affinity_match: BTreeSet::new(),
                 source_ranges: BTreeSet::new(),
             });
@@ -268,7 +266,6 @@ impl<M: MapOps> Applier<M> {
             if let Some(entries) = by_rev.get_mut(id) {
                 entries.revnat = *revnat;
                 if let Some(name) = snap.names.get(id) {
-                    entries.name = *name;
                     entries.service = service_port_name(name, revnat.proto);
                 }
             }
@@ -735,12 +732,12 @@ impl<M: MapOps> Applier<M> {
         report: &mut ApplyReport,
     ) -> Result<(), MapError> {
         // Reverse NAT before any slot 0 points at it.
-        if old.is_none_or(|o| o.revnat != new.revnat || o.name != new.name) {
-            self.maps.put_revnat(new.rev_nat_id, &new.revnat, &new.name)?;
+        let name = svc_name(&new.service);
+        if old.is_none_or(|o| o.revnat != new.revnat || svc_name(&o.service) != name) {
+            self.maps.put_revnat(new.rev_nat_id, &new.revnat, &name)?;
             report.writes += 1;
         }
         current.revnat = new.revnat;
-        current.name = new.name;
         current.service = new.service.clone();
         for range in new.source_ranges.difference(&current.source_ranges.clone()) {
             self.maps.put_source_range(range.0, &range.1.into())?;
@@ -977,7 +974,6 @@ fn entries_for(
             proto,
             _pad: 0,
         },
-        name: svc_name(&plan.service),
         affinity_match,
         source_ranges,
     })

@@ -12,6 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
@@ -94,20 +95,73 @@ pub struct SlicePort {
     pub protocol: Option<Box<str>>,
 }
 
-/// One `endpoints[]` entry of a slice.
+/// One `endpoints[]` entry of a slice. Kept for every endpoint of the cluster, so without a heap
+/// allocation of its own in the usual case: the address inline, the node and zone names shared
+/// by the endpoints of a slice.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SliceEndpoint {
     /// The first address (`addEndpoints` uses no other).
-    pub address: Option<Box<str>>,
+    pub address: Option<SliceAddress>,
     pub ready: Option<bool>,
     pub serving: Option<bool>,
     pub terminating: Option<bool>,
-    pub node_name: Option<Box<str>>,
-    pub zone: Option<Box<str>>,
-    /// `hints.forZones[].name`.
-    pub zone_hints: Box<[Box<str>]>,
-    /// `hints.forNodes[].name`.
-    pub node_hints: Box<[Box<str>]>,
+    pub node_name: Option<Arc<str>>,
+    pub zone: Option<Arc<str>>,
+    /// Topology hints, when the endpoint has any (most have none).
+    pub hints: Option<Box<SliceHints>>,
+}
+
+/// An endpoint's `hints`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SliceHints {
+    /// `forZones[].name`.
+    pub zones: Box<[Box<str>]>,
+    /// `forNodes[].name`.
+    pub nodes: Box<[Box<str>]>,
+}
+
+/// An endpoint address as written: inline when it is a plain dotted quad (what the API server
+/// stores for IPv4 slices), else the text, which the model parses (`netutils.ParseIPSloppy`) and
+/// reports when it is not IPv4. A plain dotted quad parses to the same address both ways.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SliceAddress {
+    V4(Ipv4Addr),
+    Written(Box<str>),
+}
+
+impl From<&str> for SliceAddress {
+    fn from(text: &str) -> Self {
+        match text.parse() {
+            Ok(ip) => SliceAddress::V4(ip),
+            Err(_) => SliceAddress::Written(text.into()),
+        }
+    }
+}
+
+impl std::fmt::Display for SliceAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SliceAddress::V4(ip) => ip.fmt(f),
+            SliceAddress::Written(text) => f.write_str(text),
+        }
+    }
+}
+
+/// Hands out one `Arc<str>` per distinct name (a slice's endpoints mostly share a few nodes and
+/// zones).
+#[derive(Default)]
+struct SharedNames(Vec<Arc<str>>);
+
+impl SharedNames {
+    fn get(&mut self, name: Option<&String>) -> Option<Arc<str>> {
+        let name = name?;
+        if let Some(known) = self.0.iter().find(|n| ***n == **name) {
+            return Some(known.clone());
+        }
+        let new: Arc<str> = name.as_str().into();
+        self.0.push(new.clone());
+        Some(new)
+    }
 }
 
 impl From<&EndpointSlice> for Slice {
@@ -115,6 +169,7 @@ impl From<&EndpointSlice> for Slice {
         let meta = &slice.metadata;
         let labels = meta.labels.as_ref();
         let boxed = |s: &Option<String>| s.as_deref().map(Box::from);
+        let mut shared = SharedNames::default();
         Slice {
             name: meta.name.as_deref().unwrap_or_default().into(),
             namespace: meta.namespace.as_deref().unwrap_or_default().into(),
@@ -142,14 +197,18 @@ impl From<&EndpointSlice> for Slice {
                     let conditions = ep.conditions.as_ref();
                     let hints = ep.hints.as_ref();
                     SliceEndpoint {
-                        address: ep.addresses.first().map(|a| a.as_str().into()),
+                        address: ep.addresses.first().map(|a| SliceAddress::from(a.as_str())),
                         ready: conditions.and_then(|c| c.ready),
                         serving: conditions.and_then(|c| c.serving),
                         terminating: conditions.and_then(|c| c.terminating),
-                        node_name: boxed(&ep.node_name),
-                        zone: boxed(&ep.zone),
-                        zone_hints: names(hints.and_then(|h| h.for_zones.as_deref()), |z| &z.name),
-                        node_hints: names(hints.and_then(|h| h.for_nodes.as_deref()), |n| &n.name),
+                        node_name: shared.get(ep.node_name.as_ref()),
+                        zone: shared.get(ep.zone.as_ref()),
+                        hints: hints.map(|h| {
+                            Box::new(SliceHints {
+                                zones: names(h.for_zones.as_deref(), |z| &z.name),
+                                nodes: names(h.for_nodes.as_deref(), |n| &n.name),
+                            })
+                        }),
                     }
                 })
                 .collect(),
@@ -302,18 +361,22 @@ fn parse_endpoints(
 ) -> Vec<Endpoint> {
     let mut out = Vec::new();
     for (index, ep) in slice.endpoints.iter().enumerate() {
-        let Some(address) = ep.address.as_deref() else {
+        let Some(address) = &ep.address else {
             problems.push(SliceError::NoAddress {
                 slice: slice_name.to_owned(),
                 index,
             });
             continue;
         };
-        let Some(IpAddr::V4(ip)) = parse_ip_sloppy(address) else {
+        let parsed = match address {
+            SliceAddress::V4(ip) => Some(IpAddr::V4(*ip)),
+            SliceAddress::Written(text) => parse_ip_sloppy(text),
+        };
+        let Some(IpAddr::V4(ip)) = parsed else {
             problems.push(SliceError::InvalidAddress {
                 slice: slice_name.to_owned(),
                 index,
-                address: address.to_owned(),
+                address: address.to_string(),
             });
             continue;
         };
@@ -333,7 +396,7 @@ fn parse_endpoints(
 
 /// kube-proxy `addEndpoints`' conversion of one slice endpoint (before the port is known).
 fn endpoint(ip: Ipv4Addr, ep: &SliceEndpoint, node: &NodeInfo) -> Endpoint {
-    let owned = |s: &Option<Box<str>>| s.as_deref().map(str::to_owned);
+    let owned = |s: &Option<Arc<str>>| s.as_deref().map(str::to_owned);
     Endpoint {
         ip,
         port: 0,
@@ -343,8 +406,18 @@ fn endpoint(ip: Ipv4Addr, ep: &SliceEndpoint, node: &NodeInfo) -> Endpoint {
         is_local: !node.name.is_empty() && ep.node_name.as_deref() == Some(node.name.as_str()),
         node_name: owned(&ep.node_name),
         zone: owned(&ep.zone),
-        zone_hints: ep.zone_hints.iter().map(|z| z.to_string()).collect(),
-        node_hints: ep.node_hints.iter().map(|n| n.to_string()).collect(),
+        zone_hints: ep
+            .hints
+            .iter()
+            .flat_map(|h| &h.zones)
+            .map(|z| z.to_string())
+            .collect(),
+        node_hints: ep
+            .hints
+            .iter()
+            .flat_map(|h| &h.nodes)
+            .map(|n| n.to_string())
+            .collect(),
     }
 }
 
@@ -1207,14 +1280,16 @@ mod tests {
                 .into(),
                 endpoints: vec![
                     super::SliceEndpoint {
-                        address: Some("10.0.0.1".into()),
+                        address: Some(SliceAddress::V4(Ipv4Addr::new(10, 0, 0, 1))),
                         ready: Some(false),
                         serving: Some(true),
                         terminating: Some(true),
                         node_name: Some("n1".into()),
                         zone: Some("zone-a".into()),
-                        zone_hints: vec!["zone-a".into()].into(),
-                        node_hints: vec!["n1".into()].into(),
+                        hints: Some(Box::new(SliceHints {
+                            zones: vec!["zone-a".into()].into(),
+                            nodes: vec!["n1".into()].into(),
+                        })),
                     },
                     super::SliceEndpoint::default(),
                 ]
