@@ -233,25 +233,41 @@ pub fn run_tool(bin: &str, args: &[String]) -> Result<()> {
     setup::all()?;
     ebpf::build()?;
     let envs = test_env(true)?;
-    step(&format!("building {bin}"));
-    let mut cmd: Command = clean_cargo(None);
-    cmd.args([
-        "run",
+    // The tools start the agent and the probe from next to themselves (`workspace_bin`): build
+    // them too, so that the first command on a fresh clone finds everything it runs.
+    step(&format!("building {bin}, lb-agent and lb-probe (release)"));
+    let mut build: Command = clean_cargo(None);
+    build.args([
+        "build",
         "--release",
         "--quiet",
         "--package",
         "lb-tests",
         "--bin",
         bin,
-        "--",
-    ])
-    .args(args);
-    for (k, v) in envs {
-        cmd.env(k, v);
+        "--bin",
+        "lb-probe",
+        "--package",
+        "lb-agent",
+        "--bin",
+        "lb-agent",
+    ]);
+    for (k, v) in &envs {
+        build.env(k, v);
     }
+    crate::util::run(&mut build)?;
+    let mut cmd = Command::new(crate::util::workspace_root().join("target/release").join(bin));
+    cmd.args(args).envs(envs);
     let status = cmd.status()?;
     if !status.success() {
-        bail!("{bin} exited with {status}");
+        // The tool has said what went wrong (a usage error, a failed step): pass its status on
+        // rather than adding an error of our own on top.
+        use std::os::unix::process::ExitStatusExt;
+        std::process::exit(
+            status
+                .code()
+                .unwrap_or_else(|| 128 + status.signal().unwrap_or(1)),
+        );
     }
     Ok(())
 }

@@ -64,12 +64,12 @@ struct Cli {
     report: Vec<std::path::PathBuf>,
 }
 
-/// `cargo xtask bench` builds only this binary: build the lb-agent it measures (release, with the
-/// eBPF object xtask just built) so that a stale one is never measured. It has its own target
-/// directory: this process carries the variables `cargo run` set for lb-bench (CARGO_MANIFEST_DIR,
-/// CARGO_PKG_NAME, ...), which build scripts such as ring's watch, so a build in the main target
-/// directory would redo a good part of the dependencies there, and the next `cargo xtask` build
-/// would redo them again. Without cargo (lb-bench run by hand), the lb-agent next to lb-bench.
+/// `cargo xtask bench` builds lb-agent next to lb-bench (release, with the eBPF object it just
+/// built) and runs lb-bench directly, which then measures that agent. Run through `cargo run`
+/// instead, lb-bench builds the agent itself so that a stale one is never measured, in a target
+/// directory of its own: this process carries the variables `cargo run` set for lb-bench
+/// (CARGO_MANIFEST_DIR, CARGO_PKG_NAME, ...), which build scripts such as ring's watch, so a build
+/// in the main target directory would redo a good part of the dependencies there.
 fn build_agent() {
     let Some(cargo) = std::env::var_os("CARGO") else {
         return;
