@@ -192,6 +192,16 @@ pub struct BpfArgs {
     /// Capacity of the tc path's connection-tracking map (LRU; two to four entries per flow).
     #[arg(long, default_value_t = lb_common::maps::capacity::CONNTRACK)]
     pub bpf_ct_map_max: u32,
+    /// How often the conntrack GC frees the tc path's entries of ended flows (and their
+    /// masquerade ports); 0 turns it off.
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    pub conntrack_gc_interval: Duration,
+    /// How long a TCP flow closed by both sides (or reset) keeps its conntrack entries.
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    pub bpf_ct_timeout_regular_tcp_fin: Duration,
+    /// How long an idle UDP flow keeps its conntrack entries (and its backend).
+    #[arg(long, value_parser = parse_duration, default_value = "60s")]
+    pub bpf_ct_timeout_regular_any: Duration,
     /// Interfaces the tc programs attach to: names, or prefixes ending in `+` (default: every
     /// interface that is up, except loopback; rescanned at every sync).
     #[arg(long, value_delimiter = ',')]
@@ -208,6 +218,14 @@ pub struct BpfArgs {
 }
 
 impl BpfArgs {
+    pub fn conntrack_timeouts(&self) -> crate::maps::conntrack::GcTimeouts {
+        crate::maps::conntrack::GcTimeouts {
+            tcp_fin_timeout: self.bpf_ct_timeout_regular_tcp_fin,
+            udp_timeout: self.bpf_ct_timeout_regular_any,
+            ..Default::default()
+        }
+    }
+
     pub fn capacities(&self) -> Capacities {
         Capacities {
             services: self.bpf_lb_service_map_max,

@@ -421,6 +421,8 @@ struct FlowRow {
     masquerade: Option<String>,
     service: String,
     age: String,
+    /// `open`, `closing`, `closed` or `reset` (TCP; the GC frees closed and reset flows).
+    state: &'static str,
 }
 
 pub fn conntrack(args: &InspectArgs) -> Result<()> {
@@ -428,6 +430,7 @@ pub fn conntrack(args: &InspectArgs) -> Result<()> {
     let snap = maps.snapshot()?;
     let ct = open_hash::<Ct4Key, Ct4Value>(&paths, names::CONNTRACK)?;
     let entries: Vec<(Ct4Key, Ct4Value)> = ct.iter().flatten().collect();
+    let by_key: std::collections::HashMap<Ct4Key, Ct4Value> = entries.iter().copied().collect();
     // Masquerade addresses of each flow, from its SNAT entry (client -> backend).
     let snat: BTreeMap<Tuple, ([u8; 4], u16)> = entries
         .iter()
@@ -459,6 +462,7 @@ pub fn conntrack(args: &InspectArgs) -> Result<()> {
                 .map(|n| service_port_name(n, k.proto).to_string())
                 .unwrap_or_default(),
             age: age(now, v.created_ns),
+            state: crate::maps::conntrack::flow_state(k, v, &by_key),
         })
         .collect();
     match args.output {
@@ -471,6 +475,7 @@ pub fn conntrack(args: &InspectArgs) -> Result<()> {
                 "BACKEND",
                 "MASQUERADED AS",
                 "AGE",
+                "STATE",
                 "SERVICE",
             ],
             &rows
@@ -483,6 +488,7 @@ pub fn conntrack(args: &InspectArgs) -> Result<()> {
                         r.backend.clone(),
                         r.masquerade.clone().unwrap_or_else(|| "-".into()),
                         r.age.clone(),
+                        r.state.into(),
                         r.service.clone(),
                     ]
                 })

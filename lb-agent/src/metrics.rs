@@ -21,6 +21,7 @@
 //! | `lb_datapath_events_total` | counter | `event` | [`Metrics::set_datapath_events`] (absolute totals) |
 //! | `lb_map_write_errors_total` | counter | `map` | [`Metrics::map_write_errors`] |
 //! | `lb_services_skipped` | gauge | `reason` | [`Metrics::set_services_skipped`] |
+//! | `lb_conntrack_gc_deleted_total` | counter | `reason` = `closed`/`idle`/`orphan` | [`Metrics::conntrack_gc_deleted`] |
 //!
 //! Not exported: the iptables/ipvs/nftables-specific metrics (`..._iptables_restore_failures_total`,
 //! `..._iptables_total`, `..._nftables_sync_failures_total`, `kubeproxy_conntrack_reconciler_*`, ...),
@@ -172,6 +173,7 @@ struct Inner {
     datapath_events: Arc<DatapathEvents>,
     map_write_errors: Family<MapLabels, Counter>,
     services_skipped: Family<ReasonLabels, Gauge>,
+    conntrack_gc_deleted: Family<ReasonLabels, Counter>,
     /// The label values currently in `services_skipped`.
     skipped_reasons: Mutex<BTreeSet<String>>,
 }
@@ -224,6 +226,7 @@ impl Metrics {
         let datapath_events = Arc::new(DatapathEvents::default());
         let map_write_errors = Family::<MapLabels, Counter>::default();
         let services_skipped = Family::<ReasonLabels, Gauge>::default();
+        let conntrack_gc_deleted = Family::<ReasonLabels, Counter>::default();
 
         // Names and help texts as in pkg/proxy/metrics/metrics.go. Counters are registered without
         // `_total`: the OpenMetrics encoder appends it.
@@ -299,6 +302,11 @@ impl Metrics {
             "Service ports not programmed in the last sync, by reason",
             services_skipped.clone(),
         );
+        registry.register(
+            "lb_conntrack_gc_deleted",
+            "Conntrack entries of the tc path freed by the GC, by reason",
+            conntrack_gc_deleted.clone(),
+        );
 
         // Upstream sets both label values on every sync; show them from the start.
         for policy in ["internal", "external"] {
@@ -328,6 +336,7 @@ impl Metrics {
                 datapath_events,
                 map_write_errors,
                 services_skipped,
+                conntrack_gc_deleted,
                 skipped_reasons: Mutex::default(),
             }),
         }
@@ -428,6 +437,16 @@ impl Metrics {
         self.inner
             .map_write_errors
             .get_or_create(&MapLabels { map: map.to_string() })
+            .inc_by(n);
+    }
+
+    /// The conntrack GC deleted `n` entries for `reason`.
+    pub fn conntrack_gc_deleted(&self, reason: &str, n: u64) {
+        self.inner
+            .conntrack_gc_deleted
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_string(),
+            })
             .inc_by(n);
     }
 

@@ -540,6 +540,7 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         None => cgroup::cgroup2_mount().context("finding the cgroup v2 mount")?,
     };
     let maps = dp.take_maps()?;
+    let conntrack = dp.take_conntrack()?;
     let applier = Applier::recover(maps, caps).context("reading the pinned maps")?;
     let host_cookie =
         netns_cookie().context("reading this network namespace's cookie (needs kernel >= 5.14)")?;
@@ -633,7 +634,7 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         sock_hostns_only: args.bpf.bpf_lb_sock_hostns_only,
         devices,
         config_written: None,
-        metrics,
+        metrics: metrics.clone(),
         health: health.clone(),
         service_health: ServiceHealthServers::new(vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)], health),
         source,
@@ -660,6 +661,15 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     }
     agent.borrow_mut().attach_programs()?;
     tracing::info!("data path attached");
+    if !args.bpf.no_tc && !args.bpf.conntrack_gc_interval.is_zero() {
+        spawn_conntrack_gc(
+            conntrack,
+            args.bpf.conntrack_gc_interval,
+            args.bpf.conntrack_timeouts(),
+            metrics.clone(),
+            shutdown.clone(),
+        );
+    }
     let reporter = Rc::new(reporter);
     runner
         .run_loop(
@@ -684,6 +694,53 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     agent.borrow_mut().service_health.close_all();
     tracing::info!("stopping; the data path stays attached and keeps serving");
     Ok(())
+}
+
+/// The conntrack GC (`maps::conntrack`), on its own thread: a pass walks the whole map with a
+/// syscall or two per entry, which must not delay a sync.
+fn spawn_conntrack_gc(
+    mut map: aya::maps::HashMap<
+        aya::maps::MapData,
+        lb_common::conntrack::Ct4Key,
+        lb_common::conntrack::Ct4Value,
+    >,
+    interval: Duration,
+    timeouts: crate::maps::conntrack::GcTimeouts,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) {
+    use crate::maps::conntrack;
+    let spawned = std::thread::Builder::new()
+        .name("conntrack-gc".into())
+        .spawn(move || {
+            let mut next = std::time::Instant::now() + interval;
+            while !shutdown.is_cancelled() {
+                if std::time::Instant::now() < next {
+                    std::thread::sleep(Duration::from_millis(200));
+                    continue;
+                }
+                next = std::time::Instant::now() + interval;
+                match conntrack::collect(&mut map, conntrack::now_ns(), &timeouts) {
+                    Ok(report) => {
+                        for (reason, n) in &report.deleted {
+                            metrics.conntrack_gc_deleted(reason.label(), *n);
+                        }
+                        tracing::debug!(
+                            scanned = report.scanned,
+                            deleted = ?report.deleted,
+                            took_ms = report.took.as_millis() as u64,
+                            "conntrack GC pass"
+                        );
+                    }
+                    Err(e) => tracing::warn!("conntrack GC pass failed (retried next interval): {e}"),
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!(
+            "cannot start the conntrack GC thread: {e}; ended flows are freed only by LRU eviction"
+        );
+    }
 }
 
 /// Hands the memory a full sync freed back to the kernel. A full sync builds the whole desired

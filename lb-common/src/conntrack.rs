@@ -13,6 +13,10 @@
 //! un-DNAT), like netfilter's PREROUTING and POSTROUTING, and the kernel routes in between.
 //! The un-SNAT entry is also the SNAT port reservation: it is inserted with BPF_NOEXIST, so two
 //! flows can never share a post-SNAT tuple.
+//!
+//! All entries of one flow carry the same `created_ns`, which is how the agent's conntrack GC
+//! (`lb-agent/src/maps/conntrack.rs`) tells a flow's entries from those of a later flow on the
+//! same tuple. The programs mark TCP closes (FIN, RST) and UDP activity; the GC frees what ended.
 
 use crate::user_pod;
 
@@ -34,6 +38,15 @@ pub mod flags {
     pub const HAIRPIN: u16 = 1 << 2;
     /// The flow's backend is on this node.
     pub const LOCAL_BACKEND: u16 = 1 << 3;
+    /// A TCP FIN from the client passed this (forward) entry; `last_seen_ns` says when.
+    pub const FIN_FORWARD: u16 = 1 << 4;
+    /// A TCP FIN from the backend passed this (reply) entry; `last_seen_ns` says when.
+    pub const FIN_REPLY: u16 = 1 << 5;
+    /// A TCP RST passed this entry, in either direction; `last_seen_ns` says when.
+    pub const RESET: u16 = 1 << 6;
+    /// The close marks: a flow with RESET, or with FIN_FORWARD and FIN_REPLY, has ended, and the
+    /// agent's conntrack GC frees its entries (and its masquerade port) after a grace period.
+    pub const CLOSE_MARKS: u16 = FIN_FORWARD | FIN_REPLY | RESET;
 }
 
 #[repr(C)]
@@ -54,7 +67,8 @@ pub struct Ct4Key {
 pub struct Ct4Value {
     /// `bpf_ktime_get_coarse_ns()` when the flow was created.
     pub created_ns: u64,
-    /// Last packet (UDP entries; TCP entries only on connection start).
+    /// Last packet (UDP: every forward packet, reply packets at most once a second); TCP: the
+    /// connection start, then the first FIN or RST seen on this entry (`flags::CLOSE_MARKS`).
     pub last_seen_ns: u64,
     /// The address written into the packet (destination for INGRESS, source for EGRESS).
     pub nat_addr: [u8; 4],

@@ -84,7 +84,8 @@ pub static SOURCE_RANGES: LpmTrie<
 > = LpmTrie::new();
 
 /// The tc path's NAT table: one entry per direction and rewrite of each flow (see
-/// `lb_common::conntrack`). Writers: tc ingress. Readers: tc ingress and egress. LRU: flow state.
+/// `lb_common::conntrack`). Writers: tc ingress (flows; close marks also at egress), the agent's
+/// conntrack GC (deletes ended flows). Readers: tc ingress and egress. LRU: flow state.
 #[btf_map(name = "lb4_ct")]
 pub static CONNTRACK: LruHashMap<Ct4Key, Ct4Value, { capacity::CONNTRACK as usize }> = LruHashMap::new();
 

@@ -58,8 +58,12 @@ const TCP_FLAGS: usize = 13;
 const TCP_CHECK: usize = 16;
 const UDP_CHECK: usize = 6;
 const ICMP_CHECK: usize = 2;
+const TCP_FIN: u8 = 0x01;
 const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
+/// How often a UDP reply refreshes its entry's `last_seen_ns` (the GC's idle clock).
+const UDP_REPLY_REFRESH_NS: u64 = 1_000_000_000;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
@@ -354,6 +358,7 @@ fn l4_ingress(ctx: &mut TcContext, pkt: &Packet) -> i32 {
         let entry = unsafe { *ptr };
         if entry.flags & ct::REPLY != 0 {
             // A reply to a masqueraded flow: back to the client, and egress restores the frontend.
+            note_reply(ptr, pkt);
             ctx.set_mark(MARK_MAGIC | (entry.rev_nat_id & MARK_ID));
             return apply(ctx, pkt, false, entry.nat_addr, entry.nat_port);
         }
@@ -374,10 +379,51 @@ fn l4_ingress(ctx: &mut TcContext, pkt: &Packet) -> i32 {
             alive
         };
         if keep {
+            note_close(ptr, pkt, ct::FIN_FORWARD);
             return apply(ctx, pkt, false, entry.nat_addr, entry.nat_port);
         }
     }
     new_flow(ctx, pkt)
+}
+
+/// Close tracking for the agent's conntrack GC: the first FIN (in `fin` direction) or RST that
+/// passes a TCP entry marks it, with the time. One map write per closing packet, none for others.
+#[inline(always)]
+fn note_close(ptr: *mut Ct4Value, pkt: &Packet, fin: u16) {
+    if pkt.flow.proto != proto::TCP {
+        return;
+    }
+    let mark = if pkt.tcp_flags & TCP_RST != 0 {
+        ct::RESET
+    } else if pkt.tcp_flags & TCP_FIN != 0 {
+        fin
+    } else {
+        return;
+    };
+    // SAFETY: `ptr` points into a map value the caller just looked up.
+    unsafe {
+        if (*ptr).flags & mark == 0 {
+            (*ptr).flags |= mark;
+            (*ptr).last_seen_ns = now_ns();
+        }
+    }
+}
+
+/// A packet from the backend on one of its flow's reply entries: TCP closes are marked, and a
+/// UDP flow whose traffic is all replies stays alive for the GC (refreshed at most once a second).
+#[inline(always)]
+fn note_reply(ptr: *mut Ct4Value, pkt: &Packet) {
+    if pkt.flow.proto == proto::UDP {
+        let now = now_ns();
+        // SAFETY: as in `note_close`.
+        unsafe {
+            if now.saturating_sub((*ptr).last_seen_ns) >= UDP_REPLY_REFRESH_NS {
+                (*ptr).last_seen_ns = now;
+            }
+        }
+    } else {
+        note_close(ptr, pkt, ct::FIN_REPLY);
+    }
 }
 
 #[inline(always)]
@@ -925,8 +971,14 @@ pub fn egress(ctx: &mut TcContext) -> i32 {
                     None => count(Counter::TcForeignMark),
                 }
             }
-            match CONNTRACK.get_ptr(&flow.key(dir::EGRESS)).map(|p| unsafe { *p }) {
-                Some(entry) => apply(ctx, &pkt, true, entry.nat_addr, entry.nat_port),
+            match CONNTRACK.get_ptr_mut(&flow.key(dir::EGRESS)) {
+                Some(ptr) => {
+                    let entry = unsafe { *ptr };
+                    if entry.flags & ct::REPLY != 0 {
+                        note_reply(ptr, &pkt);
+                    }
+                    apply(ctx, &pkt, true, entry.nat_addr, entry.nat_port)
+                }
                 None => TC_ACT_OK,
             }
         }

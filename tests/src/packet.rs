@@ -20,6 +20,8 @@ pub struct Spec {
     pub udp: bool,
     /// TCP flags: SYN only when true, else ACK (+PSH with payload).
     pub syn: bool,
+    /// A TCP close: FIN+ACK, or RST+ACK.
+    pub close: Option<Close>,
     pub payload: Vec<u8>,
     pub ttl: u8,
     /// Extra IPv4 options (a multiple of 4 bytes).
@@ -36,6 +38,7 @@ pub fn tcp(src: &str, sport: u16, dst: &str, dport: u16) -> Spec {
         dport,
         udp: false,
         syn: true,
+        close: None,
         payload: Vec::new(),
         ttl: 64,
         options: Vec::new(),
@@ -52,7 +55,21 @@ pub fn udp(src: &str, sport: u16, dst: &str, dport: u16) -> Spec {
     }
 }
 
+/// How a TCP packet closes its connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Close {
+    Fin,
+    Rst,
+}
+
 impl Spec {
+    /// A FIN+ACK (or RST+ACK) without payload.
+    pub fn closing(mut self, how: Close) -> Self {
+        self.syn = false;
+        self.close = Some(how);
+        self
+    }
+
     pub fn data(mut self, payload: &[u8]) -> Self {
         self.syn = false;
         self.payload = payload.to_vec();
@@ -96,7 +113,12 @@ impl Spec {
                 .expect("write");
         } else {
             let b = base.tcp(self.sport, self.dport, 1000, 64_240);
-            let b = if self.syn { b.syn() } else { b.ack(5000).psh() };
+            let b = match (self.syn, self.close) {
+                (true, _) => b.syn(),
+                (false, Some(Close::Fin)) => b.ack(5000).fin(),
+                (false, Some(Close::Rst)) => b.ack(5000).rst(),
+                (false, None) => b.ack(5000).psh(),
+            };
             b.write(&mut out, &self.payload).expect("write");
         }
         out

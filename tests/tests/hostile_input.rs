@@ -1666,8 +1666,13 @@ fn hostile_services_and_slices_are_reported_and_skipped_under_load() {
         failures.len(),
         failures.join("\n")
     );
-    assert_eq!(failed, 0, "the good Service never fails a request");
-    assert_eq!(rows_failed, 0);
+    assert_eq!(
+        failed,
+        0,
+        "the good Service never fails a request: {}",
+        serde_json::to_string_pretty(&per_load).unwrap_or_default()
+    );
+    assert_eq!(rows_failed, 0, "rows failed: {rows:#?}");
 }
 
 /// A node namespace, cgroup and bpffs with an agent reading `dir` (no pods: the checks read the

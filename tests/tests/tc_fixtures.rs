@@ -703,3 +703,84 @@ fn icmp_errors_for_a_masqueraded_flow_are_translated_back() {
     );
     assert!((20_000..=29_999).contains(&port));
 }
+
+/// Regression: the entries of closed connections held their masquerade ports until LRU eviction
+/// (only once the whole map was full), so after as many connections as the SNAT range has ports
+/// every new NodePort connection to that backend was dropped. The programs now mark FIN and RST,
+/// and the agent's conntrack GC frees ended flows.
+#[test]
+fn closed_masqueraded_flows_give_their_ports_back_through_the_conntrack_gc() {
+    use lb_agent::maps::{MapOps, conntrack};
+    use lb_common::stats::Counter;
+    use packet::Close;
+
+    let mut s = scratch(true);
+    // A masquerade range of two ports.
+    let mut cfg = s.applier.maps().config.get(&0, 0).expect("config");
+    cfg.snat_port_min = 20_000;
+    cfg.snat_port_max = 20_001;
+    s.applier.maps_mut().put_config(&cfg).expect("config");
+    let mut ct = s.datapath.take_conntrack().expect("conntrack map");
+    const BACKEND: &str = "10.244.2.7";
+
+    // Opens a NodePort connection from `cport`; its masquerade port, or None when dropped.
+    let connect = |s: &mut ScratchDatapath, cport: u16| -> Option<u16> {
+        let dnat = ingress(s, &packet::tcp(CLIENT, cport, NODE_IP, 30080).build());
+        if dnat.action == SHOT {
+            return None;
+        }
+        assert_eq!(summary(&dnat.packet).dst.to_string(), BACKEND);
+        let snat = egress(s, &dnat.packet);
+        Some(summary(&snat.packet).sport)
+    };
+    let a = connect(&mut s, 41000).expect("first connection");
+    let b = connect(&mut s, 41001).expect("second connection");
+    assert_eq!([a.min(b), a.max(b)], [20_000, 20_001]);
+    let exhausted = |s: &ScratchDatapath| s.applier.maps().counter(Counter::TcSnatPortsExhausted as u32);
+    assert_eq!(connect(&mut s, 41002), None, "both ports taken: dropped");
+    assert_eq!(exhausted(&s), 1);
+
+    // A is closed by both sides (FIN from the client, translated on the way in; FIN from the
+    // backend, un-SNATed on the way back); B only by its client.
+    let fin = ingress(
+        &mut s,
+        &packet::tcp(CLIENT, 41000, NODE_IP, 30080)
+            .closing(Close::Fin)
+            .build(),
+    );
+    assert_eq!(summary(&fin.packet).dst.to_string(), BACKEND);
+    let reply_fin = ingress(
+        &mut s,
+        &packet::tcp(BACKEND, 8080, NODE_IP, a).closing(Close::Fin).build(),
+    );
+    assert_eq!(summary(&reply_fin.packet).dst.to_string(), CLIENT);
+    ingress(
+        &mut s,
+        &packet::tcp(CLIENT, 41001, NODE_IP, 30080)
+            .closing(Close::Fin)
+            .build(),
+    );
+
+    // Within the FIN timeout nothing goes; after it, A's three entries do, B's stay.
+    let timeouts = conntrack::GcTimeouts::default();
+    let now = conntrack::now_ns();
+    let early = conntrack::collect(&mut ct, now, &timeouts).expect("gc");
+    assert!(early.deleted.is_empty(), "{early:?}");
+    let later = now + timeouts.tcp_fin_timeout.as_nanos() as u64 + 1_000_000_000;
+    let report = conntrack::collect(&mut ct, later, &timeouts).expect("gc");
+    assert_eq!(report.deleted, vec![(conntrack::Reason::Closed, 3)], "{report:?}");
+
+    // A's port serves a new connection; B's is still taken.
+    assert_eq!(connect(&mut s, 41002), Some(a));
+    assert_eq!(connect(&mut s, 41003), None, "B still holds its port");
+
+    // A reset by the backend ends B at once (after the timeout).
+    ingress(
+        &mut s,
+        &packet::tcp(BACKEND, 8080, NODE_IP, b).closing(Close::Rst).build(),
+    );
+    let later = conntrack::now_ns() + timeouts.tcp_fin_timeout.as_nanos() as u64 + 1_000_000_000;
+    let report = conntrack::collect(&mut ct, later, &timeouts).expect("gc");
+    assert_eq!(report.deleted, vec![(conntrack::Reason::Closed, 3)], "{report:?}");
+    assert_eq!(connect(&mut s, 41003), Some(b));
+}

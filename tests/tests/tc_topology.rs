@@ -3,7 +3,12 @@
 //! real lb-agent on every node. Pods are not in the agents' cgroups, so their traffic goes through
 //! tc too.
 
-use std::net::Ipv4Addr;
+use std::{
+    net::Ipv4Addr,
+    path::PathBuf,
+    process::Command,
+    time::{Duration, Instant},
+};
 
 use lb_tests::{
     agent::{Agent, AgentOptions, bpf_root_in},
@@ -12,7 +17,7 @@ use lb_tests::{
     fixtures::{State, service, slice, write_manifests},
     netns::NetNs,
     probe,
-    process::{Place, Proc},
+    process::{Place, Proc, workspace_bin},
     require_root,
     topo::{Lan, Node, external_client},
 };
@@ -28,6 +33,21 @@ struct Cluster {
     nodes: Vec<Node>,
     _lan: Lan,
     _bpffs: BpfFs,
+    /// Each node's --bpf-root.
+    bpf_roots: Vec<PathBuf>,
+}
+
+impl Cluster {
+    /// `lb-agent conntrack -o json` on node `index` (0-based).
+    fn conntrack(&self, index: usize) -> Vec<Value> {
+        let out = Command::new(workspace_bin("lb-agent"))
+            .args(["conntrack", "-o", "json", "--bpf-root"])
+            .arg(&self.bpf_roots[index])
+            .output()
+            .expect("lb-agent conntrack");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<Vec<Value>>(&out.stdout).expect("json")
+    }
 }
 
 const ETIMEDOUT: i64 = 110;
@@ -105,13 +125,15 @@ fn cluster() -> Cluster {
     );
     let mut cgroups = Vec::new();
     let mut agents = Vec::new();
+    let mut bpf_roots = Vec::new();
     for node in &nodes {
         let cgroup = Cgroup::new("lbtopo");
         let node_ip = node.ip.unwrap().to_string();
+        bpf_roots.push(bpf_root_in(bpffs.path()).join(format!("node{}", node.index)));
         agents.push(Agent::start(AgentOptions {
             netns: &node.ns,
             cgroup: &cgroup,
-            bpf_root: bpf_root_in(bpffs.path()).join(format!("node{}", node.index)),
+            bpf_root: bpf_roots.last().cloned().expect("pushed above"),
             node_name: format!("node-{}", node.index),
             manifests: Some(manifests.path().to_path_buf()),
             kubeconfig: None,
@@ -120,6 +142,11 @@ fn cluster() -> Cluster {
                 "10.244.0.0/16".into(),
                 "--bind-address".into(),
                 node_ip,
+                // Ended flows are freed within seconds (see external_traffic_through_the_tc_path).
+                "--conntrack-gc-interval".into(),
+                "1s".into(),
+                "--bpf-ct-timeout-regular-tcp-fin".into(),
+                "1s".into(),
             ],
         }));
         cgroups.push(cgroup);
@@ -134,6 +161,7 @@ fn cluster() -> Cluster {
         nodes,
         _lan: lan,
         _bpffs: bpffs,
+        bpf_roots,
     }
 }
 
@@ -208,6 +236,25 @@ fn external_traffic_through_the_tc_path() {
         bulk["reply"]["extra"]["fnv1a"], bulk["sent_fnv1a"],
         "the data arrived intact"
     );
+
+    // Every TCP connection above has ended: the programs saw the FINs both ways, and the
+    // conntrack GC (1 s here) frees their entries and masquerade ports. The UDP flows are within
+    // their idle timeout and stay.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let flows = c.conntrack(0);
+        let tcp: Vec<&Value> = flows.iter().filter(|f| f["protocol"] == "TCP").collect();
+        let udp = flows.iter().filter(|f| f["protocol"] == "UDP").count();
+        if tcp.is_empty() {
+            assert!(udp > 0, "the live UDP flows stay: {flows:#?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "closed TCP flows still tracked on node 1 after 20 s: {tcp:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
 }
 
 #[test]

@@ -151,9 +151,15 @@ fn print_summary(summary: &Summary, started: Instant, ok: bool) {
     );
 }
 
-/// Environment for the privileged test binaries: where the control-plane binaries are.
+/// Environment for the test binaries: where the control-plane binaries are, and no backtraces
+/// (a failing scenario's message, with its timeline, is what explains it; a backtrace after it
+/// pushes it out of the tail of the output that CI shows). `LB_TEST_BACKTRACE=1` keeps them.
 fn test_env(with_e2e: bool) -> Result<Vec<(&'static str, String)>> {
     let mut envs = vec![];
+    if std::env::var_os("LB_TEST_BACKTRACE").is_none_or(|v| v == "0") {
+        envs.push(("RUST_BACKTRACE", "0".to_string()));
+        envs.push(("RUST_LIB_BACKTRACE", "0".to_string()));
+    }
     if with_e2e {
         let bins = k8s::ensure(&cache_dir())?;
         envs.push(("LB_K8S_BIN_DIR", bins.dir.display().to_string()));

@@ -23,7 +23,10 @@ use aya::{
         links::{FdLink, PinnedLink},
     },
 };
-use lb_common::maps as names;
+use lb_common::{
+    conntrack::{Ct4Key, Ct4Value},
+    maps as names,
+};
 
 pub use self::bpffs::PinPaths;
 use crate::{
@@ -268,6 +271,19 @@ impl Datapath {
     /// The map writer's handles (taken out of the object; call once).
     pub fn take_maps(&mut self) -> Result<KernelMaps, DatapathError> {
         Ok(KernelMaps::from_ebpf(&mut self.ebpf)?)
+    }
+
+    /// Takes the tc path's conntrack map out of the object (for the conntrack GC).
+    pub fn take_conntrack(
+        &mut self,
+    ) -> Result<aya::maps::HashMap<aya::maps::MapData, Ct4Key, Ct4Value>, DatapathError> {
+        let map = self
+            .ebpf
+            .take_map(names::CONNTRACK)
+            .ok_or_else(|| aya::maps::MapError::InvalidName {
+                name: names::CONNTRACK.to_string(),
+            })?;
+        Ok(map.try_into()?)
     }
 
     /// The trace harness program.

@@ -146,11 +146,16 @@ pub struct Applier<M> {
     occupancy: Occupancy,
 }
 
+/// `s` in a zero-padded field, cut at a character boundary: what is stored is valid UTF-8 and
+/// reads back (`unfixed`) to a string that stores to the same bytes, so a restarted agent finds
+/// its own names unchanged.
 fn fixed<const N: usize>(s: &str) -> [u8; N] {
     let mut out = [0u8; N];
-    let bytes = s.as_bytes();
-    let n = bytes.len().min(N);
-    out[..n].copy_from_slice(&bytes[..n]);
+    let mut n = s.len().min(N);
+    while !s.is_char_boundary(n) {
+        n -= 1;
+    }
+    out[..n].copy_from_slice(&s.as_bytes()[..n]);
     out
 }
 

@@ -523,3 +523,23 @@ fn a_scope_too_large_to_count_is_skipped() {
     assert!(a.maps().state.services.is_empty());
     assert!(a.maps().state.backends.is_empty());
 }
+
+/// Regression (found by `apply_under_churn_converges`): a name longer than its field was cut in
+/// the middle of a character; it read back with U+FFFD, which stored differently, so every
+/// restart rewrote that frontend's name.
+#[test]
+fn a_cut_name_reads_back_to_the_same_bytes() {
+    let long = ServicePortName {
+        namespace: "default".into(),
+        name: "n".repeat(70),
+        port: "\u{1920}\u{1a7f} \u{830}\u{1944}\u{11000}".into(),
+        protocol: Protocol::Tcp,
+    };
+    let stored = svc_name(&long);
+    assert!(
+        std::str::from_utf8(&stored.port_name).is_ok(),
+        "cut at a character boundary"
+    );
+    let read_back = service_port_name(&stored, lb_common::proto::TCP);
+    assert_eq!(svc_name(&read_back), stored);
+}

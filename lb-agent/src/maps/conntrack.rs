@@ -1,0 +1,418 @@
+//! Conntrack GC: frees the tc path's NAT entries (`lb4_ct`) of flows that ended, and with them
+//! their masquerade ports.
+//!
+//! `lb4_ct` is an LRU map, but LRU eviction starts only when the map is full, and a masqueraded
+//! flow reserves its port with its un-SNAT entry: left alone, the entries of closed connections
+//! would hold every port of the SNAT range towards a busy backend (10,000 connections), after
+//! which new NodePort connections to it are dropped (`tc_snat_ports_exhausted`). netfilter frees
+//! these with its TCP state machine (TIME_WAIT 120 s) and UDP timeouts; Cilium with its CT GC
+//! (`--bpf-ct-timeout-regular-tcp-fin` 10 s, `--bpf-ct-timeout-regular-any` 60 s).
+//!
+//! The programs mark TCP closes on the entry a FIN or RST passes (`flags::CLOSE_MARKS`, with the
+//! time in `last_seen_ns`) and keep `last_seen_ns` fresh for UDP. A pass here groups the entries
+//! by flow (all entries of a flow share `created_ns`) and deletes:
+//! - a TCP flow reset, or closed by both sides, `tcp_fin_timeout` ago;
+//! - a UDP flow idle for `udp_timeout`;
+//! - an entry no forward entry claims (its flow was replaced by a new connection on the same
+//!   client tuple, or LRU-evicted) once `orphan_grace` old (a flow being created right now has
+//!   its companions in place a moment before its forward entry).
+//!
+//! TCP flows never closed (a peer that vanished) stay until LRU eviction: the programs do not
+//! write per packet, so there is no idle clock for TCP.
+
+use std::{
+    collections::{HashMap, HashSet},
+    time::{Duration, Instant},
+};
+
+use aya::maps::MapData;
+use lb_common::conntrack::{Ct4Key, Ct4Value, dir, flags};
+
+/// Timeouts of a GC pass.
+#[derive(Clone, Copy, Debug)]
+pub struct GcTimeouts {
+    pub tcp_fin_timeout: Duration,
+    pub udp_timeout: Duration,
+    pub orphan_grace: Duration,
+}
+
+impl Default for GcTimeouts {
+    fn default() -> Self {
+        Self {
+            tcp_fin_timeout: Duration::from_secs(10),
+            udp_timeout: Duration::from_secs(60),
+            orphan_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Why an entry goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Reason {
+    Closed,
+    Idle,
+    Orphan,
+}
+
+impl Reason {
+    pub fn label(self) -> &'static str {
+        match self {
+            Reason::Closed => "closed",
+            Reason::Idle => "idle",
+            Reason::Orphan => "orphan",
+        }
+    }
+}
+
+/// One entry to delete: deleted only if it still has this `created_ns` (a new flow may have
+/// taken the key since the scan).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Doomed {
+    pub key: Ct4Key,
+    pub created_ns: u64,
+    pub reason: Reason,
+}
+
+/// The keys of a flow's companion entries, derived from its forward (DNAT) entry.
+fn companions(fwd_key: &Ct4Key, fwd: &Ct4Value, entries: &HashMap<Ct4Key, Ct4Value>) -> Vec<Ct4Key> {
+    let same_flow = |k: &Ct4Key| entries.get(k).is_some_and(|v| v.created_ns == fwd.created_ns);
+    let mut out = Vec::with_capacity(2);
+    if fwd.flags & flags::SNAT != 0 {
+        // SNAT: client -> backend (egress); un-SNAT: backend -> node IP:port (ingress).
+        let snat_key = Ct4Key {
+            saddr: fwd_key.saddr,
+            daddr: fwd.nat_addr,
+            sport: fwd_key.sport,
+            dport: fwd.nat_port,
+            proto: fwd_key.proto,
+            dir: dir::EGRESS,
+            _pad: [0; 2],
+        };
+        if same_flow(&snat_key) {
+            let snat = entries[&snat_key];
+            out.push(snat_key);
+            let unsnat_key = Ct4Key {
+                saddr: fwd.nat_addr,
+                daddr: snat.nat_addr,
+                sport: fwd.nat_port,
+                dport: snat.nat_port,
+                proto: fwd_key.proto,
+                dir: dir::INGRESS,
+                _pad: [0; 2],
+            };
+            if same_flow(&unsnat_key) {
+                out.push(unsnat_key);
+            }
+        }
+    } else {
+        // un-DNAT: backend -> client (egress).
+        let undnat_key = Ct4Key {
+            saddr: fwd.nat_addr,
+            daddr: fwd_key.saddr,
+            sport: fwd.nat_port,
+            dport: fwd_key.sport,
+            proto: fwd_key.proto,
+            dir: dir::EGRESS,
+            _pad: [0; 2],
+        };
+        if same_flow(&undnat_key) {
+            out.push(undnat_key);
+        }
+    }
+    out
+}
+
+/// A forward entry's flow as `lb-agent conntrack` shows it: `open`, `closing` (a FIN one way),
+/// `closed` (FINs both ways) or `reset`.
+pub fn flow_state(fwd_key: &Ct4Key, fwd: &Ct4Value, entries: &HashMap<Ct4Key, Ct4Value>) -> &'static str {
+    let marks = companions(fwd_key, fwd, entries)
+        .iter()
+        .fold(fwd.flags, |m, k| m | entries[k].flags);
+    if marks & flags::RESET != 0 {
+        "reset"
+    } else if marks & (flags::FIN_FORWARD | flags::FIN_REPLY) == flags::FIN_FORWARD | flags::FIN_REPLY {
+        "closed"
+    } else if marks & (flags::FIN_FORWARD | flags::FIN_REPLY) != 0 {
+        "closing"
+    } else {
+        "open"
+    }
+}
+
+pub fn is_forward(key: &Ct4Key, value: &Ct4Value) -> bool {
+    key.dir == dir::INGRESS && value.flags & flags::REPLY == 0
+}
+
+/// What a pass deletes from `entries` at `now_ns` (the programs' clock, CLOCK_MONOTONIC).
+pub fn plan(entries: &HashMap<Ct4Key, Ct4Value>, now_ns: u64, t: &GcTimeouts) -> Vec<Doomed> {
+    let older_than = |stamp: u64, d: Duration| now_ns.saturating_sub(stamp) >= d.as_nanos() as u64;
+    let mut claimed: HashSet<Ct4Key> = HashSet::new();
+    let mut doomed = Vec::new();
+    for (key, fwd) in entries.iter().filter(|(k, v)| is_forward(k, v)) {
+        let flow = companions(key, fwd, entries);
+        claimed.extend(flow.iter().copied());
+        let members = || std::iter::once((key, fwd)).chain(flow.iter().map(|k| (k, &entries[k])));
+        let reason = match key.proto {
+            lb_common::proto::TCP => {
+                let marks = members().fold(0, |m, (_, v)| m | v.flags);
+                let closed = marks & flags::RESET != 0
+                    || marks & (flags::FIN_FORWARD | flags::FIN_REPLY)
+                        == flags::FIN_FORWARD | flags::FIN_REPLY;
+                // The last close mark: a flow half-closed long ago and closed now waits again.
+                let closed_at = members()
+                    .filter(|(_, v)| v.flags & flags::CLOSE_MARKS != 0)
+                    .map(|(_, v)| v.last_seen_ns)
+                    .max()
+                    .unwrap_or(0);
+                (closed && older_than(closed_at, t.tcp_fin_timeout)).then_some(Reason::Closed)
+            }
+            lb_common::proto::UDP => {
+                let seen = members().map(|(_, v)| v.last_seen_ns).max().unwrap_or(0);
+                older_than(seen, t.udp_timeout).then_some(Reason::Idle)
+            }
+            _ => None,
+        };
+        if let Some(reason) = reason {
+            doomed.extend(members().map(|(k, v)| Doomed {
+                key: *k,
+                created_ns: v.created_ns,
+                reason,
+            }));
+        }
+    }
+    doomed.extend(
+        entries
+            .iter()
+            .filter(|(k, v)| !is_forward(k, v) && !claimed.contains(k))
+            .filter(|(_, v)| older_than(v.created_ns, t.orphan_grace))
+            .map(|(k, v)| Doomed {
+                key: *k,
+                created_ns: v.created_ns,
+                reason: Reason::Orphan,
+            }),
+    );
+    doomed
+}
+
+/// What one pass did.
+#[derive(Debug, Default)]
+pub struct GcReport {
+    pub scanned: usize,
+    /// Deleted entries by reason.
+    pub deleted: Vec<(Reason, u64)>,
+    pub took: Duration,
+}
+
+/// The programs' conntrack clock (`bpf_ktime_get_coarse_ns`: CLOCK_MONOTONIC, coarse).
+pub fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into `ts`.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// One pass over the kernel map: scan, plan, delete what still is what was planned.
+pub fn collect<T>(
+    map: &mut aya::maps::HashMap<T, Ct4Key, Ct4Value>,
+    now_ns: u64,
+    t: &GcTimeouts,
+) -> Result<GcReport, aya::maps::MapError>
+where
+    T: std::borrow::BorrowMut<MapData>,
+{
+    let started = Instant::now();
+    let mut entries = HashMap::new();
+    for item in map.iter() {
+        match item {
+            Ok((k, v)) => {
+                entries.insert(k, v);
+            }
+            // Deleted by the programs (or LRU) between the key walk and the lookup.
+            Err(aya::maps::MapError::KeyNotFound) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let mut deleted: std::collections::BTreeMap<Reason, u64> = Default::default();
+    for d in plan(&entries, now_ns, t) {
+        let still = map.get(&d.key, 0).is_ok_and(|v| v.created_ns == d.created_ns);
+        if still && map.remove(&d.key).is_ok() {
+            *deleted.entry(d.reason).or_default() += 1;
+        }
+    }
+    Ok(GcReport {
+        scanned: entries.len(),
+        deleted: deleted.into_iter().collect(),
+        took: started.elapsed(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use lb_common::proto;
+
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+    const CLIENT: [u8; 4] = [192, 0, 2, 10];
+    const NODE: [u8; 4] = [10, 0, 0, 1];
+    const BACKEND: [u8; 4] = [10, 244, 1, 5];
+
+    fn key(saddr: [u8; 4], sport: u16, daddr: [u8; 4], dport: u16, proto: u8, d: u8) -> Ct4Key {
+        Ct4Key {
+            saddr,
+            daddr,
+            sport,
+            dport,
+            proto,
+            dir: d,
+            _pad: [0; 2],
+        }
+    }
+
+    fn value(created: u64, nat: ([u8; 4], u16), flags: u16) -> Ct4Value {
+        Ct4Value {
+            created_ns: created,
+            last_seen_ns: created,
+            nat_addr: nat.0,
+            nat_port: nat.1,
+            flags,
+            rev_nat_id: 1,
+            backend_id: 1,
+        }
+    }
+
+    /// A masqueraded NodePort flow as the programs write it: forward, SNAT, un-SNAT.
+    fn masqueraded(
+        m: &mut HashMap<Ct4Key, Ct4Value>,
+        proto: u8,
+        cport: u16,
+        snat_port: u16,
+        at: u64,
+    ) -> [Ct4Key; 3] {
+        let fwd = key(CLIENT, cport, NODE, 30080, proto, dir::INGRESS);
+        let snat = key(CLIENT, cport, BACKEND, 8080, proto, dir::EGRESS);
+        let unsnat = key(BACKEND, 8080, NODE, snat_port, proto, dir::INGRESS);
+        m.insert(fwd, value(at, (BACKEND, 8080), flags::SNAT));
+        m.insert(snat, value(at, (NODE, snat_port), flags::SNAT));
+        m.insert(unsnat, value(at, (CLIENT, cport), flags::SNAT | flags::REPLY));
+        [fwd, snat, unsnat]
+    }
+
+    /// A flow kept with its client address: forward and un-DNAT.
+    fn direct(m: &mut HashMap<Ct4Key, Ct4Value>, cport: u16, at: u64) -> [Ct4Key; 2] {
+        let fwd = key(CLIENT, cport, [10, 96, 0, 10], 80, proto::TCP, dir::INGRESS);
+        let undnat = key(BACKEND, 8080, CLIENT, cport, proto::TCP, dir::EGRESS);
+        m.insert(fwd, value(at, (BACKEND, 8080), 0));
+        m.insert(undnat, value(at, ([10, 96, 0, 10], 80), flags::REPLY));
+        [fwd, undnat]
+    }
+
+    fn mark(m: &mut HashMap<Ct4Key, Ct4Value>, k: &Ct4Key, flag: u16, at: u64) {
+        let v = m.get_mut(k).unwrap();
+        v.flags |= flag;
+        v.last_seen_ns = at;
+    }
+
+    fn doomed_keys(m: &HashMap<Ct4Key, Ct4Value>, now: u64) -> HashSet<(Ct4Key, Reason)> {
+        plan(m, now, &GcTimeouts::default())
+            .into_iter()
+            .map(|d| (d.key, d.reason))
+            .collect()
+    }
+
+    #[test]
+    fn a_flow_closed_by_both_sides_goes_whole_after_the_fin_timeout() {
+        let mut m = HashMap::new();
+        let [fwd, snat, unsnat] = masqueraded(&mut m, proto::TCP, 41000, 20001, 100 * S);
+        mark(&mut m, &fwd, flags::FIN_FORWARD, 101 * S);
+        mark(&mut m, &unsnat, flags::FIN_REPLY, 102 * S);
+        assert!(
+            doomed_keys(&m, 111 * S).is_empty(),
+            "10 s after the first FIN, not the last"
+        );
+        let gone = doomed_keys(&m, 112 * S);
+        let expect: HashSet<_> = [fwd, snat, unsnat]
+            .into_iter()
+            .map(|k| (k, Reason::Closed))
+            .collect();
+        assert_eq!(gone, expect);
+    }
+
+    #[test]
+    fn a_half_closed_flow_stays() {
+        let mut m = HashMap::new();
+        let [fwd, ..] = masqueraded(&mut m, proto::TCP, 41000, 20001, 100 * S);
+        mark(&mut m, &fwd, flags::FIN_FORWARD, 101 * S);
+        assert!(doomed_keys(&m, 10_000 * S).is_empty());
+    }
+
+    #[test]
+    fn a_reset_on_either_side_closes_and_a_direct_flow_goes_with_its_un_dnat_entry() {
+        let mut m = HashMap::new();
+        let [fwd, undnat] = direct(&mut m, 41000, 100 * S);
+        mark(&mut m, &undnat, flags::RESET, 100 * S);
+        let expect: HashSet<_> = [fwd, undnat].into_iter().map(|k| (k, Reason::Closed)).collect();
+        assert_eq!(doomed_keys(&m, 110 * S), expect);
+    }
+
+    #[test]
+    fn open_tcp_flows_stay_however_old() {
+        let mut m = HashMap::new();
+        masqueraded(&mut m, proto::TCP, 41000, 20001, 100 * S);
+        direct(&mut m, 41001, 100 * S);
+        assert!(doomed_keys(&m, 1_000_000 * S).is_empty());
+    }
+
+    #[test]
+    fn udp_flows_go_when_idle_in_both_directions() {
+        let mut m = HashMap::new();
+        let [fwd, snat, unsnat] = masqueraded(&mut m, proto::UDP, 5353, 20001, 100 * S);
+        // Only replies lately: alive.
+        mark(&mut m, &unsnat, 0, 150 * S);
+        assert!(doomed_keys(&m, 200 * S).is_empty());
+        let expect: HashSet<_> = [fwd, snat, unsnat]
+            .into_iter()
+            .map(|k| (k, Reason::Idle))
+            .collect();
+        assert_eq!(doomed_keys(&m, 210 * S), expect);
+    }
+
+    #[test]
+    fn a_new_connection_on_the_same_client_tuple_keeps_its_entries_and_frees_the_old_port() {
+        let mut m = HashMap::new();
+        let [fwd, _, old_unsnat] = masqueraded(&mut m, proto::TCP, 41000, 20001, 100 * S);
+        mark(&mut m, &fwd, flags::FIN_FORWARD, 101 * S);
+        mark(&mut m, &old_unsnat, flags::FIN_REPLY, 101 * S);
+        // A fresh SYN from the same client port: new forward and SNAT entries, another port.
+        let [fwd2, snat2, unsnat2] = masqueraded(&mut m, proto::TCP, 41000, 20002, 150 * S);
+        assert_eq!(fwd, fwd2);
+        // The old un-SNAT entry (the old port's reservation) is no flow's any more.
+        let gone = doomed_keys(&m, 151 * S);
+        assert_eq!(gone, [(old_unsnat, Reason::Orphan)].into_iter().collect());
+        assert!(!gone.iter().any(|(k, _)| [fwd2, snat2, unsnat2].contains(k)));
+    }
+
+    #[test]
+    fn entries_of_a_flow_being_created_are_not_orphans() {
+        let mut m = HashMap::new();
+        let [fwd, ..] = masqueraded(&mut m, proto::TCP, 41000, 20001, 100 * S);
+        m.remove(&fwd);
+        assert!(doomed_keys(&m, 101 * S).is_empty());
+        assert_eq!(doomed_keys(&m, 130 * S).len(), 2, "orphans after the grace");
+    }
+
+    #[test]
+    fn many_closed_flows_towards_one_backend_free_their_ports() {
+        let mut m = HashMap::new();
+        for i in 0..5_000u16 {
+            let [fwd, _, unsnat] = masqueraded(&mut m, proto::TCP, 30_000 + i, 20_000 + i, 100 * S);
+            mark(&mut m, &fwd, flags::FIN_FORWARD, 100 * S);
+            mark(&mut m, &unsnat, flags::FIN_REPLY, 100 * S);
+        }
+        let gone = plan(&m, 111 * S, &GcTimeouts::default());
+        assert_eq!(gone.len(), m.len());
+    }
+}
