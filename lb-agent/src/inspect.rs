@@ -96,18 +96,6 @@ fn kind_name(f: u16) -> &'static str {
     }
 }
 
-/// Monotonic "now" in the clock the programs use (CLOCK_BOOTTIME for affinity, coarse
-/// CLOCK_MONOTONIC for conntrack).
-fn clock_ns(clock: libc::clockid_t) -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into `ts`.
-    unsafe { libc::clock_gettime(clock, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 fn age(now: u64, then: u64) -> String {
     format!("{}s", Duration::from_nanos(now.saturating_sub(then)).as_secs())
 }
@@ -444,7 +432,7 @@ pub fn conntrack(args: &InspectArgs) -> Result<()> {
             )
         })
         .collect();
-    let now = clock_ns(libc::CLOCK_MONOTONIC_COARSE);
+    let now = crate::datapath::clock_ns(libc::CLOCK_MONOTONIC_COARSE);
     let rows: Vec<FlowRow> = entries
         .iter()
         .filter(|(k, v)| k.dir == dir::INGRESS && v.flags & ctflags::REPLY == 0)
@@ -510,7 +498,7 @@ pub fn affinity(args: &InspectArgs) -> Result<()> {
     let (paths, maps) = open(args)?;
     let snap = maps.snapshot()?;
     let aff = open_hash::<Affinity4Key, Affinity4Value>(&paths, names::AFFINITY)?;
-    let now = clock_ns(libc::CLOCK_BOOTTIME);
+    let now = crate::datapath::clock_ns(libc::CLOCK_BOOTTIME);
     let rows: Vec<AffinityRow> = aff
         .iter()
         .flatten()

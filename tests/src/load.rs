@@ -11,6 +11,13 @@ use serde_json::Value;
 
 use crate::process::{Place, Proc, workspace_bin};
 
+/// How long one request may take: long enough for one retransmitted SYN or segment (TCP's first
+/// retransmission comes after 1 s, as for any real client), so a test process starved by a busy
+/// machine is not taken for a lost request. Requests over `SLOW_US` are counted and shown.
+pub const TIMEOUT_MS: u64 = 3000;
+/// A request slower than this needed a retransmission (or waited for a CPU): reported as slow.
+pub const SLOW_US: u64 = 1_000_000;
+
 pub struct Load {
     proc: Proc,
     results: Arc<Mutex<Vec<Value>>>,
@@ -29,7 +36,7 @@ impl Load {
             "--interval-ms",
             &interval_ms.to_string(),
             "--timeout-ms",
-            "1000",
+            &TIMEOUT_MS.to_string(),
         ]);
         if persistent {
             cmd.arg("--persistent");
@@ -75,6 +82,20 @@ pub fn tally(results: &[Value]) -> (u64, u64) {
     (results.len() as u64, failed)
 }
 
+/// Successful requests that took over `SLOW_US`.
+pub fn slow(results: &[Value]) -> u64 {
+    results
+        .iter()
+        .filter(|r| r["ok"] == true && r["elapsed_us"].as_u64().is_some_and(|us| us > SLOW_US))
+        .count() as u64
+}
+
+/// A scenario's row for one load: attempted, failed, and slow (served after over a second).
+pub fn row(what: &str, results: &[Value]) -> Value {
+    let (attempted, failed) = tally(results);
+    serde_json::json!({"load": what, "attempted": attempted, "failed": failed, "slow (> 1 s)": slow(results)})
+}
+
 /// The failed results, one line each (their start time in µs since the epoch, and the error), for
 /// assertion messages: a rare failure is only understood with when and how it failed.
 pub fn failures(what: &str, results: &[Value]) -> Vec<String> {
@@ -83,8 +104,8 @@ pub fn failures(what: &str, results: &[Value]) -> Vec<String> {
         .filter(|r| r["ok"] != true)
         .map(|r| {
             format!(
-                "{what}: at {} µs: {} (errno {})",
-                r["t_us"], r["error"], r["errno"]
+                "{what}: at {} µs, after {} µs: {} (errno {})",
+                r["t_us"], r["elapsed_us"], r["error"], r["errno"]
             )
         })
         .collect()

@@ -1615,12 +1615,13 @@ fn hostile_services_and_slices_are_reported_and_skipped_under_load() {
         let (a, f) = tally(&results);
         attempted += a;
         failed += f;
-        let mut entry = json!({"load": what, "attempted": a, "failed": f});
+        let mut entry = lb_tests::load::row(what, &results);
         if f > 0 {
             entry["failures"] = failures_by_phase(&results, &phases, start_us).into();
         }
         per_load.push(entry);
     }
+    let events = lb_tests::agent::datapath_events(&site.bpf_root());
     drop(manifests_agent);
     let rows: Vec<Value> = table.into_values().collect();
     let rows_failed = rows.iter().filter(|r| r["ok"] == false).count();
@@ -1669,7 +1670,7 @@ fn hostile_services_and_slices_are_reported_and_skipped_under_load() {
     assert_eq!(
         failed,
         0,
-        "the good Service never fails a request: {}",
+        "the good Service never fails a request: {}\ndata path events: {events:#}",
         serde_json::to_string_pretty(&per_load).unwrap_or_default()
     );
     assert_eq!(rows_failed, 0, "rows failed: {rows:#?}");

@@ -346,7 +346,7 @@ fn restart_under_load_loses_nothing() {
         failures.extend(lb_tests::load::failures(what, &results));
         attempted += a;
         failed += f;
-        per_load.push(json!({"load": what, "attempted": a, "failed": f}));
+        per_load.push(lb_tests::load::row(what, &results));
     }
     let (ex_s, broken_s, moved_s) = holds_sock.verdict();
     let (ex_t, broken_t, moved_t) = holds_tc.verdict();
@@ -449,7 +449,7 @@ fn upgrade_swaps_programs_and_migrates_maps_under_load() {
         failures.extend(lb_tests::load::failures(what, &results));
         attempted += a;
         failed += f;
-        per_load.push(json!({"load": what, "attempted": a, "failed": f}));
+        per_load.push(lb_tests::load::row(what, &results));
     }
     let (exchanges, broken, moved) = holds.verdict();
     let log = upgraded.log();
@@ -733,7 +733,7 @@ fn api_outage_of_30s_keeps_serving_and_converges() {
         failures.extend(lb_tests::load::failures(what, &results));
         attempted += a;
         failed += f;
-        per_load.push(json!({"load": what, "attempted": a, "failed": f}));
+        per_load.push(lb_tests::load::row(what, &results));
     }
     record(
         "3-api-outage",
@@ -747,8 +747,10 @@ fn api_outage_of_30s_keeps_serving_and_converges() {
         }),
     );
     assert_eq!(
-        failed, 0,
-        "the data path keeps serving through the outage (outage from {outage_us} µs, API back at {back_us} µs): {failures:#?}"
+        failed,
+        0,
+        "the data path keeps serving through the outage (outage from {outage_us} µs, API back at {back_us} µs): {failures:#?}\ndata path events: {:#}",
+        lb_tests::agent::datapath_events(&s.site.bpf_root())
     );
     assert_eq!(
         during,

@@ -34,6 +34,18 @@ use crate::{
     maps::{Capacities, KernelMaps},
 };
 
+/// "Now" in one of the clocks the programs stamp map entries with (CLOCK_BOOTTIME for affinity,
+/// coarse CLOCK_MONOTONIC for conntrack), in nanoseconds.
+pub fn clock_ns(clock: libc::clockid_t) -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into `ts`.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 /// The object built by `cargo xtask build-ebpf`, embedded at build time (empty when built
 /// without it).
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf.o"));

@@ -73,48 +73,58 @@ pub struct Doomed {
     pub reason: Reason,
 }
 
+/// The key of the entry for packets `saddr:sport -> daddr:dport` in direction `d`.
+fn tuple_key(saddr: [u8; 4], sport: u16, daddr: [u8; 4], dport: u16, proto: u8, d: u8) -> Ct4Key {
+    Ct4Key {
+        saddr,
+        daddr,
+        sport,
+        dport,
+        proto,
+        dir: d,
+        _pad: [0; 2],
+    }
+}
+
 /// The keys of a flow's companion entries, derived from its forward (DNAT) entry.
 fn companions(fwd_key: &Ct4Key, fwd: &Ct4Value, entries: &HashMap<Ct4Key, Ct4Value>) -> Vec<Ct4Key> {
     let same_flow = |k: &Ct4Key| entries.get(k).is_some_and(|v| v.created_ns == fwd.created_ns);
     let mut out = Vec::with_capacity(2);
     if fwd.flags & flags::SNAT != 0 {
         // SNAT: client -> backend (egress); un-SNAT: backend -> node IP:port (ingress).
-        let snat_key = Ct4Key {
-            saddr: fwd_key.saddr,
-            daddr: fwd.nat_addr,
-            sport: fwd_key.sport,
-            dport: fwd.nat_port,
-            proto: fwd_key.proto,
-            dir: dir::EGRESS,
-            _pad: [0; 2],
-        };
+        let snat_key = tuple_key(
+            fwd_key.saddr,
+            fwd_key.sport,
+            fwd.nat_addr,
+            fwd.nat_port,
+            fwd_key.proto,
+            dir::EGRESS,
+        );
         if same_flow(&snat_key) {
             let snat = entries[&snat_key];
             out.push(snat_key);
-            let unsnat_key = Ct4Key {
-                saddr: fwd.nat_addr,
-                daddr: snat.nat_addr,
-                sport: fwd.nat_port,
-                dport: snat.nat_port,
-                proto: fwd_key.proto,
-                dir: dir::INGRESS,
-                _pad: [0; 2],
-            };
+            let unsnat_key = tuple_key(
+                fwd.nat_addr,
+                fwd.nat_port,
+                snat.nat_addr,
+                snat.nat_port,
+                fwd_key.proto,
+                dir::INGRESS,
+            );
             if same_flow(&unsnat_key) {
                 out.push(unsnat_key);
             }
         }
     } else {
         // un-DNAT: backend -> client (egress).
-        let undnat_key = Ct4Key {
-            saddr: fwd.nat_addr,
-            daddr: fwd_key.saddr,
-            sport: fwd.nat_port,
-            dport: fwd_key.sport,
-            proto: fwd_key.proto,
-            dir: dir::EGRESS,
-            _pad: [0; 2],
-        };
+        let undnat_key = tuple_key(
+            fwd.nat_addr,
+            fwd.nat_port,
+            fwd_key.saddr,
+            fwd_key.sport,
+            fwd_key.proto,
+            dir::EGRESS,
+        );
         if same_flow(&undnat_key) {
             out.push(undnat_key);
         }
@@ -205,13 +215,7 @@ pub struct GcReport {
 
 /// The programs' conntrack clock (`bpf_ktime_get_coarse_ns`: CLOCK_MONOTONIC, coarse).
 pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into `ts`.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    crate::datapath::clock_ns(libc::CLOCK_MONOTONIC)
 }
 
 /// One pass over the kernel map: scan, plan, delete what still is what was planned.
@@ -260,18 +264,6 @@ mod tests {
     const NODE: [u8; 4] = [10, 0, 0, 1];
     const BACKEND: [u8; 4] = [10, 244, 1, 5];
 
-    fn key(saddr: [u8; 4], sport: u16, daddr: [u8; 4], dport: u16, proto: u8, d: u8) -> Ct4Key {
-        Ct4Key {
-            saddr,
-            daddr,
-            sport,
-            dport,
-            proto,
-            dir: d,
-            _pad: [0; 2],
-        }
-    }
-
     fn value(created: u64, nat: ([u8; 4], u16), flags: u16) -> Ct4Value {
         Ct4Value {
             created_ns: created,
@@ -292,9 +284,9 @@ mod tests {
         snat_port: u16,
         at: u64,
     ) -> [Ct4Key; 3] {
-        let fwd = key(CLIENT, cport, NODE, 30080, proto, dir::INGRESS);
-        let snat = key(CLIENT, cport, BACKEND, 8080, proto, dir::EGRESS);
-        let unsnat = key(BACKEND, 8080, NODE, snat_port, proto, dir::INGRESS);
+        let fwd = tuple_key(CLIENT, cport, NODE, 30080, proto, dir::INGRESS);
+        let snat = tuple_key(CLIENT, cport, BACKEND, 8080, proto, dir::EGRESS);
+        let unsnat = tuple_key(BACKEND, 8080, NODE, snat_port, proto, dir::INGRESS);
         m.insert(fwd, value(at, (BACKEND, 8080), flags::SNAT));
         m.insert(snat, value(at, (NODE, snat_port), flags::SNAT));
         m.insert(unsnat, value(at, (CLIENT, cport), flags::SNAT | flags::REPLY));
@@ -303,8 +295,8 @@ mod tests {
 
     /// A flow kept with its client address: forward and un-DNAT.
     fn direct(m: &mut HashMap<Ct4Key, Ct4Value>, cport: u16, at: u64) -> [Ct4Key; 2] {
-        let fwd = key(CLIENT, cport, [10, 96, 0, 10], 80, proto::TCP, dir::INGRESS);
-        let undnat = key(BACKEND, 8080, CLIENT, cport, proto::TCP, dir::EGRESS);
+        let fwd = tuple_key(CLIENT, cport, [10, 96, 0, 10], 80, proto::TCP, dir::INGRESS);
+        let undnat = tuple_key(BACKEND, 8080, CLIENT, cport, proto::TCP, dir::EGRESS);
         m.insert(fwd, value(at, (BACKEND, 8080), 0));
         m.insert(undnat, value(at, ([10, 96, 0, 10], 80), flags::REPLY));
         [fwd, undnat]

@@ -29,13 +29,7 @@ use lb_tests::process::{Place, Proc};
 
 /// CLOCK_MONOTONIC in nanoseconds (the same clock in every process).
 pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into the timespec we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    lb_agent::datapath::clock_ns(libc::CLOCK_MONOTONIC)
 }
 
 /// Pins the calling process to one CPU.
