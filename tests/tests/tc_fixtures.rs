@@ -784,3 +784,57 @@ fn closed_masqueraded_flows_give_their_ports_back_through_the_conntrack_gc() {
     assert_eq!(report.deleted, vec![(conntrack::Reason::Closed, 3)], "{report:?}");
     assert_eq!(connect(&mut s, 41003), Some(b));
 }
+
+/// The kernel maps write runs of service and backend entries with BPF_MAP_UPDATE_BATCH; a run
+/// that does not fit stops exactly where the kernel refused, so the writer's mirror stays true.
+#[test]
+fn batched_map_writes_report_exactly_what_was_written() {
+    use lb_agent::maps::{Capacities, MapOps};
+    use lb_common::{
+        backend::Backend4Value,
+        service::{Svc4Key, Svc4Value},
+    };
+    require_root();
+    let caps = Capacities {
+        services: 4,
+        backends: 64,
+        ..Capacities::default()
+    };
+    let mut dp = lb_agent::datapath::Datapath::load_unpinned(&caps, OBJECT).expect("load");
+    let mut maps = dp.take_maps().expect("maps");
+
+    let backends: Vec<(u32, Backend4Value)> = (1..=40u32)
+        .map(|id| {
+            let value = Backend4Value {
+                addr: [10, 244, 0, id as u8],
+                port: 8080,
+                proto: lb_common::proto::TCP,
+                ..Default::default()
+            };
+            (id, value)
+        })
+        .collect();
+    maps.put_backends(&backends).expect("40 backends fit");
+    let snap = maps.snapshot().expect("snapshot");
+    assert_eq!(snap.backends.len(), 40);
+    assert!(backends.iter().all(|(id, v)| snap.backends.get(id) == Some(v)));
+
+    let services: Vec<(Svc4Key, Svc4Value)> = (0..6u16)
+        .map(|slot| {
+            let key = Svc4Key {
+                addr: [10, 96, 0, 10],
+                port: 80,
+                slot,
+                proto: lb_common::proto::TCP,
+                ..Default::default()
+            };
+            (key, Svc4Value::default())
+        })
+        .collect();
+    let err = maps.put_services(&services).expect_err("6 entries in a map of 4");
+    assert_eq!(err.done, 4, "{err:?}");
+    assert!(err.error.is_full(), "{err:?}");
+    let snap = maps.snapshot().expect("snapshot");
+    let written: Vec<u16> = snap.services.keys().map(|k| k.slot).collect();
+    assert_eq!(written, vec![0, 1, 2, 3]);
+}

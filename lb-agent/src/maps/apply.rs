@@ -491,20 +491,20 @@ impl<M: MapOps> Applier<M> {
                 .iter()
                 .flat_map(|(_, plan)| plan.backends().copied())
                 .collect();
-            let mut backend_failed = false;
-            for addr in &needed {
-                let flags = desired.backends.get(addr).copied().unwrap_or(0);
-                let id = self
-                    .backends
-                    .get(addr)
-                    .map(|(id, _)| *id)
-                    .or_else(|| new_backend_ids.get(addr).copied())
-                    .expect("ids were checked by entries_for");
-                if !self.put_backend(*addr, id, flags, &mut report) {
-                    backend_failed = true;
-                }
-            }
-            if backend_failed {
+            let backends: Vec<(BackendAddr, u32, u8)> = needed
+                .iter()
+                .map(|addr| {
+                    let flags = desired.backends.get(addr).copied().unwrap_or(0);
+                    let id = self
+                        .backends
+                        .get(addr)
+                        .map(|(id, _)| *id)
+                        .or_else(|| new_backend_ids.get(addr).copied())
+                        .expect("ids were checked by entries_for");
+                    (*addr, id, flags)
+                })
+                .collect();
+            if !self.put_backends(&backends, &mut report) {
                 report.skipped.push((service, "writing a backend failed".into()));
                 self.retry.extend(group.iter().map(|(f, _)| **f));
                 continue;
@@ -562,23 +562,33 @@ impl<M: MapOps> Applier<M> {
 
     /// Writes a backend's entry unless the map already holds exactly that; false on failure.
     fn put_backend(&mut self, addr: BackendAddr, id: u32, flags: u8, report: &mut ApplyReport) -> bool {
-        let value = backend_value(&addr, flags);
-        if self.backends.get(&addr) == Some(&(id, value)) {
-            return true;
-        }
-        match self.maps.put_backend(id, &value) {
-            Ok(()) => {
-                report.writes += 1;
-                if self.backends.insert(addr, (id, value)).is_none() {
-                    self.occupancy.backends += 1;
-                    self.backend_addrs.insert(id, addr);
-                    // Deleted again at the end of this apply unless a frontend now uses it.
-                    self.maybe_unused.insert(id);
-                }
-                true
+        self.put_backends(&[(addr, id, flags)], report)
+    }
+
+    /// Writes the backends' entries the map does not already hold exactly (in one batch); false
+    /// when one failed (those before it are written and mirrored, the rest are not).
+    fn put_backends(&mut self, backends: &[(BackendAddr, u32, u8)], report: &mut ApplyReport) -> bool {
+        let writes: Vec<(BackendAddr, u32, Backend4Value)> = backends
+            .iter()
+            .map(|(addr, id, flags)| (*addr, *id, backend_value(addr, *flags)))
+            .filter(|(addr, id, value)| self.backends.get(addr) != Some(&(*id, *value)))
+            .collect();
+        let entries: Vec<(u32, Backend4Value)> = writes.iter().map(|(_, id, v)| (*id, *v)).collect();
+        let result = self.maps.put_backends(&entries);
+        let done = result.as_ref().err().map_or(writes.len(), |e| e.done);
+        for (addr, id, value) in &writes[..done] {
+            report.writes += 1;
+            if self.backends.insert(*addr, (*id, *value)).is_none() {
+                self.occupancy.backends += 1;
+                self.backend_addrs.insert(*id, *addr);
+                // Deleted again at the end of this apply unless a frontend now uses it.
+                self.maybe_unused.insert(*id);
             }
+        }
+        match result {
+            Ok(()) => true,
             Err(e) => {
-                report.errors.push(e.to_string());
+                report.errors.push(e.error.to_string());
                 false
             }
         }
@@ -761,11 +771,14 @@ impl<M: MapOps> Applier<M> {
             .filter(|(k, v)| current.services.get(k) != Some(v))
             .collect();
         writes.sort_by_key(|(k, _)| (std::cmp::Reverse(k.scope), k.slot == 0, k.slot));
-        for (key, value) in writes {
-            self.maps.put_service(key, value)?;
+        let writes: Vec<(Svc4Key, Svc4Value)> = writes.into_iter().map(|(k, v)| (*k, *v)).collect();
+        let result = self.maps.put_services(&writes);
+        let done = result.as_ref().err().map_or(writes.len(), |e| e.done);
+        for (key, value) in &writes[..done] {
             report.writes += 1;
             current.services.insert(*key, *value);
         }
+        result.map_err(|e| e.error)?;
         // Deletions: slot 0 of the external scope first, then the rest.
         let mut deletes: Vec<Svc4Key> = current
             .services

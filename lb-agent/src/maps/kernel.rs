@@ -1,7 +1,11 @@
 //! `MapOps` on the real maps, through aya. The maps come either from a freshly loaded object or
 //! from their pins (so the CLI can read and clean up without loading anything).
 
-use std::{io, path::Path};
+use std::{
+    io,
+    os::fd::{AsFd, AsRawFd, OwnedFd},
+    path::Path,
+};
 
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key};
 use lb_common::{
@@ -13,7 +17,7 @@ use lb_common::{
     service::{SrcRange4, Svc4Key, Svc4Value},
 };
 
-use super::ops::{MapError, MapOps, Snapshot};
+use super::ops::{BatchError, MapError, MapOps, Snapshot};
 
 /// The maps the agent writes, plus the counters it reads.
 pub struct KernelMaps {
@@ -25,6 +29,116 @@ pub struct KernelMaps {
     pub source_ranges: LpmTrie<MapData, SrcRange4, u8>,
     pub config: Array<MapData, DatapathConfig>,
     pub stats: PerCpuArray<MapData, u64>,
+    /// The services and backends maps again, for BPF_MAP_UPDATE_BATCH (aya has no batch calls).
+    batch_fds: BatchFds,
+}
+
+struct BatchFds {
+    services: OwnedFd,
+    backends: OwnedFd,
+    /// Cleared when the kernel refuses batch updates (before 5.6): single updates from then on.
+    supported: bool,
+}
+
+/// A second descriptor of a hash map, taken before aya wraps it.
+fn dup_fd(map: &Map) -> Result<OwnedFd, aya::maps::MapError> {
+    match map {
+        Map::HashMap(data) => Ok(data.fd().as_fd().try_clone_to_owned()?),
+        _ => Err(aya::maps::MapError::IoError(io::Error::other("not a hash map"))),
+    }
+}
+
+/// `union bpf_attr`'s `batch` member (include/uapi/linux/bpf.h).
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+
+/// Updates `keys[i] -> values[i]` in order with one syscall. Keys and values are `#[repr(C)]`
+/// Pod types whose size is the map's key and value size.
+fn update_batch<K: aya::Pod, V: aya::Pod>(fd: &OwnedFd, keys: &[K], values: &[V]) -> io::Result<()> {
+    debug_assert_eq!(keys.len(), values.len());
+    let mut attr = BatchAttr {
+        keys: keys.as_ptr() as u64,
+        values: values.as_ptr() as u64,
+        count: keys.len() as u32,
+        map_fd: fd.as_raw_fd() as u32,
+        ..Default::default()
+    };
+    // SAFETY: `attr` is the kernel's batch layout; keys and values point at `count` contiguous
+    // elements of the map's key and value size, alive for the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_UPDATE_BATCH,
+            &mut attr as *mut BatchAttr, // the kernel writes `count` back
+            std::mem::size_of::<BatchAttr>(),
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Whether an error says the kernel has no batch update for this map (not an entry's failure).
+fn batch_unsupported(e: &io::Error) -> bool {
+    // ENOTSUPP (524) is the kernel-internal "not supported" some paths return.
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) | Some(524)
+    )
+}
+
+impl KernelMaps {
+    /// Writes a run of entries with one batch call, or one by one where batches are refused.
+    fn batch<K: aya::Pod, V: aya::Pod>(
+        &mut self,
+        map: &'static str,
+        entries: &[(K, V)],
+        single: impl Fn(&mut Self, &K, &V) -> Result<(), MapError>,
+    ) -> Result<(), BatchError> {
+        let one_by_one = |this: &mut Self, from: usize| {
+            for (i, (k, v)) in entries.iter().enumerate().skip(from) {
+                single(this, k, v).map_err(|error| BatchError { done: i, error })?;
+            }
+            Ok(())
+        };
+        if entries.len() < 2 || !self.batch_fds.supported {
+            return one_by_one(self, 0);
+        }
+        let keys: Vec<K> = entries.iter().map(|(k, _)| *k).collect();
+        let values: Vec<V> = entries.iter().map(|(_, v)| *v).collect();
+        let fd = if map == names::SERVICES {
+            &self.batch_fds.services
+        } else {
+            &self.batch_fds.backends
+        };
+        match update_batch(fd, &keys, &values) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                if batch_unsupported(&e) {
+                    tracing::debug!("BPF_MAP_UPDATE_BATCH refused ({e}): single updates from now on");
+                    self.batch_fds.supported = false;
+                }
+                // Redo the run one by one, for the failing entry's own error and an exact count
+                // (the kernel does not report one when it refuses the call before starting);
+                // rewriting an entry with the value it already has changes nothing.
+                one_by_one(self, 0)
+            }
+        }
+    }
 }
 
 fn io_err(e: aya::maps::MapError) -> io::Error {
@@ -62,30 +176,46 @@ impl KernelMaps {
                     name: name.to_string(),
                 })
         };
+        let services = take(names::SERVICES)?;
+        let backends = take(names::BACKENDS)?;
+        let batch_fds = BatchFds {
+            services: dup_fd(&services)?,
+            backends: dup_fd(&backends)?,
+            supported: true,
+        };
         Ok(Self {
-            services: take(names::SERVICES)?.try_into()?,
-            backends: take(names::BACKENDS)?.try_into()?,
+            services: services.try_into()?,
+            backends: backends.try_into()?,
             revnat: take(names::REVNAT)?.try_into()?,
             names: take(names::SVC_NAMES)?.try_into()?,
             affinity_match: take(names::AFFINITY_MATCH)?.try_into()?,
             source_ranges: take(names::SOURCE_RANGES)?.try_into()?,
             config: take(names::CONFIG)?.try_into()?,
             stats: take(names::STATS)?.try_into()?,
+            batch_fds,
         })
     }
 
     /// Opens the pinned maps under `<bpf-root>/maps`.
     pub fn from_pins(maps_dir: &Path) -> Result<Self, aya::maps::MapError> {
         let open = |name: &str| MapData::from_pin(maps_dir.join(name));
+        let services = Map::HashMap(open(names::SERVICES)?);
+        let backends = Map::HashMap(open(names::BACKENDS)?);
+        let batch_fds = BatchFds {
+            services: dup_fd(&services)?,
+            backends: dup_fd(&backends)?,
+            supported: true,
+        };
         Ok(Self {
-            services: Map::HashMap(open(names::SERVICES)?).try_into()?,
-            backends: Map::HashMap(open(names::BACKENDS)?).try_into()?,
+            services: services.try_into()?,
+            backends: backends.try_into()?,
             revnat: Map::HashMap(open(names::REVNAT)?).try_into()?,
             names: Map::HashMap(open(names::SVC_NAMES)?).try_into()?,
             affinity_match: Map::HashMap(open(names::AFFINITY_MATCH)?).try_into()?,
             source_ranges: Map::LpmTrie(open(names::SOURCE_RANGES)?).try_into()?,
             config: Map::Array(open(names::CONFIG)?).try_into()?,
             stats: Map::PerCpuArray(open(names::STATS)?).try_into()?,
+            batch_fds,
         })
     }
 
@@ -99,6 +229,14 @@ impl KernelMaps {
 }
 
 impl MapOps for KernelMaps {
+    fn put_services(&mut self, entries: &[(Svc4Key, Svc4Value)]) -> Result<(), BatchError> {
+        self.batch(names::SERVICES, entries, |m, k, v| m.put_service(k, v))
+    }
+
+    fn put_backends(&mut self, entries: &[(u32, Backend4Value)]) -> Result<(), BatchError> {
+        self.batch(names::BACKENDS, entries, |m, k, v| m.put_backend(*k, v))
+    }
+
     fn put_service(&mut self, key: &Svc4Key, value: &Svc4Value) -> Result<(), MapError> {
         self.services
             .insert(key, value, 0)

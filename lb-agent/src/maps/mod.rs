@@ -16,4 +16,4 @@ pub mod ops;
 
 pub use apply::{Applier, ApplyReport, Capacities};
 pub use kernel::KernelMaps;
-pub use ops::{MapError, MapOps, Snapshot};
+pub use ops::{BatchError, MapError, MapOps, Snapshot};
