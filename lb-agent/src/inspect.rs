@@ -127,7 +127,8 @@ struct FrontendView {
     affinity_timeout_seconds: Option<u32>,
     source_ranges: Vec<String>,
     scopes: Vec<ScopeView>,
-    /// Live tc flows and recently translated sockets for this frontend.
+    /// Live tc flows and recently translated unconnected UDP sockets for this frontend (connected
+    /// sockets keep their record in socket storage, which user space cannot list).
     flows: u64,
 }
 

@@ -16,6 +16,9 @@ pub const REVNAT: &str = "lb4_revnat";
 pub const SVC_NAMES: &str = "lb_svc_names";
 /// Per-socket reverse NAT for recvmsg4/getpeername4 (LRU): `SockRevNat4Key` -> `SockRevNat4Value`.
 pub const SOCK_REVNAT: &str = "lb4_sock_revnat";
+/// Per-socket reverse NAT of connected sockets (socket storage, `BPF_MAP_TYPE_SK_STORAGE`): the
+/// socket -> `SockRevNat4Sk`. Not dumpable by bpftool (its key is a socket).
+pub const SOCK_REVNAT_SK: &str = "lb4_sock_rev_sk";
 /// ClientIP session affinity (LRU): `Affinity4Key` -> `Affinity4Value`.
 pub const AFFINITY: &str = "lb4_affinity";
 /// Which backends may still serve an affinity entry: `AffinityMatchKey` -> `u8`. Written by the agent.
@@ -39,6 +42,7 @@ pub const ALL: &[&str] = &[
     REVNAT,
     SVC_NAMES,
     SOCK_REVNAT,
+    SOCK_REVNAT_SK,
     AFFINITY,
     AFFINITY_MATCH,
     SOURCE_RANGES,

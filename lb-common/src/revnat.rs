@@ -39,6 +39,23 @@ pub struct SockRevNat4Value {
     pub rev_nat_id: u32,
 }
 
+/// `lb4_sock_rev_sk`, the socket storage of a connected socket (TCP, connected UDP): the backend
+/// its connect() went to and the frontend it called, for getpeername4 and recvmsg4. Lives exactly
+/// as long as the socket, so it is never evicted and never outlives it (unlike the LRU
+/// `lb4_sock_revnat`, which unconnected UDP sockets keep using: they talk to several frontends).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevNat4Sk {
+    /// Backend address, network order.
+    pub backend_addr: [u8; 4],
+    pub backend_port: u16,
+    pub frontend_port: u16,
+    /// Frontend address, network order.
+    pub frontend_addr: [u8; 4],
+    /// Checked against the frontend's current id, so a recycled entry is never trusted.
+    pub rev_nat_id: u32,
+}
+
 /// Sizes of the name fields: a namespace and a Service name are DNS labels (at most 63 bytes), a
 /// port name an IANA service name (at most 15).
 pub const NAME_LEN: usize = 64;
@@ -63,7 +80,13 @@ impl Default for SvcName {
     }
 }
 
-user_pod!(RevNat4Value, SockRevNat4Key, SockRevNat4Value, SvcName);
+user_pod!(
+    RevNat4Value,
+    SockRevNat4Key,
+    SockRevNat4Value,
+    SockRevNat4Sk,
+    SvcName
+);
 
 #[cfg(test)]
 mod layout {
@@ -76,6 +99,7 @@ mod layout {
         assert_eq!(size_of::<RevNat4Value>(), 8);
         assert_eq!(size_of::<SockRevNat4Key>(), 16);
         assert_eq!(size_of::<SockRevNat4Value>(), 12);
+        assert_eq!(size_of::<SockRevNat4Sk>(), 16);
         assert_eq!(size_of::<SvcName>(), 144);
     }
 }

@@ -13,8 +13,14 @@ use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier},
     programs::{SockAddrContext, TcContext},
 };
-use lb_common::trace::{SockTraceIn, SockTraceOut, hook, verdict};
-use lb_ebpf::sock::{self, Outcome, SockCall};
+use lb_common::{
+    revnat::SockRevNat4Sk,
+    trace::{SockTraceIn, SockTraceOut, hook, verdict},
+};
+use lb_ebpf::{
+    maps::SOCK_REVNAT_SK,
+    sock::{self, Outcome, SockCall},
+};
 
 /// A real socket call: the kernel's `bpf_sock_addr`. `SENDMSG` marks sendmsg4, the only hook
 /// whose context has `msg_src_ip4` (the verifier rejects reading it elsewhere).
@@ -88,6 +94,28 @@ impl<const SENDMSG: bool> SockCall for KernelCall<SENDMSG> {
     #[inline(always)]
     fn now_ns(&self) -> u64 {
         unsafe { bpf_ktime_get_boot_ns() }
+    }
+
+    #[inline(always)]
+    fn set_sk_revnat(&mut self, entry: &SockRevNat4Sk) -> bool {
+        if SENDMSG {
+            return false;
+        }
+        let mut initial = *entry;
+        let ptr = SOCK_REVNAT_SK.get_or_insert_ptr_mut(&self.ctx, Some(&mut initial));
+        if ptr.is_null() {
+            return false;
+        }
+        // SAFETY: a non-null pointer from bpf_sk_storage_get is this socket's value.
+        unsafe { *ptr = *entry };
+        true
+    }
+
+    #[inline(always)]
+    fn sk_revnat(&self) -> Option<SockRevNat4Sk> {
+        let ptr = SOCK_REVNAT_SK.get_ptr_mut(&self.ctx);
+        // SAFETY: as above.
+        (!ptr.is_null()).then(|| unsafe { *ptr })
     }
 }
 

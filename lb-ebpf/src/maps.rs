@@ -5,7 +5,7 @@
 
 use aya_ebpf::{
     bindings::{BPF_F_NO_PREALLOC, BPF_F_RDONLY_PROG},
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, SkStorage},
     macros::btf_map,
 };
 use lb_common::{
@@ -15,7 +15,7 @@ use lb_common::{
     conntrack::{Ct4Key, Ct4Value},
     maps::capacity,
     ratelimit::RateBucket,
-    revnat::{RevNat4Value, SockRevNat4Key, SockRevNat4Value, SvcName},
+    revnat::{RevNat4Value, SockRevNat4Key, SockRevNat4Sk, SockRevNat4Value, SvcName},
     service::{SrcRange4, Svc4Key, Svc4Value},
     stats,
 };
@@ -59,6 +59,11 @@ pub static SVC_NAMES: HashMap<u32, SvcName, { capacity::REVNAT as usize }, { NO_
 #[btf_map(name = "lb4_sock_revnat")]
 pub static SOCK_REVNAT: LruHashMap<SockRevNat4Key, SockRevNat4Value, { capacity::SOCK_REVNAT as usize }> =
     LruHashMap::new();
+
+/// Socket -> the backend its connect() went to and the frontend it called. Writer: connect4.
+/// Readers: recvmsg4, getpeername4 (before `lb4_sock_revnat`). Freed with the socket.
+#[btf_map(name = "lb4_sock_rev_sk")]
+pub static SOCK_REVNAT_SK: SkStorage<SockRevNat4Sk> = SkStorage::new();
 
 /// (client, rev_nat_id) -> backend and last use. Writer and reader: the translating programs.
 #[btf_map(name = "lb4_affinity")]

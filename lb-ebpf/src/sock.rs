@@ -22,7 +22,7 @@ use lb_common::{
     affinity::kind,
     config::{self, DatapathConfig},
     proto,
-    revnat::{SockRevNat4Key, SockRevNat4Value},
+    revnat::{SockRevNat4Key, SockRevNat4Sk, SockRevNat4Value},
     service::{Svc4Value, flags},
     stats::Counter,
     trace::verdict,
@@ -56,6 +56,16 @@ pub trait SockCall {
     /// A random value for slot selection.
     fn random(&self) -> u32;
     fn now_ns(&self) -> u64;
+    /// Keeps the reverse NAT of a connected socket in the socket's own storage; false where
+    /// there is none (sendmsg4, whose socket may talk to several frontends; the trace harness),
+    /// and the LRU `lb4_sock_revnat` is used instead.
+    fn set_sk_revnat(&mut self, _entry: &SockRevNat4Sk) -> bool {
+        false
+    }
+    /// The reverse NAT kept in the socket's own storage, if any.
+    fn sk_revnat(&self) -> Option<SockRevNat4Sk> {
+        None
+    }
 }
 
 /// What a translation did, with the details the trace harness reports.
@@ -189,23 +199,34 @@ pub fn translate_forward<C: SockCall>(call: &mut C) -> Outcome {
         return outcome;
     };
 
-    // Remember the frontend for recvmsg4/getpeername4 before the destination changes. Skip the
-    // write when the entry is already there (every datagram of a UDP socket comes through here).
-    let rev_key = SockRevNat4Key {
-        cookie: call.socket_cookie(),
-        addr: backend.addr,
-        port: backend.port,
-        _pad: 0,
-    };
-    let rev_value = SockRevNat4Value {
-        addr: vip,
-        port: vport,
-        _pad: 0,
+    // Remember the frontend for recvmsg4/getpeername4 before the destination changes: in the
+    // socket's own storage for a connect() (cheaper than an LRU insert, and it lives exactly as
+    // long as the socket), else in the LRU map, skipping the write when the entry is already
+    // there (every datagram of an unconnected UDP socket comes through here).
+    let in_socket = SockRevNat4Sk {
+        backend_addr: backend.addr,
+        backend_port: backend.port,
+        frontend_port: vport,
+        frontend_addr: vip,
         rev_nat_id: frontend.rev_nat_id,
     };
-    let known = SOCK_REVNAT.get_ptr(&rev_key).map(|p| unsafe { *p });
-    if known != Some(rev_value) && SOCK_REVNAT.insert(&rev_key, &rev_value, 0).is_err() {
-        count(Counter::SockRevNatUpdateFailed);
+    if !call.set_sk_revnat(&in_socket) {
+        let rev_key = SockRevNat4Key {
+            cookie: call.socket_cookie(),
+            addr: backend.addr,
+            port: backend.port,
+            _pad: 0,
+        };
+        let rev_value = SockRevNat4Value {
+            addr: vip,
+            port: vport,
+            _pad: 0,
+            rev_nat_id: frontend.rev_nat_id,
+        };
+        let known = SOCK_REVNAT.get_ptr(&rev_key).map(|p| unsafe { *p });
+        if known != Some(rev_value) && SOCK_REVNAT.insert(&rev_key, &rev_value, 0).is_err() {
+            count(Counter::SockRevNatUpdateFailed);
+        }
     }
 
     call.set_addr(backend.addr, backend.port);
@@ -223,14 +244,34 @@ pub fn translate_reverse<C: SockCall>(call: &mut C) -> Outcome {
     if call.family() != AF_INET {
         return Outcome::pass();
     }
-    let key = SockRevNat4Key {
-        cookie: call.socket_cookie(),
-        addr: call.addr(),
-        port: call.port(),
-        _pad: 0,
-    };
-    let Some(entry) = SOCK_REVNAT.get_ptr(&key).map(|p| unsafe { *p }) else {
-        return Outcome::pass();
+    let (addr, port) = (call.addr(), call.port());
+    // A connected socket's own storage first; then the LRU map (unconnected UDP, and sockets
+    // connected before an upgrade that introduced the storage).
+    let in_socket = call
+        .sk_revnat()
+        .filter(|e| e.backend_addr == addr && e.backend_port == port);
+    let (entry, lru_key) = match in_socket {
+        Some(e) => (
+            SockRevNat4Value {
+                addr: e.frontend_addr,
+                port: e.frontend_port,
+                _pad: 0,
+                rev_nat_id: e.rev_nat_id,
+            },
+            None,
+        ),
+        None => {
+            let key = SockRevNat4Key {
+                cookie: call.socket_cookie(),
+                addr,
+                port,
+                _pad: 0,
+            };
+            let Some(entry) = SOCK_REVNAT.get_ptr(&key).map(|p| unsafe { *p }) else {
+                return Outcome::pass();
+            };
+            (entry, Some(key))
+        }
     };
     // The frontend may have been deleted, or its id given to another frontend since.
     let current = REVNAT.get_ptr(&entry.rev_nat_id).map(|p| unsafe { *p });
@@ -238,7 +279,9 @@ pub fn translate_reverse<C: SockCall>(call: &mut C) -> Outcome {
         Some(frontend) if frontend.addr == entry.addr && frontend.port == entry.port => {}
         _ => {
             count(Counter::SockRevNatStale);
-            let _ = SOCK_REVNAT.remove(&key);
+            if let Some(key) = lru_key {
+                let _ = SOCK_REVNAT.remove(&key);
+            }
             return Outcome::pass();
         }
     }

@@ -405,6 +405,45 @@ fn removed_endpoints_get_no_new_connections_while_established_ones_keep_working(
     }
 }
 
+/// Regression: a long-lived connection's reverse-NAT entry lived in the LRU `lb4_sock_revnat`,
+/// so once other sockets had churned it out, getpeername showed the backend. Connected sockets now
+/// keep it in their own storage (`lb4_sock_rev_sk`); here the LRU map holds 16 entries and 300
+/// unconnected UDP sockets (which still use it) go through it while the connection lives.
+#[test]
+fn a_long_lived_connection_keeps_its_service_address_through_socket_churn() {
+    let mut f = Fixture::new(1);
+    f.write(&[web().build()], &[f.web_slice(&[0])]);
+    f.start_agent(&["--bpf-sock-rev-map-max", "16"]);
+    let mut hold = probe::hold(f.host(), "10.96.0.20:80", 6);
+    let first = hold.wait_for_line(std::time::Duration::from_secs(5), |l| l.contains("\"seq\""));
+    assert!(first.contains("\"peer\":\"10.96.0.20:80\""), "{first}");
+
+    let churn = probe::udp(f.host(), "10.96.0.20:53", 300, false);
+    assert_eq!(ok(&churn).len(), 300, "the unconnected UDP sockets are served");
+    // Their replies come from the Service too, each socket's entry read back right after it was
+    // written; the 16-entry LRU map was overrun many times over meanwhile.
+    for r in &churn {
+        assert_eq!(r["from"], "10.96.0.20:53", "{r}");
+    }
+
+    let done = hold.wait_for_line(std::time::Duration::from_secs(10), |l| {
+        l.contains("\"done\"") || l.contains("\"ok\":false")
+    });
+    assert!(done.contains("\"done\""), "the connection broke: {done}");
+    let exchanges: Vec<String> = hold
+        .stdout_lines()
+        .into_iter()
+        .filter(|l| l.contains("\"seq\""))
+        .collect();
+    assert!(exchanges.len() > 20, "{exchanges:?}");
+    for line in &exchanges {
+        assert!(
+            line.contains("\"peer\":\"10.96.0.20:80\""),
+            "getpeername must show the Service for the connection's whole life: {line}"
+        );
+    }
+}
+
 #[test]
 fn no_endpoints_rejects_and_local_policy_without_local_endpoints_drops() {
     let mut f = Fixture::new(1);

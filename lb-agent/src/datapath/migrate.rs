@@ -27,7 +27,7 @@ use lb_common::{
     config::DatapathConfig,
     conntrack::{Ct4Key, Ct4Value},
     maps as names,
-    revnat::{RevNat4Value, SockRevNat4Key, SockRevNat4Value, SvcName},
+    revnat::{RevNat4Value, SockRevNat4Key, SockRevNat4Sk, SockRevNat4Value, SvcName},
     service::{SrcRange4, Svc4Key, Svc4Value},
 };
 
@@ -42,6 +42,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (names::REVNAT, 1),
     (names::SVC_NAMES, 1),
     (names::SOCK_REVNAT, 1),
+    (names::SOCK_REVNAT_SK, 1),
     (names::AFFINITY, 1),
     (names::AFFINITY_MATCH, 1),
     (names::SOURCE_RANGES, 1),
@@ -88,6 +89,8 @@ fn expected(name: &str, caps: &Capacities) -> Expected {
             size_of::<SockRevNat4Value>(),
             Some(caps.sock_revnat),
         ),
+        // Socket storage: keyed by a socket (an fd from user space), no capacity.
+        names::SOCK_REVNAT_SK => sizes(4, size_of::<SockRevNat4Sk>(), None),
         names::AFFINITY => sizes(
             size_of::<Affinity4Key>(),
             size_of::<Affinity4Value>(),

@@ -303,7 +303,9 @@ fn hold(to: SocketAddr, interval: Duration, seconds: u64) {
         match result {
             Ok(len) if len > 0 => {
                 let reply: serde_json::Value = serde_json::from_str(line.trim()).unwrap_or(json!(null));
-                println!("{}", json!({"ok": true, "seq": n, "reply": reply}));
+                // getpeername at every exchange: the Service address for the connection's life.
+                let peer = stream.peer_addr().map(|a| a.to_string()).ok();
+                println!("{}", json!({"ok": true, "seq": n, "reply": reply, "peer": peer}));
             }
             Ok(_) => {
                 println!("{}", json!({"ok": false, "seq": n, "error": "closed"}));
