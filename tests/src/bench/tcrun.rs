@@ -301,7 +301,7 @@ pub fn measure(n: u32, batches: usize, calls: usize) -> Result<TcLevel> {
     }
     let connect_single = single(&mut s, SOCK_TRACE_PROGRAM, calls, |k| connect(k + 1))?;
     level.fixtures.push(TcFixture {
-        name: "socket connect (connect4's code via lb_sock_trace: lookup, backend choice, reverse-NAT entry)"
+        name: "socket connect (connect4's code via lb_sock_trace: lookup, backend choice, reverse-NAT entry in the LRU map)"
             .into(),
         program: SOCK_TRACE_PROGRAM.into(),
         batched_ns: vec![],
