@@ -152,7 +152,7 @@ fn frontends(paths: &PinPaths, snap: &Snapshot) -> Vec<FrontendView> {
     let mut flows: BTreeMap<u32, u64> = BTreeMap::new();
     if let Ok(ct) = open_hash::<Ct4Key, Ct4Value>(paths, names::CONNTRACK) {
         for (k, v) in ct.iter().flatten() {
-            if k.dir == dir::INGRESS && v.flags & ctflags::REPLY == 0 {
+            if crate::maps::conntrack::is_forward(&k, &v) {
                 *flows.entry(v.rev_nat_id).or_default() += 1;
             }
         }
@@ -418,6 +418,7 @@ pub fn conntrack(args: &InspectArgs) -> Result<()> {
     let (paths, maps) = open(args)?;
     let snap = maps.snapshot()?;
     let ct = open_hash::<Ct4Key, Ct4Value>(&paths, names::CONNTRACK)?;
+    // A list for the rows' order (the map's), a table for finding each flow's other entries.
     let entries: Vec<(Ct4Key, Ct4Value)> = ct.iter().flatten().collect();
     let by_key: std::collections::HashMap<Ct4Key, Ct4Value> = entries.iter().copied().collect();
     // Masquerade addresses of each flow, from its SNAT entry (client -> backend).
@@ -433,10 +434,10 @@ pub fn conntrack(args: &InspectArgs) -> Result<()> {
             )
         })
         .collect();
-    let now = crate::datapath::clock_ns(libc::CLOCK_MONOTONIC_COARSE);
+    let now = crate::maps::conntrack::now_ns();
     let rows: Vec<FlowRow> = entries
         .iter()
-        .filter(|(k, v)| k.dir == dir::INGRESS && v.flags & ctflags::REPLY == 0)
+        .filter(|(k, v)| crate::maps::conntrack::is_forward(k, v))
         .map(|(k, v)| FlowRow {
             protocol: proto_name(k.proto),
             client: format!("{}:{}", ip(k.saddr), k.sport),
@@ -451,7 +452,7 @@ pub fn conntrack(args: &InspectArgs) -> Result<()> {
                 .map(|n| service_port_name(n, k.proto).to_string())
                 .unwrap_or_default(),
             age: age(now, v.created_ns),
-            state: crate::maps::conntrack::flow_state(k, v, &by_key),
+            state: crate::maps::conntrack::flow_state(k, v, &by_key).label(),
         })
         .collect();
     match args.output {

@@ -174,20 +174,29 @@ pub fn bpf_root_in(root: &Path) -> PathBuf {
     root.join("lb")
 }
 
+/// `lb-agent <cmd> -o json --bpf-root <bpf_root>` (services, backends, conntrack, stats...), or
+/// why it failed.
+pub fn inspect(bpf_root: &Path, cmd: &str) -> Result<serde_json::Value, String> {
+    let out = Command::new(workspace_bin("lb-agent"))
+        .args([cmd, "-o", "json", "--bpf-root"])
+        .arg(bpf_root)
+        .output()
+        .map_err(|e| format!("lb-agent {cmd}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "lb-agent {cmd}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    serde_json::from_slice(&out.stdout).map_err(|e| format!("lb-agent {cmd}: not JSON: {e}"))
+}
+
 /// The data path's non-zero event counters (`lb-agent stats`) under `bpf_root`, for failure
 /// messages: a lost request next to `tc_snat_ports_exhausted` or `tc_ct_insert_failed` says why.
 pub fn datapath_events(bpf_root: &Path) -> serde_json::Value {
-    let out = std::process::Command::new(crate::process::workspace_bin("lb-agent"))
-        .args(["stats", "-o", "json", "--bpf-root"])
-        .arg(bpf_root)
-        .output();
-    match out {
-        Ok(out) if out.status.success() => {
-            let all: serde_json::Map<String, serde_json::Value> =
-                serde_json::from_slice(&out.stdout).unwrap_or_default();
-            all.into_iter().filter(|(_, v)| v != 0).collect()
-        }
-        Ok(out) => format!("lb-agent stats: {}", String::from_utf8_lossy(&out.stderr).trim()).into(),
-        Err(e) => format!("lb-agent stats: {e}").into(),
+    match inspect(bpf_root, "stats") {
+        Ok(serde_json::Value::Object(all)) => all.into_iter().filter(|(_, v)| v != 0).collect(),
+        Ok(other) => other,
+        Err(e) => e.into(),
     }
 }

@@ -147,14 +147,8 @@ impl Site {
 
     /// `lb-agent <cmd> -o json` on the pins.
     fn inspect(&self, cmd: &str) -> Vec<Value> {
-        let out = Command::new(workspace_bin("lb-agent"))
-            .args([cmd, "-o", "json", "--bpf-root"])
-            .arg(self.bpf_root())
-            .output()
-            .expect("lb-agent");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice::<Value>(&out.stdout)
-            .expect("json")
+        lb_tests::agent::inspect(&self.bpf_root(), cmd)
+            .unwrap_or_else(|e| panic!("{e}"))
             .as_array()
             .cloned()
             .unwrap_or_default()

@@ -159,13 +159,7 @@ impl Site {
     /// `lb-agent services -o json` and `backends -o json`: ids by frontend and by backend.
     fn ids(&self) -> (BTreeMap<String, u64>, BTreeMap<String, u64>) {
         let run = |cmd: &str| -> Value {
-            let out = Command::new(workspace_bin("lb-agent"))
-                .args([cmd, "-o", "json", "--bpf-root"])
-                .arg(self.bpf_root())
-                .output()
-                .unwrap();
-            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-            serde_json::from_slice(&out.stdout).unwrap()
+            lb_tests::agent::inspect(&self.bpf_root(), cmd).unwrap_or_else(|e| panic!("{e}"))
         };
         let frontends = run("services")
             .as_array()

@@ -6,18 +6,17 @@
 use std::{
     net::Ipv4Addr,
     path::PathBuf,
-    process::Command,
     time::{Duration, Instant},
 };
 
 use lb_tests::{
-    agent::{Agent, AgentOptions, bpf_root_in},
+    agent::{Agent, AgentOptions, bpf_root_in, inspect},
     bpffs::BpfFs,
     cgroup::Cgroup,
     fixtures::{State, service, slice, write_manifests},
     netns::NetNs,
     probe,
-    process::{Place, Proc, workspace_bin},
+    process::{Place, Proc},
     require_root,
     topo::{Lan, Node, external_client},
 };
@@ -40,13 +39,8 @@ struct Cluster {
 impl Cluster {
     /// `lb-agent conntrack -o json` on node `index` (0-based).
     fn conntrack(&self, index: usize) -> Vec<Value> {
-        let out = Command::new(workspace_bin("lb-agent"))
-            .args(["conntrack", "-o", "json", "--bpf-root"])
-            .arg(&self.bpf_roots[index])
-            .output()
-            .expect("lb-agent conntrack");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice::<Vec<Value>>(&out.stdout).expect("json")
+        let flows = inspect(&self.bpf_roots[index], "conntrack").unwrap_or_else(|e| panic!("{e}"));
+        flows.as_array().cloned().expect("a JSON array")
     }
 }
 

@@ -132,21 +132,52 @@ fn companions(fwd_key: &Ct4Key, fwd: &Ct4Value, entries: &HashMap<Ct4Key, Ct4Val
     out
 }
 
-/// A forward entry's flow as `lb-agent conntrack` shows it: `open`, `closing` (a FIN one way),
-/// `closed` (FINs both ways) or `reset`.
-pub fn flow_state(fwd_key: &Ct4Key, fwd: &Ct4Value, entries: &HashMap<Ct4Key, Ct4Value>) -> &'static str {
+/// Where a TCP flow is in its close, from the close marks of all its entries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlowState {
+    Open,
+    /// A FIN one way.
+    Closing,
+    /// FINs both ways.
+    Closed,
+    Reset,
+}
+
+impl FlowState {
+    fn from_marks(marks: u16) -> Self {
+        let fins = marks & (flags::FIN_FORWARD | flags::FIN_REPLY);
+        if marks & flags::RESET != 0 {
+            FlowState::Reset
+        } else if fins == flags::FIN_FORWARD | flags::FIN_REPLY {
+            FlowState::Closed
+        } else if fins != 0 {
+            FlowState::Closing
+        } else {
+            FlowState::Open
+        }
+    }
+
+    /// Ended: the GC frees the flow once its last close mark is `tcp_fin_timeout` old.
+    fn ended(self) -> bool {
+        matches!(self, FlowState::Closed | FlowState::Reset)
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            FlowState::Open => "open",
+            FlowState::Closing => "closing",
+            FlowState::Closed => "closed",
+            FlowState::Reset => "reset",
+        }
+    }
+}
+
+/// A forward entry's flow state, as `lb-agent conntrack` shows it.
+pub fn flow_state(fwd_key: &Ct4Key, fwd: &Ct4Value, entries: &HashMap<Ct4Key, Ct4Value>) -> FlowState {
     let marks = companions(fwd_key, fwd, entries)
         .iter()
         .fold(fwd.flags, |m, k| m | entries[k].flags);
-    if marks & flags::RESET != 0 {
-        "reset"
-    } else if marks & (flags::FIN_FORWARD | flags::FIN_REPLY) == flags::FIN_FORWARD | flags::FIN_REPLY {
-        "closed"
-    } else if marks & (flags::FIN_FORWARD | flags::FIN_REPLY) != 0 {
-        "closing"
-    } else {
-        "open"
-    }
+    FlowState::from_marks(marks)
 }
 
 pub fn is_forward(key: &Ct4Key, value: &Ct4Value) -> bool {
@@ -165,9 +196,7 @@ pub fn plan(entries: &HashMap<Ct4Key, Ct4Value>, now_ns: u64, t: &GcTimeouts) ->
         let reason = match key.proto {
             lb_common::proto::TCP => {
                 let marks = members().fold(0, |m, (_, v)| m | v.flags);
-                let closed = marks & flags::RESET != 0
-                    || marks & (flags::FIN_FORWARD | flags::FIN_REPLY)
-                        == flags::FIN_FORWARD | flags::FIN_REPLY;
+                let closed = FlowState::from_marks(marks).ended();
                 // The last close mark: a flow half-closed long ago and closed now waits again.
                 let closed_at = members()
                     .filter(|(_, v)| v.flags & flags::CLOSE_MARKS != 0)
@@ -215,7 +244,7 @@ pub struct GcReport {
 
 /// The programs' conntrack clock (`bpf_ktime_get_coarse_ns`: CLOCK_MONOTONIC, coarse).
 pub fn now_ns() -> u64 {
-    crate::datapath::clock_ns(libc::CLOCK_MONOTONIC)
+    crate::datapath::clock_ns(libc::CLOCK_MONOTONIC_COARSE)
 }
 
 /// One pass over the kernel map: scan, plan, delete what still is what was planned.

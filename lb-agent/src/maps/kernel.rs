@@ -3,7 +3,7 @@
 
 use std::{
     io,
-    os::fd::{AsFd, AsRawFd, OwnedFd},
+    os::fd::{AsFd, AsRawFd, OwnedFd, RawFd},
     path::Path,
 };
 
@@ -66,13 +66,13 @@ const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 
 /// Updates `keys[i] -> values[i]` in order with one syscall. Keys and values are `#[repr(C)]`
 /// Pod types whose size is the map's key and value size.
-fn update_batch<K: aya::Pod, V: aya::Pod>(fd: &OwnedFd, keys: &[K], values: &[V]) -> io::Result<()> {
+fn update_batch<K: aya::Pod, V: aya::Pod>(fd: RawFd, keys: &[K], values: &[V]) -> io::Result<()> {
     debug_assert_eq!(keys.len(), values.len());
     let mut attr = BatchAttr {
         keys: keys.as_ptr() as u64,
         values: values.as_ptr() as u64,
         count: keys.len() as u32,
-        map_fd: fd.as_raw_fd() as u32,
+        map_fd: fd as u32,
         ..Default::default()
     };
     // SAFETY: `attr` is the kernel's batch layout; keys and values point at `count` contiguous
@@ -102,29 +102,25 @@ fn batch_unsupported(e: &io::Error) -> bool {
 }
 
 impl KernelMaps {
-    /// Writes a run of entries with one batch call, or one by one where batches are refused.
+    /// Writes a run of entries to the map behind `fd` with one batch call, or one by one (with
+    /// `single`) where batches are refused.
     fn batch<K: aya::Pod, V: aya::Pod>(
         &mut self,
-        map: &'static str,
+        fd: RawFd,
         entries: &[(K, V)],
         single: impl Fn(&mut Self, &K, &V) -> Result<(), MapError>,
     ) -> Result<(), BatchError> {
-        let one_by_one = |this: &mut Self, from: usize| {
-            for (i, (k, v)) in entries.iter().enumerate().skip(from) {
-                single(this, k, v).map_err(|error| BatchError { done: i, error })?;
+        let one_by_one = |this: &mut Self| {
+            for (done, (k, v)) in entries.iter().enumerate() {
+                single(this, k, v).map_err(|error| BatchError { done, error })?;
             }
             Ok(())
         };
         if entries.len() < 2 || !self.batch_fds.supported {
-            return one_by_one(self, 0);
+            return one_by_one(self);
         }
         let keys: Vec<K> = entries.iter().map(|(k, _)| *k).collect();
         let values: Vec<V> = entries.iter().map(|(_, v)| *v).collect();
-        let fd = if map == names::SERVICES {
-            &self.batch_fds.services
-        } else {
-            &self.batch_fds.backends
-        };
         match update_batch(fd, &keys, &values) {
             Ok(()) => Ok(()),
             Err(e) => {
@@ -135,7 +131,7 @@ impl KernelMaps {
                 // Redo the run one by one, for the failing entry's own error and an exact count
                 // (the kernel does not report one when it refuses the call before starting);
                 // rewriting an entry with the value it already has changes nothing.
-                one_by_one(self, 0)
+                one_by_one(self)
             }
         }
     }
@@ -230,11 +226,13 @@ impl KernelMaps {
 
 impl MapOps for KernelMaps {
     fn put_services(&mut self, entries: &[(Svc4Key, Svc4Value)]) -> Result<(), BatchError> {
-        self.batch(names::SERVICES, entries, |m, k, v| m.put_service(k, v))
+        let fd = self.batch_fds.services.as_raw_fd();
+        self.batch(fd, entries, |m, k, v| m.put_service(k, v))
     }
 
     fn put_backends(&mut self, entries: &[(u32, Backend4Value)]) -> Result<(), BatchError> {
-        self.batch(names::BACKENDS, entries, |m, k, v| m.put_backend(*k, v))
+        let fd = self.batch_fds.backends.as_raw_fd();
+        self.batch(fd, entries, |m, k, v| m.put_backend(*k, v))
     }
 
     fn put_service(&mut self, key: &Svc4Key, value: &Svc4Value) -> Result<(), MapError> {
