@@ -201,23 +201,20 @@ impl Synchronizer {
                 self.units.insert(key.clone(), unit);
             }
         }
-        let conflicts_before: BTreeSet<Problem> = touched
-            .frontends
-            .iter()
-            .filter_map(|f| self.conflicts.get(f))
-            .flatten()
-            .cloned()
-            .collect();
-        let changes = self.settle(touched);
-        new_problems.extend(
-            changes
-                .frontends
+        // Conflicts on every frontend a recomputed Service claims, whether or not its winner
+        // changed: a claim that loses on arrival leaves the winner as it was.
+        let contested: Vec<Frontend> = touched.frontends.iter().copied().collect();
+        let conflicts_of = |s: &Self| -> BTreeSet<Problem> {
+            contested
                 .iter()
-                .filter_map(|f| self.conflicts.get(f))
+                .filter_map(|f| s.conflicts.get(f))
                 .flatten()
-                .filter(|p| !conflicts_before.contains(p))
-                .cloned(),
-        );
+                .cloned()
+                .collect()
+        };
+        let conflicts_before = conflicts_of(self);
+        let changes = self.settle(touched);
+        new_problems.extend(conflicts_of(self).difference(&conflicts_before).cloned());
         Outcome {
             changes,
             new_problems,

@@ -154,3 +154,44 @@ fn other_node_facts_need_a_rebuild() {
     assert!(!s.is_current(&node(), &moved));
     assert!(!s.is_current(&sync::node_info("node-b", None), &ctx));
 }
+
+/// Regression: a claim that loses on arrival, to a Service already served, was not reported:
+/// only frontends whose winner changed had their conflicts reported, and the winner stays. The
+/// hostile-input scenario saw it when lb-a and lb-b came in different syncs.
+#[test]
+fn a_claim_that_loses_on_arrival_is_reported() {
+    let ctx = NodeContext::default();
+    let only_a = state(&with_external_ip("a", "10.96.0.1"));
+    let mut s = Synchronizer::new();
+    let first = s.rebuild(&only_a, &node(), &ctx);
+    assert!(first.new_problems.is_empty(), "{:?}", first.new_problems);
+    let both = state(&format!(
+        "{}---{}",
+        with_external_ip("a", "10.96.0.1"),
+        with_external_ip("b", "10.96.0.2")
+    ));
+    let outcome = s.update(&[key("b")], inputs(&both));
+    let lost: Vec<_> = outcome
+        .new_problems
+        .iter()
+        .filter(|p| p.message.contains("already served"))
+        .collect();
+    assert_eq!(lost.len(), 1, "{:?}", outcome.new_problems);
+    assert_eq!(lost[0].name, "b");
+    assert_eq!(s.desired(), &sync::compute(&both, &node(), &ctx).desired);
+    // Reported once: b's claim recomputed with another cluster IP is the same conflict.
+    let both_moved = state(&format!(
+        "{}---{}",
+        with_external_ip("a", "10.96.0.1"),
+        with_external_ip("b", "10.96.0.3")
+    ));
+    let again = s.update(&[key("b")], inputs(&both_moved));
+    assert!(
+        !again
+            .new_problems
+            .iter()
+            .any(|p| p.message.contains("already served")),
+        "{:?}",
+        again.new_problems
+    );
+}
