@@ -35,9 +35,7 @@ pub fn run(bpf_root: &Path) -> Result<()> {
     // Links first: the data path stops translating before its maps go. On kernels without TCX
     // the tc programs are clsact filters, not links: remove those by name on every interface.
     for (_, ifindex) in crate::datapath::tc::interfaces_up().unwrap_or_default() {
-        for (program, attach_type, _) in crate::datapath::tc::TC_PROGRAMS {
-            let _ = aya::programs::tc::qdisc_detach_program(ifindex, attach_type.into(), program);
-        }
+        crate::datapath::tc::detach_clsact(ifindex);
     }
     let links = count_files(&paths.links());
     remove(&paths.links()).map_err(|e| failed(format!("removing {}", paths.links().display()), e))?;

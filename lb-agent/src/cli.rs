@@ -37,6 +37,25 @@ pub enum Command {
     Trace(Box<TraceArgs>),
     /// Detach every program and remove every pin the agent created (idempotent).
     Cleanup(BpfRootArgs),
+    /// Check this node's kernel: the features the data path needs, which it has, and what the
+    /// agent does without each (exit status 1 when the agent cannot run here).
+    Kernel(KernelArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct KernelArgs {
+    #[command(flatten)]
+    pub output: OutputArgs,
+    /// Check this eBPF object instead of the embedded one (development).
+    #[arg(long)]
+    pub bpf_object: Option<PathBuf>,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct OutputArgs {
+    /// Output format.
+    #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+    pub output: OutputFormat,
 }
 
 #[derive(Args, Debug, Clone)]

@@ -1,7 +1,7 @@
 //! Operator commands that read the pinned maps: `lb-agent services`, `backends`, `conntrack`,
 //! `affinity` and `stats`. They work while the agent runs and after it stopped (the maps are
 //! pinned), print a table or JSON, show addresses in dotted form, and join Service names back from
-//! the reverse-NAT data.
+//! the reverse-NAT data. Also `lb-agent kernel`: what this node's kernel offers the data path.
 
 use std::{collections::BTreeMap, net::Ipv4Addr, time::Duration};
 
@@ -19,7 +19,7 @@ use lb_common::{
 use serde::Serialize;
 
 use crate::{
-    cli::{InspectArgs, OutputFormat},
+    cli::{InspectArgs, KernelArgs, OutputFormat},
     datapath::PinPaths,
     error::{Chain, is_permission_denied},
     maps::{KernelMaps, MapOps, Snapshot, apply::service_port_name},
@@ -561,4 +561,63 @@ pub fn stats(args: &InspectArgs) -> Result<()> {
         ),
     }
     Ok(())
+}
+
+/// `lb-agent kernel`: the features the data path uses on this kernel (probed, as the agent does
+/// at start-up), then the real test: every program of the object loaded with scratch maps, which
+/// is this kernel's verifier accepting each of them (or the verifier's reason it does not).
+pub fn kernel(args: &KernelArgs) -> Result<()> {
+    use crate::datapath::{Datapath, features};
+    let kernel = features::KernelFeatures::probe()?;
+    let mut verdict = kernel.check().map_err(anyhow::Error::from);
+    let programs = if verdict.is_ok() {
+        let caps = crate::maps::Capacities {
+            services: 1024,
+            backends: 1024,
+            revnat: 1024,
+            sock_revnat: 1024,
+            affinity: 1024,
+            affinity_match: 1024,
+            source_ranges: 1024,
+            conntrack: 1024,
+        };
+        let object = crate::datapath::object_bytes(args.bpf_object.as_deref())?;
+        match Datapath::load_unpinned(&caps, &object).and_then(|mut dp| dp.verify_programs()) {
+            Ok(programs) => programs,
+            Err(e) => {
+                verdict = Err(anyhow::anyhow!("the data path does not load on this kernel: {e}"));
+                Vec::new()
+            }
+        }
+    } else {
+        Vec::new()
+    };
+    let minimum = format!("{}.{}", features::MINIMUM_KERNEL.0, features::MINIMUM_KERNEL.1);
+    match args.output.output {
+        OutputFormat::Json => {
+            let mut value = serde_json::to_value(kernel)?;
+            value["supported"] = verdict.is_ok().into();
+            if let Err(e) = &verdict {
+                value["error"] = format!("{e:#}").into();
+            }
+            value["minimum"] = minimum.into();
+            value["programs"] = serde_json::to_value(&programs)?;
+            println!("{}", serde_json::to_string_pretty(&value)?);
+        }
+        OutputFormat::Table => {
+            print!("{kernel}");
+            if !programs.is_empty() {
+                println!(
+                    "\n{:<18} {:>12} {:>14}",
+                    "PROGRAM", "INSTRUCTIONS", "VERIFIER STEPS"
+                );
+                for p in &programs {
+                    let steps = p.verified_instructions.map_or("-".to_string(), |n| n.to_string());
+                    println!("{:<18} {:>12} {:>14}", p.name, p.instructions, steps);
+                }
+                println!("\nall {} programs pass this kernel's verifier", programs.len());
+            }
+        }
+    }
+    verdict
 }

@@ -10,7 +10,6 @@ use std::{
     cell::RefCell,
     collections::{BTreeMap, BTreeSet, HashSet},
     net::{IpAddr, Ipv4Addr},
-    os::fd::AsRawFd,
     path::PathBuf,
     rc::Rc,
     sync::Arc,
@@ -54,27 +53,31 @@ pub fn hostname() -> String {
         .to_lowercase()
 }
 
-/// `bpf_get_netns_cookie()` of the calling thread's network namespace (SO_NETNS_COOKIE, 5.14+).
-pub fn netns_cookie() -> std::io::Result<u64> {
-    let sock =
-        std::net::UdpSocket::bind("127.0.0.1:0").or_else(|_| std::net::UdpSocket::bind("0.0.0.0:0"))?;
-    let mut cookie: u64 = 0;
-    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
-    const SO_NETNS_COOKIE: libc::c_int = 71;
-    // SAFETY: getsockopt writes at most `len` bytes into `cookie`.
-    let rc = unsafe {
-        libc::getsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            SO_NETNS_COOKIE,
-            (&raw mut cookie).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
+/// The cookie of the node's network namespace (the agent's own), which the socket programs
+/// compare against: from `SO_NETNS_COOKIE`, or on kernels without it from `lb_probe_netns`.
+fn host_netns_cookie(
+    kernel: &datapath::features::KernelFeatures,
+    dp: &mut Datapath,
+    cgroup_root: &std::path::Path,
+) -> Result<u64> {
+    if kernel.netns_cookie_sockopt {
+        return datapath::features::own_netns_cookie().context("reading this network namespace's cookie");
     }
-    Ok(cookie)
+    match dp.probe_netns_cookie(cgroup_root) {
+        Ok(Some(cookie)) => Ok(cookie),
+        Ok(None) => {
+            tracing::error!(
+                cgroup = %cgroup_root.display(),
+                "cannot identify the node's network namespace: this agent does not run inside \
+                 --cgroup-root, and kernel {} has no SO_NETNS_COOKIE (5.14); rules for traffic \
+                 from the node itself (localhost NodePorts, --bpf-lb-sock-hostns-only, \
+                 loadBalancerSourceRanges containing a node IP) apply to no socket",
+                kernel.release
+            );
+            Ok(0)
+        }
+        Err(e) => Err(e).context("probing this network namespace's cookie"),
+    }
 }
 
 /// Settings resolved from flags and the config file.
@@ -531,6 +534,18 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         }
     }
     let settings = NodeSettings::from_args(&args.node, args.iptables_localhost_nodeports, args.bind_address)?;
+    // The kernel before anything is loaded or pinned: refuse one the data path cannot run on,
+    // and say what changes on one that lacks a feature with a fallback.
+    let kernel = datapath::features::current()?;
+    kernel.check()?;
+    for (feature, fallback) in kernel.fallbacks() {
+        tracing::warn!(
+            kernel = %kernel.release,
+            since = feature.since,
+            "this kernel lacks {}: {fallback}",
+            feature.name
+        );
+    }
     let object = datapath::object_bytes(args.bpf.bpf_object.as_deref())?;
     let caps = args.bpf.capacities();
     let paths = PinPaths::new(&args.bpf.root.bpf_root);
@@ -542,10 +557,9 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     let maps = dp.take_maps()?;
     let conntrack = dp.take_conntrack()?;
     let applier = Applier::recover(maps, caps).context("reading the pinned maps")?;
-    let host_cookie =
-        netns_cookie().context("reading this network namespace's cookie (needs kernel >= 5.14)")?;
     cgroup::check_cgroup2_dir(&cgroup_root)
         .with_context(|| format!("--cgroup-root {}", cgroup_root.display()))?;
+    let host_cookie = host_netns_cookie(kernel, &mut dp, &cgroup_root)?;
     tracing::info!(
         node = %settings.node_name,
         bpf_root = %paths.root.display(),

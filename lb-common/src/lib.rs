@@ -16,6 +16,7 @@ pub mod affinity;
 pub mod backend;
 pub mod config;
 pub mod conntrack;
+pub mod features;
 pub mod maps;
 pub mod ratelimit;
 pub mod revnat;

@@ -35,7 +35,11 @@ pub const STATS: &str = "lb_stats";
 /// the tc programs.
 pub const REJECT_LIMIT: &str = "lb_reject_rl";
 
-/// Every map, in the order the CLI and cleanup list them.
+/// The agent's own network namespace cookie on kernels without `SO_NETNS_COOKIE`: `u32` 0 ->
+/// `features::NetnsProbe`. Used for a moment at start-up; never pinned, so not in [`ALL`].
+pub const NETNS_PROBE: &str = "lb_netns_probe";
+
+/// Every pinned map, in the order the CLI and cleanup list them.
 pub const ALL: &[&str] = &[
     SERVICES,
     BACKENDS,
@@ -76,4 +80,5 @@ const _: () = {
         assert!(ALL[i].len() <= 15, "map name longer than 15 bytes");
         i += 1;
     }
+    assert!(NETNS_PROBE.len() <= 15, "map name longer than 15 bytes");
 };

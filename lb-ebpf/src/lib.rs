@@ -7,8 +7,10 @@
 //! - `sock`: cgroup connect4/sendmsg4/recvmsg4/getpeername4 translation;
 //! - `tc`: per-packet translation (DNAT, masquerade, conntrack, reverse NAT, reject, ICMP).
 //! - `stats`: per-CPU counters, bumped instead of failing a syscall or logging on the hot path.
+//! - `features`: the kernel features the agent found, so one object loads on every supported kernel.
 #![no_std]
 
+pub mod features;
 pub mod lb;
 pub mod maps;
 pub mod sock;

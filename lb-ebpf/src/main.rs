@@ -18,7 +18,7 @@ use lb_common::{
     trace::{SockTraceIn, SockTraceOut, hook, verdict},
 };
 use lb_ebpf::{
-    maps::SOCK_REVNAT_SK,
+    maps::{NETNS_PROBE, SOCK_REVNAT_SK},
     sock::{self, Outcome, SockCall},
 };
 
@@ -120,12 +120,15 @@ impl<const SENDMSG: bool> SockCall for KernelCall<SENDMSG> {
 }
 
 /// cgroup sock_addr verdicts: 1 lets the call proceed; 0 fails it with the errno set by
-/// `bpf_set_retval` (ECONNREFUSED or EHOSTUNREACH, never EPERM).
+/// `bpf_set_retval` (ECONNREFUSED or EHOSTUNREACH), or with EPERM on kernels without that
+/// helper (before 5.18), as the kernel fails any refused call.
 #[inline(always)]
 fn sock_verdict(outcome: Outcome) -> i32 {
     match outcome.verdict {
         verdict::REJECT | verdict::DROP => {
-            unsafe { bpf_set_retval(-(outcome.errno as i32)) };
+            if lb_ebpf::features::set_retval() {
+                unsafe { bpf_set_retval(-(outcome.errno as i32)) };
+            }
             0
         }
         _ => 1,
@@ -153,6 +156,23 @@ pub fn lb_recvmsg4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername4)]
 pub fn lb_getpeername4(ctx: SockAddrContext) -> i32 {
     sock::translate_reverse(&mut KernelCall::<false> { ctx });
+    1
+}
+
+/// Records the network namespace of the agent's probe socket, on kernels without
+/// `SO_NETNS_COOKIE` (`lb_common::features::NetnsProbe`). Attached by the agent to the cgroup
+/// root for one connect() at start-up, never otherwise; it lets every call through.
+#[cgroup_sock_addr(connect4)]
+pub fn lb_probe_netns(ctx: SockAddrContext) -> i32 {
+    if let Some(probe) = NETNS_PROBE.get_ptr_mut(0) {
+        // SAFETY: a pointer into the map's only value, which outlives the program run.
+        unsafe {
+            let wanted = (*probe).socket_cookie;
+            if wanted != 0 && bpf_get_socket_cookie(ctx.as_ptr()) == wanted {
+                (*probe).netns_cookie = bpf_get_netns_cookie(ctx.as_ptr());
+            }
+        }
+    }
     1
 }
 

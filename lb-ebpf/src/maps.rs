@@ -13,6 +13,7 @@ use lb_common::{
     backend::Backend4Value,
     config::DatapathConfig,
     conntrack::{Ct4Key, Ct4Value},
+    features::NetnsProbe,
     maps::capacity,
     ratelimit::RateBucket,
     revnat::{RevNat4Value, SockRevNat4Key, SockRevNat4Sk, SockRevNat4Value, SvcName},
@@ -106,3 +107,9 @@ pub static STATS: PerCpuArray<u64, { stats::COUNT as usize }> = PerCpuArray::new
 /// ingress.
 #[btf_map(name = "lb_reject_rl")]
 pub static REJECT_LIMIT: PerCpuArray<RateBucket, 1> = PerCpuArray::new();
+
+/// The agent's own network namespace cookie on kernels without `SO_NETNS_COOKIE` (see
+/// `lb_common::features::NetnsProbe`). Writers: the agent (socket cookie), `lb_probe_netns`
+/// (netns cookie). Never pinned.
+#[btf_map(name = "lb_netns_probe")]
+pub static NETNS_PROBE: Array<NetnsProbe, 1> = Array::new();

@@ -25,7 +25,7 @@
 use aya_ebpf::{
     EbpfContext,
     bindings::{__sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns, bpf_redirect},
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns, bpf_redirect},
     programs::TcContext,
 };
 use lb_common::{
@@ -40,6 +40,7 @@ use lb_common::{
 use network_types::{eth::EthHdr, ip::Ipv4Hdr};
 
 use crate::{
+    features,
     lb::{self, Frontend},
     maps::{CONNTRACK, REJECT_LIMIT, REVNAT},
     stats::count,
@@ -217,7 +218,12 @@ fn parse(ctx: &TcContext) -> Parsed {
 
 #[inline(always)]
 fn now_ns() -> u64 {
-    unsafe { bpf_ktime_get_coarse_ns() }
+    // Both read CLOCK_MONOTONIC; the coarse one is cheaper and precise enough for timeouts.
+    if features::ktime_coarse() {
+        unsafe { bpf_ktime_get_coarse_ns() }
+    } else {
+        unsafe { bpf_ktime_get_ns() }
+    }
 }
 
 #[inline(always)]
@@ -273,24 +279,33 @@ fn rewrite(ctx: &TcContext, pkt: &Packet, source: bool, addr: [u8; 4], port: u16
         // No IP options (the common case): the address, the IP header checksum (plain software,
         // never offloaded) and the port are written in place, which saves three helper calls a
         // packet. Taken after the helpers, which invalidate packet pointers.
-        let (Some(ip), Some(l4)) = (
-            ptr_at::<[u8; Ipv4Hdr::LEN]>(ctx, ETH_HLEN),
-            ptr_at::<[u8; 4]>(ctx, ETH_HLEN + Ipv4Hdr::LEN),
-        ) else {
+        //
+        // One pointer to the headers and offsets that are constants here (`source` is a constant
+        // at every call site), never derived from `pkt.l4`: given an offset computed from the
+        // IP header length, LLVM may rebuild the pointer from that variable, which verifiers
+        // before 6.8 cannot bound ("R1 offset is outside of the packet" on 6.1).
+        const L4_AT: usize = ETH_HLEN + Ipv4Hdr::LEN;
+        let port_at = if source {
+            L4_AT + L4_SPORT
+        } else {
+            L4_AT + L4_DPORT
+        };
+        let Some(headers) = ptr_at::<[u8; L4_AT + 4]>(ctx, 0) else {
             return Err(());
         };
-        // `source` is a constant at every call site, so are the offsets: no bounds checks.
+        let headers = headers as *mut u8;
+        // SAFETY: every offset below is a constant inside the bounds-checked `headers`.
         unsafe {
             if old_addr != addr {
-                let check_at = (ip as *mut u8).add(IP_CHECK) as *mut [u8; 2];
+                let check_at = headers.add(ETH_HLEN + IP_CHECK) as *mut [u8; 2];
                 let check = u16::from_be_bytes(*check_at);
                 // RFC 1624: HC' = ~(~HC + ~m + m').
                 let sum = csum_add_bytes(!check as u32, &addr) + csum_add_bytes(0, &old_addr.map(|b| !b));
                 *check_at = csum_fold(sum).to_be_bytes();
-                *((ip as *mut u8).add(ip_off - ETH_HLEN) as *mut [u8; 4]) = addr;
+                *(headers.add(ip_off) as *mut [u8; 4]) = addr;
             }
             if old_port != port {
-                *((l4 as *mut u8).add(port_off - pkt.l4) as *mut [u8; 2]) = port.to_be_bytes();
+                *(headers.add(port_at) as *mut [u8; 2]) = port.to_be_bytes();
             }
         }
         return Ok(());

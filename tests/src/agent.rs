@@ -68,7 +68,9 @@ impl Agent {
         if let Some(kubeconfig) = &opts.kubeconfig {
             cmd.arg("--kubeconfig").arg(kubeconfig);
         }
-        Place::netns(opts.netns).apply(&mut cmd);
+        // Inside the cgroup it attaches to, as the DaemonSet's agent is inside the node's: on
+        // kernels without SO_NETNS_COOKIE it finds its namespace through its own connect().
+        Place::new(opts.netns, opts.cgroup).apply(&mut cmd);
         let mut proc = Proc::spawn_command(cmd);
         let stderr = proc.child_mut().stderr.take().expect("piped stderr");
         let log = Arc::new(Mutex::new(Vec::new()));

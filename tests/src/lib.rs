@@ -8,7 +8,8 @@
 //! - `process`: child processes started inside a netns and a cgroup, killed on drop;
 //! - `control_plane`: a real etcd and kube-apiserver on loopback with generated certificates;
 //! - `topo`: nodes, pods and a LAN in namespaces; `agent`: the real lb-agent run inside them;
-//! - `fixtures`: Service/EndpointSlice builders; `probe`: the `lb-probe` traffic helper.
+//! - `fixtures`: Service/EndpointSlice builders; `probe`: the `lb-probe` traffic helper;
+//! - `kernel`: what the running kernel changes in what a test may observe.
 //!
 //! Tests never attach programs to the machine's root cgroup or to interfaces they did not create,
 //! and only send traffic to addresses inside their own namespaces or to loopback.
@@ -18,6 +19,7 @@ pub mod bpffs;
 pub mod cgroup;
 pub mod control_plane;
 pub mod fixtures;
+pub mod kernel;
 pub mod load;
 pub mod netns;
 pub mod packet;

@@ -8,10 +8,12 @@
 //! - `sandbox`      the main job: a local cluster in network namespaces, live traffic tables;
 //! - `bench`        benchmarks side by side with kube-proxy (writes docs/benchmarks.md);
 //! - `report`       regenerate docs/reliability.md from the figures the last test run recorded;
-//! - `k8s-bins`     build (or find cached) etcd, kube-apiserver, kubectl and kube-proxy.
+//! - `k8s-bins`     build (or find cached) etcd, kube-apiserver, kubectl and kube-proxy;
+//! - `kernel-test`  the privileged suite on other kernels (Debian's), each in a guest.
 
 mod ebpf;
 mod k8s;
+mod kernel;
 mod report;
 mod setup;
 mod test;
@@ -64,6 +66,19 @@ enum Command {
     K8sBins,
     /// Regenerate docs/reliability.md from target/reliability/*.json (as `test` does at its end).
     Report,
+    /// Run the privileged test suite on other kernels (Debian's linux-image packages), each booted
+    /// in a guest, and on this machine's kernel; writes docs/kernels.md.
+    KernelTest(kernel::Options),
+    /// (Inside a kernel-test guest) run test binaries, recording each one's result.
+    #[command(hide = true)]
+    KernelGuest {
+        #[arg(long)]
+        results: std::path::PathBuf,
+        #[arg(long)]
+        filter: Option<String>,
+        /// NAME=PATH of each test binary.
+        binaries: Vec<String>,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -83,6 +98,12 @@ fn main() -> anyhow::Result<()> {
         Command::Sandbox { args } => test::run_tool("lb-sandbox", &args),
         Command::Bench { args } => test::run_tool("lb-bench", &args),
         Command::Report => report::write_reliability(),
+        Command::KernelTest(opts) => kernel::run_matrix(&opts),
+        Command::KernelGuest {
+            results,
+            filter,
+            binaries,
+        } => kernel::guest(&results, filter.as_deref(), &binaries),
         Command::K8sBins => {
             let bins = k8s::ensure(&util::cache_dir())?;
             println!("{}", bins.dir.display());

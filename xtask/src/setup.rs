@@ -42,7 +42,12 @@ pub fn ebpf_toolchain_and_linker() -> Result<()> {
 
 /// Installs the Debian packages whose commands are missing.
 pub fn packages() -> Result<()> {
-    let missing: Vec<&str> = PACKAGES
+    install(PACKAGES)
+}
+
+/// Installs those of `packages` (command, Debian package) whose command is missing.
+pub fn install(packages: &[(&str, &str)]) -> Result<()> {
+    let missing: Vec<&str> = packages
         .iter()
         .filter(|(cmd, _)| !have(cmd))
         .map(|(_, pkg)| *pkg)
@@ -50,6 +55,11 @@ pub fn packages() -> Result<()> {
     if missing.is_empty() {
         return Ok(());
     }
+    apt_install(&missing)
+}
+
+/// Installs Debian packages with the machine's apt.
+pub fn apt_install(missing: &[&str]) -> Result<()> {
     if !nix_is_root() {
         bail!(
             "missing Debian packages {missing:?}; run as root or install them: apt-get install {}",
@@ -63,7 +73,7 @@ pub fn packages() -> Result<()> {
         }
         run(Command::new("apt-get")
             .args(["install", "-y", "-q", "--no-install-recommends"])
-            .args(&missing)
+            .args(missing)
             .env("DEBIAN_FRONTEND", "noninteractive"))
     };
     // A fresh machine may have stale package lists: update only if the first try fails.

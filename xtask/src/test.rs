@@ -19,17 +19,17 @@ use crate::{
 
 /// Totals over every `test result:` line cargo's test harness prints.
 #[derive(Default)]
-struct Summary {
-    passed: u64,
-    failed: u64,
-    ignored: u64,
-    filtered: u64,
-    binaries: u64,
-    failing_binaries: Vec<String>,
+pub(crate) struct Summary {
+    pub passed: u64,
+    pub failed: u64,
+    pub ignored: u64,
+    pub filtered: u64,
+    pub binaries: u64,
+    pub failing_binaries: Vec<String>,
 }
 
 impl Summary {
-    fn add_line(&mut self, line: &str) {
+    pub fn add_line(&mut self, line: &str) {
         let Some(rest) = line.strip_prefix("test result: ") else {
             return;
         };
@@ -68,7 +68,7 @@ fn lb_tests_targets(with_e2e: bool) -> Result<Vec<String>> {
     Ok(targets)
 }
 
-fn require_root() -> Result<()> {
+pub(crate) fn require_root() -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         bail!("the privileged tests need root (network namespaces, cgroups, BPF); run `sudo -E ./x test`");
@@ -154,7 +154,7 @@ fn print_summary(summary: &Summary, started: Instant, ok: bool) {
 /// Environment for the test binaries: where the control-plane binaries are, and no backtraces
 /// (a failing scenario's message, with its timeline, is what explains it; a backtrace after it
 /// pushes it out of the tail of the output that CI shows). `LB_TEST_BACKTRACE=1` keeps them.
-fn test_env(with_e2e: bool) -> Result<Vec<(&'static str, String)>> {
+pub(crate) fn test_env(with_e2e: bool) -> Result<Vec<(&'static str, String)>> {
     let mut envs = vec![];
     if std::env::var_os("LB_TEST_BACKTRACE").is_none_or(|v| v == "0") {
         envs.push(("RUST_BACKTRACE", "0".to_string()));
@@ -228,7 +228,7 @@ pub fn run_e2e(filter: Option<&str>) -> Result<()> {
 
 /// The privileged tests run the real `lb-agent` binary (target/debug/lb-agent), which `cargo test`
 /// of another package does not build.
-fn build_agent() -> Result<()> {
+pub(crate) fn build_agent() -> Result<()> {
     step("building lb-agent");
     crate::util::run(clean_cargo(None).args(["build", "--package", "lb-agent", "--bin", "lb-agent"]))
 }

@@ -8,6 +8,7 @@
 
 pub mod bpffs;
 pub mod cgroup;
+pub mod features;
 pub mod migrate;
 pub mod tc;
 
@@ -61,6 +62,10 @@ pub const SOCK_PROGRAMS: [(&str, &str); 4] = [
 /// The trace harness (runs the socket code under BPF_PROG_TEST_RUN).
 pub const SOCK_TRACE_PROGRAM: &str = "lb_sock_trace";
 
+/// Finds the agent's network namespace cookie on kernels without `SO_NETNS_COOKIE`; loaded and
+/// attached only then (`Datapath::probe_netns_cookie`).
+pub const NETNS_PROBE_PROGRAM: &str = "lb_probe_netns";
+
 /// Why the data path cannot be loaded or attached. Each variant's message includes its cause
 /// (flattened with [`Chain`]) and none returns it from `source()`, so that the cause is printed
 /// once, in a plain `{e}` as in anyhow's `{:#}`.
@@ -94,6 +99,8 @@ pub enum DatapathError {
     Cgroup { path: PathBuf, error: io::Error },
     #[error("pinning {path}: {message}")]
     Pin { path: PathBuf, message: String },
+    #[error("{0}")]
+    Kernel(String),
     #[error("maps: {}{hint}", Chain(.error))]
     Maps {
         error: aya::maps::MapError,
@@ -244,6 +251,9 @@ impl Datapath {
             .map_max_entries(names::AFFINITY_MATCH, caps.affinity_match)
             .map_max_entries(names::SOURCE_RANGES, caps.source_ranges)
             .map_max_entries(names::CONNTRACK, caps.conntrack);
+        // The kernel's features decide which branches the programs keep (`lb_common::features`).
+        let features = features::current().map_err(|e| DatapathError::Kernel(e.to_string()))?;
+        loader.override_global(lb_common::features::GLOBAL, &features.program_bits, true);
         let mut ebpf = loader.load(object).map_err(|error| match error {
             aya::EbpfError::MapError(aya::maps::MapError::IncompatiblePinnedMap {
                 name,
@@ -374,6 +384,94 @@ impl Datapath {
             let _ = fs::remove_dir_all(&stale);
         }
         Ok(())
+    }
+}
+
+/// One program of the object as this kernel's verifier accepted it (`Datapath::verify_programs`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct VerifiedProgram {
+    pub name: String,
+    /// Instructions after the verifier's rewrites (8 bytes each).
+    pub instructions: u32,
+    /// Instructions the verifier walked (kernel >= 5.16; its limit is 1,000,000).
+    pub verified_instructions: Option<u32>,
+}
+
+impl Datapath {
+    /// Loads the programs the agent loads only on demand, then reports every program of the
+    /// object as the kernel holds it: proof that this kernel's verifier accepts all of them
+    /// (`lb-agent kernel`, the kernel matrix).
+    pub fn verify_programs(&mut self) -> Result<Vec<VerifiedProgram>, DatapathError> {
+        let probe: &mut CgroupSockAddr = program(&mut self.ebpf, NETNS_PROBE_PROGRAM)?;
+        if probe.fd().is_err() {
+            probe
+                .load()
+                .map_err(|source| program_error(NETNS_PROBE_PROGRAM, source))?;
+        }
+        let mut verified = Vec::new();
+        for (name, prog) in self.ebpf.programs() {
+            let info = prog.info().map_err(|source| program_error(name, source))?;
+            verified.push(VerifiedProgram {
+                name: name.to_string(),
+                instructions: info.size_translated().unwrap_or(0) / 8,
+                verified_instructions: info.verified_instruction_count(),
+            });
+        }
+        verified.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(verified)
+    }
+}
+
+impl Datapath {
+    /// The network namespace cookie of this process on kernels without `SO_NETNS_COOKIE`:
+    /// `lb_probe_netns` is attached to `cgroup` for one UDP connect() of a socket whose cookie it
+    /// looks for, then detached (`lb_common::features::NetnsProbe`). `None` when this process is
+    /// not inside `cgroup`'s tree (the program never saw the socket).
+    pub fn probe_netns_cookie(&mut self, cgroup: &Path) -> Result<Option<u64>, DatapathError> {
+        use lb_common::features::NetnsProbe;
+        const SO_COOKIE: libc::c_int = 57;
+        let io_error = |error: io::Error| DatapathError::Cgroup {
+            path: cgroup.into(),
+            error,
+        };
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").map_err(io_error)?;
+        let socket_cookie = features::socket_option_u64(&socket, SO_COOKIE).map_err(io_error)?;
+        let mut probe: aya::maps::Array<_, NetnsProbe> =
+            aya::maps::Array::try_from(self.ebpf.map_mut(names::NETNS_PROBE).ok_or_else(|| {
+                aya::maps::MapError::InvalidName {
+                    name: names::NETNS_PROBE.to_string(),
+                }
+            })?)?;
+        probe.set(
+            0,
+            &NetnsProbe {
+                socket_cookie,
+                netns_cookie: 0,
+            },
+            0,
+        )?;
+        let cgroup_file = fs::File::open(cgroup).map_err(io_error)?;
+        let prog: &mut CgroupSockAddr = program(&mut self.ebpf, NETNS_PROBE_PROGRAM)?;
+        if prog.fd().is_err() {
+            prog.load()
+                .map_err(|source| program_error(NETNS_PROBE_PROGRAM, source))?;
+        }
+        let link = prog
+            .attach(&cgroup_file, CgroupAttachMode::Single)
+            .map_err(|source| program_error(NETNS_PROBE_PROGRAM, source))?;
+        // A UDP connect() sends nothing; the discard port on loopback is never a frontend.
+        let connected = socket.connect("127.0.0.1:9");
+        let detached = prog.detach(link);
+        connected.map_err(io_error)?;
+        detached.map_err(|source| program_error(NETNS_PROBE_PROGRAM, source))?;
+        let found =
+            aya::maps::Array::<_, NetnsProbe>::try_from(self.ebpf.map(names::NETNS_PROBE).ok_or_else(
+                || aya::maps::MapError::InvalidName {
+                    name: names::NETNS_PROBE.to_string(),
+                },
+            )?)?
+            .get(&0, 0)?;
+        Ok((found.netns_cookie != 0).then_some(found.netns_cookie))
     }
 }
 

@@ -1,13 +1,18 @@
 //! The tc programs on the node's interfaces: which interfaces (`--devices`), attaching with pinned
-//! TCX links (kernel >= 6.6; a clsact qdisc filter before that), adopting links a previous run
-//! pinned, and detaching from interfaces that went away.
+//! TCX links (kernel >= 6.6) or, on kernels without TCX, as clsact filters at our own priority and
+//! handle; adopting what a previous run attached (its program is replaced in place), and
+//! detaching from interfaces that went away.
 
-use std::{collections::BTreeMap, fs, path::PathBuf};
+use std::{
+    collections::BTreeMap,
+    fs,
+    path::{Path, PathBuf},
+};
 
 use aya::programs::{
-    SchedClassifier,
+    LinkOrder, SchedClassifier,
     links::{FdLink, PinnedLink},
-    tc::{self, TcAttachType},
+    tc::{self, NlOptions, SchedClassifierLink, TcAttach, TcAttachType, TcHandle},
 };
 
 use super::{Datapath, DatapathError, PinPaths, program, program_error};
@@ -102,7 +107,9 @@ pub fn pinned_devices(paths: &PinPaths) -> BTreeMap<u32, PathBuf> {
 }
 
 impl Datapath {
-    /// Attaches the tc programs to one interface (ingress and egress), adopting pinned links.
+    /// Attaches the tc programs to one interface (ingress and egress), adopting what a previous
+    /// run attached: a pinned TCX link, or on kernels without TCX the clsact filter at our
+    /// priority and handle, whose program is replaced in place.
     pub fn attach_tc(&mut self, ifname: &str, ifindex: u32) -> Result<(), DatapathError> {
         if self.tc_attached.contains(&ifindex) {
             return Ok(());
@@ -113,47 +120,19 @@ impl Datapath {
             path: dir.clone(),
             message: e.to_string(),
         })?;
+        let tcx = super::features::current().map(|f| f.tcx).unwrap_or(false);
+        if !tcx {
+            // Filters hang off a clsact qdisc (EEXIST when one is there: ours, or Cilium's).
+            if let Err(e) = tc::qdisc_add_clsact(ifindex) {
+                tracing::debug!(device = ifname, "clsact: {e}");
+            }
+        }
         for (name, attach_type, hook) in TC_PROGRAMS {
-            let pin = dir.join(hook);
             let prog: &mut SchedClassifier = program(&mut self.ebpf, name)?;
-            match PinnedLink::from_pin(&pin) {
-                Ok(old) => {
-                    let link =
-                        FdLink::from(old)
-                            .try_into()
-                            .map_err(|e: aya::programs::links::LinkError| DatapathError::Pin {
-                                path: pin.clone(),
-                                message: e.to_string(),
-                            })?;
-                    prog.attach_to_link(link)
-                        .map_err(|source| program_error(name, source))?;
-                }
-                Err(_) => {
-                    let tcx = aya::util::KernelVersion::current()
-                        .is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0));
-                    if !tcx {
-                        // Before TCX, filters hang off a clsact qdisc (they outlive the agent too).
-                        if let Err(e) = tc::qdisc_add_clsact(ifindex) {
-                            tracing::debug!(device = ifname, "clsact: {e}");
-                        }
-                    }
-                    let link_id = prog
-                        .attach(ifindex, attach_type)
-                        .map_err(|source| program_error(name, source))?;
-                    let link = prog
-                        .take_link(link_id)
-                        .map_err(|source| program_error(name, source))?;
-                    match FdLink::try_from(link) {
-                        Ok(fd_link) => {
-                            fd_link.pin(&pin).map_err(|e| DatapathError::Pin {
-                                path: pin.clone(),
-                                message: e.to_string(),
-                            })?;
-                        }
-                        // A netlink filter is not a link: nothing to pin, it stays attached.
-                        Err(_) => tracing::debug!(device = ifname, hook, "attached as a netlink filter"),
-                    }
-                }
+            if tcx {
+                attach_tcx(prog, name, ifindex, attach_type, &dir.join(hook))?;
+            } else {
+                attach_clsact(prog, name, ifindex, attach_type)?;
             }
         }
         self.tc_attached.insert(ifindex);
@@ -170,8 +149,22 @@ impl Datapath {
         let mut removed = Vec::new();
         let keep_ids: std::collections::BTreeSet<u32> = keep.values().copied().collect();
         self.tc_attached.retain(|i| keep_ids.contains(i));
-        for (_, dir) in pinned_devices(&paths) {
-            if !wanted.contains(&dir) && fs::remove_dir_all(&dir).is_ok() {
+        let tcx = super::features::current().map(|f| f.tcx).unwrap_or(false);
+        let up = interfaces_up().unwrap_or_default();
+        for (ifindex, dir) in pinned_devices(&paths) {
+            if wanted.contains(&dir) {
+                continue;
+            }
+            // Without TCX the directory only records the filters: detach them while the
+            // interface (the one the directory names, not a newer one with its index) is there.
+            let same_interface = up
+                .iter()
+                .any(|(name, index)| *index == ifindex && device_dir(&paths, *index, name) == dir);
+            if !tcx && same_interface {
+                detach_clsact(ifindex);
+            }
+            // With TCX, removing the pinned links detaches the programs.
+            if fs::remove_dir_all(&dir).is_ok() {
                 removed.push(dir.file_name().unwrap_or_default().to_string_lossy().to_string());
             }
         }
@@ -183,6 +176,99 @@ impl Datapath {
             path: PathBuf::new(),
             message: "attaching needs a pinned data path (load, not load_unpinned)".into(),
         })
+    }
+}
+
+/// The clsact filters of kernels without TCX: our own priority and handle on each hook, so that
+/// a restarted agent finds its filter and swaps the program in place (cls_bpf replaces it
+/// atomically), as `bpf_link_update` does for a pinned TCX link. Priority 1 runs first, as a
+/// kube-proxy replacement must (before any filter that could redirect the packet away).
+pub const CLSACT_PRIORITY: u16 = 1;
+pub const CLSACT_HANDLE: TcHandle = TcHandle::new(0, 0x5ea);
+
+/// Attaches with a TCX link pinned at `pin`, or swaps the program of the link a previous run
+/// pinned there.
+fn attach_tcx(
+    prog: &mut SchedClassifier,
+    name: &str,
+    ifindex: u32,
+    attach_type: TcAttachType,
+    pin: &Path,
+) -> Result<(), DatapathError> {
+    let pin_error = |e: &dyn std::fmt::Display| DatapathError::Pin {
+        path: pin.to_path_buf(),
+        message: e.to_string(),
+    };
+    if let Ok(old) = PinnedLink::from_pin(pin) {
+        let link = FdLink::from(old)
+            .try_into()
+            .map_err(|e: aya::programs::links::LinkError| pin_error(&e))?;
+        prog.attach_to_link(link)
+            .map_err(|source| program_error(name, source))?;
+        return Ok(());
+    }
+    let link_id = prog
+        .attach(
+            ifindex,
+            TcAttach::Tcx {
+                attach_type,
+                order: LinkOrder::default(),
+            },
+        )
+        .map_err(|source| program_error(name, source))?;
+    let link = prog
+        .take_link(link_id)
+        .map_err(|source| program_error(name, source))?;
+    let fd_link = FdLink::try_from(link).map_err(|e| pin_error(&e))?;
+    fd_link.pin(pin).map_err(|e| pin_error(&e))?;
+    Ok(())
+}
+
+/// Attaches as the clsact filter at [`CLSACT_PRIORITY`]/[`CLSACT_HANDLE`], replacing the program
+/// of the filter a previous run left there. The filter outlives the agent: its handle is
+/// forgotten, never dropped (dropping would detach it).
+fn attach_clsact(
+    prog: &mut SchedClassifier,
+    name: &str,
+    ifindex: u32,
+    attach_type: TcAttachType,
+) -> Result<(), DatapathError> {
+    let parent = TcHandle::from(attach_type);
+    let existing = SchedClassifierLink::attached(ifindex, parent, CLSACT_PRIORITY, CLSACT_HANDLE, None)
+        .map_err(|e| program_error(name, aya::programs::ProgramError::IOError(e)))?;
+    let link_id = match prog.attach_to_link(existing) {
+        Ok(id) => id,
+        // No filter of ours there yet (ENOENT): create it.
+        Err(_) => prog
+            .attach(
+                ifindex,
+                TcAttach::Netlink {
+                    parent,
+                    options: NlOptions {
+                        priority: CLSACT_PRIORITY,
+                        handle: CLSACT_HANDLE,
+                        classid: None,
+                    },
+                },
+            )
+            .map_err(|source| program_error(name, source))?,
+    };
+    let link = prog
+        .take_link(link_id)
+        .map_err(|source| program_error(name, source))?;
+    std::mem::forget(link);
+    Ok(())
+}
+
+/// Removes our clsact filters from an interface (kernels without TCX). Absent filters are not an
+/// error: this runs for interfaces that may have lost them already.
+pub fn detach_clsact(ifindex: u32) {
+    for (program, attach_type, _) in TC_PROGRAMS {
+        match tc::qdisc_detach_program(ifindex, attach_type.into(), program) {
+            Ok(()) => {}
+            Err(tc::TcError::IoError(e)) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::debug!(ifindex, program, "detaching the clsact filter: {e}"),
+        }
     }
 }
 

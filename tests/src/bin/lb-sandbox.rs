@@ -372,8 +372,8 @@ fn build(args: &Args) -> Result<Cluster> {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log);
-        // The agent runs in the node's namespace (its own sockets are not in the node's cgroup).
-        Place::netns(&node.ns).apply(&mut cmd);
+        // The agent runs in the node's namespace and cgroup, as the DaemonSet's agent does.
+        Place::new(&node.ns, &node.cgroup).apply(&mut cmd);
         node.agent = Some(Proc::spawn_command(cmd));
     }
 
