@@ -19,11 +19,25 @@ fn failed(what: String, error: io::Error) -> anyhow::Error {
 }
 
 pub fn run(bpf_root: &Path) -> Result<()> {
+    // On kernels without TCX (or with --enable-tcx=false) the tc programs are clsact filters,
+    // which no pin records once the bpf root is gone: remove them by name on every interface.
+    let filters: usize = crate::datapath::tc::interfaces_up()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(_, ifindex)| crate::datapath::tc::detach_clsact(ifindex))
+        .sum();
     // `exists()` would say "no" for a root this user may not even look at.
     match bpf_root.try_exists() {
         Ok(true) => {}
         Ok(false) => {
-            println!("nothing to clean up: {} does not exist", bpf_root.display());
+            if filters > 0 {
+                println!(
+                    "detached {filters} clsact filter(s); {} does not exist",
+                    bpf_root.display()
+                );
+            } else {
+                println!("nothing to clean up: {} does not exist", bpf_root.display());
+            }
             return Ok(());
         }
         Err(e) => return Err(failed(format!("looking at {}", bpf_root.display()), e)),
@@ -32,18 +46,15 @@ pub fn run(bpf_root: &Path) -> Result<()> {
         anyhow::bail!("{} is not on a bpffs; refusing to delete it", bpf_root.display());
     }
     let paths = bpffs::PinPaths::new(bpf_root);
-    // Links first: the data path stops translating before its maps go. On kernels without TCX
-    // the tc programs are clsact filters, not links: remove those by name on every interface.
-    for (_, ifindex) in crate::datapath::tc::interfaces_up().unwrap_or_default() {
-        crate::datapath::tc::detach_clsact(ifindex);
-    }
+    // Links first: the data path stops translating before its maps go.
     let links = count_files(&paths.links());
     remove(&paths.links()).map_err(|e| failed(format!("removing {}", paths.links().display()), e))?;
     let maps = count_files(&paths.maps());
     remove(&paths.maps()).map_err(|e| failed(format!("removing {}", paths.maps().display()), e))?;
     remove(bpf_root).map_err(|e| failed(format!("removing {}", bpf_root.display()), e))?;
     println!(
-        "detached {links} program link(s) and removed {maps} map pin(s) under {}",
+        "detached {links} program link(s) and {filters} clsact filter(s), and removed {maps} map \
+         pin(s) under {}",
         bpf_root.display()
     );
     Ok(())

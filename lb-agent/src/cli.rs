@@ -225,6 +225,11 @@ pub struct BpfArgs {
     /// interface that is up, except loopback; rescanned at every sync).
     #[arg(long, value_delimiter = ',')]
     pub devices: Vec<String>,
+    /// Attach the tc programs with TCX links where the kernel has TCX (6.6); false attaches them
+    /// as clsact filters, as on older kernels (Cilium's --enable-tcx). A restart with the other
+    /// value swaps one for the other without a gap.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub enable_tcx: bool,
     /// Do not attach the tc programs (socket load balancing only).
     #[arg(long)]
     pub no_tc: bool,

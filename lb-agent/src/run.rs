@@ -560,6 +560,15 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     cgroup::check_cgroup2_dir(&cgroup_root)
         .with_context(|| format!("--cgroup-root {}", cgroup_root.display()))?;
     let host_cookie = host_netns_cookie(kernel, &mut dp, &cgroup_root)?;
+    let tcx = dp.enable_tcx(args.bpf.enable_tcx);
+    if !args.bpf.no_tc && !tcx {
+        tracing::info!(
+            kernel_has_tcx = kernel.tcx,
+            "tc programs attach as clsact filters at priority {} handle {:#x}",
+            datapath::tc::CLSACT_PRIORITY,
+            u32::from(datapath::tc::CLSACT_HANDLE)
+        );
+    }
     tracing::info!(
         node = %settings.node_name,
         bpf_root = %paths.root.display(),

@@ -23,10 +23,10 @@ use lb_tests::{
 use serde_json::Value;
 
 struct Cluster {
-    _agents: Vec<Agent>,
+    agents: Vec<Option<Agent>>,
     _servers: Vec<Proc>,
-    _cgroups: Vec<Cgroup>,
-    _manifests: tempfile::TempDir,
+    cgroups: Vec<Cgroup>,
+    manifests: tempfile::TempDir,
     client: NetNs,
     client_ip: Ipv4Addr,
     nodes: Vec<Node>,
@@ -37,6 +37,40 @@ struct Cluster {
 }
 
 impl Cluster {
+    /// Starts node `index`'s agent (0-based) with the common flags and `extra`.
+    fn start_agent(&mut self, index: usize, extra: &[&str]) {
+        let node = &self.nodes[index];
+        let mut extra_args: Vec<String> = vec![
+            "--cluster-cidr".into(),
+            "10.244.0.0/16".into(),
+            "--bind-address".into(),
+            node.ip.expect("on the LAN").to_string(),
+            // Ended flows are freed within seconds (see external_traffic_through_the_tc_path).
+            "--conntrack-gc-interval".into(),
+            "1s".into(),
+            "--bpf-ct-timeout-regular-tcp-fin".into(),
+            "1s".into(),
+        ];
+        extra_args.extend(extra.iter().map(|a| a.to_string()));
+        let agent = Agent::start(AgentOptions {
+            netns: &node.ns,
+            cgroup: &self.cgroups[index],
+            bpf_root: self.bpf_roots[index].clone(),
+            node_name: format!("node-{}", node.index),
+            manifests: Some(self.manifests.path().to_path_buf()),
+            kubeconfig: None,
+            extra_args,
+        });
+        self.agents[index] = Some(agent);
+    }
+
+    /// Stops node `index`'s agent (its programs stay attached, as across a restart).
+    fn stop_agent(&mut self, index: usize) {
+        if let Some(agent) = self.agents[index].take() {
+            agent.stop();
+        }
+    }
+
     /// `lb-agent conntrack -o json` on node `index` (0-based).
     fn conntrack(&self, index: usize) -> Vec<Value> {
         let flows = inspect(&self.bpf_roots[index], "conntrack").unwrap_or_else(|e| panic!("{e}"));
@@ -49,6 +83,11 @@ const EAGAIN: i64 = 11;
 
 /// Node 1 has pod 10.244.1.2, node 2 has pod 10.244.2.2, node 3 has none.
 fn cluster() -> Cluster {
+    cluster_with(&[])
+}
+
+/// The cluster with `extra` flags for every agent.
+fn cluster_with(extra: &[&str]) -> Cluster {
     require_root();
     let bpffs = BpfFs::new();
     let lan = Lan::new();
@@ -117,46 +156,25 @@ fn cluster() -> Cluster {
                 .build(),
         ],
     );
-    let mut cgroups = Vec::new();
-    let mut agents = Vec::new();
-    let mut bpf_roots = Vec::new();
-    for node in &nodes {
-        let cgroup = Cgroup::new("lbtopo");
-        let node_ip = node.ip.unwrap().to_string();
-        bpf_roots.push(bpf_root_in(bpffs.path()).join(format!("node{}", node.index)));
-        agents.push(Agent::start(AgentOptions {
-            netns: &node.ns,
-            cgroup: &cgroup,
-            bpf_root: bpf_roots.last().cloned().expect("pushed above"),
-            node_name: format!("node-{}", node.index),
-            manifests: Some(manifests.path().to_path_buf()),
-            kubeconfig: None,
-            extra_args: vec![
-                "--cluster-cidr".into(),
-                "10.244.0.0/16".into(),
-                "--bind-address".into(),
-                node_ip,
-                // Ended flows are freed within seconds (see external_traffic_through_the_tc_path).
-                "--conntrack-gc-interval".into(),
-                "1s".into(),
-                "--bpf-ct-timeout-regular-tcp-fin".into(),
-                "1s".into(),
-            ],
-        }));
-        cgroups.push(cgroup);
-    }
-    Cluster {
-        _agents: agents,
+    let mut cluster = Cluster {
+        agents: nodes.iter().map(|_| None).collect(),
         _servers: servers,
-        _cgroups: cgroups,
-        _manifests: manifests,
+        cgroups: nodes.iter().map(|_| Cgroup::new("lbtopo")).collect(),
+        manifests,
         client,
         client_ip,
+        bpf_roots: nodes
+            .iter()
+            .map(|node| bpf_root_in(bpffs.path()).join(format!("node{}", node.index)))
+            .collect(),
         nodes,
         _lan: lan,
         _bpffs: bpffs,
-        bpf_roots,
+    };
+    for index in 0..cluster.nodes.len() {
+        cluster.start_agent(index, extra);
     }
+    cluster
 }
 
 fn ok(results: &[Value]) -> &[Value] {
@@ -276,4 +294,162 @@ fn pods_through_tc_cluster_ip_and_hairpin() {
     let pod2 = Place::netns(&c.nodes[1].pods[0].ns);
     let r = &probe::tcp(pod2, &format!("{}:30081", c.nodes[0].ip.unwrap()), 1)[0];
     assert_eq!(r["ok"], true, "{r}");
+}
+
+/// One tc filter on a node's interface, from `tc filter show`.
+#[derive(Debug, PartialEq)]
+struct Filter {
+    pref: String,
+    handle: String,
+    name: String,
+    prog_id: String,
+}
+
+/// The filters on `dev`'s `hook` (ingress or egress) in `node`'s namespace.
+fn filters(node: &Node, dev: &str, hook: &str) -> Vec<Filter> {
+    let out = node.ns.exec("tc", &["filter", "show", "dev", dev, hook]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    // `filter protocol all pref 1 bpf chain 0 handle 0x5ea lb_tc_ingress direct-action
+    // not_in_hw id 42 name lb_tc_ingress tag ... jited`; the line without a handle is the
+    // priority's header.
+    text.lines()
+        .filter(|l| l.contains(" handle "))
+        .map(|line| {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let after = |key: &str| {
+                words
+                    .iter()
+                    .position(|w| *w == key)
+                    .and_then(|i| words.get(i + 1))
+                    .map(|w| w.to_string())
+                    .unwrap_or_default()
+            };
+            Filter {
+                pref: after("pref"),
+                handle: after("handle"),
+                name: after("name"),
+                prog_id: after("id"),
+            }
+        })
+        .collect()
+}
+
+/// Our filters on node `index`'s LAN interface, ingress and egress; asserts there is at most
+/// one per hook, at our priority and handle, running our program.
+fn our_filters(c: &Cluster, index: usize) -> Vec<Filter> {
+    let mut ours = Vec::new();
+    for (hook, program) in [("ingress", "lb_tc_ingress"), ("egress", "lb_tc_egress")] {
+        let found = filters(&c.nodes[index], "eth0", hook);
+        assert!(found.len() <= 1, "one filter per hook at most: {found:#?}");
+        for filter in found {
+            assert_eq!(
+                (filter.pref.as_str(), filter.handle.as_str(), filter.name.as_str()),
+                ("1", "0x5ea", program),
+                "{filter:?}"
+            );
+            ours.push(filter);
+        }
+    }
+    ours
+}
+
+/// The TCX links node `index`'s agent pinned for its LAN interface.
+fn pinned_links(c: &Cluster, index: usize) -> Vec<String> {
+    let dir = c.bpf_roots[index].join("links/tc");
+    let mut links = Vec::new();
+    for device in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+        for hook in std::fs::read_dir(device.path()).into_iter().flatten().flatten() {
+            links.push(format!(
+                "{}/{}",
+                device.file_name().to_string_lossy(),
+                hook.file_name().to_string_lossy()
+            ));
+        }
+    }
+    links.retain(|l| l.contains("eth0"));
+    links.sort();
+    links
+}
+
+/// Node 1's NodePort answers from node 2's pod, masqueraded: the tc programs run.
+fn nodeport_works(c: &Cluster) {
+    let node1 = c.nodes[0].ip.unwrap();
+    for r in ok(&probe::tcp(Place::netns(&c.client), &format!("{node1}:30080"), 2)) {
+        assert_eq!(probe::server_of(r), Some("10.244.2.2"), "{r}");
+        assert_eq!(host_of(&r["reply"]["client"]), node1.to_string(), "{r}");
+    }
+}
+
+/// The clsact attachment of kernels without TCX (forced here with --enable-tcx=false, so it is
+/// tested on every kernel): one filter per hook at our priority and handle, its program replaced
+/// in place by a restart, swapped with TCX links both ways without a second copy running, and
+/// removed by `lb-agent cleanup`.
+#[test]
+fn clsact_filters_are_replaced_in_place_switched_and_cleaned_up() {
+    let mut c = cluster_with(&["--enable-tcx=false"]);
+    nodeport_works(&c);
+    let first = our_filters(&c, 0);
+    assert_eq!(first.len(), 2, "ingress and egress filters: {first:#?}");
+    assert_eq!(pinned_links(&c, 0), Vec::<String>::new(), "no TCX links");
+
+    // A restart replaces each filter's program; it does not add a filter.
+    c.stop_agent(0);
+    assert_eq!(our_filters(&c, 0), first, "the filters outlive the agent");
+    c.start_agent(0, &["--enable-tcx=false"]);
+    let second = our_filters(&c, 0);
+    assert_eq!(second.len(), 2, "{second:#?}");
+    for (old, new) in first.iter().zip(&second) {
+        assert_ne!(
+            old.prog_id, new.prog_id,
+            "the new program replaced the old one in place"
+        );
+    }
+    nodeport_works(&c);
+
+    let tcx = lb_agent::datapath::features::current()
+        .expect("probing the kernel")
+        .tcx;
+    if tcx {
+        // To TCX: the links are pinned and the filters go.
+        c.stop_agent(0);
+        c.start_agent(0, &[]);
+        assert_eq!(our_filters(&c, 0), Vec::new(), "the clsact filters were removed");
+        assert_eq!(pinned_links(&c, 0).len(), 2, "{:?}", pinned_links(&c, 0));
+        nodeport_works(&c);
+        // And back: the filters come, the links go.
+        c.stop_agent(0);
+        c.start_agent(0, &["--enable-tcx=false"]);
+        assert_eq!(our_filters(&c, 0).len(), 2);
+        assert_eq!(
+            pinned_links(&c, 0),
+            Vec::<String>::new(),
+            "the TCX links were removed"
+        );
+        nodeport_works(&c);
+    } else {
+        eprintln!("this kernel has no TCX: the switch to TCX links is not tested here");
+    }
+
+    // `lb-agent cleanup` removes the filters.
+    c.stop_agent(0);
+    let root = c.bpf_roots[0].to_string_lossy().to_string();
+    let out = c.nodes[0].ns.exec(
+        lb_tests::process::workspace_bin("lb-agent")
+            .to_str()
+            .expect("UTF-8 path"),
+        &["cleanup", "--bpf-root", &root],
+    );
+    assert!(
+        out.status.success(),
+        "cleanup: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let said = String::from_utf8_lossy(&out.stdout);
+    // Node 1 has two interfaces, the LAN's and its pod's veth, with two filters each.
+    assert!(
+        said.contains("and 4 clsact filter(s)"),
+        "cleanup says what it removed: {said}"
+    );
+    assert!(filters(&c.nodes[0], &c.nodes[0].pods[0].host_dev, "ingress").is_empty());
+    assert_eq!(our_filters(&c, 0), Vec::new(), "cleanup removed the filters");
 }

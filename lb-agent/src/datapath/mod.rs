@@ -159,6 +159,9 @@ pub struct Datapath {
     migration: migrate::Migration,
     /// Interfaces this process attached the tc programs to (they are not touched again).
     tc_attached: std::collections::BTreeSet<u32>,
+    /// Attach the tc programs with TCX links (else as clsact filters): the kernel has TCX and
+    /// `--enable-tcx` is not false.
+    tcx: bool,
 }
 
 impl Datapath {
@@ -182,6 +185,7 @@ impl Datapath {
             paths: Some(paths.clone()),
             migration,
             tc_attached: Default::default(),
+            tcx: features::current().is_ok_and(|f| f.tcx),
         })
     }
 
@@ -193,6 +197,7 @@ impl Datapath {
             paths: None,
             migration: migrate::Migration::default(),
             tc_attached: Default::default(),
+            tcx: features::current().is_ok_and(|f| f.tcx),
         })
     }
 
@@ -233,6 +238,7 @@ impl Datapath {
             paths: None,
             migration: migrate::Migration::default(),
             tc_attached: Default::default(),
+            tcx: features::current().is_ok_and(|f| f.tcx),
         })
     }
 
@@ -278,6 +284,13 @@ impl Datapath {
             prog.load().map_err(|source| program_error(name, source))?;
         }
         Ok(ebpf)
+    }
+
+    /// `--enable-tcx=false`: attach the tc programs as clsact filters even where the kernel has
+    /// TCX (as on kernels before 6.6). Returns whether TCX is used.
+    pub fn enable_tcx(&mut self, enabled: bool) -> bool {
+        self.tcx = enabled && features::current().is_ok_and(|f| f.tcx);
+        self.tcx
     }
 
     /// Whether maps were migrated at load (their old pins go once the programs are replaced).

@@ -120,7 +120,7 @@ impl Datapath {
             path: dir.clone(),
             message: e.to_string(),
         })?;
-        let tcx = super::features::current().map(|f| f.tcx).unwrap_or(false);
+        let tcx = self.tcx;
         if !tcx {
             // Filters hang off a clsact qdisc (EEXIST when one is there: ours, or Cilium's).
             if let Err(e) = tc::qdisc_add_clsact(ifindex) {
@@ -129,11 +129,27 @@ impl Datapath {
         }
         for (name, attach_type, hook) in TC_PROGRAMS {
             let prog: &mut SchedClassifier = program(&mut self.ebpf, name)?;
+            let pin = dir.join(hook);
             if tcx {
-                attach_tcx(prog, name, ifindex, attach_type, &dir.join(hook))?;
+                attach_tcx(prog, name, ifindex, attach_type, &pin)?;
             } else {
                 attach_clsact(prog, name, ifindex, attach_type)?;
+                // After a switch from TCX (--enable-tcx=false): the new filter runs, so the
+                // link a previous run pinned can go (removing its pin detaches it).
+                if pin.exists() {
+                    let _ = fs::remove_file(&pin);
+                    tracing::info!(
+                        device = ifname,
+                        hook,
+                        "replaced the TCX link with a clsact filter"
+                    );
+                }
             }
+        }
+        if tcx {
+            // After a switch from clsact filters (a kernel upgrade, --enable-tcx=true): the
+            // links run now, so our filters can go.
+            detach_clsact(ifindex);
         }
         self.tc_attached.insert(ifindex);
         Ok(())
@@ -149,18 +165,17 @@ impl Datapath {
         let mut removed = Vec::new();
         let keep_ids: std::collections::BTreeSet<u32> = keep.values().copied().collect();
         self.tc_attached.retain(|i| keep_ids.contains(i));
-        let tcx = super::features::current().map(|f| f.tcx).unwrap_or(false);
         let up = interfaces_up().unwrap_or_default();
         for (ifindex, dir) in pinned_devices(&paths) {
             if wanted.contains(&dir) {
                 continue;
             }
-            // Without TCX the directory only records the filters: detach them while the
+            // Clsact filters are not pinned: the directory records them. Detach them while the
             // interface (the one the directory names, not a newer one with its index) is there.
             let same_interface = up
                 .iter()
                 .any(|(name, index)| *index == ifindex && device_dir(&paths, *index, name) == dir);
-            if !tcx && same_interface {
+            if same_interface {
                 detach_clsact(ifindex);
             }
             // With TCX, removing the pinned links detaches the programs.
@@ -260,16 +275,19 @@ fn attach_clsact(
     Ok(())
 }
 
-/// Removes our clsact filters from an interface (kernels without TCX). Absent filters are not an
-/// error: this runs for interfaces that may have lost them already.
-pub fn detach_clsact(ifindex: u32) {
+/// Removes our clsact filters from an interface (kernels without TCX, `--enable-tcx=false`) and
+/// returns how many there were. Absent filters are not an error: this runs for interfaces that
+/// may have none.
+pub fn detach_clsact(ifindex: u32) -> usize {
+    let mut removed = 0;
     for (program, attach_type, _) in TC_PROGRAMS {
         match tc::qdisc_detach_program(ifindex, attach_type.into(), program) {
-            Ok(()) => {}
+            Ok(()) => removed += 1,
             Err(tc::TcError::IoError(e)) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => tracing::debug!(ifindex, program, "detaching the clsact filter: {e}"),
         }
     }
+    removed
 }
 
 #[cfg(test)]
