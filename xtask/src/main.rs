@@ -48,6 +48,9 @@ enum Command {
         /// Skip the end-to-end tests (no control-plane build).
         #[arg(long)]
         no_e2e: bool,
+        /// Skip the Linux 6.1 guest (the fixtures and netns tests on Debian 12's kernel).
+        #[arg(long)]
+        no_guest: bool,
     },
     /// Run only the end-to-end tests against a real kube-apiserver.
     E2e { filter: Option<String> },
@@ -93,7 +96,11 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Test { filter, no_e2e } => test::run_all(filter.as_deref(), !no_e2e),
+        Command::Test {
+            filter,
+            no_e2e,
+            no_guest,
+        } => test::run_all(filter.as_deref(), !no_e2e, !no_guest),
         Command::E2e { filter } => test::run_e2e(filter.as_deref()),
         Command::Sandbox { args } => test::run_tool("lb-sandbox", &args),
         Command::Bench { args } => test::run_tool("lb-bench", &args),

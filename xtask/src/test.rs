@@ -167,7 +167,7 @@ pub(crate) fn test_env(with_e2e: bool) -> Result<Vec<(&'static str, String)>> {
     Ok(envs)
 }
 
-pub fn run_all(filter: Option<&str>, with_e2e: bool) -> Result<()> {
+pub fn run_all(filter: Option<&str>, with_e2e: bool, with_guest: bool) -> Result<()> {
     let started = Instant::now();
     require_root()?;
     setup::all()?;
@@ -191,6 +191,14 @@ pub fn run_all(filter: Option<&str>, with_e2e: bool) -> Result<()> {
         args.push(t);
     }
     ok &= cargo_test(&args, filter, &envs, &mut summary)?;
+    if with_guest && filter.is_none() {
+        step(&format!(
+            "the fixtures and netns tests on Linux {} in a guest ({})",
+            crate::kernel::CI_KERNEL,
+            crate::kernel::CI_BINARIES.join(", ")
+        ));
+        ok &= crate::kernel::run_ci_subset(&mut summary)?;
+    }
     ok &= summary.failed == 0;
     if let Err(e) = crate::report::write_reliability() {
         eprintln!("docs/reliability.md not regenerated: {e:#}");
