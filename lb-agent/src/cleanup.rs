@@ -23,8 +23,8 @@ pub fn run(bpf_root: &Path) -> Result<()> {
     // which no pin records once the bpf root is gone: remove them by name on every interface.
     let filters: usize = crate::datapath::tc::interfaces_up()
         .unwrap_or_default()
-        .into_iter()
-        .map(|(_, ifindex)| crate::datapath::tc::detach_clsact(ifindex))
+        .into_values()
+        .map(crate::datapath::tc::detach_clsact)
         .sum();
     // `exists()` would say "no" for a root this user may not even look at.
     match bpf_root.try_exists() {

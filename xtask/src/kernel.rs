@@ -140,7 +140,9 @@ pub fn run_ci_subset(summary: &mut Summary) -> Result<bool> {
             }
         }
         if let Some(why) = &outcome.aborted {
-            summary.failing_binaries.push(format!("Linux {}: {why}", outcome.kernel.release));
+            summary
+                .failing_binaries
+                .push(format!("Linux {}: {why}", outcome.kernel.release));
         }
     }
     Ok(ok)
@@ -207,7 +209,7 @@ fn is_generic_image(name: &str) -> bool {
         && !release.contains("dbg")
         && series_of(release).is_some()
         // Meta packages (`linux-image-6.1-amd64`) carry no patch level.
-        && release.matches(|c: char| c == '.' || c == '-' || c == '+').count() > 2
+        && release.matches(['.', '-', '+']).count() > 2
 }
 
 /// A kernel image package, with the packages that hold its kernel and modules when it does not.
@@ -771,7 +773,11 @@ fn run_kernel(
 ) -> Result<KernelOutcome> {
     let root = workspace_root();
     let results_dir = root
-        .join(if opts.ci { "target/kernel-test-ci" } else { "target/kernel-test" })
+        .join(if opts.ci {
+            "target/kernel-test-ci"
+        } else {
+            "target/kernel-test"
+        })
         .join(&kernel.release);
     let _ = fs::remove_dir_all(&results_dir);
     fs::create_dir_all(&results_dir)?;
