@@ -35,7 +35,7 @@ use serde_json::{Value, json};
 use crate::{
     ebpf, setup,
     test::{Summary, build_agent, require_root, test_env},
-    util::{cache_dir, clean_cargo, output, run, step, workspace_root},
+    util::{cache_dir, clean_cargo, output, provenance, run, step, workspace_root},
 };
 
 /// virtme-ng, from the Python package index.
@@ -949,13 +949,7 @@ fn write_summary(outcome: &KernelOutcome, dir: &Path) -> Result<()> {
         .ok()
         .and_then(|t| serde_json::from_str::<Value>(&t).ok())
         .unwrap_or(Value::Null);
-    let sha = output(
-        Command::new("git")
-            .args(["rev-parse", "--short", "HEAD"])
-            .current_dir(workspace_root()),
-    )
-    .unwrap_or_default();
-    let date = output(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"])).unwrap_or_default();
+    let (sha, date) = provenance();
     let summary = json!({
         "release": outcome.kernel.release,
         "series": outcome.kernel.series,
@@ -965,8 +959,8 @@ fn write_summary(outcome: &KernelOutcome, dir: &Path) -> Result<()> {
         "ok": outcome.ok(),
         "aborted": outcome.aborted,
         "seconds": outcome.seconds,
-        "commit": sha.trim(),
-        "date": date.trim(),
+        "commit": sha,
+        "date": date,
         "features": features,
         "results": outcome.results,
     });
@@ -1188,54 +1182,86 @@ fn render_doc(summaries: &[Value]) -> String {
     if seen.is_empty() {
         let _ = writeln!(doc, "None of the kernels above lacks a feature.");
     }
+    let _ = writeln!(
+        doc,
+        "\n## Every program through each kernel's verifier\n\n`lb-agent kernel` in each guest: \
+         instructions after the verifier's rewrites, and the verifier's steps where the kernel \
+         reports them (5.16 and later; the limit is 1,000,000).\n"
+    );
+    per_kernel_table(
+        &mut doc,
+        summaries,
+        "Program",
+        "/features/programs",
+        "name",
+        |p| match p {
+            None => "not loaded".to_string(),
+            Some(p) => match p["verified_instructions"].as_u64() {
+                Some(steps) => format!("{} / {steps}", p["instructions"]),
+                None => format!("{}", p["instructions"]),
+            },
+        },
+    );
     let _ = writeln!(doc, "\n## Per test binary\n");
-    let mut binaries: Vec<String> = Vec::new();
-    for s in summaries {
-        for r in s["results"].as_array().into_iter().flatten() {
-            if let Some(b) = r["binary"].as_str()
-                && !binaries.iter().any(|x| x == b)
-            {
-                binaries.push(b.to_string());
-            }
+    per_kernel_table(&mut doc, summaries, "Binary", "/results", "binary", |r| match r {
+        None => "-".to_string(),
+        Some(r) if r["not_run"] == true => "not run".to_string(),
+        Some(r) if r["ok"] == true => format!(
+            "{} passed ({:.0} s)",
+            r["passed"],
+            r["seconds"].as_f64().unwrap_or(0.0)
+        ),
+        Some(r) => {
+            let failures: Vec<&str> = r["failures"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect();
+            format!("**FAILED** {}", failures.join(", "))
         }
-    }
-    binaries.sort();
-    let _ = write!(doc, "| Binary |");
+    });
+    doc
+}
+
+/// A table with a row per item of every summary's `list` (a JSON pointer), named by its `key`,
+/// and a column per kernel whose cells `cell` writes from that kernel's item (`None`: absent).
+fn per_kernel_table(
+    doc: &mut String,
+    summaries: &[Value],
+    title: &str,
+    list: &str,
+    key: &str,
+    cell: impl Fn(Option<&Value>) -> String,
+) {
+    let items = |s: &Value| {
+        s.pointer(list)
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let mut rows: Vec<String> = summaries
+        .iter()
+        .flat_map(items)
+        .filter_map(|item| item[key].as_str().map(str::to_string))
+        .collect();
+    rows.sort();
+    rows.dedup();
+    let _ = write!(doc, "| {title} |");
     for s in summaries {
         let _ = write!(doc, " {} |", s["release"].as_str().unwrap_or("?"));
     }
     let _ = writeln!(doc, "\n|---|{}", "---|".repeat(summaries.len()));
-    for b in &binaries {
-        let _ = write!(doc, "| {b} |");
+    for row in &rows {
+        let _ = write!(doc, "| {row} |");
         for s in summaries {
-            let r = s["results"]
-                .as_array()
+            let item = items(s)
                 .into_iter()
-                .flatten()
-                .find(|r| r["binary"].as_str() == Some(b.as_str()));
-            let cell = match r {
-                None => "-".to_string(),
-                Some(r) if r["not_run"] == true => "not run".to_string(),
-                Some(r) if r["ok"] == true => format!(
-                    "{} passed ({:.0} s)",
-                    r["passed"],
-                    r["seconds"].as_f64().unwrap_or(0.0)
-                ),
-                Some(r) => {
-                    let failures: Vec<&str> = r["failures"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .filter_map(Value::as_str)
-                        .collect();
-                    format!("**FAILED** {}", failures.join(", "))
-                }
-            };
-            let _ = write!(doc, " {cell} |");
+                .find(|i| i[key].as_str() == Some(row.as_str()));
+            let _ = write!(doc, " {} |", cell(item.as_ref()));
         }
         doc.push('\n');
     }
-    doc
 }
 
 #[cfg(test)]
@@ -1286,6 +1312,9 @@ mod tests {
                 "guest": "TCG", "ok": ok, "aborted": null, "seconds": 600.0, "commit": "abc", "date": "d",
                 "features": {"minimum": "5.10", "features": [
                     {"name": "TCX", "since": "6.6", "present": !fallback, "fallback": "clsact filters"}
+                ], "programs": [
+                    {"name": "lb_tc_ingress", "instructions": 9000,
+                     "verified_instructions": if fallback { json!(null) } else { json!(20000) }}
                 ]},
                 "results": [{"binary": "tc_fixtures", "ok": ok, "passed": 21, "failed": u64::from(!ok),
                              "seconds": 12.0, "failures": if ok { json!([]) } else { json!(["x"]) }}],
@@ -1303,6 +1332,7 @@ mod tests {
             "{doc}"
         );
         assert!(doc.contains("- **TCX** (Linux 6.6): clsact filters."), "{doc}");
+        assert!(doc.contains("| lb_tc_ingress | 9000 | 9000 / 20000 |"), "{doc}");
         assert!(
             doc.contains("| tc_fixtures | 21 passed (12 s) | **FAILED** x |"),
             "{doc}"

@@ -63,6 +63,18 @@ pub fn output(cmd: &mut Command) -> Result<String> {
     Ok(String::from_utf8(out.stdout)?)
 }
 
+/// The short commit and the UTC time a generated document states it comes from.
+pub fn provenance() -> (String, String) {
+    let sha = output(
+        Command::new("git")
+            .args(["rev-parse", "--short", "HEAD"])
+            .current_dir(workspace_root()),
+    )
+    .unwrap_or_default();
+    let date = output(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"])).unwrap_or_default();
+    (sha.trim().to_string(), date.trim().to_string())
+}
+
 /// Whether a program is on PATH.
 pub fn have(program: &str) -> bool {
     env::var_os("PATH")

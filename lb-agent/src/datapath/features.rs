@@ -59,7 +59,7 @@ pub struct KernelFeatures {
 }
 
 /// Why the agent cannot run on this kernel.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum Unsupported {
     #[error(
         "Linux {release} is older than {}.{}, the oldest kernel this data path is tested on \
@@ -96,8 +96,9 @@ impl KernelFeatures {
             .map(|u| u.release().to_string_lossy().into_owned())
             .unwrap_or_default();
         let version = KernelVersion::current().ok();
-        let probe_err = |error: &dyn fmt::Display| Unsupported::Probe {
-            error: error.to_string(),
+        // With its causes: "`bpf_prog_load` failed: Operation not permitted (os error 1)".
+        let probe_err = |error: &(dyn std::error::Error + 'static)| Unsupported::Probe {
+            error: crate::error::Chain(error).to_string(),
         };
         let program = |t: ProgramType| is_program_supported(t).map_err(|e| probe_err(&e));
         let helper = |t: ProgramType, h: BpfHelper| is_helper_supported(t, h).map_err(|e| probe_err(&e));
@@ -137,7 +138,11 @@ impl KernelFeatures {
         let netns_cookie_sockopt = match own_netns_cookie() {
             Ok(_) => true,
             Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => false,
-            Err(e) => return Err(probe_err(&format!("getsockopt(SO_NETNS_COOKIE): {e}"))),
+            Err(e) => {
+                return Err(Unsupported::Probe {
+                    error: format!("getsockopt(SO_NETNS_COOKIE): {e}"),
+                });
+            }
         };
         features.extend([
             Feature {
@@ -261,11 +266,11 @@ pub fn socket_option_u64(sock: &impl AsRawFd, option: libc::c_int) -> io::Result
 
 /// The running kernel's features, probed once per process.
 pub fn current() -> Result<&'static KernelFeatures, Unsupported> {
-    static PROBED: OnceLock<Result<KernelFeatures, String>> = OnceLock::new();
+    static PROBED: OnceLock<Result<KernelFeatures, Unsupported>> = OnceLock::new();
     PROBED
-        .get_or_init(|| KernelFeatures::probe().map_err(|e| e.to_string()))
+        .get_or_init(KernelFeatures::probe)
         .as_ref()
-        .map_err(|error| Unsupported::Probe { error: error.clone() })
+        .map_err(Clone::clone)
 }
 
 /// Whether the kernel has TCX. A TCX link to an interface that does not exist fails with ENODEV
@@ -315,19 +320,7 @@ fn probe_tcx() -> io::Result<bool> {
     };
     // SAFETY: the attr is the kernel's BPF_PROG_LOAD layout; the pointers it holds live for the
     // call.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_PROG_LOAD,
-            &load as *const ProgLoad,
-            std::mem::size_of::<ProgLoad>(),
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the kernel returned a new descriptor that nothing else owns.
-    let prog = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+    let prog = unsafe { bpf(BPF_PROG_LOAD, &load) }?;
     let link = LinkCreate {
         prog_fd: prog.as_raw_fd() as u32,
         // No interface has this index (ifindex is a positive int).
@@ -336,25 +329,30 @@ fn probe_tcx() -> io::Result<bool> {
         ..LinkCreate::default()
     };
     // SAFETY: as above, for BPF_LINK_CREATE.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_CREATE,
-            &link as *const LinkCreate,
-            std::mem::size_of::<LinkCreate>(),
-        )
-    };
-    if rc >= 0 {
-        // Cannot happen (no such interface); never leave a link behind if it does.
-        // SAFETY: a new descriptor nothing else owns.
-        drop(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(rc as i32) });
-        return Ok(true);
+    let rc = unsafe { bpf(BPF_LINK_CREATE, &link) };
+    match rc {
+        // Cannot happen (no such interface); the link's descriptor closes as it drops.
+        Ok(_link) => Ok(true),
+        Err(e) => match e.raw_os_error() {
+            Some(libc::ENODEV) | Some(libc::ENXIO) => Ok(true),
+            Some(libc::EINVAL) => Ok(false),
+            _ => Err(e),
+        },
     }
-    match io::Error::last_os_error().raw_os_error() {
-        Some(libc::ENODEV) | Some(libc::ENXIO) => Ok(true),
-        Some(libc::EINVAL) => Ok(false),
-        _ => Err(io::Error::last_os_error()),
+}
+
+/// The bpf(2) system call with `attr`; the new descriptor it returns is owned by the result.
+///
+/// # Safety
+/// `attr` must be the kernel's layout for `cmd`, and every pointer in it valid for the call.
+unsafe fn bpf<T>(cmd: libc::c_long, attr: &T) -> io::Result<std::os::fd::OwnedFd> {
+    // SAFETY: the caller's contract.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *const T, std::mem::size_of::<T>()) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
     }
+    // SAFETY: the kernel returned a new descriptor that nothing else owns.
+    Ok(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(rc as i32) })
 }
 
 impl fmt::Display for KernelFeatures {
