@@ -242,7 +242,9 @@ pub struct GcReport {
     pub took: Duration,
 }
 
-/// The programs' conntrack clock (`bpf_ktime_get_coarse_ns`: CLOCK_MONOTONIC, coarse).
+/// The programs' conntrack clock (`bpf_ktime_get_coarse_ns`: CLOCK_MONOTONIC, coarse). Before
+/// 5.11 the programs read the precise CLOCK_MONOTONIC, up to a tick ahead of this one: `plan`'s
+/// saturating ages make such an entry zero seconds old, never ancient.
 pub fn now_ns() -> u64 {
     crate::datapath::clock_ns(libc::CLOCK_MONOTONIC_COARSE)
 }
