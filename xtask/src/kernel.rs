@@ -384,10 +384,9 @@ impl PrivateApt {
             }
             fs::write(&marker, version)?;
         }
-        let vmlinuz = dir.join("boot").join(format!("vmlinuz-{release}"));
-        if !vmlinuz.is_file() {
-            bail!("{} has no {}", package, vmlinuz.display());
-        }
+        let Some(vmlinuz) = find_vmlinuz(&dir, &release) else {
+            bail!("{package} has no vmlinuz under {}", dir.display());
+        };
         Ok(Kernel {
             series: series_of(&release).unwrap_or_default(),
             release,
@@ -404,7 +403,7 @@ impl PrivateApt {
             .filter_map(|e| {
                 let release = e.file_name().to_string_lossy().to_string();
                 let version = fs::read_to_string(e.path().join(".lb-complete")).ok()?;
-                let vmlinuz = e.path().join("boot").join(format!("vmlinuz-{release}"));
+                let vmlinuz = find_vmlinuz(&e.path(), &release)?;
                 Some(Kernel {
                     series: series_of(&release)?,
                     package: Some((format!("linux-image-{release}"), version)),
@@ -469,6 +468,17 @@ impl Drop for GuestProcess {
 struct TestBinary {
     name: String,
     path: PathBuf,
+}
+
+/// The kernel image of an extracted package: `/boot/vmlinuz-<release>`, or since the 7.x
+/// packages (linux-binary-*) `/usr/lib/modules/<release>/vmlinuz`.
+fn find_vmlinuz(dir: &Path, release: &str) -> Option<PathBuf> {
+    [
+        dir.join("boot").join(format!("vmlinuz-{release}")),
+        dir.join("usr/lib/modules").join(release).join("vmlinuz"),
+    ]
+    .into_iter()
+    .find(|p| p.is_file())
 }
 
 /// Builds the test binaries (without running them) and returns those selected.
