@@ -367,10 +367,20 @@ impl PrivateApt {
             step(&format!("downloading {package} {version} (about 100 MB, once)"));
             fs::create_dir_all(&dir)?;
             for part in std::iter::once(package).chain(kernel.parts.iter().map(String::as_str)) {
-                run(self
+                let pinned = run(self
                     .command("apt-get")
                     .args(["download", "-q", &format!("{part}={version}")])
-                    .current_dir(&debs))?;
+                    .current_dir(&debs));
+                if pinned.is_err() && part != package {
+                    // A part may carry its own version (6.19's linux-modules-*): the release in
+                    // its name already pins the kernel build.
+                    run(self
+                        .command("apt-get")
+                        .args(["download", "-q", part])
+                        .current_dir(&debs))?;
+                } else {
+                    pinned?;
+                }
                 let deb = fs::read_dir(&debs)?
                     .filter_map(|e| e.ok().map(|e| e.path()))
                     .find(|p| {
