@@ -574,7 +574,12 @@ fn resolve_kernels(wanted: &[String]) -> Result<Vec<Kernel>> {
             "host" => kernels.push(host.clone()),
             "all" => {
                 for kernel in available.values() {
-                    kernels.push(apt.fetch(&cache, kernel)?);
+                    // A mirror may list a kernel whose parts it does not serve (6.19's modules
+                    // here): say so and go on with the others.
+                    match apt.fetch(&cache, kernel) {
+                        Ok(k) => kernels.push(k),
+                        Err(e) => eprintln!("==> skipping {}: {e:#}", kernel.package),
+                    }
                 }
                 kernels.push(host.clone());
             }
