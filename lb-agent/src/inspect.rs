@@ -568,7 +568,8 @@ pub fn stats(args: &InspectArgs) -> Result<()> {
 /// is this kernel's verifier accepting each of them (or the verifier's reason it does not).
 pub fn kernel(args: &KernelArgs) -> Result<()> {
     use crate::datapath::{Datapath, features};
-    let kernel = features::KernelFeatures::probe()?;
+    // The agent's own cached probe: loading the object below reads it too.
+    let kernel = features::current()?;
     let mut verdict = kernel.check().map_err(anyhow::Error::from);
     let programs = if verdict.is_ok() {
         let caps = crate::maps::Capacities {
