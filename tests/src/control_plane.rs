@@ -1,5 +1,6 @@
 //! A real etcd and kube-apiserver on loopback, for the end-to-end tests, the sandbox and the
-//! benchmarks.
+//! benchmarks; with [`ControlPlane::start_with_controllers`] also kube-controller-manager and
+//! kube-scheduler, for clusters with real nodes (`crate::kubelet`).
 //!
 //! [`ControlPlane::start`] generates a CA, a serving certificate, an admin client certificate
 //! (`O=system:masters`) and a service-account key with `rcgen`, starts etcd and kube-apiserver on
@@ -40,6 +41,19 @@ const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(60);
 const STOP_GRACE: Duration = Duration::from_secs(10);
 /// The Service CIDR; its first address is the `kubernetes` Service's ClusterIP.
 pub const SERVICE_CIDR: &str = "10.96.0.0/16";
+/// kube-controller-manager's flags besides its kubeconfig and key files.
+const KCM_ARGS: &[&str] = &[
+    "--leader-elect=false",
+    // No serving port: two control planes may run at once.
+    "--secure-port=0",
+    "--profiling=false",
+    // Pod IP ranges come from the nodes' CNI configuration, not from node IPAM; the CSR
+    // controllers need a signing CA that nothing here uses.
+    "--controllers=*,-nodeipam,-csrsigning,-csrapproving,-csrcleaner",
+    "--use-service-account-credentials=false",
+    // Quicker than a fleet's defaults (40 s), so a stopped node is noticed within a test.
+    "--node-monitor-grace-period=20s",
+];
 /// Lines of each log that errors and [`ControlPlane::log_tail`] show.
 const TAIL_LINES: usize = 40;
 /// Attempts at starting when a free port picked for etcd or kube-apiserver was taken meanwhile.
@@ -53,6 +67,9 @@ pub struct Binaries {
     pub kube_apiserver: PathBuf,
     pub kubectl: PathBuf,
     pub kube_proxy: PathBuf,
+    pub kube_controller_manager: PathBuf,
+    pub kube_scheduler: PathBuf,
+    pub kubelet: PathBuf,
 }
 
 impl Binaries {
@@ -71,13 +88,24 @@ impl Binaries {
             kube_apiserver: dir.join("kube-apiserver"),
             kubectl: dir.join("kubectl"),
             kube_proxy: dir.join("kube-proxy"),
+            kube_controller_manager: dir.join("kube-controller-manager"),
+            kube_scheduler: dir.join("kube-scheduler"),
+            kubelet: dir.join("kubelet"),
             dir,
         };
-        for bin in [&bins.etcd, &bins.kube_apiserver, &bins.kubectl, &bins.kube_proxy] {
+        for bin in [
+            &bins.etcd,
+            &bins.kube_apiserver,
+            &bins.kubectl,
+            &bins.kube_proxy,
+            &bins.kube_controller_manager,
+            &bins.kube_scheduler,
+            &bins.kubelet,
+        ] {
             if !bin.is_file() {
                 bail!(
                     "{} is missing (looked in {}, from {origin}); build the control-plane binaries with \
-                     `cargo xtask k8s-bins` (once, about 8 minutes) or run the tests through `cargo xtask e2e`",
+                     `cargo xtask k8s-bins` (once, about 15 minutes) or run the tests through `cargo xtask e2e`",
                     bin.display(),
                     bins.dir.display()
                 );
@@ -88,7 +116,7 @@ impl Binaries {
 }
 
 /// Same rule as xtask's `util::cache_dir`.
-fn cache_dir() -> PathBuf {
+pub fn cache_dir() -> PathBuf {
     if let Some(dir) = env::var_os("LB_CACHE_DIR") {
         return PathBuf::from(dir);
     }
@@ -99,11 +127,20 @@ fn cache_dir() -> PathBuf {
         .join("lb")
 }
 
-/// A running etcd and kube-apiserver on loopback; stopped and cleaned up on drop.
+/// The address the API server advertises when the controllers run (the `kubernetes` Service's
+/// endpoint): not routable on the machine, it exists only inside the namespaces of the real nodes,
+/// where a forward on it reaches the API server on loopback (`crate::kubelet`).
+pub const ADVERTISE_ADDRESS: Ipv4Addr = Ipv4Addr::new(172, 31, 255, 1);
+
+/// A running etcd and kube-apiserver on loopback (and, for clusters with nodes, the controllers);
+/// stopped and cleaned up on drop.
 pub struct ControlPlane {
     bins: Binaries,
     etcd: Option<Child>,
     apiserver: Option<Child>,
+    /// kube-controller-manager and kube-scheduler, when started with the controllers.
+    controllers: Vec<(Child, &'static str)>,
+    with_controllers: bool,
     etcd_client_port: u16,
     etcd_peer_port: u16,
     apiserver_port: u16,
@@ -117,10 +154,22 @@ impl ControlPlane {
     /// Starts etcd and kube-apiserver and waits until the apiserver is ready. Blocking; call it
     /// through `tokio::task::spawn_blocking` from async code.
     pub fn start() -> Result<Self> {
+        Self::start_mode(false)
+    }
+
+    /// Like [`ControlPlane::start`], plus kube-controller-manager (EndpointSlices, Deployments,
+    /// ReplicaSets, DaemonSets, ServiceAccounts, garbage collection, ...) and kube-scheduler; the
+    /// API server then runs as in a real cluster: the ServiceAccount admission plugin on, and the
+    /// `kubernetes` Service's endpoints kept at [`ADVERTISE_ADDRESS`]. Blocking.
+    pub fn start_with_controllers() -> Result<Self> {
+        Self::start_mode(true)
+    }
+
+    fn start_mode(with_controllers: bool) -> Result<Self> {
         let bins = Binaries::locate()?;
         let mut attempt = 1;
         loop {
-            match Self::start_once(&bins) {
+            match Self::start_once(&bins, with_controllers) {
                 Err(e) if attempt < PORT_ATTEMPTS && format!("{e:#}").contains("address already in use") => {
                     eprintln!(
                         "control plane: a picked port was taken meanwhile, retrying with new ports ({e:#})"
@@ -132,7 +181,7 @@ impl ControlPlane {
         }
     }
 
-    fn start_once(bins: &Binaries) -> Result<Self> {
+    fn start_once(bins: &Binaries, with_controllers: bool) -> Result<Self> {
         let dir = tempfile::Builder::new()
             .prefix("lb-control-plane-")
             .tempdir()
@@ -147,6 +196,8 @@ impl ControlPlane {
             bins: bins.clone(),
             etcd: None,
             apiserver: None,
+            controllers: Vec::new(),
+            with_controllers,
             etcd_client_port,
             etcd_peer_port,
             apiserver_port,
@@ -158,7 +209,71 @@ impl ControlPlane {
         cp.write_pki_and_kubeconfig()?;
         cp.start_etcd()?;
         cp.start_apiserver()?;
+        if with_controllers {
+            cp.start_controllers()?;
+        }
         Ok(cp)
+    }
+
+    /// kube-controller-manager and kube-scheduler with the admin kubeconfig, no serving port (two
+    /// control planes may run at once), no leader election.
+    fn start_controllers(&mut self) -> Result<()> {
+        let kubeconfig = format!("--kubeconfig={}", self.kubeconfig.display());
+        let log = self.dir.path().join("kube-controller-manager.log");
+        let child = spawn_logged(
+            Command::new(&self.bins.kube_controller_manager)
+                .arg(&kubeconfig)
+                .args(KCM_ARGS)
+                .arg(format!("--root-ca-file={}", self.pki("ca.crt").display()))
+                .arg(format!(
+                    "--service-account-private-key-file={}",
+                    self.pki("sa.key").display()
+                ))
+                .arg(format!("--service-cluster-ip-range={SERVICE_CIDR}")),
+            &log,
+            "kube-controller-manager",
+        )?;
+        self.controllers.push((child, "kube-controller-manager"));
+        let log = self.dir.path().join("kube-scheduler.log");
+        let child = spawn_logged(
+            Command::new(&self.bins.kube_scheduler).arg(&kubeconfig).args([
+                "--leader-elect=false",
+                "--secure-port=0",
+                "--profiling=false",
+            ]),
+            &log,
+            "kube-scheduler",
+        )?;
+        self.controllers.push((child, "kube-scheduler"));
+        // Ready when the ServiceAccounts controller has made `default` in `default` (the admission
+        // plugin rejects Pods until then) and the root CA is published (Pods mount it).
+        let deadline = Instant::now() + self.ready_timeout;
+        loop {
+            if let Some(exited) = self.exited_controller() {
+                bail!("{exited} at start\n{}", self.log_tail());
+            }
+            let sa = self.kubectl(["-n", "default", "get", "serviceaccount", "default", "-o", "name"]);
+            let ca = self.kubectl([
+                "-n",
+                "default",
+                "get",
+                "configmap",
+                "kube-root-ca.crt",
+                "-o",
+                "name",
+            ]);
+            if sa.is_ok() && ca.is_ok() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "kube-controller-manager made no default ServiceAccount within {:?}\n{}",
+                    self.ready_timeout,
+                    self.log_tail()
+                );
+            }
+            thread::sleep(Duration::from_millis(250));
+        }
     }
 
     /// The admin kubeconfig (user `lb-admin` in `system:masters`; certificate files next to it).
@@ -290,6 +405,17 @@ impl ControlPlane {
         }
     }
 
+    /// "<name> exited (<status>)" for the first controller that is no longer running.
+    pub fn exited_controller(&mut self) -> Option<String> {
+        self.controllers.iter_mut().find_map(|(child, what)| {
+            child
+                .try_wait()
+                .ok()
+                .flatten()
+                .map(|status| format!("{what} exited ({status})"))
+        })
+    }
+
     /// Whether kube-apiserver is running (started and not stopped).
     pub fn apiserver_running(&self) -> bool {
         self.apiserver.is_some()
@@ -297,8 +423,17 @@ impl ControlPlane {
 
     /// The last lines of the kube-apiserver and etcd logs.
     pub fn log_tail(&self) -> String {
+        let mut controllers = String::new();
+        for (_, what) in &self.controllers {
+            let log = self.dir.path().join(format!("{what}.log"));
+            controllers.push_str(&format!(
+                "\n--- {what} log ({}), last lines:\n{}",
+                log.display(),
+                tail(&log, TAIL_LINES)
+            ));
+        }
         format!(
-            "--- kube-apiserver log ({}), last lines:\n{}\n--- etcd log ({}), last lines:\n{}",
+            "--- kube-apiserver log ({}), last lines:\n{}\n--- etcd log ({}), last lines:\n{}{controllers}",
             self.apiserver_log().display(),
             tail(&self.apiserver_log(), TAIL_LINES),
             self.etcd_log().display(),
@@ -340,6 +475,7 @@ impl ControlPlane {
             [
                 "127.0.0.1",
                 "10.96.0.1",
+                "172.31.255.1",
                 "localhost",
                 "kubernetes",
                 "kubernetes.default",
@@ -460,10 +596,9 @@ impl ControlPlane {
 
     fn apiserver_args(&self) -> Vec<String> {
         let pki = |name: &str| self.pki(name).display().to_string();
-        vec![
+        let mut args = vec![
             format!("--etcd-servers={}", self.etcd_url()),
             "--bind-address=127.0.0.1".into(),
-            "--advertise-address=127.0.0.1".into(),
             format!("--secure-port={}", self.apiserver_port),
             format!("--service-cluster-ip-range={SERVICE_CIDR}"),
             "--authorization-mode=Node,RBAC".into(),
@@ -476,15 +611,26 @@ impl ControlPlane {
             format!("--service-account-signing-key-file={}", pki("sa.key")),
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
             "--allow-privileged=true".into(),
-            // No controller-manager runs, so no namespace gets its `default` ServiceAccount: the
-            // ServiceAccount admission plugin would reject every Pod created in a new namespace.
-            "--disable-admission-plugins=ServiceAccount".into(),
-            // The advertise address is loopback, which Endpoints and EndpointSlices may not hold:
-            // the reconciler of the `kubernetes` Service's endpoints would fail forever (the
-            // Service itself is still created). Upstream's test server does the same.
-            "--endpoint-reconciler-type=none".into(),
             "--profiling=false".into(),
-        ]
+        ];
+        if self.with_controllers {
+            // As in a cluster: the `kubernetes` Service's endpoint is the advertised address
+            // (reached inside the nodes through their forward), Pods get ServiceAccount tokens.
+            args.push(format!("--advertise-address={ADVERTISE_ADDRESS}"));
+        } else {
+            args.extend([
+                "--advertise-address=127.0.0.1".into(),
+                // No controller-manager runs, so no namespace gets its `default` ServiceAccount:
+                // the ServiceAccount admission plugin would reject every Pod created in a new
+                // namespace.
+                "--disable-admission-plugins=ServiceAccount".into(),
+                // The advertise address is loopback, which Endpoints and EndpointSlices may not
+                // hold: the reconciler of the `kubernetes` Service's endpoints would fail forever
+                // (the Service itself is still created). Upstream's test server does the same.
+                "--endpoint-reconciler-type=none".into(),
+            ]);
+        }
+        args
     }
 }
 
@@ -496,6 +642,9 @@ impl Drop for ControlPlane {
                 self.server_url(),
                 self.log_tail()
             );
+        }
+        for (child, what) in self.controllers.drain(..) {
+            stop(child, what);
         }
         if let Some(child) = self.apiserver.take() {
             stop(child, "kube-apiserver");

@@ -9,7 +9,8 @@
 //! - `control_plane`: a real etcd and kube-apiserver on loopback with generated certificates;
 //! - `topo`: nodes, pods and a LAN in namespaces; `agent`: the real lb-agent run inside them;
 //! - `fixtures`: Service/EndpointSlice builders; `probe`: the `lb-probe` traffic helper;
-//! - `kernel`: what the running kernel changes in what a test may observe.
+//! - `kernel`: what the running kernel changes in what a test may observe;
+//! - `kubelet`: a real node (kubelet, containerd, runc, CNI) in a netns and a mount namespace.
 //!
 //! Tests never attach programs to the machine's root cgroup or to interfaces they did not create,
 //! and only send traffic to addresses inside their own namespaces or to loopback.
@@ -20,6 +21,7 @@ pub mod cgroup;
 pub mod control_plane;
 pub mod fixtures;
 pub mod kernel;
+pub mod kubelet;
 pub mod load;
 pub mod netns;
 pub mod packet;

@@ -1,5 +1,6 @@
 //! Removes what runs that died without their guards (SIGKILL, a crashed runner, a lost machine
-//! session) left behind: network namespaces, test cgroups and bpffs mounts. Every such object is
+//! session) left behind: network namespaces, test cgroups (of every hierarchy), bpffs mounts and
+//! the directories of real nodes. Every such object is
 //! named by [`crate::unique_name`] (`<prefix><pid % 100000>x<n>`), so an object is only swept when
 //! no live process has a matching pid: a concurrent run's objects are never touched.
 
@@ -76,6 +77,31 @@ pub fn leftovers_of_dead_runs() -> Vec<String> {
                 crate::cgroup::remove_tree(&entry.path());
                 removed.push(format!("cgroup {name}"));
             }
+        }
+    }
+
+    // The cgroups of real nodes in the v1 hierarchies of a hybrid machine (`crate::kubelet`; their
+    // cgroup2 tree went above, with its processes).
+    for hierarchy in fs::read_dir("/sys/fs/cgroup").into_iter().flatten().flatten() {
+        let parent = hierarchy.path().join("lb-tests");
+        for entry in fs::read_dir(&parent).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if entry.path().is_dir() && dead(&name) {
+                crate::kubelet::remove_cgroup_tree(&entry.path());
+                removed.push(format!("cgroup {}", entry.path().display()));
+            }
+        }
+    }
+    // The directories of real nodes (`<tmp>/<node>-XXXXXX`: images, containers' layers, logs),
+    // free once the node's processes (and so its mount namespace) are gone.
+    for entry in fs::read_dir(std::env::temp_dir()).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some((node, _)) = name.split_once('-')
+            && node.starts_with("lbk")
+            && dead(node)
+            && fs::remove_dir_all(entry.path()).is_ok()
+        {
+            removed.push(format!("node directory {}", entry.path().display()));
         }
     }
 

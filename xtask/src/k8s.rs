@@ -1,5 +1,5 @@
-//! The control-plane binaries the end-to-end tests, the sandbox and the benchmarks run: etcd,
-//! kube-apiserver, kubectl and kube-proxy, built from their published Go modules with the
+//! The Kubernetes binaries the end-to-end tests, the sandbox and the benchmarks run: etcd,
+//! kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kubectl and kube-proxy, built from their published Go modules with the
 //! wrapper modules committed under `xtask/go/` and cached under `<cache>/`.
 //!
 //! - `xtask/go/etcd`: `require go.etcd.io/etcd/server/v3`, built as `etcd`;
@@ -46,6 +46,9 @@ pub struct K8sBins {
     pub kube_apiserver: PathBuf,
     pub kubectl: PathBuf,
     pub kube_proxy: PathBuf,
+    pub kube_controller_manager: PathBuf,
+    pub kube_scheduler: PathBuf,
+    pub kubelet: PathBuf,
 }
 
 /// One wrapper module and what it builds.
@@ -242,6 +245,12 @@ fn components(cache: &Path) -> [Component; 2] {
                 ("k8s.io/kubernetes/cmd/kube-apiserver", "kube-apiserver"),
                 ("k8s.io/kubernetes/cmd/kubectl", "kubectl"),
                 ("k8s.io/kubernetes/cmd/kube-proxy", "kube-proxy"),
+                (
+                    "k8s.io/kubernetes/cmd/kube-controller-manager",
+                    "kube-controller-manager",
+                ),
+                ("k8s.io/kubernetes/cmd/kube-scheduler", "kube-scheduler"),
+                ("k8s.io/kubernetes/cmd/kubelet", "kubelet"),
             ],
             ldflags: kubernetes_ldflags(),
             version_text: KUBERNETES_VERSION.to_string(),
@@ -258,6 +267,9 @@ pub fn ensure(cache: &Path) -> Result<K8sBins> {
         kube_apiserver: bin_dir.join("kube-apiserver"),
         kubectl: bin_dir.join("kubectl"),
         kube_proxy: bin_dir.join("kube-proxy"),
+        kube_controller_manager: bin_dir.join("kube-controller-manager"),
+        kube_scheduler: bin_dir.join("kube-scheduler"),
+        kubelet: bin_dir.join("kubelet"),
         dir: bin_dir.clone(),
     };
     let components = components(cache);
@@ -275,7 +287,7 @@ pub fn ensure(cache: &Path) -> Result<K8sBins> {
         }
         let what = c.programs.iter().map(|(_, b)| *b).collect::<Vec<_>>().join(", ");
         let how_long = if c.name == "k8s" {
-            "about 8 minutes"
+            "about 15 minutes"
         } else {
             "about 1 minute"
         };

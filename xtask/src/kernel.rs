@@ -220,13 +220,14 @@ struct KernelPackage {
     parts: Vec<String>,
 }
 
-/// apt with private sources and state under `<cache>/kernels/apt`.
-struct PrivateApt {
+/// apt with private sources and state under `<cache>/kernels/apt` (the kernels of the matrix and
+/// the node parts of `node.rs`).
+pub(crate) struct PrivateApt {
     dir: PathBuf,
 }
 
 impl PrivateApt {
-    fn new(cache: &Path) -> Result<PrivateApt> {
+    pub(crate) fn new(cache: &Path) -> Result<PrivateApt> {
         let dir = cache.join("kernels/apt");
         for sub in ["lists/partial", "cache/archives/partial"] {
             fs::create_dir_all(dir.join(sub))?;
@@ -246,7 +247,7 @@ impl PrivateApt {
         Ok(PrivateApt { dir })
     }
 
-    fn command(&self, program: &str) -> Command {
+    pub(crate) fn command(&self, program: &str) -> Command {
         let mut cmd = Command::new(program);
         let d = |sub: &str| self.dir.join(sub).display().to_string();
         for (key, value) in [
@@ -264,7 +265,7 @@ impl PrivateApt {
 
     /// Refreshes the package lists when they are a day old or missing; stale lists are used
     /// (with a warning) when the mirror cannot be reached.
-    fn update(&self) -> Result<()> {
+    pub(crate) fn update(&self) -> Result<()> {
         let stamp = self.dir.join("lists/.lb-updated");
         let fresh = fs::metadata(&stamp)
             .and_then(|m| m.modified())
@@ -274,7 +275,7 @@ impl PrivateApt {
         if fresh {
             return Ok(());
         }
-        step("reading Debian's kernel packages (private apt lists; the machine's apt is untouched)");
+        step("reading Debian's package lists (private apt lists; the machine's apt is untouched)");
         let out = self
             .command("apt-get")
             .args(["update", "-q"])

@@ -8,12 +8,15 @@
 //! - `sandbox`      the main job: a local cluster in network namespaces, live traffic tables;
 //! - `bench`        benchmarks side by side with kube-proxy (writes docs/benchmarks.md);
 //! - `report`       regenerate docs/reliability.md from the figures the last test run recorded;
-//! - `k8s-bins`     build (or find cached) etcd, kube-apiserver, kubectl and kube-proxy;
+//! - `k8s-bins`     build (or find cached) etcd, kube-apiserver, kube-controller-manager,
+//!                  kube-scheduler, kubelet, kubectl and kube-proxy;
 //! - `kernel-test`  the privileged suite on other kernels (Debian's), each in a guest.
 
 mod ebpf;
+mod image;
 mod k8s;
 mod kernel;
+mod node;
 mod report;
 mod setup;
 mod test;
@@ -65,8 +68,17 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Build or locate the cached etcd, kube-apiserver, kubectl and kube-proxy binaries.
+    /// Build or locate the cached etcd and Kubernetes binaries (control plane, kubelet, kube-proxy).
     K8sBins,
+    /// Fetch (or find cached) the node's containerd, runc and CNI plugins from Debian's packages.
+    NodeParts,
+    /// Build the lb-agent, lb-probe and pause images as OCI archives (for `ctr images import`)
+    /// and DIR/images.json, which lists them; archives whose inputs are unchanged are reused.
+    Images {
+        /// Output directory [default: <workspace>/target/images].
+        #[arg(long, value_name = "DIR")]
+        out: Option<std::path::PathBuf>,
+    },
     /// Regenerate docs/reliability.md from target/reliability/*.json (as `test` does at its end).
     Report,
     /// Run the privileged test suite on other kernels (Debian's linux-image packages), each booted
@@ -114,6 +126,16 @@ fn main() -> anyhow::Result<()> {
         Command::K8sBins => {
             let bins = k8s::ensure(&util::cache_dir())?;
             println!("{}", bins.dir.display());
+            Ok(())
+        }
+        Command::NodeParts => {
+            println!("{}", node::ensure(&util::cache_dir())?.display());
+            Ok(())
+        }
+        Command::Images { out } => {
+            let out = out.unwrap_or_else(image::default_dir);
+            image::ensure(&out)?;
+            println!("{}", out.join("images.json").display());
             Ok(())
         }
     }

@@ -163,6 +163,8 @@ pub(crate) fn test_env(with_e2e: bool) -> Result<Vec<(&'static str, String)>> {
     if with_e2e {
         let bins = k8s::ensure(&cache_dir())?;
         envs.push(("LB_K8S_BIN_DIR", bins.dir.display().to_string()));
+        let parts = crate::node::ensure(&cache_dir())?;
+        envs.push(("LB_NODE_PARTS_DIR", parts.display().to_string()));
     }
     Ok(envs)
 }

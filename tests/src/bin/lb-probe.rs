@@ -34,7 +34,8 @@ enum Cmd {
         /// UDP listen addresses.
         #[arg(long)]
         udp: Vec<SocketAddr>,
-        /// Name reported in answers (default: the listen address).
+        /// Name reported in answers (default: the host name, which is the pod's name in
+        /// Kubernetes: $HOSTNAME, else gethostname(2); else the listen address).
         #[arg(long)]
         name: Option<String>,
     },
@@ -159,7 +160,33 @@ fn serve_tcp_conn(mut stream: TcpStream, name: String) {
     }
 }
 
+/// The name `serve` reports without `--name`: the host name ($HOSTNAME, else gethostname(2)), so
+/// that a probe running as a pod answers with the pod's name.
+fn host_name() -> Option<String> {
+    if let Some(name) = std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()) {
+        return Some(name);
+    }
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname writes at most that many bytes.
+    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
+        return None;
+    }
+    let len = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    let name = String::from_utf8_lossy(&buf[..len]).into_owned();
+    (!name.is_empty()).then_some(name)
+}
+
+extern "C" fn exit_now(_: libc::c_int) {
+    // SAFETY: _exit is async-signal-safe.
+    unsafe { libc::_exit(0) };
+}
+
 fn serve(tcp: Vec<SocketAddr>, udp: Vec<SocketAddr>, name: Option<String>) {
+    // As PID 1 of a container, a process only gets the signals it handles: without this, a Pod's
+    // termination would wait for its whole grace period and SIGKILL.
+    // SAFETY: installs a handler that only calls _exit.
+    unsafe { libc::signal(libc::SIGTERM, exit_now as *const () as libc::sighandler_t) };
+    let name = name.or_else(host_name);
     let mut handles = Vec::new();
     for addr in tcp {
         let listener = TcpListener::bind(addr).unwrap_or_else(|e| panic!("bind tcp {addr}: {e}"));
