@@ -13,7 +13,9 @@
 //! Dropping the guard stops kubelet, kills every process of the node (its cgroup tree: runtime,
 //! shims, containers), which ends the mount namespace and with it every mount the node made
 //! (overlays, Pod volumes, the bpffs the DaemonSet mounted), then removes the cgroups, the
-//! namespace and the directory. A run that died is swept by the next (`crate::sweep`).
+//! namespace and the directory. When the test process dies without its guard (SIGTERM, SIGKILL),
+//! the holder kills the node's cgroup tree within a second, and the next run's sweep removes the
+//! names left (`crate::sweep`).
 
 use std::{
     env, fs,
@@ -428,6 +430,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         // Private first, so nothing propagates back to the machine; then shared again inside, as
         // on a real node (Bidirectional mount propagation, which the DaemonSet's init container
         // uses for bpffs, needs a shared mount).
+        //
+        // It is also the node's watchdog: when the test process is gone (a panic that skipped
+        // the guard, SIGTERM, SIGKILL), it kills the node's whole cgroup tree, itself included,
+        // which ends the mount namespace; the next run's sweep removes the names left.
         let script = format!(
             "set -e\n\
              mount --make-rshared /\n\
@@ -435,11 +441,15 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
              mount --bind '{var_log}' /var/log\n\
              mount --bind '{run}' /run\n\
              touch '{ready}'\n\
-             exec sleep infinity\n",
+             set +e\n\
+             while kill -0 {test_pid} 2>/dev/null; do sleep 1; done\n\
+             echo 1 > '{kill}'\n",
             var_lib = d("var-lib"),
             var_log = d("var-log"),
             run = d("run"),
             ready = ready.display(),
+            test_pid = std::process::id(),
+            kill = self.cgroup2.join("cgroup.kill").display(),
         );
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--net={}", self.ns.path().display())).args([
@@ -452,7 +462,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             "-c",
             &script,
         ]);
-        let child = self.spawn(cmd, "holder.log", true)?;
+        let child = self.spawn(cmd, "holder.log")?;
         self.holder = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         while !ready.exists() {
@@ -470,9 +480,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         Ok(())
     }
 
-    /// Spawns `cmd` in the node's "system" cgroup with its output in `log`; `die_with_us` makes
-    /// the kernel kill it when the test process dies (the holder: the node's mounts go with it).
-    fn spawn(&self, mut cmd: Command, log: &str, die_with_us: bool) -> Result<Child> {
+    /// Spawns `cmd` in the node's "system" cgroup with its output in `log`.
+    fn spawn(&self, mut cmd: Command, log: &str) -> Result<Child> {
         let log_path = self.path(log);
         let file = OpenOptions::new().create(true).append(true).open(&log_path)?;
         let procs = OpenOptions::new()
@@ -492,9 +501,6 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
                 if libc::write(procs.as_raw_fd(), b"0".as_ptr().cast(), 1) != 1 {
                     return Err(std::io::Error::last_os_error());
                 }
-                if die_with_us && libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
                 Ok(())
             });
         }
@@ -504,7 +510,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     fn start_containerd(&mut self) -> Result<()> {
         let mut cmd = self.command(self.parts.bin.join("containerd"));
         cmd.arg("--config").arg(self.path("containerd.toml"));
-        let child = self.spawn(cmd, "containerd.log", true)?;
+        let child = self.spawn(cmd, "containerd.log")?;
         self.containerd = Some(child);
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
@@ -532,7 +538,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             .arg(format!("--hostname-override={}", self.name))
             .arg(format!("--node-ip={}", self.ip))
             .arg("--v=1");
-        let child = self.spawn(cmd, "kubelet.log", true)?;
+        let child = self.spawn(cmd, "kubelet.log")?;
         self.kubelet = Some(child);
         self.wait_ready(cp)
     }

@@ -33,6 +33,40 @@ fn live_pids() -> std::collections::BTreeSet<u32> {
         .collect()
 }
 
+/// Processes of a control plane (their command line names `<tmp>/lb-control-plane-*`) whose
+/// parent is gone (re-parented to pid 1), with that directory.
+fn orphaned_control_planes() -> Vec<(i32, std::path::PathBuf)> {
+    let marker = std::env::temp_dir().join("lb-control-plane-");
+    let marker = marker.to_string_lossy().into_owned();
+    let mut found = Vec::new();
+    for entry in fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        let Some(at) = cmdline.find(&marker) else {
+            continue;
+        };
+        let stat = fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        // Field 4 (after the parenthesised command, which may hold spaces) is the parent pid.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok());
+        if ppid != Some(1) {
+            continue;
+        }
+        // The directory is the marker plus tempfile's alphanumeric suffix.
+        let suffix: String = cmdline[at + marker.len()..]
+            .chars()
+            .take_while(char::is_ascii_alphanumeric)
+            .collect();
+        let dir = format!("{marker}{suffix}");
+        found.push((pid, std::path::PathBuf::from(dir)));
+    }
+    found
+}
+
 /// Sweeps the leftovers of dead runs; returns what it removed (for one line of output).
 pub fn leftovers_of_dead_runs() -> Vec<String> {
     let live = live_pids();
@@ -44,6 +78,20 @@ pub fn leftovers_of_dead_runs() -> Vec<String> {
         prefix.starts_with("lb") || matches!(prefix, "bc" | "bn" | "bs")
     };
     let mut removed = Vec::new();
+
+    // Control planes whose test died (`crate::control_plane`): etcd, kube-apiserver and the
+    // controllers outlive a killed test as orphans; their data directory goes with them.
+    for (pid, dir) in orphaned_control_planes() {
+        // SAFETY: kill has no memory effects.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        removed.push(format!("control-plane process {pid}"));
+        if dir.exists() {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            if fs::remove_dir_all(&dir).is_ok() {
+                removed.push(format!("control-plane directory {}", dir.display()));
+            }
+        }
+    }
 
     // Namespaces: kill what still runs inside, then delete the name.
     for entry in fs::read_dir("/run/netns").into_iter().flatten().flatten() {

@@ -9,7 +9,9 @@
 //! - `bench`        benchmarks side by side with kube-proxy (writes docs/benchmarks.md);
 //! - `report`       regenerate docs/reliability.md from the figures the last test run recorded;
 //! - `k8s-bins`     build (or find cached) etcd, kube-apiserver, kube-controller-manager,
-//!                  kube-scheduler, kubelet, kubectl and kube-proxy;
+//!   kube-scheduler, kubelet, kubectl and kube-proxy;
+//! - `node-parts`   fetch (or find cached) containerd, runc and the CNI plugins (Debian's);
+//! - `images`       the lb-agent, lb-probe and pause images as OCI archives (`target/images`);
 //! - `kernel-test`  the privileged suite on other kernels (Debian's), each in a guest.
 
 mod ebpf;

@@ -21,8 +21,15 @@ use crate::{
     util::{self, step},
 };
 
+/// A Debian package and the files taken from it.
+type Package = (
+    &'static str,
+    &'static str,
+    &'static [(&'static str, &'static str)],
+);
+
 /// (package, version, [(path in the package, where it goes under node-parts)]).
-const PACKAGES: &[(&str, &str, &[(&str, &str)])] = &[
+const PACKAGES: &[Package] = &[
     (
         "containerd",
         "2.1.9+ds1-5",

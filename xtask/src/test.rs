@@ -165,6 +165,10 @@ pub(crate) fn test_env(with_e2e: bool) -> Result<Vec<(&'static str, String)>> {
         envs.push(("LB_K8S_BIN_DIR", bins.dir.display().to_string()));
         let parts = crate::node::ensure(&cache_dir())?;
         envs.push(("LB_NODE_PARTS_DIR", parts.display().to_string()));
+        // The images the real node runs (lb-agent from its release build, lb-probe, pause).
+        let images = crate::image::default_dir();
+        crate::image::ensure(&images)?;
+        envs.push(("LB_IMAGE_DIR", images.display().to_string()));
     }
     Ok(envs)
 }
