@@ -140,6 +140,8 @@ pub struct ControlPlane {
     apiserver: Option<Child>,
     /// kube-controller-manager and kube-scheduler, when started with the controllers.
     controllers: Vec<(Child, &'static str)>,
+    /// The API server's way to kubelets (logs, exec), when started with the controllers.
+    egress: Option<crate::netns::ConnectProxy>,
     with_controllers: bool,
     etcd_client_port: u16,
     etcd_peer_port: u16,
@@ -197,6 +199,7 @@ impl ControlPlane {
             etcd: None,
             apiserver: None,
             controllers: Vec::new(),
+            egress: None,
             with_controllers,
             etcd_client_port,
             etcd_peer_port,
@@ -207,12 +210,46 @@ impl ControlPlane {
         };
         // From here on, an error drops `cp`, which stops whatever was started.
         cp.write_pki_and_kubeconfig()?;
+        if with_controllers {
+            cp.start_egress()?;
+        }
         cp.start_etcd()?;
         cp.start_apiserver()?;
         if with_controllers {
             cp.start_controllers()?;
         }
         Ok(cp)
+    }
+
+    /// The API server's egress to the nodes' kubelets: an HTTP CONNECT proxy on a Unix socket
+    /// (`--egress-selector-config-file`, kind `cluster`), through which `kubectl logs`, `exec` and
+    /// `port-forward` reach kubelets inside their namespaces (see [`ControlPlane::route_to_node`]).
+    fn start_egress(&mut self) -> Result<()> {
+        let socket = self.dir.path().join("egress.sock");
+        let proxy = crate::netns::ConnectProxy::start(&socket).context("starting the egress proxy")?;
+        let config = format!(
+            "apiVersion: apiserver.k8s.io/v1beta1\n\
+             kind: EgressSelectorConfiguration\n\
+             egressSelections:\n\
+             - name: cluster\n  \
+               connection:\n    \
+                 proxyProtocol: HTTPConnect\n    \
+                 transport:\n      \
+                   uds:\n        \
+                     udsName: {}\n",
+            socket.display()
+        );
+        fs::write(self.dir.path().join("egress.yaml"), config)?;
+        self.egress = Some(proxy);
+        Ok(())
+    }
+
+    /// Routes the API server's connections to a node's address (its kubelet) through the node's
+    /// namespace.
+    pub fn route_to_node(&self, addr: Ipv4Addr, netns: PathBuf) {
+        if let Some(proxy) = &self.egress {
+            proxy.route(addr.into(), netns);
+        }
     }
 
     /// kube-controller-manager and kube-scheduler with the admin kubeconfig, no serving port (two
@@ -617,6 +654,11 @@ impl ControlPlane {
             // As in a cluster: the `kubernetes` Service's endpoint is the advertised address
             // (reached inside the nodes through their forward), Pods get ServiceAccount tokens.
             args.push(format!("--advertise-address={ADVERTISE_ADDRESS}"));
+            args.push(format!(
+                "--egress-selector-config-file={}",
+                self.dir.path().join("egress.yaml").display()
+            ));
+            args.push("--kubelet-preferred-address-types=InternalIP".into());
         } else {
             args.extend([
                 "--advertise-address=127.0.0.1".into(),

@@ -262,3 +262,119 @@ impl Drop for PortForward {
         }
     }
 }
+
+/// An HTTP CONNECT proxy on a Unix socket whose connections to an address are made inside the
+/// namespace registered for it ([`ConnectProxy::route`]): the API server's egress to kubelets
+/// (`kubectl logs`, `exec`, `port-forward`), whose nodes live in namespaces the machine has no
+/// route to. Stops on drop.
+pub struct ConnectProxy {
+    via: Routes,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    accept: Option<thread::JoinHandle<()>>,
+}
+
+impl ConnectProxy {
+    /// Listens on the Unix socket `path`.
+    pub fn start(path: &std::path::Path) -> std::io::Result<ConnectProxy> {
+        use std::sync::{
+            Arc,
+            atomic::{AtomicBool, Ordering},
+        };
+        let listener = std::os::unix::net::UnixListener::bind(path)?;
+        listener.set_nonblocking(true)?;
+        let via: Routes = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (routes, stopped) = (via.clone(), stop.clone());
+        let accept = thread::spawn(move || {
+            while !stopped.load(Ordering::SeqCst) {
+                match listener.accept() {
+                    Ok((client, _)) => {
+                        let routes = routes.clone();
+                        thread::spawn(move || {
+                            let _ = client.set_nonblocking(false);
+                            let _ = connect_tunnel(client, &routes);
+                        });
+                    }
+                    Err(_) => thread::sleep(std::time::Duration::from_millis(20)),
+                }
+            }
+        });
+        Ok(ConnectProxy {
+            via,
+            stop,
+            accept: Some(accept),
+        })
+    }
+
+    /// Makes the tunnels to `addr` from inside `ns` (by path, e.g. `/run/netns/<name>`).
+    pub fn route(&self, addr: std::net::IpAddr, ns: PathBuf) {
+        self.via.lock().expect("route lock").insert(addr, ns);
+    }
+}
+
+impl Drop for ConnectProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Which namespace to connect from, per destination address.
+type Routes = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, PathBuf>>>;
+
+/// Serves one `CONNECT host:port`: connects (inside the namespace routed for the host, if any),
+/// answers 200 and relays.
+fn connect_tunnel(mut client: std::os::unix::net::UnixStream, routes: &Routes) -> std::io::Result<()> {
+    use std::io::{Read, Write};
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if head.len() > 8192 || client.read(&mut byte)? == 0 {
+            return Ok(());
+        }
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head);
+    let target = head
+        .strip_prefix("CONNECT ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|t| t.parse::<std::net::SocketAddr>().ok());
+    let Some(target) = target else {
+        client.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n")?;
+        return Ok(());
+    };
+    let timeout = std::time::Duration::from_secs(5);
+    let ns = routes.lock().expect("route lock").get(&target.ip()).cloned();
+    let server = match ns {
+        Some(ns) => thread::scope(|s| {
+            s.spawn(move || {
+                let file = File::open(&ns)?;
+                setns(file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
+                std::net::TcpStream::connect_timeout(&target, timeout)
+            })
+            .join()
+            .unwrap_or_else(|_| Err(std::io::Error::other("connect thread panicked")))
+        }),
+        None => std::net::TcpStream::connect_timeout(&target, timeout),
+    };
+    let server = match server {
+        Ok(s) => s,
+        Err(e) => {
+            client.write_all(format!("HTTP/1.1 502 Bad Gateway\r\n\r\n{e}").as_bytes())?;
+            return Ok(());
+        }
+    };
+    client.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")?;
+    let (mut c2, mut s2) = (client.try_clone()?, server.try_clone()?);
+    let (mut c, mut s) = (client, server);
+    let up = thread::spawn(move || {
+        let _ = std::io::copy(&mut c, &mut s);
+        let _ = s.shutdown(std::net::Shutdown::Write);
+    });
+    let _ = std::io::copy(&mut s2, &mut c2);
+    let _ = c2.shutdown(std::net::Shutdown::Write);
+    let _ = up.join();
+    Ok(())
+}

@@ -327,8 +327,7 @@ spec:
 }
 
 /// Runs lb-probe as a Pod on the node (`tcp --connect TARGET --count N`) and returns its JSON
-/// lines, read from the container's log file on the node (the API server cannot reach kubelet's
-/// API here, so no `kubectl logs`).
+/// lines (`kubectl logs`).
 fn probe_pod(
     cp: &ControlPlane,
     node: &KubeletNode,
@@ -361,22 +360,19 @@ fn probe_pod(
             _ => None,
         })
     })?;
-    let uid = json_of(cp, &["-n", "default", "get", "pod", name])?["metadata"]["uid"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    let log = node
-        .dir()
-        .join(format!("var-log/pods/default_{name}_{uid}/probe/0.log"));
-    let text = fs::read_to_string(&log).with_context(|| format!("reading {}", log.display()))?;
-    // CRI log lines: `<time> stdout F <line>`.
+    // Through the API server, which reaches kubelet via the control plane's egress proxy.
+    let text = cp.kubectl(["-n", "default", "logs", name])?;
     let lines: Vec<Value> = text
         .lines()
-        .filter_map(|l| l.splitn(4, ' ').nth(3))
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect();
     cp.kubectl(["-n", "default", "delete", "pod", name, "--wait=false"])?;
     ensure!(phase == "Succeeded", "pod {name} {phase}: {lines:?}");
+    ensure!(
+        lines.len() == count as usize,
+        "pod {name} printed {} results of {count}: {text:?}",
+        lines.len()
+    );
     Ok(lines)
 }
 
@@ -591,6 +587,26 @@ fn daemonset_on_a_real_kubelet_serves_through_operator_flows() -> Result<()> {
         "with topology hints: {with_hints:#?}"
     );
 
+    // The operator's CLI inside the DaemonSet's Pod (`kubectl exec`), on the pinned maps.
+    let services: Value = serde_json::from_str(&cp.kubectl([
+        "-n",
+        "kube-system",
+        "exec",
+        "ds/lb-agent",
+        "-c",
+        "lb-agent",
+        "--",
+        "lb-agent",
+        "services",
+        "-o",
+        "json",
+    ])?)
+    .context("lb-agent services -o json")?;
+    ensure!(
+        services.to_string().contains(&cluster_ip),
+        "`lb-agent services` in the Pod does not show web's {cluster_ip}: {services}"
+    );
+
     let clients = Cgroup::at(
         &node
             .cgroup2()
@@ -654,7 +670,8 @@ fn daemonset_on_a_real_kubelet_serves_through_operator_flows() -> Result<()> {
     ensure!(terminating > 0, "the rollout showed no terminating endpoint");
     // 2. `kubectl delete pod` of one backend.
     let victim = pods(&cp, "default", "app=web")?
-        .first()
+        .iter()
+        .find(|p| is_ready(p))
         .and_then(|p| p["metadata"]["name"].as_str().map(str::to_string))
         .context("a backend pod")?;
     run_flow(
