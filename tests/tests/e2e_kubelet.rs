@@ -426,6 +426,21 @@ fn diagnostics(node: &KubeletNode) -> String {
     out
 }
 
+/// A rolling update of the backend Deployment (a new environment variable), waited for as
+/// `kubectl rollout status` does.
+fn roll_web(cp: &ControlPlane, env: &str) -> Result<()> {
+    cp.kubectl(["-n", "default", "set", "env", "deployment/web", env])?;
+    cp.kubectl([
+        "-n",
+        "default",
+        "rollout",
+        "status",
+        "deployment/web",
+        "--timeout=180s",
+    ])?;
+    Ok(())
+}
+
 /// The names of the backends that answered.
 fn servers(results: &[Value]) -> BTreeSet<String> {
     results
@@ -654,18 +669,7 @@ fn daemonset_on_a_real_kubelet_serves_through_operator_flows() -> Result<()> {
     let (terminating, _) = run_flow(
         "rolling update, 3 replicas",
         "kubectl set env deployment/web VERSION=2 && kubectl rollout status deployment/web",
-        &mut || {
-            cp.kubectl(["-n", "default", "set", "env", "deployment/web", "VERSION=2"])?;
-            cp.kubectl([
-                "-n",
-                "default",
-                "rollout",
-                "status",
-                "deployment/web",
-                "--timeout=180s",
-            ])?;
-            Ok(())
-        },
+        &mut || roll_web(&cp, "VERSION=2"),
     )?;
     ensure!(terminating > 0, "the rollout showed no terminating endpoint");
     // 2. `kubectl delete pod` of one backend.
@@ -693,18 +697,7 @@ fn daemonset_on_a_real_kubelet_serves_through_operator_flows() -> Result<()> {
     let (_, only_terminating) = run_flow(
         "rolling update, 1 replica (maxSurge 0)",
         "kubectl set env deployment/web VERSION=3 && kubectl rollout status deployment/web",
-        &mut || {
-            cp.kubectl(["-n", "default", "set", "env", "deployment/web", "VERSION=3"])?;
-            cp.kubectl([
-                "-n",
-                "default",
-                "rollout",
-                "status",
-                "deployment/web",
-                "--timeout=180s",
-            ])?;
-            Ok(())
-        },
+        &mut || roll_web(&cp, "VERSION=3"),
     )?;
     // 4. The agent's own rolling update: the new Pod adopts the pinned maps.
     run_flow(

@@ -247,6 +247,18 @@ impl PrivateApt {
         Ok(PrivateApt { dir })
     }
 
+    /// The `.deb` of `package` that `apt-get download` left in `dir`.
+    pub(crate) fn downloaded(dir: &Path, package: &str) -> Result<PathBuf> {
+        fs::read_dir(dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(&format!("{package}_")) && n.ends_with(".deb"))
+            })
+            .with_context(|| format!("apt-get download left no {package} package"))
+    }
+
     pub(crate) fn command(&self, program: &str) -> Command {
         let mut cmd = Command::new(program);
         let d = |sub: &str| self.dir.join(sub).display().to_string();
@@ -382,14 +394,7 @@ impl PrivateApt {
                 } else {
                     pinned?;
                 }
-                let deb = fs::read_dir(&debs)?
-                    .filter_map(|e| e.ok().map(|e| e.path()))
-                    .find(|p| {
-                        p.file_name()
-                            .and_then(|n| n.to_str())
-                            .is_some_and(|n| n.starts_with(&format!("{part}_")) && n.ends_with(".deb"))
-                    })
-                    .with_context(|| format!("apt-get download left no {part} package"))?;
+                let deb = PrivateApt::downloaded(&debs, part)?;
                 run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&dir))?;
                 let _ = fs::remove_file(&deb);
             }

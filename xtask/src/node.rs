@@ -92,14 +92,7 @@ pub fn ensure(cache: &Path) -> Result<PathBuf> {
                  PACKAGES in xtask/src/node.rs"
             )
         })?;
-        let deb = fs::read_dir(&work)?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .find(|p| {
-                p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with(&format!("{package}_")) && n.ends_with(".deb"))
-            })
-            .with_context(|| format!("apt-get download left no {package} package"))?;
+        let deb = PrivateApt::downloaded(&work, package)?;
         let tree = work.join(package);
         util::run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&tree))?;
         for (from, to) in *files {
