@@ -1,10 +1,28 @@
-//! The sandbox (README command 1) as a new user runs it: it must end with every example Service
-//! balanced correctly from a pod and from the external client, and leave nothing behind.
+//! The sandbox (README command 1) as a new user runs it: every example Service balanced correctly
+//! from a pod and from the external client; the kubectl commands it prints (create a Deployment,
+//! expose it, scale it) followed by its live table, whose rows show the Deployment's Pods (on the
+//! real node) answering by name, old and new; a deleted Service leaves the table; and, stopped by
+//! SIGTERM, it leaves nothing behind.
 
-use std::{collections::BTreeSet, path::Path, process::Command};
+use std::{
+    collections::BTreeSet,
+    io::{BufRead, BufReader, Read},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex},
+    thread,
+    time::{Duration, Instant},
+};
 
-use lb_tests::{process::workspace_bin, require_root};
+use lb_tests::{control_plane::Binaries, process::workspace_bin, require_root};
 use serde_json::Value;
+
+/// How long the sandbox may take to be ready (about 15 s once the images are cached).
+const READY_TIMEOUT: Duration = Duration::from_secs(180);
+/// How long the table may take to show a change made with kubectl.
+const FOLLOW_TIMEOUT: Duration = Duration::from_secs(90);
+/// The least traffic the example flows run before the checks.
+const EXAMPLE_TRAFFIC: Duration = Duration::from_secs(12);
 
 fn flows<'a>(summary: &'a Value, service: &str) -> Vec<&'a Value> {
     summary["flows"]
@@ -19,26 +37,314 @@ fn backends(flow: &Value) -> BTreeSet<String> {
     flow["per_backend"].as_object().unwrap().keys().cloned().collect()
 }
 
-#[test]
-fn the_sandbox_balances_every_example_service() {
-    require_root();
-    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/examples");
-    let summary_file = tempfile::NamedTempFile::new().unwrap();
-    let out = Command::new(workspace_bin("lb-sandbox"))
-        .args(["--duration", "12s", "--rate", "20", "--examples"])
-        .arg(&examples)
-        .arg("--summary-json")
-        .arg(summary_file.path())
-        .output()
-        .expect("run lb-sandbox");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "lb-sandbox failed:\n{stderr}\n{}",
-        String::from_utf8_lossy(&out.stdout)
+/// The running sandbox: its stderr as read so far; stopped with SIGTERM (then SIGKILL) if the test
+/// fails before it stops it.
+struct Sandbox {
+    child: Child,
+    stderr: Arc<Mutex<String>>,
+    stdout: Arc<Mutex<String>>,
+}
+
+impl Sandbox {
+    fn start(summary: &Path) -> Sandbox {
+        let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/examples");
+        let mut child = Command::new(workspace_bin("lb-sandbox"))
+            // A cap: the test stops it with SIGTERM once done.
+            .args(["--duration", "240s", "--rate", "20", "--examples"])
+            .arg(&examples)
+            .arg("--summary-json")
+            .arg(summary)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run lb-sandbox");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let sink = stderr.clone();
+        let pipe = child.stderr.take().unwrap();
+        thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                let mut all = sink.lock().unwrap();
+                all.push_str(&line);
+                all.push('\n');
+            }
+        });
+        let stdout = Arc::new(Mutex::new(String::new()));
+        let sink = stdout.clone();
+        let mut pipe = child.stdout.take().unwrap();
+        thread::spawn(move || {
+            let mut buf = [0u8; 8192];
+            while let Ok(n) = pipe.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        Sandbox {
+            child,
+            stderr,
+            stdout,
+        }
+    }
+
+    fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// What it printed, for failure messages.
+    fn output(&self) -> String {
+        let stdout = self.stdout.lock().unwrap();
+        let tail: Vec<&str> = stdout.lines().collect();
+        format!(
+            "--- stderr:\n{}\n--- stdout (last lines):\n{}",
+            self.stderr(),
+            tail[tail.len().saturating_sub(60)..].join("\n")
+        )
+    }
+
+    /// Waits for a line of stderr satisfying `f`, failing if the sandbox exits first.
+    fn wait_for_line(&mut self, what: &str, timeout: Duration, f: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(line) = self.stderr().lines().find(|l| f(l)) {
+                return line.to_string();
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                thread::sleep(Duration::from_millis(200));
+                panic!("lb-sandbox exited ({status}) before {what}:\n{}", self.output());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "lb-sandbox: no {what} within {timeout:?}:\n{}",
+                self.output()
+            );
+            thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// SIGTERM, then waits for it to finish its teardown.
+    fn stop(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                // Let the reader threads take the last lines.
+                thread::sleep(Duration::from_millis(200));
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "lb-sandbox did not stop within {timeout:?} of SIGTERM:\n{}",
+                self.output()
+            );
+            thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            // SAFETY: kill has no memory-safety preconditions.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
+                thread::sleep(Duration::from_millis(100));
+            }
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// kubectl as the user runs it: `KUBECONFIG` from what the sandbox printed.
+struct Kubectl {
+    bin: PathBuf,
+    kubeconfig: String,
+    cache: tempfile::TempDir,
+}
+
+impl Kubectl {
+    fn run(&self, args: &[&str]) -> String {
+        let out = Command::new(&self.bin)
+            .arg("--cache-dir")
+            .arg(self.cache.path())
+            .args(args)
+            .env("KUBECONFIG", &self.kubeconfig)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run kubectl");
+        assert!(
+            out.status.success(),
+            "kubectl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// One of the example command lines the sandbox printed (`kubectl ...`), run as printed.
+    fn run_printed(&self, line: &str) -> String {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(words.first(), Some(&"kubectl"), "{line}");
+        self.run(&words[1..])
+    }
+
+    /// The Pods of `app=<app>` that run and are not being deleted.
+    fn running_pods(&self, app: &str) -> BTreeSet<String> {
+        let v: Value =
+            serde_json::from_str(&self.run(&["get", "pods", "-l", &format!("app={app}"), "-o", "json"]))
+                .unwrap();
+        v["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|p| p["status"]["phase"] == "Running" && p["metadata"]["deletionTimestamp"].is_null())
+            .map(|p| p["metadata"]["name"].as_str().unwrap().to_string())
+            .collect()
+    }
+}
+
+fn read_summary(path: &Path) -> Option<Value> {
+    serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
+}
+
+/// The flow of the `hello` Service from the real node, once its load runs.
+fn hello_flow(summary: &Value) -> Option<Value> {
+    flows(summary, "default/hello:")
+        .into_iter()
+        .find(|f| f["from"] == "real-node" && f["started"] == true)
+        .cloned()
+}
+
+/// Waits until the sandbox's summary shows every pod of `pods` answering the `hello` flow.
+fn wait_for_backends(
+    sandbox: &Sandbox,
+    summary: &Path,
+    kubectl: &Kubectl,
+    want: usize,
+) -> (BTreeSet<String>, Value) {
+    let deadline = Instant::now() + FOLLOW_TIMEOUT;
+    let (mut pods, mut last) = (BTreeSet::new(), None);
+    while Instant::now() < deadline {
+        pods = kubectl.running_pods("hello");
+        last = read_summary(summary).as_ref().and_then(hello_flow);
+        if pods.len() == want
+            && let Some(flow) = &last
+            && pods.is_subset(&backends(flow))
+        {
+            return (pods, flow.clone());
+        }
+        thread::sleep(Duration::from_millis(500));
+    }
+    panic!(
+        "the table did not show the {want} pods of hello answering within {FOLLOW_TIMEOUT:?}: pods {pods:?}, \
+         flow {last:?}\n{}",
+        sandbox.output()
     );
-    let summary: Value =
-        serde_json::from_str(&std::fs::read_to_string(summary_file.path()).unwrap()).unwrap();
+}
+
+#[test]
+fn the_sandbox_balances_every_example_service_and_follows_kubectl() {
+    require_root();
+    let summary_file = tempfile::NamedTempFile::new().unwrap();
+    let summary_path = summary_file.path().to_path_buf();
+    let started = Instant::now();
+    let mut sandbox = Sandbox::start(&summary_path);
+    let pid = sandbox.child.id();
+    sandbox.wait_for_line("ready line", READY_TIMEOUT, |l| l.contains("ready after"));
+    let ready_s = started.elapsed().as_secs_f64();
+
+    // How the sandbox says to talk to it.
+    let export = sandbox.wait_for_line("KUBECONFIG line", Duration::from_secs(1), |l| {
+        l.trim_start().starts_with("export KUBECONFIG=")
+    });
+    let kubeconfig = export.trim().trim_start_matches("export KUBECONFIG=").to_string();
+    assert!(Path::new(&kubeconfig).is_file(), "{export}");
+    let printed = |prefix: &str| -> String {
+        sandbox
+            .stderr()
+            .lines()
+            .map(str::trim)
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("the sandbox does not print `{prefix} ...`:\n{}", sandbox.stderr()))
+            .to_string()
+    };
+    let create = printed("kubectl create deployment hello");
+    let expose = printed("kubectl expose deployment hello");
+    let scale = printed("kubectl scale deployment hello");
+    let replicas: usize = scale
+        .rsplit_once("--replicas=")
+        .and_then(|(_, n)| n.parse().ok())
+        .unwrap_or_else(|| panic!("{scale}"));
+    let kubectl = Kubectl {
+        bin: Binaries::locate().unwrap().kubectl,
+        kubeconfig,
+        cache: tempfile::tempdir().unwrap(),
+    };
+
+    // A Deployment and its Service, as printed: the table follows with the Pods' names.
+    kubectl.run_printed(&create);
+    kubectl.run_printed(&expose);
+    let (first, _) = wait_for_backends(&sandbox, &summary_path, &kubectl, 2);
+    let followed_s = started.elapsed().as_secs_f64() - ready_s;
+    // Scaled: the new Pods' names appear beside the first ones.
+    kubectl.run_printed(&scale);
+    let (scaled, flow) = wait_for_backends(&sandbox, &summary_path, &kubectl, replicas);
+    assert!(
+        scaled.is_superset(&first) && scaled.len() > first.len(),
+        "{first:?} -> {scaled:?}"
+    );
+    // Every Pod runs on the real node (the netns nodes are unschedulable), which the client is on:
+    // no request failed, and its address was kept.
+    assert_eq!(flow["errors"], 0, "no request may fail: {flow}");
+    assert_eq!(flow["replaced_client_ip"], 0, "{flow}");
+    let nodes = kubectl.run(&[
+        "get",
+        "pods",
+        "-l",
+        "app=hello",
+        "-o",
+        "jsonpath={.items[*].spec.nodeName}",
+    ]);
+    let real_node = read_summary(&summary_path).unwrap()["real_node"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        nodes.split_whitespace().all(|n| n == real_node),
+        "hello's pods run on {nodes}, not all on the real node {real_node}"
+    );
+
+    // A deleted Service leaves the table.
+    kubectl.run(&["delete", "service", "hello"]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while read_summary(&summary_path).is_some_and(|s| !flows(&s, "default/hello:").is_empty()) {
+        assert!(
+            Instant::now() < deadline,
+            "the hello rows stayed after the Service was deleted:\n{}",
+            sandbox.output()
+        );
+        thread::sleep(Duration::from_millis(500));
+    }
+
+    // The example flows get at least as long as they always had (12 s at 20 requests/s).
+    let ready_for = started.elapsed().as_secs_f64() - ready_s;
+    if ready_for < EXAMPLE_TRAFFIC.as_secs_f64() {
+        thread::sleep(EXAMPLE_TRAFFIC - Duration::from_secs_f64(ready_for));
+    }
+    // Stopped as Ctrl-C or a service manager would.
+    let status = sandbox.stop(Duration::from_secs(90));
+    let stderr = sandbox.stderr();
+    assert!(status.success(), "lb-sandbox failed:\n{}", sandbox.output());
+    assert!(stderr.contains("tearing down (signal 15)"), "{stderr}");
+    eprintln!(
+        "sandbox ready after {ready_s:.1}s; hello followed {followed_s:.1}s after; whole run {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+
+    let summary = read_summary(&summary_path).expect("the final summary");
     let all_web: BTreeSet<String> = ["web-1", "web-2", "web-3", "web-4"].map(String::from).into();
 
     for f in summary["flows"].as_array().unwrap() {
@@ -103,7 +409,13 @@ fn the_sandbox_balances_every_example_service() {
             && f["from"] == "external")
     );
 
-    // Nothing left behind.
+    // Nothing left behind: the namespaces (the fixed ones, and the LAN's and the real node's,
+    // named after the sandbox's pid), the cgroups of every hierarchy, the directories, processes.
+    let ours = |name: &str| {
+        name.starts_with("lbsb-")
+            || name.starts_with(&format!("lbk{}x", pid % 100_000))
+            || name.starts_with(&format!("lblan{}x", pid % 100_000))
+    };
     let netns = String::from_utf8_lossy(
         &Command::new("ip")
             .args(["netns", "list"])
@@ -112,6 +424,39 @@ fn the_sandbox_balances_every_example_service() {
             .stdout,
     )
     .into_owned();
-    assert!(!netns.contains("lbsb-"), "namespaces left: {netns}");
+    assert!(
+        !netns
+            .lines()
+            .any(|l| ours(l.split_whitespace().next().unwrap_or_default())),
+        "namespaces left: {netns}"
+    );
+    let cgroup2 = lb_tests::cgroup::cgroup2_mount();
+    assert!(
+        !cgroup2.join("lb-sandbox").exists(),
+        "the lb-sandbox cgroup is left"
+    );
+    let hierarchies = std::fs::read_dir("/sys/fs/cgroup")
+        .unwrap()
+        .flatten()
+        .map(|h| h.path());
+    for parent in hierarchies.chain([cgroup2]).map(|h| h.join("lb-tests")) {
+        for entry in std::fs::read_dir(&parent).into_iter().flatten().flatten() {
+            assert!(
+                !ours(&entry.file_name().to_string_lossy()),
+                "cgroup left: {}",
+                entry.path().display()
+            );
+        }
+    }
     assert!(!Path::new("/run/lb-sandbox").exists());
+    assert!(!Path::new("/tmp/lb-sandbox").exists());
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        assert!(
+            !cmdline.contains("/run/lb-sandbox") && !cmdline.contains("/tmp/lb-sandbox/"),
+            "process left: {} {cmdline}",
+            entry.file_name().to_string_lossy()
+        );
+    }
 }

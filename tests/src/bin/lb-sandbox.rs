@@ -1,20 +1,28 @@
 //! The sandbox (README command 1): a small cluster on this machine, for real.
 //!
-//! - a real etcd and kube-apiserver on loopback;
-//! - two "nodes" in network namespaces on a shared LAN, each running lb-agent against the API
-//!   server, each with pods (HTTP on :8080, UDP echo on :5353) behind veths, in the node's cgroup;
+//! - a real etcd, kube-apiserver, kube-controller-manager and kube-scheduler on loopback;
+//! - one real node (kubelet, containerd, runc, the CNI bridge; `lb_tests::kubelet`) running
+//!   lb-agent as the DaemonSet of `manifests/`, applied as an operator does: the Deployments a
+//!   user creates with kubectl run there, with EndpointSlices from the real controller;
+//! - beside it, two fast "nodes" in network namespaces on the same LAN, each running lb-agent as
+//!   a process against the API server, each with pods (HTTP on :8080, UDP echo on :5353) behind
+//!   veths, in the node's cgroup; every node routes the others' Pod ranges over the LAN;
 //! - an external client host on the LAN;
 //! - the example Services of `manifests/examples/`, with EndpointSlices the sandbox writes itself
-//!   (there is no controller manager or kubelet), and LoadBalancer status it fills in;
-//! - traffic from a pod and from the external client to every frontend, and a live table per
-//!   Service: frontend, backends and requests per backend, errors, whether the client IP was kept.
+//!   for the netns pods (which are not Pod objects), and LoadBalancer status it fills in;
+//! - traffic from a pod and from the external client to every example frontend, from a client on
+//!   the real node to the ClusterIP of every Service created while it runs (`kubectl expose`),
+//!   and a live table per Service: frontend, backends (pod names) and requests per backend,
+//!   errors, whether the client IP was kept.
 //!
-//! It runs until Ctrl-C or `--duration`, then tears everything down; a run that crashed is
-//! cleaned up by the next one (fixed names under `/run/lb-sandbox`, the `lb-sandbox` cgroup and
-//! `lbsb-*` namespaces). It never touches the machine's interfaces or root cgroup.
+//! It runs until Ctrl-C (SIGINT), SIGTERM, SIGHUP or `--duration`, then tears everything down; a
+//! run that crashed is cleaned up by the next one (fixed names under `/run/lb-sandbox` and
+//! `/tmp/lb-sandbox`, the `lb-sandbox` cgroup and `lbsb-*` namespaces; the real node and the LAN
+//! are named after the run's pid and swept by `lb_tests::sweep` once it is dead). It never
+//! touches the machine's interfaces or root cgroup.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fs,
     io::{BufRead, BufReader, IsTerminal, Write},
     net::{Ipv4Addr, SocketAddr},
@@ -22,7 +30,7 @@ use std::{
     process::{Command, Stdio},
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicI32, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -31,7 +39,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use k8s_openapi::{
     api::{
-        core::v1::{Node, NodeAddress, NodeStatus, Service},
+        core::v1::{Node, NodeAddress, NodeSpec, NodeStatus, Service, Taint},
         discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
     },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
@@ -41,18 +49,31 @@ use lb_tests::{
     bpffs::BpfFs,
     cgroup::{self, Cgroup},
     control_plane::ControlPlane,
+    kubelet::{self, KubeletNode, NodeConfig},
     netns::{NetNs, PortForward},
     process::{Place, Proc, workspace_bin},
+    topo::Lan,
 };
 
 const STATE_DIR: &str = "/run/lb-sandbox";
+/// The temporary directory of the control plane and the real node (their data, logs and
+/// processes' command lines, by which a later run finds a crashed one's). Not under `/run`,
+/// `/var/lib` or `/var/log`, which the real node's mount namespace replaces with its own.
+const WORK_DIR: &str = "/tmp/lb-sandbox";
 const CGROUP: &str = "lb-sandbox";
 const LB_POOL: [u8; 3] = [203, 0, 113];
+/// The netns nodes are 1 and 2 (192.168.50.1<i>, Pods in 10.244.<i>.0/24); the real node takes
+/// the next index.
+const REAL_NODE_INDEX: u8 = 3;
+/// The taint that keeps Pods off the netns nodes, which have no kubelet.
+const NETNS_TAINT: &str = "node.lb.example/netns";
+/// How often the sandbox looks for Services created or deleted while it runs.
+const FOLLOW_EVERY: Duration = Duration::from_secs(1);
 
 #[derive(Parser)]
 #[command(
     name = "lb-sandbox",
-    about = "A local cluster in network namespaces running lb-agent, with live traffic"
+    about = "A local cluster (real control plane, one real kubelet node, fast netns nodes) running lb-agent, with live traffic"
 )]
 struct Args {
     /// Stop after this long (e.g. 60s, 5m); default: until Ctrl-C.
@@ -64,24 +85,73 @@ struct Args {
     /// Requests per second per traffic flow.
     #[arg(long, default_value_t = 5)]
     rate: u32,
-    /// Write the final figures of every flow as JSON to this file (for tests).
+    /// Write the figures of every flow as JSON to this file, every second while running and a
+    /// last time at the end (for tests).
     #[arg(long)]
     summary_json: Option<PathBuf>,
 }
 
 static STOP: AtomicBool = AtomicBool::new(false);
+static SIGNAL: AtomicI32 = AtomicI32::new(0);
+/// Whether stdout and stderr are terminals (set at start, read by the signal handler).
+static TTY_OUT: AtomicBool = AtomicBool::new(false);
+static TTY_ERR: AtomicBool = AtomicBool::new(false);
 
-extern "C" fn on_signal(_: libc::c_int) {
+extern "C" fn on_signal(sig: libc::c_int) {
+    if sig == libc::SIGHUP {
+        // The terminal is gone: what was written to it goes nowhere from here on, rather than
+        // failing (children inherit stderr; a failed write must not stop the teardown).
+        // SAFETY: open, dup2 and close are async-signal-safe.
+        unsafe {
+            let fd = libc::open(c"/dev/null".as_ptr(), libc::O_WRONLY);
+            if fd >= 0 {
+                if TTY_OUT.load(Ordering::SeqCst) {
+                    libc::dup2(fd, 1);
+                }
+                if TTY_ERR.load(Ordering::SeqCst) {
+                    libc::dup2(fd, 2);
+                }
+                libc::close(fd);
+            }
+        }
+    }
+    SIGNAL.store(sig, Ordering::SeqCst);
     STOP.store(true, Ordering::SeqCst);
 }
 
-fn step(message: &str) {
-    eprintln!("==> {message}");
+/// Prints to stderr, never panicking (the terminal may be gone).
+fn say(message: &str) {
+    let _ = writeln!(std::io::stderr(), "{message}");
 }
 
-/// Kills whatever a crashed run left: processes (the control plane's, found by their command line
-/// naming the state directory; everything else is in the sandbox cgroup), namespaces, the cgroup
-/// tree, the bpffs mount.
+fn step(message: &str) {
+    say(&format!("==> {message}"));
+}
+
+/// Fails when a signal asked the sandbox to stop while it was starting.
+fn check_stop() -> Result<()> {
+    if STOP.load(Ordering::SeqCst) {
+        bail!(Interrupted);
+    }
+    Ok(())
+}
+
+/// Stopped by a signal before it was ready (not a failure).
+#[derive(Debug)]
+struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("stopped while starting")
+    }
+}
+
+/// Kills whatever a crashed run left: processes (the control plane's and the real node's
+/// containerd and kubelet, found by their command line naming the state directory; the netns
+/// nodes' in the sandbox cgroup), namespaces, the cgroup trees, the bpffs mount. The real node's
+/// containers, its cgroups (`lb-tests/lbk<pid>x<n>` in every hierarchy) and its namespace, and the
+/// LAN's (`lblan<pid>x<n>`), are named after the dead run's pid: `lb_tests::sweep` removes them,
+/// as it does for the tests.
 fn clean_leftovers() {
     if let Ok(procs) = fs::read_dir("/proc") {
         for p in procs.flatten() {
@@ -92,7 +162,8 @@ fn clean_leftovers() {
                 continue;
             }
             let cmdline = fs::read(p.path().join("cmdline")).unwrap_or_default();
-            if String::from_utf8_lossy(&cmdline).contains(STATE_DIR) {
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            if cmdline.contains(STATE_DIR) || cmdline.contains(&format!("{WORK_DIR}/")) {
                 // SAFETY: kill has no memory-safety preconditions.
                 unsafe { libc::kill(pid, libc::SIGKILL) };
             }
@@ -117,9 +188,24 @@ fn clean_leftovers() {
     {
         let _ = Command::new("ip").args(["netns", "delete", name]).output();
     }
+    let removed = lb_tests::sweep::leftovers_of_dead_runs();
+    if !removed.is_empty() {
+        step(&format!(
+            "removed the leftovers of runs that died: {}",
+            removed.join(", ")
+        ));
+    }
     let bpf = Path::new(STATE_DIR).join("bpf");
     while nix::mount::umount2(&bpf, nix::mount::MntFlags::MNT_DETACH).is_ok() {}
-    let _ = fs::remove_dir_all(STATE_DIR);
+    // A dead real node's mounts are gone with its last process; give them a moment.
+    for dir in [STATE_DIR, WORK_DIR] {
+        for _ in 0..50 {
+            if fs::remove_dir_all(dir).is_ok() || !Path::new(dir).exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
 }
 
 /// One pod: its namespace, address, labels and its server process.
@@ -144,19 +230,27 @@ struct SandboxNode {
 }
 
 struct Cluster {
-    // Drop order: traffic, agents and pods first, then nodes, then the LAN, the cgroup, bpffs, and
-    // the control plane last.
+    // Drop order: traffic, agents and pods first, then nodes, the real node (in the main thread,
+    // where it was started), then the LAN, the cgroup, bpffs, and the control plane last.
     flows: Vec<Flow>,
     pods: Vec<Pod>,
     nodes: Vec<SandboxNode>,
+    /// The cgroup of the real node's traffic clients, under the node's cgroup, so that the
+    /// node's lb-agent (the DaemonSet's) balances their sockets as it does its Pods'.
+    real_clients: Cgroup,
+    real: KubeletNode,
     external: (NetNs, Ipv4Addr, Cgroup),
     /// A second external client outside the LoadBalancer's source ranges.
     outsider: (NetNs, Ipv4Addr),
-    _lan: NetNs,
+    _lan: Lan,
     _root: Cgroup,
     _bpffs: BpfFs,
     cp: ControlPlane,
     rt: tokio::runtime::Runtime,
+    /// The Services seen when the traffic started (the examples): their flows are the ones of
+    /// `start_traffic`; any other Service gets a flow from the real node (`follow_services`).
+    initial_services: BTreeSet<String>,
+    rate: u32,
 }
 
 fn veth_to_lan(lan: &NetNs, port: &str, ns: &NetNs, dev: &str, addr: &str) {
@@ -164,15 +258,31 @@ fn veth_to_lan(lan: &NetNs, port: &str, ns: &NetNs, dev: &str, addr: &str) {
     lan.ip(&["link", "set", port, "master", "br0"]);
 }
 
+fn pod_cidr(index: u8) -> String {
+    format!("10.244.{index}.0/24")
+}
+
+fn node_ip(index: u8) -> Ipv4Addr {
+    Ipv4Addr::new(192, 168, 50, 10 + index)
+}
+
 fn build(args: &Args) -> Result<Cluster> {
     fs::create_dir_all(Path::new(STATE_DIR).join("logs"))?;
-    fs::create_dir_all(Path::new(STATE_DIR).join("tmp"))?;
-    // The control plane's files (and so its processes' command lines) live under the state
-    // directory, so a later run can find them if this one crashes.
+    fs::create_dir_all(WORK_DIR)?;
+    // The control plane's and the real node's files (and so their processes' command lines) live
+    // under a fixed directory, so a later run can find them if this one crashes.
     // SAFETY: single-threaded at this point.
-    unsafe { std::env::set_var("TMPDIR", Path::new(STATE_DIR).join("tmp")) };
-    step("starting etcd and kube-apiserver");
-    let cp = ControlPlane::start()?;
+    unsafe { std::env::set_var("TMPDIR", WORK_DIR) };
+    // The real node's parts and images, before anything starts: a missing one is said at once.
+    kubelet::NodeParts::locate()?;
+    // What the real node runs: the Pods' sandbox, the DaemonSet's agent and the user's backends.
+    let images = ["pause", "lb-agent", "lb-probe"]
+        .into_iter()
+        .map(kubelet::image)
+        .collect::<Result<Vec<_>>>()?;
+    step("starting etcd, kube-apiserver, kube-controller-manager and kube-scheduler");
+    let cp = ControlPlane::start_with_controllers()?;
+    check_stop()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -183,17 +293,16 @@ fn build(args: &Args) -> Result<Cluster> {
     step("creating the LAN, two nodes with pods, and an external client in network namespaces");
     let bpffs = BpfFs::at(&Path::new(STATE_DIR).join("bpf"));
     let root = Cgroup::at(CGROUP);
-    let lan = NetNs::named("lbsb-lan");
-    lan.ip(&["link", "add", "br0", "type", "bridge"]);
-    lan.ip(&["link", "set", "br0", "up"]);
+    // The LAN of `lb_tests::topo`, which the real node attaches to.
+    let lan = Lan::new();
     let mut nodes = Vec::new();
     for index in 1..=2u8 {
         let ns = NetNs::named(&format!("lbsb-n{index}"));
         ns.sysctl("net.ipv4.ip_forward=1");
         ns.sysctl("net.ipv4.conf.all.rp_filter=0");
         ns.sysctl("net.ipv4.conf.default.rp_filter=0");
-        let ip = Ipv4Addr::new(192, 168, 50, 10 + index);
-        veth_to_lan(&lan, &format!("ln{index}"), &ns, "eth0", &format!("{ip}/24"));
+        let ip = node_ip(index);
+        veth_to_lan(&lan.ns, &format!("ln{index}"), &ns, "eth0", &format!("{ip}/24"));
         nodes.push(SandboxNode {
             name: format!("node-{index}"),
             index,
@@ -204,22 +313,18 @@ fn build(args: &Args) -> Result<Cluster> {
             _forward: None,
         });
     }
+    // Every node routes the other nodes' Pod ranges (the real node's too) via their LAN address.
+    let all_nodes: Vec<u8> = vec![1, 2, REAL_NODE_INDEX];
     for a in &nodes {
-        for b in &nodes {
-            if a.index != b.index {
-                a.ns.ip(&[
-                    "route",
-                    "add",
-                    &format!("10.244.{}.0/24", b.index),
-                    "via",
-                    &b.ip.to_string(),
-                ]);
+        for &b in &all_nodes {
+            if a.index != b {
+                a.ns.ip(&["route", "add", &pod_cidr(b), "via", &node_ip(b).to_string()]);
             }
         }
     }
     let ext_ns = NetNs::named("lbsb-ext");
     let ext_ip = Ipv4Addr::new(192, 168, 50, 100);
-    veth_to_lan(&lan, "lext", &ext_ns, "eth0", &format!("{ext_ip}/24"));
+    veth_to_lan(&lan.ns, "lext", &ext_ns, "eth0", &format!("{ext_ip}/24"));
     // The load balancer announces its IPs at node-1 (as an L2 or BGP load balancer would).
     ext_ns.ip(&[
         "route",
@@ -231,7 +336,7 @@ fn build(args: &Args) -> Result<Cluster> {
     let ext_cgroup = root.child("external");
     let out_ns = NetNs::named("lbsb-out");
     let out_ip = Ipv4Addr::new(192, 168, 50, 200);
-    veth_to_lan(&lan, "lout", &out_ns, "eth0", &format!("{out_ip}/24"));
+    veth_to_lan(&lan.ns, "lout", &out_ns, "eth0", &format!("{out_ip}/24"));
     out_ns.ip(&[
         "route",
         "add",
@@ -312,11 +417,47 @@ fn build(args: &Args) -> Result<Cluster> {
             _server: server,
         });
     }
+    check_stop()?;
 
-    step("registering the nodes with the API server");
+    step("starting the real node (kubelet, containerd, runc, CNI bridge) on the LAN");
+    // Started, and later dropped, in this (the main) thread: its processes are tied to it.
+    let real = KubeletNode::start(
+        &cp,
+        &lan,
+        NodeConfig {
+            ip: node_ip(REAL_NODE_INDEX),
+            pod_cidr: pod_cidr(REAL_NODE_INDEX),
+        },
+        &images,
+    )?;
+    for node in &nodes {
+        real.netns()
+            .ip(&["route", "add", &pod_cidr(node.index), "via", &node.ip.to_string()]);
+    }
+    let real_clients = Cgroup::at(
+        &real
+            .cgroup2()
+            .join("sandbox-clients")
+            .strip_prefix(cgroup::cgroup2_mount())?
+            .display()
+            .to_string(),
+    );
+    check_stop()?;
+    step(&format!(
+        "deploying lb-agent on {} from manifests/ (kubectl apply -k, as an operator)",
+        real.name()
+    ));
+    // The folder applied is no longer needed once applied.
+    drop(kubelet::apply_agent_manifests(&cp, &real)?);
+
+    step("registering the netns nodes with the API server");
     rt.block_on(async {
         let api_nodes: Api<Node> = Api::all(client.clone());
         for node in &nodes {
+            // The netns nodes have no kubelet: unschedulable and tainted, so the scheduler puts
+            // every Pod of a Deployment on the real node. Without the `kubernetes.io/os` label a
+            // kubelet sets, the lb-agent DaemonSet (nodeSelector kubernetes.io/os: linux) skips
+            // them too: their agent is the process the sandbox starts below.
             let obj = Node {
                 metadata: ObjectMeta {
                     name: Some(node.name.clone()),
@@ -326,6 +467,16 @@ fn build(args: &Args) -> Result<Cluster> {
                     )])),
                     ..Default::default()
                 },
+                spec: Some(NodeSpec {
+                    unschedulable: Some(true),
+                    taints: Some(vec![Taint {
+                        key: NETNS_TAINT.into(),
+                        value: Some("true".into()),
+                        effect: "NoSchedule".into(),
+                        ..Default::default()
+                    }]),
+                    ..Default::default()
+                }),
                 ..Default::default()
             };
             api_nodes.create(&PostParams::default(), &obj).await?;
@@ -347,7 +498,7 @@ fn build(args: &Args) -> Result<Cluster> {
         anyhow::Ok(())
     })?;
 
-    step("starting lb-agent on every node");
+    step("starting lb-agent on every netns node");
     let agent_bin = workspace_bin("lb-agent");
     for node in &mut nodes {
         node._forward = Some(PortForward::start(&node.ns, api, api));
@@ -381,6 +532,8 @@ fn build(args: &Args) -> Result<Cluster> {
         flows: Vec::new(),
         pods,
         nodes,
+        real_clients,
+        real,
         external: (ext_ns, ext_ip, ext_cgroup),
         outsider: (out_ns, out_ip),
         _lan: lan,
@@ -388,6 +541,8 @@ fn build(args: &Args) -> Result<Cluster> {
         _bpffs: bpffs,
         cp,
         rt,
+        initial_services: BTreeSet::new(),
+        rate: args.rate,
     };
     step(&format!("applying {}", args.examples.display()));
     let out = cluster
@@ -395,22 +550,36 @@ fn build(args: &Args) -> Result<Cluster> {
         .kubectl(["apply", "-f", &args.examples.display().to_string()])
         .context("kubectl apply")?;
     for line in out.lines() {
-        eprintln!("    {line}");
+        say(&format!("    {line}"));
     }
     cluster.program_endpoints_and_status(&client)?;
+    // A copy of the admin kubeconfig at a fixed path, for the user's kubectl (its certificate
+    // paths are absolute).
+    fs::copy(cluster.cp.kubeconfig_path(), kubeconfig_path())?;
     Ok(cluster)
+}
+
+/// The kubeconfig the sandbox prints for the user.
+fn kubeconfig_path() -> PathBuf {
+    Path::new(STATE_DIR).join("kubeconfig")
 }
 
 /// A traffic flow: one `lb-probe load` process and what it saw.
 struct Flow {
     service: String,
+    /// The Service's uid: its flows stop when it is deleted.
+    uid: String,
     frontend: String,
     from: &'static str,
     /// Traffic the data path must drop (a source outside loadBalancerSourceRanges).
     expect_denied: bool,
     client_ip: Ipv4Addr,
+    /// Where it sends to and how (`http` or `udp`).
+    to: String,
+    kind: &'static str,
     stats: Arc<Mutex<FlowStats>>,
-    _proc: Proc,
+    /// `None` until the frontend first answers (a Service created while the sandbox runs).
+    proc: Option<Proc>,
 }
 
 #[derive(Default)]
@@ -420,6 +589,96 @@ struct FlowStats {
     last_error: Option<String>,
     kept_client_ip: u64,
     replaced_client_ip: u64,
+}
+
+/// `namespace/name:port-name`, or the port number for an unnamed port (`kubectl expose`).
+fn service_label(ns: &str, name: &str, port: &k8s_openapi::api::core::v1::ServicePort) -> String {
+    match port.name.as_deref() {
+        Some(port_name) if !port_name.is_empty() => format!("{ns}/{name}:{port_name}"),
+        _ => format!("{ns}/{name}:{}", port.port),
+    }
+}
+
+/// `udp` for a UDP port, else `http` (every backend here is lb-probe, which serves both).
+fn kind_of(port: &k8s_openapi::api::core::v1::ServicePort) -> &'static str {
+    if port.protocol.as_deref() == Some("UDP") {
+        "udp"
+    } else {
+        "http"
+    }
+}
+
+/// Starts `lb-probe load` in `place` and a thread that tallies its results into `stats`.
+fn spawn_load(
+    place: Place<'_>,
+    to: &str,
+    kind: &str,
+    rate: u32,
+    client_ip: Ipv4Addr,
+    stats: &Arc<Mutex<FlowStats>>,
+) -> Result<Proc> {
+    let interval = (1000 / rate.max(1)).to_string();
+    let mut cmd = Command::new(workspace_bin("lb-probe"));
+    cmd.args([
+        "load",
+        "--to",
+        to,
+        "--kind",
+        kind,
+        "--interval-ms",
+        &interval,
+        "--timeout-ms",
+        "500",
+    ])
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped());
+    place.apply(&mut cmd);
+    let mut proc = Proc::spawn_command(cmd);
+    let stdout = proc.child_mut().stdout.take().context("piped stdout")?;
+    let sink = stats.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
+                continue;
+            };
+            let mut s = sink.lock().expect("stats lock");
+            if v["ok"] == true {
+                let server = v
+                    .pointer("/reply/server")
+                    .and_then(|x| x.as_str())
+                    .unwrap_or("?")
+                    .to_string();
+                *s.per_backend.entry(server).or_default() += 1;
+                let seen = v
+                    .pointer("/reply/client")
+                    .and_then(|x| x.as_str())
+                    .unwrap_or("")
+                    .rsplit_once(':')
+                    .map(|(h, _)| h.to_string())
+                    .unwrap_or_default();
+                if seen == client_ip.to_string() {
+                    s.kept_client_ip += 1;
+                } else {
+                    s.replaced_client_ip += 1;
+                }
+            } else {
+                s.errors += 1;
+                s.last_error = v["error"].as_str().map(str::to_string);
+            }
+        }
+    });
+    Ok(proc)
+}
+
+/// Whether a frontend answers one request now (300 ms at most).
+fn served_once(place: Place<'_>, to: &str, kind: &str) -> bool {
+    let args: Vec<&str> = if kind == "udp" {
+        vec!["udp", "--to", to, "--timeout-ms", "300"]
+    } else {
+        vec!["tcp", "--connect", to, "--timeout-ms", "300"]
+    };
+    let out = lb_tests::process::run_in(place, workspace_bin("lb-probe"), &args);
+    String::from_utf8_lossy(&out.stdout).contains("\"ok\":true")
 }
 
 impl Cluster {
@@ -516,13 +775,11 @@ impl Cluster {
 
     /// One load generator per (Service frontend, client): pods call cluster IPs, the external
     /// client calls NodePorts on both nodes and load-balancer IPs.
-    fn start_traffic(&mut self, client: &kube::Client, rate: u32) -> Result<()> {
+    fn start_traffic(&mut self, client: &kube::Client) -> Result<()> {
         let services: Vec<Service> = self
             .rt
             .block_on(Api::<Service>::all(client.clone()).list(&ListParams::default()))?
             .items;
-        let probe = workspace_bin("lb-probe");
-        let interval = (1000 / rate.max(1)).to_string();
         let client_pod = self
             .pods
             .iter()
@@ -532,8 +789,10 @@ impl Cluster {
             let (Some(ns), Some(name)) = (svc.metadata.namespace.clone(), svc.metadata.name.clone()) else {
                 continue;
             };
+            let uid = svc.metadata.uid.clone().unwrap_or_default();
+            self.initial_services.insert(uid.clone());
             if ns == "default" {
-                continue; // the `kubernetes` Service has no endpoints here
+                continue; // the `kubernetes` Service
             }
             let spec = svc.spec.clone().unwrap_or_default();
             let lb_ips: Vec<String> = svc
@@ -544,11 +803,7 @@ impl Cluster {
                 .map(|i| i.iter().filter_map(|x| x.ip.clone()).collect())
                 .unwrap_or_default();
             for port in spec.ports.iter().flatten() {
-                let kind = if port.protocol.as_deref() == Some("UDP") {
-                    "udp"
-                } else {
-                    "http"
-                };
+                let kind = kind_of(port);
                 let mut targets: Vec<(String, &'static str)> = Vec::new();
                 if let Some(cip) = spec.cluster_ip.as_deref().filter(|c| *c != "None") {
                     targets.push((format!("{cip}:{}", port.port), "pod"));
@@ -579,63 +834,16 @@ impl Cluster {
                     if !expect_denied {
                         wait_until_served(place, &to, kind);
                     }
-                    let mut cmd = Command::new(&probe);
-                    cmd.args([
-                        "load",
-                        "--to",
-                        &to,
-                        "--kind",
-                        kind,
-                        "--interval-ms",
-                        &interval,
-                        "--timeout-ms",
-                        "500",
-                    ])
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::piped());
-                    place.apply(&mut cmd);
-                    let mut proc = Proc::spawn_command(cmd);
-                    let stdout = proc.child_mut().stdout.take().context("piped stdout")?;
                     let stats = Arc::new(Mutex::new(FlowStats::default()));
-                    let sink = stats.clone();
-                    std::thread::spawn(move || {
-                        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                            let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
-                                continue;
-                            };
-                            let mut s = sink.lock().expect("stats lock");
-                            if v["ok"] == true {
-                                let server = v
-                                    .pointer("/reply/server")
-                                    .and_then(|x| x.as_str())
-                                    .unwrap_or("?")
-                                    .to_string();
-                                *s.per_backend.entry(server).or_default() += 1;
-                                let seen = v
-                                    .pointer("/reply/client")
-                                    .and_then(|x| x.as_str())
-                                    .unwrap_or("")
-                                    .rsplit_once(':')
-                                    .map(|(h, _)| h.to_string())
-                                    .unwrap_or_default();
-                                if seen == client_ip.to_string() {
-                                    s.kept_client_ip += 1;
-                                } else {
-                                    s.replaced_client_ip += 1;
-                                }
-                            } else {
-                                s.errors += 1;
-                                s.last_error = v["error"].as_str().map(str::to_string);
-                            }
-                        }
-                    });
+                    let proc = spawn_load(place, &to, kind, self.rate, client_ip, &stats)?;
                     let kind_label = match (spec.type_.as_deref(), from) {
                         (_, "pod") => "ClusterIP",
                         _ if lb_ips.iter().any(|ip| to.starts_with(ip.as_str())) => "LoadBalancer",
                         _ => "NodePort",
                     };
                     self.flows.push(Flow {
-                        service: format!("{ns}/{name}:{}", port.name.clone().unwrap_or_default()),
+                        service: service_label(&ns, &name, port),
+                        uid: uid.clone(),
                         frontend: format!(
                             "{kind_label} {to}/{}",
                             port.protocol.clone().unwrap_or_else(|| "TCP".into())
@@ -643,8 +851,10 @@ impl Cluster {
                         from,
                         expect_denied,
                         client_ip,
+                        to,
+                        kind,
                         stats,
-                        _proc: proc,
+                        proc: Some(proc),
                     });
                 }
             }
@@ -652,11 +862,108 @@ impl Cluster {
         Ok(())
     }
 
+    /// Follows the user's Services: a Service created while the sandbox runs (any namespace, with
+    /// a ClusterIP) gets a flow per port from a client on the real node to its ClusterIP, started
+    /// once it first answers; a deleted Service's flows stop and leave the table.
+    fn follow_services(&mut self, client: &kube::Client) {
+        let listed = self.rt.block_on(async {
+            tokio::time::timeout(
+                Duration::from_secs(2),
+                Api::<Service>::all(client.clone()).list(&ListParams::default()),
+            )
+            .await
+        });
+        // The API server busy or restarting: try again on the next round.
+        let Ok(Ok(services)) = listed else { return };
+        let mut wanted: BTreeMap<(String, String), (String, &'static str, String)> = BTreeMap::new();
+        let mut live = BTreeSet::new();
+        for svc in &services.items {
+            let (Some(ns), Some(name), Some(uid)) = (
+                svc.metadata.namespace.as_deref(),
+                svc.metadata.name.as_deref(),
+                svc.metadata.uid.as_deref(),
+            ) else {
+                continue;
+            };
+            live.insert(uid.to_string());
+            if self.initial_services.contains(uid) || (ns == "default" && name == "kubernetes") {
+                continue;
+            }
+            let spec = svc.spec.clone().unwrap_or_default();
+            let Some(cip) = spec
+                .cluster_ip
+                .as_deref()
+                .filter(|c| !c.is_empty() && *c != "None")
+            else {
+                continue;
+            };
+            for port in spec.ports.iter().flatten() {
+                let protocol = port.protocol.clone().unwrap_or_else(|| "TCP".into());
+                if protocol == "SCTP" {
+                    continue;
+                }
+                wanted.insert(
+                    (uid.to_string(), format!("{cip}:{}", port.port)),
+                    (
+                        service_label(ns, name, port),
+                        kind_of(port),
+                        format!("ClusterIP {cip}:{}/{protocol}", port.port),
+                    ),
+                );
+            }
+        }
+        // Deleted Services (and ports): their loads stop with their flows.
+        let mut gone = BTreeSet::new();
+        self.flows.retain(|f| {
+            let keep = live.contains(&f.uid)
+                && (self.initial_services.contains(&f.uid)
+                    || wanted.contains_key(&(f.uid.clone(), f.to.clone())));
+            if !keep {
+                gone.insert(f.service.clone());
+            }
+            keep
+        });
+        for service in gone {
+            step(&format!("{service} is gone: its traffic stopped"));
+        }
+        let client_ip = kubelet_gateway(self.real.pod_cidr());
+        for ((uid, to), (service, kind, frontend)) in wanted {
+            if self.flows.iter().any(|f| f.uid == uid && f.to == to) {
+                continue;
+            }
+            step(&format!(
+                "following {service}: traffic from the real node to {to} once it answers"
+            ));
+            self.flows.push(Flow {
+                service,
+                uid,
+                frontend,
+                from: "real-node",
+                expect_denied: false,
+                client_ip,
+                to,
+                kind,
+                stats: Arc::default(),
+                proc: None,
+            });
+        }
+        let place = Place::new(self.real.netns(), &self.real_clients);
+        for flow in self.flows.iter_mut().filter(|f| f.proc.is_none()) {
+            if served_once(place, &flow.to, flow.kind) {
+                match spawn_load(place, &flow.to, flow.kind, self.rate, flow.client_ip, &flow.stats) {
+                    Ok(proc) => flow.proc = Some(proc),
+                    Err(e) => say(&format!("    {}: no load started: {e:#}", flow.service)),
+                }
+            }
+        }
+    }
+
     fn render(&self, elapsed: Duration) -> String {
         let mut out = String::new();
         out.push_str(&format!(
-            "lb sandbox: 2 nodes, {} pods, external clients {} and {} (outside the LB source ranges) — running for {:.0?}\n\n",
+            "lb sandbox: 2 netns nodes with {} pods, real node {} (kubelet: your Deployments), external clients {} and {} (outside the LB source ranges) — running for {:.0?}\n\n",
             self.pods.len(),
+            self.real.name(),
             self.external.1,
             self.outsider.1,
             Duration::from_secs(elapsed.as_secs())
@@ -673,7 +980,9 @@ impl Cluster {
             ));
             for f in flows {
                 let s = f.stats.lock().expect("stats lock");
-                let backends = if s.per_backend.is_empty() {
+                let backends = if f.proc.is_none() {
+                    "(waiting for a first answer)".to_string()
+                } else if s.per_backend.is_empty() {
                     "-".to_string()
                 } else {
                     s.per_backend
@@ -704,7 +1013,7 @@ impl Cluster {
         out
     }
 
-    /// The final figures of every flow, for `--summary-json`.
+    /// The figures of every flow, for `--summary-json`.
     fn summary(&self) -> serde_json::Value {
         let flows: Vec<serde_json::Value> = self
             .flows
@@ -717,6 +1026,7 @@ impl Cluster {
                     "from": f.from,
                     "client_ip": f.client_ip.to_string(),
                     "expect_denied": f.expect_denied,
+                    "started": f.proc.is_some(),
                     "per_backend": s.per_backend,
                     "errors": s.errors,
                     "last_error": s.last_error,
@@ -725,16 +1035,47 @@ impl Cluster {
                 })
             })
             .collect();
-        serde_json::json!({ "flows": flows })
+        serde_json::json!({ "real_node": self.real.name(), "flows": flows })
+    }
+
+    fn write_summary(&self, path: &Path) -> Result<()> {
+        let tmp = path.with_extension("tmp");
+        fs::write(&tmp, serde_json::to_string_pretty(&self.summary())?)?;
+        fs::rename(&tmp, path)?;
+        Ok(())
     }
 
     fn instructions(&self) -> String {
-        let kubeconfig = self.cp.kubeconfig_path().display();
+        let kubectl = if on_path("kubectl") {
+            String::new()
+        } else {
+            format!(
+                " (kubectl is not on your PATH: this one matches the cluster: {})",
+                self.cp.binaries().kubectl.display()
+            )
+        };
         let mut s = String::new();
-        s.push_str("Poke at it while it runs:\n");
         s.push_str(&format!(
-            "  kubectl --kubeconfig {kubeconfig} get svc,endpointslices -A\n"
+            "Use it with kubectl, as root from another terminal{kubectl}:\n"
         ));
+        s.push_str(&format!("  export KUBECONFIG={}\n", kubeconfig_path().display()));
+        s.push_str("  kubectl get nodes,pods,svc,endpointslices -A\n");
+        s.push_str(&format!(
+            "Pods run on the real node {} (the netns nodes have no kubelet); every Service you create gets a row:\n",
+            self.real.name()
+        ));
+        for example in [
+            "kubectl create deployment hello --image=localhost/lb-probe:dev --replicas=2",
+            "kubectl expose deployment hello --port=80 --target-port=8080",
+            "kubectl scale deployment hello --replicas=4",
+            "kubectl delete pod -l app=hello",
+        ] {
+            s.push_str(&format!("  {example}\n"));
+        }
+        s.push_str("Look inside:\n");
+        s.push_str(
+            "  kubectl -n kube-system exec ds/lb-agent -- lb-agent services   (the real node's agent)\n",
+        );
         for n in &self.nodes {
             s.push_str(&format!(
                 "  nsenter --net=/run/netns/{} {} services --bpf-root {STATE_DIR}/bpf/{}\n",
@@ -747,30 +1088,42 @@ impl Cluster {
             "  bpftool map dump pinned {STATE_DIR}/bpf/node-1/maps/lb4_services\n"
         ));
         s.push_str(&format!(
-            "  agent logs: {STATE_DIR}/logs/node-*.log   (Ctrl-C tears everything down)\n"
+            "  logs: {STATE_DIR}/logs/node-*.log (netns agents), {}/kubelet.log   (Ctrl-C tears everything down)\n",
+            self.real.dir().display()
         ));
         s
     }
 }
 
+/// The real node's bridge address (the first of its Pod range): the source address of its
+/// connections to its own Pods.
+fn kubelet_gateway(cidr: &str) -> Ipv4Addr {
+    let net: Ipv4Addr = cidr
+        .split_once('/')
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or(Ipv4Addr::UNSPECIFIED);
+    Ipv4Addr::from(u32::from(net) + 1)
+}
+
+/// Whether `program` is on PATH.
+fn on_path(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
+}
+
 /// Waits (up to 20 s) until a frontend answers once, so the table starts from a programmed data
 /// path rather than counting the agents' start-up as errors.
 fn wait_until_served(place: Place<'_>, to: &str, kind: &str) {
-    let probe = workspace_bin("lb-probe");
     let deadline = Instant::now() + Duration::from_secs(20);
-    let args: Vec<&str> = if kind == "udp" {
-        vec!["udp", "--to", to, "--timeout-ms", "300"]
-    } else {
-        vec!["tcp", "--connect", to, "--timeout-ms", "300"]
-    };
-    while Instant::now() < deadline {
-        let out = lb_tests::process::run_in(place, &probe, &args);
-        if String::from_utf8_lossy(&out.stdout).contains("\"ok\":true") {
+    while Instant::now() < deadline && !STOP.load(Ordering::SeqCst) {
+        if served_once(place, to, kind) {
             return;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    eprintln!("    {to} did not answer within 20s; counting from now anyway");
+    say(&format!(
+        "    {to} did not answer within 20s; counting from now anyway"
+    ));
 }
 
 fn wait_for_agents(cluster: &mut Cluster) -> Result<()> {
@@ -781,6 +1134,7 @@ fn wait_for_agents(cluster: &mut Cluster) -> Result<()> {
             .join("logs")
             .join(format!("{}.log", node.name));
         loop {
+            check_stop()?;
             if fs::read_to_string(&log)
                 .unwrap_or_default()
                 .contains("data path attached")
@@ -804,7 +1158,32 @@ fn wait_for_agents(cluster: &mut Cluster) -> Result<()> {
             std::thread::sleep(Duration::from_millis(100));
         }
     }
-    Ok(())
+    // The DaemonSet's Pod on the real node: Ready through its own probes, called by kubelet.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        check_stop()?;
+        let pods = cluster.cp.kubectl([
+            "-n",
+            "kube-system",
+            "get",
+            "pods",
+            "-l",
+            "k8s-app=lb-agent",
+            "-o",
+            "jsonpath={.items[*].status.conditions[?(@.type==\"Ready\")].status}",
+        ]);
+        if pods.as_deref().is_ok_and(|s| s.trim() == "True") {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the lb-agent Pod on {} was not Ready within 120s ({pods:?})\n{}",
+                cluster.real.name(),
+                cluster.real.log_tail()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
 }
 
 fn main() -> Result<()> {
@@ -813,23 +1192,60 @@ fn main() -> Result<()> {
     if unsafe { libc::geteuid() } != 0 {
         bail!("the sandbox needs root (network namespaces, cgroups, BPF): run `sudo ./x sandbox`");
     }
-    // SAFETY: the handler only stores to an atomic.
+    TTY_OUT.store(std::io::stdout().is_terminal(), Ordering::SeqCst);
+    TTY_ERR.store(std::io::stderr().is_terminal(), Ordering::SeqCst);
+    // SAFETY: the handler only uses atomics and async-signal-safe calls.
     unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            libc::signal(sig, on_signal as *const () as libc::sighandler_t);
+        }
     }
     clean_leftovers();
     let started = Instant::now();
-    let mut cluster = build(&args)?;
-    wait_for_agents(&mut cluster)?;
-    let client = cluster.rt.block_on(cluster.cp.client())?;
-    step("driving traffic from a pod and from the external client to every frontend");
-    cluster.start_traffic(&client, args.rate)?;
-    eprintln!("\n{}", cluster.instructions());
+    let built = build(&args).and_then(|mut cluster| {
+        wait_for_agents(&mut cluster)?;
+        let client = cluster.rt.block_on(cluster.cp.client())?;
+        step("driving traffic from a pod and from the external client to every example frontend");
+        cluster.start_traffic(&client)?;
+        check_stop()?;
+        Ok((cluster, client))
+    });
+    let (mut cluster, client) = match built {
+        Ok(built) => built,
+        // Everything started so far was dropped on the way out (in this thread). A signal may
+        // also have ended a child first (Ctrl-C and a hang-up reach the whole process group):
+        // that is a stop too, not a failure.
+        Err(e) if e.is::<Interrupted>() || STOP.load(Ordering::SeqCst) => {
+            let _ = fs::remove_dir_all(STATE_DIR);
+            let _ = fs::remove_dir_all(WORK_DIR);
+            step(&format!(
+                "stopped while starting (signal {}); everything removed",
+                SIGNAL.load(Ordering::SeqCst)
+            ));
+            return Ok(());
+        }
+        Err(e) => {
+            // The state directory keeps the netns agents' logs for a look; the next run removes
+            // it. The control plane and the real node removed their directories.
+            let _ = fs::remove_dir(WORK_DIR);
+            return Err(e);
+        }
+    };
+    say(&format!("\n{}", cluster.instructions()));
+    step(&format!(
+        "ready after {:.1}s: the table follows",
+        started.elapsed().as_secs_f64()
+    ));
     let tty = std::io::stdout().is_terminal();
     let traffic_started = Instant::now();
     let mut last_print = Instant::now() - Duration::from_secs(60);
+    let mut last_follow = Instant::now();
+    let mut last_summary = Instant::now() - Duration::from_secs(60);
     while !STOP.load(Ordering::SeqCst) && args.duration.is_none_or(|d| traffic_started.elapsed() < d) {
+        if last_follow.elapsed() >= FOLLOW_EVERY {
+            cluster.follow_services(&client);
+            last_follow = Instant::now();
+        }
         let every = if tty {
             Duration::from_secs(1)
         } else {
@@ -846,14 +1262,24 @@ fn main() -> Result<()> {
             let _ = stdout.flush();
             last_print = Instant::now();
         }
+        if let Some(path) = &args.summary_json
+            && last_summary.elapsed() >= Duration::from_secs(1)
+        {
+            cluster.write_summary(path)?;
+            last_summary = Instant::now();
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
     // The final table, then an orderly teardown.
-    println!("{}", cluster.render(traffic_started.elapsed()));
+    let _ = writeln!(std::io::stdout(), "{}", cluster.render(traffic_started.elapsed()));
     if let Some(path) = &args.summary_json {
-        fs::write(path, serde_json::to_string_pretty(&cluster.summary())?)?;
+        cluster.write_summary(path)?;
     }
-    step("tearing down");
+    match SIGNAL.load(Ordering::SeqCst) {
+        0 => step("tearing down"),
+        sig => step(&format!("tearing down (signal {sig})")),
+    }
+    let teardown = Instant::now();
     for node in &mut cluster.nodes {
         if let Some(agent) = &node.agent {
             agent.signal(libc::SIGTERM);
@@ -861,9 +1287,11 @@ fn main() -> Result<()> {
     }
     drop(cluster);
     let _ = fs::remove_dir_all(STATE_DIR);
+    let _ = fs::remove_dir_all(WORK_DIR);
     step(&format!(
-        "done after {:.0?}",
-        Duration::from_secs(started.elapsed().as_secs())
+        "done after {:.0?} (teardown {:.1}s)",
+        Duration::from_secs(started.elapsed().as_secs()),
+        teardown.elapsed().as_secs_f64()
     ));
     Ok(())
 }
