@@ -12,6 +12,17 @@
 //!   TCP 8080 and UDP 5353 and answering with its host name, which is the pod's name.
 //! - `pause` (`localhost/pause:3.10`): Kubernetes' own `build/pause/linux/pause.c`, from the
 //!   `k8s.io/kubernetes` module that `cargo xtask k8s-bins` uses, compiled static.
+//! - `kube-proxy` (`localhost/kube-proxy:v1.37.1`): the kube-proxy `cargo xtask k8s-bins` builds
+//!   (static) at `/usr/local/bin/kube-proxy`, as in `registry.k8s.io/kube-proxy`, with the programs
+//!   it runs: `nft` (nftables mode, through knftables, and `--cleanup`), and `iptables`,
+//!   `iptables-save`, `iptables-restore` and their `ip6tables` twins (iptables mode, and the
+//!   cleanup of iptables rules every mode does at start and in `--cleanup`). They are the host's
+//!   (Debian bookworm: the nf_tables variant, `iptables -> /etc/alternatives/iptables ->
+//!   iptables-nft -> xtables-nft-multi`, links kept as links), with their libraries and the
+//!   iptables extensions they load with dlopen(), and `/etc/protocols`, which both read protocol
+//!   names from (see `KUBE_PROXY_TOOLS`). Not `conntrack` (kube-proxy 1.37 clears
+//!   conntrack entries over netlink), `ipset` or `modprobe` (IPVS mode only; without `modprobe` the
+//!   IPVS cleanup is skipped, as kube-proxy does on a node without the module).
 //!
 //! Each archive holds one gzip layer, its config and manifest, and an `index.json` naming the
 //! image. The same inputs give the same bytes: entries sorted, mtime 0, uid/gid 0, a fixed gzip
@@ -45,12 +56,34 @@ use crate::{
 pub const AGENT_REF: &str = "localhost/lb-agent:dev";
 pub const PROBE_REF: &str = "localhost/lb-probe:dev";
 pub const PAUSE_REF: &str = "localhost/pause:3.10";
+/// kube-proxy's image, tagged with the cached binary's version (`k8s::KUBERNETES_VERSION`).
+pub const KUBE_PROXY_REF: &str = "localhost/kube-proxy:v1.37.1";
 
 /// The image the `lb-agent` image stands in for: the base of the last stage of manifests/Dockerfile.
 const AGENT_BASE: &str = "debian:bookworm-slim";
 /// The programs of the lb-agent image besides lb-agent: what the DaemonSet's init container runs,
 /// and a little for looking around. A bare name is looked up on the host in the image's PATH.
 const AGENT_TOOLS: &[&str] = &["/bin/sh", "stat", "mount", "cat", "ls"];
+/// What kube-proxy 1.37 runs (`pkg/util/iptables`: iptables, iptables-save, iptables-restore and
+/// the ip6tables ones; knftables: nft), as found in the image's PATH.
+const KUBE_PROXY_TOOLS: &[&str] = &[
+    // Protocol names for nft and iptables. Without it nft's JSON output names protocols by number
+    // (`6` for `tcp`), and kube-proxy's nftables proxier, which reads its maps back when it
+    // starts and compares keys as text, deletes every Service from them when it restarts over
+    // its own table (seen with kube-proxy 1.37.1 and nft 1.0.6: Services refused until their
+    // next change).
+    "/etc/protocols",
+    "nft",
+    "iptables",
+    "iptables-save",
+    "iptables-restore",
+    "ip6tables",
+    "ip6tables-save",
+    "ip6tables-restore",
+];
+/// Libraries that load plugins with dlopen(), which `ldd` cannot see: (the library's name up to
+/// its version, the plugins' directory next to it). Every `*.so` there goes into the image too.
+const PLUGIN_DIRS: &[(&str, &str)] = &[("libxtables.so", "xtables")];
 
 /// Changes whenever the way archives are written changes, so that older stamps no longer match.
 const FORMAT: &str = "lb-oci-archive 1";
@@ -96,7 +129,8 @@ pub struct Recipe {
     /// The file it is copied from.
     pub program_source: PathBuf,
     /// Host programs copied to the same path (with their libraries); a bare name is looked up in
-    /// the image's PATH directories on the host.
+    /// the image's PATH directories on the host. A path under `/etc/` is a file the programs read,
+    /// copied as is.
     pub tools: &'static [&'static str],
     pub entrypoint: &'static [&'static str],
     pub cmd: &'static [&'static str],
@@ -151,7 +185,27 @@ pub fn pause_recipe(binary: PathBuf) -> Recipe {
     }
 }
 
-/// Builds what is needed (the eBPF object, lb-agent, lb-probe, pause) and every image archive
+/// `binary`: the kube-proxy of `cargo xtask k8s-bins` (static, [`KUBERNETES_VERSION`]).
+pub fn kube_proxy_recipe(binary: PathBuf) -> Recipe {
+    Recipe {
+        name: "kube-proxy",
+        reference: KUBE_PROXY_REF,
+        // Where registry.k8s.io/kube-proxy has it, and kubeadm's DaemonSet runs it.
+        program: "/usr/local/bin/kube-proxy",
+        program_source: binary,
+        tools: KUBE_PROXY_TOOLS,
+        entrypoint: &["/usr/local/bin/kube-proxy"],
+        cmd: &[],
+        // Root: it programs the node's netfilter (the DaemonSet runs it privileged).
+        user: "0",
+        // It stands in for registry.k8s.io/kube-proxy (on distroless-iptables) with this
+        // machine's nft and iptables; the release check of the lb-agent image covers it.
+        base: None,
+    }
+}
+
+/// Builds what is needed (the eBPF object, lb-agent, lb-probe, pause; kube-proxy comes from
+/// `cargo xtask k8s-bins`, built if missing) and every image archive
 /// whose inputs changed, into `out`; writes `out/images.json`. Archives whose stamps match are
 /// reused without being rewritten.
 pub fn ensure(out: &Path) -> Result<Vec<Built>> {
@@ -178,8 +232,15 @@ pub fn ensure(out: &Path) -> Result<Vec<Built>> {
     ]))?;
     util::run(clean_cargo(None).args(["build", "--quiet", "--package", "lb-tests", "--bin", "lb-probe"]))?;
     let pause = build_pause(&out.join("build"))?;
+    // Built once from its Go module (with the control plane's binaries); a stamp check when cached.
+    let kube_proxy = crate::k8s::ensure(&util::cache_dir())?.kube_proxy;
 
-    let recipes = [agent_recipe(), probe_recipe(), pause_recipe(pause)];
+    let recipes = [
+        agent_recipe(),
+        probe_recipe(),
+        pause_recipe(pause),
+        kube_proxy_recipe(kube_proxy),
+    ];
     let mut plans = Vec::new();
     for recipe in recipes {
         plans.push(Plan::new(recipe, &out)?);
@@ -409,13 +470,15 @@ enum Role {
     /// The dynamic loader: the kernel opens it for execution (PT_INTERP), so it must be 0755.
     Loader,
     Library,
+    /// A file a program reads (`/etc/protocols`).
+    Data,
 }
 
 impl Role {
     fn mode(self) -> u32 {
         match self {
             Role::Program | Role::Loader => 0o755,
-            Role::Library => 0o644,
+            Role::Library | Role::Data => 0o644,
         }
     }
 }
@@ -571,6 +634,37 @@ impl Layer {
         }
         for lib in &closure.libraries {
             self.host_file(lib, Role::Library)?;
+            self.plugins_of(lib)?;
+        }
+        Ok(())
+    }
+
+    /// The plugins a library loads with dlopen() ([`PLUGIN_DIRS`]), each with its closure.
+    fn plugins_of(&mut self, lib: &Path) -> Result<()> {
+        let (Some(name), Some(dir)) = (lib.file_name().and_then(|n| n.to_str()), lib.parent()) else {
+            return Ok(());
+        };
+        for (prefix, sub) in PLUGIN_DIRS {
+            if !name.starts_with(prefix) {
+                continue;
+            }
+            let plugins = dir.join(sub);
+            if self.items.contains_key(&relative(&fs::canonicalize(&plugins)?)?) {
+                continue; // already there, from another program's closure
+            }
+            let mut files: Vec<PathBuf> = fs::read_dir(&plugins)
+                .with_context(|| format!("reading {}", plugins.display()))?
+                .map(|e| e.map(|e| e.path()))
+                .collect::<io::Result<_>>()?;
+            files.retain(|f| f.extension().is_some_and(|e| e == "so"));
+            files.sort();
+            if files.is_empty() {
+                bail!("{} has no plugins (*.so)", plugins.display());
+            }
+            for plugin in &files {
+                self.host_file(plugin, Role::Library)?;
+                self.libraries_of(plugin)?;
+            }
         }
         Ok(())
     }
@@ -716,7 +810,12 @@ impl Plan {
         layer.file(&program, 0o755, bytes)?;
         layer.libraries_of(&recipe.program_source)?;
         for tool in recipe.tools {
-            layer.host_program(&resolve_tool(tool)?)?;
+            let path = resolve_tool(tool)?;
+            if tool.starts_with("/etc/") {
+                layer.host_file(&path, Role::Data)?;
+            } else {
+                layer.host_program(&path)?;
+            }
         }
         let config = image_config(&recipe)?;
         let inputs = format!(
@@ -1382,6 +1481,18 @@ mod tests {
         let mut layer = Layer::default();
         layer.symlink("bin", "usr/bin".into()).unwrap();
         assert!(layer.file("bin/sh", 0o755, vec![]).is_err());
+    }
+
+    #[test]
+    fn kube_proxy_image_is_tagged_with_the_binary_version() {
+        let recipe = kube_proxy_recipe(PathBuf::from("/kube-proxy"));
+        assert_eq!(
+            recipe.reference.rsplit_once(':').map(|(_, tag)| tag),
+            Some(KUBERNETES_VERSION)
+        );
+        // kubeadm's DaemonSet runs `/usr/local/bin/kube-proxy --config=...`.
+        assert_eq!(recipe.entrypoint, [recipe.program]);
+        assert_eq!(recipe.program, "/usr/local/bin/kube-proxy");
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! - `k8s-bins`     build (or find cached) etcd, kube-apiserver, kube-controller-manager,
 //!   kube-scheduler, kubelet, kubectl and kube-proxy;
 //! - `node-parts`   fetch (or find cached) containerd, runc and the CNI plugins (Debian's);
-//! - `images`       the lb-agent, lb-probe and pause images as OCI archives (`target/images`);
+//! - `images`       the lb-agent, lb-probe, pause and kube-proxy images as OCI archives;
 //! - `kernel-test`  the privileged suite on other kernels (Debian's), each in a guest.
 
 mod ebpf;
@@ -74,7 +74,7 @@ enum Command {
     K8sBins,
     /// Fetch (or find cached) the node's containerd, runc and CNI plugins from Debian's packages.
     NodeParts,
-    /// Build the lb-agent, lb-probe and pause images as OCI archives (for `ctr images import`)
+    /// Build the lb-agent, lb-probe, pause and kube-proxy images as OCI archives (for `ctr images import`)
     /// and DIR/images.json, which lists them; archives whose inputs are unchanged are reused.
     Images {
         /// Output directory [default: <workspace>/target/images].

@@ -127,7 +127,11 @@ impl Datapath {
                 tracing::debug!(device = ifname, "clsact: {e}");
             }
         }
-        for (name, attach_type, hook) in TC_PROGRAMS {
+        // Egress first: once ingress translates a flow, the reply must find its reverse NAT on
+        // the way out. In the other order a SYN arriving between the two is translated and its
+        // SYN-ACK is not, and the client's retransmitted SYN is reset (seen migrating from
+        // kube-proxy, tests/tests/e2e_migration.rs). `detach_clsact` removes ingress first.
+        for (name, attach_type, hook) in TC_PROGRAMS.into_iter().rev() {
             let prog: &mut SchedClassifier = program(&mut self.ebpf, name)?;
             let pin = dir.join(hook);
             if tcx {
