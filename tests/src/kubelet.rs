@@ -682,7 +682,10 @@ pub fn operator_manifests(dir: &Path, node: &KubeletNode) -> Result<()> {
 /// Applies the agent's manifests as an operator does (`kubectl apply -k` of
 /// [`operator_manifests`]); returns the folder applied.
 pub fn apply_agent_manifests(cp: &ControlPlane, node: &KubeletNode) -> Result<tempfile::TempDir> {
-    let dir = tempfile::Builder::new().prefix("lb-manifests-").tempdir()?;
+    // Inside the node's directory, so that a killed run's copy goes with the node's sweep.
+    let dir = tempfile::Builder::new()
+        .prefix("manifests-")
+        .tempdir_in(node.dir())?;
     operator_manifests(dir.path(), node)?;
     cp.kubectl(["apply", "-k", &dir.path().display().to_string()])?;
     Ok(dir)
