@@ -29,11 +29,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use lb_tests::{
     cgroup::Cgroup,
     control_plane::ControlPlane,
-    kubelet::{self, KubeletNode, NodeConfig},
+    kubelet::{self, KubeletNode, NodeConfig, is_ready, json_of, pods, wait_for},
     load::{self, Load},
     netns::NetNs,
     process::Place,
@@ -52,44 +52,6 @@ const WAIT: Duration = Duration::from_secs(120);
 
 fn record(name: &str, figures: Value) {
     lb_tests::report::record(name, &figures);
-}
-
-/// Polls `f` until it returns `Some`, failing after `timeout` with `what` and the last error.
-fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<Option<T>>) -> Result<T> {
-    let deadline = Instant::now() + timeout;
-    let mut last = String::new();
-    loop {
-        match f() {
-            Ok(Some(v)) => return Ok(v),
-            Ok(None) => {}
-            Err(e) => last = format!("{e:#}"),
-        }
-        if Instant::now() > deadline {
-            bail!("{what}: not within {timeout:?} (last error: {last})");
-        }
-        thread::sleep(Duration::from_millis(200));
-    }
-}
-
-fn json_of(cp: &ControlPlane, args: &[&str]) -> Result<Value> {
-    let mut full = args.to_vec();
-    full.extend(["-o", "json"]);
-    Ok(serde_json::from_str(&cp.kubectl(full)?)?)
-}
-
-/// The one Pod of a selector on the node, with its JSON.
-fn pods(cp: &ControlPlane, namespace: &str, selector: &str) -> Result<Vec<Value>> {
-    let v = json_of(cp, &["-n", namespace, "get", "pods", "-l", selector])?;
-    Ok(v["items"].as_array().cloned().unwrap_or_default())
-}
-
-fn is_ready(pod: &Value) -> bool {
-    pod["status"]["conditions"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .any(|c| c["type"] == "Ready" && c["status"] == "True")
-        && pod["metadata"]["deletionTimestamp"].is_null()
 }
 
 /// The capability bits of a process's effective, permitted and bounding sets.
