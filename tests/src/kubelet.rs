@@ -691,6 +691,51 @@ pub fn apply_agent_manifests(cp: &ControlPlane, node: &KubeletNode) -> Result<te
     Ok(dir)
 }
 
+/// The loads an operator flow on a node runs under: a client in the node's namespace and in a
+/// cgroup below the node's (as a Pod's sockets are) to a ClusterIP on port 80 (socket path), and
+/// a client outside to the node's NodePort (tc path).
+pub struct NodeLoads {
+    inside: crate::load::Load,
+    outside: crate::load::Load,
+}
+
+impl NodeLoads {
+    pub fn start(
+        node: &KubeletNode,
+        clients: &crate::cgroup::Cgroup,
+        outside: &NetNs,
+        cluster_ip: &str,
+        node_port: u16,
+        interval_ms: u64,
+    ) -> NodeLoads {
+        use crate::{load::Load, process::Place};
+        NodeLoads {
+            inside: Load::start(
+                Place::new(node.netns(), clients),
+                &format!("{cluster_ip}:80"),
+                "tcp",
+                interval_ms,
+                false,
+            ),
+            outside: Load::start(
+                Place::netns(outside),
+                &format!("{}:{node_port}", node.ip()),
+                "tcp",
+                interval_ms,
+                false,
+            ),
+        }
+    }
+
+    /// Stops both; each load's name and results.
+    pub fn stop(self) -> [(&'static str, Vec<serde_json::Value>); 2] {
+        [
+            ("ClusterIP from the node (socket path)", self.inside.stop()),
+            ("NodePort from outside (tc path)", self.outside.stop()),
+        ]
+    }
+}
+
 /// Polls `f` until it returns `Some`, failing after `timeout` with `what` and the last error.
 pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<Option<T>>) -> Result<T> {
     let deadline = Instant::now() + timeout;

@@ -33,8 +33,8 @@ use anyhow::{Context, Result, ensure};
 use lb_tests::{
     cgroup::Cgroup,
     control_plane::ControlPlane,
-    kubelet::{self, KubeletNode, NodeConfig, is_ready, json_of, pods, wait_for},
-    load::{self, Load},
+    kubelet::{self, KubeletNode, NodeConfig, NodeLoads, is_ready, json_of, pods, wait_for},
+    load,
     netns::NetNs,
     process::Place,
     topo::Lan,
@@ -188,58 +188,6 @@ impl EndpointWatch {
     }
 }
 
-/// The loads every operator flow runs under: from the node (a client in the node's cgroup, as a
-/// Pod's sockets are) to the ClusterIP, and from outside to the NodePort.
-struct Loads {
-    inside: Load,
-    outside: Load,
-}
-
-impl Loads {
-    fn start(
-        node: &KubeletNode,
-        clients: &Cgroup,
-        outside: &NetNs,
-        cluster_ip: &str,
-        node_port: u16,
-    ) -> Loads {
-        Loads {
-            inside: Load::start(
-                Place::new(node.netns(), clients),
-                &format!("{cluster_ip}:80"),
-                "tcp",
-                LOAD_INTERVAL_MS,
-                false,
-            ),
-            outside: Load::start(
-                Place::netns(outside),
-                &format!("{NODE_IP}:{node_port}"),
-                "tcp",
-                LOAD_INTERVAL_MS,
-                false,
-            ),
-        }
-    }
-
-    /// Stops both; (rows for the report, attempted, failed, failure lines).
-    fn stop(self) -> (Vec<Value>, u64, u64, Vec<String>) {
-        let mut rows = Vec::new();
-        let (mut attempted, mut failed, mut failures) = (0, 0, Vec::new());
-        for (what, load) in [
-            ("ClusterIP from the node (socket path)", self.inside),
-            ("NodePort from outside (tc path)", self.outside),
-        ] {
-            let results = load.stop();
-            let (a, f) = load::tally(&results);
-            attempted += a;
-            failed += f;
-            failures.extend(load::failures(what, &results));
-            rows.push(load::row(what, &results));
-        }
-        (rows, attempted, failed, failures)
-    }
-}
-
 /// The backend: lb-probe answering on 8080 with its Pod's name, ready once it listens, and a
 /// preStop pause so that a terminating Pod keeps serving while the change reaches every node (as
 /// production Deployments behind kube-proxy do).
@@ -336,6 +284,20 @@ fn probe_pod(
         lines.len()
     );
     Ok(lines)
+}
+
+/// Both loads' rows for the report, requests attempted and failed, and the failure lines.
+fn tally_loads(loads: [(&str, Vec<Value>); 2]) -> (Vec<Value>, u64, u64, Vec<String>) {
+    let mut rows = Vec::new();
+    let (mut attempted, mut failed, mut failures) = (0, 0, Vec::new());
+    for (what, results) in loads {
+        let (a, f) = load::tally(&results);
+        attempted += a;
+        failed += f;
+        failures.extend(load::failures(what, &results));
+        rows.push(load::row(what, &results));
+    }
+    (rows, attempted, failed, failures)
 }
 
 /// What explains a failure on the node: the agent's log, the node's addresses, routes and BPF
@@ -602,7 +564,14 @@ fn daemonset_on_a_real_kubelet_serves_through_operator_flows() -> Result<()> {
                         command: &str,
                         act: &mut dyn FnMut() -> Result<()>|
      -> Result<(usize, bool)> {
-        let loads = Loads::start(&node, &clients, &outside, &cluster_ip, node_port);
+        let loads = NodeLoads::start(
+            &node,
+            &clients,
+            &outside,
+            &cluster_ip,
+            node_port,
+            LOAD_INTERVAL_MS,
+        );
         thread::sleep(Duration::from_secs(1));
         let watch = EndpointWatch::start(&kubeconfig, &kubectl, &cache, "web");
         let t = Instant::now();
@@ -610,7 +579,7 @@ fn daemonset_on_a_real_kubelet_serves_through_operator_flows() -> Result<()> {
         let took = t.elapsed().as_secs_f64();
         thread::sleep(Duration::from_secs(1));
         let (terminating, only_terminating, _) = watch.finish();
-        let (rows, attempted, failed, failures) = loads.stop();
+        let (rows, attempted, failed, failures) = tally_loads(loads.stop());
         total_attempted += attempted;
         total_failed += failed;
         all_failures.extend(failures);

@@ -40,8 +40,10 @@ use anyhow::{Context, Result, bail, ensure};
 use lb_tests::{
     cgroup::Cgroup,
     control_plane::{ADVERTISE_ADDRESS, ControlPlane},
-    kubelet::{self, API_PORT, CLUSTER_CIDR, KubeletNode, NodeConfig, is_ready, json_of, pods, wait_for},
-    load::{self, Load},
+    kubelet::{
+        self, API_PORT, CLUSTER_CIDR, KubeletNode, NodeConfig, NodeLoads, is_ready, json_of, pods, wait_for,
+    },
+    load,
     netns::NetNs,
     process::Place,
     topo::Lan,
@@ -727,47 +729,6 @@ struct Step {
     took_s: f64,
 }
 
-/// The loads: a client on the node, in a cgroup below the node's (as a Pod's sockets are), to the
-/// ClusterIP; a client on the LAN to the NodePort.
-struct Loads {
-    inside: Load,
-    outside: Load,
-}
-
-impl Loads {
-    fn start(
-        node: &KubeletNode,
-        clients: &Cgroup,
-        outside: &NetNs,
-        cluster_ip: &str,
-        node_port: u16,
-    ) -> Loads {
-        Loads {
-            inside: Load::start(
-                Place::new(node.netns(), clients),
-                &format!("{cluster_ip}:80"),
-                "tcp",
-                LOAD_INTERVAL_MS,
-                false,
-            ),
-            outside: Load::start(
-                Place::netns(outside),
-                &format!("{NODE_IP}:{node_port}"),
-                "tcp",
-                LOAD_INTERVAL_MS,
-                false,
-            ),
-        }
-    }
-
-    fn stop(self) -> [(&'static str, Vec<Value>); 2] {
-        [
-            ("ClusterIP from the node (socket path)", self.inside.stop()),
-            ("NodePort from outside (tc path)", self.outside.stop()),
-        ]
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 
 #[test]
@@ -889,7 +850,7 @@ fn migrate(
     let setup_s = started.elapsed().as_secs_f64();
 
     // --- The loads, from here to the end.
-    let loads = Loads::start(node, &clients, outside, &cluster_ip, node_port);
+    let loads = NodeLoads::start(node, &clients, outside, &cluster_ip, node_port, LOAD_INTERVAL_MS);
     let loads_started_us = now_us();
     thread::sleep(Duration::from_secs(2));
     let mut steps: Vec<Step> = Vec::new();
