@@ -277,7 +277,6 @@ impl KubeletNode {
     pub fn import(&self, image: &Image) -> Result<()> {
         let archive = image.archive.display().to_string();
         self.ctr(&["images", "import", "--local", &archive])
-            .or_else(|_| self.ctr(&["images", "import", &archive]))
             .with_context(|| format!("importing {} into {}", image.reference, self.name))?;
         Ok(())
     }
