@@ -823,6 +823,16 @@ fn endpoint_churn_never_sends_new_connections_to_removed_endpoints() {
             }
         })
     };
+    // The loads start only once the watcher has dated the first set: a connection made before
+    // its first snapshot could not be judged against any applied set.
+    let first_seen = Instant::now();
+    while applied.lock().unwrap().is_empty() {
+        assert!(
+            first_seen.elapsed() < Duration::from_secs(10),
+            "the map watcher took no snapshot in 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let node_ip = s.site.node.ip.unwrap();
     let tcp = Load::start(s.site.host(), "10.96.50.10:80", "tcp", 2, false);
     let udp_sock = Load::start(s.site.host(), "10.96.50.10:53", "udp", 20, true);

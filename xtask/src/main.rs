@@ -98,8 +98,17 @@ enum Command {
     },
 }
 
-fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+/// Errors end with their chain of causes and exit code 1, never with a backtrace: under CI's
+/// RUST_BACKTRACE=1 a backtrace of xtask's own frames would push the test summary out of the
+/// tail that CI shows.
+fn main() {
+    if let Err(error) = run(Cli::parse()) {
+        eprintln!("error: {error:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Setup => setup::all(),
         Command::BuildEbpf { variant } => {
