@@ -485,10 +485,16 @@ fn new_flow(ctx: &mut TcContext, pkt: &Packet) -> i32 {
         count(Counter::TcNoBackend);
         return TC_ACT_OK;
     };
-    let mut masquerade = frontend.has(flags::MASQUERADE)
-        || (frontend.has(flags::MASQUERADE_OFF_CLUSTER) && !from_pod)
-        // Hairpin: the reply must come back through this node to be translated.
-        || backend.addr == flow.saddr;
+    // A backend at this node's own address (a hostNetwork endpoint) is delivered locally: the
+    // packet never reaches egress, where masquerading happens. As with kube-proxy, whose
+    // POSTROUTING MASQUERADE never sees a locally delivered packet, it keeps the client's address
+    // and its replies get the frontend back on their way out.
+    let local_backend = backend.addr == cfg.snat_addr;
+    let mut masquerade = !local_backend
+        && (frontend.has(flags::MASQUERADE)
+            || (frontend.has(flags::MASQUERADE_OFF_CLUSTER) && !from_pod)
+            // Hairpin: the reply must come back through this node to be translated.
+            || backend.addr == flow.saddr);
 
     let base = Ct4Value {
         created_ns: now,

@@ -301,6 +301,59 @@ fn nodeport_from_outside_is_translated_and_masqueraded_both_ways() {
 }
 
 #[test]
+fn a_nodeport_to_a_host_network_endpoint_of_this_node_keeps_the_client_and_reverses_the_reply() {
+    // A hostNetwork endpoint of this node has the node's address: DNAT delivers the packet
+    // locally, so it never reaches egress to be masqueraded. As with kube-proxy (whose
+    // POSTROUTING MASQUERADE a locally delivered packet never meets), the server sees the client
+    // and its reply leaves with the NodePort as its source. (Upstream e2e: "Networking Granular
+    // Checks: Services should function for service endpoints using hostNetwork".)
+    let mut state = ClusterState::default();
+    state.add_service(
+        service("t", "hostnet")
+            .cluster_ip("10.96.0.20")
+            .port("http", "TCP", 80, 8083)
+            .node_port(30084)
+            .build(),
+    );
+    state.add_slice(
+        slice("t", "hostnet", "hostnet-1")
+            .endpoint(NODE_IP, "node-a", State::Ready)
+            .port("http", "TCP", 8083)
+            .build(),
+    );
+    let mut s = scratch_with(&state, true);
+    let syn = packet::tcp(CLIENT, 41000, NODE_IP, 30084).build();
+    let dnat = ingress(&mut s, &syn);
+    assert_bytes(
+        &dnat.packet,
+        &rewritten(&syn, None, Some((NODE_IP, 8083))),
+        "NodePort DNAT to this node's own address",
+    );
+    assert_eq!(dnat.mark, 0, "nothing to un-SNAT later");
+    let reply = packet::tcp(NODE_IP, 8083, CLIENT, 41000).data(b"pong").build();
+    let out = egress(&mut s, &reply);
+    assert_bytes(
+        &out.packet,
+        &rewritten(&reply, Some((NODE_IP, 30084)), None),
+        "the reply leaves from the NodePort the client called",
+    );
+    // Its ClusterIP from outside (routed to this node) is the same: the client stays.
+    let syn = packet::tcp(CLIENT, 41001, "10.96.0.20", 80).build();
+    let dnat = ingress(&mut s, &syn);
+    assert_bytes(
+        &dnat.packet,
+        &rewritten(&syn, None, Some((NODE_IP, 8083))),
+        "ClusterIP DNAT to this node's own address",
+    );
+    let reply = packet::tcp(NODE_IP, 8083, CLIENT, 41001).build();
+    assert_bytes(
+        &egress(&mut s, &reply).packet,
+        &rewritten(&reply, Some(("10.96.0.20", 80)), None),
+        "the reply leaves from the ClusterIP",
+    );
+}
+
+#[test]
 fn local_policy_keeps_the_client_source_and_uses_local_endpoints_only() {
     let mut s = scratch(true);
     for sport in 42000..42020 {
