@@ -265,8 +265,9 @@ impl Drop for PortForward {
 
 /// An HTTP CONNECT proxy on a Unix socket whose connections to an address are made inside the
 /// namespace registered for it ([`ConnectProxy::route`]): the API server's egress to kubelets
-/// (`kubectl logs`, `exec`, `port-forward`), whose nodes live in namespaces the machine has no
-/// route to. Stops on drop.
+/// (`kubectl logs`, `exec`, `port-forward`) and to Pods (`pods/proxy`, `services/proxy`), which
+/// live in namespaces the machine has no route to. A destination no namespace was registered for
+/// is refused: the machine's own routes would send it off the machine. Stops on drop.
 pub struct ConnectProxy {
     via: Routes,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -307,8 +308,13 @@ impl ConnectProxy {
     }
 
     /// Makes the tunnels to `addr` from inside `ns` (by path, e.g. `/run/netns/<name>`).
-    pub fn route(&self, addr: std::net::IpAddr, ns: PathBuf) {
-        self.via.lock().expect("route lock").insert(addr, ns);
+    /// Connections to addresses in `net` are made inside the namespace at `ns` (the longest
+    /// registered prefix wins).
+    pub fn route(&self, net: ipnet::IpNet, ns: PathBuf) {
+        let mut routes = self.via.lock().expect("route lock");
+        routes.retain(|(known, _)| *known != net);
+        routes.push((net, ns));
+        routes.sort_by_key(|(known, _)| std::cmp::Reverse(known.prefix_len()));
     }
 }
 
@@ -322,7 +328,7 @@ impl Drop for ConnectProxy {
 }
 
 /// Which namespace to connect from, per destination address.
-type Routes = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, PathBuf>>>;
+type Routes = std::sync::Arc<std::sync::Mutex<Vec<(ipnet::IpNet, PathBuf)>>>;
 
 /// Serves one `CONNECT host:port`: connects (inside the namespace routed for the host, if any),
 /// answers 200 and relays.
@@ -346,7 +352,12 @@ fn connect_tunnel(mut client: std::os::unix::net::UnixStream, routes: &Routes) -
         return Ok(());
     };
     let timeout = std::time::Duration::from_secs(5);
-    let ns = routes.lock().expect("route lock").get(&target.ip()).cloned();
+    let ns = routes
+        .lock()
+        .expect("route lock")
+        .iter()
+        .find(|(net, _)| net.contains(&target.ip()))
+        .map(|(_, ns)| ns.clone());
     let server = match ns {
         Some(ns) => thread::scope(|s| {
             s.spawn(move || {
@@ -357,7 +368,10 @@ fn connect_tunnel(mut client: std::os::unix::net::UnixStream, routes: &Routes) -
             .join()
             .unwrap_or_else(|_| Err(std::io::Error::other("connect thread panicked")))
         }),
-        None => std::net::TcpStream::connect_timeout(&target, timeout),
+        None => Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("{} is in none of the test's namespaces", target.ip()),
+        )),
     };
     let server = match server {
         Ok(s) => s,
