@@ -103,6 +103,11 @@ pub fn images() -> Result<Vec<Image>> {
     let dir = env::var_os("LB_IMAGE_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/images"));
+    images_in(&dir)
+}
+
+/// The images listed in `dir/images.json` (the format `cargo xtask images` writes).
+pub fn images_in(dir: &Path) -> Result<Vec<Image>> {
     let index = dir.join("images.json");
     let text = fs::read_to_string(&index).with_context(|| {
         format!(
@@ -127,6 +132,9 @@ pub struct NodeConfig {
     pub ip: Ipv4Addr,
     /// The Pods' range on this node, e.g. `10.244.1.0/24`; its first address is the bridge's.
     pub pod_cidr: String,
+    /// The cluster DNS Service's address kubelet writes into Pods' resolv.conf (kubelet's
+    /// `clusterDNS`); `None`: Pods get the node's resolver.
+    pub cluster_dns: Option<Ipv4Addr>,
 }
 
 /// A kubelet node; see the module documentation.
@@ -134,6 +142,7 @@ pub struct KubeletNode {
     name: String,
     ip: Ipv4Addr,
     pod_cidr: String,
+    cluster_dns: Option<Ipv4Addr>,
     parts: NodeParts,
     kubelet_bin: PathBuf,
     kubeconfig: PathBuf,
@@ -180,11 +189,14 @@ impl KubeletNode {
             PortForward::start(&ns, SocketAddr::from((ADVERTISE_ADDRESS, API_PORT)), api),
         ];
         cp.route_to_node(config.ip, ns.path());
+        let pods: ipnet::IpNet = config.pod_cidr.parse().context("the node's Pod range")?;
+        cp.route_net_to_node(pods, ns.path());
         let (cgroups, cgroup2) = make_cgroups(&name)?;
         let mut node = KubeletNode {
             name,
             ip: config.ip,
             pod_cidr: config.pod_cidr,
+            cluster_dns: config.cluster_dns,
             parts,
             kubelet_bin: cp.binaries().kubelet.clone(),
             kubeconfig: cp.kubeconfig_path().to_path_buf(),
@@ -407,6 +419,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             "authentication": {"anonymous": {"enabled": true}, "webhook": {"enabled": false}},
             "authorization": {"mode": "AlwaysAllow"},
             "clusterDomain": "cluster.local",
+            "clusterDNS": self.cluster_dns.iter().map(|ip| ip.to_string()).collect::<Vec<_>>(),
             "resolvConf": "/etc/resolv.conf",
             // Images are imported, never pulled: never collect them.
             "imageGCHighThresholdPercent": 100,
@@ -668,11 +681,18 @@ pub fn operator_manifests(dir: &Path, node: &KubeletNode) -> Result<()> {
     kustomization.push_str(&format!(
         "images:\n  - name: ghcr.io/lb-project/lb-agent\n    newName: {name}\n    newTag: {tag}\n"
     ));
-    // This machine's hygiene: the node's cgroup, never the machine's root cgroup.
+    // This machine's hygiene: the node's cgroup, never the machine's root cgroup. Every node's
+    // cgroup is named after the node (`lb-tests/<node>`), so one DaemonSet serves several nodes:
+    // kubelet expands `$(NODE_NAME)` from the container's environment.
+    let parent = node
+        .cgroup2()
+        .parent()
+        .context("the node's cgroup has a parent")?;
+    anyhow::ensure!(node.cgroup2().ends_with(node.name()));
     kustomization.push_str(&format!(
         "patches:\n  - target:\n      kind: DaemonSet\n      name: lb-agent\n    patch: |-\n      \
-         - op: add\n        path: /spec/template/spec/containers/0/args/-\n        value: --cgroup-root={}\n",
-        node.cgroup2().display()
+         - op: add\n        path: /spec/template/spec/containers/0/args/-\n        value: --cgroup-root={}/$(NODE_NAME)\n",
+        parent.display()
     ));
     fs::write(dir.join("kustomization.yaml"), kustomization)?;
     Ok(())

@@ -391,6 +391,7 @@ fn daemonset_on_a_real_kubelet_serves_through_operator_flows() -> Result<()> {
         NodeConfig {
             ip: NODE_IP,
             pod_cidr: POD_CIDR.into(),
+            cluster_dns: None,
         },
         &images,
     )?;

@@ -88,7 +88,7 @@ const PLUGIN_DIRS: &[(&str, &str)] = &[("libxtables.so", "xtables")];
 /// Changes whenever the way archives are written changes, so that older stamps no longer match.
 const FORMAT: &str = "lb-oci-archive 1";
 /// PATH in every image's config (Debian's images have the same).
-const IMAGE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+pub(crate) const IMAGE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 /// The layers' gzip level: fixed, since the digests depend on it.
 const GZIP_LEVEL: u32 = 6;
 /// Top-level links of a usrmerged host, reproduced in the images that hold host files.
@@ -245,25 +245,8 @@ pub fn ensure(out: &Path) -> Result<Vec<Built>> {
     for recipe in recipes {
         plans.push(Plan::new(recipe, &out)?);
     }
-    let results: Vec<Result<Built>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = plans
-            .iter()
-            .map(|plan| scope.spawn(move || plan.ensure()))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("image build panicked")))
-            })
-            .collect()
-    });
-    let built = results.into_iter().collect::<Result<Vec<_>>>()?;
-    let index = out.join("images.json");
-    let text = images_json(&built);
-    if fs::read_to_string(&index).ok().as_deref() != Some(text.as_str()) {
-        write_atomically(&index, text.as_bytes())?;
-    }
+    let built = in_parallel(&plans, Plan::ensure)?;
+    let index = write_index(&out, &built)?;
     step(&format!(
         "images ready in {:.1?} ({} rebuilt): {}",
         started.elapsed(),
@@ -273,8 +256,41 @@ pub fn ensure(out: &Path) -> Result<Vec<Built>> {
     Ok(built)
 }
 
+/// Builds every item on a thread of its own (the layers' compression is the long part); the
+/// first error wins.
+pub(crate) fn in_parallel<T: Sync>(
+    items: &[T],
+    build: impl Fn(&T) -> Result<Built> + Sync,
+) -> Result<Vec<Built>> {
+    let build = &build;
+    let results: Vec<Result<Built>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = items
+            .iter()
+            .map(|item| scope.spawn(move || build(item)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("image build panicked")))
+            })
+            .collect()
+    });
+    results.into_iter().collect()
+}
+
+/// Writes `out/images.json` for `built` unless it already says exactly that; returns its path.
+pub(crate) fn write_index(out: &Path, built: &[Built]) -> Result<PathBuf> {
+    let index = out.join("images.json");
+    let text = images_json(built);
+    if fs::read_to_string(&index).ok().as_deref() != Some(text.as_str()) {
+        write_atomically(&index, text.as_bytes())?;
+    }
+    Ok(index)
+}
+
 /// `images.json`: `[{"name", "ref", "archive", "manifest_digest"}, ...]`, one image a line.
-fn images_json(built: &[Built]) -> String {
+pub(crate) fn images_json(built: &[Built]) -> String {
     let q = |s: &str| Value::from(s).to_string();
     let lines: Vec<String> = built
         .iter()
@@ -368,7 +384,7 @@ pub fn build_pause(work: &Path) -> Result<PathBuf> {
 }
 
 /// pause.c in the Go module cache; downloads the module when it is not there.
-fn pause_source(work: &Path) -> Result<PathBuf> {
+pub(crate) fn pause_source(work: &Path) -> Result<PathBuf> {
     let relative = "build/pause/linux/pause.c";
     let go = find_go()?;
     let modcache = util::output(go_command(&go).args(["env", "GOMODCACHE"]))?;
@@ -459,7 +475,7 @@ struct Item {
 /// The contents of the image's one layer, keyed by path without the leading `/`. Byte order puts
 /// every directory before its contents.
 #[derive(Debug, Default)]
-struct Layer {
+pub(crate) struct Layer {
     items: BTreeMap<String, Item>,
 }
 
@@ -556,15 +572,15 @@ impl Layer {
         Ok(())
     }
 
-    fn dir(&mut self, path: &str, mode: u32) -> Result<()> {
+    pub(crate) fn dir(&mut self, path: &str, mode: u32) -> Result<()> {
         self.insert(path, mode, Node::Dir)
     }
 
-    fn file(&mut self, path: &str, mode: u32, bytes: Vec<u8>) -> Result<()> {
+    pub(crate) fn file(&mut self, path: &str, mode: u32, bytes: Vec<u8>) -> Result<()> {
         self.insert(path, mode, Node::File(bytes))
     }
 
-    fn symlink(&mut self, path: &str, target: PathBuf) -> Result<()> {
+    pub(crate) fn symlink(&mut self, path: &str, target: PathBuf) -> Result<()> {
         self.insert(path, 0o777, Node::Symlink(target))
     }
 
@@ -670,7 +686,7 @@ impl Layer {
     }
 
     /// One line per entry (with each file's sha256): what the stamp compares.
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         let mut text = String::new();
         for (path, item) in &self.items {
             let line = match &item.node {
@@ -791,7 +807,7 @@ fn resolve_tool(tool: &str) -> Result<PathBuf> {
 // Archives
 
 /// One image: its layer and config, and where its archive and stamp go.
-struct Plan {
+pub(crate) struct Plan {
     recipe: Recipe,
     layer: Layer,
     /// The config without its diff_ids (which the layer decides).
@@ -818,20 +834,26 @@ impl Plan {
             }
         }
         let config = image_config(&recipe)?;
+        Ok(Plan::with_layer(recipe, layer, config, out))
+    }
+
+    /// A plan for a layer and an image config (without rootfs) made elsewhere
+    /// (`upstream_images.rs`); of the recipe only the name and the reference are used.
+    pub(crate) fn with_layer(recipe: Recipe, layer: Layer, config: Value, out: &Path) -> Self {
         let inputs = format!(
             "format {FORMAT}\nreference {}\ngzip level {GZIP_LEVEL}\nconfig {}\n{}",
             recipe.reference,
             canonical_json(&config),
             layer.describe()
         );
-        Ok(Plan {
+        Plan {
             archive: out.join(format!("{}.oci.tar", recipe.name)),
             stamp: out.join(format!("{}.oci.tar.stamp", recipe.name)),
             recipe,
             layer,
             config,
             inputs,
-        })
+        }
     }
 
     /// The manifest digest of the archive on disk when the stamp vouches for it.
@@ -850,7 +872,7 @@ impl Plan {
         (on_disk == size).then_some(digest)
     }
 
-    fn ensure(&self) -> Result<Built> {
+    pub(crate) fn ensure(&self) -> Result<Built> {
         let built = |manifest_digest: String, rebuilt: bool| Built {
             name: self.recipe.name,
             reference: self.recipe.reference,
@@ -995,7 +1017,7 @@ fn image_config(recipe: &Recipe) -> Result<Value> {
 }
 
 /// The OCI architecture of the binaries (built for this machine).
-fn arch() -> Result<&'static str> {
+pub(crate) fn arch() -> Result<&'static str> {
     Ok(match std::env::consts::ARCH {
         "x86_64" => "amd64",
         "aarch64" => "arm64",
@@ -1011,7 +1033,7 @@ fn digest(bytes: &[u8]) -> String {
     format!("sha256:{}", sha256_hex(bytes))
 }
 
-fn sha256_hex(bytes: &[u8]) -> String {
+pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
     hex(&Sha256::digest(bytes))
 }
 
@@ -1071,14 +1093,14 @@ impl<W: Write> Write for Hashing<W> {
     }
 }
 
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
     fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
     fs::rename(&tmp, path).with_context(|| format!("renaming {}", tmp.display()))
 }
 
 /// An exclusive `flock` on `path` (two builds into one directory would race), released on drop.
-fn lock(path: &Path) -> Result<File> {
+pub(crate) fn lock(path: &Path) -> Result<File> {
     let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
     // SAFETY: flock on a file descriptor we own; no memory is involved.
     if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {

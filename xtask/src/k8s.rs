@@ -34,8 +34,12 @@ pub const KUBERNETES_VERSION: &str = "v1.37.1";
 pub const ETCD_VERSION: &str = "v3.6.16";
 /// The Go release line the wrapper modules declare (`go 1.26.0`); built with GOTOOLCHAIN=local.
 const MIN_GO_MINOR: u32 = 26;
-/// The committed Go files of a wrapper module.
+/// The committed Go files of a wrapper module (the e2e wrapper adds its test main).
 const GO_FILES: [&str; 3] = ["go.mod", "go.sum", "tools.go"];
+/// The CoreDNS release kubeadm deploys with Kubernetes v1.37 (its `CoreDNSVersion`).
+pub const COREDNS_VERSION: &str = "v1.14.6";
+/// agnhost's version in the pinned release (`test/images/agnhost/VERSION`).
+pub const AGNHOST_VERSION: &str = "2.66.1";
 
 /// The cached control-plane binaries, all in `dir`.
 // Today's callers only pass `dir` on (LB_K8S_BIN_DIR); the paths are for those wanting one binary.
@@ -60,8 +64,12 @@ struct Component {
     build_dir: PathBuf,
     /// (Go package, binary name) pairs built by one `go build`.
     programs: Vec<(&'static str, &'static str)>,
+    /// A test binary built with `go test -c` from the wrapper's own package (`e2e.test`).
+    test_program: Option<&'static str>,
+    /// Committed files besides [`GO_FILES`] (the e2e wrapper's test main).
+    extra_files: &'static [&'static str],
     ldflags: String,
-    /// Expected in the output of the version check of every binary (see `version_args`).
+    /// Expected in the output of the version check of every binary (see `version_check`).
     version_text: String,
 }
 
@@ -72,6 +80,31 @@ impl Component {
 
     fn stamp_path(&self, bin_dir: &Path) -> PathBuf {
         bin_dir.join(format!(".{}.stamp", self.name))
+    }
+
+    fn go_files(&self) -> impl Iterator<Item = &'static str> + '_ {
+        GO_FILES.into_iter().chain(self.extra_files.iter().copied())
+    }
+
+    /// The `go` commands' arguments (after `go`) for one output directory: `go build` of the
+    /// programs, `go test -c` of the test program.
+    fn build_commands(&self, bin_dir: &Path) -> Vec<Vec<String>> {
+        let mut commands = Vec::new();
+        if !self.programs.is_empty() {
+            commands.push(self.build_args(bin_dir));
+        }
+        if let Some(binary) = self.test_program {
+            commands.push(vec![
+                "test".to_string(),
+                "-c".into(),
+                "-trimpath".into(),
+                format!("-ldflags={}", self.ldflags),
+                "-o".into(),
+                bin_dir.join(binary).display().to_string(),
+                ".".into(),
+            ]);
+        }
+        commands
     }
 
     /// The `go build` arguments after `go`, for one output directory.
@@ -99,7 +132,7 @@ impl Component {
     fn wanted_stamp(&self) -> Result<String> {
         let dir = self.committed_dir();
         let mut hash = Fnv64::new();
-        for file in GO_FILES {
+        for file in self.go_files() {
             let path = dir.join(file);
             let bytes = fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
             hash.write(file.as_bytes());
@@ -107,7 +140,12 @@ impl Component {
             hash.write(&(bytes.len() as u64).to_le_bytes());
             hash.write(&bytes);
         }
-        let recipe = self.build_args(Path::new("bin")).join(" ");
+        let recipe = self
+            .build_commands(Path::new("bin"))
+            .iter()
+            .map(|c| c.join(" "))
+            .collect::<Vec<_>>()
+            .join(" && ");
         Ok(format!(
             "component={}\nversion={}\ngo-files-fnv64={:016x}\nrecipe={recipe}\nenv={}\n",
             self.name,
@@ -122,7 +160,11 @@ impl Component {
     }
 
     fn binaries<'a>(&'a self, bin_dir: &'a Path) -> impl Iterator<Item = PathBuf> + 'a {
-        self.programs.iter().map(move |(_, binary)| bin_dir.join(binary))
+        self.programs
+            .iter()
+            .map(|(_, binary)| *binary)
+            .chain(self.test_program)
+            .map(move |binary| bin_dir.join(binary))
     }
 
     fn is_current(&self, bin_dir: &Path) -> Result<bool> {
@@ -146,33 +188,37 @@ impl Component {
         fs::create_dir_all(&self.build_dir)
             .with_context(|| format!("creating {}", self.build_dir.display()))?;
         let committed = self.committed_dir();
-        for file in GO_FILES {
+        for file in self.go_files() {
             let (from, to) = (committed.join(file), self.build_dir.join(file));
             fs::copy(&from, &to)
                 .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
         }
-        let mut cmd = Command::new(go);
-        cmd.args(self.build_args(bin_dir)).current_dir(&self.build_dir);
-        go_env(&mut cmd);
         let started = Instant::now();
-        util::run(&mut cmd).with_context(|| {
-            format!(
-                "building {} {} in {}",
-                self.name,
-                self.version,
-                self.build_dir.display()
-            )
-        })?;
+        for args in self.build_commands(bin_dir) {
+            let mut cmd = Command::new(go);
+            cmd.args(args).current_dir(&self.build_dir);
+            go_env(&mut cmd);
+            util::run(&mut cmd).with_context(|| {
+                format!(
+                    "building {} {} in {}",
+                    self.name,
+                    self.version,
+                    self.build_dir.display()
+                )
+            })?;
+        }
         for binary in self.binaries(bin_dir) {
-            let args = version_args(&binary);
+            let Some((args, version_text)) = version_check(&binary, &self.version_text) else {
+                continue;
+            };
             let out = util::output(Command::new(&binary).args(args))
                 .with_context(|| format!("the freshly built {} does not run", binary.display()))?;
-            if !out.contains(&self.version_text) {
+            if !out.contains(&version_text) {
                 bail!(
                     "{} {args:?} printed {:?}, expected it to contain {:?}",
                     binary.display(),
                     out.trim(),
-                    self.version_text
+                    version_text
                 );
             }
         }
@@ -234,6 +280,8 @@ fn components(cache: &Path) -> [Component; 2] {
             version: ETCD_VERSION,
             build_dir: cache.join(format!("etcd-{ETCD_VERSION}")),
             programs: vec![("go.etcd.io/etcd/server/v3", "etcd")],
+            test_program: None,
+            extra_files: &[],
             ldflags: "-s -w".into(),
             version_text: format!("etcd Version: {}", ETCD_VERSION.trim_start_matches('v')),
         },
@@ -252,6 +300,8 @@ fn components(cache: &Path) -> [Component; 2] {
                 ("k8s.io/kubernetes/cmd/kube-scheduler", "kube-scheduler"),
                 ("k8s.io/kubernetes/cmd/kubelet", "kubelet"),
             ],
+            test_program: None,
+            extra_files: &[],
             ldflags: kubernetes_ldflags(),
             version_text: KUBERNETES_VERSION.to_string(),
         },
@@ -272,40 +322,119 @@ pub fn ensure(cache: &Path) -> Result<K8sBins> {
         kubelet: bin_dir.join("kubelet"),
         dir: bin_dir.clone(),
     };
-    let components = components(cache);
-    if all_current(&components, &bin_dir)? {
-        return Ok(bins);
-    }
+    build_stale(cache, &components(cache), &bin_dir)?;
+    Ok(bins)
+}
 
-    fs::create_dir_all(&bin_dir).with_context(|| format!("creating {}", bin_dir.display()))?;
+/// What the upstream e2e run needs besides the cluster's binaries, cached in
+/// `<cache>/k8s-<version>/bin` beside them.
+pub struct UpstreamE2eBins {
+    /// The e2e suite with the specs of test/e2e/network (`go test -c`, xtask/go/e2e).
+    pub e2e_test: PathBuf,
+    /// ginkgo's runner (parallel processes), from the suite's own ginkgo release.
+    pub ginkgo: PathBuf,
+    /// The programs of the test images the specs run.
+    pub agnhost: PathBuf,
+    pub regression_issue_74839: PathBuf,
+    /// The cluster DNS (xtask/go/coredns).
+    pub coredns: PathBuf,
+}
+
+/// Builds e2e.test, ginkgo, agnhost, regression-issue-74839 and CoreDNS when missing or stale (once:
+/// about 10 minutes on two cores), and returns their paths. `./x test` never needs them.
+pub fn ensure_upstream_e2e(cache: &Path) -> Result<UpstreamE2eBins> {
+    let bin_dir = cache.join(format!("k8s-{KUBERNETES_VERSION}")).join("bin");
+    let components = [
+        Component {
+            name: "e2e",
+            version: KUBERNETES_VERSION,
+            build_dir: cache.join(format!("e2e-{KUBERNETES_VERSION}")),
+            programs: vec![
+                // The runner that spreads the specs over parallel e2e.test processes.
+                ("github.com/onsi/ginkgo/v2/ginkgo", "ginkgo"),
+                ("k8s.io/kubernetes/test/images/agnhost", "agnhost"),
+                (
+                    "k8s.io/kubernetes/test/images/regression-issue-74839",
+                    "regression-issue-74839",
+                ),
+            ],
+            test_program: Some("e2e.test"),
+            extra_files: &["e2e_test.go"],
+            // agnhost's version, as its Makefile sets it (the other programs have no main.Version).
+            ldflags: format!("{} -X main.Version={AGNHOST_VERSION}", kubernetes_ldflags()),
+            version_text: KUBERNETES_VERSION.to_string(),
+        },
+        Component {
+            name: "coredns",
+            version: COREDNS_VERSION,
+            build_dir: cache.join(format!("coredns-{COREDNS_VERSION}")),
+            programs: vec![("github.com/coredns/coredns", "coredns")],
+            test_program: None,
+            extra_files: &[],
+            ldflags: "-s -w".into(),
+            version_text: COREDNS_VERSION.to_string(),
+        },
+    ];
+    build_stale(cache, &components, &bin_dir)?;
+    Ok(UpstreamE2eBins {
+        e2e_test: bin_dir.join("e2e.test"),
+        ginkgo: bin_dir.join("ginkgo"),
+        agnhost: bin_dir.join("agnhost"),
+        regression_issue_74839: bin_dir.join("regression-issue-74839"),
+        coredns: bin_dir.join("coredns"),
+    })
+}
+
+/// Builds every component whose binaries or stamp are not current, under one lock.
+fn build_stale(cache: &Path, components: &[Component], bin_dir: &Path) -> Result<()> {
+    if all_current(components, bin_dir)? {
+        return Ok(());
+    }
+    fs::create_dir_all(bin_dir).with_context(|| format!("creating {}", bin_dir.display()))?;
     // Two commands building at once (say a test run and the sandbox) would race on the outputs.
     let _lock = lock(&cache.join(".k8s-bins.lock"))?;
     let go = find_go()?;
-    for c in &components {
-        if c.is_current(&bin_dir)? {
+    for c in components {
+        if c.is_current(bin_dir)? {
             continue;
         }
-        let what = c.programs.iter().map(|(_, b)| *b).collect::<Vec<_>>().join(", ");
-        let how_long = if c.name == "k8s" {
-            "about 15 minutes"
-        } else {
-            "about 1 minute"
+        let what = c
+            .programs
+            .iter()
+            .map(|(_, b)| *b)
+            .chain(c.test_program)
+            .collect::<Vec<_>>()
+            .join(", ");
+        let how_long = match c.name {
+            "k8s" => "about 15 minutes",
+            "e2e" => "about 8 minutes",
+            "coredns" => "about 3 minutes",
+            _ => "about 1 minute",
         };
         step(&format!(
             "building {what} {} from Go modules ({how_long}, once)",
             c.version
         ));
-        c.build(&go, &bin_dir)?;
+        c.build(&go, bin_dir)?;
     }
-    Ok(bins)
+    Ok(())
 }
 
-/// How a binary prints its version: kubectl has no --version flag.
-fn version_args(binary: &Path) -> &'static [&'static str] {
-    if binary.ends_with("kubectl") {
-        &["version", "--client"]
-    } else {
-        &["--version"]
+/// How a freshly built binary shows it is the wanted release: the arguments that print its
+/// version and what they must print (`component_version` unless the program has its own).
+/// regression-issue-74839 has no version flag (it starts serving): it is not run.
+fn version_check(binary: &Path, component_version: &str) -> Option<(&'static [&'static str], String)> {
+    let name = binary.file_name()?.to_str()?;
+    match name {
+        "kubectl" => Some((&["version", "--client"], component_version.to_string())),
+        "agnhost" => Some((&["--version"], AGNHOST_VERSION.to_string())),
+        "ginkgo" => Some((&["version"], "Ginkgo Version".to_string())),
+        "coredns" => Some((
+            &["-version"],
+            format!("CoreDNS-{}", COREDNS_VERSION.trim_start_matches('v')),
+        )),
+        "regression-issue-74839" => None,
+        _ => Some((&["--version"], component_version.to_string())),
     }
 }
 

@@ -259,6 +259,12 @@ impl PrivateApt {
             .with_context(|| format!("apt-get download left no {package} package"))
     }
 
+    /// The sources.list of every suite; a command may read a subset of its lines (with the same
+    /// lists, which `update` keeps).
+    pub(crate) fn sources_list(&self) -> PathBuf {
+        self.dir.join("sources.list")
+    }
+
     pub(crate) fn command(&self, program: &str) -> Command {
         let mut cmd = Command::new(program);
         let d = |sub: &str| self.dir.join(sub).display().to_string();

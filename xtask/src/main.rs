@@ -12,7 +12,9 @@
 //!   kube-scheduler, kubelet, kubectl and kube-proxy;
 //! - `node-parts`   fetch (or find cached) containerd, runc and the CNI plugins (Debian's);
 //! - `images`       the lb-agent, lb-probe, pause and kube-proxy images as OCI archives;
-//! - `kernel-test`  the privileged suite on other kernels (Debian's), each in a guest.
+//! - `kernel-test`  the privileged suite on other kernels (Debian's), each in a guest;
+//! - `e2e-upstream` the upstream Kubernetes Service e2e specs on a two-node cluster where
+//!   lb-agent is the only Service proxy (writes docs/conformance.md).
 
 mod ebpf;
 mod image;
@@ -22,6 +24,8 @@ mod node;
 mod report;
 mod setup;
 mod test;
+mod upstream_e2e;
+mod upstream_images;
 mod util;
 
 use clap::{Parser, Subcommand};
@@ -86,6 +90,10 @@ enum Command {
     /// Run the privileged test suite on other kernels (Debian's linux-image packages), each booted
     /// in a guest, and on this machine's kernel; writes docs/kernels.md.
     KernelTest(kernel::Options),
+    /// The upstream Kubernetes e2e Service specs (e2e.test built here) on a two-node cluster of
+    /// real kubelets where lb-agent, deployed from manifests/, is the only Service proxy; writes
+    /// docs/conformance.md. About 10 minutes of builds once, then the run.
+    E2eUpstream(upstream_e2e::Options),
     /// (Inside a kernel-test guest) run test binaries, recording each one's result.
     #[command(hide = true)]
     KernelGuest {
@@ -129,6 +137,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench { args } => test::run_tool("lb-bench", &args),
         Command::Report => report::write_reliability(),
         Command::KernelTest(opts) => kernel::run_matrix(&opts),
+        Command::E2eUpstream(opts) => upstream_e2e::run(&opts),
         Command::KernelGuest {
             results,
             filter,

@@ -249,6 +249,27 @@ pub(crate) fn build_agent() -> Result<()> {
 
 /// Builds and runs one of the harness programs of `tests/` (the sandbox, the benchmarks).
 pub fn run_tool(bin: &str, args: &[String]) -> Result<()> {
+    let (tool, envs) = build_tool(bin)?;
+    let mut cmd = Command::new(tool);
+    cmd.args(args).envs(envs);
+    let status = cmd.status()?;
+    if !status.success() {
+        // The tool has said what went wrong (a usage error, a failed step): pass its status on
+        // rather than adding an error of our own on top.
+        use std::os::unix::process::ExitStatusExt;
+        std::process::exit(
+            status
+                .code()
+                .unwrap_or_else(|| 128 + status.signal().unwrap_or(1)),
+        );
+    }
+    Ok(())
+}
+
+/// Sets up what a tool of `tests/src/bin` runs (toolchains, eBPF object, control-plane binaries,
+/// node parts, images), builds it with lb-agent and lb-probe (release), and returns its path and
+/// environment.
+pub fn build_tool(bin: &str) -> Result<(std::path::PathBuf, Vec<(&'static str, String)>)> {
     require_root()?;
     setup::all()?;
     ebpf::build()?;
@@ -276,18 +297,8 @@ pub fn run_tool(bin: &str, args: &[String]) -> Result<()> {
         build.env(k, v);
     }
     crate::util::run(&mut build)?;
-    let mut cmd = Command::new(crate::util::workspace_root().join("target/release").join(bin));
-    cmd.args(args).envs(envs);
-    let status = cmd.status()?;
-    if !status.success() {
-        // The tool has said what went wrong (a usage error, a failed step): pass its status on
-        // rather than adding an error of our own on top.
-        use std::os::unix::process::ExitStatusExt;
-        std::process::exit(
-            status
-                .code()
-                .unwrap_or_else(|| 128 + status.signal().unwrap_or(1)),
-        );
-    }
-    Ok(())
+    Ok((
+        crate::util::workspace_root().join("target/release").join(bin),
+        envs,
+    ))
 }

@@ -427,6 +427,7 @@ fn build(args: &Args) -> Result<Cluster> {
         NodeConfig {
             ip: node_ip(REAL_NODE_INDEX),
             pod_cidr: pod_cidr(REAL_NODE_INDEX),
+            cluster_dns: None,
         },
         &images,
     )?;
