@@ -392,3 +392,46 @@ fn connect_tunnel(mut client: std::os::unix::net::UnixStream, routes: &Routes) -
     let _ = up.join();
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+
+    use super::ConnectProxy;
+
+    fn connect(socket: &std::path::Path, target: &str) -> String {
+        let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+        write!(stream, "CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").unwrap();
+        let mut answer = String::new();
+        let _ = stream.read_to_string(&mut answer);
+        answer
+    }
+
+    #[test]
+    fn a_destination_in_none_of_the_tests_namespaces_is_refused_never_dialled() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("egress.sock");
+        let proxy = ConnectProxy::start(&socket).unwrap();
+        // Routed elsewhere: a Pod range, and one address of it more precisely.
+        proxy.route("10.244.1.0/24".parse().unwrap(), "/nonexistent/a".into());
+        proxy.route("10.244.1.7/32".parse().unwrap(), "/nonexistent/b".into());
+        let answer = connect(&socket, "203.0.113.9:80");
+        assert!(
+            answer.starts_with("HTTP/1.1 502")
+                && answer.contains("203.0.113.9 is in none of the test's namespaces"),
+            "{answer}"
+        );
+        // Inside a routed range the namespace is used (here it does not exist: a 502 naming it).
+        let answer = connect(&socket, "10.244.1.9:80");
+        assert!(
+            answer.starts_with("HTTP/1.1 502") && answer.contains("No such file"),
+            "{answer}"
+        );
+        let routes = proxy.via.lock().unwrap();
+        assert_eq!(
+            routes[0].0.to_string(),
+            "10.244.1.7/32",
+            "the longest prefix first"
+        );
+    }
+}
