@@ -244,17 +244,9 @@ impl ControlPlane {
         Ok(())
     }
 
-    /// Routes the API server's connections to a node's address (its kubelet) through the node's
-    /// namespace.
-    pub fn route_to_node(&self, addr: Ipv4Addr, netns: PathBuf) {
-        if let Some(proxy) = &self.egress {
-            proxy.route(ipnet::IpNet::from(std::net::IpAddr::from(addr)), netns);
-        }
-    }
-
-    /// The API server reaches the addresses of `net` (a node's Pod range: `pods/proxy`,
-    /// `services/proxy`) inside the network namespace at `netns`.
-    pub fn route_net_to_node(&self, net: ipnet::IpNet, netns: PathBuf) {
+    /// Routes the API server's connections to the addresses of `net` (a node's address: its
+    /// kubelet; its Pod range: `pods/proxy`, `services/proxy`) through the node's namespace.
+    pub fn route_to_node(&self, net: ipnet::IpNet, netns: PathBuf) {
         if let Some(proxy) = &self.egress {
             proxy.route(net, netns);
         }

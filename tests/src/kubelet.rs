@@ -188,9 +188,10 @@ impl KubeletNode {
             PortForward::start(&ns, SocketAddr::from((ADVERTISE_ADDRESS, api.port())), api),
             PortForward::start(&ns, SocketAddr::from((ADVERTISE_ADDRESS, API_PORT)), api),
         ];
-        cp.route_to_node(config.ip, ns.path());
         let pods: ipnet::IpNet = config.pod_cidr.parse().context("the node's Pod range")?;
-        cp.route_net_to_node(pods, ns.path());
+        for net in [ipnet::IpNet::from(std::net::IpAddr::from(config.ip)), pods] {
+            cp.route_to_node(net, ns.path());
+        }
         let (cgroups, cgroup2) = make_cgroups(&name)?;
         let mut node = KubeletNode {
             name,

@@ -1004,14 +1004,27 @@ fn archive_header(kind: tar::EntryType, mode: u32, size: u64) -> tar::Header {
 
 /// The image config without rootfs: what the recipe says, plus the platform and PATH.
 fn image_config(recipe: &Recipe) -> Result<Value> {
+    config_of(recipe.entrypoint, recipe.cmd, recipe.user, &[])
+}
+
+/// An image config (without rootfs): what a Dockerfile of the image would give, with the usual
+/// PATH; no Entrypoint, Cmd, User or ExposedPorts when the image has none.
+pub(crate) fn config_of(entrypoint: &[&str], cmd: &[&str], user: &str, ports: &[&str]) -> Result<Value> {
     let mut config = json!({
-        "Entrypoint": recipe.entrypoint,
         "Env": [format!("PATH={IMAGE_PATH}")],
-        "User": recipe.user,
         "WorkingDir": "/",
     });
-    if !recipe.cmd.is_empty() {
-        config["Cmd"] = json!(recipe.cmd);
+    if !entrypoint.is_empty() {
+        config["Entrypoint"] = json!(entrypoint);
+    }
+    if !cmd.is_empty() {
+        config["Cmd"] = json!(cmd);
+    }
+    if !user.is_empty() {
+        config["User"] = json!(user);
+    }
+    if !ports.is_empty() {
+        config["ExposedPorts"] = Value::Object(ports.iter().map(|p| (p.to_string(), json!({}))).collect());
     }
     Ok(json!({"architecture": arch()?, "os": "linux", "config": config}))
 }

@@ -59,12 +59,15 @@ pub fn run(opts: &Options) -> Result<()> {
         Some(dir) => dir.clone(),
         None => run_suite(opts)?,
     };
+    let mut specs = load_specs(&report_dir)?;
+    // By name, so that two runs' documents differ only where results do.
+    specs.sort_by(|a, b| a.name.cmp(&b.name));
     if !opts.no_doc {
         let doc = util::workspace_root().join("docs/conformance.md");
-        fs::write(&doc, render(&report_dir)?)?;
+        fs::write(&doc, render(&report_dir, &specs)?)?;
         step(&format!("wrote {}", doc.display()));
     }
-    let summary = summarize(&load_specs(&report_dir)?);
+    let summary = summarize(&specs);
     step(&format!(
         "{} selected: {} passed, {} failed, {} skipped (report: {})",
         summary.selected,
@@ -243,12 +246,9 @@ fn summarize(specs: &[Spec]) -> Summary {
     }
 }
 
-/// docs/conformance.md from a report directory.
-fn render(dir: &Path) -> Result<String> {
-    let mut specs = load_specs(dir)?;
-    // By name, so that two runs' documents differ only where results do.
-    specs.sort_by(|a, b| a.name.cmp(&b.name));
-    let summary = summarize(&specs);
+/// docs/conformance.md from a report directory and its specs (in the document's order).
+fn render(dir: &Path, specs: &[Spec]) -> Result<String> {
+    let summary = summarize(specs);
     let cluster: Value = fs::read_to_string(dir.join("cluster.json"))
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
@@ -307,7 +307,7 @@ fn render(dir: &Path) -> Result<String> {
     let _ = writeln!(out, "\n## Every spec\n");
     let _ = writeln!(out, "| Spec | Result | Time | Why, when not passed |");
     let _ = writeln!(out, "|---|---|---:|---|");
-    for spec in &specs {
+    for spec in specs {
         let why = if spec.state == "passed" {
             String::new()
         } else if spec.location.is_empty() {
@@ -382,7 +382,7 @@ mod tests {
         assert_eq!(specs[2].location, "network/conntrack.go:99");
         let s = summarize(&specs);
         assert_eq!((s.selected, s.passed, s.failed, s.skipped), (3, 1, 1, 1));
-        let doc = render(dir.path()).unwrap();
+        let doc = render(dir.path(), &specs).unwrap();
         assert!(
             doc.contains("**3 selected: 1 passed, 1 failed, 1 skipped.**"),
             "{doc}"

@@ -43,7 +43,6 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
-use serde_json::{Value, json};
 
 use crate::{
     image::{self, Built, IMAGE_PATH, Layer, Plan, Recipe},
@@ -444,7 +443,7 @@ impl Upstream {
             user: self.user,
             base: None,
         };
-        let config = image_config(self.entrypoint, self.cmd, self.user, self.ports)?;
+        let config = image::config_of(self.entrypoint, self.cmd, self.user, self.ports)?;
         Plan::with_layer(recipe, layer, config, out).ensure()
     }
 
@@ -496,28 +495,6 @@ impl Upstream {
         ));
         Ok(())
     }
-}
-
-/// The image config (without rootfs): what a Dockerfile of the image would give, with the
-/// usual PATH; no Entrypoint, Cmd or User when the image has none.
-fn image_config(entrypoint: &[&str], cmd: &[&str], user: &str, ports: &[&str]) -> Result<Value> {
-    let mut config = json!({
-        "Env": [format!("PATH={IMAGE_PATH}")],
-        "WorkingDir": "/",
-    });
-    if !entrypoint.is_empty() {
-        config["Entrypoint"] = json!(entrypoint);
-    }
-    if !cmd.is_empty() {
-        config["Cmd"] = json!(cmd);
-    }
-    if !user.is_empty() {
-        config["User"] = json!(user);
-    }
-    if !ports.is_empty() {
-        config["ExposedPorts"] = Value::Object(ports.iter().map(|p| (p.to_string(), json!({}))).collect());
-    }
-    Ok(json!({"architecture": image::arch()?, "os": "linux", "config": config}))
 }
 
 /// /etc/passwd, /etc/group and /etc/nsswitch.conf.
@@ -1163,6 +1140,7 @@ fn e2e_references(text: &str) -> Result<BTreeMap<String, String>> {
 mod tests {
     use super::*;
     use crate::k8s::COREDNS_VERSION;
+    use serde_json::json;
 
     #[test]
     fn references_carry_the_built_versions() {
@@ -1275,11 +1253,11 @@ type RegistryList struct {
 
     #[test]
     fn configs_leave_out_what_the_image_has_not() {
-        let busybox = image_config(&[], &["sh"], "", &[]).unwrap();
+        let busybox = image::config_of(&[], &["sh"], "", &[]).unwrap();
         let config = busybox["config"].as_object().unwrap();
         assert!(!config.contains_key("Entrypoint") && !config.contains_key("User"));
         assert_eq!(config["Cmd"], json!(["sh"]));
-        let coredns = image_config(&["/coredns"], &[], "nonroot:nonroot", &["53/udp"]).unwrap();
+        let coredns = image::config_of(&["/coredns"], &[], "nonroot:nonroot", &["53/udp"]).unwrap();
         assert_eq!(coredns["config"]["User"], "nonroot:nonroot");
         assert_eq!(coredns["config"]["ExposedPorts"], json!({"53/udp": {}}));
     }

@@ -102,18 +102,12 @@ fn check_stop() -> Result<()> {
     Ok(())
 }
 
-/// The cluster; dropping it (in the main thread) tears it down, nodes before the control plane.
+/// The cluster; dropping it (in the main thread) tears it down. Fields drop in this order: the
+/// nodes first (their kubelets talk to the control plane until they stop), the control plane last.
 struct Cluster {
     nodes: Vec<KubeletNode>,
     _lan: Lan,
     cp: ControlPlane,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        // Nodes first: their kubelets talk to the control plane until they stop.
-        self.nodes.clear();
-    }
 }
 
 fn build_cluster(images: &[Image]) -> Result<Cluster> {
