@@ -2,11 +2,16 @@
 //! kube-proxy has the concept, and Cilium's names for BPF-specific settings. Subcommands are the
 //! operator's tools.
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{
+    net::{Ipv4Addr, SocketAddr},
+    path::PathBuf,
+    time::Duration,
+};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use lb_common::{catalog::Capacities, config::MAX_CLUSTER_CIDRS};
 
-use crate::maps::Capacities;
+use crate::node::{NodePortAddress, NodeSettings};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -140,6 +145,48 @@ pub struct NodeArgs {
     pub masquerade_all: bool,
 }
 
+impl NodeArgs {
+    /// The node's settings: these flags, with `--iptables-localhost-nodeports` and
+    /// `--bind-address` (which live beside them).
+    pub fn settings(
+        &self,
+        localhost_nodeports: bool,
+        bind_address: Option<Ipv4Addr>,
+    ) -> anyhow::Result<NodeSettings> {
+        let args = self;
+        let mut cluster_cidrs = Vec::new();
+        for cidr in &args.cluster_cidr {
+            match cidr.trim().parse::<ipnet::IpNet>() {
+                Ok(ipnet::IpNet::V4(v4)) => cluster_cidrs.push(v4.trunc()),
+                Ok(ipnet::IpNet::V6(_)) => {} // the IPv6 detector belongs to the IPv6 data path
+                Err(e) => anyhow::bail!("--cluster-cidr {cidr:?}: {e}"),
+            }
+        }
+        if cluster_cidrs.len() > MAX_CLUSTER_CIDRS {
+            anyhow::bail!("--cluster-cidr: at most {MAX_CLUSTER_CIDRS} IPv4 CIDRs are supported");
+        }
+        let nodeport_addresses = args
+            .nodeport_addresses
+            .iter()
+            .filter(|s| !s.trim().is_empty())
+            .map(|s| s.parse::<NodePortAddress>().map_err(anyhow::Error::msg))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(NodeSettings {
+            node_name: args
+                .hostname_override
+                .clone()
+                .filter(|n| !n.is_empty())
+                .unwrap_or_else(crate::node::hostname)
+                .to_lowercase(),
+            cluster_cidrs,
+            nodeport_addresses,
+            masquerade_all: args.masquerade_all,
+            localhost_nodeports,
+            bind_address,
+        })
+    }
+}
+
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
     /// A KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1) file; flags given explicitly
@@ -197,19 +244,19 @@ pub struct BpfArgs {
     #[arg(long)]
     pub cgroup_root: Option<PathBuf>,
     /// Capacity of the backends and reverse-NAT maps.
-    #[arg(long, default_value_t = lb_common::maps::capacity::BACKENDS)]
+    #[arg(long, default_value_t = lb_common::catalog::capacity::BACKENDS)]
     pub bpf_lb_map_max: u32,
     /// Capacity of the services map (frontends plus backend slots).
-    #[arg(long, default_value_t = lb_common::maps::capacity::SERVICES)]
+    #[arg(long, default_value_t = lb_common::catalog::capacity::SERVICES)]
     pub bpf_lb_service_map_max: u32,
     /// Capacity of the socket reverse-NAT map (LRU).
-    #[arg(long, default_value_t = lb_common::maps::capacity::SOCK_REVNAT)]
+    #[arg(long, default_value_t = lb_common::catalog::capacity::SOCK_REVNAT)]
     pub bpf_sock_rev_map_max: u32,
     /// Capacity of the session-affinity map (LRU).
-    #[arg(long, default_value_t = lb_common::maps::capacity::AFFINITY)]
+    #[arg(long, default_value_t = lb_common::catalog::capacity::AFFINITY)]
     pub bpf_lb_affinity_map_max: u32,
     /// Capacity of the tc path's connection-tracking map (LRU; two to four entries per flow).
-    #[arg(long, default_value_t = lb_common::maps::capacity::CONNTRACK)]
+    #[arg(long, default_value_t = lb_common::catalog::capacity::CONNTRACK)]
     pub bpf_ct_map_max: u32,
     /// How often the conntrack GC frees the tc path's entries of ended flows (and their
     /// masquerade ports); 0 turns it off.
@@ -242,8 +289,8 @@ pub struct BpfArgs {
 }
 
 impl BpfArgs {
-    pub fn conntrack_timeouts(&self) -> crate::maps::conntrack::GcTimeouts {
-        crate::maps::conntrack::GcTimeouts {
+    pub fn conntrack_timeouts(&self) -> crate::datapath::conntrack::GcTimeouts {
+        crate::datapath::conntrack::GcTimeouts {
             tcp_fin_timeout: self.bpf_ct_timeout_regular_tcp_fin,
             udp_timeout: self.bpf_ct_timeout_regular_any,
             ..Default::default()

@@ -10,8 +10,8 @@ use aya::maps::{HashMap, Map, MapData};
 use lb_common::{
     affinity::{Affinity4Key, Affinity4Value, kind},
     backend::{Backend4Value, flags as bflags},
+    catalog,
     conntrack::{Ct4Key, Ct4Value, dir, flags as ctflags},
-    maps as names,
     revnat::{SockRevNat4Key, SockRevNat4Value},
     service::{SCOPE_INTERNAL, Svc4Key, Svc4Value, flags},
     stats::Counter,
@@ -19,10 +19,10 @@ use lb_common::{
 use serde::Serialize;
 
 use crate::{
+    apply::{KernelMaps, MapOps, Snapshot, applier::service_port_name},
     cli::{InspectArgs, KernelArgs, OutputFormat},
     datapath::PinPaths,
     error::{Chain, is_permission_denied},
-    maps::{KernelMaps, MapOps, Snapshot, apply::service_port_name},
 };
 
 fn open(args: &InspectArgs) -> Result<(PinPaths, KernelMaps)> {
@@ -43,7 +43,7 @@ fn read_hint(e: &(dyn std::error::Error + 'static)) -> &'static str {
 /// not "missing".
 pub(crate) fn open_pinned_maps(paths: &PinPaths, missing: &str) -> Result<KernelMaps> {
     let dir = paths.maps();
-    match paths.map(names::SERVICES).try_exists() {
+    match paths.map(catalog::SERVICES).try_exists() {
         Ok(true) => {}
         Ok(false) => bail!("no pinned maps under {} ({missing})", dir.display()),
         Err(e) => bail!(
@@ -150,14 +150,14 @@ type Tuple = ([u8; 4], u16, [u8; 4], u16, u8);
 fn frontends(paths: &PinPaths, snap: &Snapshot) -> Vec<FrontendView> {
     // Flows per frontend from the flow-state maps (best effort: they may be absent).
     let mut flows: BTreeMap<u32, u64> = BTreeMap::new();
-    if let Ok(ct) = open_hash::<Ct4Key, Ct4Value>(paths, names::CONNTRACK) {
+    if let Ok(ct) = open_hash::<Ct4Key, Ct4Value>(paths, catalog::CONNTRACK) {
         for (k, v) in ct.iter().flatten() {
-            if crate::maps::conntrack::is_forward(&k, &v) {
+            if crate::datapath::conntrack::is_forward(&k, &v) {
                 *flows.entry(v.rev_nat_id).or_default() += 1;
             }
         }
     }
-    if let Ok(sk) = open_hash::<SockRevNat4Key, SockRevNat4Value>(paths, names::SOCK_REVNAT) {
+    if let Ok(sk) = open_hash::<SockRevNat4Key, SockRevNat4Value>(paths, catalog::SOCK_REVNAT) {
         for (_, v) in sk.iter().flatten() {
             *flows.entry(v.rev_nat_id).or_default() += 1;
         }
@@ -417,7 +417,7 @@ struct FlowRow {
 pub fn conntrack(args: &InspectArgs) -> Result<()> {
     let (paths, maps) = open(args)?;
     let snap = maps.snapshot()?;
-    let ct = open_hash::<Ct4Key, Ct4Value>(&paths, names::CONNTRACK)?;
+    let ct = open_hash::<Ct4Key, Ct4Value>(&paths, catalog::CONNTRACK)?;
     // A list for the rows' order (the map's), a table for finding each flow's other entries.
     let entries: Vec<(Ct4Key, Ct4Value)> = ct.iter().flatten().collect();
     let by_key: std::collections::HashMap<Ct4Key, Ct4Value> = entries.iter().copied().collect();
@@ -434,10 +434,10 @@ pub fn conntrack(args: &InspectArgs) -> Result<()> {
             )
         })
         .collect();
-    let now = crate::maps::conntrack::now_ns();
+    let now = crate::time::monotonic_coarse_ns();
     let rows: Vec<FlowRow> = entries
         .iter()
-        .filter(|(k, v)| crate::maps::conntrack::is_forward(k, v))
+        .filter(|(k, v)| crate::datapath::conntrack::is_forward(k, v))
         .map(|(k, v)| FlowRow {
             protocol: proto_name(k.proto),
             client: format!("{}:{}", ip(k.saddr), k.sport),
@@ -452,7 +452,7 @@ pub fn conntrack(args: &InspectArgs) -> Result<()> {
                 .map(|n| service_port_name(n, k.proto).to_string())
                 .unwrap_or_default(),
             age: age(now, v.created_ns),
-            state: crate::maps::conntrack::flow_state(k, v, &by_key).label(),
+            state: crate::datapath::conntrack::flow_state(k, v, &by_key).label(),
         })
         .collect();
     match args.output {
@@ -499,8 +499,8 @@ struct AffinityRow {
 pub fn affinity(args: &InspectArgs) -> Result<()> {
     let (paths, maps) = open(args)?;
     let snap = maps.snapshot()?;
-    let aff = open_hash::<Affinity4Key, Affinity4Value>(&paths, names::AFFINITY)?;
-    let now = crate::datapath::clock_ns(libc::CLOCK_BOOTTIME);
+    let aff = open_hash::<Affinity4Key, Affinity4Value>(&paths, catalog::AFFINITY)?;
+    let now = crate::time::boottime_ns();
     let rows: Vec<AffinityRow> = aff
         .iter()
         .flatten()
@@ -572,7 +572,7 @@ pub fn kernel(args: &KernelArgs) -> Result<()> {
     let kernel = features::current()?;
     let mut verdict = kernel.check().map_err(anyhow::Error::from);
     let programs = if verdict.is_ok() {
-        let caps = crate::maps::Capacities {
+        let caps = lb_common::catalog::Capacities {
             services: 1024,
             backends: 1024,
             revnat: 1024,

@@ -1,31 +1,39 @@
 //! lb-agent: an eBPF replacement for kube-proxy.
 //!
-//! The data path from API object to packet is one straight line, one module per step:
+//! The data path from API object to packet is one straight line, one module per step; a module
+//! imports only from the steps before it:
 //!
+//! 0. `node`     — this node's facts: name, zone, addresses, what the plan and programs are told;
 //! 1. `watch`    — Services, EndpointSlices and this Node, from the API or from manifest files;
 //! 2. `model`    — kube-proxy's semantics: service ports, endpoints, traffic policies, topology;
-//! 3. `plan`     — the desired content of every BPF map, as plain data;
-//! 4. `maps`     — the difference against what is in the kernel, written in a safe order;
-//! 5. `datapath` — the eBPF object: bpffs, pinning, loading and attaching the programs.
+//! 3. `plan`     — the desired content of every BPF map, as plain data, kept up to date one
+//!    Service at a time (`plan::Planner`);
+//! 4. `apply`    — the difference against what is in the kernel's maps, written in a safe order;
+//! 5. `datapath` — the eBPF object: bpffs, pinning, loading and attaching the programs; the
+//!    conntrack GC.
 //!
-//! `sync` runs steps 1-3 as one pure function; `run` is the agent's loop around it. Around them:
-//! `node` (addresses and `--nodeport-addresses`), `cli`, and the operator commands `inspect`,
-//! `trace` and `cleanup`.
+//! Around the line: `agent` (the agent process: start-up, then a sync per change, driven by
+//! kube-proxy's `bounded_frequency` runner), `health` (`/healthz`, `/livez` and the
+//! health-check NodePorts), `metrics`, `events` (Warning Events for problems), `config`
+//! (`KubeProxyConfiguration`) and `cli` (flags). The operator commands: `inspect`, `trace` (which
+//! programs a private data path through the agent's own code) and `cleanup`. Below everything:
+//! `time` (the kernel's clocks) and `error`.
 
+pub mod agent;
+pub mod apply;
+pub mod bounded_frequency;
 pub mod cleanup;
 pub mod cli;
 pub mod config;
 pub mod datapath;
 pub mod error;
+pub mod events;
 pub mod health;
 pub mod inspect;
-pub mod maps;
 pub mod metrics;
 pub mod model;
 pub mod node;
 pub mod plan;
-pub mod run;
-pub mod runner;
-pub mod sync;
+pub mod time;
 pub mod trace;
 pub mod watch;

@@ -50,7 +50,7 @@ fn main() -> std::process::ExitCode {
     let result = runtime.block_on(async move {
         match cli.command {
             None if cli.run.cleanup => lb_agent::cleanup::run(&cli.run.bpf.root.bpf_root),
-            None => lb_agent::run::run(cli.run, explicit).await,
+            None => lb_agent::agent::run(cli.run, explicit).await,
             Some(Command::Cleanup(args)) => lb_agent::cleanup::run(&args.bpf_root),
             Some(Command::Services(args)) => lb_agent::inspect::services(&args),
             Some(Command::Backends(args)) => lb_agent::inspect::backends(&args),

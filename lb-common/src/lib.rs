@@ -7,17 +7,17 @@
 //!   then shows `"port": 80` rather than a byte-swapped number.
 //! - Padding is an explicit `_pad` field that writers zero: padding bytes are part of a hash key.
 //! - A layout change renames the map (`lb4_services` -> `lb4_services_v2`), so an agent never reuses a
-//!   pinned map of the old layout; see [`maps`].
+//!   pinned map of the old layout; see [`catalog`].
 //!
 //! The `user` feature adds `aya::Pod` for the agent.
 #![no_std]
 
 pub mod affinity;
 pub mod backend;
+pub mod catalog;
 pub mod config;
 pub mod conntrack;
 pub mod features;
-pub mod maps;
 pub mod ratelimit;
 pub mod revnat;
 pub mod select;

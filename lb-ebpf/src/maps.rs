@@ -1,4 +1,4 @@
-//! Every map of the data path. Names match `lb_common::maps`; capacities here are compile-time
+//! Every map of the data path. Names match `lb_common::catalog`; capacities here are compile-time
 //! defaults that the agent overrides before load (`EbpfLoader::map_max_entries`). The agent pins
 //! the maps under `<bpf-root>/maps/<name>`; nothing is pinned by the object itself, so tests that
 //! load it stay unpinned.
@@ -11,10 +11,10 @@ use aya_ebpf::{
 use lb_common::{
     affinity::{Affinity4Key, Affinity4Value, AffinityMatchKey},
     backend::Backend4Value,
+    catalog::capacity,
     config::DatapathConfig,
     conntrack::{Ct4Key, Ct4Value},
     features::NetnsProbe,
-    maps::capacity,
     ratelimit::RateBucket,
     revnat::{RevNat4Value, SockRevNat4Key, SockRevNat4Sk, SockRevNat4Value, SvcName},
     service::{SrcRange4, Svc4Key, Svc4Value},

@@ -1173,7 +1173,7 @@ fn conntrack_of(s: &ScratchDatapath) -> BpfHashMap<MapData, Ct4Key, Ct4Value> {
         }
         for id in ids {
             let Ok(info) = MapInfo::from_id(id) else { continue };
-            if info.name_as_str() == Some(lb_common::maps::CONNTRACK) {
+            if info.name_as_str() == Some(lb_common::catalog::CONNTRACK) {
                 let data = MapData::from_id(id).expect("open lb4_ct");
                 return BpfHashMap::try_from(Map::LruHashMap(data)).expect("lb4_ct as a hash map");
             }

@@ -24,32 +24,32 @@ use aya::maps::{HashMap, LpmTrie, Map, MapData, MapInfo, lpm_trie::Key};
 use lb_common::{
     affinity::{Affinity4Key, Affinity4Value, AffinityMatchKey},
     backend::Backend4Value,
+    catalog,
     config::DatapathConfig,
     conntrack::{Ct4Key, Ct4Value},
-    maps as names,
     revnat::{RevNat4Value, SockRevNat4Key, SockRevNat4Sk, SockRevNat4Value, SvcName},
     service::{SrcRange4, Svc4Key, Svc4Value},
 };
 
 use super::{DatapathError, PinPaths, hint_for};
-use crate::maps::Capacities;
+use lb_common::catalog::Capacities;
 
 /// Layout version of every map. Bump a map's version when its key or value layout changes (and add
 /// a conversion in `copy_entries` if its entries must survive the upgrade).
 pub const LAYOUTS: &[(&str, u32)] = &[
-    (names::SERVICES, 1),
-    (names::BACKENDS, 1),
-    (names::REVNAT, 1),
-    (names::SVC_NAMES, 1),
-    (names::SOCK_REVNAT, 1),
-    (names::SOCK_REVNAT_SK, 1),
-    (names::AFFINITY, 1),
-    (names::AFFINITY_MATCH, 1),
-    (names::SOURCE_RANGES, 1),
-    (names::CONNTRACK, 1),
-    (names::CONFIG, 1),
-    (names::STATS, 1),
-    (names::REJECT_LIMIT, 1),
+    (catalog::SERVICES, 1),
+    (catalog::BACKENDS, 1),
+    (catalog::REVNAT, 1),
+    (catalog::SVC_NAMES, 1),
+    (catalog::SOCK_REVNAT, 1),
+    (catalog::SOCK_REVNAT_SK, 1),
+    (catalog::AFFINITY, 1),
+    (catalog::AFFINITY_MATCH, 1),
+    (catalog::SOURCE_RANGES, 1),
+    (catalog::CONNTRACK, 1),
+    (catalog::CONFIG, 1),
+    (catalog::STATS, 1),
+    (catalog::REJECT_LIMIT, 1),
 ];
 
 /// The pin file name of a map at its current layout version.
@@ -80,28 +80,28 @@ fn expected(name: &str, caps: &Capacities) -> Expected {
         max_entries: max,
     };
     match name {
-        names::SERVICES => sizes(size_of::<Svc4Key>(), size_of::<Svc4Value>(), Some(caps.services)),
-        names::BACKENDS => sizes(4, size_of::<Backend4Value>(), Some(caps.backends)),
-        names::REVNAT => sizes(4, size_of::<RevNat4Value>(), Some(caps.revnat)),
-        names::SVC_NAMES => sizes(4, size_of::<SvcName>(), Some(caps.revnat)),
-        names::SOCK_REVNAT => sizes(
+        catalog::SERVICES => sizes(size_of::<Svc4Key>(), size_of::<Svc4Value>(), Some(caps.services)),
+        catalog::BACKENDS => sizes(4, size_of::<Backend4Value>(), Some(caps.backends)),
+        catalog::REVNAT => sizes(4, size_of::<RevNat4Value>(), Some(caps.revnat)),
+        catalog::SVC_NAMES => sizes(4, size_of::<SvcName>(), Some(caps.revnat)),
+        catalog::SOCK_REVNAT => sizes(
             size_of::<SockRevNat4Key>(),
             size_of::<SockRevNat4Value>(),
             Some(caps.sock_revnat),
         ),
         // Socket storage: keyed by a socket (an fd from user space), no capacity.
-        names::SOCK_REVNAT_SK => sizes(4, size_of::<SockRevNat4Sk>(), None),
-        names::AFFINITY => sizes(
+        catalog::SOCK_REVNAT_SK => sizes(4, size_of::<SockRevNat4Sk>(), None),
+        catalog::AFFINITY => sizes(
             size_of::<Affinity4Key>(),
             size_of::<Affinity4Value>(),
             Some(caps.affinity),
         ),
-        names::AFFINITY_MATCH => sizes(size_of::<AffinityMatchKey>(), 1, Some(caps.affinity_match)),
-        names::SOURCE_RANGES => sizes(4 + size_of::<SrcRange4>(), 1, Some(caps.source_ranges)),
-        names::CONNTRACK => sizes(size_of::<Ct4Key>(), size_of::<Ct4Value>(), Some(caps.conntrack)),
-        names::CONFIG => sizes(4, size_of::<DatapathConfig>(), Some(1)),
+        catalog::AFFINITY_MATCH => sizes(size_of::<AffinityMatchKey>(), 1, Some(caps.affinity_match)),
+        catalog::SOURCE_RANGES => sizes(4 + size_of::<SrcRange4>(), 1, Some(caps.source_ranges)),
+        catalog::CONNTRACK => sizes(size_of::<Ct4Key>(), size_of::<Ct4Value>(), Some(caps.conntrack)),
+        catalog::CONFIG => sizes(4, size_of::<DatapathConfig>(), Some(1)),
         // Per-CPU values: the kernel reports the per-CPU value size.
-        names::REJECT_LIMIT => sizes(4, size_of::<lb_common::ratelimit::RateBucket>(), Some(1)),
+        catalog::REJECT_LIMIT => sizes(4, size_of::<lb_common::ratelimit::RateBucket>(), Some(1)),
         // New counters grow the map; counters then restart from zero.
         _ => sizes(4, 8, Some(lb_common::stats::COUNT)),
     }
@@ -252,15 +252,15 @@ pub fn copy_entries(migration: &Migration, ebpf: &mut aya::Ebpf) {
     for (name, from) in &migration.resized {
         let Some(to) = ebpf.map_mut(name) else { continue };
         let result = match name.as_str() {
-            names::SERVICES => copy_hash::<Svc4Key, Svc4Value>(from, to, false),
-            names::BACKENDS => copy_hash::<u32, Backend4Value>(from, to, false),
-            names::REVNAT => copy_hash::<u32, RevNat4Value>(from, to, false),
-            names::SVC_NAMES => copy_hash::<u32, SvcName>(from, to, false),
-            names::AFFINITY_MATCH => copy_hash::<AffinityMatchKey, u8>(from, to, false),
-            names::SOCK_REVNAT => copy_hash::<SockRevNat4Key, SockRevNat4Value>(from, to, true),
-            names::AFFINITY => copy_hash::<Affinity4Key, Affinity4Value>(from, to, true),
-            names::CONNTRACK => copy_hash::<Ct4Key, Ct4Value>(from, to, true),
-            names::SOURCE_RANGES => copy_lpm::<SrcRange4, u8>(from, to),
+            catalog::SERVICES => copy_hash::<Svc4Key, Svc4Value>(from, to, false),
+            catalog::BACKENDS => copy_hash::<u32, Backend4Value>(from, to, false),
+            catalog::REVNAT => copy_hash::<u32, RevNat4Value>(from, to, false),
+            catalog::SVC_NAMES => copy_hash::<u32, SvcName>(from, to, false),
+            catalog::AFFINITY_MATCH => copy_hash::<AffinityMatchKey, u8>(from, to, false),
+            catalog::SOCK_REVNAT => copy_hash::<SockRevNat4Key, SockRevNat4Value>(from, to, true),
+            catalog::AFFINITY => copy_hash::<Affinity4Key, Affinity4Value>(from, to, true),
+            catalog::CONNTRACK => copy_hash::<Ct4Key, Ct4Value>(from, to, true),
+            catalog::SOURCE_RANGES => copy_lpm::<SrcRange4, u8>(from, to),
             _ => continue,
         };
         match result {
@@ -279,7 +279,7 @@ mod tests {
 
     #[test]
     fn version_pin_names() {
-        assert_eq!(pin_name(names::SERVICES), "lb4_services");
+        assert_eq!(pin_name(catalog::SERVICES), "lb4_services");
         assert!(is_version_of("lb4_services", "lb4_services"));
         assert!(is_version_of("lb4_services_v2", "lb4_services"));
         assert!(!is_version_of("lb4_services-old", "lb4_services"));
@@ -289,7 +289,7 @@ mod tests {
 
     #[test]
     fn every_map_has_a_layout_version_and_an_expected_size() {
-        for name in names::ALL {
+        for name in catalog::ALL {
             assert!(
                 LAYOUTS.iter().any(|(n, _)| n == name),
                 "{name} has no layout version"

@@ -8,6 +8,7 @@
 
 pub mod bpffs;
 pub mod cgroup;
+pub mod conntrack;
 pub mod features;
 pub mod migrate;
 pub mod tc;
@@ -25,27 +26,12 @@ use aya::{
     },
 };
 use lb_common::{
+    catalog::{self, Capacities},
     conntrack::{Ct4Key, Ct4Value},
-    maps as names,
 };
 
 pub use self::bpffs::PinPaths;
-use crate::{
-    error::Chain,
-    maps::{Capacities, KernelMaps},
-};
-
-/// "Now" in one of the clocks the programs stamp map entries with (CLOCK_BOOTTIME for affinity,
-/// coarse CLOCK_MONOTONIC for conntrack), in nanoseconds.
-pub fn clock_ns(clock: libc::clockid_t) -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into `ts`.
-    unsafe { libc::clock_gettime(clock, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+use crate::{apply::KernelMaps, error::Chain};
 
 /// The object built by `cargo xtask build-ebpf`, embedded at build time (empty when built
 /// without it).
@@ -173,7 +159,8 @@ impl Datapath {
             error,
         })?;
         let migration = migrate::prepare(paths, caps)?;
-        let pin_paths: Vec<(&'static str, PathBuf)> = names::ALL.iter().map(|n| (*n, paths.map(n))).collect();
+        let pin_paths: Vec<(&'static str, PathBuf)> =
+            catalog::ALL.iter().map(|n| (*n, paths.map(n))).collect();
         let mut loader = EbpfLoader::new();
         for (name, path) in &pin_paths {
             loader.map_pin_path(name, path.as_path());
@@ -206,23 +193,23 @@ impl Datapath {
     /// counters are private, so a traced packet leaves no state behind.
     pub fn load_for_trace(paths: &PinPaths, object: &[u8]) -> Result<Self, DatapathError> {
         let shared = [
-            names::SERVICES,
-            names::BACKENDS,
-            names::REVNAT,
-            names::SVC_NAMES,
-            names::AFFINITY_MATCH,
-            names::SOURCE_RANGES,
-            names::CONFIG,
+            catalog::SERVICES,
+            catalog::BACKENDS,
+            catalog::REVNAT,
+            catalog::SVC_NAMES,
+            catalog::AFFINITY_MATCH,
+            catalog::SOURCE_RANGES,
+            catalog::CONFIG,
         ];
         let capacity = |name: &str| -> Result<u32, DatapathError> {
             Ok(aya::maps::MapInfo::from_pin(paths.map(name))?.max_entries())
         };
         let caps = Capacities {
-            services: capacity(names::SERVICES)?,
-            backends: capacity(names::BACKENDS)?,
-            revnat: capacity(names::REVNAT)?,
-            affinity_match: capacity(names::AFFINITY_MATCH)?,
-            source_ranges: capacity(names::SOURCE_RANGES)?,
+            services: capacity(catalog::SERVICES)?,
+            backends: capacity(catalog::BACKENDS)?,
+            revnat: capacity(catalog::REVNAT)?,
+            affinity_match: capacity(catalog::AFFINITY_MATCH)?,
+            source_ranges: capacity(catalog::SOURCE_RANGES)?,
             sock_revnat: 4096,
             affinity: 4096,
             conntrack: 4096,
@@ -248,15 +235,15 @@ impl Datapath {
         object: &[u8],
     ) -> Result<Ebpf, DatapathError> {
         loader
-            .map_max_entries(names::SERVICES, caps.services)
-            .map_max_entries(names::BACKENDS, caps.backends)
-            .map_max_entries(names::REVNAT, caps.revnat)
-            .map_max_entries(names::SVC_NAMES, caps.revnat)
-            .map_max_entries(names::SOCK_REVNAT, caps.sock_revnat)
-            .map_max_entries(names::AFFINITY, caps.affinity)
-            .map_max_entries(names::AFFINITY_MATCH, caps.affinity_match)
-            .map_max_entries(names::SOURCE_RANGES, caps.source_ranges)
-            .map_max_entries(names::CONNTRACK, caps.conntrack);
+            .map_max_entries(catalog::SERVICES, caps.services)
+            .map_max_entries(catalog::BACKENDS, caps.backends)
+            .map_max_entries(catalog::REVNAT, caps.revnat)
+            .map_max_entries(catalog::SVC_NAMES, caps.revnat)
+            .map_max_entries(catalog::SOCK_REVNAT, caps.sock_revnat)
+            .map_max_entries(catalog::AFFINITY, caps.affinity)
+            .map_max_entries(catalog::AFFINITY_MATCH, caps.affinity_match)
+            .map_max_entries(catalog::SOURCE_RANGES, caps.source_ranges)
+            .map_max_entries(catalog::CONNTRACK, caps.conntrack);
         // The kernel's features decide which branches the programs keep (`lb_common::features`).
         let features = features::current().map_err(|e| DatapathError::Kernel(e.to_string()))?;
         loader.override_global(lb_common::features::GLOBAL, &features.program_bits, true);
@@ -314,9 +301,9 @@ impl Datapath {
     ) -> Result<aya::maps::HashMap<aya::maps::MapData, Ct4Key, Ct4Value>, DatapathError> {
         let map = self
             .ebpf
-            .take_map(names::CONNTRACK)
+            .take_map(catalog::CONNTRACK)
             .ok_or_else(|| aya::maps::MapError::InvalidName {
-                name: names::CONNTRACK.to_string(),
+                name: catalog::CONNTRACK.to_string(),
             })?;
         Ok(map.try_into()?)
     }
@@ -450,9 +437,9 @@ impl Datapath {
         let socket = std::net::UdpSocket::bind("127.0.0.1:0").map_err(io_error)?;
         let socket_cookie = features::socket_option_u64(&socket, SO_COOKIE).map_err(io_error)?;
         let mut probe: aya::maps::Array<_, NetnsProbe> =
-            aya::maps::Array::try_from(self.ebpf.map_mut(names::NETNS_PROBE).ok_or_else(|| {
+            aya::maps::Array::try_from(self.ebpf.map_mut(catalog::NETNS_PROBE).ok_or_else(|| {
                 aya::maps::MapError::InvalidName {
-                    name: names::NETNS_PROBE.to_string(),
+                    name: catalog::NETNS_PROBE.to_string(),
                 }
             })?)?;
         probe.set(
@@ -478,9 +465,9 @@ impl Datapath {
         connected.map_err(io_error)?;
         detached.map_err(|source| program_error(NETNS_PROBE_PROGRAM, source))?;
         let found =
-            aya::maps::Array::<_, NetnsProbe>::try_from(self.ebpf.map(names::NETNS_PROBE).ok_or_else(
+            aya::maps::Array::<_, NetnsProbe>::try_from(self.ebpf.map(catalog::NETNS_PROBE).ok_or_else(
                 || aya::maps::MapError::InvalidName {
-                    name: names::NETNS_PROBE.to_string(),
+                    name: catalog::NETNS_PROBE.to_string(),
                 },
             )?)?
             .get(&0, 0)?;

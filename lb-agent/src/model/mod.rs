@@ -1,5 +1,5 @@
 //! Step 2 of watch -> model -> plan -> maps -> programs: kube-proxy's semantics, as pure functions
-//! of the API objects. No kernel, no I/O; everything here is unit-tested against tables of
+//! of the objects the watch keeps. No kernel, no I/O; everything here is unit-tested against tables of
 //! kube-proxy's own cases.
 //!
 //! - `service`: a v1 Service -> the `ServicePortInfo` of each port (kube-proxy
@@ -19,7 +19,7 @@ pub(crate) mod proptests;
 pub mod service;
 pub mod topology;
 
-pub use endpoints::{Slice, SliceError, endpoints_by_port, endpoints_by_port_with_problems};
+pub use endpoints::{SliceError, endpoints_by_port, endpoints_by_port_with_problems};
 pub use service::{ServiceError, ServicePorts, service_ports};
 pub use topology::{CategorizedEndpoints, categorize_endpoints};
 
@@ -72,13 +72,15 @@ impl fmt::Display for ServicePortName {
     }
 }
 
-/// What the agent knows about its own Node.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NodeInfo {
-    /// `--hostname-override`, or the hostname: compared with `EndpointSlice.endpoints[].nodeName`.
+/// Something wrong with one object, reported (a log line once, a Warning Event) and skipped
+/// while the rest is programmed.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Problem {
+    /// "Service" or "EndpointSlice".
+    pub kind: &'static str,
+    pub namespace: String,
     pub name: String,
-    /// The `topology.kubernetes.io/zone` label, if any.
-    pub zone: Option<String>,
+    pub message: String,
 }
 
 /// One port of one Service, with everything the data path needs (IPv4 family only for now).

@@ -4,7 +4,7 @@
 //! slices of every address type, thousands of (duplicate) endpoints. Whatever the input, the model
 //! must not panic and what it returns must be well formed.
 //!
-//! The generators are shared with `plan::proptests` (planner, `sync::compute`, map writer).
+//! The generators are shared with `plan::proptests` (planner, `plan::from_scratch`, map writer).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -27,10 +27,12 @@ use k8s_openapi::{
 use proptest::{collection::vec, option, prelude::*, sample::select};
 
 use super::{
-    Endpoint, NodeInfo, ServicePortInfo, Slice, categorize_endpoints, endpoints_by_port_with_problems,
-    service_ports,
+    Endpoint, ServicePortInfo, categorize_endpoints, endpoints_by_port_with_problems, service_ports,
 };
-use crate::watch::ClusterState;
+use crate::{
+    node::NodeInfo,
+    watch::{ClusterState, LABEL_SERVICE_NAME, Slice},
+};
 
 fn strings(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| (*s).to_owned()).collect()
@@ -137,10 +139,10 @@ fn labels() -> impl Strategy<Value = Option<BTreeMap<String, String>>> {
     prop_oneof![
         24 => Just(None),
         1 => Just(Some(BTreeMap::from([(
-            super::service::LABEL_SERVICE_PROXY_NAME.to_owned(),
+            crate::watch::LABEL_SERVICE_PROXY_NAME.to_owned(),
             "other-proxy".to_owned(),
         )]))),
-        1 => Just(Some(BTreeMap::from([(super::service::LABEL_HEADLESS.to_owned(), String::new())]))),
+        1 => Just(Some(BTreeMap::from([(crate::watch::LABEL_HEADLESS.to_owned(), String::new())]))),
     ]
 }
 
@@ -242,7 +244,7 @@ pub(crate) fn service() -> impl Strategy<Value = Service> {
                 name,
                 labels,
                 annotations: topology
-                    .map(|t| BTreeMap::from([(super::service::ANNOTATION_TOPOLOGY_MODE.to_owned(), t)])),
+                    .map(|t| BTreeMap::from([(crate::watch::ANNOTATION_TOPOLOGY_MODE.to_owned(), t)])),
                 ..Default::default()
             },
             spec: Some(ServiceSpec {
@@ -407,14 +409,14 @@ pub(crate) fn endpoint_slice() -> impl Strategy<Value = EndpointSlice> {
         ],
         prop_oneof![
             10 => name_text().prop_map(|svc| Some(BTreeMap::from([(
-                super::endpoints::LABEL_SERVICE_NAME.to_owned(),
+                LABEL_SERVICE_NAME.to_owned(),
                 svc,
             )]))),
             1 => Just(None),
             1 => labels(),
             1 => name_text().prop_map(|svc| Some(BTreeMap::from([
-                (super::endpoints::LABEL_SERVICE_NAME.to_owned(), svc),
-                (super::service::LABEL_SERVICE_PROXY_NAME.to_owned(), "x".to_owned()),
+                (LABEL_SERVICE_NAME.to_owned(), svc),
+                (crate::watch::LABEL_SERVICE_PROXY_NAME.to_owned(), "x".to_owned()),
             ]))),
         ],
         prop_oneof![
@@ -473,7 +475,7 @@ fn node_object() -> impl Strategy<Value = Node> {
         .prop_map(|(zone, addresses)| Node {
             metadata: ObjectMeta {
                 name: Some("node-a".to_owned()),
-                labels: zone.map(|z| BTreeMap::from([(crate::sync::ZONE_LABEL.to_owned(), z)])),
+                labels: zone.map(|z| BTreeMap::from([(crate::node::ZONE_LABEL.to_owned(), z)])),
                 ..Default::default()
             },
             status: Some(NodeStatus {
@@ -519,7 +521,7 @@ pub(crate) fn cluster_state() -> impl Strategy<Value = ClusterState> {
                     .metadata
                     .labels
                     .get_or_insert_with(BTreeMap::new)
-                    .insert(super::endpoints::LABEL_SERVICE_NAME.to_owned(), name);
+                    .insert(LABEL_SERVICE_NAME.to_owned(), name);
                 let ports = svc.spec.as_ref().and_then(|s| s.ports.as_ref());
                 if copy_ports && let Some(ports) = ports {
                     slice.ports = Some(
@@ -655,7 +657,7 @@ proptest! {
         for s in &mut slices {
             s.metadata.namespace = Some(ns.clone());
             s.metadata.labels.get_or_insert_with(BTreeMap::new)
-                .insert(super::endpoints::LABEL_SERVICE_NAME.to_owned(), name.clone());
+                .insert(LABEL_SERVICE_NAME.to_owned(), name.clone());
         }
         let compact: Vec<Slice> = slices.iter().map(Slice::from).collect();
         let refs: Vec<&Slice> = compact.iter().collect();

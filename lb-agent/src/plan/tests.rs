@@ -1,7 +1,12 @@
 //! The plan against kube-proxy's documented behaviour, one case per rule.
 
+use lb_common::service::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
+
 use super::*;
-use crate::model::{CategorizedEndpoints, Endpoint, Protocol, ServicePortInfo, ServicePortName};
+use crate::{
+    model::{CategorizedEndpoints, Endpoint, Protocol, ServicePortInfo, ServicePortName},
+    node::NodeContext,
+};
 
 fn ip(s: &str) -> Ipv4Addr {
     s.parse().unwrap()

@@ -1,10 +1,13 @@
 //! Step 1 of watch -> model -> plan -> maps -> programs: the API objects the agent acts on, from
 //! the Kubernetes API (`kube`, reflectors with kube-proxy's label selectors) or from manifest
-//! files (`manifests`, for `trace --manifests` and static runs).
+//! files (`manifests`, for `trace --manifests` and static runs), kept in the form the model reads
+//! ([`ClusterState`]; EndpointSlices as [`Slice`]; Services and the Node pruned by `prune` to what
+//! the rules read). Also the Kubernetes label and annotation names the agent reads.
 
 pub mod kube;
 pub mod manifests;
 pub mod prune;
+mod slice;
 
 use std::{collections::BTreeMap, sync::Arc};
 
@@ -16,10 +19,23 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
-use crate::model::Slice;
+pub use slice::{Slice, SliceAddress, SliceEndpoint, SliceHints, SlicePort};
 
-/// kube-proxy's informer label selector (the labels are `model::service::LABEL_SERVICE_PROXY_NAME`
-/// and `LABEL_HEADLESS`), for Services and EndpointSlices alike.
+/// `discovery.LabelServiceName`: the label naming the Service an EndpointSlice belongs to.
+pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+
+/// Label naming the proxy that owns a Service; kube-proxy's informers only list objects *without*
+/// it (`apis.LabelServiceProxyName`, selector built in `cmd/kube-proxy/app/server.go`).
+pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// Label the control plane puts on headless Services' objects; kube-proxy's informers only list
+/// objects *without* it (`v1.IsHeadlessService`, same selector).
+pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
+/// `v1.AnnotationTopologyMode`.
+pub const ANNOTATION_TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
+/// `v1.DeprecatedAnnotationTopologyAwareHints`.
+pub const ANNOTATION_TOPOLOGY_AWARE_HINTS: &str = "service.kubernetes.io/topology-aware-hints";
+/// kube-proxy's informer label selector (without [`LABEL_SERVICE_PROXY_NAME`] and
+/// [`LABEL_HEADLESS`]), for Services and EndpointSlices alike.
 pub const LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 
 /// A consistent view of the objects the agent programs from.
@@ -82,6 +98,9 @@ impl ClusterState {
 
 /// A Service's (namespace, name).
 pub type ServiceKey = (String, String);
+
+/// The objects of one Service, as the watch holds them now (`None`: the Service is gone).
+pub type ServiceInputs = (Option<Arc<Service>>, Vec<Arc<Slice>>);
 
 /// The Service an EndpointSlice (stored under `namespace`) belongs to: its
 /// `kubernetes.io/service-name` label, unless kube-proxy ignores the slice (another proxy's, or a

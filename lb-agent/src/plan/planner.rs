@@ -1,7 +1,7 @@
-//! Steps 2 and 3 kept between syncs: the desired state, updated one Service at a time, so that a
-//! change to one Service costs work in proportion to that Service rather than to the cluster (the
-//! map writer then looks only at what changed, `Applier::apply_changes`). The result is exactly
-//! what [`super::compute`] gives from scratch; the property tests below hold it to that.
+//! The plan kept between syncs ([`Planner`]): the desired state, updated one Service at a time, so
+//! that a change to one Service costs work in proportion to that Service rather than to the
+//! cluster (the map writer then looks only at what changed, `Applier::apply_changes`). The result
+//! is exactly what [`super::from_scratch`] gives; the property tests hold it to that.
 //!
 //! What ties Services together is kept as indexes: who claims each frontend (the winner is the
 //! first by [`plan::Claim::priority`]), how many kept frontends use each backend, and what the
@@ -12,15 +12,11 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::api::core::v1::Service;
-
-use super::{Problem, ServiceUnit};
+use super::{BackendAddr, BackendVotes, DesiredState, Frontend, FrontendKind, FrontendPlan, ServicePlan};
 use crate::{
-    model::{NodeInfo, ServicePortName, Slice},
-    plan::{
-        self, BackendAddr, BackendVotes, DesiredState, Frontend, FrontendKind, FrontendPlan, NodeContext,
-    },
-    watch::{ClusterState, ServiceKey},
+    model::{Problem, ServicePortName},
+    node::{NodeContext, NodeInfo},
+    watch::{ClusterState, ServiceInputs, ServiceKey, Slice},
 };
 
 /// The frontends and backends whose desired entries changed in one update.
@@ -56,14 +52,13 @@ pub struct Outcome {
     pub recomputed: usize,
 }
 
-/// The objects of one Service, as the watch holds them now (`None`: the Service is gone).
-pub type ServiceInputs = (Option<Arc<Service>>, Vec<Arc<Slice>>);
-
+/// Steps 2 and 3 kept between syncs: every Service's [`ServicePlan`] and the desired state they
+/// add up to.
 #[derive(Debug, Default)]
-pub struct Synchronizer {
+pub struct Planner {
     /// The node facts every unit was computed with; other facts need a rebuild.
     inputs: Option<(NodeInfo, NodeContext)>,
-    units: BTreeMap<ServiceKey, ServiceUnit>,
+    units: BTreeMap<ServiceKey, ServicePlan>,
     /// Every claim on each frontend, in priority order; the first is served.
     claimants: HashMap<Frontend, Claims>,
     desired: DesiredState,
@@ -75,7 +70,7 @@ pub struct Synchronizer {
     totals: Totals,
 }
 
-/// The claims on one frontend, sorted by [`plan::Claim::priority`] (kind, then service port). A
+/// The claims on one frontend, sorted by [`super::Claim::priority`] (kind, then service port). A
 /// frontend almost always has exactly one, so a sorted `Vec` rather than a map: at 10,000
 /// Services a map per frontend costs about 10 MiB more.
 type Claims = Vec<(FrontendKind, Arc<FrontendPlan>)>;
@@ -91,7 +86,7 @@ struct Touched {
     backends: BTreeSet<BackendAddr>,
 }
 
-impl Synchronizer {
+impl Planner {
     pub fn new() -> Self {
         Self::default()
     }
@@ -144,7 +139,7 @@ impl Synchronizer {
         let mut touched = Touched::default();
         for (key, svc) in &state.services {
             let service_slices = slices.get(key).map(Vec::as_slice).unwrap_or_default();
-            let unit = ServiceUnit::compute(&key.0, &key.1, svc, service_slices, node, ctx);
+            let unit = ServicePlan::compute(&key.0, &key.1, svc, service_slices, node, ctx);
             self.contribute(&unit, &mut touched);
             self.units.insert(key.clone(), unit);
         }
@@ -182,7 +177,7 @@ impl Synchronizer {
             let (svc, slices) = inputs(key);
             let unit = svc.map(|svc| {
                 let slices: Vec<&Slice> = slices.iter().map(Arc::as_ref).collect();
-                ServiceUnit::compute(&key.0, &key.1, &svc, &slices, &node, &ctx)
+                ServicePlan::compute(&key.0, &key.1, &svc, &slices, &node, &ctx)
             });
             let old = self.units.remove(key);
             if old.as_ref() == unit.as_ref() {
@@ -222,7 +217,7 @@ impl Synchronizer {
         }
     }
 
-    fn contribute(&mut self, unit: &ServiceUnit, touched: &mut Touched) {
+    fn contribute(&mut self, unit: &ServicePlan, touched: &mut Touched) {
         self.count(unit, 1);
         for port in &unit.ports {
             for claim in &port.claims {
@@ -240,7 +235,7 @@ impl Synchronizer {
         }
     }
 
-    fn withdraw(&mut self, unit: &ServiceUnit, touched: &mut Touched) {
+    fn withdraw(&mut self, unit: &ServicePlan, touched: &mut Touched) {
         self.count(unit, -1);
         for port in &unit.ports {
             for claim in &port.claims {
@@ -266,7 +261,7 @@ impl Synchronizer {
         }
     }
 
-    fn count(&mut self, unit: &ServiceUnit, sign: isize) {
+    fn count(&mut self, unit: &ServicePlan, sign: isize) {
         let t = &mut self.totals;
         let add = |v: &mut usize, n: usize| *v = v.saturating_add_signed(sign * n as isize);
         add(&mut t.services, 1);
@@ -316,7 +311,12 @@ impl Synchronizer {
                     .skip(1)
                     .filter(|(_, plan)| plan.service != owner.service)
                     .map(|(kind, plan)| {
-                        Problem::from_plan(&plan::lost_claim(*kind, &frontend, &plan.service, &owner.service))
+                        Problem::from(&super::lost_claim(
+                            *kind,
+                            &frontend,
+                            &plan.service,
+                            &owner.service,
+                        ))
                     })
                     .collect(),
                 _ => Vec::new(),

@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use super::*;
-use crate::{plan::NodeContext, sync, watch::manifests::load_text};
+use crate::watch::manifests::load_text;
 
 fn state(yaml: &str) -> ClusterState {
     let mut s = ClusterState::default();
@@ -14,7 +14,10 @@ fn state(yaml: &str) -> ClusterState {
 }
 
 fn node() -> NodeInfo {
-    sync::node_info("node-a", None)
+    NodeInfo {
+        name: "node-a".into(),
+        zone: None,
+    }
 }
 
 fn inputs(s: &ClusterState) -> impl Fn(&ServiceKey) -> ServiceInputs + '_ {
@@ -65,14 +68,17 @@ ports:
 fn a_backend_moving_to_this_node_changes_its_flags_only() {
     let ctx = NodeContext::default();
     let before = state(&format!("{WEB}---{}", web_slice("node-b")));
-    let mut s = Synchronizer::new();
+    let mut s = Planner::new();
     s.rebuild(&before, &node(), &ctx);
     let after = state(&format!("{WEB}---{}", web_slice("node-a")));
     let outcome = s.update(&[key("web")], inputs(&after));
     // Cluster policy: the frontend's backends are the same; the backend is now local.
     assert!(outcome.changes.frontends.is_empty(), "{:?}", outcome.changes);
     assert_eq!(outcome.changes.backends.len(), 1);
-    assert_eq!(s.desired(), &sync::compute(&after, &node(), &ctx).desired);
+    assert_eq!(
+        s.desired(),
+        &super::super::from_scratch(&after, &node(), &ctx).desired
+    );
     let (_, flags) = s.desired().backends.iter().next().unwrap();
     assert_eq!(*flags, lb_common::backend::flags::LOCAL);
 }
@@ -81,7 +87,7 @@ fn a_backend_moving_to_this_node_changes_its_flags_only() {
 fn an_unchanged_service_costs_nothing() {
     let ctx = NodeContext::default();
     let st = state(&format!("{WEB}---{}", web_slice("node-a")));
-    let mut s = Synchronizer::new();
+    let mut s = Planner::new();
     s.rebuild(&st, &node(), &ctx);
     let outcome = s.update(&[key("web"), key("absent")], inputs(&st));
     assert!(outcome.changes.is_empty(), "{:?}", outcome.changes);
@@ -110,7 +116,7 @@ fn a_contested_frontend_changes_hands_and_conflicts_are_reported_once() {
         with_external_ip("a", "10.96.0.1"),
         with_external_ip("b", "10.96.0.2")
     ));
-    let mut s = Synchronizer::new();
+    let mut s = Planner::new();
     let first = s.rebuild(&both, &node(), &ctx);
     // "a" wins (first by name); "b"'s claim is reported, once.
     let lost: Vec<_> = first
@@ -137,13 +143,16 @@ fn a_contested_frontend_changes_hands_and_conflicts_are_reported_once() {
     assert!(outcome.changes.frontends.contains(&external.0));
     assert_eq!(s.desired().frontends[&external.0].service.name, "b");
     assert!(s.problems().is_empty(), "{:?}", s.problems());
-    assert_eq!(s.desired(), &sync::compute(&only_b, &node(), &ctx).desired);
+    assert_eq!(
+        s.desired(),
+        &super::super::from_scratch(&only_b, &node(), &ctx).desired
+    );
 }
 
 #[test]
 fn other_node_facts_need_a_rebuild() {
     let ctx = NodeContext::default();
-    let mut s = Synchronizer::new();
+    let mut s = Planner::new();
     assert!(!s.is_current(&node(), &ctx), "nothing computed yet");
     s.rebuild(&ClusterState::default(), &node(), &ctx);
     assert!(s.is_current(&node(), &ctx));
@@ -152,7 +161,11 @@ fn other_node_facts_need_a_rebuild() {
         ..NodeContext::default()
     };
     assert!(!s.is_current(&node(), &moved));
-    assert!(!s.is_current(&sync::node_info("node-b", None), &ctx));
+    let other = NodeInfo {
+        name: "node-b".into(),
+        zone: None,
+    };
+    assert!(!s.is_current(&other, &ctx));
 }
 
 /// Regression: a claim that loses on arrival, to a Service already served, was not reported:
@@ -162,7 +175,7 @@ fn other_node_facts_need_a_rebuild() {
 fn a_claim_that_loses_on_arrival_is_reported() {
     let ctx = NodeContext::default();
     let only_a = state(&with_external_ip("a", "10.96.0.1"));
-    let mut s = Synchronizer::new();
+    let mut s = Planner::new();
     let first = s.rebuild(&only_a, &node(), &ctx);
     assert!(first.new_problems.is_empty(), "{:?}", first.new_problems);
     let both = state(&format!(
@@ -178,7 +191,10 @@ fn a_claim_that_loses_on_arrival_is_reported() {
         .collect();
     assert_eq!(lost.len(), 1, "{:?}", outcome.new_problems);
     assert_eq!(lost[0].name, "b");
-    assert_eq!(s.desired(), &sync::compute(&both, &node(), &ctx).desired);
+    assert_eq!(
+        s.desired(),
+        &super::super::from_scratch(&both, &node(), &ctx).desired
+    );
     // Reported once: b's claim recomputed with another cluster IP is the same conflict.
     let both_moved = state(&format!(
         "{}---{}",

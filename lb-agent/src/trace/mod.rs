@@ -19,86 +19,17 @@ use lb_common::{
 };
 use serde::Serialize;
 
+mod scratch;
+
+pub use scratch::ScratchDatapath;
+
 use crate::{
+    apply::KernelMaps,
     cli::{OutputFormat, TraceArgs, TraceProtocol},
     datapath::{self, Datapath, PinPaths},
-    maps::{Applier, Capacities, KernelMaps, MapOps},
     model::Protocol,
-    run::NodeSettings,
-    sync,
-    watch::{ClusterState, manifests},
+    watch::manifests,
 };
-
-/// The netns cookie the scratch data path treats as "the host" (any fixed value works: the socket
-/// harness passes it in).
-const SCRATCH_HOST_COOKIE: u64 = 0x1000_0001;
-
-/// A data path with private, unpinned maps programmed from a set of objects: for `trace
-/// --manifests` and for tests that run the programs with BPF_PROG_TEST_RUN.
-pub struct ScratchDatapath {
-    pub datapath: Datapath,
-    pub applier: Applier<KernelMaps>,
-    pub settings: NodeSettings,
-    pub host_cookie: u64,
-    pub node_ips: Vec<Ipv4Addr>,
-}
-
-impl ScratchDatapath {
-    /// Loads the object with scratch maps and programs `state` as a node with `node_ips` would.
-    pub fn new(
-        state: &ClusterState,
-        settings: NodeSettings,
-        node_ips: &[Ipv4Addr],
-        object: &[u8],
-    ) -> Result<Self> {
-        let caps = Capacities {
-            services: 65_536,
-            backends: 16_384,
-            revnat: 16_384,
-            sock_revnat: 4096,
-            affinity: 4096,
-            affinity_match: 16_384,
-            source_ranges: 4096,
-            conntrack: 65_536,
-        };
-        let mut datapath = Datapath::load_unpinned(&caps, object).context("loading the eBPF object")?;
-        let maps = datapath.take_maps()?;
-        let applier = Applier::new(maps, caps);
-        let mut scratch = Self {
-            datapath,
-            applier,
-            settings,
-            host_cookie: SCRATCH_HOST_COOKIE,
-            node_ips: node_ips.to_vec(),
-        };
-        scratch.program(state)?;
-        Ok(scratch)
-    }
-
-    /// Brings the scratch maps to `state`; returns the problems found in it.
-    pub fn program(&mut self, state: &ClusterState) -> Result<Vec<sync::Problem>> {
-        let info = sync::node_info(&self.settings.node_name, state.node.as_deref());
-        let mut locals = self.node_ips.clone();
-        locals.push(Ipv4Addr::LOCALHOST);
-        let mut primary = sync::node_primary_ips(state.node.as_deref());
-        if primary.is_empty() {
-            primary = self.node_ips.iter().take(1).copied().collect();
-        }
-        let ctx = self.settings.node_context(&locals, &primary);
-        let computed = sync::compute(state, &info, &ctx);
-        let report = self.applier.apply(&computed.desired);
-        if !report.errors.is_empty() {
-            bail!(
-                "programming the scratch maps failed: {}",
-                report.errors.join("; ")
-            );
-        }
-        let snat = primary.first().copied().unwrap_or(Ipv4Addr::UNSPECIFIED);
-        let config = self.settings.datapath_config(self.host_cookie, false, snat);
-        self.applier.maps_mut().put_config(&config)?;
-        Ok(computed.problems)
-    }
-}
 
 /// The answer, as `-o json` prints it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -109,6 +40,9 @@ pub struct TraceResult {
     pub backends: Vec<String>,
     /// Whether the source is rewritten to a node IP.
     pub masquerade: bool,
+    /// The source address a masqueraded packet leaves with (`lb_config`'s), when `masquerade`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub masquerade_source: Option<Ipv4Addr>,
     /// "tc" or "socket".
     pub path: &'static str,
 }
@@ -167,7 +101,7 @@ fn backend_name(maps: &KernelMaps, id: u32) -> Option<String> {
 fn service_name(maps: &KernelMaps, rev_nat_id: u32) -> Option<String> {
     let name = maps.names.get(&rev_nat_id, 0).ok()?;
     let revnat = maps.revnat.get(&rev_nat_id, 0).ok()?;
-    Some(crate::maps::apply::service_port_name(&name, revnat.proto).to_string())
+    Some(crate::apply::applier::service_port_name(&name, revnat.proto).to_string())
 }
 
 /// Whether the request starts on the node (socket path).
@@ -255,6 +189,7 @@ fn trace_socket(
             verdict,
             backends,
             masquerade: false,
+            masquerade_source: None,
             path: "socket",
         },
         details,
@@ -293,6 +228,7 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
                 verdict: "pass",
                 backends: Vec::new(),
                 masquerade: false,
+                masquerade_source: None,
                 path: "tc",
             },
             details,
@@ -324,11 +260,17 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
             _ => None,
         },
     };
+    // The address the programs masquerade with: `lb_config`'s, exactly as they read it.
+    let masquerade_source = masquerade
+        .then(|| maps.config.get(&0, 0).ok())
+        .flatten()
+        .map(|c| Ipv4Addr::from(c.snat_addr));
     Ok((
         TraceResult {
             verdict: verdict_name(decision),
             backends,
             masquerade,
+            masquerade_source,
             path: "tc",
         },
         details,
@@ -359,14 +301,11 @@ fn print(result: &TraceResult, details: &TraceDetails, output: OutputFormat) -> 
                 }
             );
             println!("CHOSEN    {}", details.chosen.as_deref().unwrap_or("-"));
-            println!(
-                "MASQUERADE {}",
-                if result.masquerade {
-                    "yes (source becomes a node IP)"
-                } else {
-                    "no"
-                }
-            );
+            match result.masquerade_source {
+                Some(source) => println!("MASQUERADE yes (source becomes {source})"),
+                None if result.masquerade => println!("MASQUERADE yes (source becomes a node IP)"),
+                None => println!("MASQUERADE no"),
+            }
             if let Some(note) = &details.note {
                 println!("NOTE      {note}");
             }
@@ -389,24 +328,23 @@ pub fn run(args: &TraceArgs) -> Result<()> {
         protocol,
     };
     let object = datapath::object_bytes(None)?;
-    let settings = NodeSettings::from_args(&args.node, true, args.node_ips.first().copied())?;
+    // The node the trace stands for has the `--node-ip` addresses on its interfaces, the first
+    // being its primary IP when its Node object gives none (the agent's `--bind-address`).
+    let settings = args.node.settings(true, args.node_ips.first().copied())?;
     let (result, details) = match &args.manifests {
         Some(dir) => {
             let loaded = manifests::load_dir(dir, &settings.node_name)?;
             for problem in &loaded.problems {
                 eprintln!("warning: {problem}");
             }
-            let state = loaded.state;
-            let node_ips = args.node_ips.clone();
-            let mut scratch = ScratchDatapath::new(&state, settings, &node_ips, &object)?;
+            let mut scratch = ScratchDatapath::new(&loaded.state, settings, &args.node_ips, &object)?;
+            let cookie = scratch.host_cookie();
             let ScratchDatapath {
                 datapath,
-                applier,
-                host_cookie,
+                programmer,
                 node_ips,
-                ..
             } = &mut scratch;
-            trace(datapath, applier.maps(), *host_cookie, node_ips, &req)?
+            trace(datapath, programmer.maps(), cookie, node_ips, &req)?
         }
         None => trace_live(&args.root.bpf_root, &args.node_ips, &req, &object)?,
     };

@@ -1,6 +1,6 @@
-//! This node's addresses, and which of them serve NodePorts (`--nodeport-addresses`, with
-//! kube-proxy's semantics: CIDRs plus the keywords `primary`, `localhost` and `all`; unset means
-//! every local address, as in kube-proxy's iptables mode, localhost included).
+//! This node's interface addresses, and which of them serve NodePorts (`--nodeport-addresses`,
+//! with kube-proxy's semantics: CIDRs plus the keywords `primary`, `localhost` and `all`; unset
+//! means every local address, as in kube-proxy's iptables mode, localhost included).
 
 use std::{net::Ipv4Addr, str::FromStr};
 

@@ -7,8 +7,8 @@ use std::collections::BTreeSet;
 use lb_common::{
     affinity::AffinityMatchKey,
     backend::Backend4Value,
+    catalog,
     config::DatapathConfig,
-    maps as names,
     revnat::{RevNat4Value, SvcName},
     service::{SrcRange4, Svc4Key, Svc4Value},
 };
@@ -116,7 +116,7 @@ impl MapOps for FakeMaps {
             && !self.state.services.contains_key(key)
             && self.state.services.len() >= cap
         {
-            return Err(full(names::SERVICES));
+            return Err(full(catalog::SERVICES));
         }
         self.log.push(Op::PutService(*key, *value));
         self.state.services.insert(*key, *value);

@@ -6,7 +6,7 @@ use lb_common::service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, flags};
 
 use super::*;
 use crate::{
-    maps::fake::{FakeMaps, Op},
+    apply::fake::{FakeMaps, Op},
     model::{Protocol, ServicePortName},
     plan::{FrontendKind, ScopePlan},
 };

@@ -24,7 +24,7 @@ use std::{
 use lb_common::{
     affinity::AffinityMatchKey,
     backend::Backend4Value,
-    maps::capacity,
+    catalog::Capacities,
     revnat::{NAME_LEN, PORT_NAME_LEN, RevNat4Value, SvcName},
     service::{SrcRange4, Svc4Key, Svc4Value},
 };
@@ -35,37 +35,8 @@ use super::{
 };
 use crate::{
     model::{Protocol, ServicePortName},
-    plan::{BackendAddr, DesiredState, Frontend, FrontendPlan},
-    sync::Changes,
+    plan::{BackendAddr, Changes, DesiredState, Frontend, FrontendPlan},
 };
-
-/// Map capacities (`max_entries`), which bound what the writer may add.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Capacities {
-    pub services: u32,
-    pub backends: u32,
-    pub revnat: u32,
-    pub sock_revnat: u32,
-    pub affinity: u32,
-    pub affinity_match: u32,
-    pub source_ranges: u32,
-    pub conntrack: u32,
-}
-
-impl Default for Capacities {
-    fn default() -> Self {
-        Self {
-            services: capacity::SERVICES,
-            backends: capacity::BACKENDS,
-            revnat: capacity::REVNAT,
-            sock_revnat: capacity::SOCK_REVNAT,
-            affinity: capacity::AFFINITY,
-            affinity_match: capacity::AFFINITY_MATCH,
-            source_ranges: capacity::SOURCE_RANGES,
-            conntrack: capacity::CONNTRACK,
-        }
-    }
-}
 
 /// Everything the maps hold for one frontend (its `lb_svc_names` entry is `svc_name(&service)`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -439,7 +410,7 @@ impl<M: MapOps> Applier<M> {
                         None => {
                             missing_backend = Some(format!(
                                 "no free reverse-NAT id (map {} full)",
-                                lb_common::maps::REVNAT
+                                lb_common::catalog::REVNAT
                             ));
                             break;
                         }
@@ -456,7 +427,7 @@ impl<M: MapOps> Applier<M> {
                     Err(EntriesError::NoBackendId(addr)) => {
                         missing_backend = Some(format!(
                             "no free backend id for {addr} (map {} full)",
-                            lb_common::maps::BACKENDS
+                            lb_common::catalog::BACKENDS
                         ));
                         break;
                     }
@@ -680,9 +651,9 @@ impl<M: MapOps> Applier<M> {
             }
         }
         let names = [
-            lb_common::maps::SERVICES,
-            lb_common::maps::AFFINITY_MATCH,
-            lb_common::maps::SOURCE_RANGES,
+            lb_common::catalog::SERVICES,
+            lb_common::catalog::AFFINITY_MATCH,
+            lb_common::catalog::SOURCE_RANGES,
         ];
         if let Some(m) = (0..3).find(|&m| peak[m] > caps[m]) {
             return Err(format!(

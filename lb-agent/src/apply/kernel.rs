@@ -11,8 +11,8 @@ use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Ke
 use lb_common::{
     affinity::AffinityMatchKey,
     backend::Backend4Value,
+    catalog,
     config::DatapathConfig,
-    maps as names,
     revnat::{RevNat4Value, SvcName},
     service::{SrcRange4, Svc4Key, Svc4Value},
 };
@@ -172,8 +172,8 @@ impl KernelMaps {
                     name: name.to_string(),
                 })
         };
-        let services = take(names::SERVICES)?;
-        let backends = take(names::BACKENDS)?;
+        let services = take(catalog::SERVICES)?;
+        let backends = take(catalog::BACKENDS)?;
         let batch_fds = BatchFds {
             services: dup_fd(&services)?,
             backends: dup_fd(&backends)?,
@@ -182,12 +182,12 @@ impl KernelMaps {
         Ok(Self {
             services: services.try_into()?,
             backends: backends.try_into()?,
-            revnat: take(names::REVNAT)?.try_into()?,
-            names: take(names::SVC_NAMES)?.try_into()?,
-            affinity_match: take(names::AFFINITY_MATCH)?.try_into()?,
-            source_ranges: take(names::SOURCE_RANGES)?.try_into()?,
-            config: take(names::CONFIG)?.try_into()?,
-            stats: take(names::STATS)?.try_into()?,
+            revnat: take(catalog::REVNAT)?.try_into()?,
+            names: take(catalog::SVC_NAMES)?.try_into()?,
+            affinity_match: take(catalog::AFFINITY_MATCH)?.try_into()?,
+            source_ranges: take(catalog::SOURCE_RANGES)?.try_into()?,
+            config: take(catalog::CONFIG)?.try_into()?,
+            stats: take(catalog::STATS)?.try_into()?,
             batch_fds,
         })
     }
@@ -195,8 +195,8 @@ impl KernelMaps {
     /// Opens the pinned maps under `<bpf-root>/maps`.
     pub fn from_pins(maps_dir: &Path) -> Result<Self, aya::maps::MapError> {
         let open = |name: &str| MapData::from_pin(maps_dir.join(name));
-        let services = Map::HashMap(open(names::SERVICES)?);
-        let backends = Map::HashMap(open(names::BACKENDS)?);
+        let services = Map::HashMap(open(catalog::SERVICES)?);
+        let backends = Map::HashMap(open(catalog::BACKENDS)?);
         let batch_fds = BatchFds {
             services: dup_fd(&services)?,
             backends: dup_fd(&backends)?,
@@ -205,12 +205,12 @@ impl KernelMaps {
         Ok(Self {
             services: services.try_into()?,
             backends: backends.try_into()?,
-            revnat: Map::HashMap(open(names::REVNAT)?).try_into()?,
-            names: Map::HashMap(open(names::SVC_NAMES)?).try_into()?,
-            affinity_match: Map::HashMap(open(names::AFFINITY_MATCH)?).try_into()?,
-            source_ranges: Map::LpmTrie(open(names::SOURCE_RANGES)?).try_into()?,
-            config: Map::Array(open(names::CONFIG)?).try_into()?,
-            stats: Map::PerCpuArray(open(names::STATS)?).try_into()?,
+            revnat: Map::HashMap(open(catalog::REVNAT)?).try_into()?,
+            names: Map::HashMap(open(catalog::SVC_NAMES)?).try_into()?,
+            affinity_match: Map::HashMap(open(catalog::AFFINITY_MATCH)?).try_into()?,
+            source_ranges: Map::LpmTrie(open(catalog::SOURCE_RANGES)?).try_into()?,
+            config: Map::Array(open(catalog::CONFIG)?).try_into()?,
+            stats: Map::PerCpuArray(open(catalog::STATS)?).try_into()?,
             batch_fds,
         })
     }
@@ -238,90 +238,90 @@ impl MapOps for KernelMaps {
     fn put_service(&mut self, key: &Svc4Key, value: &Svc4Value) -> Result<(), MapError> {
         self.services
             .insert(key, value, 0)
-            .map_err(|e| MapError::new(names::SERVICES, "update", io_err(e)))
+            .map_err(|e| MapError::new(catalog::SERVICES, "update", io_err(e)))
     }
 
     fn delete_service(&mut self, key: &Svc4Key) -> Result<(), MapError> {
-        absent_ok(self.services.remove(key)).map_err(|e| MapError::new(names::SERVICES, "delete", e))
+        absent_ok(self.services.remove(key)).map_err(|e| MapError::new(catalog::SERVICES, "delete", e))
     }
 
     fn put_backend(&mut self, id: u32, value: &Backend4Value) -> Result<(), MapError> {
         self.backends
             .insert(&id, value, 0)
-            .map_err(|e| MapError::new(names::BACKENDS, "update", io_err(e)))
+            .map_err(|e| MapError::new(catalog::BACKENDS, "update", io_err(e)))
     }
 
     fn delete_backend(&mut self, id: u32) -> Result<(), MapError> {
-        absent_ok(self.backends.remove(&id)).map_err(|e| MapError::new(names::BACKENDS, "delete", e))
+        absent_ok(self.backends.remove(&id)).map_err(|e| MapError::new(catalog::BACKENDS, "delete", e))
     }
 
     fn put_revnat(&mut self, id: u32, value: &RevNat4Value, name: &SvcName) -> Result<(), MapError> {
         self.names
             .insert(&id, name, 0)
-            .map_err(|e| MapError::new(names::SVC_NAMES, "update", io_err(e)))?;
+            .map_err(|e| MapError::new(catalog::SVC_NAMES, "update", io_err(e)))?;
         self.revnat
             .insert(&id, value, 0)
-            .map_err(|e| MapError::new(names::REVNAT, "update", io_err(e)))
+            .map_err(|e| MapError::new(catalog::REVNAT, "update", io_err(e)))
     }
 
     fn delete_revnat(&mut self, id: u32) -> Result<(), MapError> {
-        absent_ok(self.revnat.remove(&id)).map_err(|e| MapError::new(names::REVNAT, "delete", e))?;
-        absent_ok(self.names.remove(&id)).map_err(|e| MapError::new(names::SVC_NAMES, "delete", e))
+        absent_ok(self.revnat.remove(&id)).map_err(|e| MapError::new(catalog::REVNAT, "delete", e))?;
+        absent_ok(self.names.remove(&id)).map_err(|e| MapError::new(catalog::SVC_NAMES, "delete", e))
     }
 
     fn put_affinity_match(&mut self, key: &AffinityMatchKey) -> Result<(), MapError> {
         self.affinity_match
             .insert(key, &1u8, 0)
-            .map_err(|e| MapError::new(names::AFFINITY_MATCH, "update", io_err(e)))
+            .map_err(|e| MapError::new(catalog::AFFINITY_MATCH, "update", io_err(e)))
     }
 
     fn delete_affinity_match(&mut self, key: &AffinityMatchKey) -> Result<(), MapError> {
         absent_ok(self.affinity_match.remove(key))
-            .map_err(|e| MapError::new(names::AFFINITY_MATCH, "delete", e))
+            .map_err(|e| MapError::new(catalog::AFFINITY_MATCH, "delete", e))
     }
 
     fn put_source_range(&mut self, prefix_len: u32, range: &SrcRange4) -> Result<(), MapError> {
         self.source_ranges
             .insert(&Key::new(prefix_len, *range), &1u8, 0)
-            .map_err(|e| MapError::new(names::SOURCE_RANGES, "update", io_err(e)))
+            .map_err(|e| MapError::new(catalog::SOURCE_RANGES, "update", io_err(e)))
     }
 
     fn delete_source_range(&mut self, prefix_len: u32, range: &SrcRange4) -> Result<(), MapError> {
         absent_ok(self.source_ranges.remove(&Key::new(prefix_len, *range)))
-            .map_err(|e| MapError::new(names::SOURCE_RANGES, "delete", e))
+            .map_err(|e| MapError::new(catalog::SOURCE_RANGES, "delete", e))
     }
 
     fn put_config(&mut self, config: &DatapathConfig) -> Result<(), MapError> {
         self.config
             .set(0, config, 0)
-            .map_err(|e| MapError::new(names::CONFIG, "update", io_err(e)))
+            .map_err(|e| MapError::new(catalog::CONFIG, "update", io_err(e)))
     }
 
     fn snapshot(&self) -> Result<Snapshot, MapError> {
         let read = |map: &'static str| move |e| MapError::new(map, "dump", io_err(e));
         let mut snap = Snapshot::default();
         for entry in self.services.iter() {
-            let (k, v) = entry.map_err(read(names::SERVICES))?;
+            let (k, v) = entry.map_err(read(catalog::SERVICES))?;
             snap.services.insert(k, v);
         }
         for entry in self.backends.iter() {
-            let (k, v) = entry.map_err(read(names::BACKENDS))?;
+            let (k, v) = entry.map_err(read(catalog::BACKENDS))?;
             snap.backends.insert(k, v);
         }
         for entry in self.revnat.iter() {
-            let (k, v) = entry.map_err(read(names::REVNAT))?;
+            let (k, v) = entry.map_err(read(catalog::REVNAT))?;
             snap.revnat.insert(k, v);
         }
         for entry in self.names.iter() {
-            let (k, v) = entry.map_err(read(names::SVC_NAMES))?;
+            let (k, v) = entry.map_err(read(catalog::SVC_NAMES))?;
             snap.names.insert(k, v);
         }
         for key in self.affinity_match.keys() {
             snap.affinity_match
-                .push(key.map_err(read(names::AFFINITY_MATCH))?);
+                .push(key.map_err(read(catalog::AFFINITY_MATCH))?);
         }
         for key in self.source_ranges.keys() {
-            let key = key.map_err(read(names::SOURCE_RANGES))?;
+            let key = key.map_err(read(catalog::SOURCE_RANGES))?;
             snap.source_ranges.push((key.prefix_len(), key.data()));
         }
         Ok(snap)

@@ -1,85 +1,22 @@
-//! One sync: watch state -> model -> plan (steps 1 to 3, all pure). The caller applies the result
-//! to the maps (step 4). Used by the agent's loop and by `trace`, so both see the same decisions.
+//! One Service planned on its own ([`ServicePlan`]: its model, then each port's plan), which the
+//! [`super::Planner`] puts together with the others; and [`from_scratch`], the same over a whole
+//! cluster at once, which the property tests hold the planner to.
 
-use std::net::Ipv4Addr;
+use k8s_openapi::api::core::v1::Service;
 
-use k8s_openapi::api::core::v1::{Node, Service};
-
+use super::{PlanProblem, PortPlan};
 use crate::{
-    model::{self, NodeInfo, categorize_endpoints, service_ports},
-    plan::{self, DesiredState, NodeContext, PortPlan},
-    watch::ClusterState,
+    model::{self, Problem, categorize_endpoints, service_ports},
+    node::{NodeContext, NodeInfo},
+    watch::Slice,
 };
-
-/// The node label kube-proxy reads its zone from.
-pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
-
-/// Something wrong with one object, reported and skipped while the rest is programmed.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Problem {
-    /// "Service" or "EndpointSlice".
-    pub kind: &'static str,
-    pub namespace: String,
-    pub name: String,
-    pub message: String,
-}
-
-/// The result of steps 1 to 3.
-#[derive(Clone, Debug, Default)]
-pub struct Computed {
-    pub desired: DesiredState,
-    pub problems: Vec<Problem>,
-    /// Service ports programmed.
-    pub service_ports: usize,
-    /// Endpoints seen (before policy and topology).
-    pub endpoints: usize,
-    /// Service ports with an externalTrafficPolicy=Local health-check NodePort: (port, name,
-    /// local endpoints), for the health-check servers.
-    pub health_checks: Vec<(u16, model::ServicePortName, usize)>,
-    /// Service ports whose Local traffic policy has no local endpoint, as kube-proxy's
-    /// `sync_proxy_rules_no_local_endpoints_total{traffic_policy}`.
-    pub no_local_internal: usize,
-    pub no_local_external: usize,
-}
-
-/// This node's name and zone, from its Node object when there is one.
-pub fn node_info(name: &str, node: Option<&Node>) -> NodeInfo {
-    let zone = node
-        .and_then(|n| n.metadata.labels.as_ref())
-        .and_then(|l| l.get(ZONE_LABEL))
-        .cloned();
-    NodeInfo {
-        name: name.to_string(),
-        zone,
-    }
-}
-
-/// The node's primary IPv4 addresses from its Node object (kube-proxy `GetNodeHostIPs`: the first
-/// InternalIP, else the first ExternalIP).
-pub fn node_primary_ips(node: Option<&Node>) -> Vec<Ipv4Addr> {
-    let Some(addresses) = node
-        .and_then(|n| n.status.as_ref())
-        .and_then(|s| s.addresses.as_ref())
-    else {
-        return Vec::new();
-    };
-    for kind in ["InternalIP", "ExternalIP"] {
-        let ips: Vec<Ipv4Addr> = addresses
-            .iter()
-            .filter(|a| a.type_ == kind)
-            .filter_map(|a| a.address.parse().ok())
-            .collect();
-        if let Some(first) = ips.first() {
-            return vec![*first];
-        }
-    }
-    Vec::new()
-}
+#[cfg(test)]
+use {super::DesiredState, crate::watch::ClusterState};
 
 /// What one Service contributes, computed from its object and its EndpointSlices alone (steps 2
-/// and 3 short of putting Services together, which `plan::merge` and [`Synchronizer`] do).
+/// and 3 short of putting Services together, which [`super::merge`] and [`super::Planner`] do).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ServiceUnit {
+pub struct ServicePlan {
     /// Problems with the Service and its slices, and frontends too large to program.
     pub problems: Vec<Problem>,
     pub ports: Vec<PortPlan>,
@@ -90,17 +27,17 @@ pub struct ServiceUnit {
     pub no_local_external: usize,
 }
 
-impl ServiceUnit {
+impl ServicePlan {
     /// Runs the model and plans each port of one Service.
     pub fn compute(
         namespace: &str,
         name: &str,
         svc: &Service,
-        slices: &[&model::Slice],
+        slices: &[&Slice],
         node: &NodeInfo,
         ctx: &NodeContext,
-    ) -> ServiceUnit {
-        let mut unit = ServiceUnit::default();
+    ) -> ServicePlan {
+        let mut unit = ServicePlan::default();
         let report = |kind: &'static str, message: String| Problem {
             kind,
             namespace: namespace.to_owned(),
@@ -138,7 +75,7 @@ impl ServiceUnit {
                 let local_ready = endpoints.iter().filter(|e| e.is_local && e.ready).count();
                 unit.health_checks.push((hc_port, port.name.clone(), local_ready));
             }
-            let planned = plan::plan_port(&port, &categorized, ctx);
+            let planned = super::plan_port(&port, &categorized, ctx);
             if let Some(p) = &planned.problem {
                 unit.problems.push(report("Service", p.message.clone()));
             }
@@ -151,8 +88,29 @@ impl ServiceUnit {
     }
 }
 
-/// Runs the model and the plan over `state`, from scratch.
-pub fn compute(state: &ClusterState, node: &NodeInfo, ctx: &NodeContext) -> Computed {
+/// The result of [`from_scratch`].
+#[cfg(test)]
+#[derive(Clone, Debug, Default)]
+pub struct Computed {
+    pub desired: DesiredState,
+    pub problems: Vec<Problem>,
+    /// Service ports programmed.
+    pub service_ports: usize,
+    /// Endpoints seen (before policy and topology).
+    pub endpoints: usize,
+    /// Service ports with an externalTrafficPolicy=Local health-check NodePort: (port, name,
+    /// local endpoints), for the health-check servers.
+    pub health_checks: Vec<(u16, model::ServicePortName, usize)>,
+    /// Service ports whose Local traffic policy has no local endpoint, as kube-proxy's
+    /// `sync_proxy_rules_no_local_endpoints_total{traffic_policy}`.
+    pub no_local_internal: usize,
+    pub no_local_external: usize,
+}
+
+/// Runs the model and the plan over `state`, from scratch: the reference the [`super::Planner`]'s
+/// result is held to by the property tests.
+#[cfg(test)]
+pub fn from_scratch(state: &ClusterState, node: &NodeInfo, ctx: &NodeContext) -> Computed {
     let slices = state.slices_by_service();
     let mut computed = Computed::default();
     let mut ports = Vec::new();
@@ -161,7 +119,7 @@ pub fn compute(state: &ClusterState, node: &NodeInfo, ctx: &NodeContext) -> Comp
             .get(&(namespace.clone(), name.clone()))
             .map(Vec::as_slice)
             .unwrap_or_default();
-        let unit = ServiceUnit::compute(namespace, name, svc, service_slices, node, ctx);
+        let unit = ServicePlan::compute(namespace, name, svc, service_slices, node, ctx);
         computed.problems.extend(unit.problems);
         computed.service_ports += unit.ports.len();
         computed.endpoints += unit.endpoints;
@@ -170,14 +128,14 @@ pub fn compute(state: &ClusterState, node: &NodeInfo, ctx: &NodeContext) -> Comp
         computed.no_local_external += unit.no_local_external;
         ports.extend(unit.ports);
     }
-    let (desired, conflicts) = plan::merge(&ports);
-    computed.problems.extend(conflicts.iter().map(Problem::from_plan));
+    let (desired, conflicts) = super::merge(&ports);
+    computed.problems.extend(conflicts.iter().map(Problem::from));
     computed.desired = desired;
     computed
 }
 
-impl Problem {
-    pub fn from_plan(p: &plan::PlanProblem) -> Problem {
+impl From<&PlanProblem> for Problem {
+    fn from(p: &PlanProblem) -> Problem {
         Problem {
             kind: "Service",
             namespace: p.service.namespace.clone(),
@@ -186,6 +144,3 @@ impl Problem {
         }
     }
 }
-
-mod incremental;
-pub use incremental::{Changes, Outcome, ServiceInputs, Synchronizer, Totals};

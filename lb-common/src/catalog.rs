@@ -1,5 +1,5 @@
-//! Map names (the kernel name and the pin file name are the same, at most 15 bytes) and default
-//! capacities. `lb-ebpf/src/maps.rs` declares each map with the same literal name; a test in
+//! The map catalog: every map's name (the kernel name and the pin file name are the same, at most
+//! 15 bytes), its default capacity, and [`Capacities`], the sizes the agent creates the maps with. `lb-ebpf/src/maps.rs` declares each map with the same literal name; a test in
 //! `tests/` checks that every constant here names a map in the object.
 //!
 //! Service and backend state lives in plain hash maps: an LRU map evicts before it is full, which
@@ -71,6 +71,40 @@ pub mod capacity {
     pub const SOURCE_RANGES: u32 = 16_384;
     /// Four entries per masqueraded flow, two per other flow.
     pub const CONNTRACK: u32 = 262_144;
+}
+
+/// Map capacities (`max_entries`): what the agent creates the maps with (flags such as
+/// `--bpf-lb-map-max`), and what bounds the entries its writer may add.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacities {
+    pub services: u32,
+    pub backends: u32,
+    pub revnat: u32,
+    pub sock_revnat: u32,
+    pub affinity: u32,
+    pub affinity_match: u32,
+    pub source_ranges: u32,
+    pub conntrack: u32,
+}
+
+impl Capacities {
+    /// The compiled-in defaults ([`capacity`]).
+    pub const DEFAULT: Capacities = Capacities {
+        services: capacity::SERVICES,
+        backends: capacity::BACKENDS,
+        revnat: capacity::REVNAT,
+        sock_revnat: capacity::SOCK_REVNAT,
+        affinity: capacity::AFFINITY,
+        affinity_match: capacity::AFFINITY_MATCH,
+        source_ranges: capacity::SOURCE_RANGES,
+        conntrack: capacity::CONNTRACK,
+    };
+}
+
+impl Default for Capacities {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
 }
 
 /// Compile-time proof that every name fits the kernel's 15-byte object name.

@@ -1,0 +1,382 @@
+//! The agent process: load and attach the data path, adopt what a previous run left in the maps,
+//! then keep the maps equal to the cluster's state until told to stop. On exit the programs stay
+//! attached and the maps stay pinned, so traffic keeps flowing while the agent restarts or
+//! upgrades.
+//!
+//! - this file: start-up ([`run`]), in the order that keeps a node serving: configuration, kernel
+//!   features, the data path loaded and its pinned state adopted, servers, the watch's initial
+//!   lists, a first sync, and only then the programs attached;
+//! - `sync`: one sync, as a sequence of named steps;
+//! - `program`: the steps of the line the agent shares with `lb-agent trace` ([`Programmer`]).
+//!
+//! Syncs are driven by kube-proxy's bounded-frequency runner (minSyncPeriod/syncPeriod): every
+//! watched change requests one, requests are coalesced, and one runs at least every syncPeriod.
+
+mod program;
+mod sync;
+
+use std::{
+    cell::RefCell,
+    collections::{BTreeSet, HashSet},
+    net::{IpAddr, Ipv4Addr},
+    rc::Rc,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use anyhow::{Context, Result};
+pub use program::Programmer;
+use tokio_util::sync::CancellationToken;
+
+use self::sync::Agent;
+use crate::{
+    apply::Applier,
+    bounded_frequency::BoundedFrequencyRunner,
+    cli::{RunArgs, parse_bind_address},
+    config,
+    datapath::{self, Datapath, PinPaths, cgroup, tc},
+    events::EventPublisher,
+    health::{self, ProxyHealth, ServiceHealthServers},
+    metrics::{self, Metrics},
+    watch::{kube::KubeSource, manifests},
+};
+
+/// The cookie of the node's network namespace (the agent's own), which the socket programs
+/// compare against: from `SO_NETNS_COOKIE`, or on kernels without it from `lb_probe_netns`.
+fn host_netns_cookie(
+    kernel: &datapath::features::KernelFeatures,
+    dp: &mut Datapath,
+    cgroup_root: &std::path::Path,
+) -> Result<u64> {
+    if kernel.netns_cookie_sockopt {
+        return datapath::features::own_netns_cookie().context("reading this network namespace's cookie");
+    }
+    match dp.probe_netns_cookie(cgroup_root) {
+        Ok(Some(cookie)) => Ok(cookie),
+        Ok(None) => {
+            tracing::error!(
+                cgroup = %cgroup_root.display(),
+                "cannot identify the node's network namespace: this agent does not run inside \
+                 --cgroup-root, and kernel {} has no SO_NETNS_COOKIE (5.14); rules for traffic \
+                 from the node itself (localhost NodePorts, --bpf-lb-sock-hostns-only, \
+                 loadBalancerSourceRanges containing a node IP) apply to no socket",
+                kernel.release
+            );
+            Ok(0)
+        }
+        Err(e) => Err(e).context("probing this network namespace's cookie"),
+    }
+}
+
+/// Where the agent gets the cluster's state.
+pub(crate) enum Source {
+    Manifests(manifests::Manifests),
+    Kube(KubeSource),
+}
+
+/// Builds a client from `--kubeconfig` (or the in-cluster/default configuration) and `--master`.
+async fn kube_client(args: &RunArgs) -> Result<kube::Client> {
+    let mut config = match &args.kubeconfig {
+        Some(path) => {
+            let kubeconfig = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
+                .await?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("no --kubeconfig, and neither in-cluster nor ~/.kube/config configuration works")?,
+    };
+    if let Some(master) = &args.master {
+        config.cluster_url = master
+            .parse()
+            .with_context(|| format!("--master {master:?} is not a URL"))?;
+    }
+    Ok(kube::Client::try_from(config)?)
+}
+
+/// Binds a server or fails with a clear message.
+/// Serves `what` on `addr` in the background; a bind failure (say, kube-proxy still holds the
+/// port) is logged and retried every 5 s, as kube-proxy does without --bind-address-hard-fail.
+fn spawn_server<F>(
+    what: &str,
+    addr: &str,
+    shutdown: &CancellationToken,
+    serve: impl Fn(std::net::SocketAddr, CancellationToken) -> F + Send + 'static,
+) -> Result<()>
+where
+    F: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    let Some(addr) = parse_bind_address(addr)
+        .map_err(anyhow::Error::msg)
+        .with_context(|| format!("{what} bind address"))?
+    else {
+        return Ok(());
+    };
+    let what = what.to_string();
+    let shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        loop {
+            match serve(addr, shutdown.clone()).await {
+                Ok(()) => return,
+                Err(e) => tracing::error!("{what} server on {addr}: {e:#}; retrying in 5s"),
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(std::time::Duration::from_secs(5)) => {}
+            }
+        }
+    });
+    Ok(())
+}
+
+pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
+    if let Some(path) = args.config.clone() {
+        let loaded = config::load_file(&path)?;
+        for w in &loaded.warnings {
+            match w.kind {
+                config::WarningKind::Unknown => tracing::warn!(field = %w.path, "{}", w.message),
+                config::WarningKind::NotUsed if !w.value_is_empty => {
+                    tracing::warn!(field = %w.path, "{}", w.message)
+                }
+                _ => tracing::info!(field = %w.path, "{}", w.message),
+            }
+        }
+        for note in config::merge(&loaded.config, &mut args, &explicit)? {
+            tracing::info!("{note}");
+        }
+    }
+    let settings = args
+        .node
+        .settings(args.iptables_localhost_nodeports, args.bind_address)?;
+    // The kernel before anything is loaded or pinned: refuse one the data path cannot run on,
+    // and say what changes on one that lacks a feature with a fallback.
+    let kernel = datapath::features::current()?;
+    kernel.check()?;
+    for (feature, fallback) in kernel.fallbacks() {
+        tracing::warn!(
+            kernel = %kernel.release,
+            since = feature.since,
+            "this kernel lacks {}: {fallback}",
+            feature.name
+        );
+    }
+    let object = datapath::object_bytes(args.bpf.bpf_object.as_deref())?;
+    let caps = args.bpf.capacities();
+    let paths = PinPaths::new(&args.bpf.root.bpf_root);
+    let mut dp = Datapath::load(&paths, &caps, &object).context("loading the data path")?;
+    let cgroup_root = match &args.bpf.cgroup_root {
+        Some(path) => path.clone(),
+        None => cgroup::cgroup2_mount().context("finding the cgroup v2 mount")?,
+    };
+    let maps = dp.take_maps()?;
+    let conntrack = dp.take_conntrack()?;
+    let applier = Applier::recover(maps, caps).context("reading the pinned maps")?;
+    cgroup::check_cgroup2_dir(&cgroup_root)
+        .with_context(|| format!("--cgroup-root {}", cgroup_root.display()))?;
+    let host_cookie = host_netns_cookie(kernel, &mut dp, &cgroup_root)?;
+    let tcx = dp.enable_tcx(args.bpf.enable_tcx);
+    if !args.bpf.no_tc && !tcx {
+        tracing::info!(
+            kernel_has_tcx = kernel.tcx,
+            "tc programs attach as clsact filters at priority {} handle {:#x}",
+            datapath::tc::CLSACT_PRIORITY,
+            u32::from(datapath::tc::CLSACT_HANDLE)
+        );
+    }
+    tracing::info!(
+        node = %settings.node_name,
+        bpf_root = %paths.root.display(),
+        cgroup = %cgroup_root.display(),
+        frontends = applier.occupancy().revnat,
+        "data path loaded (adopted {} frontend(s) from the pinned maps)",
+        applier.occupancy().revnat
+    );
+
+    let shutdown = CancellationToken::new();
+    let metrics = Metrics::new();
+    let health = ProxyHealth::new(health::health_timeout_for(args.sync_period)).with_metrics(metrics.clone());
+    {
+        let h = health.clone();
+        spawn_server(
+            "healthz",
+            &args.healthz_bind_address,
+            &shutdown,
+            move |addr, s| health::serve_proxy_health(addr, h.clone(), s),
+        )?;
+        let m = metrics.clone();
+        spawn_server(
+            "metrics",
+            &args.metrics_bind_address,
+            &shutdown,
+            move |addr, s| metrics::serve_metrics(addr, m.clone(), s),
+        )?;
+    }
+
+    let runner = BoundedFrequencyRunner::new(
+        args.min_sync_period,
+        args.sync_period.min(Duration::from_secs(1)),
+        args.sync_period,
+    );
+    let handle = runner.handle();
+    let (source, reporter) = match &args.manifests {
+        Some(dir) => (
+            Source::Manifests(manifests::Manifests::new(dir, &settings.node_name)),
+            None,
+        ),
+        None => {
+            let client = kube_client(&args).await?;
+            match tokio::time::timeout(Duration::from_secs(10), client.apiserver_version()).await {
+                Ok(Ok(v)) => tracing::info!(version = %v.git_version, "connected to the API server"),
+                Ok(Err(e)) => tracing::error!(
+                    "cannot reach the API server: {e}; retrying in the background (the pinned data path keeps serving)"
+                ),
+                Err(_) => tracing::error!(
+                    "the API server did not answer within 10s; retrying in the background (the pinned data path keeps serving)"
+                ),
+            }
+            let (h, m, run) = (health.clone(), metrics.clone(), handle.clone());
+            let on_change = Arc::new(move |_| {
+                h.queued_update();
+                m.sync_queued(SystemTime::now());
+                run.run();
+            });
+            let kube = KubeSource::start(client.clone(), &settings.node_name, on_change, shutdown.clone());
+            // Never program an empty cluster over a full one: wait for every initial list.
+            while !kube.wait_ready(Duration::from_secs(30)).await {
+                tracing::warn!(
+                    "still waiting for the initial list of Services, EndpointSlices and the Node; the data path keeps its pinned state"
+                );
+            }
+            (
+                Source::Kube(kube),
+                Some(EventPublisher::new(client, &settings.node_name)),
+            )
+        }
+    };
+
+    let devices = (!args.bpf.no_tc).then(|| {
+        args.bpf
+            .devices
+            .iter()
+            .map(|d| tc::DevicePattern::parse(d))
+            .collect()
+    });
+    let agent = Rc::new(RefCell::new(Agent {
+        datapath: dp,
+        cgroup_root,
+        cgroup_attached: false,
+        programmer: Programmer::new(
+            settings.clone(),
+            host_cookie,
+            args.bpf.bpf_lb_sock_hostns_only,
+            applier,
+        ),
+        devices,
+        metrics: metrics.clone(),
+        health: health.clone(),
+        service_health: ServiceHealthServers::new(vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)], health),
+        source,
+        problems: Vec::new(),
+        manifest_problems: BTreeSet::new(),
+    }));
+
+    {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .expect("SIGTERM handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = terminate.recv() => {}
+            }
+            shutdown.cancel();
+        });
+    }
+    // The first sync fills the maps; only then are the programs attached (or swapped in).
+    if let Err(e) = agent.borrow_mut().sync() {
+        tracing::error!("first sync: {e:#}");
+    }
+    agent.borrow_mut().attach_programs()?;
+    tracing::info!("data path attached");
+    if !args.bpf.no_tc && !args.bpf.conntrack_gc_interval.is_zero() {
+        spawn_conntrack_gc(
+            conntrack,
+            args.bpf.conntrack_gc_interval,
+            args.bpf.conntrack_timeouts(),
+            metrics.clone(),
+            shutdown.clone(),
+        );
+    }
+    let reporter = Rc::new(reporter);
+    runner
+        .run_loop(
+            || {
+                let agent = agent.clone();
+                let reporter = reporter.clone();
+                async move {
+                    let result = agent.borrow_mut().sync();
+                    if let Some(reporter) = reporter.as_ref() {
+                        let (problems, services) = {
+                            let a = agent.borrow();
+                            (a.problems.clone(), a.problem_references())
+                        };
+                        reporter.report(&problems, &services).await;
+                    }
+                    result
+                }
+            },
+            shutdown.clone(),
+        )
+        .await;
+    agent.borrow_mut().service_health.close_all();
+    tracing::info!("stopping; the data path stays attached and keeps serving");
+    Ok(())
+}
+
+/// The conntrack GC (`datapath::conntrack`), on its own thread: a pass walks the whole map with a
+/// syscall or two per entry, which must not delay a sync.
+fn spawn_conntrack_gc(
+    mut map: aya::maps::HashMap<
+        aya::maps::MapData,
+        lb_common::conntrack::Ct4Key,
+        lb_common::conntrack::Ct4Value,
+    >,
+    interval: Duration,
+    timeouts: crate::datapath::conntrack::GcTimeouts,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) {
+    use crate::datapath::conntrack;
+    let spawned = std::thread::Builder::new()
+        .name("conntrack-gc".into())
+        .spawn(move || {
+            let mut next = std::time::Instant::now() + interval;
+            while !shutdown.is_cancelled() {
+                if std::time::Instant::now() < next {
+                    std::thread::sleep(Duration::from_millis(200));
+                    continue;
+                }
+                next = std::time::Instant::now() + interval;
+                match conntrack::collect(&mut map, crate::time::monotonic_coarse_ns(), &timeouts) {
+                    Ok(report) => {
+                        for (reason, n) in &report.deleted {
+                            metrics.conntrack_gc_deleted(reason.label(), *n);
+                        }
+                        tracing::debug!(
+                            scanned = report.scanned,
+                            deleted = ?report.deleted,
+                            took_ms = report.took.as_millis() as u64,
+                            "conntrack GC pass"
+                        );
+                    }
+                    Err(e) => tracing::warn!("conntrack GC pass failed (retried next interval): {e}"),
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!(
+            "cannot start the conntrack GC thread: {e}; ended flows are freed only by LRU eviction"
+        );
+    }
+}

@@ -1,0 +1,18 @@
+//! Step 4 of watch -> model -> plan -> maps -> programs: the plan applied to the kernel's maps,
+//! only what differs, in an order that never lets a packet see a half-written Service.
+//!
+//! - `applier`: [`Applier`], the mirror of what was written, the diff against the desired state
+//!   and the make-before-break write order;
+//! - `ids`: backend and reverse-NAT id allocation (stable across restarts: recovered from maps);
+//! - `ops`: the [`MapOps`] trait, one method per kind of map write, so the writer runs against the
+//!   kernel ([`KernelMaps`], `kernel`) or an in-memory fake (`fake::FakeMaps`) in unit tests.
+
+pub mod applier;
+pub mod fake;
+pub mod ids;
+pub mod kernel;
+pub mod ops;
+
+pub use applier::{Applier, ApplyReport};
+pub use kernel::KernelMaps;
+pub use ops::{BatchError, MapError, MapOps, Snapshot};

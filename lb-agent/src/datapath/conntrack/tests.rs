@@ -1,0 +1,152 @@
+use lb_common::proto;
+
+use super::*;
+
+const S: u64 = 1_000_000_000;
+const CLIENT: [u8; 4] = [192, 0, 2, 10];
+const NODE: [u8; 4] = [10, 0, 0, 1];
+const BACKEND: [u8; 4] = [10, 244, 1, 5];
+
+fn value(created: u64, nat: ([u8; 4], u16), flags: u16) -> Ct4Value {
+    Ct4Value {
+        created_ns: created,
+        last_seen_ns: created,
+        nat_addr: nat.0,
+        nat_port: nat.1,
+        flags,
+        rev_nat_id: 1,
+        backend_id: 1,
+    }
+}
+
+/// A masqueraded NodePort flow as the programs write it: forward, SNAT, un-SNAT.
+fn masqueraded(
+    m: &mut HashMap<Ct4Key, Ct4Value>,
+    proto: u8,
+    cport: u16,
+    snat_port: u16,
+    at: u64,
+) -> [Ct4Key; 3] {
+    let fwd = tuple_key(CLIENT, cport, NODE, 30080, proto, dir::INGRESS);
+    let snat = tuple_key(CLIENT, cport, BACKEND, 8080, proto, dir::EGRESS);
+    let unsnat = tuple_key(BACKEND, 8080, NODE, snat_port, proto, dir::INGRESS);
+    m.insert(fwd, value(at, (BACKEND, 8080), flags::SNAT));
+    m.insert(snat, value(at, (NODE, snat_port), flags::SNAT));
+    m.insert(unsnat, value(at, (CLIENT, cport), flags::SNAT | flags::REPLY));
+    [fwd, snat, unsnat]
+}
+
+/// A flow kept with its client address: forward and un-DNAT.
+fn direct(m: &mut HashMap<Ct4Key, Ct4Value>, cport: u16, at: u64) -> [Ct4Key; 2] {
+    let fwd = tuple_key(CLIENT, cport, [10, 96, 0, 10], 80, proto::TCP, dir::INGRESS);
+    let undnat = tuple_key(BACKEND, 8080, CLIENT, cport, proto::TCP, dir::EGRESS);
+    m.insert(fwd, value(at, (BACKEND, 8080), 0));
+    m.insert(undnat, value(at, ([10, 96, 0, 10], 80), flags::REPLY));
+    [fwd, undnat]
+}
+
+fn mark(m: &mut HashMap<Ct4Key, Ct4Value>, k: &Ct4Key, flag: u16, at: u64) {
+    let v = m.get_mut(k).unwrap();
+    v.flags |= flag;
+    v.last_seen_ns = at;
+}
+
+fn doomed_keys(m: &HashMap<Ct4Key, Ct4Value>, now: u64) -> HashSet<(Ct4Key, Reason)> {
+    plan(m, now, &GcTimeouts::default())
+        .into_iter()
+        .map(|d| (d.key, d.reason))
+        .collect()
+}
+
+#[test]
+fn a_flow_closed_by_both_sides_goes_whole_after_the_fin_timeout() {
+    let mut m = HashMap::new();
+    let [fwd, snat, unsnat] = masqueraded(&mut m, proto::TCP, 41000, 20001, 100 * S);
+    mark(&mut m, &fwd, flags::FIN_FORWARD, 101 * S);
+    mark(&mut m, &unsnat, flags::FIN_REPLY, 102 * S);
+    assert!(
+        doomed_keys(&m, 111 * S).is_empty(),
+        "10 s after the first FIN, not the last"
+    );
+    let gone = doomed_keys(&m, 112 * S);
+    let expect: HashSet<_> = [fwd, snat, unsnat]
+        .into_iter()
+        .map(|k| (k, Reason::Closed))
+        .collect();
+    assert_eq!(gone, expect);
+}
+
+#[test]
+fn a_half_closed_flow_stays() {
+    let mut m = HashMap::new();
+    let [fwd, ..] = masqueraded(&mut m, proto::TCP, 41000, 20001, 100 * S);
+    mark(&mut m, &fwd, flags::FIN_FORWARD, 101 * S);
+    assert!(doomed_keys(&m, 10_000 * S).is_empty());
+}
+
+#[test]
+fn a_reset_on_either_side_closes_and_a_direct_flow_goes_with_its_un_dnat_entry() {
+    let mut m = HashMap::new();
+    let [fwd, undnat] = direct(&mut m, 41000, 100 * S);
+    mark(&mut m, &undnat, flags::RESET, 100 * S);
+    let expect: HashSet<_> = [fwd, undnat].into_iter().map(|k| (k, Reason::Closed)).collect();
+    assert_eq!(doomed_keys(&m, 110 * S), expect);
+}
+
+#[test]
+fn open_tcp_flows_stay_however_old() {
+    let mut m = HashMap::new();
+    masqueraded(&mut m, proto::TCP, 41000, 20001, 100 * S);
+    direct(&mut m, 41001, 100 * S);
+    assert!(doomed_keys(&m, 1_000_000 * S).is_empty());
+}
+
+#[test]
+fn udp_flows_go_when_idle_in_both_directions() {
+    let mut m = HashMap::new();
+    let [fwd, snat, unsnat] = masqueraded(&mut m, proto::UDP, 5353, 20001, 100 * S);
+    // Only replies lately: alive.
+    mark(&mut m, &unsnat, 0, 150 * S);
+    assert!(doomed_keys(&m, 200 * S).is_empty());
+    let expect: HashSet<_> = [fwd, snat, unsnat]
+        .into_iter()
+        .map(|k| (k, Reason::Idle))
+        .collect();
+    assert_eq!(doomed_keys(&m, 210 * S), expect);
+}
+
+#[test]
+fn a_new_connection_on_the_same_client_tuple_keeps_its_entries_and_frees_the_old_port() {
+    let mut m = HashMap::new();
+    let [fwd, _, old_unsnat] = masqueraded(&mut m, proto::TCP, 41000, 20001, 100 * S);
+    mark(&mut m, &fwd, flags::FIN_FORWARD, 101 * S);
+    mark(&mut m, &old_unsnat, flags::FIN_REPLY, 101 * S);
+    // A fresh SYN from the same client port: new forward and SNAT entries, another port.
+    let [fwd2, snat2, unsnat2] = masqueraded(&mut m, proto::TCP, 41000, 20002, 150 * S);
+    assert_eq!(fwd, fwd2);
+    // The old un-SNAT entry (the old port's reservation) is no flow's any more.
+    let gone = doomed_keys(&m, 151 * S);
+    assert_eq!(gone, [(old_unsnat, Reason::Orphan)].into_iter().collect());
+    assert!(!gone.iter().any(|(k, _)| [fwd2, snat2, unsnat2].contains(k)));
+}
+
+#[test]
+fn entries_of_a_flow_being_created_are_not_orphans() {
+    let mut m = HashMap::new();
+    let [fwd, ..] = masqueraded(&mut m, proto::TCP, 41000, 20001, 100 * S);
+    m.remove(&fwd);
+    assert!(doomed_keys(&m, 101 * S).is_empty());
+    assert_eq!(doomed_keys(&m, 130 * S).len(), 2, "orphans after the grace");
+}
+
+#[test]
+fn many_closed_flows_towards_one_backend_free_their_ports() {
+    let mut m = HashMap::new();
+    for i in 0..5_000u16 {
+        let [fwd, _, unsnat] = masqueraded(&mut m, proto::TCP, 30_000 + i, 20_000 + i, 100 * S);
+        mark(&mut m, &fwd, flags::FIN_FORWARD, 100 * S);
+        mark(&mut m, &unsnat, flags::FIN_REPLY, 100 * S);
+    }
+    let gone = plan(&m, 111 * S, &GcTimeouts::default());
+    assert_eq!(gone.len(), m.len());
+}

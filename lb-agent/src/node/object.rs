@@ -1,0 +1,56 @@
+//! What the agent reads from its own Node object: the zone label (topology), the primary
+//! addresses (kube-proxy's `GetNodeHostIPs`) and whether it may receive load-balancer traffic.
+
+use std::net::Ipv4Addr;
+
+use k8s_openapi::api::core::v1::Node;
+
+/// The node label kube-proxy reads its zone from.
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// The node's `topology.kubernetes.io/zone` label, if any.
+pub fn zone(node: Option<&Node>) -> Option<String> {
+    node.and_then(|n| n.metadata.labels.as_ref())
+        .and_then(|l| l.get(ZONE_LABEL))
+        .cloned()
+}
+
+/// The node's primary IPv4 addresses from its Node object (kube-proxy `GetNodeHostIPs`: the first
+/// InternalIP, else the first ExternalIP).
+pub fn primary_ips(node: Option<&Node>) -> Vec<Ipv4Addr> {
+    let Some(addresses) = node
+        .and_then(|n| n.status.as_ref())
+        .and_then(|s| s.addresses.as_ref())
+    else {
+        return Vec::new();
+    };
+    for kind in ["InternalIP", "ExternalIP"] {
+        let ips: Vec<Ipv4Addr> = addresses
+            .iter()
+            .filter(|a| a.type_ == kind)
+            .filter_map(|a| a.address.parse().ok())
+            .collect();
+        if let Some(first) = ips.first() {
+            return vec![*first];
+        }
+    }
+    Vec::new()
+}
+
+/// The taint the cluster autoscaler puts on a node it is about to delete
+/// (`healthcheck.ToBeDeletedTaint`).
+pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+
+/// Whether the node may receive load-balancer traffic (`ProxyHealthServer.NodeEligible`): not being
+/// deleted and not tainted for deletion by the cluster autoscaler.
+pub fn node_eligible(node: &Node) -> bool {
+    if node.metadata.deletion_timestamp.is_some() {
+        return false;
+    }
+    let taints = node
+        .spec
+        .as_ref()
+        .and_then(|spec| spec.taints.as_deref())
+        .unwrap_or_default();
+    !taints.iter().any(|taint| taint.key == TO_BE_DELETED_TAINT)
+}

@@ -1,0 +1,105 @@
+//! A data path with private, unpinned maps, programmed from a set of objects through the agent's
+//! own code (`agent::Programmer`): what `lb-agent trace --manifests` runs the programs against,
+//! and what the tests run them against with BPF_PROG_TEST_RUN.
+
+use std::net::Ipv4Addr;
+
+use anyhow::{Context, Result, bail};
+use lb_common::catalog::Capacities;
+
+use crate::{
+    agent::Programmer,
+    apply::{Applier, KernelMaps},
+    datapath::Datapath,
+    model::Problem,
+    node::NodeSettings,
+    watch::ClusterState,
+};
+
+/// The netns cookie the scratch data path treats as "the host" (any fixed value works: the socket
+/// harness passes it in).
+pub const SCRATCH_HOST_COOKIE: u64 = 0x1000_0001;
+
+/// Map sizes for fixtures and traces: small, so that loading is quick.
+pub const SCRATCH_CAPACITIES: Capacities = Capacities {
+    services: 65_536,
+    backends: 16_384,
+    revnat: 16_384,
+    sock_revnat: 4096,
+    affinity: 4096,
+    affinity_match: 16_384,
+    source_ranges: 4096,
+    conntrack: 65_536,
+};
+
+/// The loaded programs and their maps, programmed as a node with `node_ips` on its interfaces
+/// would be.
+pub struct ScratchDatapath {
+    pub datapath: Datapath,
+    pub programmer: Programmer<KernelMaps>,
+    /// The node's interface addresses (loopback aside): what it programs NodePorts on, and what
+    /// `trace` takes as "starts on this node".
+    pub node_ips: Vec<Ipv4Addr>,
+}
+
+impl ScratchDatapath {
+    /// Loads the object with scratch maps and programs `state`.
+    pub fn new(
+        state: &ClusterState,
+        settings: NodeSettings,
+        node_ips: &[Ipv4Addr],
+        object: &[u8],
+    ) -> Result<Self> {
+        Self::with_capacities(state, settings, node_ips, object, SCRATCH_CAPACITIES)
+    }
+
+    /// [`Self::new`] with maps of other sizes.
+    pub fn with_capacities(
+        state: &ClusterState,
+        settings: NodeSettings,
+        node_ips: &[Ipv4Addr],
+        object: &[u8],
+        caps: Capacities,
+    ) -> Result<Self> {
+        let mut datapath = Datapath::load_unpinned(&caps, object).context("loading the eBPF object")?;
+        let maps = datapath.take_maps()?;
+        let mut scratch = Self {
+            datapath,
+            programmer: Programmer::new(settings, SCRATCH_HOST_COOKIE, false, Applier::new(maps, caps)),
+            node_ips: node_ips.to_vec(),
+        };
+        scratch.program(state)?;
+        Ok(scratch)
+    }
+
+    /// Brings the scratch maps to `state` as the agent's full sync would; returns the problems
+    /// found in it.
+    pub fn program(&mut self, state: &ClusterState) -> Result<Vec<Problem>> {
+        let mut locals = self.node_ips.clone();
+        locals.push(Ipv4Addr::LOCALHOST);
+        let view = self.programmer.view(state.node.as_deref(), &locals);
+        self.programmer.write_config(&view)?;
+        let (_, report) = self.programmer.program_all(state, &view);
+        if !report.errors.is_empty() {
+            bail!(
+                "programming the scratch maps failed: {}",
+                report.errors.join("; ")
+            );
+        }
+        Ok(self.programmer.planner().problems())
+    }
+
+    pub fn maps(&self) -> &KernelMaps {
+        self.programmer.maps()
+    }
+
+    /// The maps, for a test that writes an entry by hand (say, a narrower masquerade port range
+    /// in `lb_config`); the programmer does not know of such writes.
+    pub fn maps_mut(&mut self) -> &mut KernelMaps {
+        self.programmer.maps_mut()
+    }
+
+    pub fn host_cookie(&self) -> u64 {
+        SCRATCH_HOST_COOKIE
+    }
+}

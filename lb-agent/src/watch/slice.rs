@@ -1,0 +1,167 @@
+//! What the watch keeps of an EndpointSlice: [`Slice`], the fields kube-proxy's
+//! `EndpointSliceCache` reads (upstream's `endpointSliceData`: its ports and endpoints, not the
+//! object). The agent keeps its slices in this form between syncs, at about a fifth of the API
+//! object's memory.
+
+use std::{net::Ipv4Addr, sync::Arc};
+
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+use super::{LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME};
+
+/// An EndpointSlice as the model reads it: the fields kube-proxy's `EndpointSliceCache` uses, as
+/// written in the object (validation is the model's: a bad address is reported, not lost on the
+/// way). Built with `Slice::from(&EndpointSlice)`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Slice {
+    /// `metadata.name` ("" when unset).
+    pub name: Box<str>,
+    /// `metadata.namespace` ("" when unset).
+    pub namespace: Box<str>,
+    /// The `kubernetes.io/service-name` label, as written.
+    pub service_name: Option<Box<str>>,
+    /// Labelled `service.kubernetes.io/service-proxy-name` or `service.kubernetes.io/headless`,
+    /// which kube-proxy's informers exclude.
+    pub excluded: bool,
+    /// `addressType` is `IPv4`.
+    pub ipv4: bool,
+    pub ports: Box<[SlicePort]>,
+    pub endpoints: Box<[SliceEndpoint]>,
+}
+
+/// One `ports[]` entry of a slice.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SlicePort {
+    pub name: Option<Box<str>>,
+    pub port: Option<i32>,
+    pub protocol: Option<Box<str>>,
+}
+
+/// One `endpoints[]` entry of a slice. Kept for every endpoint of the cluster, so without a heap
+/// allocation of its own in the usual case: the address inline, the node and zone names shared
+/// by the endpoints of a slice.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SliceEndpoint {
+    /// The first address (`addEndpoints` uses no other).
+    pub address: Option<SliceAddress>,
+    pub ready: Option<bool>,
+    pub serving: Option<bool>,
+    pub terminating: Option<bool>,
+    pub node_name: Option<Arc<str>>,
+    pub zone: Option<Arc<str>>,
+    /// Topology hints, when the endpoint has any (most have none).
+    pub hints: Option<Box<SliceHints>>,
+}
+
+/// An endpoint's `hints`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SliceHints {
+    /// `forZones[].name`.
+    pub zones: Box<[Box<str>]>,
+    /// `forNodes[].name`.
+    pub nodes: Box<[Box<str>]>,
+}
+
+/// An endpoint address as written: inline when it is a plain dotted quad (what the API server
+/// stores for IPv4 slices), else the text, which the model parses (`netutils.ParseIPSloppy`) and
+/// reports when it is not IPv4. A plain dotted quad parses to the same address both ways.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SliceAddress {
+    V4(Ipv4Addr),
+    Written(Box<str>),
+}
+
+impl From<&str> for SliceAddress {
+    fn from(text: &str) -> Self {
+        match text.parse() {
+            Ok(ip) => SliceAddress::V4(ip),
+            Err(_) => SliceAddress::Written(text.into()),
+        }
+    }
+}
+
+impl std::fmt::Display for SliceAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SliceAddress::V4(ip) => ip.fmt(f),
+            SliceAddress::Written(text) => f.write_str(text),
+        }
+    }
+}
+
+/// Hands out one `Arc<str>` per distinct name (a slice's endpoints mostly share a few nodes and
+/// zones).
+#[derive(Default)]
+struct SharedNames(Vec<Arc<str>>);
+
+impl SharedNames {
+    fn get(&mut self, name: Option<&String>) -> Option<Arc<str>> {
+        let name = name?;
+        if let Some(known) = self.0.iter().find(|n| ***n == **name) {
+            return Some(known.clone());
+        }
+        let new: Arc<str> = name.as_str().into();
+        self.0.push(new.clone());
+        Some(new)
+    }
+}
+
+impl From<&EndpointSlice> for Slice {
+    fn from(slice: &EndpointSlice) -> Self {
+        let meta = &slice.metadata;
+        let labels = meta.labels.as_ref();
+        let boxed = |s: &Option<String>| s.as_deref().map(Box::from);
+        let mut shared = SharedNames::default();
+        Slice {
+            name: meta.name.as_deref().unwrap_or_default().into(),
+            namespace: meta.namespace.as_deref().unwrap_or_default().into(),
+            service_name: labels
+                .and_then(|l| l.get(LABEL_SERVICE_NAME))
+                .map(|s| s.as_str().into()),
+            excluded: labels
+                .is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME) || l.contains_key(LABEL_HEADLESS)),
+            ipv4: slice.address_type == "IPv4",
+            ports: slice
+                .ports
+                .iter()
+                .flatten()
+                .map(|p| SlicePort {
+                    name: boxed(&p.name),
+                    port: p.port,
+                    protocol: boxed(&p.protocol),
+                })
+                .collect(),
+            endpoints: slice
+                .endpoints
+                .iter()
+                .flatten()
+                .map(|ep| {
+                    let conditions = ep.conditions.as_ref();
+                    let hints = ep.hints.as_ref();
+                    SliceEndpoint {
+                        address: ep.addresses.first().map(|a| SliceAddress::from(a.as_str())),
+                        ready: conditions.and_then(|c| c.ready),
+                        serving: conditions.and_then(|c| c.serving),
+                        terminating: conditions.and_then(|c| c.terminating),
+                        node_name: shared.get(ep.node_name.as_ref()),
+                        zone: shared.get(ep.zone.as_ref()),
+                        hints: hints.map(|h| {
+                            Box::new(SliceHints {
+                                zones: names(h.for_zones.as_deref(), |z| &z.name),
+                                nodes: names(h.for_nodes.as_deref(), |n| &n.name),
+                            })
+                        }),
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The names of a list of hints.
+fn names<T>(list: Option<&[T]>, name: impl Fn(&T) -> &String) -> Box<[Box<str>]> {
+    list.unwrap_or_default()
+        .iter()
+        .map(|h| name(h).as_str().into())
+        .collect()
+}
