@@ -16,3 +16,6 @@ pub mod ops;
 pub use applier::{Applier, ApplyReport};
 pub use kernel::KernelMaps;
 pub use ops::{BatchError, MapError, MapOps, Snapshot};
+
+#[cfg(test)]
+mod proptests;

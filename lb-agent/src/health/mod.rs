@@ -56,8 +56,6 @@
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Node;
-
 mod go_time;
 mod proxy;
 mod service;
@@ -74,27 +72,9 @@ pub use service::{
     targets_from_health_checks,
 };
 
-/// The taint the cluster autoscaler puts on a node it is about to delete
-/// (`healthcheck.ToBeDeletedTaint`).
-pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
-
 /// kube-proxy's health timeout for a given `syncPeriod`: `2 × syncPeriod`.
 pub fn health_timeout_for(sync_period: Duration) -> Duration {
     sync_period.saturating_mul(2)
-}
-
-/// Whether the node may receive load-balancer traffic (`ProxyHealthServer.NodeEligible`): not being
-/// deleted and not tainted for deletion by the cluster autoscaler.
-pub fn node_eligible(node: &Node) -> bool {
-    if node.metadata.deletion_timestamp.is_some() {
-        return false;
-    }
-    let taints = node
-        .spec
-        .as_ref()
-        .and_then(|spec| spec.taints.as_deref())
-        .unwrap_or_default();
-    !taints.iter().any(|taint| taint.key == TO_BE_DELETED_TAINT)
 }
 
 #[cfg(test)]

@@ -21,8 +21,9 @@ use k8s_openapi::api::core::v1::Node;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use super::{format_go_time, node_eligible};
+use super::format_go_time;
 use crate::metrics::Metrics;
+use crate::node::object::node_eligible;
 
 /// A source of wall-clock time (injectable for tests).
 pub type WallClock = Arc<dyn Fn() -> SystemTime + Send + Sync>;

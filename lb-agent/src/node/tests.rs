@@ -3,8 +3,8 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::{
-    api::core::v1::{NodeAddress, NodeStatus},
-    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    api::core::v1::{NodeAddress, NodeSpec, NodeStatus, Taint},
+    apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time},
 };
 
 use super::*;
@@ -150,4 +150,25 @@ fn the_datapath_config_carries_the_view() {
         (cfg.snat_port_min, cfg.snat_port_max),
         (dpconfig::SNAT_PORT_MIN, dpconfig::SNAT_PORT_MAX)
     );
+}
+
+#[test]
+fn eligibility_follows_upstream() {
+    let tainted = |key: &str| Node {
+        spec: Some(NodeSpec {
+            taints: Some(vec![Taint {
+                key: key.into(),
+                effect: "NoSchedule".into(),
+                ..Taint::default()
+            }]),
+            ..NodeSpec::default()
+        }),
+        ..node(&[])
+    };
+    assert!(object::node_eligible(&node(&[])));
+    assert!(object::node_eligible(&tainted("other")));
+    assert!(!object::node_eligible(&tainted(object::TO_BE_DELETED_TAINT)));
+    let mut deleted = node(&[]);
+    deleted.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+    assert!(!object::node_eligible(&deleted));
 }

@@ -203,6 +203,6 @@ pub struct PortPlan {
 }
 
 #[cfg(test)]
-mod proptests;
+pub(crate) mod proptests;
 #[cfg(test)]
 mod tests;

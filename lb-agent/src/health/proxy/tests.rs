@@ -5,9 +5,9 @@ use axum::http::Method;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::*;
-use crate::health::{
-    TO_BE_DELETED_TAINT,
-    test_support::{TIMEOUT, get, node, setup, tainted},
+use crate::{
+    health::test_support::{TIMEOUT, get, node, setup, tainted},
+    node::object::TO_BE_DELETED_TAINT,
 };
 
 /// Upstream's `testProxyHealthUpdater`, for the single IPv4 proxier.
