@@ -19,7 +19,7 @@ use lb_common::{
 use serde::Serialize;
 
 use crate::{
-    apply::{KernelMaps, MapOps, Snapshot, applier::service_port_name},
+    apply::{KernelMaps, MapOps, Snapshot, entries::service_port_name},
     cli::{InspectArgs, KernelArgs, OutputFormat},
     datapath::PinPaths,
     error::{Chain, is_permission_denied},

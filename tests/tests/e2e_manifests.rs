@@ -9,7 +9,7 @@
 //!   ServiceAccount>`);
 //! - with the ConfigMap's kubeconfig (pointed at this API server) and a token of the agent's
 //!   ServiceAccount, the agent's own reflectors (`KubeSource`) list and watch, and its
-//!   `ProblemReporter` creates and then patches an Event;
+//!   `EventPublisher` creates and then patches an Event;
 //! - the ConfigMap's `config.conf` has only fields the agent honours, and the DaemonSet's arguments
 //!   parse and merge with it exactly as `lb-agent` does at start;
 //! - the DaemonSet: not privileged, exactly the documented capabilities, probes on 10256, host
@@ -43,8 +43,8 @@ use kube::{
 use lb_agent::{
     cli::Cli,
     config,
-    run::NodeSettings,
-    watch::kube::{KubeSource, ProblemReporter},
+    events::EventPublisher,
+    watch::kube::KubeSource,
 };
 use lb_tests::control_plane::ControlPlane;
 use serde_json::Value;
@@ -449,7 +449,7 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
             "demo/{name} not seen by the agent's reflector"
         );
     }
-    let reporter = ProblemReporter::new(agent_client, NODE);
+    let reporter = EventPublisher::new(agent_client, NODE);
     let web = ("demo".to_string(), "web".to_string());
     let web_ref = state.services[&web].object_ref(&());
     let services = std::collections::BTreeMap::from([(web.clone(), web_ref)]);
@@ -501,7 +501,7 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
             "subset_of_system_node_proxier": true,
             "allowed_as_needed": rbac_checks(yes),
             "denied_as_expected": rbac_checks(no),
-            "agent_calls_as_the_serviceaccount": "list and watch Services, EndpointSlices and its Node (reflectors); create, then patch, an Event (ProblemReporter): allowed",
+            "agent_calls_as_the_serviceaccount": "list and watch Services, EndpointSlices and its Node (reflectors); create, then patch, an Event (EventPublisher): allowed",
         }),
     );
 
@@ -600,7 +600,7 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
         run.bpf.cgroup_root, None,
         "the cgroup2 mount is found, not configured"
     );
-    NodeSettings::from_args(&run.node, run.iptables_localhost_nodeports, run.bind_address)?;
+    run.node.settings(run.iptables_localhost_nodeports, run.bind_address)?;
 
     // 6. The DaemonSet's shape.
     let spec = &daemon_set.spec;

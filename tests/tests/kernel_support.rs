@@ -6,8 +6,8 @@
 
 use lb_agent::{
     datapath::{Datapath, OBJECT, features},
-    maps::Capacities,
 };
+use lb_common::catalog::Capacities;
 use lb_tests::require_root;
 
 fn small() -> Capacities {

@@ -31,7 +31,7 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use lb_agent::maps::{KernelMaps, MapOps};
+use lb_agent::apply::{KernelMaps, MapOps};
 use lb_tests::{
     agent::{Agent, AgentOptions, bpf_root_in},
     bpffs::BpfFs,

@@ -7,7 +7,7 @@ use std::net::Ipv4Addr;
 use etherparse::{Icmpv4Type, icmpv4::DestUnreachableHeader};
 use lb_agent::{
     datapath::{OBJECT, TcRun},
-    run::NodeSettings,
+    node::NodeSettings,
     trace::ScratchDatapath,
     watch::ClusterState,
 };
@@ -503,7 +503,7 @@ fn a_reject_never_answers_a_source_icmp_errors_may_not_go_to() {
     p[0..6].copy_from_slice(&[0xff; 6]);
     assert_eq!(ingress(&mut s, &p).action, SHOT, "link-layer broadcast");
     let unanswerable = s
-        .applier
+        
         .maps()
         .counter(lb_common::stats::Counter::TcRejectUnanswerable as u32);
     assert_eq!(unanswerable, 8);
@@ -538,7 +538,7 @@ fn reject_answers_are_rate_limited_like_the_kernels_icmp_errors() {
         "{answered} answers in {elapsed_ms} ms (ceiling {ceiling})"
     );
     let limited = s
-        .applier
+        
         .maps()
         .counter(lb_common::stats::Counter::TcRejectRateLimited as u32);
     assert_eq!(
@@ -763,16 +763,16 @@ fn icmp_errors_for_a_masqueraded_flow_are_translated_back() {
 /// and the agent's conntrack GC frees ended flows.
 #[test]
 fn closed_masqueraded_flows_give_their_ports_back_through_the_conntrack_gc() {
-    use lb_agent::maps::{MapOps, conntrack};
+    use lb_agent::{apply::MapOps, datapath::conntrack};
     use lb_common::stats::Counter;
     use packet::Close;
 
     let mut s = scratch(true);
     // A masquerade range of two ports.
-    let mut cfg = s.applier.maps().config.get(&0, 0).expect("config");
+    let mut cfg = s.maps().config.get(&0, 0).expect("config");
     cfg.snat_port_min = 20_000;
     cfg.snat_port_max = 20_001;
-    s.applier.maps_mut().put_config(&cfg).expect("config");
+    s.maps_mut().put_config(&cfg).expect("config");
     let mut ct = s.datapath.take_conntrack().expect("conntrack map");
     const BACKEND: &str = "10.244.2.7";
 
@@ -789,7 +789,7 @@ fn closed_masqueraded_flows_give_their_ports_back_through_the_conntrack_gc() {
     let a = connect(&mut s, 41000).expect("first connection");
     let b = connect(&mut s, 41001).expect("second connection");
     assert_eq!([a.min(b), a.max(b)], [20_000, 20_001]);
-    let exhausted = |s: &ScratchDatapath| s.applier.maps().counter(Counter::TcSnatPortsExhausted as u32);
+    let exhausted = |s: &ScratchDatapath| s.maps().counter(Counter::TcSnatPortsExhausted as u32);
     assert_eq!(connect(&mut s, 41002), None, "both ports taken: dropped");
     assert_eq!(exhausted(&s), 1);
 
@@ -816,7 +816,7 @@ fn closed_masqueraded_flows_give_their_ports_back_through_the_conntrack_gc() {
 
     // Within the FIN timeout nothing goes; after it, A's three entries do, B's stay.
     let timeouts = conntrack::GcTimeouts::default();
-    let now = conntrack::now_ns();
+    let now = lb_agent::time::monotonic_coarse_ns();
     let early = conntrack::collect(&mut ct, now, &timeouts).expect("gc");
     assert!(early.deleted.is_empty(), "{early:?}");
     let later = now + timeouts.tcp_fin_timeout.as_nanos() as u64 + 1_000_000_000;
@@ -832,7 +832,7 @@ fn closed_masqueraded_flows_give_their_ports_back_through_the_conntrack_gc() {
         &mut s,
         &packet::tcp(BACKEND, 8080, NODE_IP, b).closing(Close::Rst).build(),
     );
-    let later = conntrack::now_ns() + timeouts.tcp_fin_timeout.as_nanos() as u64 + 1_000_000_000;
+    let later = lb_agent::time::monotonic_coarse_ns() + timeouts.tcp_fin_timeout.as_nanos() as u64 + 1_000_000_000;
     let report = conntrack::collect(&mut ct, later, &timeouts).expect("gc");
     assert_eq!(report.deleted, vec![(conntrack::Reason::Closed, 3)], "{report:?}");
     assert_eq!(connect(&mut s, 41003), Some(b));
@@ -842,7 +842,8 @@ fn closed_masqueraded_flows_give_their_ports_back_through_the_conntrack_gc() {
 /// that does not fit stops exactly where the kernel refused, so the writer's mirror stays true.
 #[test]
 fn batched_map_writes_report_exactly_what_was_written() {
-    use lb_agent::maps::{Capacities, MapOps};
+    use lb_agent::apply::MapOps;
+    use lb_common::catalog::Capacities;
     use lb_common::{
         backend::Backend4Value,
         service::{Svc4Key, Svc4Value},

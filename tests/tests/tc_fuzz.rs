@@ -28,8 +28,8 @@ use aya::maps::{HashMap as BpfHashMap, IterableMap, Map, MapData, MapInfo};
 use etherparse::{IpNumber, Ipv4Header, PacketBuilder};
 use lb_agent::{
     datapath::{DatapathError, OBJECT, TcRun},
-    maps::{MapOps, Snapshot},
-    run::NodeSettings,
+    apply::{MapOps, Snapshot},
+    node::NodeSettings,
     trace::ScratchDatapath,
     watch::ClusterState,
 };
@@ -251,7 +251,7 @@ struct World {
 
 impl World {
     fn read(s: &ScratchDatapath) -> (World, Snapshot) {
-        let maps = s.applier.maps();
+        let maps = s.maps();
         let snap = maps.snapshot().expect("snapshot of the scratch maps");
         let cfg = maps.config.get(&0, 0).expect("datapath config");
         let backends_by_id: BTreeMap<u32, (Ipv4Addr, u16, u8)> = snap
@@ -1159,7 +1159,7 @@ fn icmp_raw(from: Ipv4Addr, to: Ipv4Addr, kind: u8, code: u8, rest: [u8; 4], quo
 /// services map (the object keeps it; `KernelMaps` has no handle on it).
 fn conntrack_of(s: &ScratchDatapath) -> BpfHashMap<MapData, Ct4Key, Ct4Value> {
     let services_id = s
-        .applier
+        
         .maps()
         .services
         .map()

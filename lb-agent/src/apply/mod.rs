@@ -2,12 +2,15 @@
 //! only what differs, in an order that never lets a packet see a half-written Service.
 //!
 //! - `applier`: [`Applier`], the mirror of what was written, the diff against the desired state
-//!   and the make-before-break write order;
+//!   and the make-before-break write order (`adopt`: a restart's recovery; `fit`: whether a
+//!   Service fits and how it is written; `writes`: the writes);
+//! - `entries`: one frontend's map entries, built from its plan, and the names the maps store;
 //! - `ids`: backend and reverse-NAT id allocation (stable across restarts: recovered from maps);
 //! - `ops`: the [`MapOps`] trait, one method per kind of map write, so the writer runs against the
 //!   kernel ([`KernelMaps`], `kernel`) or an in-memory fake (`fake::FakeMaps`) in unit tests.
 
 pub mod applier;
+pub mod entries;
 pub mod fake;
 pub mod ids;
 pub mod kernel;

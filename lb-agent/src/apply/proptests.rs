@@ -22,7 +22,7 @@ use proptest::{collection::vec, prelude::*};
 
 use super::{
     Applier, ApplyReport, Snapshot,
-    applier::{service_port_name, svc_name},
+    entries::{service_port_name, svc_name},
     fake::FakeMaps,
 };
 use crate::{

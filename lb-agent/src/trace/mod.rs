@@ -101,7 +101,7 @@ fn backend_name(maps: &KernelMaps, id: u32) -> Option<String> {
 fn service_name(maps: &KernelMaps, rev_nat_id: u32) -> Option<String> {
     let name = maps.names.get(&rev_nat_id, 0).ok()?;
     let revnat = maps.revnat.get(&rev_nat_id, 0).ok()?;
-    Some(crate::apply::applier::service_port_name(&name, revnat.proto).to_string())
+    Some(crate::apply::entries::service_port_name(&name, revnat.proto).to_string())
 }
 
 /// Whether the request starts on the node (socket path).

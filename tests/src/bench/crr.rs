@@ -29,7 +29,8 @@ use lb_tests::process::{Place, Proc};
 
 /// CLOCK_MONOTONIC in nanoseconds (the same clock in every process).
 pub fn now_ns() -> u64 {
-    lb_agent::datapath::clock_ns(libc::CLOCK_MONOTONIC)
+    let ts = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC");
+    ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
 }
 
 /// Pins the calling process to one CPU.

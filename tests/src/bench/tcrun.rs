@@ -22,15 +22,17 @@
 
 use std::net::Ipv4Addr;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use lb_agent::{
-    datapath::{Datapath, OBJECT, SOCK_TRACE_PROGRAM},
-    maps::{Applier, Capacities},
-    run::NodeSettings,
+    datapath::{OBJECT, SOCK_TRACE_PROGRAM},
+    node::NodeSettings,
     trace::ScratchDatapath,
     watch::ClusterState,
 };
-use lb_common::trace::{SockTraceIn, SockTraceOut, TRACE_PACKET_LEN, hook, verdict};
+use lb_common::{
+    catalog::Capacities,
+    trace::{SockTraceIn, SockTraceOut, TRACE_PACKET_LEN, hook, verdict},
+};
 use lb_tests::{
     fixtures::{State, service, slice},
     packet,
@@ -102,8 +104,6 @@ fn scratch(n: u32) -> Result<ScratchDatapath> {
         source_ranges: 4096,
         conntrack: 262_144,
     };
-    let mut datapath = Datapath::load_unpinned(&caps, OBJECT).context("loading the eBPF object")?;
-    let maps = datapath.take_maps()?;
     let settings = NodeSettings {
         node_name: api::NODE.into(),
         cluster_cidrs: vec![topo::CLUSTER_CIDR.parse().expect("cidr")],
@@ -112,15 +112,8 @@ fn scratch(n: u32) -> Result<ScratchDatapath> {
         localhost_nodeports: true,
         bind_address: None,
     };
-    let mut s = ScratchDatapath {
-        datapath,
-        applier: Applier::new(maps, caps),
-        settings,
-        host_cookie: 0x1000_0001,
-        node_ips: vec![topo::NODE_IP.parse::<Ipv4Addr>().expect("ip")],
-    };
-    s.program(&state(n))?;
-    Ok(s)
+    let node_ips = [topo::NODE_IP.parse::<Ipv4Addr>().expect("ip")];
+    ScratchDatapath::with_capacities(&state(n), settings, &node_ips, OBJECT, caps)
 }
 
 /// A `SockTraceIn` as the packet `lb_sock_trace` reads.

@@ -2,11 +2,17 @@
 
 use std::{net::Ipv4Addr, sync::Arc};
 
-use lb_common::service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, flags};
+use lb_common::{
+    revnat::SvcName,
+    service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, SrcRange4, Svc4Key, flags},
+};
 
 use super::*;
 use crate::{
-    apply::fake::{FakeMaps, Op},
+    apply::{
+        Snapshot,
+        fake::{FakeMaps, Op},
+    },
     model::{Protocol, ServicePortName},
     plan::{FrontendKind, ScopePlan},
 };

@@ -1,0 +1,94 @@
+//! A restarted agent's writer adopts what the maps hold ([`Applier::recover`]): the mirror is
+//! rebuilt from a snapshot and the ids are reserved, so they stay stable and the next apply writes
+//! only the difference.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+};
+
+use lb_common::revnat::RevNat4Value;
+
+use super::{Applier, FrontendEntries, protocol_from, service_port_name};
+use crate::{
+    apply::{MapOps, Snapshot},
+    model::{Protocol, ServicePortName},
+    plan::{BackendAddr, Frontend},
+};
+
+impl<M: MapOps> Applier<M> {
+    pub(super) fn adopt(&mut self, snap: Snapshot) {
+        for (id, value) in &snap.backends {
+            let Some(proto) = protocol_from(value.proto) else {
+                continue;
+            };
+            if self.backend_ids.reserve(*id) {
+                let addr = BackendAddr {
+                    addr: Ipv4Addr::from(value.addr),
+                    port: value.port,
+                    proto,
+                };
+                self.backends.insert(addr, (*id, *value));
+                self.backend_addrs.insert(*id, addr);
+                // Adopted backends no slot points at are deleted by the next apply.
+                self.maybe_unused.insert(*id);
+            }
+        }
+        let mut by_rev: BTreeMap<u32, FrontendEntries> = BTreeMap::new();
+        for (key, value) in &snap.services {
+            let entries = by_rev.entry(value.rev_nat_id).or_insert_with(|| FrontendEntries {
+                rev_nat_id: value.rev_nat_id,
+                service: ServicePortName {
+                    namespace: String::new(),
+                    name: String::new(),
+                    port: String::new(),
+                    protocol: protocol_from(key.proto).unwrap_or(Protocol::Tcp),
+                },
+                services: BTreeMap::new(),
+                revnat: RevNat4Value {
+                    addr: key.addr,
+                    port: key.port,
+                    proto: key.proto,
+                    _pad: 0,
+                },
+                affinity_match: BTreeSet::new(),
+                source_ranges: BTreeSet::new(),
+            });
+            entries.services.insert(*key, *value);
+        }
+        for (id, revnat) in &snap.revnat {
+            if let Some(entries) = by_rev.get_mut(id) {
+                entries.revnat = *revnat;
+                if let Some(name) = snap.names.get(id) {
+                    entries.service = service_port_name(name, revnat.proto);
+                }
+            }
+        }
+        for key in &snap.affinity_match {
+            if let Some(entries) = by_rev.get_mut(&key.rev_nat_id) {
+                entries.affinity_match.insert(*key);
+            }
+        }
+        for (prefix, range) in &snap.source_ranges {
+            if let Some(entries) = by_rev.get_mut(&u32::from_be_bytes(range.rev_nat_id_be)) {
+                entries.source_ranges.insert((*prefix, (*range).into()));
+            }
+        }
+        for (id, entries) in by_rev {
+            let Some(proto) = protocol_from(entries.revnat.proto) else {
+                continue;
+            };
+            if !self.rev_ids.reserve(id) {
+                continue;
+            }
+            let frontend = Frontend {
+                addr: Ipv4Addr::from(entries.revnat.addr),
+                port: entries.revnat.port,
+                proto,
+            };
+            self.count_frontend(&entries, 1);
+            self.frontends.insert(frontend, entries);
+        }
+        self.occupancy.backends = self.backends.len() as u32;
+    }
+}

@@ -1,0 +1,166 @@
+//! Whether a Service's new entries fit the maps, and in which order and manner its frontends
+//! are written ([`Applier::plan_writes`]): make-before-break where the maps have room for the
+//! transient peak, break-before-make where only the net result fits.
+
+use lb_common::catalog;
+
+use super::{Applier, FrontendEntries};
+use crate::{apply::MapOps, plan::Frontend};
+
+impl<M: MapOps> Applier<M> {
+    /// The order and the manner in which to write a group of frontends (one Service), or why they
+    /// do not fit the maps.
+    ///
+    /// Make-before-break writes a frontend's new entries before it deletes its stale ones, so it
+    /// transiently needs room for both: a NodePort going from externalTrafficPolicy=Local (1 + 3
+    /// slots) to Cluster (5 slots) needs 4 more entries for a moment although its size does not
+    /// change. The peak is what must fit, map by map, counted in write order (a frontend's
+    /// deletions happen before the next frontend's writes).
+    ///
+    /// When the net result fits but the peak does not, the choice is between leaving the Service
+    /// as it was for as long as the map stays full (a stale policy, source ranges or backends,
+    /// with no end in sight) and rewriting it with a brief gap. We rewrite: the frontends whose
+    /// peak does not fit are written break-before-make ([`WriteMode::BreakBeforeMake`]): their
+    /// slot-0 entries are deleted first, so lookups miss the frontend exactly as if it were being
+    /// removed (never a count pointing at missing slots, never a frontend without its source
+    /// ranges), then the stale entries, then it is written as new. Only new connections to that
+    /// frontend during those few writes are affected; established flows keep their conntrack
+    /// entries, reverse-NAT id and backends. Shrinking frontends are written first then, to make
+    /// room. A group whose net result does not fit is refused, as before.
+    pub(super) fn plan_writes(
+        &self,
+        built: Vec<(Frontend, FrontendEntries)>,
+    ) -> Result<Vec<(Frontend, FrontendEntries, WriteMode)>, String> {
+        let deltas: Vec<[Delta; 3]> = built
+            .iter()
+            .map(|(frontend, new)| {
+                let old = self.frontends.get(frontend);
+                [
+                    delta(
+                        new.services.keys(),
+                        old.into_iter().flat_map(|o| o.services.keys()),
+                    ),
+                    delta(
+                        new.affinity_match.iter(),
+                        old.into_iter().flat_map(|o| o.affinity_match.iter()),
+                    ),
+                    delta(
+                        new.source_ranges.iter(),
+                        old.into_iter().flat_map(|o| o.source_ranges.iter()),
+                    ),
+                ]
+            })
+            .collect();
+        let used = [
+            i64::from(self.occupancy.services),
+            i64::from(self.occupancy.affinity_match),
+            i64::from(self.occupancy.source_ranges),
+        ];
+        let caps = [
+            i64::from(self.caps.services),
+            i64::from(self.caps.affinity_match),
+            i64::from(self.caps.source_ranges),
+        ];
+        // 1. Make-before-break throughout, in the usual order.
+        let mut running = used;
+        let mut fits = true;
+        for d in &deltas {
+            for m in 0..3 {
+                fits &= running[m] + d[m].added <= caps[m];
+                running[m] += d[m].net();
+            }
+        }
+        if fits {
+            return Ok(built
+                .into_iter()
+                .map(|(f, e)| (f, e, WriteMode::MakeBeforeBreak))
+                .collect());
+        }
+        // 2. Shrinking frontends first; break-before-make where the peak does not fit. A frontend
+        //    written break-before-make never holds more than max(before, after) entries.
+        let mut order: Vec<usize> = (0..built.len()).collect();
+        order.sort_by_key(|&i| deltas[i][0].net());
+        let mut running = used;
+        let mut modes = vec![WriteMode::MakeBeforeBreak; built.len()];
+        let mut peak = used;
+        for &i in &order {
+            let d = &deltas[i];
+            if (0..3).any(|m| running[m] + d[m].added > caps[m]) {
+                modes[i] = WriteMode::BreakBeforeMake;
+            }
+            for m in 0..3 {
+                running[m] += d[m].net();
+                peak[m] = peak[m].max(running[m]);
+            }
+        }
+        let names = [catalog::SERVICES, catalog::AFFINITY_MATCH, catalog::SOURCE_RANGES];
+        if let Some(m) = (0..3).find(|&m| peak[m] > caps[m]) {
+            return Err(format!(
+                "map {} is full ({} of {} entries used, {} more needed)",
+                names[m],
+                used[m],
+                caps[m],
+                peak[m] - used[m]
+            ));
+        }
+        let mut built: Vec<Option<(Frontend, FrontendEntries)>> = built.into_iter().map(Some).collect();
+        Ok(order
+            .into_iter()
+            .filter_map(|i| built[i].take().map(|(f, e)| (f, e, modes[i])))
+            .collect())
+    }
+}
+
+/// How a frontend is rewritten (see [`Applier::plan_writes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum WriteMode {
+    /// New entries first, slot 0 last, then the stale ones: lookups see the old or the new
+    /// frontend, never a gap; needs room for both for a moment.
+    MakeBeforeBreak,
+    /// Slot 0 and the stale entries first, then the new ones: lookups miss the frontend for a
+    /// moment; needs no more room than the larger of the old and new frontend.
+    BreakBeforeMake,
+}
+
+/// How one frontend changes the entry count of one map.
+#[derive(Clone, Copy, Debug, Default)]
+struct Delta {
+    /// Keys the new entries have and the old ones do not.
+    added: i64,
+    /// Keys the old entries have and the new ones do not.
+    removed: i64,
+}
+
+impl Delta {
+    fn net(self) -> i64 {
+        self.added - self.removed
+    }
+}
+
+/// Counts the keys only in `new` (added) and only in `old` (removed), from two sorted sequences.
+fn delta<K: Ord>(new: impl Iterator<Item = K>, old: impl Iterator<Item = K>) -> Delta {
+    let (mut new, mut old) = (new.peekable(), old.peekable());
+    let mut d = Delta::default();
+    loop {
+        let step = match (new.peek(), old.peek()) {
+            (Some(a), Some(b)) => a.cmp(b),
+            (Some(_), None) => std::cmp::Ordering::Less,
+            (None, Some(_)) => std::cmp::Ordering::Greater,
+            (None, None) => return d,
+        };
+        match step {
+            std::cmp::Ordering::Less => {
+                d.added += 1;
+                new.next();
+            }
+            std::cmp::Ordering::Greater => {
+                d.removed += 1;
+                old.next();
+            }
+            std::cmp::Ordering::Equal => {
+                new.next();
+                old.next();
+            }
+        }
+    }
+}
