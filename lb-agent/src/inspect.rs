@@ -147,8 +147,9 @@ type FrontendId = (u32, [u8; 4], u16, u8);
 /// A flow tuple: (source, source port, destination, destination port, protocol).
 type Tuple = ([u8; 4], u16, [u8; 4], u16, u8);
 
-fn frontends(paths: &PinPaths, snap: &Snapshot) -> Vec<FrontendView> {
-    // Flows per frontend from the flow-state maps (best effort: they may be absent).
+/// Live flows per frontend (rev_nat_id), from the flow-state maps (best effort: they may be
+/// absent).
+fn flow_counts(paths: &PinPaths) -> BTreeMap<u32, u64> {
     let mut flows: BTreeMap<u32, u64> = BTreeMap::new();
     if let Ok(ct) = open_hash::<Ct4Key, Ct4Value>(paths, catalog::CONNTRACK) {
         for (k, v) in ct.iter().flatten() {
@@ -162,6 +163,10 @@ fn frontends(paths: &PinPaths, snap: &Snapshot) -> Vec<FrontendView> {
             *flows.entry(v.rev_nat_id).or_default() += 1;
         }
     }
+    flows
+}
+
+fn frontends(snap: &Snapshot, flows: &BTreeMap<u32, u64>) -> Vec<FrontendView> {
     let mut by_frontend: BTreeMap<FrontendId, Vec<(Svc4Key, Svc4Value)>> = BTreeMap::new();
     for (k, v) in &snap.services {
         by_frontend
@@ -235,15 +240,15 @@ fn frontends(paths: &PinPaths, snap: &Snapshot) -> Vec<FrontendView> {
     out
 }
 
-/// Prints rows as an aligned table.
-fn table(header: &[&str], rows: &[Vec<String>]) {
+/// Rows as an aligned table.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in rows {
         for (i, cell) in row.iter().enumerate() {
             widths[i] = widths[i].max(cell.len());
         }
     }
-    let line = |cells: Vec<String>| {
+    let line = |cells: &[String]| {
         let mut s = String::new();
         for (i, c) in cells.iter().enumerate() {
             if i + 1 == cells.len() {
@@ -252,87 +257,95 @@ fn table(header: &[&str], rows: &[Vec<String>]) {
                 s.push_str(&format!("{c:<w$}  ", w = widths[i]));
             }
         }
-        println!("{}", s.trim_end());
+        format!("{}\n", s.trim_end())
     };
-    line(header.iter().map(|h| h.to_string()).collect());
+    let mut out = line(&header.iter().map(|h| h.to_string()).collect::<Vec<_>>());
     for row in rows {
-        line(row.clone());
+        out.push_str(&line(row));
     }
+    out
 }
 
 pub fn services(args: &InspectArgs) -> Result<()> {
     let (paths, maps) = open(args)?;
     let snap = maps.snapshot()?;
-    let views = frontends(&paths, &snap);
+    let views = frontends(&snap, &flow_counts(&paths));
     match args.output {
         OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&views)?),
-        OutputFormat::Table => {
-            let rows: Vec<Vec<String>> = views
-                .iter()
-                .map(|v| {
-                    let backends = v
-                        .scopes
-                        .iter()
-                        .map(|s| {
-                            let list = if s.backends.is_empty() {
-                                format!("(none: {})", s.when_empty)
-                            } else {
-                                s.backends
-                                    .iter()
-                                    .map(|b| {
-                                        let mut t = b.address.clone();
-                                        if b.local {
-                                            t.push_str(" local");
-                                        }
-                                        if b.terminating {
-                                            t.push_str(" terminating");
-                                        }
-                                        t
-                                    })
-                                    .collect::<Vec<_>>()
-                                    .join(", ")
-                            };
-                            if v.scopes.len() > 1 {
-                                format!("{}: {list}", s.scope)
-                            } else {
-                                list
-                            }
-                        })
-                        .collect::<Vec<_>>()
-                        .join(" | ");
-                    let mut notes = Vec::new();
-                    if let Some(t) = v.affinity_timeout_seconds {
-                        notes.push(format!("affinity {t}s"));
-                    }
-                    if !v.source_ranges.is_empty() {
-                        notes.push(format!("from {}", v.source_ranges.join(",")));
-                    }
-                    vec![
-                        v.service.clone(),
-                        v.frontend.clone(),
-                        v.kind.to_string(),
-                        v.masquerade.to_string(),
-                        v.flows.to_string(),
-                        notes.join("; "),
-                        backends,
-                    ]
-                })
-                .collect();
-            table(
-                &[
-                    "SERVICE",
-                    "FRONTEND",
-                    "TYPE",
-                    "MASQUERADE",
-                    "FLOWS",
-                    "NOTES",
-                    "BACKENDS",
-                ],
-                &rows,
-            );
-        }
+        OutputFormat::Table => print!("{}", services_table(&views)),
     }
     Ok(())
+}
+
+/// `lb-agent services` as a table, from what the maps hold (`flows`: live flows per frontend).
+pub fn services_text(snap: &Snapshot, flows: &BTreeMap<u32, u64>) -> String {
+    services_table(&frontends(snap, flows))
+}
+
+fn services_table(views: &[FrontendView]) -> String {
+    let rows: Vec<Vec<String>> = views
+        .iter()
+        .map(|v| {
+            let backends = v
+                .scopes
+                .iter()
+                .map(|s| {
+                    let list = if s.backends.is_empty() {
+                        format!("(none: {})", s.when_empty)
+                    } else {
+                        s.backends
+                            .iter()
+                            .map(|b| {
+                                let mut t = b.address.clone();
+                                if b.local {
+                                    t.push_str(" local");
+                                }
+                                if b.terminating {
+                                    t.push_str(" terminating");
+                                }
+                                t
+                            })
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    };
+                    if v.scopes.len() > 1 {
+                        format!("{}: {list}", s.scope)
+                    } else {
+                        list
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(" | ");
+            let mut notes = Vec::new();
+            if let Some(t) = v.affinity_timeout_seconds {
+                notes.push(format!("affinity {t}s"));
+            }
+            if !v.source_ranges.is_empty() {
+                notes.push(format!("from {}", v.source_ranges.join(",")));
+            }
+            vec![
+                v.service.clone(),
+                v.frontend.clone(),
+                v.kind.to_string(),
+                v.masquerade.to_string(),
+                v.flows.to_string(),
+                notes.join("; "),
+                backends,
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "SERVICE",
+            "FRONTEND",
+            "TYPE",
+            "MASQUERADE",
+            "FLOWS",
+            "NOTES",
+            "BACKENDS",
+        ],
+        &rows,
+    )
 }
 
 #[derive(Serialize)]
@@ -347,7 +360,20 @@ struct BackendRow {
 
 pub fn backends(args: &InspectArgs) -> Result<()> {
     let (_, maps) = open(args)?;
-    let snap = maps.snapshot()?;
+    let rows = backend_rows(&maps.snapshot()?);
+    match args.output {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
+        OutputFormat::Table => print!("{}", backends_table(&rows)),
+    }
+    Ok(())
+}
+
+/// `lb-agent backends` as a table, from what the maps hold.
+pub fn backends_text(snap: &Snapshot) -> String {
+    backends_table(&backend_rows(snap))
+}
+
+fn backend_rows(snap: &Snapshot) -> Vec<BackendRow> {
     let mut users: BTreeMap<u32, std::collections::BTreeSet<String>> = BTreeMap::new();
     for (k, v) in &snap.services {
         if k.slot > 0 {
@@ -374,31 +400,31 @@ pub fn backends(args: &InspectArgs) -> Result<()> {
                 .unwrap_or_default(),
         })
         .collect();
-    match args.output {
-        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
-        OutputFormat::Table => table(
-            &["ID", "BACKEND", "PROTO", "STATE", "SERVICES"],
-            &rows
-                .iter()
-                .map(|r| {
-                    let state = match (r.local, r.terminating) {
-                        (true, true) => "local, terminating",
-                        (true, false) => "local",
-                        (false, true) => "terminating",
-                        (false, false) => "-",
-                    };
-                    vec![
-                        r.id.to_string(),
-                        r.address.clone(),
-                        r.protocol.into(),
-                        state.into(),
-                        r.services.join(", "),
-                    ]
-                })
-                .collect::<Vec<_>>(),
-        ),
-    }
-    Ok(())
+    rows
+}
+
+fn backends_table(rows: &[BackendRow]) -> String {
+    table(
+        &["ID", "BACKEND", "PROTO", "STATE", "SERVICES"],
+        &rows
+            .iter()
+            .map(|r| {
+                let state = match (r.local, r.terminating) {
+                    (true, true) => "local, terminating",
+                    (true, false) => "local",
+                    (false, true) => "terminating",
+                    (false, false) => "-",
+                };
+                vec![
+                    r.id.to_string(),
+                    r.address.clone(),
+                    r.protocol.into(),
+                    state.into(),
+                    r.services.join(", "),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    )
 }
 
 #[derive(Serialize)]
@@ -457,32 +483,35 @@ pub fn conntrack(args: &InspectArgs) -> Result<()> {
         .collect();
     match args.output {
         OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
-        OutputFormat::Table => table(
-            &[
-                "PROTO",
-                "CLIENT",
-                "FRONTEND",
-                "BACKEND",
-                "MASQUERADED AS",
-                "AGE",
-                "STATE",
-                "SERVICE",
-            ],
-            &rows
-                .iter()
-                .map(|r| {
-                    vec![
-                        r.protocol.into(),
-                        r.client.clone(),
-                        r.frontend.clone(),
-                        r.backend.clone(),
-                        r.masquerade.clone().unwrap_or_else(|| "-".into()),
-                        r.age.clone(),
-                        r.state.into(),
-                        r.service.clone(),
-                    ]
-                })
-                .collect::<Vec<_>>(),
+        OutputFormat::Table => print!(
+            "{}",
+            table(
+                &[
+                    "PROTO",
+                    "CLIENT",
+                    "FRONTEND",
+                    "BACKEND",
+                    "MASQUERADED AS",
+                    "AGE",
+                    "STATE",
+                    "SERVICE",
+                ],
+                &rows
+                    .iter()
+                    .map(|r| {
+                        vec![
+                            r.protocol.into(),
+                            r.client.clone(),
+                            r.frontend.clone(),
+                            r.backend.clone(),
+                            r.masquerade.clone().unwrap_or_else(|| "-".into()),
+                            r.age.clone(),
+                            r.state.into(),
+                            r.service.clone(),
+                        ]
+                    })
+                    .collect::<Vec<_>>(),
+            )
         ),
     }
     Ok(())
@@ -522,19 +551,22 @@ pub fn affinity(args: &InspectArgs) -> Result<()> {
         .collect();
     match args.output {
         OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
-        OutputFormat::Table => table(
-            &["CLIENT", "SERVICE", "BACKEND", "IDLE"],
-            &rows
-                .iter()
-                .map(|r| {
-                    vec![
-                        r.client.clone(),
-                        r.service.clone(),
-                        r.backend.clone(),
-                        r.idle.clone(),
-                    ]
-                })
-                .collect::<Vec<_>>(),
+        OutputFormat::Table => print!(
+            "{}",
+            table(
+                &["CLIENT", "SERVICE", "BACKEND", "IDLE"],
+                &rows
+                    .iter()
+                    .map(|r| {
+                        vec![
+                            r.client.clone(),
+                            r.service.clone(),
+                            r.backend.clone(),
+                            r.idle.clone(),
+                        ]
+                    })
+                    .collect::<Vec<_>>(),
+            )
         ),
     }
     Ok(())
@@ -552,12 +584,15 @@ pub fn stats(args: &InspectArgs) -> Result<()> {
                 rows.iter().map(|(n, v)| (n.to_string(), (*v).into())).collect();
             println!("{}", serde_json::to_string_pretty(&obj)?);
         }
-        OutputFormat::Table => table(
-            &["EVENT", "TOTAL"],
-            &rows
-                .iter()
-                .map(|(n, v)| vec![n.to_string(), v.to_string()])
-                .collect::<Vec<_>>(),
+        OutputFormat::Table => print!(
+            "{}",
+            table(
+                &["EVENT", "TOTAL"],
+                &rows
+                    .iter()
+                    .map(|(n, v)| vec![n.to_string(), v.to_string()])
+                    .collect::<Vec<_>>(),
+            )
         ),
     }
     Ok(())
