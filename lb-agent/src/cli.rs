@@ -107,7 +107,8 @@ pub struct TraceArgs {
     /// the live pinned maps (which are then never touched).
     #[arg(long)]
     pub manifests: Option<PathBuf>,
-    /// The node's IPs (NodePort addresses and "traffic from the node").
+    /// The addresses on the node's interfaces (where NodePorts are served, and what "traffic
+    /// from the node" comes from); with `--manifests`, what the agent would find on the node.
     #[arg(long = "node-ip")]
     pub node_ips: Vec<std::net::Ipv4Addr>,
     #[command(flatten)]
@@ -143,16 +144,18 @@ pub struct NodeArgs {
     /// SNAT all traffic sent via Service cluster IPs (tc path).
     #[arg(long)]
     pub masquerade_all: bool,
+    /// This node's primary IP (kube-proxy's --bind-address), when the Node object gives none.
+    #[arg(long)]
+    pub bind_address: Option<Ipv4Addr>,
+    /// Serve NodePorts on 127.0.0.1 when --nodeport-addresses includes loopback (kube-proxy's
+    /// --iptables-localhost-nodeports; no route_localnet needed here).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub iptables_localhost_nodeports: bool,
 }
 
 impl NodeArgs {
-    /// The node's settings: these flags, with `--iptables-localhost-nodeports` and
-    /// `--bind-address` (which live beside them).
-    pub fn settings(
-        &self,
-        localhost_nodeports: bool,
-        bind_address: Option<Ipv4Addr>,
-    ) -> anyhow::Result<NodeSettings> {
+    /// The node's settings from these flags (the agent's and `trace`'s alike).
+    pub fn settings(&self) -> anyhow::Result<NodeSettings> {
         let args = self;
         let mut cluster_cidrs = Vec::new();
         for cidr in &args.cluster_cidr {
@@ -181,8 +184,8 @@ impl NodeArgs {
             cluster_cidrs,
             nodeport_addresses,
             masquerade_all: args.masquerade_all,
-            localhost_nodeports,
-            bind_address,
+            localhost_nodeports: args.iptables_localhost_nodeports,
+            bind_address: args.bind_address,
         })
     }
 }
@@ -205,13 +208,6 @@ pub struct RunArgs {
     pub manifests: Option<PathBuf>,
     #[command(flatten)]
     pub node: NodeArgs,
-    /// This node's primary IP (kube-proxy's --bind-address), when the Node object gives none.
-    #[arg(long)]
-    pub bind_address: Option<std::net::Ipv4Addr>,
-    /// Serve NodePorts on 127.0.0.1 when --nodeport-addresses includes loopback (kube-proxy's
-    /// --iptables-localhost-nodeports; no route_localnet needed here).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    pub iptables_localhost_nodeports: bool,
     /// /healthz and /livez (empty disables).
     #[arg(long, default_value = "0.0.0.0:10256")]
     pub healthz_bind_address: String,

@@ -56,10 +56,10 @@ fn read_case(dir: &Path) -> Case {
     }
     let cli = Cli::try_parse_from(std::iter::once("lb-agent").chain(flags.split_whitespace()))
         .unwrap_or_else(|e| panic!("{}: flags {flags:?}: {e}", dir.display()));
-    let run = cli.run;
-    let settings = run
+    let settings = cli
+        .run
         .node
-        .settings(run.iptables_localhost_nodeports, run.bind_address)
+        .settings()
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     let addresses = addresses
         .split_whitespace()

@@ -56,8 +56,8 @@ impl Agent {
             .args(&opts.extra_args)
             .env(
                 "RUST_LOG",
-                // lb_agent::run at debug: a sync that changes nothing says so at debug only.
-                std::env::var("LB_AGENT_LOG").unwrap_or_else(|_| "info,lb_agent::run=debug".into()),
+                // lb_agent::agent at debug: a sync that changes nothing says so at debug only.
+                std::env::var("LB_AGENT_LOG").unwrap_or_else(|_| "info,lb_agent::agent=debug".into()),
             )
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -594,13 +594,13 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
     assert_eq!(run.node.cluster_cidr, vec!["10.244.0.0/16"]);
     assert_eq!(run.sync_period, Duration::from_secs(30));
     assert_eq!(run.min_sync_period, Duration::from_millis(100));
-    assert!(run.iptables_localhost_nodeports && !run.node.masquerade_all);
+    assert!(run.node.iptables_localhost_nodeports && !run.node.masquerade_all);
     assert_eq!(run.bpf.root.bpf_root, Path::new("/sys/fs/bpf/lb"));
     assert_eq!(
         run.bpf.cgroup_root, None,
         "the cgroup2 mount is found, not configured"
     );
-    run.node.settings(run.iptables_localhost_nodeports, run.bind_address)?;
+    run.node.settings()?;
 
     // 6. The DaemonSet's shape.
     let spec = &daemon_set.spec;

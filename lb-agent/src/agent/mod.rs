@@ -146,9 +146,7 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
             tracing::info!("{note}");
         }
     }
-    let settings = args
-        .node
-        .settings(args.iptables_localhost_nodeports, args.bind_address)?;
+    let settings = args.node.settings()?;
     // The kernel before anything is loaded or pinned: refuse one the data path cannot run on,
     // and say what changes on one that lacks a feature with a fallback.
     let kernel = datapath::features::current()?;

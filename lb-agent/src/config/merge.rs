@@ -118,7 +118,7 @@ pub fn merge_with(
         flag::BIND_ADDRESS,
         "bindAddress",
         &file.bind_address,
-        args.bind_address,
+        args.node.bind_address,
         Some,
         show_ip
     );
@@ -199,7 +199,7 @@ pub fn merge_with(
         flag::LOCALHOST_NODEPORTS,
         "iptables.localhostNodePorts",
         &file.localhost_nodeports,
-        args.iptables_localhost_nodeports,
+        args.node.iptables_localhost_nodeports,
         |v| v,
         show_bool
     );

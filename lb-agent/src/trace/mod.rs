@@ -328,9 +328,9 @@ pub fn run(args: &TraceArgs) -> Result<()> {
         protocol,
     };
     let object = datapath::object_bytes(None)?;
-    // The node the trace stands for has the `--node-ip` addresses on its interfaces, the first
-    // being its primary IP when its Node object gives none (the agent's `--bind-address`).
-    let settings = args.node.settings(true, args.node_ips.first().copied())?;
+    // The node the trace stands for has the `--node-ip` addresses on its interfaces and the
+    // agent's flags; the rest is derived as the agent derives it.
+    let settings = args.node.settings()?;
     let (result, details) = match &args.manifests {
         Some(dir) => {
             let loaded = manifests::load_dir(dir, &settings.node_name)?;

@@ -62,7 +62,7 @@ fn merge_explicit_flags_win() {
     assert_eq!(args.node.cluster_cidr, vec!["10.244.0.0/16"]);
     assert_eq!(args.kubeconfig, Some(PathBuf::from("/etc/kube-proxy/kubeconfig")));
     assert!(args.node.masquerade_all);
-    assert!(!args.iptables_localhost_nodeports);
+    assert!(!args.node.iptables_localhost_nodeports);
     assert_eq!(args.healthz_bind_address, "0.0.0.0:20256");
     assert_eq!(args.log_format, LogFormat::Json);
     // Untouched by the file: defaults stay.
