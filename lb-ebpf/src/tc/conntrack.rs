@@ -1,0 +1,193 @@
+//! Connection tracking on existing flows: the conntrack lookups of TCP/UDP packets at ingress (an
+//! established flow, or a reply to a masqueraded one; anything else is a `new_flow`) and at egress
+//! (SNAT, reverse DNAT), close and liveness notes on entries, and the un-SNAT mark.
+
+use aya_ebpf::{
+    bindings::TC_ACT_OK,
+    helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
+    programs::TcContext,
+};
+use lb_common::{
+    conntrack::{Ct4Value, dir, flags as ct},
+    proto,
+    revnat::RevNat4Value,
+    stats::Counter,
+};
+
+use super::{
+    nat::apply,
+    new_flow::new_flow,
+    parse::{Flow, Packet},
+};
+use crate::{
+    features, lb,
+    maps::{CONNTRACK, REVNAT},
+    stats::count,
+};
+
+/// skb->mark set by ingress on an un-SNATed reply so that egress restores the frontend as its
+/// source: `MARK_MAGIC | rev_nat_id`. Cleared by egress.
+pub const MARK_MAGIC: u32 = 0x5EA0_0000;
+pub const MARK_MASK: u32 = 0xFFF0_0000;
+pub const MARK_ID: u32 = 0x000F_FFFF;
+
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
+/// How often a UDP reply refreshes its entry's `last_seen_ns` (the GC's idle clock).
+const UDP_REPLY_REFRESH_NS: u64 = 1_000_000_000;
+/// A SYN on a tracked TCP tuple older than this starts a new connection (a port reused after
+/// close); a younger one is a retransmission and keeps its backend.
+const SYN_REUSE_NS: u64 = 1_000_000_000;
+
+#[inline(always)]
+pub(super) fn now_ns() -> u64 {
+    // Both read CLOCK_MONOTONIC; the coarse one is cheaper and precise enough for timeouts.
+    if features::ktime_coarse() {
+        unsafe { bpf_ktime_get_coarse_ns() }
+    } else {
+        unsafe { bpf_ktime_get_ns() }
+    }
+}
+
+/// A TCP or UDP packet at ingress: a tracked flow's, else a new flow.
+#[inline(always)]
+pub(super) fn l4_ingress(ctx: &mut TcContext, pkt: &Packet) -> i32 {
+    let key = pkt.flow.key(dir::INGRESS);
+    if let Some(ptr) = CONNTRACK.get_ptr_mut(&key) {
+        let entry = unsafe { *ptr };
+        if entry.flags & ct::REPLY != 0 {
+            // A reply to a masqueraded flow: back to the client, and egress restores the frontend.
+            note_reply(ptr, pkt);
+            ctx.set_mark(MARK_MAGIC | (entry.rev_nat_id & MARK_ID));
+            return apply(ctx, pkt, false, entry.nat_addr, entry.nat_port);
+        }
+        let keep = if pkt.flow.proto == proto::TCP {
+            // A fresh SYN on an old tuple is a new connection; everything else keeps its backend.
+            pkt.tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN
+                || now_ns().saturating_sub(entry.created_ns) < SYN_REUSE_NS
+        } else {
+            // UDP has no connection end: a flow whose backend is gone moves to a live one (the
+            // stale-UDP-conntrack problem of kube-proxy).
+            let alive = lb::lookup_backend(entry.backend_id)
+                .is_some_and(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
+            if alive {
+                unsafe { (*ptr).last_seen_ns = now_ns() };
+            } else {
+                count(Counter::TcStaleUdpMoved);
+            }
+            alive
+        };
+        if keep {
+            note_close(ptr, pkt, ct::FIN_FORWARD);
+            return apply(ctx, pkt, false, entry.nat_addr, entry.nat_port);
+        }
+    }
+    new_flow(ctx, pkt)
+}
+
+/// A TCP/UDP packet at egress: a reply ingress un-SNATed (`mark`, when `ours`) gets its frontend
+/// back as the source; a packet on a tracked egress entry is SNATed or reverse-DNATed.
+#[inline(always)]
+pub(super) fn established_egress(ctx: &mut TcContext, pkt: &Packet, mark: u32, ours: bool) -> i32 {
+    let flow = pkt.flow;
+    if ours {
+        match marked_reply(
+            mark,
+            (flow.daddr, flow.dport),
+            (flow.saddr, flow.sport),
+            flow.proto,
+        ) {
+            Some(frontend) => {
+                // A reply un-SNATed at ingress: the client called the frontend.
+                ctx.set_mark(0);
+                return apply(ctx, pkt, true, frontend.addr, frontend.port);
+            }
+            None => count(Counter::TcForeignMark),
+        }
+    }
+    match CONNTRACK.get_ptr_mut(&flow.key(dir::EGRESS)) {
+        Some(ptr) => {
+            let entry = unsafe { *ptr };
+            if entry.flags & ct::REPLY != 0 {
+                note_reply(ptr, pkt);
+            }
+            apply(ctx, pkt, true, entry.nat_addr, entry.nat_port)
+        }
+        None => TC_ACT_OK,
+    }
+}
+
+/// Close tracking for the agent's conntrack GC: the first FIN (in `fin` direction) or RST that
+/// passes a TCP entry marks it, with the time. One map write per closing packet, none for others.
+#[inline(always)]
+fn note_close(ptr: *mut Ct4Value, pkt: &Packet, fin: u16) {
+    if pkt.flow.proto != proto::TCP {
+        return;
+    }
+    let mark = if pkt.tcp_flags & TCP_RST != 0 {
+        ct::RESET
+    } else if pkt.tcp_flags & TCP_FIN != 0 {
+        fin
+    } else {
+        return;
+    };
+    // SAFETY: `ptr` points into a map value the caller just looked up.
+    unsafe {
+        if (*ptr).flags & mark == 0 {
+            (*ptr).flags |= mark;
+            (*ptr).last_seen_ns = now_ns();
+        }
+    }
+}
+
+/// A packet from the backend on one of its flow's reply entries: TCP closes are marked, and a
+/// UDP flow whose traffic is all replies stays alive for the GC (refreshed at most once a second).
+#[inline(always)]
+pub(super) fn note_reply(ptr: *mut Ct4Value, pkt: &Packet) {
+    if pkt.flow.proto == proto::UDP {
+        let now = now_ns();
+        // SAFETY: as in `note_close`.
+        unsafe {
+            if now.saturating_sub((*ptr).last_seen_ns) >= UDP_REPLY_REFRESH_NS {
+                (*ptr).last_seen_ns = now;
+            }
+        }
+    } else {
+        note_close(ptr, pkt, ct::FIN_REPLY);
+    }
+}
+
+/// The frontend an un-SNAT mark names, if the packet (`backend` -> `client`) really is a reply
+/// of the flow ingress un-SNATed: the client's forward entry to that frontend must point at this
+/// backend. Other components use skb->mark too (Cilium keeps identities in the upper bits); a
+/// mark that merely looks like ours must not rewrite anything.
+#[inline(always)]
+pub(super) fn marked_reply(
+    mark: u32,
+    client: ([u8; 4], u16),
+    backend: ([u8; 4], u16),
+    proto: u8,
+) -> Option<RevNat4Value> {
+    if mark & MARK_MASK != MARK_MAGIC {
+        return None;
+    }
+    let id = mark & MARK_ID;
+    let frontend = REVNAT.get_ptr(&id).map(|p| unsafe { *p })?;
+    let forward = Flow {
+        saddr: client.0,
+        daddr: frontend.addr,
+        sport: client.1,
+        dport: frontend.port,
+        proto,
+    };
+    let entry = CONNTRACK
+        .get_ptr(&forward.key(dir::INGRESS))
+        .map(|p| unsafe { *p })?;
+    let ours = entry.flags & ct::REPLY == 0
+        && entry.rev_nat_id & MARK_ID == id
+        && entry.nat_addr == backend.0
+        && entry.nat_port == backend.1;
+    ours.then_some(frontend)
+}
