@@ -63,7 +63,10 @@ fn read_case(dir: &Path) -> Case {
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     let addresses = addresses
         .split_whitespace()
-        .map(|a| a.parse().unwrap_or_else(|e| panic!("{}: address {a:?}: {e}", dir.display())))
+        .map(|a| {
+            a.parse()
+                .unwrap_or_else(|e| panic!("{}: address {a:?}: {e}", dir.display()))
+        })
         .collect();
     Case {
         dir: dir.to_owned(),
@@ -90,7 +93,12 @@ fn render(p: &Programmer<FakeMaps>) -> String {
     writeln!(out, "\n$ lb-agent backends").unwrap();
     out.push_str(&backends_text(snap));
     let masquerade = p.maps().config.map(|c| Ipv4Addr::from(c.snat_addr));
-    writeln!(out, "\nmasquerade address: {}", masquerade.map_or("-".into(), |a| a.to_string())).unwrap();
+    writeln!(
+        out,
+        "\nmasquerade address: {}",
+        masquerade.map_or("-".into(), |a| a.to_string())
+    )
+    .unwrap();
     let problems = p.planner().problems();
     writeln!(out, "problems:{}", if problems.is_empty() { " none" } else { "" }).unwrap();
     for problem in problems {
@@ -112,7 +120,12 @@ fn full(case: &Case, state: &ClusterState) -> String {
     let (_, report) = p.program_all(&ClusterState::default(), &view);
     assert!(report.is_clean(), "{report:?}");
     let (_, report) = p.program_all(state, &view);
-    assert!(report.errors.is_empty(), "{}: {:?}", case.dir.display(), report.errors);
+    assert!(
+        report.errors.is_empty(),
+        "{}: {:?}",
+        case.dir.display(),
+        report.errors
+    );
     render(&p)
 }
 
@@ -143,7 +156,12 @@ fn incremental(case: &Case, state: &ClusterState) -> String {
                 .collect();
             (service, of_service)
         });
-        assert!(report.errors.is_empty(), "{}: {:?}", case.dir.display(), report.errors);
+        assert!(
+            report.errors.is_empty(),
+            "{}: {:?}",
+            case.dir.display(),
+            report.errors
+        );
     }
     render(&p)
 }
@@ -214,7 +232,9 @@ fn golden_cases() {
         }
         let expected = fs::read_to_string(&expected_path).unwrap_or_default();
         if expected != got {
-            failed.push(format!("--- {name}: expected\n{expected}\n+++ {name}: got\n{got}"));
+            failed.push(format!(
+                "--- {name}: expected\n{expected}\n+++ {name}: got\n{got}"
+            ));
         }
     }
     assert!(

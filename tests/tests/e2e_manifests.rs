@@ -40,12 +40,7 @@ use kube::{
     Resource,
     api::{Api, PostParams},
 };
-use lb_agent::{
-    cli::Cli,
-    config,
-    events::EventPublisher,
-    watch::kube::KubeSource,
-};
+use lb_agent::{cli::Cli, config, events::EventPublisher, watch::kube::KubeSource};
 use lb_tests::control_plane::ControlPlane;
 use serde_json::Value;
 

@@ -4,9 +4,7 @@
 //! kernel's version guarantees (a probe that wrongly said "no" would silently put a whole fleet
 //! on a fallback).
 
-use lb_agent::{
-    datapath::{Datapath, OBJECT, features},
-};
+use lb_agent::datapath::{Datapath, OBJECT, features};
 use lb_common::catalog::Capacities;
 use lb_tests::require_root;
 

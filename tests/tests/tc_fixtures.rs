@@ -503,7 +503,6 @@ fn a_reject_never_answers_a_source_icmp_errors_may_not_go_to() {
     p[0..6].copy_from_slice(&[0xff; 6]);
     assert_eq!(ingress(&mut s, &p).action, SHOT, "link-layer broadcast");
     let unanswerable = s
-        
         .maps()
         .counter(lb_common::stats::Counter::TcRejectUnanswerable as u32);
     assert_eq!(unanswerable, 8);
@@ -538,7 +537,6 @@ fn reject_answers_are_rate_limited_like_the_kernels_icmp_errors() {
         "{answered} answers in {elapsed_ms} ms (ceiling {ceiling})"
     );
     let limited = s
-        
         .maps()
         .counter(lb_common::stats::Counter::TcRejectRateLimited as u32);
     assert_eq!(
@@ -832,7 +830,8 @@ fn closed_masqueraded_flows_give_their_ports_back_through_the_conntrack_gc() {
         &mut s,
         &packet::tcp(BACKEND, 8080, NODE_IP, b).closing(Close::Rst).build(),
     );
-    let later = lb_agent::time::monotonic_coarse_ns() + timeouts.tcp_fin_timeout.as_nanos() as u64 + 1_000_000_000;
+    let later =
+        lb_agent::time::monotonic_coarse_ns() + timeouts.tcp_fin_timeout.as_nanos() as u64 + 1_000_000_000;
     let report = conntrack::collect(&mut ct, later, &timeouts).expect("gc");
     assert_eq!(report.deleted, vec![(conntrack::Reason::Closed, 3)], "{report:?}");
     assert_eq!(connect(&mut s, 41003), Some(b));

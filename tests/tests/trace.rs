@@ -149,7 +149,13 @@ fn trace(
 }
 
 fn expect(verdict: &str, backends: &[&str], masquerade: bool, path: &str) -> Value {
-    json!({"verdict": verdict, "backends": backends, "masquerade": masquerade, "path": path})
+    let mut answer =
+        json!({"verdict": verdict, "backends": backends, "masquerade": masquerade, "path": path});
+    if masquerade {
+        // No Node object and no --bind-address: the first NodePort address, the only uplink.
+        answer["masquerade_source"] = NODE_IP.into();
+    }
+    answer
 }
 
 #[test]
@@ -319,4 +325,196 @@ fn table_output_names_the_service() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("t/web:http"), "{text}");
     assert!(text.contains("VERDICT   dnat"), "{text}");
+}
+
+/// One shape of node: what its Node object says of its addresses, and the agent's flags.
+struct NodeShape {
+    name: &'static str,
+    /// `status.addresses` of the Node object: (type, address).
+    node_addresses: &'static [(&'static str, &'static str)],
+    flags: &'static [&'static str],
+    /// The masquerade address kube-proxy's rules give this node.
+    masquerade: &'static str,
+}
+
+/// The node's interfaces carry both of these (and loopback).
+const UPLINKS: [&str; 2] = ["192.168.50.11", "172.16.0.11"];
+
+const SHAPES: &[NodeShape] = &[
+    NodeShape {
+        name: "InternalIP only",
+        node_addresses: &[("InternalIP", "192.168.50.11"), ("Hostname", "node-a")],
+        flags: &[],
+        masquerade: "192.168.50.11",
+    },
+    NodeShape {
+        name: "ExternalIP only",
+        node_addresses: &[("ExternalIP", "172.16.0.11")],
+        flags: &[],
+        masquerade: "172.16.0.11",
+    },
+    NodeShape {
+        name: "both: InternalIP first",
+        node_addresses: &[("ExternalIP", "192.168.50.11"), ("InternalIP", "172.16.0.11")],
+        flags: &[],
+        masquerade: "172.16.0.11",
+    },
+    NodeShape {
+        name: "no addresses, --nodeport-addresses set",
+        node_addresses: &[],
+        flags: &["--nodeport-addresses", "172.16.0.0/16"],
+        masquerade: "172.16.0.11",
+    },
+    NodeShape {
+        name: "no addresses, --bind-address",
+        node_addresses: &[],
+        flags: &["--bind-address", "172.16.0.11"],
+        masquerade: "172.16.0.11",
+    },
+    NodeShape {
+        name: "an address of the other family",
+        node_addresses: &[("InternalIP", "2001:db8::11"), ("ExternalIP", "172.16.0.11")],
+        flags: &["--nodeport-addresses", "2001:db8::/64,primary"],
+        masquerade: "172.16.0.11",
+    },
+];
+
+fn node_object(addresses: &[(&str, &str)]) -> String {
+    let list: Vec<Value> = addresses
+        .iter()
+        .map(|(kind, address)| json!({"type": kind, "address": address}))
+        .collect();
+    let node = json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": "zone-a"}},
+        "status": {"addresses": list},
+    });
+    format!("---\n{node}\n")
+}
+
+/// `lb-agent trace` and the agent program the same maps: for node shapes whose derivation takes
+/// different fallbacks, the real agent (in a namespace whose interfaces carry `UPLINKS`) and
+/// trace's scratch data path (told the same flags and `--node-ip`s) hold the same frontends,
+/// backends and `lb_config`, and trace reports the masquerade address the agent programmed.
+#[test]
+fn trace_and_the_agent_agree_on_every_node_shape() {
+    use lb_agent::{
+        apply::MapOps,
+        cli::Cli,
+        datapath::{OBJECT, PinPaths},
+        inspect::{backends_text, services_text},
+        trace::ScratchDatapath,
+        watch::manifests,
+    };
+    use lb_tests::{
+        agent::{Agent, AgentOptions, bpf_root_in},
+        bpffs::BpfFs,
+        cgroup::Cgroup,
+        netns::{NetNs, veth},
+    };
+
+    require_root();
+    for shape in SHAPES {
+        let dir = manifests();
+        std::fs::write(dir.path().join("node.yaml"), node_object(shape.node_addresses)).unwrap();
+        let mut flags = vec!["--hostname-override", "node-a", "--cluster-cidr", "10.244.0.0/16"];
+        flags.extend_from_slice(shape.flags);
+
+        // The node's uplink: one end of a veth pair (the other in a namespace of its own).
+        let ns = NetNs::new("lbshape");
+        let peer = NetNs::new("lbpeer");
+        veth(&ns, "up0", None, &peer, "up0p", None);
+        for addr in UPLINKS {
+            ns.ip(&["addr", "add", &format!("{addr}/24"), "dev", "up0"]);
+        }
+        let cgroup = Cgroup::new("lbshape");
+        let bpffs = BpfFs::new();
+        let bpf_root = bpf_root_in(bpffs.path());
+        let agent = Agent::start(AgentOptions {
+            netns: &ns,
+            cgroup: &cgroup,
+            bpf_root: bpf_root.clone(),
+            node_name: "node-a".into(),
+            manifests: Some(dir.path().to_path_buf()),
+            kubeconfig: None,
+            extra_args: flags.iter().skip(2).map(|s| s.to_string()).collect(),
+        });
+        let pinned = lb_agent::apply::KernelMaps::from_pins(&PinPaths::new(&bpf_root).maps())
+            .expect("the agent's pinned maps");
+        let agent_snap = pinned.snapshot().expect("snapshot");
+        let agent_config = pinned.config.get(&0, 0).expect("lb_config");
+
+        let cli =
+            <Cli as clap::Parser>::try_parse_from(std::iter::once("lb-agent").chain(flags.iter().copied()))
+                .expect("flags");
+        let settings = cli.run.node.settings().expect("settings");
+        let loaded = manifests::load_dir(dir.path(), "node-a").expect("manifests");
+        let uplinks: Vec<std::net::Ipv4Addr> = UPLINKS.iter().map(|a| a.parse().unwrap()).collect();
+        let scratch = ScratchDatapath::new(&loaded.state, settings, &uplinks, OBJECT).expect("scratch");
+        let scratch_snap = scratch.maps().snapshot().expect("snapshot");
+        let scratch_config = scratch.maps().config.get(&0, 0).expect("lb_config");
+
+        let flows = Default::default();
+        assert_eq!(
+            services_text(&scratch_snap, &flows),
+            services_text(&agent_snap, &flows),
+            "{}: trace's frontends differ from the agent's",
+            shape.name
+        );
+        assert_eq!(
+            backends_text(&scratch_snap),
+            backends_text(&agent_snap),
+            "{}: trace's backends differ from the agent's",
+            shape.name
+        );
+        let host_cookie_aside = |mut c: lb_common::config::DatapathConfig| {
+            c.host_netns_cookie = 0;
+            c
+        };
+        assert_eq!(
+            host_cookie_aside(scratch_config),
+            host_cookie_aside(agent_config),
+            "{}: trace's lb_config differs from the agent's",
+            shape.name
+        );
+        assert_eq!(
+            std::net::Ipv4Addr::from(agent_config.snat_addr).to_string(),
+            shape.masquerade,
+            "{}: the agent's masquerade address",
+            shape.name
+        );
+
+        // And what the command says: a NodePort from outside is masqueraded with that address.
+        let nodeport_address = if shape.masquerade == "172.16.0.11" {
+            "172.16.0.11"
+        } else {
+            "192.168.50.11"
+        };
+        let mut cmd = Command::new(workspace_bin("lb-agent"));
+        cmd.arg("trace").arg("--manifests").arg(dir.path());
+        for addr in UPLINKS {
+            cmd.args(["--node-ip", addr]);
+        }
+        cmd.args(&flags).args([
+            "--src",
+            "203.0.113.7",
+            "--dst",
+            nodeport_address,
+            "--dport",
+            "30080",
+            "-o",
+            "json",
+        ]);
+        let out = cmd.output().expect("lb-agent trace");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let answer: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        assert_eq!(answer["verdict"], "dnat", "{}: {answer}", shape.name);
+        assert_eq!(
+            answer["masquerade_source"], shape.masquerade,
+            "{}: trace's masquerade address",
+            shape.name
+        );
+        agent.stop();
+    }
 }

@@ -19,7 +19,11 @@ const DEFAULT_CONFIG_SYNC_PERIOD: Duration = Duration::from_secs(15 * 60);
 pub fn render_config(args: &RunArgs, file: Option<&ProxyConfig>) -> String {
     let file = file.cloned().unwrap_or_default();
     let duration = |d: Duration| Value::String(format_go_duration(d));
-    let bind_address = args.node.bind_address.unwrap_or(Ipv4Addr::UNSPECIFIED).to_string();
+    let bind_address = args
+        .node
+        .bind_address
+        .unwrap_or(Ipv4Addr::UNSPECIFIED)
+        .to_string();
     let nodeport_addresses = if args.node.nodeport_addresses.is_empty() {
         Value::Null
     } else {
