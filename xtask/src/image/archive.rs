@@ -68,7 +68,7 @@ impl Plan {
     }
 
     /// A plan for a layer and an image config (without rootfs) made elsewhere
-    /// (`upstream_images.rs`); of the recipe only the name and the reference are used.
+    /// (`upstream_images`); of the recipe only the name and the reference are used.
     pub(crate) fn with_layer(recipe: Recipe, layer: Layer, config: Value, out: &Path) -> Self {
         let inputs = format!(
             "format {FORMAT}\nreference {}\ngzip level {GZIP_LEVEL}\nconfig {}\n{}",

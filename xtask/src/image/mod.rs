@@ -60,7 +60,7 @@ pub(crate) use self::{
     archive::Plan,
     layer::Layer,
     oci::{IMAGE_PATH, config_of, sha256_hex},
-    output::{lock, write_index},
+    output::{lock, remove_if_there, write_index},
     pause::pause_source,
 };
 pub use self::{pause::build_pause, recipes::Recipe};
