@@ -22,16 +22,16 @@
 //!   capability on /coredns (a layer here has no xattrs): it binds port 53 in a Pod through
 //!   containerd 2's `enable_unprivileged_ports`, not on the host network.
 //!
-//! Packages are resolved and downloaded once through the private apt lists of `kernel.rs` (the
-//! machine's apt is untouched): the closure of what an image needs, as `apt-get install` computes
-//! it on an empty system (an empty dpkg status), restricted to one release's suites. They are
-//! kept under `<cache>/upstream-images/debs/` with a stamp; a later build uses them without the
-//! network (security updates come in when the package list below changes, or the directory is
-//! removed). Each image's root is assembled in `target/images/upstream/build/<name>-root`
-//! (`dpkg-deb -x`, then what the packages' maintainer scripts or the Dockerfile would have done),
-//! its programs are run there with `chroot` (the build fails when one does not run), and it is
-//! packed as the image's one layer. A stamp next to each root lists every input; the archives'
-//! stamps are `image/`'s: same inputs, same bytes.
+//! Packages are resolved and downloaded once through the private apt lists of `kernel/apt.rs`
+//! (the machine's apt is untouched): the closure of what an image needs, as `apt-get install`
+//! computes it on an empty system (an empty dpkg status), restricted to one release's suites.
+//! They are kept under `<cache>/upstream-images/debs/` with a stamp; a later build uses them
+//! without the network (security updates come in when a package list of `recipes.rs` changes, or
+//! the directory is removed). Each image's root is assembled in
+//! `target/images/upstream/build/<name>-root` (`dpkg-deb -x`, then what the packages' maintainer
+//! scripts or the Dockerfile would have done), its programs are run there with `chroot` (the
+//! build fails when one does not run), and it is packed as the image's one layer. A stamp next
+//! to each root lists every input; the archives' stamps are `image/`'s: same inputs, same bytes.
 //!
 //! The files: `recipes` (each image's packages, links, users and checks), `debs` (the packages'
 //! closure through the private apt lists), `steps` (the steps that make a root, BusyBox's
