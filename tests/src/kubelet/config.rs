@@ -118,7 +118,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 }
 
 /// The bridge's (gateway's) address: the first of the range.
-fn gateway_of(cidr: &str) -> Result<Ipv4Addr> {
+pub fn gateway_of(cidr: &str) -> Result<Ipv4Addr> {
     let (net, _) = cidr.split_once('/').context("a CIDR")?;
     let net: Ipv4Addr = net.parse().context("a CIDR's address")?;
     Ok(Ipv4Addr::from(u32::from(net) + 1))

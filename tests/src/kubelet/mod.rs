@@ -41,6 +41,7 @@ mod query;
 pub use self::{
     archives::{Image, image, images, images_in},
     cgroups::remove_cgroup_tree,
+    config::gateway_of,
     loads::NodeLoads,
     node::{KubeletNode, NodeConfig},
     operator::{apply_agent_manifests, operator_manifests},
