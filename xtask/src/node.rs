@@ -1,7 +1,7 @@
 //! The parts of a real Kubernetes node besides kubelet (which `k8s.rs` builds): containerd, its
 //! runc shim and `ctr`, runc, and the CNI plugins, from Debian's packages, read through the
-//! private apt lists of `kernel.rs` (the machine's apt is untouched) and extracted into
-//! `<cache>/node-parts/{bin,cni}` (`LB_NODE_PARTS_DIR` for the tests; `tests/src/kubelet.rs`).
+//! private apt lists of `kernel/apt.rs` (the machine's apt is untouched) and extracted into
+//! `<cache>/node-parts/{bin,cni}` (`LB_NODE_PARTS_DIR` for the tests; `tests/src/kubelet/`).
 //!
 //! Versions: containerd 2.1 (forky; kubelet 1.37 supports containerd 2.x, and bookworm's and
 //! trixie's 1.6/1.7 are past their support), the CNI plugins 1.9 (forky), runc 1.1.5 (bookworm:

@@ -3,7 +3,7 @@
 //!
 //! Builds (once, cached) e2e.test and the test images' programs from k8s.io/kubernetes at the
 //! pinned release and CoreDNS (`k8s.rs`), the images under their upstream names
-//! (`upstream_images.rs`), our own images (`image.rs`); then runs `lb-upstream-e2e`
+//! (`upstream_images/`), our own images (`image/`); then runs `lb-upstream-e2e`
 //! (tests/src/bin), which makes the two-node cluster with lb-agent as its only Service proxy, runs
 //! the suite and leaves the report in `target/conformance/<time>/`; then writes the document.
 

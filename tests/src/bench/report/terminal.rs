@@ -1,0 +1,97 @@
+//! The compact text tables printed at the end of a run.
+
+use std::fmt::Write as _;
+
+use super::{
+    Results,
+    stats::{median, mib, num, opt_s, percentile},
+    targets::targets,
+};
+use crate::bench::peers::Config;
+
+/// Compact text tables for the terminal.
+pub fn summary(r: &Results) -> String {
+    let mut s = String::new();
+    let levels = r.levels();
+    let _ = writeln!(
+        s,
+        "\n==== connect latency p50 / p99 µs (median over {} rounds) and conn/s ====",
+        r.rounds
+    );
+    for &n in &levels {
+        let _ = writeln!(s, "N = {n}");
+        for c in Config::ALL {
+            let _ = writeln!(
+                s,
+                "  {:<22} p50 {:>8}  p99 {:>8}  p99.9 {:>8}  {:>8} conn/s",
+                c.label(),
+                median(&r.lat(n, c, |x| x.p50_us)).map(num).unwrap_or_default(),
+                median(&r.lat(n, c, |x| x.p99_us)).map(num).unwrap_or_default(),
+                median(&r.lat(n, c, |x| x.p999_us)).map(num).unwrap_or_default(),
+                median(&r.lat(n, c, |x| x.conn_per_s))
+                    .map(num)
+                    .unwrap_or_default(),
+            );
+        }
+    }
+    let _ = writeln!(s, "==== programming through the API ====");
+    for p in &r.programming {
+        let _ = writeln!(
+            s,
+            "  {:<20} N={:<6} created {:>8}  last answers {:>10}  all answer {:>10}",
+            p.config.map(Config::program).unwrap_or(""),
+            p.n,
+            opt_s(Some(p.create_s)),
+            opt_s(p.last_s),
+            opt_s(p.all_s)
+        );
+    }
+    let _ = writeln!(s, "==== one change on top of N (p50 / p99 ms) ====");
+    for c in &r.changes {
+        let f = |v: &[f64]| {
+            format!(
+                "{} / {}",
+                percentile(v, 0.5).map(num).unwrap_or_default(),
+                percentile(v, 0.99).map(num).unwrap_or_default()
+            )
+        };
+        let _ = writeln!(
+            s,
+            "  {:<20} N={:<6} add {}  change {}  remove {}",
+            c.config.map(Config::program).unwrap_or(""),
+            c.n,
+            f(&c.add_ms),
+            f(&c.change_ms),
+            f(&c.remove_ms)
+        );
+    }
+    let _ = writeln!(s, "==== tc ns/packet ====");
+    for t in &r.tc {
+        for f in &t.fixtures {
+            let _ = writeln!(
+                s,
+                "  N={:<6} {:<75} repeat 1e6: {:>6}  one call: {:>6}",
+                t.n,
+                f.name,
+                median(&f.batched_ns).map(num).unwrap_or_else(|| "–".into()),
+                f.single_corrected_ns.map(num).unwrap_or_else(|| "–".into())
+            );
+        }
+    }
+    let _ = writeln!(s, "==== memory ====");
+    for m in &r.memory {
+        let _ = writeln!(
+            s,
+            "  {:<20} N={:<6} {:<36} VmRSS {:>7} MiB  VmHWM {:>7} MiB  maps {:>7} MiB",
+            m.config.map(Config::program).unwrap_or(""),
+            m.n,
+            m.when,
+            mib(m.rss_kib as f64),
+            mib(m.hwm_kib as f64),
+            mib(m.maps.iter().map(|x| x.memlock).sum::<u64>() as f64 / 1024.0)
+        );
+    }
+    s.push_str("==== targets ====\n");
+    s.push_str(&targets(r));
+    s
+}

@@ -1,0 +1,222 @@
+//! `cargo xtask kernel-test`: the privileged test suite on the kernels operators run, each booted
+//! in a guest on this machine, and on the host's own kernel.
+//!
+//! - Kernels: Debian's `linux-image-<release>-amd64` packages, the newest build of each series
+//!   the Debian mirror serves (5.10, 6.1, 6.12, ...). They are found through a private apt
+//!   sources list and private apt state under the cache (the machine's own apt configuration is
+//!   never touched), downloaded with `apt-get download` and extracted with `dpkg-deb -x` under
+//!   `<cache>/kernels/<release>/`: nothing is installed as the host's kernel.
+//! - Guests: virtme-ng (PyPI, in a virtualenv under the cache) boots a kernel with qemu over a
+//!   read-only view of this machine's filesystem: the test binaries built here run there as they
+//!   are. `target/` is an overlay the guest may write (the host's copy is untouched), and one
+//!   shared directory carries each binary's output and result back. KVM is used where the CPU
+//!   exposes hardware virtualization; elsewhere (this kind of VM: nested KVM runs ~1000x slow)
+//!   the guest is emulated (TCG), slower but with the same verifier, BPF_PROG_TEST_RUN,
+//!   namespaces and cgroups.
+//! - Each kernel prints a line per test binary as it finishes, then a summary; the results go to
+//!   `target/kernel-test/<release>/` and `docs/kernels.md` is written from every result there.
+//!   Ctrl-C, SIGTERM and SIGHUP stop the guest; nothing stays running or mounted.
+//!
+//! The files: `apt` (the private apt sources and state, which `node.rs` and `upstream_images`
+//! use too), `kernels` (which kernels: Debian's packages, fetched and extracted, and the
+//! host's), `vm` (virtme-ng, KVM or TCG, the guest's process group, the signals that stop it),
+//! `run` (the test binaries on one kernel and what came back), `in_guest` (`cargo xtask
+//! kernel-guest`, inside the guest), `doc` (docs/kernels.md).
+
+mod apt;
+mod doc;
+mod in_guest;
+mod kernels;
+mod run;
+mod vm;
+
+use std::{sync::atomic::Ordering, time::Instant};
+
+use anyhow::{Result, bail};
+
+pub(crate) use self::apt::PrivateApt;
+pub use self::in_guest::guest;
+use self::{
+    doc::write_doc,
+    kernels::{Kernel, resolve_kernels},
+    run::{KernelOutcome, build_test_binaries, run_kernel},
+    vm::{GUEST_PACKAGES, INTERRUPTED, catch_signals, ensure_virtme_ng, use_kvm},
+};
+use crate::{
+    ebpf, setup,
+    test::{Summary, build_agent, require_root, test_env},
+    util::{cache_dir, step},
+};
+
+/// `cargo xtask kernel-test` options.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Options {
+    /// A kernel to test: a series (`6.1`), a release (`6.1.0-56-amd64`), `host` (the running
+    /// kernel, natively) or `all` (every series the mirror serves, and the host). Repeatable;
+    /// default `all`.
+    #[arg(long = "kernel")]
+    pub kernels: Vec<String>,
+    /// Only these test binaries of tests/ (`tc_fixtures`, `socket_lb`, ...; `lib` for the
+    /// harness's own tests). Repeatable; default: every binary but the end-to-end ones.
+    #[arg(long = "binary")]
+    pub binaries: Vec<String>,
+    /// Only tests whose name contains this (passed to every test binary).
+    #[arg(long)]
+    pub filter: Option<String>,
+    /// Guest CPUs.
+    #[arg(long, default_value_t = 2)]
+    pub cpus: u32,
+    /// Guest memory.
+    #[arg(long, default_value = "4G")]
+    pub memory: String,
+    /// `kvm`, `tcg` (emulated) or `auto` (KVM when the CPU exposes hardware virtualization).
+    #[arg(long, default_value = "auto")]
+    pub accel: String,
+    /// Give up on a kernel after this many minutes.
+    #[arg(long, default_value_t = 120)]
+    pub timeout_minutes: u64,
+    /// List the kernels the mirror serves and exit.
+    #[arg(long)]
+    pub list: bool,
+    /// `./x test`'s subset: results under `target/kernel-test-ci/`, docs/kernels.md untouched.
+    #[arg(skip)]
+    pub ci: bool,
+}
+
+/// The kernel and test binaries `./x test` runs in a guest (its README promise: the fixtures and
+/// the netns tests on Debian 12's kernel, the oldest LTS most fleets run). The full matrix is
+/// `cargo xtask kernel-test`.
+pub const CI_KERNEL: &str = "6.1";
+pub const CI_BINARIES: &[&str] = &["kernel_support", "tc_fixtures", "socket_lb", "tc_topology"];
+
+/// Runs [`CI_BINARIES`] on [`CI_KERNEL`] for `./x test`, adding the results to `summary`.
+pub fn run_ci_subset(summary: &mut Summary) -> Result<bool> {
+    let opts = Options {
+        kernels: vec![CI_KERNEL.into()],
+        binaries: CI_BINARIES.iter().map(|b| b.to_string()).collect(),
+        filter: None,
+        cpus: 2,
+        memory: "4G".into(),
+        accel: "auto".into(),
+        timeout_minutes: 30,
+        list: false,
+        ci: true,
+    };
+    let outcomes = run_kernels(&opts)?;
+    let mut ok = !outcomes.is_empty();
+    for outcome in &outcomes {
+        ok &= outcome.ok();
+        for r in &outcome.results {
+            summary.binaries += 1;
+            summary.passed += r["passed"].as_u64().unwrap_or(0);
+            summary.failed += r["failed"].as_u64().unwrap_or(0);
+            summary.ignored += r["ignored"].as_u64().unwrap_or(0);
+            if r["ok"] != true {
+                summary.failing_binaries.push(format!(
+                    "{} on Linux {} (target/kernel-test-ci/{}/)",
+                    r["binary"].as_str().unwrap_or("?"),
+                    outcome.kernel.release,
+                    outcome.kernel.release
+                ));
+            }
+        }
+        if let Some(why) = &outcome.aborted {
+            summary
+                .failing_binaries
+                .push(format!("Linux {}: {why}", outcome.kernel.release));
+        }
+    }
+    Ok(ok)
+}
+
+/// `cargo xtask kernel-test`.
+pub fn run_matrix(opts: &Options) -> Result<()> {
+    require_root()?;
+    if opts.list {
+        let apt = PrivateApt::new(&cache_dir())?;
+        apt.update()?;
+        for (series, k) in apt.newest_per_series()? {
+            println!("{series:<6} {} {}", k.package, k.version);
+        }
+        println!("host   {}", Kernel::host()?.release);
+        return Ok(());
+    }
+    let started = Instant::now();
+    let outcomes = run_kernels(opts)?;
+    println!(
+        "\nkernel matrix ({:.0} min):",
+        started.elapsed().as_secs_f64() / 60.0
+    );
+    for o in &outcomes {
+        let passed: u64 = o.results.iter().filter_map(|r| r["passed"].as_u64()).sum();
+        let failed: u64 = o.results.iter().filter_map(|r| r["failed"].as_u64()).sum();
+        let bad: Vec<&str> = o
+            .results
+            .iter()
+            .filter(|r| r["ok"] != true)
+            .filter_map(|r| r["binary"].as_str())
+            .collect();
+        println!(
+            "    {:<28} {:<7} {passed} passed, {failed} failed{}{}  ({:.0} min)",
+            o.kernel.release,
+            if o.ok() { "ok" } else { "FAILED" },
+            if bad.is_empty() {
+                String::new()
+            } else {
+                format!("; failing: {}", bad.join(", "))
+            },
+            o.aborted.as_ref().map(|a| format!("; {a}")).unwrap_or_default(),
+            o.seconds / 60.0
+        );
+    }
+    write_doc()?;
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        bail!("interrupted");
+    }
+    if !outcomes.iter().all(KernelOutcome::ok) {
+        bail!("the suite failed on some kernel");
+    }
+    Ok(())
+}
+
+/// Sets up, builds, and runs the selected binaries on each selected kernel.
+fn run_kernels(opts: &Options) -> Result<Vec<KernelOutcome>> {
+    catch_signals();
+    setup::all()?;
+    ebpf::build()?;
+    let kernels = resolve_kernels(&opts.kernels)?;
+    let guests = kernels.iter().any(|k| k.vmlinuz.is_some());
+    let vng = if guests {
+        setup::install(GUEST_PACKAGES)?;
+        Some(ensure_virtme_ng()?)
+    } else {
+        None
+    };
+    let kvm = use_kvm(&opts.accel)?;
+    // The restart and upgrade scenarios run a real control plane, as on the host.
+    let mut env = test_env(true)?;
+    env.push(("HOME", std::env::var("HOME").unwrap_or_else(|_| "/root".into())));
+    env.push(("PATH", std::env::var("PATH").unwrap_or_default()));
+    build_agent()?;
+    ebpf::build_variant()?;
+    let binaries = build_test_binaries(&opts.binaries)?;
+    step(&format!(
+        "{} test binaries on {} kernel(s): {}",
+        binaries.len(),
+        kernels.len(),
+        kernels
+            .iter()
+            .map(|k| k.release.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    let mut outcomes = Vec::new();
+    for kernel in &kernels {
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            break;
+        }
+        let outcome = run_kernel(kernel, &binaries, opts, &env, vng.as_deref(), kvm)?;
+        outcomes.push(outcome);
+    }
+    Ok(outcomes)
+}
