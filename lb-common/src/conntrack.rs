@@ -15,7 +15,7 @@
 //! flows can never share a post-SNAT tuple.
 //!
 //! All entries of one flow carry the same `created_ns`, which is how the agent's conntrack GC
-//! (`lb-agent/src/maps/conntrack.rs`) tells a flow's entries from those of a later flow on the
+//! (`lb-agent/src/datapath/conntrack.rs`) tells a flow's entries from those of a later flow on the
 //! same tuple. The programs mark TCP closes (FIN, RST) and UDP activity; the GC frees what ended.
 
 use crate::user_pod;

@@ -6,7 +6,7 @@
 //!
 //! Readers look up slot 0, pick `n` in `1..=count`, then look up slot `n`. Writers therefore write
 //! backends first, then slots, then slot 0, then delete what is stale, so a reader never follows a
-//! slot to a missing backend (see `lb-agent/src/maps/apply.rs`).
+//! slot to a missing backend (see `lb-agent/src/apply/applier.rs`).
 
 use crate::user_pod;
 

@@ -1182,7 +1182,7 @@ fn migrate(
     // --- 1 again, the other way: had step 8 deleted kube-proxy's DaemonSet and ConfigMap, the
     // backups of step 4 bring them back. Step 8's commands, then those of the backups, while
     // lb-agent still translates (as in a rollback). The new kube-proxy starts over the rules of
-    // the one deleted, which it must keep (see KUBE_PROXY_TOOLS in xtask/src/image.rs).
+    // the one deleted, which it must keep (see KUBE_PROXY_TOOLS in xtask/src/image/recipes.rs).
     let t = begin(
         &mut steps,
         "rollback 1, if it was deleted: step 8, then the backups of step 4",

@@ -70,7 +70,7 @@ const GOOD_NODE_PORT: u16 = 30100;
 /// The huge Service: endpoints and slice size.
 const HUGE_ENDPOINTS: usize = 200_000;
 const HUGE_SLICE: usize = 1_000;
-/// The agent's Event reason for a problem with a Service or its slices (lb-agent/src/run.rs).
+/// The agent's Event reason for a problem with a Service or its slices (lb-agent/src/agent/sync.rs).
 const REASON: &str = "InvalidService";
 
 /// A node with three pods (servers on 8080/TCP) on a LAN with an external client.
