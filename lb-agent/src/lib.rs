@@ -34,6 +34,8 @@ pub mod metrics;
 pub mod model;
 pub mod node;
 pub mod plan;
+#[cfg(test)]
+pub(crate) mod test_util;
 pub mod time;
 pub mod trace;
 pub mod watch;

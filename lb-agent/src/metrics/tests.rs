@@ -308,8 +308,6 @@ async fn router_serves_openmetrics() {
 
 #[tokio::test]
 async fn serve_metrics_on_a_real_listener() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let m = Metrics::new();
@@ -317,13 +315,7 @@ async fn serve_metrics_on_a_real_listener() {
     let shutdown = CancellationToken::new();
     let server = tokio::spawn(serve_metrics_on(listener, m, shutdown.clone()));
 
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
+    let response = crate::test_util::http_get(addr, "/metrics").await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
     assert!(
         response

@@ -17,6 +17,8 @@ pub mod endpoints;
 #[cfg(test)]
 pub(crate) mod proptests;
 pub mod service;
+#[cfg(test)]
+pub(crate) mod test_support;
 pub mod topology;
 
 pub use endpoints::{SliceError, endpoints_by_port, endpoints_by_port_with_problems};

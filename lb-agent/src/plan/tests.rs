@@ -3,8 +3,9 @@
 use lb_common::service::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 use super::*;
+use crate::model::test_support::service_port;
 use crate::{
-    model::{CategorizedEndpoints, Endpoint, Protocol, ServicePortInfo, ServicePortName},
+    model::{CategorizedEndpoints, Endpoint, Protocol, ServicePortInfo},
     node::NodeContext,
 };
 
@@ -13,26 +14,7 @@ fn ip(s: &str) -> Ipv4Addr {
 }
 
 fn svc(name: &str) -> ServicePortInfo {
-    ServicePortInfo {
-        name: ServicePortName {
-            namespace: "ns".into(),
-            name: name.into(),
-            port: "http".into(),
-            protocol: Protocol::Tcp,
-        },
-        cluster_ips: vec![ip("10.96.0.10")],
-        port: 80,
-        node_port: None,
-        external_ips: vec![],
-        load_balancer_ips: vec![],
-        load_balancer_source_ranges: vec![],
-        session_affinity_timeout: None,
-        internal_policy_local: false,
-        external_policy_local: false,
-        health_check_node_port: None,
-        traffic_distribution: None,
-        topology_mode: None,
-    }
+    service_port("ns", name, "http", "10.96.0.10")
 }
 
 fn ep(addr: &str, local: bool) -> Endpoint {

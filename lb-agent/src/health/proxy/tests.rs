@@ -196,14 +196,7 @@ async fn proxy_health_server_on_a_real_listener() {
     let shutdown = CancellationToken::new();
     let server = tokio::spawn(serve_proxy_health_on(listener, health.clone(), shutdown.clone()));
 
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream
-        .write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
+    let response = crate::test_util::http_get(addr, "/livez").await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
     assert!(response.contains("\"healthy\":true"));
 

@@ -5,6 +5,7 @@ use std::time::Duration;
 use axum::http::{Method, header};
 
 use super::*;
+use crate::test_util::http_get;
 use crate::{
     health::test_support::{TIMEOUT, get, setup},
     model::Protocol,
@@ -85,17 +86,6 @@ fn targets_group_ports_of_a_service() {
     assert_eq!(targets[&30001], svc("ns", "web", 4));
     assert_eq!(targets[&30002], svc("ns", "dns", 0));
 }
-async fn http_get(addr: SocketAddr) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream
-        .write_all(b"GET / HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
-    response
-}
 async fn wait_closed(addr: SocketAddr) {
     tokio::time::timeout(Duration::from_secs(5), async {
         while tokio::net::TcpStream::connect(addr).await.is_ok() {
@@ -127,27 +117,27 @@ async fn service_servers_open_update_and_close_real_listeners() {
     let a2 = servers.local_addrs(p2).unwrap()[0];
     assert_eq!(a1.port(), p1);
 
-    let r = http_get(a1).await;
+    let r = http_get(a1, "/").await;
     assert!(r.starts_with("HTTP/1.1 200"), "{r}");
     assert!(r.contains("\"name\": \"a\""));
-    assert!(http_get(a2).await.starts_with("HTTP/1.1 503"));
+    assert!(http_get(a2, "/").await.starts_with("HTTP/1.1 503"));
 
     // Update in place: b gains an endpoint, a loses its own.
     wanted.insert(p2, svc("ns", "b", 4));
     wanted.insert(p1, svc("ns", "a", 0));
     assert!(servers.sync(&wanted).is_empty());
     assert_eq!(servers.local_addrs(p2).unwrap()[0], a2, "same listener");
-    let r = http_get(a2).await;
+    let r = http_get(a2, "/").await;
     assert!(r.starts_with("HTTP/1.1 200"), "{r}");
     assert!(r.contains("\"localEndpoints\": 4"));
-    assert!(http_get(a1).await.starts_with("HTTP/1.1 503"));
+    assert!(http_get(a1, "/").await.starts_with("HTTP/1.1 503"));
 
     // Remove a: its port closes, b stays.
     wanted.remove(&p1);
     assert!(servers.sync(&wanted).is_empty());
     assert_eq!(servers.ports(), vec![p2]);
     wait_closed(a1).await;
-    assert!(http_get(a2).await.starts_with("HTTP/1.1 200"));
+    assert!(http_get(a2, "/").await.starts_with("HTTP/1.1 200"));
 
     // Dropping the set closes everything.
     drop(servers);
@@ -181,7 +171,7 @@ async fn taken_port_is_reported_and_retried() {
     drop(blocker);
     assert!(servers.sync(&wanted).is_empty());
     assert_eq!(servers.ports().len(), 2);
-    let r = http_get(servers.local_addrs(taken).unwrap()[0]).await;
+    let r = http_get(servers.local_addrs(taken).unwrap()[0], "/").await;
     assert!(r.contains("\"name\": \"blocked\""), "{r}");
     servers.close_all();
     assert!(servers.ports().is_empty());

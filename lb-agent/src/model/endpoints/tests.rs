@@ -8,6 +8,7 @@ use k8s_openapi::{
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::*;
+use crate::model::test_support::port_name;
 use crate::{
     model::Protocol,
     watch::{LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME, SliceHints, SlicePort},
@@ -203,12 +204,7 @@ fn generate_slice(
 }
 
 fn spn(port: &str, protocol: Protocol) -> ServicePortName {
-    ServicePortName {
-        namespace: "ns1".into(),
-        name: "svc1".into(),
-        port: port.into(),
-        protocol,
-    }
+    port_name("ns1", "svc1", port, protocol)
 }
 
 /// An expected endpoint, in upstream's terms: "ip:port", isLocal, ready, serving, terminating.

@@ -8,6 +8,7 @@ use k8s_openapi::{
 };
 
 use super::*;
+use crate::model::test_support::port_name;
 
 /// A Service builder: `svc()` is a ClusterIP Service `ns1/svc1` at 10.96.0.1 with one unnamed
 /// TCP port 80, as the API server would return it.
@@ -146,12 +147,7 @@ fn v4(s: &str) -> Ipv4Addr {
 }
 
 fn spn(port: &str, protocol: Protocol) -> ServicePortName {
-    ServicePortName {
-        namespace: "ns1".into(),
-        name: "svc1".into(),
-        port: port.into(),
-        protocol,
-    }
+    port_name("ns1", "svc1", port, protocol)
 }
 
 #[test]

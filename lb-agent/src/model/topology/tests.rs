@@ -1,5 +1,5 @@
 use super::*;
-use crate::model::{Protocol, ServicePortName};
+use crate::model::test_support::service_port;
 
 /// An endpoint builder: `ep("10.1.2.3:80")` is ready, serving, not terminating, remote, with no
 /// hints (upstream `BaseEndpointInfo{ready: true}` / `makeTestEndpointInfo`).
@@ -60,26 +60,7 @@ impl EpExt for Endpoint {
 
 /// A service-port builder: `svc()` is a ClusterIP-only port (upstream `&BaseServicePortInfo{}`).
 fn svc() -> ServicePortInfo {
-    ServicePortInfo {
-        name: ServicePortName {
-            namespace: "ns".into(),
-            name: "svc".into(),
-            port: String::new(),
-            protocol: Protocol::Tcp,
-        },
-        cluster_ips: vec!["10.96.0.1".parse().unwrap()],
-        port: 80,
-        node_port: None,
-        external_ips: vec![],
-        load_balancer_ips: vec![],
-        load_balancer_source_ranges: vec![],
-        session_affinity_timeout: None,
-        internal_policy_local: false,
-        external_policy_local: false,
-        health_check_node_port: None,
-        traffic_distribution: None,
-        topology_mode: None,
-    }
+    service_port("ns", "svc", "", "10.96.0.1")
 }
 
 trait SvcExt {
