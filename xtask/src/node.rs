@@ -78,7 +78,7 @@ pub fn ensure(cache: &Path) -> Result<PathBuf> {
     let _ = fs::remove_file(&stamp);
     let work = dir.join(".download");
     let _ = fs::remove_dir_all(&work);
-    fs::create_dir_all(&work)?;
+    fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
     for (package, version, files) in PACKAGES {
         step(&format!("fetching {package} {version} from Debian (once)"));
         util::run(
@@ -97,7 +97,8 @@ pub fn ensure(cache: &Path) -> Result<PathBuf> {
         util::run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&tree))?;
         for (from, to) in *files {
             let (from, to) = (tree.join(from), dir.join(to));
-            fs::create_dir_all(to.parent().expect("a parent"))?;
+            let parent = to.parent().expect("a parent");
+            fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
             fs::copy(&from, &to)
                 .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
         }
@@ -106,7 +107,7 @@ pub fn ensure(cache: &Path) -> Result<PathBuf> {
         util::output(Command::new(dir.join(binary)).arg("--version"))
             .with_context(|| format!("{binary} from Debian does not run on this machine"))?;
     }
-    fs::remove_dir_all(&work)?;
-    fs::write(&stamp, wanted)?;
+    fs::remove_dir_all(&work).with_context(|| format!("removing {}", work.display()))?;
+    fs::write(&stamp, wanted).with_context(|| format!("writing {}", stamp.display()))?;
     Ok(dir)
 }

@@ -29,17 +29,32 @@ const SUITES: &[(&str, &str)] = &[
     ("debian", "sid"),
 ];
 
-/// apt with private sources and state under `<cache>/kernels/apt` (the kernels of the matrix and
-/// the node parts of `node.rs`).
+/// apt with private sources and state under `<cache>/kernels/apt` (the kernels of the matrix,
+/// the node parts of `node.rs`, the upstream e2e images' packages). One process at a time uses it
+/// (a second `cargo xtask` waits): two `apt-get update`s or downloads into the same lists and
+/// archives would remove each other's files.
 pub(crate) struct PrivateApt {
     dir: PathBuf,
+    _lock: fs::File,
 }
 
 impl PrivateApt {
     pub(crate) fn new(cache: &Path) -> Result<PrivateApt> {
         let dir = cache.join("kernels/apt");
         for sub in ["lists/partial", "cache/archives/partial"] {
-            fs::create_dir_all(dir.join(sub))?;
+            let sub = dir.join(sub);
+            fs::create_dir_all(&sub).with_context(|| format!("creating {}", sub.display()))?;
+        }
+        let lock_path = dir.join(".lock");
+        let lock =
+            fs::File::create(&lock_path).with_context(|| format!("creating {}", lock_path.display()))?;
+        if lock.try_lock().is_err() {
+            step(&format!(
+                "waiting for another use of the private apt state to end ({})",
+                lock_path.display()
+            ));
+            lock.lock()
+                .with_context(|| format!("locking {}", lock_path.display()))?;
         }
         let mirror = std::env::var("LB_DEBIAN_MIRROR").unwrap_or_else(|_| "http://deb.debian.org".into());
         let keyring = "/usr/share/keyrings/debian-archive-keyring.gpg";
@@ -52,13 +67,14 @@ impl PrivateApt {
             .iter()
             .map(|(archive, suite)| format!("deb{signed_by} {mirror}/{archive} {suite} main\n"))
             .collect();
-        fs::write(dir.join("sources.list"), sources)?;
-        Ok(PrivateApt { dir })
+        fs::write(dir.join("sources.list"), sources).context("writing the private sources.list")?;
+        Ok(PrivateApt { dir, _lock: lock })
     }
 
     /// The `.deb` of `package` that `apt-get download` left in `dir`.
     pub(crate) fn downloaded(dir: &Path, package: &str) -> Result<PathBuf> {
-        fs::read_dir(dir)?
+        fs::read_dir(dir)
+            .with_context(|| format!("reading {}", dir.display()))?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .find(|p| {
                 p.file_name()
