@@ -3,7 +3,7 @@
 //! operator's tools.
 
 use std::{
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, SocketAddr},
     path::PathBuf,
     time::Duration,
 };
@@ -11,7 +11,10 @@ use std::{
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use lb_common::{catalog::Capacities, config::MAX_CLUSTER_CIDRS};
 
-use crate::node::{NodePortAddress, NodeSettings};
+use crate::{
+    family::IpFamily,
+    node::{NodePortAddress, NodeSettings},
+};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -107,18 +110,22 @@ pub struct TraceArgs {
     /// the live pinned maps (which are then never touched).
     #[arg(long)]
     pub manifests: Option<PathBuf>,
-    /// The addresses on the node's interfaces (where NodePorts are served, and what "traffic
-    /// from the node" comes from); with `--manifests`, what the agent would find on the node.
-    #[arg(long = "node-ip")]
-    pub node_ips: Vec<std::net::Ipv4Addr>,
+    /// The addresses on the node's interfaces, of either family, comma-separated or repeated
+    /// (where NodePorts are served, and what "traffic from the node" comes from); with
+    /// `--manifests`, what the agent would find on the node.
+    #[arg(long = "node-ip", value_delimiter = ',')]
+    pub node_ips: Vec<IpAddr>,
     #[command(flatten)]
     pub node: NodeArgs,
     #[command(flatten)]
     pub root: BpfRootArgs,
+    /// The packet's (or socket's) source address, of either family.
     #[arg(long)]
-    pub src: std::net::Ipv4Addr,
+    pub src: IpAddr,
+    /// Its destination: a frontend of the same family (or an IPv4-mapped IPv6 address, as a
+    /// dual-stack socket names an IPv4 frontend).
     #[arg(long)]
-    pub dst: std::net::Ipv4Addr,
+    pub dst: IpAddr,
     #[arg(long)]
     pub dport: u16,
     #[arg(long, value_enum, default_value = "tcp")]
@@ -144,9 +151,10 @@ pub struct NodeArgs {
     /// SNAT all traffic sent via Service cluster IPs (tc path).
     #[arg(long)]
     pub masquerade_all: bool,
-    /// This node's primary IP (kube-proxy's --bind-address), when the Node object gives none.
+    /// Overrides this node's primary IP of its family (kube-proxy's --bind-address; the Node
+    /// object's addresses are used otherwise). `0.0.0.0` and `::` mean unset.
     #[arg(long)]
-    pub bind_address: Option<Ipv4Addr>,
+    pub bind_address: Option<IpAddr>,
     /// Serve NodePorts on 127.0.0.1 when --nodeport-addresses includes loopback (kube-proxy's
     /// --iptables-localhost-nodeports; no route_localnet needed here).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -157,16 +165,21 @@ impl NodeArgs {
     /// The node's settings from these flags (the agent's and `trace`'s alike).
     pub fn settings(&self) -> anyhow::Result<NodeSettings> {
         let args = self;
-        let mut cluster_cidrs = Vec::new();
-        for cidr in &args.cluster_cidr {
+        let mut cluster_cidrs: Vec<ipnet::IpNet> = Vec::new();
+        for cidr in args.cluster_cidr.iter().filter(|c| !c.trim().is_empty()) {
             match cidr.trim().parse::<ipnet::IpNet>() {
-                Ok(ipnet::IpNet::V4(v4)) => cluster_cidrs.push(v4.trunc()),
-                Ok(ipnet::IpNet::V6(_)) => {} // the IPv6 detector belongs to the IPv6 data path
+                Ok(net) => cluster_cidrs.push(net.trunc()),
                 Err(e) => anyhow::bail!("--cluster-cidr {cidr:?}: {e}"),
             }
         }
-        if cluster_cidrs.len() > MAX_CLUSTER_CIDRS {
-            anyhow::bail!("--cluster-cidr: at most {MAX_CLUSTER_CIDRS} IPv4 CIDRs are supported");
+        for family in IpFamily::ALL {
+            let n = cluster_cidrs
+                .iter()
+                .filter(|c| IpFamily::of_net(c) == family)
+                .count();
+            if n > MAX_CLUSTER_CIDRS {
+                anyhow::bail!("--cluster-cidr: at most {MAX_CLUSTER_CIDRS} {family} CIDRs are supported");
+            }
         }
         let nodeport_addresses = args
             .nodeport_addresses
@@ -239,8 +252,13 @@ pub struct BpfArgs {
     /// /proc/self/mounts).
     #[arg(long)]
     pub cgroup_root: Option<PathBuf>,
-    /// Capacity of the backends and reverse-NAT maps.
-    #[arg(long, default_value_t = lb_common::catalog::capacity::BACKENDS)]
+    /// Capacity of the backends and reverse-NAT maps (each family's; at most 524287, so that
+    /// the reverse-NAT ids of both families fit the tc path's 20-bit mark).
+    #[arg(
+        long,
+        default_value_t = lb_common::catalog::capacity::BACKENDS,
+        value_parser = clap::value_parser!(u32).range(1..=i64::from(lb_common::catalog::MAX_REVNAT_PER_FAMILY))
+    )]
     pub bpf_lb_map_max: u32,
     /// Capacity of the services map (frontends plus backend slots).
     #[arg(long, default_value_t = lb_common::catalog::capacity::SERVICES)]
@@ -339,13 +357,14 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(total)
 }
 
-/// Parses `host:port`; `:port` means every address.
+/// Parses `host:port`; `:port` means every address of both families, as Go's listeners take it
+/// (`[::]`, which also accepts IPv4; the agent falls back to `0.0.0.0` on a node without IPv6).
 pub fn parse_bind_address(s: &str) -> Result<Option<SocketAddr>, String> {
     if s.is_empty() {
         return Ok(None);
     }
     let full = if s.starts_with(':') {
-        format!("0.0.0.0{s}")
+        format!("[::]{s}")
     } else {
         s.to_string()
     };
@@ -370,7 +389,11 @@ mod tests {
         assert_eq!(parse_bind_address(""), Ok(None));
         assert_eq!(
             parse_bind_address(":10256"),
-            Ok(Some("0.0.0.0:10256".parse().unwrap()))
+            Ok(Some("[::]:10256".parse().unwrap()))
+        );
+        assert_eq!(
+            parse_bind_address("[::]:10256"),
+            Ok(Some("[::]:10256".parse().unwrap()))
         );
         assert!(parse_bind_address("nonsense").is_err());
     }

@@ -1,28 +1,39 @@
 //! Operator commands that read the pinned maps: `lb-agent services`, `backends`, `conntrack`,
 //! `affinity` and `stats`. They work while the agent runs and after it stopped (the maps are
-//! pinned), print a table or JSON, show addresses in dotted form, and join Service names back from
-//! the reverse-NAT data. Also `lb-agent kernel`: what this node's kernel offers the data path.
+//! pinned), print a table or JSON, show addresses as written (`10.0.0.1:80`, `[fd00::1]:80`),
+//! and join Service names back from the reverse-NAT data. Both families' maps are read, the same
+//! code over `F: KernelFamily`. Also `lb-agent kernel`: what this node's kernel offers the data
+//! path.
 
-use std::{collections::BTreeMap, net::Ipv4Addr, time::Duration};
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
 
 use anyhow::{Result, anyhow, bail};
-use aya::maps::{HashMap, Map, MapData};
+use aya::{
+    Pod,
+    maps::{HashMap, Map, MapData},
+};
 use lb_common::{
-    affinity::{Affinity4Key, Affinity4Value, kind},
-    backend::{Backend4Value, flags as bflags},
-    catalog,
-    conntrack::{Ct4Key, Ct4Value, dir, flags as ctflags},
-    revnat::{SockRevNat4Key, SockRevNat4Value},
-    service::{SCOPE_INTERNAL, Svc4Key, Svc4Value, flags},
+    affinity::{AffinityClient, AffinityKey, AffinityValue, kind},
+    backend::flags as bflags,
+    catalog::{self, FamilyMaps},
+    conntrack::{CtKey, CtValue, dir, flags as ctflags},
+    family::{V4, V6},
+    revnat::{SockRevNatKey, SockRevNatValue},
+    service::{SCOPE_INTERNAL, SvcValue, flags},
     stats::Counter,
 };
 use serde::Serialize;
 
 use crate::{
-    apply::{KernelMaps, MapOps, Snapshot, entries::service_port_name},
+    apply::{KernelMaps, MapOps, ServiceMapKey, Snapshot, entries::service_port_name},
     cli::{InspectArgs, KernelArgs, OutputFormat},
     datapath::PinPaths,
     error::{Chain, is_permission_denied},
+    family::KernelFamily,
 };
 
 fn open(args: &InspectArgs) -> Result<(PinPaths, KernelMaps)> {
@@ -62,15 +73,20 @@ pub(crate) fn open_pinned_maps(paths: &PinPaths, missing: &str) -> Result<Kernel
     })
 }
 
-fn open_hash<K: aya::Pod, V: aya::Pod>(paths: &PinPaths, name: &str) -> Result<HashMap<MapData, K, V>> {
+/// A pinned LRU map, or `None` when it is not pinned (an IPv6 map of an agent from before IPv6).
+fn open_hash<K: Pod, V: Pod>(paths: &PinPaths, name: &str) -> Result<Option<HashMap<MapData, K, V>>> {
     let pin = paths.map(name);
+    if !pin.try_exists().unwrap_or(true) {
+        return Ok(None);
+    }
     let data = MapData::from_pin(&pin)
         .map_err(|e| anyhow!("opening {}: {}{}", pin.display(), Chain(&e), read_hint(&e)))?;
-    Ok(Map::LruHashMap(data).try_into()?)
+    Ok(Some(Map::LruHashMap(data).try_into()?))
 }
 
-fn ip(a: [u8; 4]) -> Ipv4Addr {
-    Ipv4Addr::from(a)
+/// `10.0.0.1:80`, `[fd00::1]:80`.
+fn socket(addr: IpAddr, port: u16) -> String {
+    SocketAddr::new(addr, port).to_string()
 }
 
 fn proto_name(p: u8) -> &'static str {
@@ -133,41 +149,58 @@ struct FrontendView {
 }
 
 fn backend_view(snap: &Snapshot, id: u32) -> BackendView {
-    let b = snap.backends.get(&id).copied().unwrap_or_default();
-    BackendView {
-        address: format!("{}:{}", ip(b.addr), b.port),
-        id,
-        local: b.flags & bflags::LOCAL != 0,
-        terminating: b.flags & bflags::TERMINATING != 0,
+    match snap.backends.get(&id) {
+        Some(b) => BackendView {
+            address: socket(b.addr, b.port),
+            id,
+            local: b.flags & bflags::LOCAL != 0,
+            terminating: b.flags & bflags::TERMINATING != 0,
+        },
+        None => BackendView {
+            address: format!("(missing backend {id})"),
+            id,
+            local: false,
+            terminating: false,
+        },
     }
 }
 
 /// A frontend as the services map keys it: (rev_nat_id, address, port, protocol).
-type FrontendId = (u32, [u8; 4], u16, u8);
-/// A flow tuple: (source, source port, destination, destination port, protocol).
-type Tuple = ([u8; 4], u16, [u8; 4], u16, u8);
+type FrontendId = (u32, IpAddr, u16, u8);
 
-/// Live flows per frontend (rev_nat_id), from the flow-state maps (best effort: they may be
-/// absent).
+/// Live flows per frontend (rev_nat_id), from the flow-state maps of both families (best effort:
+/// they may be absent).
 fn flow_counts(paths: &PinPaths) -> BTreeMap<u32, u64> {
     let mut flows: BTreeMap<u32, u64> = BTreeMap::new();
-    if let Ok(ct) = open_hash::<Ct4Key, Ct4Value>(paths, catalog::CONNTRACK) {
+    count_flows::<V4>(paths, &mut flows);
+    count_flows::<V6>(paths, &mut flows);
+    flows
+}
+
+fn count_flows<F>(paths: &PinPaths, flows: &mut BTreeMap<u32, u64>)
+where
+    F: FamilyMaps,
+    CtKey<F>: Pod,
+    CtValue<F>: Pod,
+    SockRevNatKey<F>: Pod,
+    SockRevNatValue<F>: Pod,
+{
+    if let Ok(Some(ct)) = open_hash::<CtKey<F>, CtValue<F>>(paths, F::MAPS.conntrack) {
         for (k, v) in ct.iter().flatten() {
             if crate::datapath::conntrack::is_forward(&k, &v) {
                 *flows.entry(v.rev_nat_id).or_default() += 1;
             }
         }
     }
-    if let Ok(sk) = open_hash::<SockRevNat4Key, SockRevNat4Value>(paths, catalog::SOCK_REVNAT) {
+    if let Ok(Some(sk)) = open_hash::<SockRevNatKey<F>, SockRevNatValue<F>>(paths, F::MAPS.sock_revnat) {
         for (_, v) in sk.iter().flatten() {
             *flows.entry(v.rev_nat_id).or_default() += 1;
         }
     }
-    flows
 }
 
 fn frontends(snap: &Snapshot, flows: &BTreeMap<u32, u64>) -> Vec<FrontendView> {
-    let mut by_frontend: BTreeMap<FrontendId, Vec<(Svc4Key, Svc4Value)>> = BTreeMap::new();
+    let mut by_frontend: BTreeMap<FrontendId, Vec<(ServiceMapKey, SvcValue)>> = BTreeMap::new();
     for (k, v) in &snap.services {
         by_frontend
             .entry((v.rev_nat_id, k.addr, k.port, k.proto))
@@ -212,15 +245,18 @@ fn frontends(snap: &Snapshot, flows: &BTreeMap<u32, u64>) -> Vec<FrontendView> {
                 },
             });
         }
-        let source_ranges = snap
+        // Sorted: the trie's order is the kernel's.
+        let mut source_ranges: Vec<ipnet::IpNet> = snap
             .source_ranges
             .iter()
-            .filter(|(_, r)| u32::from_be_bytes(r.rev_nat_id_be) == rev)
-            .map(|(len, r)| format!("{}/{}", ip(r.addr), len - 32))
+            .filter(|r| r.rev_nat_id == rev)
+            .map(|r| r.net)
             .collect();
+        source_ranges.sort();
+        let source_ranges = source_ranges.iter().map(|n| n.to_string()).collect();
         out.push(FrontendView {
             service: name,
-            frontend: format!("{}:{}/{}", ip(addr), port, proto_name(proto)),
+            frontend: format!("{}/{}", socket(addr, port), proto_name(proto)),
             kind: kind_name(front_flags),
             rev_nat_id: rev,
             masquerade: if front_flags & flags::MASQUERADE != 0 {
@@ -388,9 +424,9 @@ fn backend_rows(snap: &Snapshot) -> Vec<BackendRow> {
     let rows: Vec<BackendRow> = snap
         .backends
         .iter()
-        .map(|(id, b): (&u32, &Backend4Value)| BackendRow {
+        .map(|(id, b)| BackendRow {
             id: *id,
-            address: format!("{}:{}", ip(b.addr), b.port),
+            address: socket(b.addr, b.port),
             protocol: proto_name(b.proto),
             local: b.flags & bflags::LOCAL != 0,
             terminating: b.flags & bflags::TERMINATING != 0,
@@ -443,44 +479,9 @@ struct FlowRow {
 pub fn conntrack(args: &InspectArgs) -> Result<()> {
     let (paths, maps) = open(args)?;
     let snap = maps.snapshot()?;
-    let ct = open_hash::<Ct4Key, Ct4Value>(&paths, catalog::CONNTRACK)?;
-    // A list for the rows' order (the map's), a table for finding each flow's other entries.
-    let entries: Vec<(Ct4Key, Ct4Value)> = ct.iter().flatten().collect();
-    let by_key: std::collections::HashMap<Ct4Key, Ct4Value> = entries.iter().copied().collect();
-    // Masquerade addresses of each flow, from its SNAT entry (client -> backend).
-    let snat: BTreeMap<Tuple, ([u8; 4], u16)> = entries
-        .iter()
-        .filter(|(k, v)| {
-            k.dir == dir::EGRESS && v.flags & ctflags::SNAT != 0 && v.flags & ctflags::REPLY == 0
-        })
-        .map(|(k, v)| {
-            (
-                (k.saddr, k.sport, k.daddr, k.dport, k.proto),
-                (v.nat_addr, v.nat_port),
-            )
-        })
-        .collect();
     let now = crate::time::monotonic_coarse_ns();
-    let rows: Vec<FlowRow> = entries
-        .iter()
-        .filter(|(k, v)| crate::datapath::conntrack::is_forward(k, v))
-        .map(|(k, v)| FlowRow {
-            protocol: proto_name(k.proto),
-            client: format!("{}:{}", ip(k.saddr), k.sport),
-            frontend: format!("{}:{}", ip(k.daddr), k.dport),
-            backend: format!("{}:{}", ip(v.nat_addr), v.nat_port),
-            masquerade: snat
-                .get(&(k.saddr, k.sport, v.nat_addr, v.nat_port, k.proto))
-                .map(|(a, p)| format!("{}:{}", ip(*a), p)),
-            service: snap
-                .names
-                .get(&v.rev_nat_id)
-                .map(|n| service_port_name(n, k.proto).to_string())
-                .unwrap_or_default(),
-            age: age(now, v.created_ns),
-            state: crate::datapath::conntrack::flow_state(k, v, &by_key).label(),
-        })
-        .collect();
+    let mut rows = flow_rows::<V4>(&paths, &snap, now)?;
+    rows.extend(flow_rows::<V6>(&paths, &snap, now)?);
     match args.output {
         OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
         OutputFormat::Table => print!(
@@ -517,6 +518,65 @@ pub fn conntrack(args: &InspectArgs) -> Result<()> {
     Ok(())
 }
 
+/// A flow tuple: (source, source port, destination, destination port, protocol).
+type Tuple<F> = (
+    <F as lb_common::family::Family>::Addr,
+    u16,
+    <F as lb_common::family::Family>::Addr,
+    u16,
+    u8,
+);
+
+/// One family's tc flows, from its conntrack map.
+fn flow_rows<F>(paths: &PinPaths, snap: &Snapshot, now: u64) -> Result<Vec<FlowRow>>
+where
+    F: KernelFamily + FamilyMaps,
+    CtKey<F>: Pod,
+    CtValue<F>: Pod,
+{
+    let Some(ct) = open_hash::<CtKey<F>, CtValue<F>>(paths, F::MAPS.conntrack)? else {
+        return Ok(Vec::new());
+    };
+    // A list for the rows' order (the map's), a table for finding each flow's other entries.
+    let entries: Vec<(CtKey<F>, CtValue<F>)> = ct.iter().flatten().collect();
+    let by_key: std::collections::HashMap<CtKey<F>, CtValue<F>> = entries.iter().copied().collect();
+    let at = |addr: &F::Addr, port: u16| socket(F::ip_addr(addr), port);
+    // Masquerade addresses of each flow, from its SNAT entry (client -> backend): keyed by that
+    // entry's tuple (client, client port, backend, backend port, protocol).
+    let snat: std::collections::HashMap<Tuple<F>, (F::Addr, u16)> = entries
+        .iter()
+        .filter(|(k, v)| {
+            k.dir == dir::EGRESS && v.flags & ctflags::SNAT != 0 && v.flags & ctflags::REPLY == 0
+        })
+        .map(|(k, v)| {
+            (
+                (k.saddr, k.sport, k.daddr, k.dport, k.proto),
+                (v.nat_addr, v.nat_port),
+            )
+        })
+        .collect();
+    Ok(entries
+        .iter()
+        .filter(|(k, v)| crate::datapath::conntrack::is_forward(k, v))
+        .map(|(k, v)| FlowRow {
+            protocol: proto_name(k.proto),
+            client: at(&k.saddr, k.sport),
+            frontend: at(&k.daddr, k.dport),
+            backend: at(&v.nat_addr, v.nat_port),
+            masquerade: snat
+                .get(&(k.saddr, k.sport, v.nat_addr, v.nat_port, k.proto))
+                .map(|(a, p)| at(a, *p)),
+            service: snap
+                .names
+                .get(&v.rev_nat_id)
+                .map(|n| service_port_name(n, k.proto).to_string())
+                .unwrap_or_default(),
+            age: age(now, v.created_ns),
+            state: crate::datapath::conntrack::flow_state(k, v, &by_key).label(),
+        })
+        .collect())
+}
+
 #[derive(Serialize)]
 struct AffinityRow {
     client: String,
@@ -528,27 +588,9 @@ struct AffinityRow {
 pub fn affinity(args: &InspectArgs) -> Result<()> {
     let (paths, maps) = open(args)?;
     let snap = maps.snapshot()?;
-    let aff = open_hash::<Affinity4Key, Affinity4Value>(&paths, catalog::AFFINITY)?;
     let now = crate::time::boottime_ns();
-    let rows: Vec<AffinityRow> = aff
-        .iter()
-        .flatten()
-        .map(|(k, v)| AffinityRow {
-            client: if k.kind == kind::ADDR {
-                ip((k.client as u32).to_ne_bytes()).to_string()
-            } else {
-                format!("netns cookie {}", k.client)
-            },
-            service: snap
-                .names
-                .get(&k.rev_nat_id)
-                .zip(snap.revnat.get(&k.rev_nat_id))
-                .map(|(n, r)| format!("{} ({}:{})", service_port_name(n, r.proto), ip(r.addr), r.port))
-                .unwrap_or_default(),
-            backend: backend_view(&snap, v.backend_id).address,
-            idle: age(now, v.last_used_ns),
-        })
-        .collect();
+    let mut rows = affinity_rows::<V4>(&paths, &snap, now)?;
+    rows.extend(affinity_rows::<V6>(&paths, &snap, now)?);
     match args.output {
         OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
         OutputFormat::Table => print!(
@@ -570,6 +612,36 @@ pub fn affinity(args: &InspectArgs) -> Result<()> {
         ),
     }
     Ok(())
+}
+
+/// One family's ClientIP affinity entries.
+fn affinity_rows<F>(paths: &PinPaths, snap: &Snapshot, now: u64) -> Result<Vec<AffinityRow>>
+where
+    F: KernelFamily + FamilyMaps + AffinityClient,
+    AffinityKey<F>: Pod,
+{
+    let Some(aff) = open_hash::<AffinityKey<F>, AffinityValue>(paths, F::MAPS.affinity)? else {
+        return Ok(Vec::new());
+    };
+    Ok(aff
+        .iter()
+        .flatten()
+        .map(|(k, v)| AffinityRow {
+            client: if k.kind == kind::ADDR {
+                F::ip_addr(&F::addr_of_client(&k.client)).to_string()
+            } else {
+                format!("netns cookie {}", F::cookie_of_client(&k.client))
+            },
+            service: snap
+                .names
+                .get(&k.rev_nat_id)
+                .zip(snap.revnat.get(&k.rev_nat_id))
+                .map(|(n, r)| format!("{} ({})", service_port_name(n, r.proto), socket(r.addr, r.port)))
+                .unwrap_or_default(),
+            backend: backend_view(snap, v.backend_id).address,
+            idle: age(now, v.last_used_ns),
+        })
+        .collect())
 }
 
 pub fn stats(args: &InspectArgs) -> Result<()> {

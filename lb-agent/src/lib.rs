@@ -17,7 +17,8 @@
 //! health-check NodePorts), `metrics`, `events` (Warning Events for problems), `config`
 //! (`KubeProxyConfiguration`) and `cli` (flags). The operator commands: `inspect`, `trace` (which
 //! programs a private data path through the agent's own code) and `cleanup`. Below everything:
-//! `time` (the kernel's clocks) and `error`.
+//! `time` (the kernel's clocks), `family` (IPv4 and IPv6 as values and as
+//! types) and `error`.
 
 pub mod agent;
 pub mod apply;
@@ -28,6 +29,7 @@ pub mod config;
 pub mod datapath;
 pub mod error;
 pub mod events;
+pub mod family;
 pub mod health;
 pub mod inspect;
 pub mod metrics;

@@ -16,7 +16,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
     fs,
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::{Path, PathBuf},
 };
 
@@ -26,7 +26,7 @@ use lb_agent::{
     apply::{Applier, fake::FakeMaps},
     cli::Cli,
     inspect::{backends_text, services_text},
-    node::NodeSettings,
+    node::{LocalNetwork, NodeSettings},
     watch::{ClusterState, ServiceKey, manifests, slice_service},
 };
 use lb_common::catalog::Capacities;
@@ -38,18 +38,21 @@ const DEFAULT_ADDRESSES: &str = "192.168.1.10 127.0.0.1";
 struct Case {
     dir: PathBuf,
     settings: NodeSettings,
-    addresses: Vec<Ipv4Addr>,
+    local: LocalNetwork,
 }
 
 fn read_case(dir: &Path) -> Case {
     let text = fs::read_to_string(dir.join("case.txt")).unwrap_or_default();
     let mut flags = DEFAULT_FLAGS.to_owned();
     let mut addresses = DEFAULT_ADDRESSES.to_owned();
+    let mut ipv6_disabled = false;
     for line in text.lines().map(str::trim).filter(|l| !l.starts_with('#')) {
         if let Some(v) = line.strip_prefix("flags:") {
             flags = v.trim().to_owned();
         } else if let Some(v) = line.strip_prefix("addresses:") {
             addresses = v.trim().to_owned();
+        } else if line == "ipv6: disabled" {
+            ipv6_disabled = true;
         } else if !line.is_empty() {
             panic!("{}: unknown line in case.txt: {line:?}", dir.display());
         }
@@ -71,7 +74,10 @@ fn read_case(dir: &Path) -> Case {
     Case {
         dir: dir.to_owned(),
         settings,
-        addresses,
+        local: LocalNetwork {
+            addresses,
+            ipv6_disabled,
+        },
     }
 }
 
@@ -92,13 +98,23 @@ fn render(p: &Programmer<FakeMaps>) -> String {
     out.push_str(&services_text(snap, &BTreeMap::new()));
     writeln!(out, "\n$ lb-agent backends").unwrap();
     out.push_str(&backends_text(snap));
-    let masquerade = p.maps().config.map(|c| Ipv4Addr::from(c.snat_addr));
+    // The IPv6 address only where there is one, so that IPv4-only cases read as before.
+    let config = p.maps().config;
+    let v4 = config
+        .map(|c| IpAddr::V4(Ipv4Addr::from(c.v4.snat_addr)))
+        .filter(|a| !a.is_unspecified());
+    let v6 = config
+        .map(|c| IpAddr::V6(Ipv6Addr::from(c.v6.snat_addr)))
+        .filter(|a| !a.is_unspecified());
     writeln!(
         out,
         "\nmasquerade address: {}",
-        masquerade.map_or("-".into(), |a| a.to_string())
+        v4.map_or("-".into(), |a| a.to_string())
     )
     .unwrap();
+    if let Some(v6) = v6 {
+        writeln!(out, "masquerade address (IPv6): {v6}").unwrap();
+    }
     let problems = p.planner().problems();
     writeln!(out, "problems:{}", if problems.is_empty() { " none" } else { "" }).unwrap();
     for problem in problems {
@@ -115,7 +131,7 @@ fn render(p: &Programmer<FakeMaps>) -> String {
 /// Programs the case from scratch, as a full sync does.
 fn full(case: &Case, state: &ClusterState) -> String {
     let mut p = programmer(&case.settings);
-    let view = p.view(state.node.as_deref(), &case.addresses);
+    let view = p.view(state.node.as_deref(), &case.local);
     p.write_config(&view).unwrap();
     let (_, report) = p.program_all(&ClusterState::default(), &view);
     assert!(report.is_clean(), "{report:?}");
@@ -132,7 +148,7 @@ fn full(case: &Case, state: &ClusterState) -> String {
 /// Programs the case one Service at a time, as the watch's syncs do, from an empty cluster.
 fn incremental(case: &Case, state: &ClusterState) -> String {
     let mut p = programmer(&case.settings);
-    let view = p.view(state.node.as_deref(), &case.addresses);
+    let view = p.view(state.node.as_deref(), &case.local);
     p.write_config(&view).unwrap();
     let empty = ClusterState {
         node: state.node.clone(),

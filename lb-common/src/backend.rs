@@ -1,10 +1,13 @@
-//! The backends map (`lb4_backends`): backend id -> address. One id per distinct
+//! The backends maps (`lb4_backends`, `lb6_backends`): backend id -> address. One id per distinct
 //! (address, port, protocol), shared by every Service that selects it and reference-counted by the
 //! agent, so an endpoint in several Services costs one entry.
 
-use crate::user_pod;
+use crate::{
+    family::{Family, V4, V6},
+    user_pod,
+};
 
-/// `Backend4Value::flags`: informational for operators; selection is decided by the agent.
+/// `BackendValue::flags`: informational for operators; selection is decided by the agent.
 pub mod flags {
     /// The endpoint runs on this node (EndpointSlice `nodeName` equals the node name).
     pub const LOCAL: u8 = 1 << 0;
@@ -14,9 +17,9 @@ pub mod flags {
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Backend4Value {
+pub struct BackendValue<F: Family> {
     /// Endpoint address, network order.
-    pub addr: [u8; 4],
+    pub addr: F::Addr,
     /// Endpoint (target) port.
     pub port: u16,
     pub proto: u8,
@@ -24,12 +27,16 @@ pub struct Backend4Value {
     pub flags: u8,
 }
 
-user_pod!(Backend4Value);
+pub type Backend4Value = BackendValue<V4>;
+pub type Backend6Value = BackendValue<V6>;
+
+user_pod!(BackendValue<V4>, BackendValue<V6>);
 
 #[cfg(test)]
 mod layout {
     #[test]
     fn backend4_value() {
         assert_eq!(core::mem::size_of::<super::Backend4Value>(), 8);
+        assert_eq!(core::mem::size_of::<super::Backend6Value>(), 20);
     }
 }

@@ -4,13 +4,29 @@
 //!
 //! Service and backend state lives in plain hash maps: an LRU map evicts before it is full, which
 //! would silently drop a Service. Only flow state (socket reverse NAT, affinity, conntrack) is LRU.
+//!
+//! Maps that hold addresses exist once per family (`lb4_*`, `lb6_*`, [`FamilyMaps`]); ids
+//! (backend ids, reverse-NAT ids) are one space across both families, so the maps keyed by an id
+//! alone and the family-free ones (`lb_svc_names`, `lb_aff_match`, `lb_config`, counters) are
+//! shared.
 
-/// Frontends and their backend slots: `Svc4Key` -> `Svc4Value`. Written by the agent only.
+use crate::family::{Family, V4, V6};
+
+/// Frontends and their backend slots: `Svc4Key` -> `SvcValue`. Written by the agent only.
 pub const SERVICES: &str = "lb4_services";
 /// Backends by id: `u32` -> `Backend4Value`. Written by the agent only.
 pub const BACKENDS: &str = "lb4_backends";
 /// Frontend address by reverse-NAT id: `u32` -> `RevNat4Value`. Written by the agent only.
 pub const REVNAT: &str = "lb4_revnat";
+/// The IPv6 twins of the maps above and below (same keys and values, `F = V6`).
+pub const SERVICES6: &str = "lb6_services";
+pub const BACKENDS6: &str = "lb6_backends";
+pub const REVNAT6: &str = "lb6_revnat";
+pub const SOCK_REVNAT6: &str = "lb6_sock_revnat";
+pub const SOCK_REVNAT_SK6: &str = "lb6_sock_rev_sk";
+pub const AFFINITY6: &str = "lb6_affinity";
+pub const SOURCE_RANGES6: &str = "lb6_src_range";
+pub const CONNTRACK6: &str = "lb6_ct";
 /// Service identity by reverse-NAT id: `u32` -> `SvcName`, for operators (CLI, bpftool); the
 /// programs never read it.
 pub const SVC_NAMES: &str = "lb_svc_names";
@@ -19,10 +35,11 @@ pub const SOCK_REVNAT: &str = "lb4_sock_revnat";
 /// Per-socket reverse NAT of connected sockets (socket storage, `BPF_MAP_TYPE_SK_STORAGE`): the
 /// socket -> `SockRevNat4Sk`. Not dumpable by bpftool (its key is a socket).
 pub const SOCK_REVNAT_SK: &str = "lb4_sock_rev_sk";
-/// ClientIP session affinity (LRU): `Affinity4Key` -> `Affinity4Value`.
+/// ClientIP session affinity (LRU): `Affinity4Key` -> `AffinityValue`.
 pub const AFFINITY: &str = "lb4_affinity";
-/// Which backends may still serve an affinity entry: `AffinityMatchKey` -> `u8`. Written by the agent.
-pub const AFFINITY_MATCH: &str = "lb4_aff_match";
+/// Which backends may still serve an affinity entry, both families: `AffinityMatchKey` -> `u8`.
+/// Written by the agent.
+pub const AFFINITY_MATCH: &str = "lb_aff_match";
 /// loadBalancerSourceRanges (LPM trie): `SrcRange4` prefix -> `u8`. Written by the agent.
 pub const SOURCE_RANGES: &str = "lb4_src_range";
 /// Connection tracking and NAT of the tc path (LRU): `Ct4Key` -> `Ct4Value`.
@@ -54,7 +71,117 @@ pub const ALL: &[&str] = &[
     CONFIG,
     STATS,
     REJECT_LIMIT,
+    SERVICES6,
+    BACKENDS6,
+    REVNAT6,
+    SOCK_REVNAT6,
+    SOCK_REVNAT_SK6,
+    AFFINITY6,
+    SOURCE_RANGES6,
+    CONNTRACK6,
 ];
+
+/// Map names an earlier release pinned and this one no longer uses; the agent removes their pins
+/// once its programs are attached (`lb4_aff_match` became the shared `lb_aff_match`).
+pub const RETIRED: &[&str] = &["lb4_aff_match"];
+
+/// Layout version of every pinned map: a pin's file name carries it (`pin_name`), so an agent never
+/// reads a pin of another layout. Bump a map's version when its key or value layout changes (and
+/// have the agent's `datapath::migrate` convert its entries if they must survive the upgrade).
+///
+/// `lb_config` is at version 2: IPv6 added each family's settings to its one entry (the agent
+/// writes it at start, so nothing is converted).
+pub const LAYOUTS: &[(&str, u32)] = &[
+    (SERVICES, 1),
+    (BACKENDS, 1),
+    (REVNAT, 1),
+    (SVC_NAMES, 1),
+    (SOCK_REVNAT, 1),
+    (SOCK_REVNAT_SK, 1),
+    (AFFINITY, 1),
+    (AFFINITY_MATCH, 1),
+    (SOURCE_RANGES, 1),
+    (CONNTRACK, 1),
+    (CONFIG, 2),
+    (STATS, 1),
+    (REJECT_LIMIT, 1),
+    (SERVICES6, 1),
+    (BACKENDS6, 1),
+    (REVNAT6, 1),
+    (SOCK_REVNAT6, 1),
+    (SOCK_REVNAT_SK6, 1),
+    (AFFINITY6, 1),
+    (SOURCE_RANGES6, 1),
+    (CONNTRACK6, 1),
+];
+
+/// The pin file name of a map at its current layout version, as `Display`: the map's name at
+/// version 1 (`lb4_services`), else suffixed (`lb_config_v2`).
+pub fn pin_name(name: &str) -> PinName<'_> {
+    let version = LAYOUTS.iter().find(|(n, _)| *n == name).map_or(1, |(_, v)| *v);
+    PinName { name, version }
+}
+
+/// See [`pin_name`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PinName<'a> {
+    pub name: &'a str,
+    pub version: u32,
+}
+
+impl core::fmt::Display for PinName<'_> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        if self.version == 1 {
+            f.write_str(self.name)
+        } else {
+            write!(f, "{}_v{}", self.name, self.version)
+        }
+    }
+}
+
+/// The names of the maps that exist once per family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FamilyMapNames {
+    pub services: &'static str,
+    pub backends: &'static str,
+    pub revnat: &'static str,
+    pub sock_revnat: &'static str,
+    pub sock_revnat_sk: &'static str,
+    pub affinity: &'static str,
+    pub source_ranges: &'static str,
+    pub conntrack: &'static str,
+}
+
+/// The maps of a family, by name.
+pub trait FamilyMaps: Family {
+    const MAPS: FamilyMapNames;
+}
+
+impl FamilyMaps for V4 {
+    const MAPS: FamilyMapNames = FamilyMapNames {
+        services: SERVICES,
+        backends: BACKENDS,
+        revnat: REVNAT,
+        sock_revnat: SOCK_REVNAT,
+        sock_revnat_sk: SOCK_REVNAT_SK,
+        affinity: AFFINITY,
+        source_ranges: SOURCE_RANGES,
+        conntrack: CONNTRACK,
+    };
+}
+
+impl FamilyMaps for V6 {
+    const MAPS: FamilyMapNames = FamilyMapNames {
+        services: SERVICES6,
+        backends: BACKENDS6,
+        revnat: REVNAT6,
+        sock_revnat: SOCK_REVNAT6,
+        sock_revnat_sk: SOCK_REVNAT_SK6,
+        affinity: AFFINITY6,
+        source_ranges: SOURCE_RANGES6,
+        conntrack: CONNTRACK6,
+    };
+}
 
 /// Default capacities. The agent overrides them with flags (`--bpf-lb-map-max` and friends) before
 /// the maps are created; a pinned map keeps its size until it is migrated.
@@ -73,8 +200,14 @@ pub mod capacity {
     pub const CONNTRACK: u32 = 262_144;
 }
 
+/// The most frontends (reverse-NAT ids) a family may have: ids of both families
+/// (`IPv6 = IPv4 capacity + 1 ..`) must fit the 20 bits of id the tc path's un-SNAT mark carries
+/// (`lb-ebpf/src/tc/conntrack.rs::MARK_ID`).
+pub const MAX_REVNAT_PER_FAMILY: u32 = 0x7_FFFF;
+
 /// Map capacities (`max_entries`): what the agent creates the maps with (flags such as
-/// `--bpf-lb-map-max`), and what bounds the entries its writer may add.
+/// `--bpf-lb-map-max`), and what bounds the entries its writer may add. A per-family map of each
+/// family gets the capacity (`lb4_services` and `lb6_services` both `services`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Capacities {
     pub services: u32,

@@ -1,7 +1,10 @@
 //! `lb_config`: one entry of node-wide settings the programs read on every decision. The agent
 //! writes it at start and whenever a setting changes.
 
-use crate::user_pod;
+use crate::{
+    family::{Family, V4, V6, prefix_contains},
+    user_pod,
+};
 
 pub mod flags {
     /// Socket programs translate only sockets of the host network namespace (pods are left to the
@@ -12,16 +15,20 @@ pub mod flags {
 /// Up to this many `--cluster-cidr` entries of one family (kube-proxy takes one per family).
 pub const MAX_CLUSTER_CIDRS: usize = 4;
 
+/// A prefix of one family.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Cidr4 {
-    pub addr: [u8; 4],
+pub struct Cidr<F: Family> {
+    pub addr: F::Addr,
     pub prefix_len: u8,
     pub _pad: [u8; 3],
 }
 
-impl Cidr4 {
-    pub const fn new(addr: [u8; 4], prefix_len: u8) -> Self {
+pub type Cidr4 = Cidr<V4>;
+pub type Cidr6 = Cidr<V6>;
+
+impl<F: Family> Cidr<F> {
+    pub const fn new(addr: F::Addr, prefix_len: u8) -> Self {
         Self {
             addr,
             prefix_len,
@@ -29,43 +36,40 @@ impl Cidr4 {
         }
     }
 
-    pub fn contains(&self, ip: [u8; 4]) -> bool {
-        if self.prefix_len == 0 {
-            return true;
-        }
-        let shift = 32 - u32::from(self.prefix_len.min(32));
-        let mask = if shift == 32 { 0 } else { u32::MAX << shift };
-        (u32::from_be_bytes(ip) & mask) == (u32::from_be_bytes(self.addr) & mask)
+    #[inline(always)]
+    pub fn contains(&self, ip: &F::Addr) -> bool {
+        prefix_contains(self.addr.as_ref(), self.prefix_len, ip.as_ref())
     }
 }
 
+/// The settings of one family.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DatapathConfig {
-    /// `bpf_get_netns_cookie()` of the host network namespace (the agent's own).
-    pub host_netns_cookie: u64,
-    /// `flags::*`.
-    pub flags: u32,
+pub struct FamilyConfig<F: Family> {
+    /// The node address masqueraded flows of this family get as their source (tc path);
+    /// unspecified when the node has none (such flows are dropped and counted).
+    pub snat_addr: F::Addr,
     /// Number of valid entries in `cluster_cidrs`.
-    pub cluster_cidr_count: u32,
-    /// kube-proxy's local-traffic detector (`--cluster-cidr`): sources inside are pods.
-    pub cluster_cidrs: [Cidr4; MAX_CLUSTER_CIDRS],
-    /// The node IP masqueraded flows get as their source (tc path).
-    pub snat_addr: [u8; 4],
-    /// Source ports for masqueraded flows, inclusive; outside the kernel's ephemeral range so a
-    /// masqueraded flow never collides with a connection of the node itself.
-    pub snat_port_min: u16,
-    pub snat_port_max: u16,
+    pub cluster_cidr_count: u8,
+    pub _pad: [u8; 3],
+    /// kube-proxy's local-traffic detector of this family (`--cluster-cidr`): sources inside are
+    /// pods.
+    pub cluster_cidrs: [Cidr<F>; MAX_CLUSTER_CIDRS],
 }
 
-/// Default masquerade port range (as Calico's `BPFPSNATPorts`).
-pub const SNAT_PORT_MIN: u16 = 20_000;
-pub const SNAT_PORT_MAX: u16 = 29_999;
+impl<F: Family> FamilyConfig<F> {
+    /// Nothing configured: no masquerade address, no local-traffic detector.
+    pub const EMPTY: Self = FamilyConfig {
+        snat_addr: F::UNSPECIFIED,
+        cluster_cidr_count: 0,
+        _pad: [0; 3],
+        cluster_cidrs: [Cidr::new(F::UNSPECIFIED, 0); MAX_CLUSTER_CIDRS],
+    };
 
-impl DatapathConfig {
     /// Whether `ip` is a pod address per the local-traffic detector; `None` when no cluster CIDR
-    /// is configured (kube-proxy then treats no traffic as pod traffic).
-    pub fn is_pod_address(&self, ip: [u8; 4]) -> Option<bool> {
+    /// of this family is configured (kube-proxy then treats no traffic as pod traffic).
+    #[inline(always)]
+    pub fn is_pod_address(&self, ip: &F::Addr) -> Option<bool> {
         if self.cluster_cidr_count == 0 {
             return None;
         }
@@ -80,37 +84,111 @@ impl DatapathConfig {
     }
 }
 
-user_pod!(DatapathConfig, Cidr4);
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DatapathConfig {
+    /// `bpf_get_netns_cookie()` of the host network namespace (the agent's own).
+    pub host_netns_cookie: u64,
+    /// `flags::*`.
+    pub flags: u32,
+    /// Source ports for masqueraded flows, inclusive; outside the kernel's ephemeral range so a
+    /// masqueraded flow never collides with a connection of the node itself.
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+    pub v4: FamilyConfig<V4>,
+    pub v6: FamilyConfig<V6>,
+    pub _pad: [u8; 4],
+}
+
+impl DatapathConfig {
+    /// What `lb_config` holds before the agent first writes it.
+    pub const UNCONFIGURED: Self = DatapathConfig {
+        host_netns_cookie: 0,
+        flags: 0,
+        snat_port_min: 0,
+        snat_port_max: 0,
+        v4: FamilyConfig::EMPTY,
+        v6: FamilyConfig::EMPTY,
+        _pad: [0; 4],
+    };
+}
+
+/// Default masquerade port range (as Calico's `BPFPSNATPorts`).
+pub const SNAT_PORT_MIN: u16 = 20_000;
+pub const SNAT_PORT_MAX: u16 = 29_999;
+
+/// The part of [`DatapathConfig`] that belongs to one family.
+pub trait FamilySettings: Family {
+    fn settings(cfg: &DatapathConfig) -> &FamilyConfig<Self>;
+    fn settings_mut(cfg: &mut DatapathConfig) -> &mut FamilyConfig<Self>;
+}
+
+impl FamilySettings for V4 {
+    #[inline(always)]
+    fn settings(cfg: &DatapathConfig) -> &FamilyConfig<V4> {
+        &cfg.v4
+    }
+    fn settings_mut(cfg: &mut DatapathConfig) -> &mut FamilyConfig<V4> {
+        &mut cfg.v4
+    }
+}
+
+impl FamilySettings for V6 {
+    #[inline(always)]
+    fn settings(cfg: &DatapathConfig) -> &FamilyConfig<V6> {
+        &cfg.v6
+    }
+    fn settings_mut(cfg: &mut DatapathConfig) -> &mut FamilyConfig<V6> {
+        &mut cfg.v6
+    }
+}
+
+user_pod!(DatapathConfig);
 
 #[cfg(test)]
 mod tests {
     use core::mem::size_of;
 
     use super::*;
+    use crate::family::In6Addr;
 
     #[test]
     fn layout() {
         assert_eq!(size_of::<Cidr4>(), 8);
-        assert_eq!(size_of::<DatapathConfig>(), 16 + 8 * MAX_CLUSTER_CIDRS + 8);
+        assert_eq!(size_of::<Cidr6>(), 20);
+        assert_eq!(size_of::<FamilyConfig<V4>>(), 8 + 8 * MAX_CLUSTER_CIDRS);
+        assert_eq!(size_of::<FamilyConfig<V6>>(), 20 + 20 * MAX_CLUSTER_CIDRS);
+        assert_eq!(size_of::<DatapathConfig>(), 16 + 40 + 100 + 4);
     }
 
     #[test]
     fn cidr_contains() {
         let c = Cidr4::new([10, 244, 0, 0], 16);
-        assert!(c.contains([10, 244, 3, 4]));
-        assert!(!c.contains([10, 245, 0, 1]));
-        assert!(Cidr4::new([0, 0, 0, 0], 0).contains([192, 168, 1, 1]));
-        assert!(Cidr4::new([192, 168, 1, 1], 32).contains([192, 168, 1, 1]));
-        assert!(!Cidr4::new([192, 168, 1, 1], 32).contains([192, 168, 1, 2]));
+        assert!(c.contains(&[10, 244, 3, 4]));
+        assert!(!c.contains(&[10, 245, 0, 1]));
+        assert!(Cidr4::new([0, 0, 0, 0], 0).contains(&[192, 168, 1, 1]));
+        assert!(Cidr4::new([192, 168, 1, 1], 32).contains(&[192, 168, 1, 1]));
+        assert!(!Cidr4::new([192, 168, 1, 1], 32).contains(&[192, 168, 1, 2]));
+        let mut net = In6Addr::default();
+        net.octets[..4].copy_from_slice(&[0xfd, 0, 0x10, 0x24]);
+        let mut pod = net;
+        pod.octets[15] = 9;
+        assert!(Cidr6::new(net, 56).contains(&pod));
+        assert!(!Cidr6::new(net, 56).contains(&In6Addr::new([0xfe; 16])));
     }
 
     #[test]
-    fn pod_address_detection() {
+    fn pod_address_detection_per_family() {
         let mut cfg = DatapathConfig::default();
-        assert_eq!(cfg.is_pod_address([10, 244, 1, 1]), None);
-        cfg.cluster_cidrs[0] = Cidr4::new([10, 244, 0, 0], 16);
-        cfg.cluster_cidr_count = 1;
-        assert_eq!(cfg.is_pod_address([10, 244, 1, 1]), Some(true));
-        assert_eq!(cfg.is_pod_address([192, 168, 1, 1]), Some(false));
+        assert_eq!(cfg.v4.is_pod_address(&[10, 244, 1, 1]), None);
+        cfg.v4.cluster_cidrs[0] = Cidr4::new([10, 244, 0, 0], 16);
+        cfg.v4.cluster_cidr_count = 1;
+        assert_eq!(V4::settings(&cfg).is_pod_address(&[10, 244, 1, 1]), Some(true));
+        assert_eq!(cfg.v4.is_pod_address(&[192, 168, 1, 1]), Some(false));
+        assert_eq!(
+            V6::settings(&cfg).is_pod_address(&In6Addr::new([0xfd; 16])),
+            None,
+            "no IPv6 detector"
+        );
     }
 }

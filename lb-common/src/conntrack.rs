@@ -1,4 +1,4 @@
-//! Connection tracking of the tc path (`lb4_ct`, LRU): a NAT table. Each entry rewrites one
+//! Connection tracking of the tc path (`lb4_ct`, `lb6_ct`, LRU): a NAT table. Each entry rewrites one
 //! direction of one flow, keyed by the packet's tuple as the program sees it:
 //!
 //! | entry (dir)  | key                     | rewrites                         | written at        |
@@ -18,9 +18,12 @@
 //! (`lb-agent/src/datapath/conntrack.rs`) tells a flow's entries from those of a later flow on the
 //! same tuple. The programs mark TCP closes (FIN, RST) and UDP activity; the GC frees what ended.
 
-use crate::user_pod;
+use crate::{
+    family::{Family, V4, V6},
+    user_pod,
+};
 
-/// `Ct4Key::dir`.
+/// `CtKey::dir`.
 pub mod dir {
     /// Matched by the ingress program; rewrites the destination.
     pub const INGRESS: u8 = 0;
@@ -28,7 +31,7 @@ pub mod dir {
     pub const EGRESS: u8 = 1;
 }
 
-/// `Ct4Value::flags`.
+/// `CtValue::flags`.
 pub mod flags {
     /// The flow is masqueraded (its forward DNAT entry has SNAT companions).
     pub const SNAT: u16 = 1 << 0;
@@ -51,9 +54,9 @@ pub mod flags {
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Ct4Key {
-    pub saddr: [u8; 4],
-    pub daddr: [u8; 4],
+pub struct CtKey<F: Family> {
+    pub saddr: F::Addr,
+    pub daddr: F::Addr,
     pub sport: u16,
     pub dport: u16,
     pub proto: u8,
@@ -64,14 +67,14 @@ pub struct Ct4Key {
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Ct4Value {
+pub struct CtValue<F: Family> {
     /// `bpf_ktime_get_coarse_ns()` when the flow was created.
     pub created_ns: u64,
     /// Last packet (UDP: every forward packet, reply packets at most once a second); TCP: the
     /// connection start, then the first FIN or RST seen on this entry (`flags::CLOSE_MARKS`).
     pub last_seen_ns: u64,
     /// The address written into the packet (destination for INGRESS, source for EGRESS).
-    pub nat_addr: [u8; 4],
+    pub nat_addr: F::Addr,
     pub nat_port: u16,
     /// `flags::*`.
     pub flags: u16,
@@ -79,9 +82,15 @@ pub struct Ct4Value {
     pub rev_nat_id: u32,
     /// The backend of the flow.
     pub backend_id: u32,
+    pub _pad: F::Pad,
 }
 
-user_pod!(Ct4Key, Ct4Value);
+pub type Ct4Key = CtKey<V4>;
+pub type Ct6Key = CtKey<V6>;
+pub type Ct4Value = CtValue<V4>;
+pub type Ct6Value = CtValue<V6>;
+
+user_pod!(CtKey<V4>, CtKey<V6>, CtValue<V4>, CtValue<V6>);
 
 #[cfg(test)]
 mod layout {
@@ -93,5 +102,7 @@ mod layout {
     fn sizes() {
         assert_eq!(size_of::<Ct4Key>(), 16);
         assert_eq!(size_of::<Ct4Value>(), 32);
+        assert_eq!(size_of::<Ct6Key>(), 40);
+        assert_eq!(size_of::<Ct6Value>(), 48);
     }
 }

@@ -2,7 +2,8 @@
 //! and the `#[repr(C)]` keys and values stored in them.
 //!
 //! Rules every type here follows (checked by the layout tests at the bottom of each module):
-//! - IPv4 addresses are `[u8; 4]` in network order, exactly as on the wire.
+//! - Addresses are `F::Addr` of a [`family::Family`] (`[u8; 4]` for IPv4, [`family::In6Addr`] for IPv6), in
+//!   network order, exactly as on the wire; a type that holds one is generic over the family.
 //! - Ports and every other integer are in host order; the programs convert. `bpftool map dump`
 //!   then shows `"port": 80` rather than a byte-swapped number.
 //! - Padding is an explicit `_pad` field that writers zero: padding bytes are part of a hash key.
@@ -17,6 +18,7 @@ pub mod backend;
 pub mod catalog;
 pub mod config;
 pub mod conntrack;
+pub mod family;
 pub mod features;
 pub mod ratelimit;
 pub mod revnat;
@@ -25,9 +27,10 @@ pub mod service;
 pub mod stats;
 pub mod trace;
 
-/// IANA protocol numbers used in keys (`Svc4Key::proto`, `Backend4Value::proto`, ...).
+/// IANA protocol numbers used in keys (`SvcKey::proto`, `BackendValue::proto`, ...).
 pub mod proto {
     pub const ICMP: u8 = 1;
+    pub const ICMPV6: u8 = 58;
     pub const TCP: u8 = 6;
     pub const UDP: u8 = 17;
     pub const SCTP: u8 = 132;

@@ -1,10 +1,16 @@
 //! Backend selection arithmetic shared by the programs and the agent's `trace` (one definition, so
 //! what the CLI predicts is what the kernel does).
 
-/// The backend slot (1..=count) for a random or hashed 32-bit value. `count` must be non-zero.
+/// The backend slot (1..=count) for a random or hashed 32-bit value (1 when `count` is 0).
 #[inline(always)]
 pub const fn slot_for(value: u32, count: u16) -> u16 {
-    (value % count as u32) as u16 + 1
+    // Never a division by zero (a panic path, which the verifier rejects): a frontend read in
+    // place may have its count zeroed by the agent between the caller's check and here; slot 1
+    // is then as good as any (its lookup fails or finds the last backend standing).
+    match value.checked_rem(count as u32) {
+        Some(rem) => rem as u16 + 1,
+        None => 1,
+    }
 }
 
 /// Whether an affinity entry last used at `last_used_ns` is still valid at `now_ns`

@@ -1,4 +1,4 @@
-//! The services map (`lb4_services`), modelled on Cilium's `lb4_key`/`lb4_service`.
+//! The services maps (`lb4_services`, `lb6_services`), modelled on Cilium's `lb4_key`/`lb4_service`.
 //!
 //! One frontend (address, port, protocol) owns up to two *scopes*, each a run of entries:
 //! - slot 0: the frontend entry (`count`, `flags`, `rev_nat_id`, affinity timeout);
@@ -8,7 +8,10 @@
 //! backends first, then slots, then slot 0, then delete what is stale, so a reader never follows a
 //! slot to a missing backend (see `lb-agent/src/apply/applier.rs`).
 
-use crate::user_pod;
+use crate::{
+    family::{Family, V4, V6},
+    user_pod,
+};
 
 /// Traffic from outside this node (tc path); the only scope of most frontends.
 pub const SCOPE_EXTERNAL: u8 = 0;
@@ -26,9 +29,10 @@ pub mod flags {
     pub const LOCALHOST: u16 = 1 << 4;
     /// Node- and pod-originated traffic must use the `SCOPE_INTERNAL` entries.
     pub const TWO_SCOPES: u16 = 1 << 5;
-    /// sessionAffinity: ClientIP; the timeout is in `Svc4Value::affinity_timeout`.
+    /// sessionAffinity: ClientIP; the timeout is in `SvcValue::affinity_timeout`.
     pub const AFFINITY: u16 = 1 << 6;
-    /// loadBalancerSourceRanges apply: the source must match `lb4_src_range` for this rev_nat_id.
+    /// loadBalancerSourceRanges apply: the source must match `lb4_src_range` (`lb6_src_range`) for
+    /// this rev_nat_id.
     pub const SOURCE_RANGES: u16 = 1 << 7;
     /// A source range contains a node IP, so this node's own sockets are allowed.
     pub const SOURCE_RANGES_ALLOW_NODE: u16 = 1 << 8;
@@ -46,11 +50,12 @@ pub mod flags {
     pub const EXTERNAL_KINDS: u16 = NODE_PORT | EXTERNAL_IP | LOAD_BALANCER;
 }
 
+/// A frontend's slot: (address, port, protocol, scope, slot).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Svc4Key {
+pub struct SvcKey<F: Family> {
     /// Frontend address, network order.
-    pub addr: [u8; 4],
+    pub addr: F::Addr,
     /// Frontend port.
     pub port: u16,
     /// 0 is the frontend entry; 1..=count are backend slots.
@@ -62,8 +67,11 @@ pub struct Svc4Key {
     pub _pad: [u8; 2],
 }
 
-impl Svc4Key {
-    pub const fn new(addr: [u8; 4], port: u16, proto: u8, scope: u8, slot: u16) -> Self {
+pub type Svc4Key = SvcKey<V4>;
+pub type Svc6Key = SvcKey<V6>;
+
+impl<F: Family> SvcKey<F> {
+    pub const fn new(addr: F::Addr, port: u16, proto: u8, scope: u8, slot: u16) -> Self {
         Self {
             addr,
             port,
@@ -80,9 +88,10 @@ impl Svc4Key {
     }
 }
 
+/// A frontend entry (slot 0) or a backend slot; the same for both families.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Svc4Value {
+pub struct SvcValue {
     /// Backend slots: the backend id. Frontend entry: 0.
     pub backend_id: u32,
     /// Frontend entry: sessionAffinity ClientIP timeout in seconds (0: no affinity).
@@ -95,7 +104,7 @@ pub struct Svc4Value {
     pub flags: u16,
 }
 
-impl Svc4Value {
+impl SvcValue {
     pub const fn frontend(rev_nat_id: u32, count: u16, flags: u16, affinity_timeout: u32) -> Self {
         Self {
             backend_id: 0,
@@ -125,15 +134,18 @@ impl Svc4Value {
 /// prefix length). The prefix length counts the 32 bits of `rev_nat_id_be` plus the bits of the
 /// source prefix, so one trie holds the ranges of every frontend.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct SrcRange4 {
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SrcRange<F: Family> {
     /// Big-endian so the trie matches the id before the address bits.
     pub rev_nat_id_be: [u8; 4],
-    pub addr: [u8; 4],
+    pub addr: F::Addr,
 }
 
-impl SrcRange4 {
-    pub const fn new(rev_nat_id: u32, addr: [u8; 4]) -> Self {
+pub type SrcRange4 = SrcRange<V4>;
+pub type SrcRange6 = SrcRange<V6>;
+
+impl<F: Family> SrcRange<F> {
+    pub const fn new(rev_nat_id: u32, addr: F::Addr) -> Self {
         Self {
             rev_nat_id_be: rev_nat_id.to_be_bytes(),
             addr,
@@ -146,7 +158,7 @@ impl SrcRange4 {
     }
 }
 
-user_pod!(Svc4Key, Svc4Value, SrcRange4);
+user_pod!(SvcKey<V4>, SvcKey<V6>, SvcValue, SrcRange<V4>, SrcRange<V6>);
 
 #[cfg(test)]
 mod layout {
@@ -164,15 +176,23 @@ mod layout {
     }
 
     #[test]
-    fn svc4_value() {
-        assert_eq!(size_of::<Svc4Value>(), 16);
-        assert_eq!(offset_of!(Svc4Value, count), 12);
-        assert_eq!(offset_of!(Svc4Value, flags), 14);
+    fn svc6_key() {
+        assert_eq!(size_of::<Svc6Key>(), 24);
+        assert_eq!(offset_of!(Svc6Key, port), 16);
+        assert_eq!(offset_of!(Svc6Key, scope), 21);
+    }
+
+    #[test]
+    fn svc_value() {
+        assert_eq!(size_of::<SvcValue>(), 16);
+        assert_eq!(offset_of!(SvcValue, count), 12);
+        assert_eq!(offset_of!(SvcValue, flags), 14);
     }
 
     #[test]
     fn src_range() {
         assert_eq!(size_of::<SrcRange4>(), 8);
+        assert_eq!(size_of::<SrcRange6>(), 20);
         let k = SrcRange4::new(7, [10, 0, 0, 0]);
         assert_eq!(SrcRange4::prefix_len(8), 40);
         assert_eq!(k.rev_nat_id_be, [0, 0, 0, 7]);

@@ -86,6 +86,9 @@ counters! {
     /// tc egress: a packet carried this project's reply mark but was not a reply ingress had
     /// un-SNATed (another component's mark); left untouched, mark included.
     TcForeignMark => "tc_foreign_mark",
+    /// tc: a flow to masquerade, but the node has no address of the flow's family to masquerade
+    /// with (an IPv6 NodePort reached on a node without an IPv6 node IP, say); dropped.
+    TcNoMasqueradeAddress => "tc_no_masquerade_address",
 }
 
 /// Number of counters (`lb_stats` max_entries).

@@ -6,12 +6,17 @@
 
 use crate::user_pod;
 
-/// `SockTraceIn::hook`.
+/// `SockTraceIn::hook`: the hook and the family of the call (an IPv6 hook's address may be
+/// IPv4-mapped, as a dual-stack socket's).
 pub mod hook {
     pub const CONNECT4: u32 = 0;
     pub const SENDMSG4: u32 = 1;
     pub const RECVMSG4: u32 = 2;
     pub const GETPEERNAME4: u32 = 3;
+    pub const CONNECT6: u32 = 4;
+    pub const SENDMSG6: u32 = 5;
+    pub const RECVMSG6: u32 = 6;
+    pub const GETPEERNAME6: u32 = 7;
 }
 
 /// `SockTraceOut::verdict`: what the socket program did.
@@ -35,12 +40,13 @@ pub struct SockTraceIn {
     pub hook: u32,
     /// IPPROTO of the socket.
     pub protocol: u32,
-    /// The address the call names (destination, or the peer for recvmsg4/getpeername4).
-    pub addr: [u8; 4],
+    /// The address the call names (destination, or the peer for recvmsg/getpeername); an IPv4
+    /// hook's in the first 4 bytes.
+    pub addr: [u8; 16],
     pub port: u16,
     pub _pad: u16,
-    /// The socket's bound source address, or zero when unbound.
-    pub src_addr: [u8; 4],
+    /// The socket's bound source address, or zero when unbound (same layout as `addr`).
+    pub src_addr: [u8; 16],
     /// Stands in for `bpf_get_prandom_u32()`/the socket-cookie hash when choosing a slot.
     pub random: u32,
     pub socket_cookie: u64,
@@ -54,8 +60,8 @@ pub struct SockTraceOut {
     pub verdict: u32,
     /// The positive errno of a REJECT or DROP.
     pub errno: u32,
-    /// The rewritten address.
-    pub addr: [u8; 4],
+    /// The rewritten address (an IPv4 hook's in the first 4 bytes).
+    pub addr: [u8; 16],
     pub port: u16,
     /// The scope whose slots were used (`service::SCOPE_*`).
     pub scope: u8,

@@ -1,55 +1,64 @@
 //! Service lookup and backend selection, shared by the socket programs and the tc programs so both
-//! paths make the same decision for the same traffic.
+//! paths make the same decision for the same traffic, in both families.
 
 use lb_common::{
-    affinity::{Affinity4Key, Affinity4Value, AffinityMatchKey},
-    backend::Backend4Value,
+    affinity::{AffinityKey, AffinityMatchKey, AffinityValue},
+    backend::BackendValue,
     config::DatapathConfig,
+    family::Family,
     select,
-    service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, SrcRange4, Svc4Key, Svc4Value, flags},
+    service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, SrcRange, SvcKey, SvcValue, flags},
     stats::Counter,
 };
 
 use crate::{
-    maps::{AFFINITY, AFFINITY_MATCH, BACKENDS, CONFIG, SERVICES, SOURCE_RANGES},
+    family::FamilyMaps,
+    maps::{AFFINITY_MATCH, CONFIG},
     stats::count,
 };
 
+/// What `lb_config` holds before the agent writes it: nothing configured.
+static UNCONFIGURED: DatapathConfig = DatapathConfig::UNCONFIGURED;
+
+/// The node-wide settings, read in place (the entry is larger than the stack can spare a copy
+/// of in the tc programs).
 #[inline(always)]
-pub fn datapath_config() -> DatapathConfig {
-    match CONFIG.get(0) {
-        Some(cfg) => *cfg,
-        None => DatapathConfig::default(),
-    }
+pub fn datapath_config() -> &'static DatapathConfig {
+    CONFIG.get(0).unwrap_or(&UNCONFIGURED)
 }
 
+/// A frontend or slot entry, read in place as backends are (see [`lookup_backend`]).
 #[inline(always)]
-pub fn lookup_service(key: &Svc4Key) -> Option<Svc4Value> {
-    // Copy out: a hash map reference is only valid until the next update of the map.
-    SERVICES.get_ptr(key).map(|p| unsafe { *p })
+pub fn lookup_service<F: FamilyMaps>(key: &SvcKey<F>) -> Option<&'static SvcValue> {
+    // SAFETY: the services map is not preallocated either.
+    F::services().get_ptr(key).map(|p| unsafe { &*p })
 }
 
+/// A backend, read in place rather than copied (an IPv6 one would take five registers): the
+/// backends map is not preallocated, so an update replaces an element and frees the old one only
+/// after every program that may hold it has returned.
 #[inline(always)]
-pub fn lookup_backend(id: u32) -> Option<Backend4Value> {
-    BACKENDS.get_ptr(&id).map(|p| unsafe { *p })
+pub fn lookup_backend<F: FamilyMaps>(id: u32) -> Option<&'static BackendValue<F>> {
+    // SAFETY: see above; the agent never writes an element in place.
+    F::backends().get_ptr(&id).map(|p| unsafe { &*p })
 }
 
 /// The frontend entry a packet or socket call uses.
-pub enum Frontend {
+pub enum Frontend<F: Family> {
     /// Not a frontend.
     None,
     /// A frontend whose internal scope is missing (written mid-update): leave the traffic alone.
     Incomplete,
     /// The key (at slot 0, of the scope used) and its entry.
-    Found(Svc4Key, Svc4Value),
+    Found(SvcKey<F>, &'static SvcValue),
 }
 
 /// Looks up a frontend. `internal` traffic (from this node's sockets, or from pods) uses the
 /// cluster-wide scope of a frontend with externalTrafficPolicy=Local (`TWO_SCOPES`), as kube-proxy
 /// short-circuits such traffic to the cluster chain.
 #[inline(always)]
-pub fn lookup_frontend(addr: [u8; 4], port: u16, proto: u8, internal: bool) -> Frontend {
-    let mut key = Svc4Key::new(addr, port, proto, SCOPE_EXTERNAL, 0);
+pub fn lookup_frontend<F: FamilyMaps>(addr: &F::Addr, port: u16, proto: u8, internal: bool) -> Frontend<F> {
+    let mut key = SvcKey::<F>::new(*addr, port, proto, SCOPE_EXTERNAL, 0);
     let Some(entry) = lookup_service(&key) else {
         return Frontend::None;
     };
@@ -65,27 +74,27 @@ pub fn lookup_frontend(addr: [u8; 4], port: u16, proto: u8, internal: bool) -> F
 
 /// Whether loadBalancerSourceRanges admit `src` to `frontend`.
 #[inline(always)]
-pub fn source_in_ranges(frontend: &Svc4Value, src: [u8; 4]) -> bool {
+pub fn source_in_ranges<F: FamilyMaps>(frontend: &SvcValue, src: &F::Addr) -> bool {
     let key = aya_ebpf::maps::lpm_trie::Key::new(
-        SrcRange4::prefix_len(32),
-        SrcRange4::new(frontend.rev_nat_id, src),
+        SrcRange::<F>::prefix_len(F::BITS),
+        SrcRange::<F>::new(frontend.rev_nat_id, *src),
     );
-    SOURCE_RANGES.get(&key).is_some()
+    F::source_ranges().get(&key).is_some()
 }
 
 /// Picks a backend for the frontend entry `frontend` at `key` (slot 0 of the scope used):
 /// a still-valid ClientIP affinity entry first, else slot `hash % count + 1`.
-/// `client` identifies the client for affinity (`Affinity4Key` without the frontend).
+/// `client` identifies the client for affinity (`AffinityKey` without the frontend).
 #[inline(always)]
-pub fn select_backend(
-    key: &Svc4Key,
-    frontend: &Svc4Value,
-    client: u64,
+pub fn select_backend<F: FamilyMaps>(
+    key: &SvcKey<F>,
+    frontend: &SvcValue,
+    client: F::Client,
     client_kind: u8,
     hash: u32,
     now_ns: u64,
-) -> Option<(u32, Backend4Value)> {
-    let affinity_key = Affinity4Key {
+) -> Option<(u32, &'static BackendValue<F>)> {
+    let affinity_key = AffinityKey::<F> {
         client,
         rev_nat_id: frontend.rev_nat_id,
         kind: client_kind,
@@ -93,7 +102,7 @@ pub fn select_backend(
     };
     let affinity = frontend.has(flags::AFFINITY);
     if affinity
-        && let Some(entry) = AFFINITY.get_ptr(&affinity_key).map(|p| unsafe { *p })
+        && let Some(entry) = F::affinity().get_ptr(&affinity_key).map(|p| unsafe { *p })
         && select::affinity_valid(entry.last_used_ns, now_ns, frontend.affinity_timeout)
         && AFFINITY_MATCH
             .get_ptr(&AffinityMatchKey {
@@ -101,10 +110,10 @@ pub fn select_backend(
                 rev_nat_id: frontend.rev_nat_id,
             })
             .is_some()
-        && let Some(backend) = lookup_backend(entry.backend_id)
+        && let Some(backend) = lookup_backend::<F>(entry.backend_id)
     {
         count(Counter::AffinityHit);
-        remember_affinity(&affinity_key, entry.backend_id, now_ns);
+        remember_affinity::<F>(&affinity_key, entry.backend_id, now_ns);
         return Some((entry.backend_id, backend));
     }
     let slot = select::slot_for(hash, frontend.count);
@@ -114,21 +123,21 @@ pub fn select_backend(
         // exists while count > 0.
         None => lookup_service(&key.with_slot(1))?,
     };
-    let backend = lookup_backend(slot_entry.backend_id)?;
+    let backend = lookup_backend::<F>(slot_entry.backend_id)?;
     if affinity {
-        remember_affinity(&affinity_key, slot_entry.backend_id, now_ns);
+        remember_affinity::<F>(&affinity_key, slot_entry.backend_id, now_ns);
     }
     Some((slot_entry.backend_id, backend))
 }
 
 #[inline(always)]
-fn remember_affinity(key: &Affinity4Key, backend_id: u32, now_ns: u64) {
-    let value = Affinity4Value {
+fn remember_affinity<F: FamilyMaps>(key: &AffinityKey<F>, backend_id: u32, now_ns: u64) {
+    let value = AffinityValue {
         last_used_ns: now_ns,
         backend_id,
         _pad: 0,
     };
-    if AFFINITY.insert(key, &value, 0).is_err() {
+    if F::affinity().insert(key, &value, 0).is_err() {
         count(Counter::AffinityUpdateFailed);
     }
 }

@@ -2,77 +2,78 @@
 //! defaults that the agent overrides before load (`EbpfLoader::map_max_entries`). The agent pins
 //! the maps under `<bpf-root>/maps/<name>`; nothing is pinned by the object itself, so tests that
 //! load it stay unpinned.
+//!
+//! A map that holds addresses exists once per family, declared from the one type of
+//! `crate::family` (`lb4_services` and `lb6_services` are both a `ServicesMap<F>`).
 
 use aya_ebpf::{
-    bindings::{BPF_F_NO_PREALLOC, BPF_F_RDONLY_PROG},
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, SkStorage},
+    btf_maps::{Array, HashMap, PerCpuArray},
     macros::btf_map,
 };
 use lb_common::{
-    affinity::{Affinity4Key, Affinity4Value, AffinityMatchKey},
-    backend::Backend4Value,
+    affinity::AffinityMatchKey,
     catalog::capacity,
     config::DatapathConfig,
-    conntrack::{Ct4Key, Ct4Value},
+    family::{V4, V6},
     features::NetnsProbe,
     ratelimit::RateBucket,
-    revnat::{RevNat4Value, SockRevNat4Key, SockRevNat4Sk, SockRevNat4Value, SvcName},
-    service::{SrcRange4, Svc4Key, Svc4Value},
+    revnat::SvcName,
     stats,
 };
 
-const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
-/// The programs only read what the agent writes; the verifier enforces it.
-const RDONLY_PROG: usize = BPF_F_RDONLY_PROG as usize;
+use crate::family::{
+    AffinityMap, BackendsMap, ConntrackMap, NO_PREALLOC, RDONLY_PROG, RevNatMap, ServicesMap, SockRevNatMap,
+    SockRevNatSkMap, SourceRangesMap,
+};
 
 /// Frontends and backend slots. Key: frontend (address, port, protocol, scope, slot). Value: slot 0
 /// holds the frontend entry (count, flags, rev_nat_id), slots 1..=count a backend id each.
 /// Writer: agent. Readers: every translating program.
 #[btf_map(name = "lb4_services")]
-pub static SERVICES: HashMap<
-    Svc4Key,
-    Svc4Value,
-    { capacity::SERVICES as usize },
-    { NO_PREALLOC | RDONLY_PROG },
-> = HashMap::new();
+pub static SERVICES4: ServicesMap<V4> = ServicesMap::new();
+#[btf_map(name = "lb6_services")]
+pub static SERVICES6: ServicesMap<V6> = ServicesMap::new();
 
 /// Backend id -> address, port, protocol. Writer: agent. Readers: every translating program.
 #[btf_map(name = "lb4_backends")]
-pub static BACKENDS: HashMap<
-    u32,
-    Backend4Value,
-    { capacity::BACKENDS as usize },
-    { NO_PREALLOC | RDONLY_PROG },
-> = HashMap::new();
+pub static BACKENDS4: BackendsMap<V4> = BackendsMap::new();
+#[btf_map(name = "lb6_backends")]
+pub static BACKENDS6: BackendsMap<V6> = BackendsMap::new();
 
 /// rev_nat_id -> frontend address. Writer: agent. Readers: reverse translation (stale checks).
 #[btf_map(name = "lb4_revnat")]
-pub static REVNAT: HashMap<u32, RevNat4Value, { capacity::REVNAT as usize }, { NO_PREALLOC | RDONLY_PROG }> =
-    HashMap::new();
+pub static REVNAT4: RevNatMap<V4> = RevNatMap::new();
+#[btf_map(name = "lb6_revnat")]
+pub static REVNAT6: RevNatMap<V6> = RevNatMap::new();
 
-/// rev_nat_id -> `namespace/name:port`, for operators. Never read by a program.
+/// rev_nat_id -> `namespace/name:port`, for operators, both families. Never read by a program.
 #[btf_map(name = "lb_svc_names")]
 pub static SVC_NAMES: HashMap<u32, SvcName, { capacity::REVNAT as usize }, { NO_PREALLOC | RDONLY_PROG }> =
     HashMap::new();
 
-/// (socket cookie, backend address, port) -> frontend. Writers: connect4, sendmsg4. Readers:
-/// recvmsg4, getpeername4. LRU: an entry may go, the reply then shows the backend address.
+/// (socket cookie, backend address, port) -> frontend. Writers: connect, sendmsg. Readers:
+/// recvmsg, getpeername. LRU: an entry may go, the reply then shows the backend address.
 #[btf_map(name = "lb4_sock_revnat")]
-pub static SOCK_REVNAT: LruHashMap<SockRevNat4Key, SockRevNat4Value, { capacity::SOCK_REVNAT as usize }> =
-    LruHashMap::new();
+pub static SOCK_REVNAT4: SockRevNatMap<V4> = SockRevNatMap::new();
+#[btf_map(name = "lb6_sock_revnat")]
+pub static SOCK_REVNAT6: SockRevNatMap<V6> = SockRevNatMap::new();
 
-/// Socket -> the backend its connect() went to and the frontend it called. Writer: connect4.
-/// Readers: recvmsg4, getpeername4 (before `lb4_sock_revnat`). Freed with the socket.
+/// Socket -> the backend its connect() went to and the frontend it called. Writer: connect.
+/// Readers: recvmsg, getpeername (before the LRU map). Freed with the socket. An AF_INET6
+/// socket talking IPv4 (IPv4-mapped addresses) keeps its record in the IPv4 storage.
 #[btf_map(name = "lb4_sock_rev_sk")]
-pub static SOCK_REVNAT_SK: SkStorage<SockRevNat4Sk> = SkStorage::new();
+pub static SOCK_REVNAT_SK4: SockRevNatSkMap<V4> = SockRevNatSkMap::new();
+#[btf_map(name = "lb6_sock_rev_sk")]
+pub static SOCK_REVNAT_SK6: SockRevNatSkMap<V6> = SockRevNatSkMap::new();
 
 /// (client, rev_nat_id) -> backend and last use. Writer and reader: the translating programs.
 #[btf_map(name = "lb4_affinity")]
-pub static AFFINITY: LruHashMap<Affinity4Key, Affinity4Value, { capacity::AFFINITY as usize }> =
-    LruHashMap::new();
+pub static AFFINITY4: AffinityMap<V4> = AffinityMap::new();
+#[btf_map(name = "lb6_affinity")]
+pub static AFFINITY6: AffinityMap<V6> = AffinityMap::new();
 
-/// (backend id, rev_nat_id) pairs an affinity entry may still use. Writer: agent.
-#[btf_map(name = "lb4_aff_match")]
+/// (backend id, rev_nat_id) pairs an affinity entry may still use, both families. Writer: agent.
+#[btf_map(name = "lb_aff_match")]
 pub static AFFINITY_MATCH: HashMap<
     AffinityMatchKey,
     u8,
@@ -82,18 +83,17 @@ pub static AFFINITY_MATCH: HashMap<
 
 /// loadBalancerSourceRanges: (rev_nat_id, source prefix) -> 1. Writer: agent.
 #[btf_map(name = "lb4_src_range")]
-pub static SOURCE_RANGES: LpmTrie<
-    SrcRange4,
-    u8,
-    { capacity::SOURCE_RANGES as usize },
-    { NO_PREALLOC | RDONLY_PROG },
-> = LpmTrie::new();
+pub static SOURCE_RANGES4: SourceRangesMap<V4> = SourceRangesMap::new();
+#[btf_map(name = "lb6_src_range")]
+pub static SOURCE_RANGES6: SourceRangesMap<V6> = SourceRangesMap::new();
 
 /// The tc path's NAT table: one entry per direction and rewrite of each flow (see
 /// `lb_common::conntrack`). Writers: tc ingress (flows; close marks also at egress), the agent's
 /// conntrack GC (deletes ended flows). Readers: tc ingress and egress. LRU: flow state.
 #[btf_map(name = "lb4_ct")]
-pub static CONNTRACK: LruHashMap<Ct4Key, Ct4Value, { capacity::CONNTRACK as usize }> = LruHashMap::new();
+pub static CONNTRACK4: ConntrackMap<V4> = ConntrackMap::new();
+#[btf_map(name = "lb6_ct")]
+pub static CONNTRACK6: ConntrackMap<V6> = ConntrackMap::new();
 
 /// Node-wide settings, index 0. Writer: agent.
 #[btf_map(name = "lb_config")]
@@ -103,8 +103,8 @@ pub static CONFIG: Array<DatapathConfig, 1, RDONLY_PROG> = Array::new();
 #[btf_map(name = "lb_stats")]
 pub static STATS: PerCpuArray<u64, { stats::COUNT as usize }> = PerCpuArray::new();
 
-/// Per-CPU token bucket of the ICMP port-unreachable answers (`lb_common::ratelimit`). Writer: tc
-/// ingress.
+/// Per-CPU token bucket of the ICMP port-unreachable answers (`lb_common::ratelimit`), both
+/// families. Writer: tc ingress.
 #[btf_map(name = "lb_reject_rl")]
 pub static REJECT_LIMIT: PerCpuArray<RateBucket, 1> = PerCpuArray::new();
 

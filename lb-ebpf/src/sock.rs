@@ -1,8 +1,8 @@
-//! Socket-level load balancing (cgroup connect4, sendmsg4, recvmsg4, getpeername4).
+//! Socket-level load balancing (cgroup connect, sendmsg, recvmsg, getpeername; both families).
 //!
 //! A connect() or sendto() to a frontend gets its destination rewritten to a backend before the
 //! kernel routes anything, so an established connection costs nothing per packet. The reverse
-//! hooks (recvmsg4, getpeername4) put the frontend address back, so a UDP client sees replies
+//! hooks (recvmsg, getpeername) put the frontend address back, so a UDP client sees replies
 //! from the address it sent to and getpeername() returns the Service address.
 //!
 //! Rules (kube-proxy semantics, decided by the agent and carried by the frontend entry):
@@ -15,62 +15,123 @@
 //! - any internal failure (a slot or backend missing during an update) leaves the call untouched
 //!   and is counted: a connect never fails because of us.
 //!
-//! The logic works on the `SockCall` trait so that `lb_sock_trace` (a tc program, which
-//! BPF_PROG_TEST_RUN can run) executes exactly this code for tests and `lb-agent trace`.
+//! The logic works on the `SockCall` trait, generic over the family, so that `lb_sock_trace` (a tc
+//! program, which BPF_PROG_TEST_RUN can run) executes exactly this code for tests and `lb-agent
+//! trace`, and so that an AF_INET6 socket naming an IPv4-mapped address (`::ffff:10.96.0.10`,
+//! what dual-stack sockets of Java, Go and C programs do) goes through the IPv4 code ([`Mapped`]),
+//! exactly as connect4 would. (Of the forward hooks only connect6 meets such calls: the kernel
+//! hands an AF_INET6 socket's datagram to a mapped address to the IPv4 stack, which runs
+//! sendmsg4; recvmsg6 and getpeername6 do see the mapped backend and take the IPv4 code back.)
 
 use lb_common::{
     affinity::kind,
     config::{self, DatapathConfig},
+    family::{Family, V4, V6, v4_mapped, v4_unmapped},
     proto,
-    revnat::{SockRevNat4Key, SockRevNat4Sk, SockRevNat4Value},
-    service::{Svc4Value, flags},
+    revnat::{SockRevNatKey, SockRevNatSk, SockRevNatValue},
+    service::{SvcValue, flags},
     stats::Counter,
     trace::verdict,
 };
 
 use crate::{
+    family::FamilyMaps,
     lb::{self, Frontend},
-    maps::{REVNAT, SOCK_REVNAT},
     stats::count,
 };
 
-pub const AF_INET: u32 = 2;
 pub const ECONNREFUSED: u32 = 111;
 pub const EHOSTUNREACH: u32 = 113;
 
-/// One socket call as the translation code sees it.
-pub trait SockCall {
-    /// `AF_INET` for the calls we translate.
-    fn family(&self) -> u32;
+/// One socket call of family `F` as the translation code sees it.
+pub trait SockCall<F: Family> {
     /// IPPROTO of the socket.
     fn protocol(&self) -> u8;
-    /// Destination (connect4, sendmsg4) or peer (recvmsg4, getpeername4), network order.
-    fn addr(&self) -> [u8; 4];
+    /// Destination (connect, sendmsg) or peer (recvmsg, getpeername), network order.
+    fn addr(&self) -> F::Addr;
     fn port(&self) -> u16;
-    fn set_addr(&mut self, addr: [u8; 4], port: u16);
+    fn set_addr(&mut self, addr: F::Addr, port: u16);
     fn socket_cookie(&self) -> u64;
     fn netns_cookie(&self) -> u64;
     /// The source address the packet will carry if already known (bound socket or
-    /// IP_PKTINFO), else zero.
-    fn src_addr(&self) -> [u8; 4];
+    /// IP_PKTINFO), else unspecified.
+    fn src_addr(&self) -> F::Addr;
     /// A random value for slot selection.
     fn random(&self) -> u32;
     fn now_ns(&self) -> u64;
-    /// Keeps the reverse NAT of a connected socket in the socket's own storage; false where
-    /// there is none (sendmsg4, whose socket may talk to several frontends; the trace harness),
-    /// and the LRU `lb4_sock_revnat` is used instead.
-    fn set_sk_revnat(&mut self, _entry: &SockRevNat4Sk) -> bool {
+    /// Keeps the reverse NAT of a connected socket in the socket's own storage of family `G`;
+    /// false where there is none (sendmsg, whose socket may talk to several frontends; the trace
+    /// harness), and the LRU map is used instead.
+    fn set_sk_revnat<G: FamilyMaps>(&mut self, _entry: &SockRevNatSk<G>) -> bool {
         false
     }
-    /// The reverse NAT kept in the socket's own storage, if any.
-    fn sk_revnat(&self) -> Option<SockRevNat4Sk> {
+    /// The reverse NAT kept in the socket's own storage of family `G`, if any.
+    fn sk_revnat<G: FamilyMaps>(&self) -> Option<SockRevNatSk<G>> {
         None
     }
 }
 
+/// An AF_INET6 call on an IPv4-mapped address, seen as the IPv4 call it is.
+pub struct Mapped<C>(pub C);
+
+impl<C: SockCall<V6>> SockCall<V4> for Mapped<C> {
+    #[inline(always)]
+    fn protocol(&self) -> u8 {
+        self.0.protocol()
+    }
+    #[inline(always)]
+    fn addr(&self) -> [u8; 4] {
+        v4_unmapped(&self.0.addr()).unwrap_or([0; 4])
+    }
+    #[inline(always)]
+    fn port(&self) -> u16 {
+        self.0.port()
+    }
+    #[inline(always)]
+    fn set_addr(&mut self, addr: [u8; 4], port: u16) {
+        self.0.set_addr(v4_mapped(addr), port)
+    }
+    #[inline(always)]
+    fn socket_cookie(&self) -> u64 {
+        self.0.socket_cookie()
+    }
+    #[inline(always)]
+    fn netns_cookie(&self) -> u64 {
+        self.0.netns_cookie()
+    }
+    #[inline(always)]
+    fn src_addr(&self) -> [u8; 4] {
+        // A dual-stack socket bound to an IPv4 address holds it mapped; any other source is not
+        // an IPv4 one, so the kernel picks it later.
+        v4_unmapped(&self.0.src_addr()).unwrap_or([0; 4])
+    }
+    #[inline(always)]
+    fn random(&self) -> u32 {
+        self.0.random()
+    }
+    #[inline(always)]
+    fn now_ns(&self) -> u64 {
+        self.0.now_ns()
+    }
+    #[inline(always)]
+    fn set_sk_revnat<G: FamilyMaps>(&mut self, entry: &SockRevNatSk<G>) -> bool {
+        self.0.set_sk_revnat(entry)
+    }
+    #[inline(always)]
+    fn sk_revnat<G: FamilyMaps>(&self) -> Option<SockRevNatSk<G>> {
+        self.0.sk_revnat()
+    }
+}
+
+/// Whether an AF_INET6 call names an IPv4-mapped address (and belongs to the IPv4 code).
+#[inline(always)]
+pub fn is_mapped<C: SockCall<V6>>(call: &C) -> bool {
+    v4_unmapped(&call.addr()).is_some()
+}
+
 /// What a translation did, with the details the trace harness reports.
 #[derive(Clone, Copy, Default)]
-pub struct Outcome {
+pub struct Outcome<F: Family> {
     pub verdict: u32,
     pub errno: u32,
     pub scope: u8,
@@ -78,12 +139,13 @@ pub struct Outcome {
     pub rev_nat_id: u32,
     pub flags: u16,
     pub count: u16,
-    pub addr: [u8; 4],
+    pub addr: F::Addr,
     pub port: u16,
 }
 
-impl Outcome {
-    const fn pass() -> Self {
+impl<F: Family> Outcome<F> {
+    #[inline(always)]
+    fn pass() -> Self {
         Outcome {
             verdict: verdict::PASS,
             errno: 0,
@@ -92,7 +154,7 @@ impl Outcome {
             rev_nat_id: 0,
             flags: 0,
             count: 0,
-            addr: [0; 4],
+            addr: F::UNSPECIFIED,
             port: 0,
         }
     }
@@ -101,10 +163,14 @@ impl Outcome {
 /// Whether loadBalancerSourceRanges let this socket through. `None`: undecidable at the socket
 /// (a pod's unbound socket, whose source address the kernel picks later), so leave it to tc.
 #[inline(always)]
-fn source_allowed<C: SockCall>(call: &C, cfg: &DatapathConfig, frontend: &Svc4Value) -> Option<bool> {
+fn source_allowed<F: FamilyMaps, C: SockCall<F>>(
+    call: &C,
+    cfg: &DatapathConfig,
+    frontend: &SvcValue,
+) -> Option<bool> {
     let src = call.src_addr();
-    if src != [0; 4] {
-        return Some(lb::source_in_ranges(frontend, src));
+    if src != F::UNSPECIFIED {
+        return Some(lb::source_in_ranges::<F>(frontend, &src));
     }
     if call.netns_cookie() == cfg.host_netns_cookie {
         // The node's own address is the source: kube-proxy allows it when a range contains it.
@@ -113,12 +179,9 @@ fn source_allowed<C: SockCall>(call: &C, cfg: &DatapathConfig, frontend: &Svc4Va
     None
 }
 
-/// connect4 and sendmsg4: translate a frontend destination to a backend.
+/// connect and sendmsg: translate a frontend destination to a backend.
 #[inline(always)]
-pub fn translate_forward<C: SockCall>(call: &mut C) -> Outcome {
-    if call.family() != AF_INET {
-        return Outcome::pass();
-    }
+pub fn translate_forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C) -> Outcome<F> {
     let protocol = call.protocol();
     if protocol != proto::TCP && protocol != proto::UDP && protocol != proto::SCTP {
         return Outcome::pass();
@@ -131,7 +194,7 @@ pub fn translate_forward<C: SockCall>(call: &mut C) -> Outcome {
 
     let (vip, vport) = (call.addr(), call.port());
     // Socket calls start on this node: the internal scope of a Local-policy frontend applies.
-    let (key, frontend) = match lb::lookup_frontend(vip, vport, protocol, true) {
+    let (key, frontend) = match lb::lookup_frontend::<F>(&vip, vport, protocol, true) {
         Frontend::None => return Outcome::pass(),
         Frontend::Incomplete => {
             count(Counter::SockNoBackend);
@@ -154,7 +217,7 @@ pub fn translate_forward<C: SockCall>(call: &mut C) -> Outcome {
     };
 
     if frontend.has(flags::SOURCE_RANGES) {
-        match source_allowed(call, &cfg, &frontend) {
+        match source_allowed::<F, C>(call, cfg, frontend) {
             Some(true) => {}
             Some(false) => {
                 count(Counter::SourceRangeDenied);
@@ -186,10 +249,10 @@ pub fn translate_forward<C: SockCall>(call: &mut C) -> Outcome {
     } else {
         lb::mix64(call.socket_cookie())
     };
-    let selected = lb::select_backend(
+    let selected = lb::select_backend::<F>(
         &key,
-        &frontend,
-        call.netns_cookie(),
+        frontend,
+        F::client_of_cookie(call.netns_cookie()),
         kind::NETNS_COOKIE,
         hash,
         call.now_ns(),
@@ -199,11 +262,11 @@ pub fn translate_forward<C: SockCall>(call: &mut C) -> Outcome {
         return outcome;
     };
 
-    // Remember the frontend for recvmsg4/getpeername4 before the destination changes: in the
+    // Remember the frontend for recvmsg/getpeername before the destination changes: in the
     // socket's own storage for a connect() (cheaper than an LRU insert, and it lives exactly as
     // long as the socket), else in the LRU map, skipping the write when the entry is already
     // there (every datagram of an unconnected UDP socket comes through here).
-    let in_socket = SockRevNat4Sk {
+    let in_socket = SockRevNatSk::<F> {
         backend_addr: backend.addr,
         backend_port: backend.port,
         frontend_port: vport,
@@ -211,20 +274,21 @@ pub fn translate_forward<C: SockCall>(call: &mut C) -> Outcome {
         rev_nat_id: frontend.rev_nat_id,
     };
     if !call.set_sk_revnat(&in_socket) {
-        let rev_key = SockRevNat4Key {
+        let rev_key = SockRevNatKey::<F> {
             cookie: call.socket_cookie(),
             addr: backend.addr,
             port: backend.port,
             _pad: 0,
+            _tail: Default::default(),
         };
-        let rev_value = SockRevNat4Value {
+        let rev_value = SockRevNatValue::<F> {
             addr: vip,
             port: vport,
             _pad: 0,
             rev_nat_id: frontend.rev_nat_id,
         };
-        let known = SOCK_REVNAT.get_ptr(&rev_key).map(|p| unsafe { *p });
-        if known != Some(rev_value) && SOCK_REVNAT.insert(&rev_key, &rev_value, 0).is_err() {
+        let known = F::sock_revnat().get_ptr(&rev_key).map(|p| unsafe { *p });
+        if known != Some(rev_value) && F::sock_revnat().insert(&rev_key, &rev_value, 0).is_err() {
             count(Counter::SockRevNatUpdateFailed);
         }
     }
@@ -238,21 +302,18 @@ pub fn translate_forward<C: SockCall>(call: &mut C) -> Outcome {
     outcome
 }
 
-/// recvmsg4 and getpeername4: show the frontend instead of the backend.
+/// recvmsg and getpeername: show the frontend instead of the backend.
 #[inline(always)]
-pub fn translate_reverse<C: SockCall>(call: &mut C) -> Outcome {
-    if call.family() != AF_INET {
-        return Outcome::pass();
-    }
+pub fn translate_reverse<F: FamilyMaps, C: SockCall<F>>(call: &mut C) -> Outcome<F> {
     let (addr, port) = (call.addr(), call.port());
     // A connected socket's own storage first; then the LRU map (unconnected UDP, and sockets
     // connected before an upgrade that introduced the storage).
     let in_socket = call
-        .sk_revnat()
+        .sk_revnat::<F>()
         .filter(|e| e.backend_addr == addr && e.backend_port == port);
     let (entry, lru_key) = match in_socket {
         Some(e) => (
-            SockRevNat4Value {
+            SockRevNatValue::<F> {
                 addr: e.frontend_addr,
                 port: e.frontend_port,
                 _pad: 0,
@@ -261,26 +322,27 @@ pub fn translate_reverse<C: SockCall>(call: &mut C) -> Outcome {
             None,
         ),
         None => {
-            let key = SockRevNat4Key {
+            let key = SockRevNatKey::<F> {
                 cookie: call.socket_cookie(),
                 addr,
                 port,
                 _pad: 0,
+                _tail: Default::default(),
             };
-            let Some(entry) = SOCK_REVNAT.get_ptr(&key).map(|p| unsafe { *p }) else {
+            let Some(entry) = F::sock_revnat().get_ptr(&key).map(|p| unsafe { *p }) else {
                 return Outcome::pass();
             };
             (entry, Some(key))
         }
     };
     // The frontend may have been deleted, or its id given to another frontend since.
-    let current = REVNAT.get_ptr(&entry.rev_nat_id).map(|p| unsafe { *p });
+    let current = F::revnat().get_ptr(&entry.rev_nat_id).map(|p| unsafe { *p });
     match current {
         Some(frontend) if frontend.addr == entry.addr && frontend.port == entry.port => {}
         _ => {
             count(Counter::SockRevNatStale);
             if let Some(key) = lru_key {
-                let _ = SOCK_REVNAT.remove(&key);
+                let _ = F::sock_revnat().remove(&key);
             }
             return Outcome::pass();
         }

@@ -44,6 +44,13 @@ pub struct Agent {
 impl Agent {
     /// Starts the agent and waits for its first sync.
     pub fn start(opts: AgentOptions<'_>) -> Agent {
+        let agent = Agent::spawn(opts);
+        agent.wait_for_line(ATTACHED, Duration::from_secs(30));
+        agent
+    }
+
+    /// Starts the agent without waiting for anything (a test that acts on its start-up).
+    pub fn spawn(opts: AgentOptions<'_>) -> Agent {
         let mut cmd = Command::new(workspace_bin("lb-agent"));
         cmd.arg("--bpf-root")
             .arg(&opts.bpf_root)
@@ -86,9 +93,7 @@ impl Agent {
             }
             exited_flag.store(true, std::sync::atomic::Ordering::SeqCst);
         });
-        let agent = Agent { proc, log, exited };
-        agent.wait_for_line(ATTACHED, Duration::from_secs(30));
-        agent
+        Agent { proc, log, exited }
     }
 
     /// Number of completed syncs so far.
@@ -194,7 +199,8 @@ pub fn inspect(bpf_root: &Path, cmd: &str) -> Result<serde_json::Value, String> 
 }
 
 /// The data path's non-zero event counters (`lb-agent stats`) under `bpf_root`, for failure
-/// messages: a lost request next to `tc_snat_ports_exhausted` or `tc_ct_insert_failed` says why.
+/// messages: a lost request next to `tc_snat_ports_exhausted`, `tc_no_masquerade_address` or
+/// `tc_ct_insert_failed` says why.
 pub fn datapath_events(bpf_root: &Path) -> serde_json::Value {
     match inspect(bpf_root, "stats") {
         Ok(serde_json::Value::Object(all)) => all.into_iter().filter(|(_, v)| v != 0).collect(),

@@ -4,6 +4,8 @@
 
 use std::{collections::BTreeMap, fs, path::Path};
 
+use crate::packet::Family;
+
 use k8s_openapi::{
     api::{
         core::v1::{
@@ -43,6 +45,26 @@ impl Svc {
     pub fn cluster_ip(mut self, ip: &str) -> Self {
         self.spec().cluster_ip = Some(ip.into());
         self.spec().cluster_ips = Some(vec![ip.into()]);
+        self
+    }
+
+    /// The cluster IPs of a Service of one or two families, as the API server fills them:
+    /// `clusterIP` is the first, `ipFamilies` follows `clusterIPs`, and two of them make the
+    /// Service `RequireDualStack`.
+    pub fn cluster_ips(mut self, ips: &[&str]) -> Self {
+        let families = ips.iter().map(|ip| address_type(ip).to_string()).collect();
+        let spec = self.spec();
+        spec.cluster_ip = ips.first().map(|ip| ip.to_string());
+        spec.cluster_ips = Some(ips.iter().map(|ip| ip.to_string()).collect());
+        spec.ip_families = Some(families);
+        spec.ip_family_policy = Some(
+            if ips.len() > 1 {
+                "RequireDualStack"
+            } else {
+                "SingleStack"
+            }
+            .into(),
+        );
         self
     }
 
@@ -123,6 +145,44 @@ impl Svc {
         self
     }
 
+    /// Makes the Service dual-stack (`RequireDualStack`, IPv4 first): each IPv4 address set so
+    /// far (cluster IP, external IPs, load-balancer IPs, loadBalancerSourceRanges) gets its IPv6
+    /// counterpart ([`Family::ip`], [`Family::net`]) beside it, as a test written once for both
+    /// families expects.
+    pub fn dual_stack(mut self) -> Self {
+        let v6 = |ip: &String| Family::V6.addr(ip);
+        let spec = self.spec();
+        let cluster_ip = spec.cluster_ip.clone().expect("a cluster IP");
+        self = self.cluster_ips(&[&cluster_ip, &v6(&cluster_ip)]);
+        let spec = self.spec();
+        if let Some(ips) = &mut spec.external_ips {
+            let mapped: Vec<String> = ips.iter().map(v6).collect();
+            ips.extend(mapped);
+        }
+        if let Some(ranges) = &mut spec.load_balancer_source_ranges {
+            let mapped: Vec<String> = ranges.iter().map(|r| Family::V6.net(r)).collect();
+            ranges.extend(mapped);
+        }
+        let ingress = self
+            .0
+            .status
+            .as_mut()
+            .and_then(|s| s.load_balancer.as_mut())
+            .and_then(|lb| lb.ingress.as_mut());
+        if let Some(ingress) = ingress {
+            let mapped: Vec<LoadBalancerIngress> = ingress
+                .iter()
+                .filter_map(|i| i.ip.as_ref())
+                .map(|ip| LoadBalancerIngress {
+                    ip: Some(v6(ip)),
+                    ..Default::default()
+                })
+                .collect();
+            ingress.extend(mapped);
+        }
+        self
+    }
+
     pub fn build(self) -> Service {
         self.0
     }
@@ -159,8 +219,17 @@ pub fn slice(namespace: &str, service: &str, name: &str) -> Slice {
     })
 }
 
+/// The EndpointSlice `addressType` (and `ipFamilies` entry) of an address: "IPv6" when it has a
+/// colon, else "IPv4".
+pub fn address_type(ip: &str) -> &'static str {
+    if ip.contains(':') { "IPv6" } else { "IPv4" }
+}
+
 impl Slice {
+    /// An endpoint; the slice's `addressType` is the family of its addresses (a slice holds one
+    /// family, as the EndpointSlice controller writes them).
     pub fn endpoint(mut self, ip: &str, node: &str, state: State) -> Self {
+        self.0.address_type = address_type(ip).into();
         let (ready, serving, terminating) = match state {
             State::Ready => (true, true, false),
             State::Terminating => (false, true, true),
@@ -186,6 +255,24 @@ impl Slice {
             port: Some(port),
             ..Default::default()
         });
+        self
+    }
+
+    /// The same slice (built with IPv4 addresses) in `family`: its addresses through
+    /// [`Family::ip`], its name suffixed with `-ipv6` (a Service has a slice per family).
+    pub fn in_family(mut self, family: Family) -> Self {
+        if family == Family::V4 {
+            return self;
+        }
+        self.0.address_type = family.name().into();
+        if let Some(name) = &mut self.0.metadata.name {
+            name.push_str("-ipv6");
+        }
+        for endpoint in self.0.endpoints.iter_mut().flatten() {
+            for address in &mut endpoint.addresses {
+                *address = family.addr(address);
+            }
+        }
         self
     }
 

@@ -48,11 +48,18 @@ pub fn require_root() {
     });
 }
 
-/// A name unique to this process and call, short enough for interface names (15 bytes).
+/// A name unique to this process and call, short enough for interface names (15 bytes). Each
+/// prefix counts on its own, so that a test binary making many objects (a hundred namespaces
+/// of one kind are fine) keeps even its longest prefixes within the limit.
 pub fn unique_name(prefix: &str) -> String {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    static NEXT: std::sync::Mutex<std::collections::BTreeMap<String, u32>> =
+        std::sync::Mutex::new(std::collections::BTreeMap::new());
+    let n = {
+        let mut next = NEXT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let counter = next.entry(prefix.to_string()).or_insert(0);
+        *counter += 1;
+        *counter - 1
+    };
     let pid = std::process::id() % 100_000;
     let name = format!("{prefix}{pid}x{n}");
     assert!(name.len() <= 15, "name {name} longer than 15 bytes");

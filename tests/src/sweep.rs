@@ -69,8 +69,10 @@ fn orphaned_control_planes() -> Vec<(i32, std::path::PathBuf)> {
 
 /// Sweeps the leftovers of dead runs; returns what it removed (for one line of output).
 pub fn leftovers_of_dead_runs() -> Vec<String> {
-    let live = live_pids();
-    let dead = |name: &str| pid_of(name).is_some_and(|pid| !live.contains(&pid));
+    // Asked of each object once it is listed, never of a list of processes read before: a run
+    // that started in between (its objects made after that list) would be taken for dead and its
+    // namespaces deleted under it.
+    let dead = |name: &str| pid_of(name).is_some_and(|pid| !live_pids().contains(&pid));
     // Only the prefixes this crate gives namespaces (`lb...` for the tests, `bc`/`bn`/`bs` for
     // the benchmark's client, node and server): a namespace of someone else's is never ours.
     let ours = |name: &str| {

@@ -5,10 +5,33 @@
 //!
 //! Nodes can get an uplink to a shared "LAN" namespace (a bridge) where external clients live,
 //! with routes to every other node's pod CIDR, so pods on different nodes reach each other.
+//!
+//! A dual-stack node ([`Node::dual_stack`]) does the same in IPv6 alongside: every IPv4 address
+//! `10.244.<node>.<n>` has its twin `fd00:10:244:<node>::<n>`, the LAN `192.168.50.0/24` has
+//! `fd00:192:168:50::/64`. IPv6 addresses are added with `nodad`, so they are usable at once
+//! (a tentative address can be neither bound nor used as a source).
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use lb_agent::family::IpFamily;
 
 use crate::{netns::NetNs, unique_name};
+
+/// The IPv6 twin of an IPv4 address of the topology: `10.244.1.2` -> `fd00:10:244:1::2`,
+/// `192.168.50.11` -> `fd00:192:168:50::11` (each decimal octet written as a hex group, so the
+/// two read alike).
+pub fn ipv6_twin(v4: Ipv4Addr) -> Ipv6Addr {
+    let [a, b, c, d] = v4
+        .octets()
+        .map(|o| u16::from_str_radix(&o.to_string(), 16).expect("decimal digits are hex digits"));
+    Ipv6Addr::new(0xfd00, a, b, c, 0, 0, 0, d)
+}
+
+/// Adds an IPv6 address (CIDR notation) to `dev` in `ns`, usable at once (no duplicate address
+/// detection).
+fn add_ipv6(ns: &NetNs, addr: &str, dev: &str) {
+    ns.ip(&["-6", "addr", "add", addr, "dev", dev, "nodad"]);
+}
 
 /// The LAN the nodes and external clients share: 192.168.50.0/24 on a bridge in its own namespace.
 pub struct Lan {
@@ -43,12 +66,27 @@ impl Default for Lan {
     }
 }
 
-/// A pod: its namespace and address.
+/// A pod: its namespace and address(es).
 pub struct Pod {
     pub ns: NetNs,
     pub ip: Ipv4Addr,
+    /// Its IPv6 address, on a dual-stack node.
+    pub ip6: Option<Ipv6Addr>,
     /// The node-side veth.
     pub host_dev: String,
+}
+
+impl Pod {
+    /// The pod's address of `family` (panics for IPv6 on a single-stack node).
+    pub fn addr(&self, family: IpFamily) -> IpAddr {
+        match family {
+            IpFamily::V4 => self.ip.into(),
+            IpFamily::V6 => self
+                .ip6
+                .expect("an IPv6 pod address: use Node::dual_stack")
+                .into(),
+        }
+    }
 }
 
 /// A node: its namespace, its index (which names its pod CIDR 10.244.<index>.0/24) and pods.
@@ -58,6 +96,8 @@ pub struct Node {
     pub pods: Vec<Pod>,
     /// The node's LAN address, once attached.
     pub ip: Option<Ipv4Addr>,
+    /// Whether pods and the LAN address get IPv6 twins.
+    pub dual_stack: bool,
 }
 
 impl Node {
@@ -72,12 +112,38 @@ impl Node {
             index,
             pods: Vec::new(),
             ip: None,
+            dual_stack: false,
         }
+    }
+
+    /// A node whose pods and uplink have an IPv6 address too (see the module's notes).
+    pub fn dual_stack(index: u8) -> Node {
+        let mut node = Node::new(index);
+        node.ns.sysctl("net.ipv6.conf.all.forwarding=1");
+        node.dual_stack = true;
+        node
     }
 
     /// The pod gateway address on every pod veth.
     pub fn gateway(&self) -> Ipv4Addr {
         Ipv4Addr::new(10, 244, self.index, 1)
+    }
+
+    /// The pod gateway address of `family`.
+    pub fn gateway_of(&self, family: IpFamily) -> IpAddr {
+        match family {
+            IpFamily::V4 => self.gateway().into(),
+            IpFamily::V6 => ipv6_twin(self.gateway()).into(),
+        }
+    }
+
+    /// The node's LAN address of `family`, once attached (IPv6 on a dual-stack node only).
+    pub fn addr(&self, family: IpFamily) -> Option<IpAddr> {
+        let ip = self.ip?;
+        match family {
+            IpFamily::V4 => Some(ip.into()),
+            IpFamily::V6 => self.dual_stack.then(|| ipv6_twin(ip).into()),
+        }
     }
 
     pub fn pod_cidr(&self) -> String {
@@ -120,7 +186,23 @@ impl Node {
             "link",
         ]);
         ns.ip(&["route", "add", "default", "via", &gw, "dev", "eth0"]);
-        self.pods.push(Pod { ns, ip, host_dev });
+        let ip6 = self.dual_stack.then(|| ipv6_twin(ip));
+        if let Some(ip6) = ip6 {
+            // The same wiring in IPv6: the gateway's twin on the node side, the pod's /128.
+            let gw6 = ipv6_twin(self.gateway()).to_string();
+            add_ipv6(&self.ns, &format!("{gw6}/128"), &host_dev);
+            self.ns
+                .ip(&["-6", "route", "add", &format!("{ip6}/128"), "dev", &host_dev]);
+            add_ipv6(&ns, &format!("{ip6}/128"), "eth0");
+            ns.ip(&["-6", "route", "add", &format!("{gw6}/128"), "dev", "eth0"]);
+            ns.ip(&["-6", "route", "add", "default", "via", &gw6, "dev", "eth0"]);
+        }
+        self.pods.push(Pod {
+            ns,
+            ip,
+            ip6,
+            host_dev,
+        });
         self.pods.last().expect("just pushed")
     }
 
@@ -128,6 +210,9 @@ impl Node {
     pub fn attach_lan(&mut self, lan: &Lan) -> Ipv4Addr {
         let ip = Ipv4Addr::new(192, 168, 50, 10 + self.index);
         lan.attach(&self.ns, "eth0", &format!("{ip}/24"));
+        if self.dual_stack {
+            add_ipv6(&self.ns, &format!("{}/64", ipv6_twin(ip)), "eth0");
+        }
         self.ip = Some(ip);
         ip
     }
@@ -139,6 +224,11 @@ impl Node {
             .expect("attach the other node to the LAN first")
             .to_string();
         self.ns.ip(&["route", "add", &other.pod_cidr(), "via", &via]);
+        if let (Some(via6), true) = (other.addr(IpFamily::V6), self.dual_stack) {
+            let cidr6 = format!("{}/64", ipv6_twin(Ipv4Addr::new(10, 244, other.index, 0)));
+            self.ns
+                .ip(&["-6", "route", "add", &cidr6, "via", &via6.to_string()]);
+        }
     }
 }
 

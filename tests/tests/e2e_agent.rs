@@ -1,11 +1,13 @@
 //! End to end: the real lb-agent, fed by a real kube-apiserver and etcd, programs a node made of
 //! network namespaces. Services and EndpointSlices are created through the API (selector-less,
 //! with hand-made slices pointing at pod namespaces; there is no kubelet), and traffic from a pod
-//! and from the host must follow every change within a bound.
+//! and from the host must follow every change within a bound. The API server is dual-stack
+//! (`control_plane::SERVICE_CIDR6`): one test runs a dual-stack node and Services of both
+//! families, through both data paths, over both families.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
     time::{Duration, Instant},
 };
 
@@ -17,6 +19,7 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use lb_agent::family::IpFamily;
 use lb_tests::{
     agent::{Agent, AgentOptions, bpf_root_in},
     bpffs::BpfFs,
@@ -27,7 +30,7 @@ use lb_tests::{
     probe,
     process::{Place, Proc, workspace_bin},
     require_root,
-    topo::{Lan, Node as TopoNode},
+    topo::{Lan, Node as TopoNode, external_client, ipv6_twin},
 };
 use serde_json::Value;
 
@@ -36,13 +39,17 @@ const NODE: &str = "node-a";
 /// How long a change may take to reach the data path in these tests (the agent's own numbers are
 /// measured by the benchmarks).
 const CONVERGE: Duration = Duration::from_secs(15);
+/// The pods' addresses (`topo`: `10.244.<node>.<n>`, and `fd00:10:244:<node>::<n>` on a
+/// dual-stack node).
+const CLUSTER_CIDR: &str = "10.244.0.0/16";
+const CLUSTER_CIDR_DUAL: &str = "10.244.0.0/16,fd00:10:244::/48";
 
 struct E2e {
     agent: Option<Agent>,
     _servers: Vec<Proc>,
     _forward: PortForward,
     node: TopoNode,
-    _lan: Lan,
+    lan: Lan,
     cgroup: Cgroup,
     bpffs: BpfFs,
     client: kube::Client,
@@ -51,7 +58,18 @@ struct E2e {
 }
 
 impl E2e {
+    /// An IPv4 node.
     fn new() -> E2e {
+        E2e::with_node(TopoNode::new(1))
+    }
+
+    /// A dual-stack node: pods and LAN address of both families, a Node object with an
+    /// InternalIP of each.
+    fn dual_stack() -> E2e {
+        E2e::with_node(TopoNode::dual_stack(1))
+    }
+
+    fn with_node(mut node: TopoNode) -> E2e {
         require_root();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -63,8 +81,7 @@ impl E2e {
         let bpffs = BpfFs::new();
         let cgroup = Cgroup::new("lbe2e");
         let lan = Lan::new();
-        let mut node = TopoNode::new(1);
-        let node_ip = node.attach_lan(&lan);
+        node.attach_lan(&lan);
         for n in 2..5 {
             node.add_pod(n);
         }
@@ -72,13 +89,36 @@ impl E2e {
             .pods
             .iter()
             .map(|p| {
+                // On the pod's own address(es): an answer then names the family and the address
+                // the call reached, and IPv4 clients show as IPv4 (a dual-stack wildcard socket
+                // would show them IPv4-mapped).
+                let addrs: Vec<IpAddr> = [Some(IpAddr::from(p.ip)), p.ip6.map(IpAddr::from)]
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                let on = |ports: &[u16]| -> Vec<String> {
+                    ports
+                        .iter()
+                        .flat_map(|port| {
+                            addrs
+                                .iter()
+                                .map(move |ip| SocketAddr::new(*ip, *port).to_string())
+                        })
+                        .collect()
+                };
+                let (tcp, udp) = (on(&[8080, 8081]), on(&[5353]));
                 probe::server(
                     Place::netns(&p.ns),
                     &p.ip.to_string(),
-                    &["0.0.0.0:8080", "0.0.0.0:8081"],
-                    &["0.0.0.0:5353"],
+                    &tcp.iter().map(String::as_str).collect::<Vec<_>>(),
+                    &udp.iter().map(String::as_str).collect::<Vec<_>>(),
                 )
             })
+            .collect();
+        // The Node object's InternalIPs: one per family of the node, IPv4 first.
+        let node_ips: Vec<IpAddr> = [IpFamily::V4, IpFamily::V6]
+            .into_iter()
+            .filter_map(|family| node.addr(family))
             .collect();
         // The agent runs in the node's namespace and reaches the API server on "its" loopback.
         let api: SocketAddr = cp
@@ -92,7 +132,7 @@ impl E2e {
             _servers: servers,
             _forward: forward,
             node,
-            _lan: lan,
+            lan,
             cgroup,
             bpffs,
             client,
@@ -128,10 +168,15 @@ impl E2e {
             };
             nodes.create(&PostParams::default(), &n).await.unwrap();
             n.status = Some(NodeStatus {
-                addresses: Some(vec![NodeAddress {
-                    type_: "InternalIP".into(),
-                    address: node_ip.to_string(),
-                }]),
+                addresses: Some(
+                    node_ips
+                        .iter()
+                        .map(|ip| NodeAddress {
+                            type_: "InternalIP".into(),
+                            address: ip.to_string(),
+                        })
+                        .collect(),
+                ),
                 ..Default::default()
             });
             nodes
@@ -147,6 +192,12 @@ impl E2e {
     }
 
     fn start_agent(&mut self) {
+        // One pod CIDR per family of the node, as kube-proxy's --cluster-cidr takes them.
+        let cluster_cidr = if self.node.dual_stack {
+            CLUSTER_CIDR_DUAL
+        } else {
+            CLUSTER_CIDR
+        };
         self.agent = Some(Agent::start(AgentOptions {
             netns: &self.node.ns,
             cgroup: &self.cgroup,
@@ -154,7 +205,7 @@ impl E2e {
             node_name: NODE.into(),
             manifests: None,
             kubeconfig: Some(self.cp.kubeconfig_path().to_path_buf()),
-            extra_args: vec!["--cluster-cidr".into(), "10.244.0.0/16".into()],
+            extra_args: vec!["--cluster-cidr".into(), cluster_cidr.into()],
         }));
     }
 
@@ -540,4 +591,327 @@ fn health_metrics_events_and_health_check_node_ports() {
     converge("the loser's cluster IP still serves", || {
         reaches(e.host(), "10.96.100.32:80", &[e.pod_ip(1)])
     });
+}
+
+/// `ip:port` as a socket address prints (and `lb-probe` reports) it: `[v6]:port` for IPv6.
+fn at(ip: impl Into<IpAddr>, port: u16) -> String {
+    SocketAddr::new(ip.into(), port).to_string()
+}
+
+/// The addresses the backends answered on over `n` TCP connections to `to` (which pod, and over
+/// which family, each call reached), or the first failure.
+fn answered_on(place: Place<'_>, to: &str, n: u32) -> Result<BTreeSet<IpAddr>, String> {
+    probe::tcp(place, to, n)
+        .iter()
+        .map(|r| {
+            r.pointer("/reply/local")
+                .and_then(Value::as_str)
+                .and_then(|local| local.parse::<SocketAddr>().ok())
+                .map(|local| local.ip())
+                .ok_or_else(|| format!("{to}: {r}"))
+        })
+        .collect()
+}
+
+/// Whether every call to `to` succeeds and exactly `expected` answer.
+fn serves(place: Place<'_>, to: &str, expected: &BTreeSet<IpAddr>) -> bool {
+    answered_on(place, to, 12).is_ok_and(|got| &got == expected)
+}
+
+/// Asserts that every call to `to` succeeds and lands on one of `expected`: a frontend a change
+/// of the other family must not disturb.
+fn undisturbed(place: Place<'_>, to: &str, expected: &BTreeSet<IpAddr>) {
+    match answered_on(place, to, 6) {
+        Ok(got) => assert!(
+            got.is_subset(expected),
+            "{to}: answered by {got:?}, not {expected:?}"
+        ),
+        Err(e) => panic!("{to} failed while the other family changed: {e}"),
+    }
+}
+
+/// A long-lived TCP connection (`lb-probe hold`: an exchange every 50 ms for `seconds`), once its
+/// first exchange succeeded.
+fn held(place: Place<'_>, to: &str, seconds: u64) -> Proc {
+    let mut hold = probe::hold(place, to, seconds);
+    let first = hold.wait_for_line(Duration::from_secs(5), |l| l.contains("\"ok\""));
+    assert!(first.contains("\"ok\":true"), "{to}: {first}");
+    hold
+}
+
+/// Waits for the end of a [`held`] connection: every exchange succeeded.
+fn held_throughout(mut hold: Proc, what: &str) {
+    let last = hold.wait_for_line(Duration::from_secs(15), |l| {
+        l.contains("\"done\"") || l.contains("\"ok\":false")
+    });
+    assert!(
+        last.contains("\"done\""),
+        "{what}: {last}\n{:?}",
+        hold.stdout_lines()
+    );
+}
+
+/// The RequireDualStack NodePort Service of [`dual_stack_services_follow_the_api_on_both_families`]:
+/// a cluster IP of each family (IPv4 first, the cluster's primary), one nodePort per port.
+fn dual_web() -> fixtures::Svc {
+    service(NS, "dual")
+        .cluster_ips(&["10.96.100.40", "fd00:10:96::40"])
+        .port("http", "TCP", 80, 8080)
+        .node_port(30190)
+        .port("dns", "UDP", 53, 5353)
+        .node_port(30191)
+}
+
+impl E2e {
+    /// A process in pod `i`'s namespace outside the agent's cgroup: its connections are not
+    /// translated at the socket, so they reach the node and its tc programs.
+    fn pod_tc(&self, i: usize) -> Place<'_> {
+        Place::netns(&self.node.pods[i].ns)
+    }
+
+    /// The addresses of `family` of `pods`.
+    fn pod_addrs(&self, family: IpFamily, pods: &[usize]) -> BTreeSet<IpAddr> {
+        pods.iter().map(|i| self.node.pods[*i].addr(family)).collect()
+    }
+
+    /// The EndpointSlice of `family` of Service `service` (ports http 8080 and dns 5353), with
+    /// `pods` ready: the EndpointSlice controller writes one per family, named apart.
+    fn slice_of(&self, service: &str, family: IpFamily, pods: &[usize]) -> EndpointSlice {
+        let name = match family {
+            IpFamily::V4 => format!("{service}-ipv4"),
+            IpFamily::V6 => format!("{service}-ipv6"),
+        };
+        let mut s = slice(NS, service, &name);
+        for addr in self.pod_addrs(family, pods) {
+            s = s.endpoint(&addr.to_string(), NODE, State::Ready);
+        }
+        let sl = s.port("http", "TCP", 8080).port("dns", "UDP", 5353).build();
+        let expected = match family {
+            IpFamily::V4 => "IPv4",
+            IpFamily::V6 => "IPv6",
+        };
+        assert_eq!(sl.address_type, expected, "a slice of {pods:?}");
+        sl
+    }
+}
+
+#[test]
+fn dual_stack_services_follow_the_api_on_both_families() {
+    let mut e = E2e::dual_stack();
+    e.start_agent();
+    let node4 = e.node.addr(IpFamily::V4).expect("on the LAN");
+    let node6 = e.node.addr(IpFamily::V6).expect("dual-stack");
+    // The external client of `topo` has an IPv4 address on the LAN only: its IPv6 twin beside it
+    // (usable at once: no duplicate address detection).
+    let (ext, ext_ip) = external_client(&e.lan, 1);
+    ext.ip(&[
+        "-6",
+        "addr",
+        "add",
+        &format!("{}/64", ipv6_twin(ext_ip)),
+        "dev",
+        "eth0",
+        "nodad",
+    ]);
+    let external = || Place::netns(&ext);
+    let cluster_ip = |family: IpFamily| -> IpAddr {
+        match family {
+            IpFamily::V4 => "10.96.100.40".parse().unwrap(),
+            IpFamily::V6 => "fd00:10:96::40".parse().unwrap(),
+        }
+    };
+    let node_addr = |family: IpFamily| match family {
+        IpFamily::V4 => node4,
+        IpFamily::V6 => node6,
+    };
+
+    // A RequireDualStack NodePort Service with a slice per family, and an IPv6 single-stack
+    // ClusterIP Service.
+    e.apply_service(dual_web().build());
+    e.apply_service(
+        service(NS, "v6only")
+            .cluster_ips(&["fd00:10:96::41"])
+            .port("http", "TCP", 80, 8080)
+            .build(),
+    );
+    e.apply_slice(e.slice_of("dual", IpFamily::V4, &[0, 1]));
+    e.apply_slice(e.slice_of("dual", IpFamily::V6, &[0, 1]));
+    e.apply_slice(e.slice_of("v6only", IpFamily::V6, &[2]));
+    // The API server took both families (its --service-cluster-ip-range has one range each).
+    let api: Api<Service> = Api::namespaced(e.client.clone(), NS);
+    for (name, families) in [("dual", vec!["IPv4", "IPv6"]), ("v6only", vec!["IPv6"])] {
+        let spec = e.rt.block_on(api.get(name)).unwrap().spec.unwrap();
+        assert_eq!(
+            spec.ip_families,
+            Some(families.iter().map(|f| f.to_string()).collect()),
+            "{name}"
+        );
+    }
+
+    // Each family of the dual-stack Service: its cluster IP from the host (socket path) and from a
+    // pod through tc, its NodePort on the node's address of the family from the external client
+    // (tc, masqueraded to the node's address of the family); each reaches the pods over that
+    // family.
+    let both = [0, 1];
+    for family in [IpFamily::V6, IpFamily::V4] {
+        let want = e.pod_addrs(family, &both);
+        let to = at(cluster_ip(family), 80);
+        converge(&format!("{to} from the host (socket path)"), || {
+            serves(e.host(), &to, &want)
+        });
+        converge(&format!("{to} from a pod through tc"), || {
+            serves(e.pod_tc(2), &to, &want)
+        });
+        let node_port = at(node_addr(family), 30190);
+        converge(&format!("NodePort {node_port} from the external client"), || {
+            serves(external(), &node_port, &want)
+        });
+    }
+    // The IPv6 tc flows as `lb-agent conntrack` shows them, held open meanwhile: a pod's, with its
+    // own address, and the external client's, masqueraded to the node's IPv6 address.
+    let (v4, v6) = (at(cluster_ip(IpFamily::V4), 80), at(cluster_ip(IpFamily::V6), 80));
+    let node_port6 = at(node6, 30190);
+    let pod_flow = held(e.pod_tc(2), &v6, 1);
+    let ext_flow = held(external(), &node_port6, 1);
+    let flows = lb_tests::agent::inspect(&bpf_root_in(e.bpffs.path()), "conntrack")
+        .unwrap_or_else(|err| panic!("{err}"));
+    let client_prefix = |ip: IpAddr| format!("[{ip}]:");
+    let pod2 = client_prefix(e.node.pods[2].addr(IpFamily::V6));
+    let ext6 = client_prefix(ipv6_twin(ext_ip).into());
+    let flow_rows = flows.as_array().expect("a JSON array");
+    assert!(
+        flow_rows.iter().any(|f| {
+            f["client"].as_str().is_some_and(|c| c.starts_with(&pod2))
+                && f["frontend"] == v6
+                && f["masquerade"].is_null()
+        }),
+        "the pod's IPv6 flow through tc, not masqueraded: {flows}"
+    );
+    assert!(
+        flow_rows.iter().any(|f| {
+            f["client"].as_str().is_some_and(|c| c.starts_with(&ext6))
+                && f["frontend"] == node_port6
+                && f["masquerade"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with(&client_prefix(node6)))
+        }),
+        "the external client's IPv6 NodePort flow, masqueraded to {node6}: {flows}"
+    );
+    held_throughout(pod_flow, "a pod's IPv6 connection through tc");
+    held_throughout(ext_flow, "the external client's IPv6 NodePort connection");
+    // UDP over IPv6 from a pod's socket: the reply comes from the Service address (recvmsg6).
+    let udp = probe::udp(e.pod(2), "[fd00:10:96::40]:53", 3, false);
+    assert!(
+        udp.iter()
+            .all(|r| r["ok"] == true && r["from"] == "[fd00:10:96::40]:53"),
+        "{udp:?}"
+    );
+    // The IPv6 single-stack Service, from the host and from a pod through tc.
+    let v6only = e.pod_addrs(IpFamily::V6, &[2]);
+    converge("the IPv6 single-stack Service from the host", || {
+        serves(e.host(), "[fd00:10:96::41]:80", &v6only)
+    });
+    converge("the IPv6 single-stack Service from a pod through tc", || {
+        serves(e.pod_tc(0), "[fd00:10:96::41]:80", &v6only)
+    });
+
+    // An endpoint removed from the IPv6 slice: IPv6 follows; IPv4 keeps both pods all along, new
+    // connections and an established one through tc alike.
+    let v4_both = e.pod_addrs(IpFamily::V4, &both);
+    let v4_flow = held(e.pod_tc(2), &v4, 2);
+    e.apply_slice(e.slice_of("dual", IpFamily::V6, &[1]));
+    converge("an IPv6 endpoint removed", || {
+        undisturbed(e.host(), &v4, &v4_both);
+        serves(e.host(), &v6, &e.pod_addrs(IpFamily::V6, &[1]))
+    });
+    converge("IPv4 still has both endpoints", || {
+        serves(e.host(), &v4, &v4_both)
+    });
+    held_throughout(v4_flow, "an IPv4 connection while the IPv6 slice changed");
+    // An endpoint added to the IPv4 slice: IPv4 follows; IPv6 keeps its one pod all along.
+    let v6_one = e.pod_addrs(IpFamily::V6, &[1]);
+    let v6_flow = held(e.pod_tc(0), &v6, 2);
+    e.apply_slice(e.slice_of("dual", IpFamily::V4, &[0, 1, 2]));
+    converge("an IPv4 endpoint added", || {
+        undisturbed(e.pod_tc(0), &v6, &v6_one);
+        serves(e.host(), &v4, &e.pod_addrs(IpFamily::V4, &[0, 1, 2]))
+    });
+    held_throughout(v6_flow, "an IPv6 connection while the IPv4 slice changed");
+    converge("the IPv6 NodePort follows its slice", || {
+        serves(external(), &at(node6, 30190), &v6_one)
+    });
+
+    // The operator's view: both families' frontends, each with the backends of its family.
+    let services = lb_tests::agent::inspect(&bpf_root_in(e.bpffs.path()), "services")
+        .unwrap_or_else(|err| panic!("{err}"));
+    let rows: Vec<&Value> = services.as_array().expect("a JSON array").iter().collect();
+    let frontend = |service: &str, frontend: &str| -> Option<&Value> {
+        rows.iter()
+            .copied()
+            .find(|r| r["service"] == service && r["frontend"] == frontend)
+    };
+    let backend_addrs = |row: &Value| -> BTreeSet<String> {
+        row["scopes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|s| s["backends"].as_array().into_iter().flatten())
+            .filter_map(|b| b["address"].as_str().map(str::to_string))
+            .collect()
+    };
+    let on_8080 = |family: IpFamily, pods: &[usize]| -> BTreeSet<String> {
+        e.pod_addrs(family, pods)
+            .into_iter()
+            .map(|ip| at(ip, 8080))
+            .collect()
+    };
+    for (front, kind, family, pods) in [
+        (
+            "10.96.100.40:80/TCP".to_string(),
+            "ClusterIP",
+            IpFamily::V4,
+            &[0, 1, 2][..],
+        ),
+        (
+            format!("{node4}:30190/TCP"),
+            "NodePort",
+            IpFamily::V4,
+            &[0, 1, 2][..],
+        ),
+        (
+            "[fd00:10:96::40]:80/TCP".to_string(),
+            "ClusterIP",
+            IpFamily::V6,
+            &[1][..],
+        ),
+        (format!("[{node6}]:30190/TCP"), "NodePort", IpFamily::V6, &[1][..]),
+    ] {
+        let row = frontend("e2e/dual:http", &front).unwrap_or_else(|| panic!("no {front} row: {services}"));
+        assert_eq!(row["type"], kind, "{row}");
+        assert_eq!(backend_addrs(row), on_8080(family, pods), "{row}");
+    }
+    assert!(
+        frontend("e2e/dual:dns", "[fd00:10:96::40]:53/UDP").is_some(),
+        "{services}"
+    );
+    let v6only_rows: Vec<&&Value> = rows
+        .iter()
+        .filter(|r| r["service"] == "e2e/v6only:http")
+        .collect();
+    assert_eq!(
+        v6only_rows
+            .iter()
+            .map(|r| r["frontend"].clone())
+            .collect::<Vec<_>>(),
+        vec![Value::from("[fd00:10:96::41]:80/TCP")],
+        "the IPv6 single-stack Service has its IPv6 frontend only: {services}"
+    );
+
+    // Deleting the IPv6 single-stack Service leaves the dual-stack one serving on both families.
+    e.delete_service("v6only");
+    converge("a deleted IPv6 Service is gone", || {
+        probe::tcp(e.host(), "[fd00:10:96::41]:80", 1)[0]["ok"] == false
+    });
+    undisturbed(e.host(), &v6, &v6_one);
+    undisturbed(e.host(), &v4, &e.pod_addrs(IpFamily::V4, &[0, 1, 2]));
 }

@@ -392,6 +392,7 @@ fn daemonset_on_a_real_kubelet_serves_through_operator_flows() -> Result<()> {
             ip: NODE_IP,
             pod_cidr: POD_CIDR.into(),
             cluster_dns: None,
+            ipv6: None,
         },
         &images,
     )?;

@@ -187,6 +187,7 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
         "service/web-nodeport",
         "service/web-local",
         "service/web-lb",
+        "service/web-dual-stack",
         "service/sticky",
         "service/dns",
     ] {
@@ -213,7 +214,8 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
             ip.starts_with("10.96."),
             "{name}: ClusterIP {ip} not allocated from 10.96.0.0/16"
         );
-        let ports = lb_agent::model::service_ports(svc).map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
+        let ports = lb_agent::model::service_ports(svc, lb_agent::family::IpFamily::V4)
+            .map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
         assert!(ports.warnings.is_empty(), "{name}: {:?}", ports.warnings);
     }
     let port0 = |name: &str| spec(name).ports.unwrap_or_default().remove(0);
@@ -222,6 +224,7 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
         ("web-nodeport", Some(30080), Some("Cluster"), "NodePort"),
         ("web-local", Some(30081), Some("Local"), "NodePort"),
         ("web-lb", Some(30082), Some("Cluster"), "LoadBalancer"),
+        ("web-dual-stack", Some(30083), Some("Cluster"), "NodePort"),
     ] {
         let p = port0(name);
         assert_eq!((p.port, p.protocol.as_deref()), (80, Some("TCP")), "{name}");
@@ -266,6 +269,30 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
         spec("dns").selector,
         Some(BTreeMap::from([("app".into(), "dns".into())]))
     );
+    // The dual-stack example: a ClusterIP of each family from the API server's two ranges, IPv4
+    // first; every other example is single-stack IPv4 (the cluster's primary family).
+    let dual = spec("web-dual-stack");
+    assert_eq!(dual.ip_family_policy.as_deref(), Some("RequireDualStack"));
+    assert_eq!(
+        dual.ip_families,
+        Some(vec!["IPv4".to_string(), "IPv6".to_string()])
+    );
+    let dual_ips = dual.cluster_ips.unwrap_or_default();
+    assert!(
+        dual_ips.len() == 2 && dual_ips[1].starts_with("fd00:10:96::"),
+        "web-dual-stack: ClusterIPs {dual_ips:?} not allocated from 10.96.0.0/16 and fd00:10:96::/112"
+    );
+    let ports6 = lb_agent::model::service_ports(by_name["web-dual-stack"], lb_agent::family::IpFamily::V6)
+        .map_err(|e| anyhow::anyhow!("web-dual-stack: {e}"))?;
+    assert!(
+        ports6.warnings.is_empty(),
+        "web-dual-stack: {:?}",
+        ports6.warnings
+    );
+    for (name, svc) in by_name.iter().filter(|(name, _)| *name != "web-dual-stack") {
+        let families = svc.spec.as_ref().and_then(|s| s.ip_families.clone());
+        assert_eq!(families, Some(vec!["IPv4".to_string()]), "{name}");
+    }
 
     // 3. RBAC, applied for real: a subset of system:node-proxier, and exactly the agent's calls.
     for file in ["serviceaccount.yaml", "rbac.yaml"] {

@@ -750,6 +750,7 @@ fn guide_switches_a_kube_proxy_node_to_lb_agent_and_back_under_load() -> Result<
             ip: NODE_IP,
             pod_cidr: POD_CIDR.into(),
             cluster_dns: None,
+            ipv6: None,
         },
         &images,
     )?;

@@ -1,7 +1,8 @@
 //! The sandbox (README command 1) as a new user runs it: every example Service balanced correctly
-//! from a pod and from the external client; the kubectl commands it prints (create a Deployment,
-//! expose it, scale it) followed by its live table, whose rows show the Deployment's Pods (on the
-//! real node) answering by name, old and new; a deleted Service leaves the table; and, stopped by
+//! from a pod and from the external client, the dual-stack one over both families; the kubectl
+//! commands it prints (create a Deployment, expose it, scale it, make it dual-stack) followed by
+//! its live table, whose rows show the Deployment's Pods (on the real node) answering by name, old
+//! and new, over IPv4 and then IPv6 too; a deleted Service leaves the table; and, stopped by
 //! SIGTERM, it leaves nothing behind.
 
 use std::{
@@ -184,9 +185,17 @@ impl Kubectl {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    /// One of the example command lines the sandbox printed (`kubectl ...`), run as printed.
+    /// One of the example command lines the sandbox printed (`kubectl ...`), run as printed (as a
+    /// shell would: words, single quotes removed).
     fn run_printed(&self, line: &str) -> String {
-        let words: Vec<&str> = line.split_whitespace().collect();
+        let words: Vec<&str> = line
+            .split_whitespace()
+            .map(|w| {
+                w.strip_prefix('\'')
+                    .and_then(|w| w.strip_suffix('\''))
+                    .unwrap_or(w)
+            })
+            .collect();
         assert_eq!(words.first(), Some(&"kubectl"), "{line}");
         self.run(&words[1..])
     }
@@ -210,26 +219,34 @@ fn read_summary(path: &Path) -> Option<Value> {
     serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
 }
 
-/// The flow of the `hello` Service from the real node, once its load runs.
-fn hello_flow(summary: &Value) -> Option<Value> {
+/// Whether a flow's frontend is an IPv6 one (`ClusterIP [fd00:10:96::1f]:80/TCP`).
+fn is_ipv6(flow: &Value) -> bool {
+    flow["frontend"].as_str().unwrap().contains('[')
+}
+
+/// The flow of the `hello` Service from the real node to its cluster IP of one family, once its
+/// load runs.
+fn hello_flow(summary: &Value, ipv6: bool) -> Option<Value> {
     flows(summary, "default/hello:")
         .into_iter()
-        .find(|f| f["from"] == "real-node" && f["started"] == true)
+        .find(|f| f["from"] == "real-node" && f["started"] == true && is_ipv6(f) == ipv6)
         .cloned()
 }
 
-/// Waits until the sandbox's summary shows every pod of `pods` answering the `hello` flow.
+/// Waits until the sandbox's summary shows every pod of `pods` answering the `hello` flow of one
+/// family.
 fn wait_for_backends(
     sandbox: &Sandbox,
     summary: &Path,
     kubectl: &Kubectl,
     want: usize,
+    ipv6: bool,
 ) -> (BTreeSet<String>, Value) {
     let deadline = Instant::now() + FOLLOW_TIMEOUT;
     let (mut pods, mut last) = (BTreeSet::new(), None);
     while Instant::now() < deadline {
         pods = kubectl.running_pods("hello");
-        last = read_summary(summary).as_ref().and_then(hello_flow);
+        last = read_summary(summary).as_ref().and_then(|s| hello_flow(s, ipv6));
         if pods.len() == want
             && let Some(flow) = &last
             && pods.is_subset(&backends(flow))
@@ -238,9 +255,10 @@ fn wait_for_backends(
         }
         thread::sleep(Duration::from_millis(500));
     }
+    let family = if ipv6 { "IPv6" } else { "IPv4" };
     panic!(
-        "the table did not show the {want} pods of hello answering within {FOLLOW_TIMEOUT:?}: pods {pods:?}, \
-         flow {last:?}\n{}",
+        "the table did not show the {want} pods of hello answering over {family} within {FOLLOW_TIMEOUT:?}: \
+         pods {pods:?}, flow {last:?}\n{}",
         sandbox.output()
     );
 }
@@ -274,6 +292,7 @@ fn the_sandbox_balances_every_example_service_and_follows_kubectl() {
     let create = printed("kubectl create deployment hello");
     let expose = printed("kubectl expose deployment hello");
     let scale = printed("kubectl scale deployment hello");
+    let dual_stack = printed("kubectl patch service hello");
     let replicas: usize = scale
         .rsplit_once("--replicas=")
         .and_then(|(_, n)| n.parse().ok())
@@ -287,11 +306,11 @@ fn the_sandbox_balances_every_example_service_and_follows_kubectl() {
     // A Deployment and its Service, as printed: the table follows with the Pods' names.
     kubectl.run_printed(&create);
     kubectl.run_printed(&expose);
-    let (first, _) = wait_for_backends(&sandbox, &summary_path, &kubectl, 2);
+    let (first, _) = wait_for_backends(&sandbox, &summary_path, &kubectl, 2, false);
     let followed_s = started.elapsed().as_secs_f64() - ready_s;
     // Scaled: the new Pods' names appear beside the first ones.
     kubectl.run_printed(&scale);
-    let (scaled, flow) = wait_for_backends(&sandbox, &summary_path, &kubectl, replicas);
+    let (scaled, flow) = wait_for_backends(&sandbox, &summary_path, &kubectl, replicas, false);
     assert!(
         scaled.is_superset(&first) && scaled.len() > first.len(),
         "{first:?} -> {scaled:?}"
@@ -315,6 +334,30 @@ fn the_sandbox_balances_every_example_service_and_follows_kubectl() {
     assert!(
         nodes.split_whitespace().all(|n| n == real_node),
         "hello's pods run on {nodes}, not all on the real node {real_node}"
+    );
+    // Made dual-stack, as printed: the real node is dual-stack (kubelet, CNI, the DaemonSet's
+    // agent), so the Service's new IPv6 ClusterIP gets a row of its own, from the real node over
+    // IPv6, with every Pod answering, none failing, the client's IPv6 address kept; the IPv4 row
+    // stays.
+    kubectl.run_printed(&dual_stack);
+    let (pods6, flow6) = wait_for_backends(&sandbox, &summary_path, &kubectl, replicas, true);
+    assert_eq!(pods6, scaled, "{flow6}");
+    assert!(
+        flow6["frontend"]
+            .as_str()
+            .unwrap()
+            .starts_with("ClusterIP [fd00:10:96::"),
+        "{flow6}"
+    );
+    assert_eq!(flow6["errors"], 0, "no request may fail: {flow6}");
+    assert_eq!(flow6["replaced_client_ip"], 0, "{flow6}");
+    assert!(
+        read_summary(&summary_path)
+            .as_ref()
+            .and_then(|s| hello_flow(s, false))
+            .is_some_and(|f| f["errors"] == 0),
+        "the IPv4 row of hello stays, without errors:\n{}",
+        sandbox.output()
     );
 
     // A deleted Service leaves the table.
@@ -399,6 +442,36 @@ fn the_sandbox_balances_every_example_service_and_follows_kubectl() {
     // UDP DNS-style: both DNS backends answer, from the Service address.
     for f in flows(&summary, "demo/dns") {
         assert_eq!(backends(f), ["dns-1", "dns-2"].map(String::from).into(), "{f}");
+    }
+    // Dual-stack: both families' ClusterIPs from a pod (client address kept), both families'
+    // NodePorts on both nodes from the external client (masqueraded: externalTrafficPolicy
+    // Cluster), every web backend over each; the frontends read as addresses do.
+    let dual = flows(&summary, "demo/web-dual-stack:");
+    for (from, frontends) in [
+        ("pod", vec!["ClusterIP 10.96.", "ClusterIP [fd00:10:96::"]),
+        (
+            "external",
+            vec![
+                "NodePort 192.168.50.11:30083/TCP",
+                "NodePort 192.168.50.12:30083/TCP",
+                "NodePort [fd00:192:168:50::11]:30083/TCP",
+                "NodePort [fd00:192:168:50::12]:30083/TCP",
+            ],
+        ),
+    ] {
+        for frontend in frontends {
+            let f = dual
+                .iter()
+                .find(|f| f["from"] == from && f["frontend"].as_str().unwrap().starts_with(frontend))
+                .unwrap_or_else(|| panic!("no {frontend} flow from the {from}: {dual:?}"));
+            assert_eq!(backends(f), all_web, "{f}");
+            let kept = if from == "pod" {
+                "replaced_client_ip"
+            } else {
+                "kept_client_ip"
+            };
+            assert_eq!(f[kept], 0, "{f}");
+        }
     }
     // The LoadBalancer IP is served to the allowed client.
     assert!(

@@ -4,7 +4,10 @@
 //! 1. agent restart (graceful stop, then kill -9): no failed connection, established connections
 //!    survive on their backends, ids stable;
 //! 2. upgrade: a new object (the test variant of the programs) and new map capacities replace the
-//!    running data path in place: links kept, programs swapped, maps migrated, no failure;
+//!    running data path in place: links kept, programs swapped, maps migrated, no failure; and
+//!    the upgrade of an install of the IPv4-only release (its pins emulated, see
+//!    [`upgrade_from_the_ipv4_only_release_keeps_every_connection`]), also when the new agent's
+//!    first sync fails (the new programs wait for a sync that programs the maps);
 //! 3. 30 s of API unavailability with changes made meanwhile: the data path keeps serving, and
 //!    the agent converges when the API comes back;
 //! 4. endpoint churn: no new connection reaches an endpoint after its removal was applied; UDP
@@ -12,12 +15,17 @@
 //! 6. map pressure: a full map skips whole Services (Event, metric) and they appear once there is
 //!    room again.
 //!
+//! Scenarios 1, 2 and 4 run on a dual-stack node (`topo::Node::dual_stack`) with dual-stack
+//! Services, and carry IPv6 load beside the IPv4 load, through the same paths (socket path from
+//! the node, tc path from the external client), judged by the same rules; each family's figures
+//! are reported apart (the IPv4 ones at the top level, as before; the IPv6 ones under `ipv6`).
+//!
 //! Scenarios run one at a time (they measure; running them together would measure contention).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{Ipv4Addr, SocketAddr},
-    path::PathBuf,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    path::{Path, PathBuf},
     process::Command,
     sync::{Arc, Mutex, MutexGuard},
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
@@ -31,7 +39,11 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use lb_agent::apply::{KernelMaps, MapOps};
+use lb_agent::{
+    apply::{KernelMaps, MapOps},
+    family::IpFamily,
+};
+use lb_common::catalog;
 use lb_tests::{
     agent::{Agent, AgentOptions, bpf_root_in},
     bpffs::BpfFs,
@@ -43,11 +55,40 @@ use lb_tests::{
     probe,
     process::{Place, Proc, workspace_bin},
     require_root,
-    topo::{Lan, Node as TopoNode, external_client},
+    topo::{Lan, Node as TopoNode, external_client, ipv6_twin},
 };
 use serde_json::{Value, json};
 
 const NODE: &str = "node-a";
+
+/// The pods' addresses (`topo`: `10.244.<node>.<n>`, and `fd00:10:244:<node>::<n>` on a
+/// dual-stack node), one CIDR per family of the node as kube-proxy's `--cluster-cidr` takes them.
+const CLUSTER_CIDR: &str = "10.244.0.0/16";
+const CLUSTER_CIDR_DUAL: &str = "10.244.0.0/16,fd00:10:244::/48";
+
+/// The `web` Service's cluster IP of `family`; the IPv6 one lies in the control plane's
+/// `SERVICE_CIDR6` (fd00:10:96::/112), so the API server accepts it too.
+fn web_ip(family: IpFamily) -> &'static str {
+    match family {
+        IpFamily::V4 => "10.96.50.10",
+        IpFamily::V6 => "fd00:10:96::5010",
+    }
+}
+
+/// `ip:port` (`[ip]:port` for IPv6).
+fn at(ip: &str, port: u16) -> String {
+    SocketAddr::new(ip.parse().expect("an IP address"), port).to_string()
+}
+
+/// The family of an address as `lb-agent services|backends -o json` writes it (`10.0.0.1:80`,
+/// `[fd00::1]:80`, with `/TCP` after a frontend).
+fn family_of_label(label: &str) -> IpFamily {
+    if label.starts_with('[') {
+        IpFamily::V6
+    } else {
+        IpFamily::V4
+    }
+}
 
 /// One scenario at a time.
 fn serial() -> MutexGuard<'static, ()> {
@@ -62,6 +103,14 @@ fn now_us() -> u64 {
 /// Writes a scenario's figures for the report.
 fn record(name: &str, figures: Value) {
     lb_tests::report::record(name, &figures);
+}
+
+/// A scenario's figures: the IPv4 ones at the top level (as before the scenarios carried IPv6
+/// load), the IPv6 ones under `ipv6` (rendered apart by `cargo xtask report`).
+fn per_family(scenario: &str, mut v4: Value, v6: Value) -> Value {
+    v4["scenario"] = scenario.into();
+    v4["ipv6"] = v6;
+    v4
 }
 
 /// A backend set seen by a map watcher that polls: the change to `set` happened after `from_us`
@@ -82,7 +131,23 @@ fn lifetimes(observed: &[Observed]) -> impl Iterator<Item = (u64, u64, &BTreeSet
     })
 }
 
-/// A node with pods on a LAN with an external client; servers on every pod.
+/// Ids by frontend and by backend (`lb-agent services|backends -o json`).
+type Ids = (BTreeMap<String, u64>, BTreeMap<String, u64>);
+
+/// The ids of `family`'s frontends and backends.
+fn ids_of(ids: &Ids, family: IpFamily) -> Ids {
+    let keep = |m: &BTreeMap<String, u64>| -> BTreeMap<String, u64> {
+        m.iter()
+            .filter(|(label, _)| family_of_label(label) == family)
+            .map(|(label, id)| (label.clone(), *id))
+            .collect()
+    };
+    (keep(&ids.0), keep(&ids.1))
+}
+
+/// A node with pods on a LAN with an external client; servers on every pod. On a dual-stack node
+/// every pod has a second server on its IPv6 address, named by it (an answer then tells the
+/// family it was reached over), and the external client an IPv6 address too.
 struct Site {
     _servers: Vec<Proc>,
     client: (NetNs, Ipv4Addr),
@@ -93,29 +158,49 @@ struct Site {
 }
 
 impl Site {
+    /// An IPv4 node.
     fn new(pods: u8) -> Site {
+        Site::with_node(TopoNode::new(1), pods)
+    }
+
+    /// A dual-stack node.
+    fn dual_stack(pods: u8) -> Site {
+        Site::with_node(TopoNode::dual_stack(1), pods)
+    }
+
+    fn with_node(mut node: TopoNode, pods: u8) -> Site {
         require_root();
         let bpffs = BpfFs::new();
         let cgroup = Cgroup::new("lbrel");
         let lan = Lan::new();
-        let mut node = TopoNode::new(1);
         node.attach_lan(&lan);
         for n in 0..pods {
             node.add_pod(n + 2);
         }
         let client = external_client(&lan, 1);
-        let servers = node
-            .pods
-            .iter()
-            .map(|p| {
-                probe::server(
+        if node.dual_stack {
+            // The client's IPv6 twin beside its IPv4 address (usable at once: no DAD).
+            let ip6 = format!("{}/64", ipv6_twin(client.1));
+            client.0.ip(&["-6", "addr", "add", &ip6, "dev", "eth0", "nodad"]);
+        }
+        let mut servers = Vec::new();
+        for p in &node.pods {
+            servers.push(probe::server(
+                Place::netns(&p.ns),
+                &p.ip.to_string(),
+                &["0.0.0.0:8080"],
+                &["0.0.0.0:5353"],
+            ));
+            if let Some(ip6) = p.ip6 {
+                let ip6 = ip6.to_string();
+                servers.push(probe::server(
                     Place::netns(&p.ns),
-                    &p.ip.to_string(),
-                    &["0.0.0.0:8080"],
-                    &["0.0.0.0:5353"],
-                )
-            })
-            .collect();
+                    &ip6,
+                    &[&at(&ip6, 8080)],
+                    &[&at(&ip6, 5353)],
+                ));
+            }
+        }
         Site {
             _servers: servers,
             client,
@@ -130,6 +215,17 @@ impl Site {
         self.node.pods[i].ip.to_string()
     }
 
+    /// Pod `i`'s address of `family` (the name its server of that family answers with).
+    fn pod_addr(&self, i: usize, family: IpFamily) -> String {
+        self.node.pods[i].addr(family).to_string()
+    }
+
+    /// `port` on the node's LAN address of `family` (a NodePort, from the external client).
+    fn node_port(&self, family: IpFamily, port: u16) -> String {
+        let ip = self.node.addr(family).expect("the node's address of the family");
+        SocketAddr::new(ip, port).to_string()
+    }
+
     fn host(&self) -> Place<'_> {
         Place::new(&self.node.ns, &self.cgroup)
     }
@@ -142,10 +238,36 @@ impl Site {
         bpf_root_in(self.bpffs.path())
     }
 
+    /// The agent with the node's pod CIDRs (one per family of the node).
     fn agent(&self, manifests: Option<PathBuf>, kubeconfig: Option<PathBuf>, extra: &[&str]) -> Agent {
-        let mut extra_args = vec!["--cluster-cidr".to_string(), "10.244.0.0/16".into()];
+        let cidr = if self.node.dual_stack {
+            CLUSTER_CIDR_DUAL
+        } else {
+            CLUSTER_CIDR
+        };
+        self.agent_with(cidr, manifests, kubeconfig, extra)
+    }
+
+    fn agent_with(
+        &self,
+        cluster_cidr: &str,
+        manifests: Option<PathBuf>,
+        kubeconfig: Option<PathBuf>,
+        extra: &[&str],
+    ) -> Agent {
+        Agent::start(self.agent_options(cluster_cidr, manifests, kubeconfig, extra))
+    }
+
+    fn agent_options(
+        &self,
+        cluster_cidr: &str,
+        manifests: Option<PathBuf>,
+        kubeconfig: Option<PathBuf>,
+        extra: &[&str],
+    ) -> AgentOptions<'_> {
+        let mut extra_args = vec!["--cluster-cidr".to_string(), cluster_cidr.into()];
         extra_args.extend(extra.iter().map(|s| s.to_string()));
-        Agent::start(AgentOptions {
+        AgentOptions {
             netns: &self.node.ns,
             cgroup: &self.cgroup,
             bpf_root: self.bpf_root(),
@@ -153,11 +275,11 @@ impl Site {
             manifests,
             kubeconfig,
             extra_args,
-        })
+        }
     }
 
     /// `lb-agent services -o json` and `backends -o json`: ids by frontend and by backend.
-    fn ids(&self) -> (BTreeMap<String, u64>, BTreeMap<String, u64>) {
+    fn ids(&self) -> Ids {
         let run = |cmd: &str| -> Value {
             lb_tests::agent::inspect(&self.bpf_root(), cmd).unwrap_or_else(|e| panic!("{e}"))
         };
@@ -188,55 +310,89 @@ impl Site {
 
     /// The link ids and the program ids behind the agent's pinned links.
     fn links(&self) -> BTreeMap<u64, u64> {
+        self.pinned_links().into_values().collect()
+    }
+
+    /// The agent's pinned links by pin path (relative to `links/`: `cgroup-<id>/<hook>`,
+    /// `tc/<ifindex>-<device>/<hook>`): (link id, program id).
+    fn pinned_links(&self) -> BTreeMap<String, (u64, u64)> {
         let out = Command::new("bpftool")
             .args(["-j", "link", "show"])
             .output()
             .unwrap();
         let links: Value = serde_json::from_slice(&out.stdout).unwrap_or(json!([]));
-        let ours: BTreeSet<u64> = std::fs::read_dir(self.bpf_root().join("links"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .flat_map(|d| std::fs::read_dir(d.path()).into_iter().flatten().flatten())
-            .filter_map(|f| {
-                let out = Command::new("bpftool")
-                    .args(["-j", "link", "show", "pinned"])
-                    .arg(f.path())
-                    .output()
-                    .ok()?;
-                serde_json::from_slice::<Value>(&out.stdout).ok()?["id"].as_u64()
-            })
-            .collect();
-        links
+        let prog_of: BTreeMap<u64, u64> = links
             .as_array()
             .into_iter()
             .flatten()
-            .filter_map(|l| {
-                let id = l["id"].as_u64()?;
-                ours.contains(&id)
-                    .then(|| (id, l["prog_id"].as_u64().unwrap_or(0)))
+            .filter_map(|l| Some((l["id"].as_u64()?, l["prog_id"].as_u64().unwrap_or(0))))
+            .collect();
+        let root = self.bpf_root().join("links");
+        let mut pins = Vec::new();
+        let mut dirs = vec![root.clone()];
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    dirs.push(entry.path());
+                } else {
+                    pins.push(entry.path());
+                }
+            }
+        }
+        pins.into_iter()
+            .filter_map(|pin| {
+                let out = Command::new("bpftool")
+                    .args(["-j", "link", "show", "pinned"])
+                    .arg(&pin)
+                    .output()
+                    .ok()?;
+                let id = serde_json::from_slice::<Value>(&out.stdout).ok()?["id"].as_u64()?;
+                let name = pin.strip_prefix(&root).ok()?.display().to_string();
+                Some((name, (id, prog_of.get(&id).copied()?)))
             })
             .collect()
     }
 }
 
-fn web_manifests(site: &Site, dir: &std::path::Path, pods: &[usize]) {
-    let mut sl = slice("rel", "web", "web-1");
+/// The `web` Service (TCP 80 and UDP 53, each with a NodePort) with `pods` as its endpoints: of
+/// each family of the node, a dual-stack Service with a slice per family on a dual-stack one.
+fn web_manifests(site: &Site, dir: &Path, pods: &[usize]) {
+    let families: &[IpFamily] = if site.node.dual_stack {
+        &IpFamily::ALL
+    } else {
+        &[IpFamily::V4]
+    };
+    let web = web_service(families).build();
+    let slices: Vec<EndpointSlice> = families
+        .iter()
+        .map(|family| web_slice(site, "web", *family, pods).build())
+        .collect();
+    write_manifests(dir, "objects.yaml", &[web], &slices);
+}
+
+/// The `web` Service of `families` (its cluster IPs in that order).
+fn web_service(families: &[IpFamily]) -> fixtures::Svc {
+    let ips: Vec<&str> = families.iter().map(|f| web_ip(*f)).collect();
+    service("rel", "web")
+        .cluster_ips(&ips)
+        .port("http", "TCP", 80, 8080)
+        .node_port(30090)
+        .port("dns", "UDP", 53, 5353)
+        .node_port(30053)
+}
+
+/// The EndpointSlice of `family` of Service `name` (ports http 8080 and dns 5353), with `pods`
+/// ready; the EndpointSlice controller writes one per family, named apart.
+fn web_slice(site: &Site, name: &str, family: IpFamily, pods: &[usize]) -> fixtures::Slice {
+    let slice_name = match family {
+        IpFamily::V4 => format!("{name}-1"),
+        IpFamily::V6 => format!("{name}-1-ipv6"),
+    };
+    let mut s = slice("rel", name, &slice_name);
     for i in pods {
-        sl = sl.endpoint(&site.pod_ip(*i), NODE, State::Ready);
+        s = s.endpoint(&site.pod_addr(*i, family), NODE, State::Ready);
     }
-    write_manifests(
-        dir,
-        "objects.yaml",
-        &[service("rel", "web")
-            .cluster_ip("10.96.50.10")
-            .port("http", "TCP", 80, 8080)
-            .node_port(30090)
-            .port("dns", "UDP", 53, 5353)
-            .node_port(30053)
-            .build()],
-        &[sl.port("http", "TCP", 8080).port("dns", "UDP", 5353).build()],
-    );
+    s.port("http", "TCP", 8080).port("dns", "UDP", 5353)
 }
 
 /// Long-lived connections, each recording every exchange's server.
@@ -284,35 +440,146 @@ impl Holds {
     }
 }
 
+/// Established connections of one family, by path.
+struct Established {
+    holds: Vec<Holds>,
+    connections: usize,
+}
+
+/// The verdict on a family's established connections.
+struct HeldVerdict {
+    exchanges: usize,
+    broken: usize,
+    moved: usize,
+    connections: usize,
+}
+
+impl Established {
+    /// `n` connections to each of `to` (place, destination), held `seconds`.
+    fn open(to: &[(Place<'_>, String)], n: usize, seconds: u64) -> Established {
+        Established {
+            holds: to
+                .iter()
+                .map(|(place, dest)| Holds::open(*place, dest, n, seconds))
+                .collect(),
+            connections: n * to.len(),
+        }
+    }
+
+    fn verdict(self) -> HeldVerdict {
+        let mut v = HeldVerdict {
+            exchanges: 0,
+            broken: 0,
+            moved: 0,
+            connections: self.connections,
+        };
+        for h in self.holds {
+            let (e, b, m) = h.verdict();
+            v.exchanges += e;
+            v.broken += b;
+            v.moved += m;
+        }
+        v
+    }
+}
+
+impl HeldVerdict {
+    fn json(&self) -> Value {
+        json!({"connections": self.connections, "exchanges": self.exchanges, "broken": self.broken, "moved_backend": self.moved})
+    }
+}
+
+/// Named loads of one family.
+type Loads = Vec<(&'static str, Load)>;
+
+/// What a family's loads did.
+struct Tally {
+    rows: Vec<Value>,
+    attempted: u64,
+    failed: u64,
+    failures: Vec<String>,
+    /// Every result, by load.
+    results: Vec<(&'static str, Vec<Value>)>,
+}
+
+/// Stops `loads` and tallies them.
+fn stop_loads(loads: Loads) -> Tally {
+    let mut t = Tally {
+        rows: Vec::new(),
+        attempted: 0,
+        failed: 0,
+        failures: Vec::new(),
+        results: Vec::new(),
+    };
+    for (what, load) in loads {
+        let results = load.stop();
+        let (a, f) = tally(&results);
+        t.failures.extend(lb_tests::load::failures(what, &results));
+        t.attempted += a;
+        t.failed += f;
+        t.rows.push(lb_tests::load::row(what, &results));
+        t.results.push((what, results));
+    }
+    t
+}
+
+impl Tally {
+    /// The servers that answered the load `what`.
+    fn servers(&self, what: &str) -> BTreeSet<String> {
+        self.results
+            .iter()
+            .filter(|(w, _)| *w == what)
+            .flat_map(|(_, results)| results.iter())
+            .filter_map(|r| probe::server_of(r).map(str::to_string))
+            .collect()
+    }
+}
+
+/// The restart scenario's loads of `family`: TCP and UDP through the socket path (the node's own
+/// sockets to the cluster IP) and through tc (the external client to the NodePorts).
+fn web_loads(site: &Site, family: IpFamily, udp: bool) -> Loads {
+    let cluster = |port| at(web_ip(family), port);
+    let mut loads = vec![(
+        "socket path, TCP to the cluster IP",
+        Load::start(site.host(), &cluster(80), "tcp", 10, false),
+    )];
+    if udp {
+        loads.push((
+            "socket path, UDP to the cluster IP",
+            Load::start(site.host(), &cluster(53), "udp", 10, false),
+        ));
+    }
+    loads.push((
+        "tc path, TCP to the NodePort",
+        Load::start(site.external(), &site.node_port(family, 30090), "tcp", 10, false),
+    ));
+    if udp {
+        loads.push((
+            "tc path, UDP flow to the NodePort",
+            Load::start(site.external(), &site.node_port(family, 30053), "udp", 10, true),
+        ));
+    }
+    loads
+}
+
 #[test]
 fn restart_under_load_loses_nothing() {
     let _one = serial();
-    let site = Site::new(3);
+    let site = Site::dual_stack(3);
     let manifests = tempfile::tempdir().unwrap();
     web_manifests(&site, manifests.path(), &[0, 1, 2]);
     let agent = site.agent(Some(manifests.path().into()), None, &[]);
-    let node_ip = site.node.ip.unwrap();
-    let np = format!("{node_ip}:30090");
-    let loads = [
-        (
-            "socket path, TCP to the cluster IP",
-            Load::start(site.host(), "10.96.50.10:80", "tcp", 10, false),
-        ),
-        (
-            "socket path, UDP to the cluster IP",
-            Load::start(site.host(), "10.96.50.10:53", "udp", 10, false),
-        ),
-        (
-            "tc path, TCP to the NodePort",
-            Load::start(site.external(), &np, "tcp", 10, false),
-        ),
-        (
-            "tc path, UDP flow to the NodePort",
-            Load::start(site.external(), &format!("{node_ip}:30053"), "udp", 10, true),
-        ),
-    ];
-    let holds_sock = Holds::open(site.host(), "10.96.50.10:80", 3, 14);
-    let holds_tc = Holds::open(site.external(), &np, 3, 14);
+    let loads = IpFamily::ALL.map(|family| web_loads(&site, family, true));
+    let held = IpFamily::ALL.map(|family| {
+        Established::open(
+            &[
+                (site.host(), at(web_ip(family), 80)),
+                (site.external(), site.node_port(family, 30090)),
+            ],
+            3,
+            14,
+        )
+    });
     std::thread::sleep(Duration::from_secs(1));
     let ids_before = site.ids();
 
@@ -331,47 +598,58 @@ fn restart_under_load_loses_nothing() {
     std::thread::sleep(Duration::from_secs(2));
     let ids_after_kill = site.ids();
 
-    let mut per_load = Vec::new();
-    let (mut attempted, mut failed) = (0, 0);
-    let mut failures = Vec::new();
-    for (what, load) in loads {
-        let results = load.stop();
-        let (a, f) = tally(&results);
-        failures.extend(lb_tests::load::failures(what, &results));
-        attempted += a;
-        failed += f;
-        per_load.push(lb_tests::load::row(what, &results));
-    }
-    let (ex_s, broken_s, moved_s) = holds_sock.verdict();
-    let (ex_t, broken_t, moved_t) = holds_tc.verdict();
+    let [tally4, tally6] = loads.map(stop_loads);
+    let [held4, held6] = held.map(Established::verdict);
     drop(agent);
+    let figures = |family: IpFamily, t: &Tally, h: &HeldVerdict| {
+        let ids = ids_of(&ids_before, family);
+        json!({
+            "load": t.rows,
+            "established": h.json(),
+            "attempted": t.attempted,
+            "failed": t.failed,
+            "ids_stable": ids == ids_of(&ids_after_restart, family) && ids == ids_of(&ids_after_kill, family),
+        })
+    };
     record(
         "1-restart",
-        json!({
-            "scenario": "Agent restart under load: SIGTERM + start, then kill -9 + start",
-            "load": per_load,
-            "established": {"connections": 6, "exchanges": ex_s + ex_t, "broken": broken_s + broken_t, "moved_backend": moved_s + moved_t},
-            "attempted": attempted,
-            "failed": failed,
-            "ids_stable": ids_before == ids_after_restart && ids_before == ids_after_kill,
-        }),
+        per_family(
+            "Agent restart under load: SIGTERM + start, then kill -9 + start",
+            figures(IpFamily::V4, &tally4, &held4),
+            figures(IpFamily::V6, &tally6, &held6),
+        ),
     );
-    assert_eq!(failed, 0, "no connection may fail across restarts: {failures:#?}");
-    assert_eq!(
-        (broken_s + broken_t, moved_s + moved_t),
-        (0, 0),
-        "established connections survive on their backends"
-    );
-    assert_eq!(
-        ids_before, ids_after_restart,
-        "ids stable across a graceful restart"
-    );
-    assert_eq!(ids_before, ids_after_kill, "ids stable across kill -9");
+    for (family, t, h) in [(IpFamily::V4, &tally4, &held4), (IpFamily::V6, &tally6, &held6)] {
+        assert_eq!(
+            t.failed, 0,
+            "{family}: no connection may fail across restarts: {:#?}",
+            t.failures
+        );
+        assert_eq!(
+            (h.broken, h.moved),
+            (0, 0),
+            "{family}: established connections survive on their backends"
+        );
+        let ids = ids_of(&ids_before, family);
+        assert!(
+            !ids.0.is_empty() && !ids.1.is_empty(),
+            "{family}: frontends and backends programmed: {ids_before:?}"
+        );
+        assert_eq!(
+            ids,
+            ids_of(&ids_after_restart, family),
+            "{family}: ids stable across a graceful restart"
+        );
+        assert_eq!(
+            ids,
+            ids_of(&ids_after_kill, family),
+            "{family}: ids stable across kill -9"
+        );
+    }
 }
 
-#[test]
-fn upgrade_swaps_programs_and_migrates_maps_under_load() {
-    let _one = serial();
+/// The test variant of the programs (`cargo xtask build-ebpf --variant`, which `./x test` runs).
+fn variant_object() -> PathBuf {
     let variant = workspace_bin("lb-agent")
         .ancestors()
         .nth(2)
@@ -382,39 +660,45 @@ fn upgrade_swaps_programs_and_migrates_maps_under_load() {
         "{} is missing: run through ./x test (cargo xtask build-ebpf --variant)",
         variant.display()
     );
-    let site = Site::new(3);
+    variant
+}
+
+/// `max_entries` of the map pinned at `pin`.
+fn capacity_of(pin: &Path) -> u64 {
+    map_info(pin)["max_entries"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{}: no max_entries", pin.display()))
+}
+
+/// `bpftool map show pinned <pin>`, as JSON.
+fn map_info(pin: &Path) -> Value {
+    let out = Command::new("bpftool")
+        .args(["-j", "map", "show", "pinned"])
+        .arg(pin)
+        .output()
+        .unwrap();
+    serde_json::from_slice::<Value>(&out.stdout)
+        .unwrap_or_else(|e| panic!("bpftool map show pinned {}: {e}", pin.display()))
+}
+
+#[test]
+fn upgrade_swaps_programs_and_migrates_maps_under_load() {
+    let _one = serial();
+    let variant = variant_object();
+    let site = Site::dual_stack(3);
     let manifests = tempfile::tempdir().unwrap();
     web_manifests(&site, manifests.path(), &[0, 1, 2]);
     let agent = site.agent(Some(manifests.path().into()), None, &[]);
-    let node_ip = site.node.ip.unwrap();
-    let np = format!("{node_ip}:30090");
-    let loads = [
-        (
-            "socket path, TCP to the cluster IP",
-            Load::start(site.host(), "10.96.50.10:80", "tcp", 10, false),
-        ),
-        (
-            "tc path, TCP to the NodePort",
-            Load::start(site.external(), &np, "tcp", 10, false),
-        ),
-    ];
-    let holds = Holds::open(site.external(), &np, 3, 12);
+    let loads = IpFamily::ALL.map(|family| web_loads(&site, family, false));
+    let held = IpFamily::ALL
+        .map(|family| Established::open(&[(site.external(), site.node_port(family, 30090))], 3, 12));
     std::thread::sleep(Duration::from_secs(1));
     let links_before = site.links();
     let ids_before = site.ids();
-    let services_capacity = |root: &PathBuf| -> u64 {
-        let out = Command::new("bpftool")
-            .args(["-j", "map", "show", "pinned"])
-            .arg(root.join("maps/lb4_services"))
-            .output()
-            .unwrap();
-        serde_json::from_slice::<Value>(&out.stdout).unwrap()["max_entries"]
-            .as_u64()
-            .unwrap()
-    };
-    let capacity_before = services_capacity(&site.bpf_root());
+    let services = |family: IpFamily| site.bpf_root().join("maps").join(family.maps().services);
+    let capacity_before = IpFamily::ALL.map(|family| capacity_of(&services(family)));
 
-    // The new agent: another object (the test variant) and a bigger services map.
+    // The new agent: another object (the test variant) and bigger services maps.
     assert!(agent.stop().success());
     let upgraded = site.agent(
         Some(manifests.path().into()),
@@ -429,61 +713,609 @@ fn upgrade_swaps_programs_and_migrates_maps_under_load() {
     std::thread::sleep(Duration::from_secs(3));
     let links_after = site.links();
     let ids_after = site.ids();
-    let capacity_after = services_capacity(&site.bpf_root());
+    let capacity_after = IpFamily::ALL.map(|family| capacity_of(&services(family)));
     let variant_hits = KernelMaps::from_pins(&site.bpf_root().join("maps"))
         .unwrap()
         .counter(lb_common::stats::Counter::TestVariant as u32);
 
-    let mut per_load = Vec::new();
-    let (mut attempted, mut failed) = (0, 0);
-    let mut failures = Vec::new();
-    for (what, load) in loads {
-        let results = load.stop();
-        let (a, f) = tally(&results);
-        failures.extend(lb_tests::load::failures(what, &results));
-        attempted += a;
-        failed += f;
-        per_load.push(lb_tests::load::row(what, &results));
-    }
-    let (exchanges, broken, moved) = holds.verdict();
+    let [tally4, tally6] = loads.map(stop_loads);
+    let [held4, held6] = held.map(Established::verdict);
     let log = upgraded.log();
     drop(upgraded);
     let same_links = links_before.keys().collect::<Vec<_>>() == links_after.keys().collect::<Vec<_>>();
     let all_swapped = links_before
         .iter()
         .all(|(link, prog)| links_after.get(link).is_some_and(|p| p != prog));
+    let figures = |family: IpFamily, t: &Tally, h: &HeldVerdict| {
+        let i = family as usize;
+        json!({
+            "load": t.rows,
+            "established": h.json(),
+            "attempted": t.attempted,
+            "failed": t.failed,
+            "services_map_capacity": {"before": capacity_before[i], "after": capacity_after[i]},
+            "ids_stable": ids_of(&ids_before, family) == ids_of(&ids_after, family),
+        })
+    };
+    let mut v4 = figures(IpFamily::V4, &tally4, &held4);
+    v4["links"] = links_before.len().into();
+    v4["links_kept"] = same_links.into();
+    v4["programs_replaced"] = all_swapped.into();
+    v4["new_program_ran"] = (variant_hits > 0).into();
     record(
         "2-upgrade",
-        json!({
-            "scenario": "Upgrade under load: new eBPF programs (test variant) swapped into the pinned links; services map migrated to a new capacity",
-            "load": per_load,
-            "established": {"connections": 3, "exchanges": exchanges, "broken": broken, "moved_backend": moved},
-            "attempted": attempted,
-            "failed": failed,
-            "links": links_before.len(),
-            "links_kept": same_links,
-            "programs_replaced": all_swapped,
-            "services_map_capacity": {"before": capacity_before, "after": capacity_after},
-            "new_program_ran": variant_hits > 0,
-            "ids_stable": ids_before == ids_after,
-        }),
+        per_family(
+            "Upgrade under load: new eBPF programs (test variant) swapped into the pinned links; services maps migrated to a new capacity",
+            v4,
+            figures(IpFamily::V6, &tally6, &held6),
+        ),
     );
     assert!(
         log.contains("migrating the map"),
         "the capacity change is a migration:\n{log}"
     );
-    assert_eq!(capacity_after, 300_000);
+    assert_eq!(capacity_after, [300_000; 2], "lb4_services and lb6_services");
     assert!(
         same_links && all_swapped,
         "links kept, programs replaced: {links_before:?} -> {links_after:?}"
     );
     assert!(variant_hits > 0, "the new programs run");
-    assert_eq!(
-        failed, 0,
-        "no connection may fail during the upgrade: {failures:#?}"
+    for (family, t, h) in [(IpFamily::V4, &tally4, &held4), (IpFamily::V6, &tally6, &held6)] {
+        assert_eq!(
+            t.failed, 0,
+            "{family}: no connection may fail during the upgrade: {:#?}",
+            t.failures
+        );
+        assert_eq!((h.broken, h.moved), (0, 0), "{family}: established connections");
+        assert_eq!(
+            ids_of(&ids_before, family),
+            ids_of(&ids_after, family),
+            "{family}: ids stable"
+        );
+    }
+}
+
+/// The pins of the IPv4-only release (the release before IPv6, whose `lb-common/src/catalog.rs`
+/// listed exactly these maps): no `lb6_*` maps, `lb_config` at layout version 1 (so without a
+/// version suffix), the affinity members in `lb4_aff_match`.
+const IPV4_ONLY_RELEASE_PINS: &[&str] = &[
+    "lb4_services",
+    "lb4_backends",
+    "lb4_revnat",
+    "lb_svc_names",
+    "lb4_sock_revnat",
+    "lb4_sock_rev_sk",
+    "lb4_affinity",
+    "lb4_aff_match",
+    "lb4_src_range",
+    "lb4_ct",
+    "lb_config",
+    "lb_stats",
+    "lb_reject_rl",
+];
+/// The IPv4-only release's `lb_config` value (`DatapathConfig` of layout 1: netns cookie, flags,
+/// the cluster CIDR count, four IPv4 cluster CIDRs, the masquerade address and port range).
+const IPV4_ONLY_CONFIG_SIZE: usize = 56;
+/// The IPv4-only release sized `lb_svc_names` as the frontends (`--bpf-lb-map-max`'s revnat
+/// capacity); this release holds the ids of both families, twice as many.
+const IPV4_ONLY_SVC_NAMES_CAPACITY: u32 = catalog::capacity::REVNAT;
+/// The socket hooks the IPv4-only release did not attach.
+const IPV6_SOCKET_HOOKS: [&str; 4] = ["connect6", "sendmsg6", "recvmsg6", "getpeername6"];
+
+/// The `sticky` Service's cluster IP of `family` (ClientIP affinity).
+fn sticky_ip(family: IpFamily) -> &'static str {
+    match family {
+        IpFamily::V4 => "10.96.50.20",
+        IpFamily::V6 => "fd00:10:96::5020",
+    }
+}
+
+/// The load to the `sticky` Service (socket path): every connection must reach one backend.
+const STICKY_LOAD: &str = "socket path, TCP to a ClientIP-affinity cluster IP";
+
+/// `web` (as [`web_manifests`]) and `sticky` (ClientIP affinity, TCP 80) of `families`, each
+/// with the three pods as endpoints.
+fn upgrade_manifests(site: &Site, dir: &Path, families: &[IpFamily]) {
+    let sticky_ips: Vec<&str> = families.iter().map(|f| sticky_ip(*f)).collect();
+    let services = [
+        web_service(families).build(),
+        service("rel", "sticky")
+            .cluster_ips(&sticky_ips)
+            .port("http", "TCP", 80, 8080)
+            .client_ip_affinity(600)
+            .build(),
+    ];
+    let slices: Vec<EndpointSlice> = families
+        .iter()
+        .flat_map(|family| ["web", "sticky"].map(|name| web_slice(site, name, *family, &[0, 1, 2]).build()))
+        .collect();
+    write_manifests(dir, "objects.yaml", &services, &slices);
+}
+
+/// Runs bpftool, or fails the test with its output.
+fn bpftool(args: &[&str]) {
+    let out = Command::new("bpftool").args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "bpftool {}: {}{}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!((broken, moved), (0, 0));
-    assert_eq!(ids_before, ids_after);
+}
+
+/// The IPv4-only release's `lb_config` entry for the same settings as `c` (its layout 1).
+fn config_layout_1(c: &lb_common::config::DatapathConfig) -> [u8; IPV4_ONLY_CONFIG_SIZE] {
+    let mut b = [0u8; IPV4_ONLY_CONFIG_SIZE];
+    b[0..8].copy_from_slice(&c.host_netns_cookie.to_ne_bytes());
+    b[8..12].copy_from_slice(&c.flags.to_ne_bytes());
+    b[12..16].copy_from_slice(&u32::from(c.v4.cluster_cidr_count).to_ne_bytes());
+    for (i, cidr) in c.v4.cluster_cidrs.iter().enumerate() {
+        let at = 16 + 8 * i;
+        b[at..at + 4].copy_from_slice(&cidr.addr);
+        b[at + 4] = cidr.prefix_len;
+    }
+    b[48..52].copy_from_slice(&c.v4.snat_addr);
+    b[52..54].copy_from_slice(&c.snat_port_min.to_ne_bytes());
+    b[54..56].copy_from_slice(&c.snat_port_max.to_ne_bytes());
+    b
+}
+
+/// The names of the pins in `dir`.
+fn pins_in(dir: &Path) -> BTreeSet<String> {
+    std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+/// Turns the pins a stopped agent of this release left under `root` into the ones an agent of
+/// the IPv4-only release leaves (see [`upgrade_from_the_ipv4_only_release_keeps_every_connection`]
+/// for what this is, and is not): returns what it changed.
+fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
+    let maps = root.join("maps");
+    let mut changed = Vec::new();
+    // lb_config at layout 1: a 56-byte array entry pinned as `lb_config`, holding the same
+    // settings in that layout; this release's `lb_config_v2` did not exist.
+    let config = KernelMaps::from_pins(&maps)
+        .unwrap()
+        .datapath_config()
+        .expect("the agent wrote lb_config_v2");
+    let v2 = maps.join("lb_config_v2");
+    let flags = map_info(&v2)["flags"].as_u64().unwrap_or(0).to_string();
+    std::fs::remove_file(&v2).unwrap();
+    let v1 = maps.join(catalog::CONFIG);
+    let value_size = IPV4_ONLY_CONFIG_SIZE.to_string();
+    bpftool(&[
+        "map",
+        "create",
+        v1.to_str().unwrap(),
+        "type",
+        "array",
+        "key",
+        "4",
+        "value",
+        &value_size,
+        "entries",
+        "1",
+        "name",
+        catalog::CONFIG,
+        "flags",
+        &flags,
+    ]);
+    let mut entry: aya::maps::Array<_, [u8; IPV4_ONLY_CONFIG_SIZE]> =
+        aya::maps::Map::Array(aya::maps::MapData::from_pin(&v1).unwrap())
+            .try_into()
+            .unwrap();
+    entry.set(0, &config_layout_1(&config), 0).unwrap();
+    changed.push(format!(
+        "lb_config_v2 -> lb_config of layout 1 ({IPV4_ONLY_CONFIG_SIZE}-byte value, the same settings)"
+    ));
+    // The affinity members were in lb4_aff_match (same layout).
+    std::fs::rename(maps.join(catalog::AFFINITY_MATCH), maps.join("lb4_aff_match")).unwrap();
+    changed.push("lb_aff_match -> lb4_aff_match".into());
+    // lb_svc_names at the IPv4-only release's capacity, with the same entries.
+    let names = maps.join(catalog::SVC_NAMES);
+    let info = map_info(&names);
+    let old = maps.join("lb_svc_names_ipv4_only");
+    bpftool(&[
+        "map",
+        "create",
+        old.to_str().unwrap(),
+        "type",
+        "hash",
+        "key",
+        "4",
+        "value",
+        &info["bytes_value"].as_u64().unwrap().to_string(),
+        "entries",
+        &IPV4_ONLY_SVC_NAMES_CAPACITY.to_string(),
+        "name",
+        catalog::SVC_NAMES,
+        "flags",
+        &info["flags"].as_u64().unwrap_or(0).to_string(),
+    ]);
+    {
+        type Names = aya::maps::HashMap<aya::maps::MapData, u32, lb_common::revnat::SvcName>;
+        let from: Names = aya::maps::Map::HashMap(aya::maps::MapData::from_pin(&names).unwrap())
+            .try_into()
+            .unwrap();
+        let mut to: Names = aya::maps::Map::HashMap(aya::maps::MapData::from_pin(&old).unwrap())
+            .try_into()
+            .unwrap();
+        for entry in from.iter() {
+            let (id, name) = entry.unwrap();
+            to.insert(&id, &name, 0).unwrap();
+        }
+    }
+    std::fs::remove_file(&names).unwrap();
+    std::fs::rename(&old, &names).unwrap();
+    changed.push(format!(
+        "lb_svc_names at {IPV4_ONLY_SVC_NAMES_CAPACITY} entries (was {}), entries copied",
+        info["max_entries"]
+    ));
+    // The IPv6 maps are new in this release.
+    for family_map in pins_in(&maps).into_iter().filter(|p| p.starts_with("lb6_")) {
+        std::fs::remove_file(maps.join(&family_map)).unwrap();
+        changed.push(format!("{family_map} removed"));
+    }
+    // The IPv4-only release attached no IPv6 socket hooks (removing a link's last pin detaches
+    // it).
+    for dir in std::fs::read_dir(root.join("links")).unwrap().flatten() {
+        for hook in IPV6_SOCKET_HOOKS {
+            let pin = dir.path().join(hook);
+            if pin.exists() {
+                std::fs::remove_file(&pin).unwrap();
+                changed.push(format!(
+                    "link {} removed",
+                    pin.strip_prefix(root).unwrap().display()
+                ));
+            }
+        }
+    }
+    changed
+}
+
+/// Upgrading a running install of the IPv4-only release (the last release before IPv6) to this
+/// one, under IPv4 load with established connections: no connection fails, established ones stay
+/// on their backends, the IPv4 ids stay, the old pins are migrated or retired, and the IPv6 side
+/// of the dual-stack Services starts being served.
+///
+/// What is emulated: the IPv4-only release's *pins*, not its *programs*. An agent of this release
+/// first programs the Services' IPv4 side only (what the IPv4-only release programmed: its model
+/// dropped IPv6 cluster IPs and slices) with only an IPv4 `--cluster-cidr` (the old release took
+/// no other), is stopped, and its pins are turned into the old release's pin set
+/// ([`pin_the_ipv4_only_release`], checked against [`IPV4_ONLY_RELEASE_PINS`]): `lb_config_v2`
+/// becomes an `lb_config` of the old 56-byte layout holding the same settings, `lb_aff_match`
+/// becomes `lb4_aff_match`, `lb_svc_names` is recreated at the old capacity with its entries, the
+/// `lb6_*` pins and the links of the four IPv6 socket hooks are removed. The `lb4_*` maps are the
+/// old release's as they are (same layouts: the IPv4-only release's layout tests give the same key
+/// and value sizes), so they keep the established flows' state. The programs that keep serving
+/// during the upgrade are this release's, held by the pinned links; a program reads the maps it
+/// was loaded with (by reference, not by pin name), so what happens to the pins does not change
+/// what they read, exactly as the old release's programs keep reading the old `lb_config` and
+/// `lb4_aff_match` until they are replaced. IPv6 is left alone before the upgrade, as by the old
+/// release: no IPv6 socket hook is attached, and the tc programs find nothing in their (empty,
+/// unpinned) IPv6 maps.
+///
+/// Why: everything the new agent decides at an upgrade is derived from what is pinned (its
+/// migration reads pin names, key and value sizes and capacities; ids and entries are adopted from
+/// the maps; links are adopted by pin path and their programs replaced atomically), so the pins are
+/// what must be faithful. Running the old release's own programs would mean building another
+/// commit's eBPF object (a nightly build-std) and agent in a worktree of that commit, minutes
+/// of building, well beyond the suite's time budget. Not covered therefore: differences between the two releases' programs in how they
+/// write the shared `lb4_*` flow state (conntrack, socket reverse NAT, affinity) that the new
+/// programs then read.
+///
+/// The IPv4 tc load from the external client is masqueraded (externalTrafficPolicy Cluster), so
+/// it also tells whether the new programs ever ran with an unconfigured `lb_config_v2` (they
+/// would drop masqueraded flows for want of a masquerade address), and the affinity load whether
+/// they ever ran before the affinity members were rewritten into the new `lb_aff_match` (a client
+/// would be moved to another backend).
+#[test]
+fn upgrade_from_the_ipv4_only_release_keeps_every_connection() {
+    let _one = serial();
+    let site = Site::dual_stack(3);
+    let maps = site.bpf_root().join("maps");
+    let manifests = tempfile::tempdir().unwrap();
+    // What the IPv4-only release programmed: the IPv4 side of the Services.
+    upgrade_manifests(&site, manifests.path(), &[IpFamily::V4]);
+    let old = site.agent_with(CLUSTER_CIDR, Some(manifests.path().into()), None, &[]);
+    let mut loads4 = web_loads(&site, IpFamily::V4, true);
+    loads4.push((
+        STICKY_LOAD,
+        Load::start(site.host(), &at(sticky_ip(IpFamily::V4), 80), "tcp", 10, false),
+    ));
+    let held4 = Established::open(
+        &[
+            (site.host(), at(web_ip(IpFamily::V4), 80)),
+            (site.external(), site.node_port(IpFamily::V4, 30090)),
+        ],
+        3,
+        9,
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    let ids_before = ids_of(&site.ids(), IpFamily::V4);
+    let snap = KernelMaps::from_pins(&maps).unwrap().snapshot().unwrap();
+    let members_before: BTreeSet<_> = snap
+        .affinity_match
+        .iter()
+        .map(|k| (k.backend_id, k.rev_nat_id))
+        .collect();
+    let names_before = snap.names;
+    let config_before = KernelMaps::from_pins(&maps).unwrap().datapath_config().unwrap();
+    assert!(old.stop().success());
+
+    let emulated = pin_the_ipv4_only_release(&site.bpf_root());
+    let pins_old = pins_in(&maps);
+    assert_eq!(
+        pins_old,
+        IPV4_ONLY_RELEASE_PINS.iter().map(|p| p.to_string()).collect(),
+        "the IPv4-only release's pin set ({emulated:?})"
+    );
+    let links_old = site.pinned_links();
+    let ipv6_served_before = probe::tcp(site.host(), &at(web_ip(IpFamily::V6), 80), 1)[0]["ok"] == true;
+
+    // The cluster's objects as they are: the Services are dual-stack (the old release ignored
+    // their IPv6 side). This release's agent, as the DaemonSet would start it.
+    upgrade_manifests(&site, manifests.path(), &IpFamily::ALL);
+    let new = site.agent(Some(manifests.path().into()), None, &[]);
+    let pins_new = pins_in(&maps);
+    let links_new = site.pinned_links();
+    let kernel = KernelMaps::from_pins(&maps).unwrap();
+    let config_after = kernel.datapath_config().unwrap();
+    let snap = kernel.snapshot().unwrap();
+    let members_after: BTreeSet<_> = snap
+        .affinity_match
+        .iter()
+        .map(|k| (k.backend_id, k.rev_nat_id))
+        .collect();
+    let names_kept = names_before
+        .iter()
+        .all(|(id, name)| snap.names.get(id) == Some(name));
+    let names_capacity = capacity_of(&maps.join(catalog::SVC_NAMES));
+    let ids_after = site.ids();
+
+    // The IPv6 side is served now: the same loads over IPv6.
+    let mut loads6 = web_loads(&site, IpFamily::V6, true);
+    loads6.push((
+        STICKY_LOAD,
+        Load::start(site.host(), &at(sticky_ip(IpFamily::V6), 80), "tcp", 10, false),
+    ));
+    std::thread::sleep(Duration::from_secs(2));
+    let tally6 = stop_loads(loads6);
+    let held4 = held4.verdict();
+    let tally4 = stop_loads(loads4);
+    let log = new.log();
+    drop(new);
+
+    let expected_pins: BTreeSet<String> = catalog::ALL
+        .iter()
+        .map(|name| lb_common::catalog::pin_name(name).to_string())
+        .collect();
+    let old_pins_gone = !pins_new.contains("lb_config") && !pins_new.contains("lb4_aff_match");
+    // Every link of the old release kept, its program replaced; the IPv6 hooks' links added.
+    let links_kept = links_old
+        .iter()
+        .all(|(pin, (link, prog))| links_new.get(pin).is_some_and(|(l, p)| l == link && p != prog));
+    let links_added: Vec<&String> = links_new
+        .keys()
+        .filter(|pin| !links_old.contains_key(*pin))
+        .collect();
+    let ipv6_hooks_attached = links_added.len() == IPV6_SOCKET_HOOKS.len()
+        && IPV6_SOCKET_HOOKS
+            .iter()
+            .all(|hook| links_added.iter().any(|pin| pin.ends_with(&format!("/{hook}"))));
+    let members_kept = members_before.is_subset(&members_after);
+    let configured = config_after.v4 == config_before.v4
+        && config_after.host_netns_cookie == config_before.host_netns_cookie
+        && config_after != lb_common::config::DatapathConfig::UNCONFIGURED;
+    let sticky_backends = |t: &Tally| t.servers(STICKY_LOAD).len();
+    let pods6: BTreeSet<String> = (0..3).map(|i| site.pod_addr(i, IpFamily::V6)).collect();
+    let served6 = tally6.servers("socket path, TCP to the cluster IP");
+    let served6_tc = tally6.servers("tc path, TCP to the NodePort");
+    let ids4_after = ids_of(&ids_after, IpFamily::V4);
+    let ids6_after = ids_of(&ids_after, IpFamily::V6);
+    record(
+        "2b-upgrade-from-ipv4-only",
+        per_family(
+            "Upgrade of an install of the IPv4-only release under IPv4 load: its pins (lb_config of layout 1, \
+             lb4_aff_match, lb_svc_names at the old capacity, no lb6_* maps, no IPv6 socket hooks) emulated from \
+             this release's, whose programs keep serving from the pinned links; then this release's agent with the \
+             Services dual-stack",
+            json!({
+                "load": tally4.rows,
+                "established": held4.json(),
+                "attempted": tally4.attempted,
+                "failed": tally4.failed,
+                "ids_stable": ids_before == ids4_after,
+                "emulated_old_release": emulated,
+                "old_pins_removed_after_attach": old_pins_gone,
+                "pins_after": if pins_new == expected_pins { json!("this release's, nothing else") } else { json!(pins_new) },
+                "config_written_before_attach": configured,
+                "affinity_members": {"before": members_before.len(), "after": members_after.len(), "kept": members_kept},
+                "affinity_clients_kept_their_backend": sticky_backends(&tally4) == 1,
+                "service_names": {"capacity_before": IPV4_ONLY_SVC_NAMES_CAPACITY, "capacity_after": names_capacity, "kept": names_kept},
+                "links": {"kept_with_programs_replaced": links_old.len(), "all_kept": links_kept, "added": links_added},
+            }),
+            json!({
+                "load": tally6.rows,
+                "attempted": tally6.attempted,
+                "failed": tally6.failed,
+                "served_before_upgrade": ipv6_served_before,
+                "frontends_after": ids6_after.0.len(),
+                "backends_after": ids6_after.1.len(),
+                "served_by_pods": !served6.is_empty() && served6.is_subset(&pods6) && !served6_tc.is_empty() && served6_tc.is_subset(&pods6),
+                "affinity_clients_kept_their_backend": sticky_backends(&tally6) == 1,
+            }),
+        ),
+    );
+
+    assert_eq!(
+        tally4.failed,
+        0,
+        "no IPv4 connection may fail during the upgrade: {:#?}\ndata path events: {:#}\nagent log:\n{log}",
+        tally4.failures,
+        lb_tests::agent::datapath_events(&site.bpf_root())
+    );
+    assert_eq!(
+        (held4.broken, held4.moved),
+        (0, 0),
+        "established IPv4 connections survive on their backends"
+    );
+    assert_eq!(
+        sticky_backends(&tally4),
+        1,
+        "ClientIP affinity kept across the upgrade: {:?}",
+        tally4.servers(STICKY_LOAD)
+    );
+    assert!(!ids_before.0.is_empty());
+    assert_eq!(
+        ids_before, ids4_after,
+        "IPv4 ids adopted from the old release's maps"
+    );
+    assert!(!ipv6_served_before, "the IPv4-only release served no IPv6");
+    // The old pins are gone once the new programs are attached; this release's pins, nothing
+    // else, are left.
+    assert!(
+        old_pins_gone,
+        "lb_config and lb4_aff_match removed after attach: {pins_new:?}"
+    );
+    assert_eq!(pins_new, expected_pins, "this release's pins, nothing else");
+    for hint in [
+        "a map of an earlier release is pinned",
+        "a map of another layout version is pinned",
+        "capacity changed: migrating",
+        "entries migrated",
+    ] {
+        assert!(log.contains(hint), "the agent says {hint:?}:\n{log}");
+    }
+    assert!(configured, "lb_config_v2 holds the settings: {config_after:?}");
+    assert!(
+        !members_before.is_empty() && members_kept,
+        "the affinity members are back in lb_aff_match: {members_before:?} -> {members_after:?}"
+    );
+    assert_eq!(names_capacity, u64::from(2 * catalog::capacity::REVNAT));
+    assert!(names_kept, "lb_svc_names' entries migrated to its new capacity");
+    assert!(
+        links_kept && ipv6_hooks_attached,
+        "the old release's links kept with their programs replaced, the IPv6 hooks attached: {links_old:?} -> {links_new:?}"
+    );
+    // IPv6 is served from the upgrade on.
+    assert_eq!(tally6.failed, 0, "IPv6 after the upgrade: {:#?}", tally6.failures);
+    assert!(
+        !ids6_after.0.is_empty() && !served6.is_empty() && served6.is_subset(&pods6),
+        "IPv6 cluster IP served by the pods' IPv6 addresses: {served6:?}"
+    );
+    assert!(
+        !served6_tc.is_empty() && served6_tc.is_subset(&pods6),
+        "IPv6 NodePort served by the pods' IPv6 addresses: {served6_tc:?}"
+    );
+    assert_eq!(sticky_backends(&tally6), 1, "IPv6 ClientIP affinity");
+}
+
+/// The upgrade of [`upgrade_from_the_ipv4_only_release_keeps_every_connection`] when the new
+/// agent's first sync fails before programming anything: its manifests folder is missing (a
+/// volume mounted late) until a second after that failure. The new programs must not be swapped
+/// in before a sync has programmed the maps: until then `lb_config_v2` is unconfigured (no
+/// masquerade address: the external client's masqueraded flows would be dropped, counted as
+/// `tc_no_masquerade_address`) and `lb_aff_match` empty (a ClientIP-affinity client would move).
+/// The old programs keep serving meanwhile.
+#[test]
+fn upgrade_from_the_ipv4_only_release_attaches_only_once_programmed() {
+    let _one = serial();
+    let site = Site::dual_stack(3);
+    let maps = site.bpf_root().join("maps");
+    let manifests = tempfile::tempdir().unwrap();
+    upgrade_manifests(&site, manifests.path(), &[IpFamily::V4]);
+    let old = site.agent_with(CLUSTER_CIDR, Some(manifests.path().into()), None, &[]);
+    let loads = vec![
+        (
+            "tc path, TCP to the NodePort",
+            Load::start(
+                site.external(),
+                &site.node_port(IpFamily::V4, 30090),
+                "tcp",
+                10,
+                false,
+            ),
+        ),
+        (
+            STICKY_LOAD,
+            Load::start(site.host(), &at(sticky_ip(IpFamily::V4), 80), "tcp", 10, false),
+        ),
+    ];
+    std::thread::sleep(Duration::from_secs(1));
+    let exhausted =
+        |kernel: &KernelMaps| kernel.counter(lb_common::stats::Counter::TcNoMasqueradeAddress as u32);
+    let exhausted_before = exhausted(&KernelMaps::from_pins(&maps).unwrap());
+    assert!(old.stop().success());
+    pin_the_ipv4_only_release(&site.bpf_root());
+    upgrade_manifests(&site, manifests.path(), &IpFamily::ALL);
+    let elsewhere = tempfile::tempdir().unwrap();
+    let aside = elsewhere.path().join("manifests");
+    std::fs::rename(manifests.path(), &aside).unwrap();
+    let new = Agent::spawn(site.agent_options(CLUSTER_CIDR_DUAL, Some(manifests.path().into()), None, &[]));
+    new.wait_for_line("first sync: loading the manifests", Duration::from_secs(30));
+    // A second of retries, during which nothing may be swapped in.
+    std::thread::sleep(Duration::from_secs(1));
+    let attached_while_unprogrammed = new.log().contains(lb_tests::agent::ATTACHED);
+    let old_pins_kept = pins_in(&maps).contains("lb_config");
+    std::fs::rename(&aside, manifests.path()).unwrap();
+    new.wait_for_line(lb_tests::agent::ATTACHED, Duration::from_secs(30));
+    let kernel = KernelMaps::from_pins(&maps).unwrap();
+    let configured = kernel
+        .datapath_config()
+        .is_some_and(|c| c != lb_common::config::DatapathConfig::UNCONFIGURED);
+    let members = kernel.snapshot().unwrap().affinity_match.len();
+    std::thread::sleep(Duration::from_secs(1));
+    let t = stop_loads(loads);
+    let dropped = exhausted(&kernel) - exhausted_before;
+    let log = new.log();
+    drop(new);
+    record(
+        "2c-upgrade-first-sync-fails",
+        json!({
+            "scenario": "Upgrade of an install of the IPv4-only release (as 2b) whose new agent cannot read its manifests folder until a second after its first sync failed",
+            "load": t.rows,
+            "attempted": t.attempted,
+            "failed": t.failed,
+            "attached_before_a_sync_programmed_the_maps": attached_while_unprogrammed,
+            "old_pins_kept_until_then": old_pins_kept,
+            "config_written_before_attach": configured,
+            "affinity_members_at_attach": members,
+            "masqueraded_flows_dropped": dropped,
+            "affinity_clients_kept_their_backend": t.servers(STICKY_LOAD).len() == 1,
+        }),
+    );
+    assert!(
+        !attached_while_unprogrammed && old_pins_kept,
+        "nothing swapped in (nor old pins removed) before a sync programmed the maps:\n{log}"
+    );
+    assert!(
+        log.contains("not programmed yet"),
+        "the first sync was retried:\n{log}"
+    );
+    assert!(
+        configured,
+        "lb_config_v2 written before the programs were swapped in"
+    );
+    assert!(
+        members > 0,
+        "the affinity members rewritten before the programs were swapped in"
+    );
+    assert_eq!(
+        dropped, 0,
+        "no masqueraded flow dropped for want of a masquerade address"
+    );
+    assert_eq!(t.failed, 0, "{:#?}", t.failures);
+    assert_eq!(
+        t.servers(STICKY_LOAD).len(),
+        1,
+        "ClientIP affinity kept: {:?}",
+        t.servers(STICKY_LOAD)
+    );
 }
 
 /// The API-backed site: a control plane, the API reachable from the node through a forward that
@@ -497,8 +1329,17 @@ struct ApiSite {
 }
 
 impl ApiSite {
+    /// An IPv4 node.
     fn new(pods: u8) -> ApiSite {
-        let site = Site::new(pods);
+        ApiSite::with_site(Site::new(pods))
+    }
+
+    /// A dual-stack node, whose Node object has an InternalIP of each family.
+    fn dual_stack(pods: u8) -> ApiSite {
+        ApiSite::with_site(Site::dual_stack(pods))
+    }
+
+    fn with_site(site: Site) -> ApiSite {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -508,7 +1349,11 @@ impl ApiSite {
         let client = rt.block_on(cp.client()).unwrap();
         let api: SocketAddr = cp.server_url().trim_start_matches("https://").parse().unwrap();
         let forward = PortForward::start(&site.node.ns, api, api);
-        let node_ip = site.node.ip.unwrap();
+        // One InternalIP per family of the node, IPv4 first.
+        let node_ips: Vec<IpAddr> = IpFamily::ALL
+            .into_iter()
+            .filter_map(|family| site.node.addr(family))
+            .collect();
         rt.block_on(async {
             Api::<Namespace>::all(client.clone())
                 .create(
@@ -538,10 +1383,15 @@ impl ApiSite {
                 .await
                 .unwrap();
             let status = NodeStatus {
-                addresses: Some(vec![NodeAddress {
-                    type_: "InternalIP".into(),
-                    address: node_ip.to_string(),
-                }]),
+                addresses: Some(
+                    node_ips
+                        .iter()
+                        .map(|ip| NodeAddress {
+                            type_: "InternalIP".into(),
+                            address: ip.to_string(),
+                        })
+                        .collect(),
+                ),
                 ..Default::default()
             };
             nodes
@@ -753,94 +1603,232 @@ fn api_outage_of_30s_keeps_serving_and_converges() {
     );
 }
 
+/// The TCP cluster IP frontend of `web` in family `family`, as the map watcher matches it.
+fn web_addr(family: IpFamily) -> IpAddr {
+    web_ip(family).parse().unwrap()
+}
+
+/// One family's churn: what was written, what the watcher saw applied, and the loads' results.
+struct Churn {
+    writes: Vec<(u64, BTreeSet<String>)>,
+    applied: Vec<Observed>,
+    tcp: Vec<Value>,
+    udp_sock: Vec<Value>,
+    udp_tc: Vec<Value>,
+}
+
+/// The verdict on one family's churn.
+struct ChurnVerdict {
+    figures: Value,
+    violations: Vec<String>,
+    udp_sock_servers: BTreeSet<String>,
+    udp_tc_servers: BTreeSet<String>,
+    stale_udp_tc: usize,
+}
+
+impl Churn {
+    fn judge(&self) -> ChurnVerdict {
+        let applied = &self.applied;
+        // A connection started at t and done after `elapsed_us` chose its backend in between: it
+        // may use a backend only if some applied set containing it can have been in the maps at
+        // some moment of that window. `before` widens the window backwards: how long a client may
+        // act on what it chose earlier (a UDP flow notices at its next datagram).
+        let present = |server: &str, r: &Value, before: u64| -> bool {
+            let (Some(t), Some(elapsed)) = (r["t_us"].as_u64(), r["elapsed_us"].as_u64()) else {
+                return false;
+            };
+            lifetimes(applied).any(|(lo, hi, set)| {
+                set.contains(server) && lo <= t + elapsed && hi >= t.saturating_sub(before)
+            })
+        };
+        let timeline_near = |t: u64| -> Vec<String> {
+            applied
+                .iter()
+                .filter(|o| o.seen_us + 300_000 >= t && o.from_us <= t + 300_000)
+                .map(|o| {
+                    format!(
+                        "changed in [{:+} ms, {:+} ms] to {:?}",
+                        (o.from_us as i64 - t as i64) / 1000,
+                        (o.seen_us as i64 - t as i64) / 1000,
+                        o.set
+                    )
+                })
+                .collect()
+        };
+        let violations: Vec<String> = self
+            .tcp
+            .iter()
+            .filter(|r| r["ok"] == true)
+            .filter_map(|r| {
+                let server = probe::server_of(r)?.to_string();
+                (!present(&server, r, 0)).then(|| {
+                    let t = r["t_us"].as_u64().unwrap_or(0);
+                    format!(
+                        "{server}: connection started at {t} µs, took {} µs; applied sets around it: {:#?}",
+                        r["elapsed_us"],
+                        timeline_near(t)
+                    )
+                })
+            })
+            .collect();
+        // Programming latency: API write -> the first snapshot that saw exactly what was written.
+        let mut latencies: Vec<f64> = self
+            .writes
+            .iter()
+            .filter_map(|(t, want)| {
+                applied
+                    .iter()
+                    .find(|o| o.seen_us >= *t && o.set == *want)
+                    .map(|o| (o.seen_us - t) as f64 / 1000.0)
+            })
+            .collect();
+        latencies.sort_by(f64::total_cmp);
+        let pct = |p: f64| {
+            latencies
+                .get(((latencies.len() as f64 - 1.0) * p).round() as usize)
+                .copied()
+                .unwrap_or(f64::NAN)
+        };
+        let (tcp_a, tcp_f) = tally(&self.tcp);
+        // UDP flows: after their backend left, the next answers come from live backends.
+        let stale_udp = |results: &[Value]| -> usize {
+            results
+                .iter()
+                .filter(|r| r["ok"] == true)
+                .filter_map(|r| {
+                    let server = r.pointer("/reply/server")?.as_str()?.to_string();
+                    // One exchange interval (20 ms) for the flow to notice.
+                    (!present(&server, r, 25_000)).then_some(())
+                })
+                .count()
+        };
+        let (us_a, us_f) = tally(&self.udp_sock);
+        let (ut_a, ut_f) = tally(&self.udp_tc);
+        let servers = |results: &[Value]| -> BTreeSet<String> {
+            results
+                .iter()
+                .filter_map(|r| {
+                    r.pointer("/reply/server")
+                        .and_then(Value::as_str)
+                        .map(str::to_string)
+                })
+                .collect()
+        };
+        let (udp_sock_servers, udp_tc_servers) = (servers(&self.udp_sock), servers(&self.udp_tc));
+        let figures = json!({
+            "changes": self.writes.len(),
+            "load": [
+                {"load": "socket path, TCP every 2 ms", "attempted": tcp_a, "failed": tcp_f},
+                {"load": "socket path, one UDP socket, every 20 ms", "attempted": us_a, "failed": us_f, "backends_seen": udp_sock_servers.len(), "answers_from_removed_backends": stale_udp(&self.udp_sock)},
+                {"load": "tc path, one UDP flow, every 20 ms", "attempted": ut_a, "failed": ut_f, "backends_seen": udp_tc_servers.len(), "answers_from_removed_backends": stale_udp(&self.udp_tc)},
+            ],
+            "attempted": tcp_a + us_a + ut_a,
+            "failed": tcp_f + us_f + ut_f,
+            "new_connections_to_removed_endpoints": violations.len(),
+            // How precisely the map watcher dated the changes (its polling gaps, scheduling).
+            "watcher_uncertainty_ms_max": applied.iter().skip(1).map(|o| (o.seen_us - o.from_us) as f64 / 1000.0).fold(0.0, f64::max),
+            "programming_latency_ms": {"p50": pct(0.5), "p99": pct(0.99), "max": latencies.last().copied().unwrap_or(f64::NAN), "samples": latencies.len()},
+        });
+        ChurnVerdict {
+            figures,
+            violations,
+            stale_udp_tc: stale_udp(&self.udp_tc),
+            udp_sock_servers,
+            udp_tc_servers,
+        }
+    }
+}
+
 #[test]
 fn endpoint_churn_never_sends_new_connections_to_removed_endpoints() {
     let _one = serial();
-    let s = ApiSite::new(6);
-    let pods: Vec<String> = (0..6).map(|i| s.site.pod_ip(i)).collect();
+    let s = ApiSite::dual_stack(6);
     let _agent = s.agent(&[]);
-    let set = |members: &[usize]| {
-        let mut b = slice("rel", "web", "web-1");
-        for i in members {
-            b = b.endpoint(&pods[*i], NODE, State::Ready);
-        }
-        s.put_slice(b.port("http", "TCP", 8080).port("dns", "UDP", 5353));
+    let pods = |family: IpFamily| -> Vec<String> { (0..6).map(|i| s.site.pod_addr(i, family)).collect() };
+    // A slice per family (as the EndpointSlice controller writes them), each written when asked:
+    // returns when each family's write started.
+    let set = |members: &[usize]| -> [u64; 2] {
+        IpFamily::ALL.map(|family| {
+            let t = now_us();
+            s.put_slice(web_slice(&s.site, "web", family, members));
+            t
+        })
     };
-    s.put_service(
-        service("rel", "web")
-            .cluster_ip("10.96.50.10")
-            .port("http", "TCP", 80, 8080)
-            .node_port(30090)
-            .port("dns", "UDP", 53, 5353)
-            .node_port(30053),
-    );
+    s.put_service(web_service(&IpFamily::ALL));
     set(&[0, 1]);
-    converge("serving", Duration::from_secs(15), || {
-        serves(
-            s.site.host(),
-            "10.96.50.10:80",
-            &[pods[0].clone(), pods[1].clone()],
-        )
-    });
+    for family in IpFamily::ALL {
+        converge(&format!("{family} serving"), Duration::from_secs(15), || {
+            serves(s.site.host(), &at(web_ip(family), 80), &pods(family)[..2])
+        });
+    }
 
-    // Watch the applied backend set through the pinned maps (every ~1 ms). The watcher may be
-    // descheduled for a while on a busy machine, so each change is kept with the interval in which
-    // it must have happened (see `Observed`), never with a single instant.
-    let applied: Arc<Mutex<Vec<Observed>>> = Arc::default();
+    // Watch the applied backend sets of both families through the pinned maps (every ~1 ms).
+    // The watcher may be descheduled for a while on a busy machine, so each change is kept with
+    // the interval in which it must have happened (see `Observed`), never with a single instant.
+    let applied: Arc<Mutex<[Vec<Observed>; 2]>> = Arc::default();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let watcher = {
         let (applied, stop, maps_dir) = (applied.clone(), stop.clone(), s.site.bpf_root().join("maps"));
         std::thread::spawn(move || {
             let maps = KernelMaps::from_pins(&maps_dir).unwrap();
-            let mut last: Option<BTreeSet<String>> = None;
+            let mut last: [Option<BTreeSet<String>>; 2] = [None, None];
             let mut previous_start = now_us();
             while !stop.load(std::sync::atomic::Ordering::SeqCst) {
                 let start = now_us();
                 let snap = maps.snapshot().unwrap();
                 let end = now_us();
-                // Backends of the TCP cluster IP frontend's slots.
-                let current: BTreeSet<String> = snap
-                    .services
-                    .iter()
-                    .filter(|(k, _)| k.addr == [10, 96, 50, 10] && k.port == 80 && k.slot > 0)
-                    .filter_map(|(_, v)| {
-                        snap.backends
-                            .get(&v.backend_id)
-                            .map(|b| Ipv4Addr::from(b.addr).to_string())
-                    })
-                    .collect();
-                if last.as_ref() != Some(&current) {
-                    let from_us = if last.is_none() { start } else { previous_start };
-                    applied.lock().unwrap().push(Observed {
-                        from_us,
-                        seen_us: end,
-                        set: current.clone(),
-                    });
-                    last = Some(current);
+                for family in IpFamily::ALL {
+                    let i = family as usize;
+                    // Backends of the TCP cluster IP frontend's slots.
+                    let current: BTreeSet<String> = snap
+                        .services
+                        .iter()
+                        .filter(|(k, _)| k.addr == web_addr(family) && k.port == 80 && k.slot > 0)
+                        .filter_map(|(_, v)| snap.backends.get(&v.backend_id).map(|b| b.addr.to_string()))
+                        .collect();
+                    if last[i].as_ref() != Some(&current) {
+                        let from_us = if last[i].is_none() { start } else { previous_start };
+                        applied.lock().unwrap()[i].push(Observed {
+                            from_us,
+                            seen_us: end,
+                            set: current.clone(),
+                        });
+                        last[i] = Some(current);
+                    }
                 }
                 previous_start = start;
                 std::thread::sleep(Duration::from_millis(1));
             }
         })
     };
-    // The loads start only once the watcher has dated the first set: a connection made before
+    // The loads start only once the watcher has dated the first sets: a connection made before
     // its first snapshot could not be judged against any applied set.
     let first_seen = Instant::now();
-    while applied.lock().unwrap().is_empty() {
+    while applied.lock().unwrap().iter().any(Vec::is_empty) {
         assert!(
             first_seen.elapsed() < Duration::from_secs(10),
             "the map watcher took no snapshot in 10 s"
         );
         std::thread::sleep(Duration::from_millis(1));
     }
-    let node_ip = s.site.node.ip.unwrap();
-    let tcp = Load::start(s.site.host(), "10.96.50.10:80", "tcp", 2, false);
-    let udp_sock = Load::start(s.site.host(), "10.96.50.10:53", "udp", 20, true);
-    let udp_tc = Load::start(s.site.external(), &format!("{node_ip}:30053"), "udp", 20, true);
+    let loads = IpFamily::ALL.map(|family| {
+        let cluster = |port| at(web_ip(family), port);
+        [
+            Load::start(s.site.host(), &cluster(80), "tcp", 2, false),
+            Load::start(s.site.host(), &cluster(53), "udp", 20, true),
+            Load::start(
+                s.site.external(),
+                &s.site.node_port(family, 30053),
+                "udp",
+                20,
+                true,
+            ),
+        ]
+    });
 
-    // Churn: every 250 ms one endpoint is replaced by another, for 20 s.
+    // Churn: every 250 ms one endpoint is replaced by another, for 20 s (in both families' slices).
     let mut members = vec![0usize, 1];
-    let mut writes: Vec<(u64, BTreeSet<String>)> = Vec::new();
+    let mut writes: [Vec<(u64, BTreeSet<String>)>; 2] = Default::default();
     let churn_until = Instant::now() + Duration::from_secs(20);
     let mut next = 2;
     while Instant::now() < churn_until {
@@ -850,137 +1838,54 @@ fn endpoint_churn_never_sends_new_connections_to_removed_endpoints() {
         if members[0] == members[1] {
             members[1] = (members[1] + 1) % 6;
         }
-        writes.push((now_us(), members.iter().map(|i| pods[*i].clone()).collect()));
-        set(&members);
+        let started = set(&members);
+        for family in IpFamily::ALL {
+            let i = family as usize;
+            let names = members.iter().map(|m| pods(family)[*m].clone()).collect();
+            writes[i].push((started[i], names));
+        }
         std::thread::sleep(Duration::from_millis(250));
     }
     std::thread::sleep(Duration::from_secs(1));
-    let tcp_results = tcp.stop();
-    let udp_sock_results = udp_sock.stop();
-    let udp_tc_results = udp_tc.stop();
+    let [r4, r6] = loads.map(|[tcp, udp_sock, udp_tc]| [tcp.stop(), udp_sock.stop(), udp_tc.stop()]);
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     watcher.join().unwrap();
-    let applied = std::mem::take(&mut *applied.lock().unwrap());
-
-    // A connection started at t and done after `elapsed_us` chose its backend in between: it may
-    // use a backend only if some applied set containing it can have been in the maps at some
-    // moment of that window. `before` widens the window backwards: how long a client may act on
-    // what it chose earlier (a UDP flow notices at its next datagram).
-    let present = |server: &str, r: &Value, before: u64| -> bool {
-        let (Some(t), Some(elapsed)) = (r["t_us"].as_u64(), r["elapsed_us"].as_u64()) else {
-            return false;
-        };
-        lifetimes(&applied)
-            .any(|(lo, hi, set)| set.contains(server) && lo <= t + elapsed && hi >= t.saturating_sub(before))
+    let [a4, a6] = std::mem::take(&mut *applied.lock().unwrap());
+    let [w4, w6] = writes;
+    let judge = |writes, applied, [tcp, udp_sock, udp_tc]: [Vec<Value>; 3]| {
+        Churn {
+            writes,
+            applied,
+            tcp,
+            udp_sock,
+            udp_tc,
+        }
+        .judge()
     };
-    let timeline_near = |t: u64| -> Vec<String> {
-        applied
-            .iter()
-            .filter(|o| o.seen_us + 300_000 >= t && o.from_us <= t + 300_000)
-            .map(|o| {
-                format!(
-                    "changed in [{:+} ms, {:+} ms] to {:?}",
-                    (o.from_us as i64 - t as i64) / 1000,
-                    (o.seen_us as i64 - t as i64) / 1000,
-                    o.set
-                )
-            })
-            .collect()
-    };
-    let violations: Vec<String> = tcp_results
-        .iter()
-        .filter(|r| r["ok"] == true)
-        .filter_map(|r| {
-            let server = probe::server_of(r)?.to_string();
-            (!present(&server, r, 0)).then(|| {
-                let t = r["t_us"].as_u64().unwrap_or(0);
-                format!(
-                    "{server}: connection started at {t} µs, took {} µs; applied sets around it: {:#?}",
-                    r["elapsed_us"],
-                    timeline_near(t)
-                )
-            })
-        })
-        .collect();
-    // Programming latency: API write -> the first snapshot that saw exactly what was written.
-    let mut latencies: Vec<f64> = writes
-        .iter()
-        .filter_map(|(t, want)| {
-            applied
-                .iter()
-                .find(|o| o.seen_us >= *t && o.set == *want)
-                .map(|o| (o.seen_us - t) as f64 / 1000.0)
-        })
-        .collect();
-    latencies.sort_by(f64::total_cmp);
-    let pct = |p: f64| {
-        latencies
-            .get(((latencies.len() as f64 - 1.0) * p).round() as usize)
-            .copied()
-            .unwrap_or(f64::NAN)
-    };
-    let (tcp_a, tcp_f) = tally(&tcp_results);
-    // UDP flows: after their backend left, the next answers come from live backends.
-    let stale_udp = |results: &[Value]| -> usize {
-        results
-            .iter()
-            .filter(|r| r["ok"] == true)
-            .filter_map(|r| {
-                let server = r.pointer("/reply/server")?.as_str()?.to_string();
-                // One exchange interval (20 ms) for the flow to notice.
-                (!present(&server, r, 25_000)).then_some(())
-            })
-            .count()
-    };
-    let (us_a, us_f) = tally(&udp_sock_results);
-    let (ut_a, ut_f) = tally(&udp_tc_results);
-    let udp_sock_servers: BTreeSet<String> = udp_sock_results
-        .iter()
-        .filter_map(|r| {
-            r.pointer("/reply/server")
-                .and_then(Value::as_str)
-                .map(str::to_string)
-        })
-        .collect();
-    let udp_tc_servers: BTreeSet<String> = udp_tc_results
-        .iter()
-        .filter_map(|r| {
-            r.pointer("/reply/server")
-                .and_then(Value::as_str)
-                .map(str::to_string)
-        })
-        .collect();
+    let (v4, v6) = (judge(w4, a4, r4), judge(w6, a6, r6));
     record(
         "4-endpoint-churn",
-        json!({
-            "scenario": "Endpoint churn: one of two endpoints replaced every 250 ms for 20 s",
-            "changes": writes.len(),
-            "load": [
-                {"load": "socket path, TCP every 2 ms", "attempted": tcp_a, "failed": tcp_f},
-                {"load": "socket path, one UDP socket, every 20 ms", "attempted": us_a, "failed": us_f, "backends_seen": udp_sock_servers.len(), "answers_from_removed_backends": stale_udp(&udp_sock_results)},
-                {"load": "tc path, one UDP flow, every 20 ms", "attempted": ut_a, "failed": ut_f, "backends_seen": udp_tc_servers.len(), "answers_from_removed_backends": stale_udp(&udp_tc_results)},
-            ],
-            "attempted": tcp_a + us_a + ut_a,
-            "failed": tcp_f + us_f + ut_f,
-            "new_connections_to_removed_endpoints": violations.len(),
-            // How precisely the map watcher dated the changes (its polling gaps, scheduling).
-            "watcher_uncertainty_ms_max": applied.iter().skip(1).map(|o| (o.seen_us - o.from_us) as f64 / 1000.0).fold(0.0, f64::max),
-            "programming_latency_ms": {"p50": pct(0.5), "p99": pct(0.99), "max": latencies.last().copied().unwrap_or(f64::NAN), "samples": latencies.len()},
-        }),
+        per_family(
+            "Endpoint churn: one of two endpoints replaced every 250 ms for 20 s (in the IPv4 and the IPv6 slice of a dual-stack Service)",
+            v4.figures.clone(),
+            v6.figures.clone(),
+        ),
     );
-    assert!(
-        violations.is_empty(),
-        "new connections reached removed endpoints: {violations:?}"
-    );
-    assert!(
-        udp_sock_servers.len() > 1 && udp_tc_servers.len() > 1,
-        "UDP flows moved off removed backends"
-    );
-    assert_eq!(
-        stale_udp(&udp_tc_results),
-        0,
-        "a tc UDP flow never keeps a removed backend"
-    );
+    for (family, v) in [(IpFamily::V4, &v4), (IpFamily::V6, &v6)] {
+        assert!(
+            v.violations.is_empty(),
+            "{family}: new connections reached removed endpoints: {:?}",
+            v.violations
+        );
+        assert!(
+            v.udp_sock_servers.len() > 1 && v.udp_tc_servers.len() > 1,
+            "{family}: UDP flows moved off removed backends"
+        );
+        assert_eq!(
+            v.stale_udp_tc, 0,
+            "{family}: a tc UDP flow never keeps a removed backend"
+        );
+    }
 }
 
 #[test]

@@ -1,9 +1,18 @@
 //! Socket-level load balancing with real sockets: the real lb-agent programs a test cgroup and a
 //! private bpffs from manifests; clients run inside the cgroup, in the node's namespace (host
 //! processes) or in a pod's namespace; servers run in pod namespaces.
+//!
+//! Both families: IPv6 Services through connect6/sendmsg6/recvmsg6/getpeername6 and the `lb6_*`
+//! maps, and dual-stack sockets (AF_INET6 without IPV6_V6ONLY) naming an IPv4 Service by its
+//! IPv4-mapped address (`::ffff:10.96.0.20`), which the IPv6 hooks translate with the IPv4 maps.
+//! The tests that mean the same in both families are written once, over `IpFamily`.
 
-use std::process::Command;
+use std::{
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    process::Command,
+};
 
+use lb_agent::family::IpFamily;
 use lb_tests::{
     agent::{Agent, AgentOptions, bpf_root_in},
     bpffs::BpfFs,
@@ -12,14 +21,15 @@ use lb_tests::{
     kernel, probe,
     process::{Place, Proc},
     require_root,
-    topo::{Lan, Node},
+    topo::{Lan, Node, ipv6_twin},
 };
 use serde_json::Value;
 
 const NODE: &str = "node-a";
 
-/// One node with `pods` pod namespaces, each serving TCP :8080 and UDP :5353 under its own name,
-/// an agent, and a cgroup for clients.
+/// One node with `pods` pod namespaces, each serving TCP :8080 and UDP :5353 under its own name
+/// (its IPv4 address) on its address (on a dual-stack node, on its IPv6 address too), an agent,
+/// and a cgroup for clients.
 struct Fixture {
     _servers: Vec<Proc>,
     agent: Option<Agent>,
@@ -31,12 +41,29 @@ struct Fixture {
 }
 
 impl Fixture {
+    /// An IPv4 node.
     fn new(pods: u8) -> Fixture {
+        Fixture::with_node(Node::new(1), pods)
+    }
+
+    /// A node whose pods and uplink have addresses of both families.
+    fn dual_stack(pods: u8) -> Fixture {
+        Fixture::with_node(Node::dual_stack(1), pods)
+    }
+
+    /// A node that serves `family` (an IPv6 one is dual-stack, as IPv6 nodes are in practice).
+    fn for_family(family: IpFamily, pods: u8) -> Fixture {
+        match family {
+            IpFamily::V4 => Fixture::new(pods),
+            IpFamily::V6 => Fixture::dual_stack(pods),
+        }
+    }
+
+    fn with_node(mut node: Node, pods: u8) -> Fixture {
         require_root();
         let bpffs = BpfFs::new();
         let cgroup = Cgroup::new("lbsock");
         let lan = Lan::new();
-        let mut node = Node::new(1);
         node.attach_lan(&lan);
         for n in 0..pods {
             node.add_pod(n + 2);
@@ -45,11 +72,20 @@ impl Fixture {
             .pods
             .iter()
             .map(|p| {
+                // On the pod's own address(es): a UDP answer then names the address the
+                // datagram reached (a wildcard socket would say 0.0.0.0), and IPv4 clients show
+                // as IPv4 (a dual-stack wildcard socket would show them IPv4-mapped).
+                let on = |port: u16| {
+                    let mut listen = vec![at(p.ip, port)];
+                    listen.extend(p.ip6.map(|ip6| at(ip6, port)));
+                    listen
+                };
+                let (tcp, udp) = (on(8080), on(5353));
                 probe::server(
                     Place::netns(&p.ns),
                     &p.ip.to_string(),
-                    &["0.0.0.0:8080"],
-                    &["0.0.0.0:5353"],
+                    &tcp.iter().map(String::as_str).collect::<Vec<_>>(),
+                    &udp.iter().map(String::as_str).collect::<Vec<_>>(),
                 )
             })
             .collect();
@@ -67,6 +103,16 @@ impl Fixture {
 
     fn pod_ip(&self, i: usize) -> String {
         self.node.pods[i].ip.to_string()
+    }
+
+    /// Pod `i`'s address of `family`.
+    fn pod_addr(&self, i: usize, family: IpFamily) -> IpAddr {
+        self.node.pods[i].addr(family)
+    }
+
+    /// The node's LAN address of `family`.
+    fn node_addr(&self, family: IpFamily) -> IpAddr {
+        self.node.addr(family).expect("the node is attached to the LAN")
     }
 
     fn start_agent(&mut self, extra: &[&str]) {
@@ -105,12 +151,71 @@ impl Fixture {
 
     /// A slice of the "web" Service with the given pods ready, port "http" 8080 and "dns" 5353.
     fn web_slice(&self, pods: &[usize]) -> k8s_openapi::api::discovery::v1::EndpointSlice {
-        let mut s = slice("demo", "web", "web-1");
+        self.web_slice_of(IpFamily::V4, pods)
+    }
+
+    /// [`Fixture::web_slice`] of `family` (the EndpointSlice controller writes one per family).
+    fn web_slice_of(
+        &self,
+        family: IpFamily,
+        pods: &[usize],
+    ) -> k8s_openapi::api::discovery::v1::EndpointSlice {
+        let name = match family {
+            IpFamily::V4 => "web-1",
+            IpFamily::V6 => "web-v6-1",
+        };
+        let mut s = slice("demo", "web", name);
         for i in pods {
-            s = s.endpoint(&self.pod_ip(*i), NODE, State::Ready);
+            s = s.endpoint(&self.pod_addr(*i, family).to_string(), NODE, State::Ready);
         }
         s.port("http", "TCP", 8080).port("dns", "UDP", 5353).build()
     }
+}
+
+/// The address of `family` that stands for the IPv4 address `v4` in these tests: itself, or its
+/// IPv6 twin (`10.96.0.20` -> `fd00:10:96::20`, see `topo::ipv6_twin`).
+fn in_family(family: IpFamily, v4: &str) -> IpAddr {
+    let v4: Ipv4Addr = v4.parse().expect("an IPv4 address");
+    match family {
+        IpFamily::V4 => v4.into(),
+        IpFamily::V6 => ipv6_twin(v4).into(),
+    }
+}
+
+/// `ip:port` as a socket address prints (and `lb-probe` reports) it: `[v6]:port` for IPv6.
+fn at(ip: impl Into<IpAddr>, port: u16) -> String {
+    SocketAddr::new(ip.into(), port).to_string()
+}
+
+/// The IPv4-mapped IPv6 address of an IPv4 one, as a dual-stack socket names it.
+fn mapped(v4: &str) -> IpAddr {
+    let v4: Ipv4Addr = v4.parse().expect("an IPv4 address");
+    v4.to_ipv6_mapped().into()
+}
+
+/// The address the backend answered on (`lb-probe serve`'s local address): which pod, and over
+/// which family, the call reached.
+fn backend_of(result: &Value) -> IpAddr {
+    let local = result
+        .pointer("/reply/local")
+        .and_then(Value::as_str)
+        .unwrap_or_else(|| panic!("no reply: {result}"));
+    local
+        .parse::<SocketAddr>()
+        .unwrap_or_else(|e| panic!("{local}: {e}"))
+        .ip()
+}
+
+/// The client address the backend saw.
+fn client_of(result: &Value) -> IpAddr {
+    let client = result
+        .pointer("/reply/client")
+        .and_then(Value::as_str)
+        .unwrap_or_else(|| panic!("no reply: {result}"));
+    client
+        .parse::<SocketAddr>()
+        .unwrap_or_else(|e| panic!("{client}: {e}"))
+        .ip()
 }
 
 const ECONNREFUSED: i64 = 111;
@@ -121,6 +226,26 @@ fn web() -> lb_tests::fixtures::Svc {
         .cluster_ip("10.96.0.20")
         .port("http", "TCP", 80, 8080)
         .port("dns", "UDP", 53, 5353)
+}
+
+/// The web Service of [`web`], single-stack in `family` (cluster IP `10.96.0.20` or its twin).
+fn web_of(family: IpFamily) -> lb_tests::fixtures::Svc {
+    service("demo", "web")
+        .cluster_ips(&[&in_family(family, "10.96.0.20").to_string()])
+        .port("http", "TCP", 80, 8080)
+        .port("dns", "UDP", 53, 5353)
+}
+
+/// How many results each backend answered, by the address it answered on; every one must be
+/// of `family` (the call reached the backend in the family it was made in).
+fn backends_of(family: IpFamily, results: &[Value]) -> std::collections::BTreeMap<IpAddr, usize> {
+    let mut counts = std::collections::BTreeMap::new();
+    for r in ok(results) {
+        let backend = backend_of(r);
+        assert_eq!(IpFamily::of(&backend), family, "{r}");
+        *counts.entry(backend).or_insert(0) += 1;
+    }
+    counts
 }
 
 fn servers(results: &[Value]) -> std::collections::BTreeMap<String, usize> {
@@ -329,33 +454,44 @@ fn connections_spread_evenly_over_three_backends() {
 
 #[test]
 fn client_ip_affinity_sticks_until_the_timeout() {
-    let mut f = Fixture::new(3);
-    f.write(&[web().client_ip_affinity(1).build()], &[f.web_slice(&[0, 1, 2])]);
+    client_ip_affinity_sticks_until_the_timeout_in(IpFamily::V4);
+}
+
+#[test]
+fn ipv6_client_ip_affinity_sticks_until_the_timeout() {
+    client_ip_affinity_sticks_until_the_timeout_in(IpFamily::V6);
+}
+
+fn client_ip_affinity_sticks_until_the_timeout_in(family: IpFamily) {
+    let mut f = Fixture::for_family(family, 3);
+    let web = || web_of(family).client_ip_affinity(1).build();
+    f.write(&[web()], &[f.web_slice_of(family, &[0, 1, 2])]);
     f.start_agent(&[]);
+    let vip = at(in_family(family, "10.96.0.20"), 80);
     // Within the timeout, every connection of this client goes to one backend.
-    let burst = servers(&probe::tcp(f.host(), "10.96.0.20:80", 30));
+    let burst = backends_of(family, &probe::tcp(f.host(), &vip, 30));
     assert_eq!(burst.len(), 1, "{burst:?}");
     // Another client (a pod) has its own affinity.
-    let other = servers(&probe::tcp(f.pod(0), "10.96.0.20:80", 10));
+    let other = backends_of(family, &probe::tcp(f.pod(0), &vip, 10));
     assert_eq!(other.len(), 1, "{other:?}");
     // After the timeout the choice is made afresh: over 8 idle periods, some other backend shows
     // up (all 8 the same by chance: (1/3)^8 = 0.015%).
     let mut seen = std::collections::BTreeSet::new();
     for _ in 0..8 {
         std::thread::sleep(std::time::Duration::from_millis(1300));
-        let r = servers(&probe::tcp(f.host(), "10.96.0.20:80", 1));
+        let r = backends_of(family, &probe::tcp(f.host(), &vip, 1));
         seen.extend(r.into_keys());
     }
     assert!(seen.len() > 1, "affinity never expired: {seen:?}");
 
     // A backend leaving the Service takes its affinity with it.
-    let sticky = servers(&probe::tcp(f.host(), "10.96.0.20:80", 1))
+    let sticky = backends_of(family, &probe::tcp(f.host(), &vip, 1))
         .into_keys()
         .next()
         .unwrap();
-    let remaining: Vec<usize> = (0..3).filter(|i| f.pod_ip(*i) != sticky).collect();
-    f.write(&[web().client_ip_affinity(1).build()], &[f.web_slice(&remaining)]);
-    let after = servers(&probe::tcp(f.host(), "10.96.0.20:80", 10));
+    let remaining: Vec<usize> = (0..3).filter(|i| f.pod_addr(*i, family) != sticky).collect();
+    f.write(&[web()], &[f.web_slice_of(family, &remaining)]);
+    let after = backends_of(family, &probe::tcp(f.host(), &vip, 10));
     assert!(!after.contains_key(&sticky), "{after:?}");
     assert_eq!(after.len(), 1, "and sticks to its new backend: {after:?}");
 }
@@ -446,36 +582,55 @@ fn a_long_lived_connection_keeps_its_service_address_through_socket_churn() {
 
 #[test]
 fn no_endpoints_rejects_and_local_policy_without_local_endpoints_drops() {
-    let mut f = Fixture::new(1);
+    no_endpoints_rejects_and_local_policy_without_local_endpoints_drops_in(IpFamily::V4);
+}
+
+#[test]
+fn ipv6_no_endpoints_rejects_and_local_policy_without_local_endpoints_drops() {
+    no_endpoints_rejects_and_local_policy_without_local_endpoints_drops_in(IpFamily::V6);
+}
+
+fn no_endpoints_rejects_and_local_policy_without_local_endpoints_drops_in(family: IpFamily) {
+    let mut f = Fixture::for_family(family, 1);
+    let local_ip = in_family(family, "10.96.0.30");
     let local_only = service("demo", "local")
-        .cluster_ip("10.96.0.30")
+        .cluster_ips(&[&local_ip.to_string()])
         .port("http", "TCP", 80, 8080)
         .internal_traffic_policy("Local")
         .build();
     let remote = slice("demo", "local", "local-1")
-        .endpoint("10.244.9.9", "node-b", State::Ready)
+        .endpoint(
+            &in_family(family, "10.244.9.9").to_string(),
+            "node-b",
+            State::Ready,
+        )
         .port("http", "TCP", 8080)
         .build();
-    f.write(&[web().build(), local_only], &[remote]);
+    f.write(&[web_of(family).build(), local_only], &[remote]);
     f.start_agent(&[]);
+    let vip = in_family(family, "10.96.0.20");
     // No endpoints at all: kube-proxy REJECTs; connect() fails at once with ECONNREFUSED, and so
     // does a UDP send (EPERM on kernels without bpf_set_retval).
     let refused = kernel::refused_with(ECONNREFUSED);
-    let r = &probe::tcp(f.host(), "10.96.0.20:80", 1)[0];
+    let r = &probe::tcp(f.host(), &at(vip, 80), 1)[0];
     assert_eq!(
         (r["ok"].clone(), r["errno"].clone()),
         (Value::from(false), Value::from(refused)),
         "{r}"
     );
-    let r = &probe::udp(f.host(), "10.96.0.20:53", 1, false)[0];
+    let r = &probe::udp(f.host(), &at(vip, 53), 1, false)[0];
     assert_eq!(r["errno"], refused, "{r}");
     // internalTrafficPolicy=Local with endpoints on other nodes only: kube-proxy DROPs; the
     // socket fails fast with EHOSTUNREACH instead of timing out.
-    let r = &probe::tcp(f.host(), "10.96.0.30:80", 1)[0];
+    let r = &probe::tcp(f.host(), &at(local_ip, 80), 1)[0];
     assert_eq!(r["errno"], kernel::refused_with(EHOSTUNREACH), "{r}");
     // An endpoint appears: the Service serves.
-    f.write(&[web().build()], &[f.web_slice(&[0])]);
-    ok(&probe::tcp(f.host(), "10.96.0.20:80", 3));
+    f.write(&[web_of(family).build()], &[f.web_slice_of(family, &[0])]);
+    let served = backends_of(family, &probe::tcp(f.host(), &at(vip, 80), 3));
+    assert_eq!(
+        served.into_keys().collect::<Vec<_>>(),
+        vec![f.pod_addr(0, family)]
+    );
 }
 
 #[test]
@@ -510,4 +665,232 @@ fn terminating_endpoints_serve_only_when_none_is_ready() {
             .collect::<Vec<_>>(),
         vec![b]
     );
+}
+
+/// An IPv6 Service and a dual-stack one, every frontend type: TCP connect6 and UDP sendmsg6 reach
+/// a backend of the frontend's family; getpeername6 and recvmsg6 show the frontend; nothing is
+/// masqueraded (the backend sees the node's or the pod's own address).
+#[test]
+fn dual_stack_frontends_of_every_type_from_the_host_and_from_a_pod() {
+    let mut f = Fixture::dual_stack(4);
+    let svc = service("demo", "web")
+        .cluster_ips(&["10.96.0.20", "fd00:10:96::20"])
+        .port("http", "TCP", 80, 8080)
+        .node_port(30080)
+        .port("dns", "UDP", 53, 5353)
+        .node_port(30053)
+        .external_ips(&["198.51.100.20", "fd00:198:51:100::20"])
+        .load_balancer_ip("fd00:203:0:113::20")
+        .build();
+    f.write(
+        &[svc],
+        &[
+            f.web_slice_of(IpFamily::V4, &[0, 1, 2]),
+            f.web_slice_of(IpFamily::V6, &[0, 1, 2]),
+        ],
+    );
+    f.start_agent(&[]);
+
+    for family in IpFamily::ALL {
+        let backends: Vec<IpAddr> = (0..3).map(|i| f.pod_addr(i, family)).collect();
+        let (cluster_ip, external_ip) = (
+            in_family(family, "10.96.0.20"),
+            in_family(family, "198.51.100.20"),
+        );
+        let node_ip = f.node_addr(family);
+        let mut tcp_frontends = vec![at(cluster_ip, 80), at(node_ip, 30080), at(external_ip, 80)];
+        if family == IpFamily::V6 {
+            tcp_frontends.push(at(in_family(family, "203.0.113.20"), 80));
+        }
+        let udp_frontends = [at(cluster_ip, 53), at(node_ip, 30053), at(external_ip, 53)];
+        // Pod 3 is a client only (no Service selects it).
+        let clients = [
+            ("host", f.host(), f.node.gateway_of(family)),
+            ("pod", f.pod(3), f.pod_addr(3, family)),
+        ];
+        for (who, place, client) in clients {
+            for frontend in &tcp_frontends {
+                for r in ok(&probe::tcp(place, frontend, 3)) {
+                    assert!(backends.contains(&backend_of(r)), "{who} -> {frontend}: {r}");
+                    assert_eq!(
+                        r["peer"],
+                        frontend.as_str(),
+                        "{who} -> {frontend}: getpeername shows the frontend"
+                    );
+                    assert_eq!(client_of(r), client, "{who} -> {frontend}: not masqueraded: {r}");
+                }
+            }
+            for frontend in &udp_frontends {
+                for connected in [false, true] {
+                    for r in ok(&probe::udp(place, frontend, 3, connected)) {
+                        assert!(backends.contains(&backend_of(r)), "{who} -> {frontend}: {r}");
+                        assert_eq!(
+                            r["from"],
+                            frontend.as_str(),
+                            "{who} -> {frontend} (connected: {connected}): the reply comes from the frontend"
+                        );
+                        if connected {
+                            assert_eq!(r["peer"], frontend.as_str());
+                        }
+                        assert_eq!(client_of(r), client, "{who} -> {frontend}: {r}");
+                    }
+                }
+            }
+        }
+    }
+    // Localhost NodePorts are IPv4 only, as with kube-proxy: 127.0.0.1 serves, ::1 does not (and
+    // nothing listens there).
+    let v4_backends = backends_of(IpFamily::V4, &probe::tcp(f.host(), "127.0.0.1:30080", 3));
+    assert!(!v4_backends.is_empty());
+    let r = &probe::tcp(f.host(), "[::1]:30080", 1)[0];
+    assert_eq!(r["ok"], false, "{r}");
+    assert_eq!(r["errno"], ECONNREFUSED, "::1 is not a NodePort address: {r}");
+    // A process outside the cgroup is not translated: the virtual IPv6 address is not routable.
+    let outside = probe::tcp(Place::netns(&f.node.ns), "[fd00:10:96::20]:80", 1);
+    assert_eq!(outside[0]["ok"], false, "{}", outside[0]);
+}
+
+/// A dual-stack socket (AF_INET6 without IPV6_V6ONLY, as Java's, Go's and most C programs' are)
+/// naming an IPv4 Service by its IPv4-mapped address: connect6/getpeername6 (and sendmsg4, which
+/// the kernel runs for such a datagram, and recvmsg6) translate it with the IPv4 maps, and the
+/// socket sees the mapped frontend, never the backend. The node is IPv4-only: no `lb6_*` entry
+/// exists that could do it instead.
+#[test]
+fn a_dual_stack_socket_reaches_an_ipv4_service_by_its_mapped_address() {
+    let mut f = Fixture::new(3);
+    let empty = service("demo", "empty")
+        .cluster_ip("10.96.0.30")
+        .port("http", "TCP", 80, 8080)
+        .port("dns", "UDP", 53, 5353)
+        .build();
+    let sticky = service("demo", "sticky")
+        .cluster_ip("10.96.0.40")
+        .port("http", "TCP", 80, 8080)
+        .client_ip_affinity(60)
+        .build();
+    let sticky_slice = slice("demo", "sticky", "sticky-1")
+        .endpoint(&f.pod_ip(0), NODE, State::Ready)
+        .endpoint(&f.pod_ip(1), NODE, State::Ready)
+        .endpoint(&f.pod_ip(2), NODE, State::Ready)
+        .port("http", "TCP", 8080)
+        .build();
+    f.write(
+        &[web().build(), empty, sticky],
+        &[f.web_slice(&[0, 1]), sticky_slice],
+    );
+    f.start_agent(&[]);
+    let backends = [f.pod_addr(0, IpFamily::V4), f.pod_addr(1, IpFamily::V4)];
+    let (tcp, udp) = (at(mapped("10.96.0.20"), 80), at(mapped("10.96.0.20"), 53));
+    let clients = [
+        ("host", f.host(), f.node.gateway_of(IpFamily::V4)),
+        ("pod", f.pod(2), f.pod_addr(2, IpFamily::V4)),
+    ];
+    for (who, place, client) in clients {
+        for r in ok(&probe::tcp(place, &tcp, 5)) {
+            assert!(backends.contains(&backend_of(r)), "{who}: {r}");
+            assert_eq!(
+                r["peer"],
+                tcp.as_str(),
+                "{who}: getpeername shows the mapped frontend"
+            );
+            assert_eq!(client_of(r), client, "{who}: the connection is IPv4: {r}");
+        }
+        for connected in [false, true] {
+            for r in ok(&probe::udp(place, &udp, 3, connected)) {
+                assert!(backends.contains(&backend_of(r)), "{who}: {r}");
+                assert_eq!(
+                    r["from"],
+                    udp.as_str(),
+                    "{who} (connected: {connected}): the reply comes from the mapped frontend"
+                );
+                if connected {
+                    assert_eq!(r["peer"], udp.as_str(), "{who}");
+                }
+            }
+        }
+    }
+    // ClientIP affinity: the client is the same whether its socket is AF_INET or AF_INET6, so
+    // both kinds of socket stick to one backend.
+    let mut chosen = backends_of(IpFamily::V4, &probe::tcp(f.host(), "10.96.0.40:80", 10));
+    for (ip, count) in backends_of(
+        IpFamily::V4,
+        &probe::tcp(f.host(), &at(mapped("10.96.0.40"), 80), 10),
+    ) {
+        *chosen.entry(ip).or_insert(0) += count;
+    }
+    assert_eq!(chosen.len(), 1, "{chosen:?}");
+    // A Service without endpoints refuses mapped calls as it refuses IPv4 ones.
+    let refused = kernel::refused_with(ECONNREFUSED);
+    let r = &probe::tcp(f.host(), &at(mapped("10.96.0.30"), 80), 1)[0];
+    assert_eq!(
+        (r["ok"].clone(), r["errno"].clone()),
+        (Value::from(false), Value::from(refused)),
+        "{r}"
+    );
+    let r = &probe::udp(f.host(), &at(mapped("10.96.0.30"), 53), 1, false)[0];
+    assert_eq!(r["errno"], refused, "{r}");
+}
+
+/// [`a_long_lived_connection_keeps_its_service_address_through_socket_churn`] for an IPv6
+/// connection (`lb6_sock_rev_sk`) and a dual-stack socket's IPv4-mapped one (`lb4_sock_rev_sk`
+/// on an AF_INET6 socket), while unconnected UDP sockets of both kinds overrun both 16-entry
+/// LRU maps.
+#[test]
+fn long_lived_ipv6_and_mapped_connections_keep_their_service_address_through_socket_churn() {
+    let mut f = Fixture::dual_stack(1);
+    let svc = service("demo", "web")
+        .cluster_ips(&["10.96.0.20", "fd00:10:96::20"])
+        .port("http", "TCP", 80, 8080)
+        .port("dns", "UDP", 53, 5353)
+        .build();
+    f.write(
+        &[svc],
+        &[
+            f.web_slice_of(IpFamily::V4, &[0]),
+            f.web_slice_of(IpFamily::V6, &[0]),
+        ],
+    );
+    f.start_agent(&["--bpf-sock-rev-map-max", "16"]);
+    let frontends = ["fd00:10:96::20".parse::<IpAddr>().unwrap(), mapped("10.96.0.20")];
+    let mut holds: Vec<(String, Proc)> = frontends
+        .iter()
+        .map(|ip| {
+            let frontend = at(*ip, 80);
+            let mut hold = probe::hold(f.host(), &frontend, 6);
+            let first = hold.wait_for_line(std::time::Duration::from_secs(5), |l| l.contains("\"seq\""));
+            assert!(first.contains(&format!("\"peer\":\"{frontend}\"")), "{first}");
+            (frontend, hold)
+        })
+        .collect();
+
+    for ip in frontends {
+        let frontend = at(ip, 53);
+        let churn = probe::udp(f.host(), &frontend, 150, false);
+        assert_eq!(ok(&churn).len(), 150, "the unconnected UDP sockets are served");
+        for r in &churn {
+            assert_eq!(r["from"], frontend.as_str(), "{r}");
+        }
+    }
+
+    for (frontend, hold) in &mut holds {
+        let done = hold.wait_for_line(std::time::Duration::from_secs(10), |l| {
+            l.contains("\"done\"") || l.contains("\"ok\":false")
+        });
+        assert!(
+            done.contains("\"done\""),
+            "{frontend}: the connection broke: {done}"
+        );
+        let exchanges: Vec<String> = hold
+            .stdout_lines()
+            .into_iter()
+            .filter(|l| l.contains("\"seq\""))
+            .collect();
+        assert!(exchanges.len() > 20, "{exchanges:?}");
+        for line in &exchanges {
+            assert!(
+                line.contains(&format!("\"peer\":\"{frontend}\"")),
+                "getpeername must show the Service for the connection's whole life: {line}"
+            );
+        }
+    }
 }

@@ -1,49 +1,60 @@
 //! Packet fixtures for the tc programs, run with BPF_PROG_TEST_RUN against scratch maps programmed
 //! by the agent's own pipeline. Every output is compared byte for byte with an independently built
 //! expected packet, and every checksum is verified by recomputation.
+//!
+//! Written once for both families: the Services are dual-stack (`Svc::dual_stack`, an IPv6
+//! EndpointSlice beside each IPv4 one), the node has an address of each family, and a test runs
+//! its steps `for f in FAMILIES` with IPv4 literals that `Family::ip` maps to their IPv6
+//! counterparts (`10.96.0.10` is `fd00:10:96::10`). What only one family has (IPv4 options,
+//! IPv6 extension headers and atomic fragments, neighbour discovery) has tests of its own.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
-use etherparse::{Icmpv4Type, icmpv4::DestUnreachableHeader};
 use lb_agent::{
     datapath::{OBJECT, TcRun},
     node::NodeSettings,
     trace::ScratchDatapath,
     watch::ClusterState,
 };
+use lb_common::stats::Counter;
 use lb_tests::{
-    fixtures::{State, service, slice},
-    packet::{self, rewritten, summary, verify_checksums},
+    fixtures::{Slice, State, Svc, service, slice},
+    packet::{
+        self, DSTOPTS, ETH_HLEN, FAMILIES, Family, Fragment, HOPOPTS, IcmpError, ROUTING, Spec, patched,
+        rewritten, summary, verify_checksums,
+    },
     require_root,
 };
 
 const OK: i32 = 0;
 const SHOT: i32 = 2;
 const REDIRECT: i32 = 7;
+/// The node's address (and, through `Family::ip`, its IPv6 one).
 const NODE_IP: &str = "192.168.50.11";
 const CLIENT: &str = "192.168.50.100";
 
+/// Adds a dual-stack Service, and its endpoints (a slice written with IPv4 addresses) in both
+/// families.
+fn add(s: &mut ClusterState, svc: Svc, endpoints: Option<Slice>) {
+    s.add_service(svc.dual_stack().build());
+    for family in FAMILIES {
+        if let Some(sl) = &endpoints {
+            s.add_slice(sl.clone().in_family(family).build());
+        }
+    }
+}
+
 fn state() -> ClusterState {
     let mut s = ClusterState::default();
-    let add = |s: &mut ClusterState,
-               svc: k8s_openapi::api::core::v1::Service,
-               sl: Option<k8s_openapi::api::discovery::v1::EndpointSlice>| {
-        s.add_service(svc);
-        if let Some(sl) = sl {
-            s.add_slice(sl);
-        }
-    };
     add(
         &mut s,
         service("t", "web")
             .cluster_ip("10.96.0.10")
-            .port("http", "TCP", 80, 8080)
-            .build(),
+            .port("http", "TCP", 80, 8080),
         Some(
             slice("t", "web", "web-1")
                 .endpoint("10.244.1.5", "node-a", State::Ready)
-                .port("http", "TCP", 8080)
-                .build(),
+                .port("http", "TCP", 8080),
         ),
     );
     add(
@@ -51,13 +62,11 @@ fn state() -> ClusterState {
         service("t", "np")
             .cluster_ip("10.96.0.11")
             .port("http", "TCP", 80, 8080)
-            .node_port(30080)
-            .build(),
+            .node_port(30080),
         Some(
             slice("t", "np", "np-1")
                 .endpoint("10.244.2.7", "node-b", State::Ready)
-                .port("http", "TCP", 8080)
-                .build(),
+                .port("http", "TCP", 8080),
         ),
     );
     add(
@@ -66,14 +75,12 @@ fn state() -> ClusterState {
             .cluster_ip("10.96.0.12")
             .port("http", "TCP", 80, 8080)
             .node_port(30081)
-            .external_traffic_policy("Local")
-            .build(),
+            .external_traffic_policy("Local"),
         Some(
             slice("t", "local", "local-1")
                 .endpoint("10.244.1.6", "node-a", State::Ready)
                 .endpoint("10.244.2.8", "node-b", State::Ready)
-                .port("http", "TCP", 8080)
-                .build(),
+                .port("http", "TCP", 8080),
         ),
     );
     add(
@@ -82,13 +89,11 @@ fn state() -> ClusterState {
             .cluster_ip("10.96.0.13")
             .port("http", "TCP", 80, 8080)
             .node_port(30082)
-            .external_traffic_policy("Local")
-            .build(),
+            .external_traffic_policy("Local"),
         Some(
             slice("t", "local-none", "ln-1")
                 .endpoint("10.244.2.9", "node-b", State::Ready)
-                .port("http", "TCP", 8080)
-                .build(),
+                .port("http", "TCP", 8080),
         ),
     );
     add(
@@ -96,8 +101,7 @@ fn state() -> ClusterState {
         service("t", "empty")
             .cluster_ip("10.96.0.14")
             .port("http", "TCP", 80, 8080)
-            .port("dns", "UDP", 53, 5353)
-            .build(),
+            .port("dns", "UDP", 53, 5353),
         None,
     );
     add(
@@ -107,26 +111,22 @@ fn state() -> ClusterState {
             .port("http", "TCP", 80, 8080)
             .node_port(30083)
             .load_balancer_ip("203.0.113.10")
-            .source_ranges(&["198.51.100.0/24"])
-            .build(),
+            .source_ranges(&["198.51.100.0/24"]),
         Some(
             slice("t", "lb", "lb-1")
                 .endpoint("10.244.1.5", "node-a", State::Ready)
-                .port("http", "TCP", 8080)
-                .build(),
+                .port("http", "TCP", 8080),
         ),
     );
     add(
         &mut s,
         service("t", "dns")
             .cluster_ip("10.96.0.16")
-            .port("dns", "UDP", 53, 5353)
-            .build(),
+            .port("dns", "UDP", 53, 5353),
         Some(
             slice("t", "dns", "dns-1")
                 .endpoint("10.244.1.5", "node-a", State::Ready)
-                .port("dns", "UDP", 5353)
-                .build(),
+                .port("dns", "UDP", 5353),
         ),
     );
     s
@@ -136,7 +136,7 @@ fn settings(cluster_cidr: bool) -> NodeSettings {
     NodeSettings {
         node_name: "node-a".into(),
         cluster_cidrs: if cluster_cidr {
-            vec!["10.244.0.0/16".parse().unwrap()]
+            FAMILIES.map(|f| f.net("10.244.0.0/16").parse().unwrap()).to_vec()
         } else {
             vec![]
         },
@@ -153,8 +153,8 @@ fn scratch_with(state: &ClusterState, cluster_cidr: bool) -> ScratchDatapath {
         !OBJECT.is_empty(),
         "lb-agent was built without the eBPF object: run through ./x test"
     );
-    ScratchDatapath::new(state, settings(cluster_cidr), &[NODE_IP.parse().unwrap()], OBJECT)
-        .expect("scratch data path")
+    let node_ips: Vec<IpAddr> = FAMILIES.iter().map(|f| f.ip(NODE_IP)).collect();
+    ScratchDatapath::new(state, settings(cluster_cidr), &node_ips, OBJECT).expect("scratch data path")
 }
 
 fn scratch(cluster_cidr: bool) -> ScratchDatapath {
@@ -169,7 +169,48 @@ fn egress(s: &mut ScratchDatapath, pkt: &[u8]) -> TcRun {
     s.datapath.test_run_tc("lb_tc_egress", pkt, 1).expect("test run")
 }
 
-fn assert_bytes(actual: &[u8], expected: &[u8], what: &str) {
+fn egress_marked(s: &mut ScratchDatapath, pkt: &[u8], mark: u32) -> TcRun {
+    s.datapath
+        .test_run_tc_with_mark("lb_tc_egress", pkt, mark)
+        .expect("egress")
+}
+
+fn counter(s: &ScratchDatapath, c: Counter) -> u64 {
+    s.maps().counter(c as u32)
+}
+
+/// A TCP packet of family `f` between the counterparts of two IPv4 literals.
+fn tcp(f: Family, src: &str, sport: u16, dst: &str, dport: u16) -> Spec {
+    packet::tcp(&f.addr(src), sport, &f.addr(dst), dport)
+}
+
+fn udp(f: Family, src: &str, sport: u16, dst: &str, dport: u16) -> Spec {
+    packet::udp(&f.addr(src), sport, &f.addr(dst), dport)
+}
+
+/// `packet::rewritten`, the addresses given as IPv4 literals of family `f`.
+fn nat(f: Family, pkt: &[u8], src: Option<(&str, u16)>, dst: Option<(&str, u16)>) -> Vec<u8> {
+    let src = src.map(|(a, p)| (f.addr(a), p));
+    let dst = dst.map(|(a, p)| (f.addr(a), p));
+    rewritten(
+        pkt,
+        src.as_ref().map(|(a, p)| (a.as_str(), *p)),
+        dst.as_ref().map(|(a, p)| (a.as_str(), *p)),
+    )
+}
+
+/// `packet::patched` (a quote's translation), the addresses given as IPv4 literals of `f`.
+fn quote_nat(f: Family, pkt: &[u8], src: Option<(&str, u16)>, dst: Option<(&str, u16)>) -> Vec<u8> {
+    let src = src.map(|(a, p)| (f.addr(a), p));
+    let dst = dst.map(|(a, p)| (f.addr(a), p));
+    patched(
+        pkt,
+        src.as_ref().map(|(a, p)| (a.as_str(), *p)),
+        dst.as_ref().map(|(a, p)| (a.as_str(), *p)),
+    )
+}
+
+fn assert_bytes(actual: &[u8], expected: &[u8], what: impl std::fmt::Display) {
     verify_checksums(actual).unwrap_or_else(|e| panic!("{what}: {e}"));
     assert_eq!(
         actual,
@@ -180,124 +221,143 @@ fn assert_bytes(actual: &[u8], expected: &[u8], what: &str) {
     );
 }
 
+/// Byte-for-byte, for packets that are not TCP/UDP (ICMP errors).
+fn assert_same(actual: &[u8], expected: &[u8], what: impl std::fmt::Display) {
+    verify_checksums(actual).unwrap_or_else(|e| panic!("{what}: {e}"));
+    packet::verify_quoted_ip_checksum(actual).unwrap_or_else(|e| panic!("{what}: {e}"));
+    if let Some(i) = (0..actual.len().max(expected.len())).find(|i| actual.get(*i) != expected.get(*i)) {
+        panic!(
+            "{what}: byte {i} differs (lengths {} and {})\n  got      {}\n  expected {}",
+            actual.len(),
+            expected.len(),
+            hex(actual),
+            hex(expected)
+        );
+    }
+}
+
+fn hex(p: &[u8]) -> String {
+    p.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 #[test]
 fn syn_to_a_cluster_ip_is_translated_to_the_backend() {
     let mut s = scratch(true);
-    // A pod on another node calls the ClusterIP through this node: no masquerade (a pod source).
-    let syn = packet::tcp("10.244.2.20", 40000, "10.96.0.10", 80).build();
-    let out = ingress(&mut s, &syn);
-    assert_eq!(out.action, OK);
-    assert_bytes(
-        &out.packet,
-        &rewritten(&syn, None, Some(("10.244.1.5", 8080))),
-        "DNAT",
-    );
-    // Leaving towards the backend: nothing to masquerade.
-    let out2 = egress(&mut s, &out.packet);
-    assert_bytes(&out2.packet, &out.packet, "egress of a pod's flow");
+    for f in FAMILIES {
+        // A pod on another node calls the ClusterIP through this node: no masquerade (a pod
+        // source).
+        let syn = tcp(f, "10.244.2.20", 40000, "10.96.0.10", 80).build();
+        let out = ingress(&mut s, &syn);
+        assert_eq!(out.action, OK, "{f:?}");
+        assert_bytes(
+            &out.packet,
+            &nat(f, &syn, None, Some(("10.244.1.5", 8080))),
+            format!("{f:?} DNAT"),
+        );
+        // Leaving towards the backend: nothing to masquerade.
+        let out2 = egress(&mut s, &out.packet);
+        assert_bytes(&out2.packet, &out.packet, format!("{f:?} egress of a pod's flow"));
+    }
 }
 
 #[test]
 fn an_established_flow_keeps_its_backend_when_endpoints_change() {
     let mut s = scratch(true);
-    let syn = packet::tcp("10.244.2.20", 40001, "10.96.0.10", 80).build();
-    assert_eq!(
-        summary(&ingress(&mut s, &syn).packet).dst,
-        "10.244.1.5".parse::<Ipv4Addr>().unwrap()
-    );
-    // The endpoint is replaced.
-    let mut changed = state();
-    changed.add_slice(
-        slice("t", "web", "web-1")
-            .endpoint("10.244.1.99", "node-a", State::Ready)
-            .port("http", "TCP", 8080)
-            .build(),
-    );
-    s.program(&changed).unwrap();
-    let data = packet::tcp("10.244.2.20", 40001, "10.96.0.10", 80)
-        .data(b"GET / HTTP/1.1\r\n\r\n")
-        .build();
-    let out = ingress(&mut s, &data);
-    assert_bytes(
-        &out.packet,
-        &rewritten(&data, None, Some(("10.244.1.5", 8080))),
-        "established flow",
-    );
-    // A new connection goes to the new endpoint.
-    let syn2 = packet::tcp("10.244.2.20", 40002, "10.96.0.10", 80).build();
-    assert_eq!(
-        summary(&ingress(&mut s, &syn2).packet).dst,
-        "10.244.1.99".parse::<Ipv4Addr>().unwrap()
-    );
+    for f in FAMILIES {
+        let syn = tcp(f, "10.244.2.20", 40001, "10.96.0.10", 80).build();
+        assert_eq!(summary(&ingress(&mut s, &syn).packet).dst, f.ip("10.244.1.5"));
+        // The endpoint (of this family) is replaced.
+        let mut changed = state();
+        changed.add_slice(
+            slice("t", "web", "web-1")
+                .endpoint("10.244.1.99", "node-a", State::Ready)
+                .port("http", "TCP", 8080)
+                .in_family(f)
+                .build(),
+        );
+        s.program(&changed).unwrap();
+        let data = tcp(f, "10.244.2.20", 40001, "10.96.0.10", 80)
+            .data(b"GET / HTTP/1.1\r\n\r\n")
+            .build();
+        let out = ingress(&mut s, &data);
+        assert_bytes(
+            &out.packet,
+            &nat(f, &data, None, Some(("10.244.1.5", 8080))),
+            format!("{f:?} established flow"),
+        );
+        // A new connection goes to the new endpoint.
+        let syn2 = tcp(f, "10.244.2.20", 40002, "10.96.0.10", 80).build();
+        assert_eq!(summary(&ingress(&mut s, &syn2).packet).dst, f.ip("10.244.1.99"));
+    }
 }
 
 #[test]
 fn replies_get_the_frontend_back_on_the_way_out() {
     let mut s = scratch(true);
-    let syn = packet::tcp("10.244.2.20", 40003, "10.96.0.10", 80).build();
-    ingress(&mut s, &syn);
-    let reply = packet::tcp("10.244.1.5", 8080, "10.244.2.20", 40003)
-        .data(b"HTTP/1.1 200 OK\r\n")
-        .build();
-    // At ingress (from the backend's veth) the reply passes: reverse NAT is for the egress side.
-    let at_ingress = ingress(&mut s, &reply);
-    assert_bytes(&at_ingress.packet, &reply, "reply at ingress");
-    let out = egress(&mut s, &reply);
-    assert_eq!(out.action, OK);
-    assert_bytes(
-        &out.packet,
-        &rewritten(&reply, Some(("10.96.0.10", 80)), None),
-        "reverse NAT",
-    );
+    for f in FAMILIES {
+        let syn = tcp(f, "10.244.2.20", 40003, "10.96.0.10", 80).build();
+        ingress(&mut s, &syn);
+        let reply = tcp(f, "10.244.1.5", 8080, "10.244.2.20", 40003)
+            .data(b"HTTP/1.1 200 OK\r\n")
+            .build();
+        // At ingress (from the backend's veth) the reply passes: reverse NAT is for the egress
+        // side.
+        let at_ingress = ingress(&mut s, &reply);
+        assert_bytes(&at_ingress.packet, &reply, format!("{f:?} reply at ingress"));
+        let out = egress(&mut s, &reply);
+        assert_eq!(out.action, OK);
+        assert_bytes(
+            &out.packet,
+            &nat(f, &reply, Some(("10.96.0.10", 80)), None),
+            format!("{f:?} reverse NAT"),
+        );
+    }
 }
 
 #[test]
 fn nodeport_from_outside_is_translated_and_masqueraded_both_ways() {
     let mut s = scratch(true);
-    let syn = packet::tcp(CLIENT, 41000, NODE_IP, 30080).build();
-    let dnat = ingress(&mut s, &syn);
-    assert_bytes(
-        &dnat.packet,
-        &rewritten(&syn, None, Some(("10.244.2.7", 8080))),
-        "NodePort DNAT",
-    );
-    // Routed towards node b: the source becomes this node.
-    let snat = egress(&mut s, &dnat.packet);
-    let port = summary(&snat.packet).sport;
-    assert!((20_000..=29_999).contains(&port), "masquerade port {port}");
-    assert_bytes(
-        &snat.packet,
-        &rewritten(&dnat.packet, Some((NODE_IP, port)), None),
-        "SNAT",
-    );
-    // The reply comes back to this node's address and masquerade port...
-    let reply = packet::tcp("10.244.2.7", 8080, NODE_IP, port)
-        .data(b"pong")
-        .build();
-    let unsnat = ingress(&mut s, &reply);
-    assert_bytes(
-        &unsnat.packet,
-        &rewritten(&reply, None, Some((CLIENT, 41000))),
-        "un-SNAT",
-    );
-    // ... and leaves from the NodePort the client called: egress sees the mark ingress set
-    // (handed over explicitly, as the kernel would carry it on the skb).
-    assert_ne!(unsnat.mark, 0, "ingress marks un-SNATed replies");
-    let out = s
-        .datapath
-        .test_run_tc_with_mark("lb_tc_egress", &unsnat.packet, unsnat.mark)
-        .expect("egress");
-    assert_eq!(out.mark, 0, "egress clears the mark");
-    assert_bytes(
-        &out.packet,
-        &rewritten(&unsnat.packet, Some((NODE_IP, 30080)), None),
-        "reverse NAT to the NodePort",
-    );
-    // A second connection from the same client gets its own masquerade port.
-    let syn2 = packet::tcp(CLIENT, 41001, NODE_IP, 30080).build();
-    let dnat2 = ingress(&mut s, &syn2).packet;
-    let snat2 = egress(&mut s, &dnat2);
-    assert_ne!(summary(&snat2.packet).sport, port);
+    for f in FAMILIES {
+        let syn = tcp(f, CLIENT, 41000, NODE_IP, 30080).build();
+        let dnat = ingress(&mut s, &syn);
+        assert_bytes(
+            &dnat.packet,
+            &nat(f, &syn, None, Some(("10.244.2.7", 8080))),
+            format!("{f:?} NodePort DNAT"),
+        );
+        // Routed towards node b: the source becomes this node (its address of the family).
+        let snat = egress(&mut s, &dnat.packet);
+        let port = summary(&snat.packet).sport;
+        assert!((20_000..=29_999).contains(&port), "masquerade port {port}");
+        assert_bytes(
+            &snat.packet,
+            &nat(f, &dnat.packet, Some((NODE_IP, port)), None),
+            format!("{f:?} SNAT"),
+        );
+        // The reply comes back to this node's address and masquerade port...
+        let reply = tcp(f, "10.244.2.7", 8080, NODE_IP, port).data(b"pong").build();
+        let unsnat = ingress(&mut s, &reply);
+        assert_bytes(
+            &unsnat.packet,
+            &nat(f, &reply, None, Some((CLIENT, 41000))),
+            format!("{f:?} un-SNAT"),
+        );
+        // ... and leaves from the NodePort the client called: egress sees the mark ingress set
+        // (handed over explicitly, as the kernel would carry it on the skb).
+        assert_ne!(unsnat.mark, 0, "ingress marks un-SNATed replies");
+        let out = egress_marked(&mut s, &unsnat.packet, unsnat.mark);
+        assert_eq!(out.mark, 0, "egress clears the mark");
+        assert_bytes(
+            &out.packet,
+            &nat(f, &unsnat.packet, Some((NODE_IP, 30080)), None),
+            format!("{f:?} reverse NAT to the NodePort"),
+        );
+        // A second connection from the same client gets its own masquerade port.
+        let syn2 = tcp(f, CLIENT, 41001, NODE_IP, 30080).build();
+        let dnat2 = ingress(&mut s, &syn2).packet;
+        let snat2 = egress(&mut s, &dnat2);
+        assert_ne!(summary(&snat2.packet).sport, port);
+    }
 }
 
 #[test]
@@ -308,80 +368,79 @@ fn a_nodeport_to_a_host_network_endpoint_of_this_node_keeps_the_client_and_rever
     // and its reply leaves with the NodePort as its source. (Upstream e2e: "Networking Granular
     // Checks: Services should function for service endpoints using hostNetwork".)
     let mut state = ClusterState::default();
-    state.add_service(
+    add(
+        &mut state,
         service("t", "hostnet")
             .cluster_ip("10.96.0.20")
             .port("http", "TCP", 80, 8083)
-            .node_port(30084)
-            .build(),
-    );
-    state.add_slice(
-        slice("t", "hostnet", "hostnet-1")
-            .endpoint(NODE_IP, "node-a", State::Ready)
-            .port("http", "TCP", 8083)
-            .build(),
+            .node_port(30084),
+        Some(
+            slice("t", "hostnet", "hostnet-1")
+                .endpoint(NODE_IP, "node-a", State::Ready)
+                .port("http", "TCP", 8083),
+        ),
     );
     let mut s = scratch_with(&state, true);
-    let syn = packet::tcp(CLIENT, 41000, NODE_IP, 30084).build();
-    let dnat = ingress(&mut s, &syn);
-    assert_bytes(
-        &dnat.packet,
-        &rewritten(&syn, None, Some((NODE_IP, 8083))),
-        "NodePort DNAT to this node's own address",
-    );
-    assert_eq!(dnat.mark, 0, "nothing to un-SNAT later");
-    let reply = packet::tcp(NODE_IP, 8083, CLIENT, 41000).data(b"pong").build();
-    let out = egress(&mut s, &reply);
-    assert_bytes(
-        &out.packet,
-        &rewritten(&reply, Some((NODE_IP, 30084)), None),
-        "the reply leaves from the NodePort the client called",
-    );
-    // Its ClusterIP from outside (routed to this node) is the same: the client stays.
-    let syn = packet::tcp(CLIENT, 41001, "10.96.0.20", 80).build();
-    let dnat = ingress(&mut s, &syn);
-    assert_bytes(
-        &dnat.packet,
-        &rewritten(&syn, None, Some((NODE_IP, 8083))),
-        "ClusterIP DNAT to this node's own address",
-    );
-    let reply = packet::tcp(NODE_IP, 8083, CLIENT, 41001).build();
-    assert_bytes(
-        &egress(&mut s, &reply).packet,
-        &rewritten(&reply, Some(("10.96.0.20", 80)), None),
-        "the reply leaves from the ClusterIP",
-    );
+    for f in FAMILIES {
+        let syn = tcp(f, CLIENT, 41000, NODE_IP, 30084).build();
+        let dnat = ingress(&mut s, &syn);
+        assert_bytes(
+            &dnat.packet,
+            &nat(f, &syn, None, Some((NODE_IP, 8083))),
+            format!("{f:?} NodePort DNAT to this node's own address"),
+        );
+        assert_eq!(dnat.mark, 0, "nothing to un-SNAT later");
+        let reply = tcp(f, NODE_IP, 8083, CLIENT, 41000).data(b"pong").build();
+        let out = egress(&mut s, &reply);
+        assert_bytes(
+            &out.packet,
+            &nat(f, &reply, Some((NODE_IP, 30084)), None),
+            format!("{f:?} the reply leaves from the NodePort the client called"),
+        );
+        // Its ClusterIP from outside (routed to this node) is the same: the client stays.
+        let syn = tcp(f, CLIENT, 41001, "10.96.0.20", 80).build();
+        let dnat = ingress(&mut s, &syn);
+        assert_bytes(
+            &dnat.packet,
+            &nat(f, &syn, None, Some((NODE_IP, 8083))),
+            format!("{f:?} ClusterIP DNAT to this node's own address"),
+        );
+        let reply = tcp(f, NODE_IP, 8083, CLIENT, 41001).build();
+        assert_bytes(
+            &egress(&mut s, &reply).packet,
+            &nat(f, &reply, Some(("10.96.0.20", 80)), None),
+            format!("{f:?} the reply leaves from the ClusterIP"),
+        );
+    }
 }
 
 #[test]
 fn local_policy_keeps_the_client_source_and_uses_local_endpoints_only() {
     let mut s = scratch(true);
-    for sport in 42000..42020 {
-        let syn = packet::tcp(CLIENT, sport, NODE_IP, 30081).build();
-        let out = ingress(&mut s, &syn);
-        assert_bytes(
-            &out.packet,
-            &rewritten(&syn, None, Some(("10.244.1.6", 8080))),
-            "ETP=Local",
-        );
-        let leaving = egress(&mut s, &out.packet);
+    for f in FAMILIES {
+        for sport in 42000..42020 {
+            let syn = tcp(f, CLIENT, sport, NODE_IP, 30081).build();
+            let out = ingress(&mut s, &syn);
+            assert_bytes(
+                &out.packet,
+                &nat(f, &syn, None, Some(("10.244.1.6", 8080))),
+                format!("{f:?} ETP=Local"),
+            );
+            let leaving = egress(&mut s, &out.packet);
+            assert_eq!(summary(&leaving.packet).src, f.ip(CLIENT), "client IP preserved");
+        }
+        // A pod (cluster CIDR) calling the same NodePort is short-circuited to all endpoints.
+        let mut seen = std::collections::BTreeSet::new();
+        for sport in 43000..43060 {
+            let syn = tcp(f, "10.244.3.3", sport, NODE_IP, 30081).build();
+            seen.insert(summary(&ingress(&mut s, &syn).packet).dst);
+        }
         assert_eq!(
-            summary(&leaving.packet).src,
-            CLIENT.parse::<Ipv4Addr>().unwrap(),
-            "client IP preserved"
+            seen.len(),
+            2,
+            "{f:?}: pod traffic uses the cluster-wide endpoints: {seen:?}"
         );
     }
-    // A pod (cluster CIDR) calling the same NodePort is short-circuited to all endpoints.
-    let mut seen = std::collections::BTreeSet::new();
-    for sport in 43000..43060 {
-        let syn = packet::tcp("10.244.3.3", sport, NODE_IP, 30081).build();
-        seen.insert(summary(&ingress(&mut s, &syn).packet).dst);
-    }
-    assert_eq!(
-        seen.len(),
-        2,
-        "pod traffic uses the cluster-wide endpoints: {seen:?}"
-    );
 }
 
 #[test]
@@ -389,123 +448,215 @@ fn a_client_port_reused_on_another_frontend_is_not_masqueraded_by_the_old_flow()
     // Two NodePorts share a backend: 30090 masquerades (Cluster policy), 30081 keeps the client
     // address (Local). The client reuses its source port from the first for the second.
     let mut st = state();
-    st.add_service(
+    add(
+        &mut st,
         service("t", "shared")
             .cluster_ip("10.96.0.20")
             .port("http", "TCP", 80, 8080)
-            .node_port(30090)
-            .build(),
-    );
-    st.add_slice(
-        slice("t", "shared", "shared-1")
-            .endpoint("10.244.1.6", "node-a", State::Ready)
-            .port("http", "TCP", 8080)
-            .build(),
+            .node_port(30090),
+        Some(
+            slice("t", "shared", "shared-1")
+                .endpoint("10.244.1.6", "node-a", State::Ready)
+                .port("http", "TCP", 8080),
+        ),
     );
     let mut s = scratch_with(&st, true);
-    let first = ingress(&mut s, &packet::tcp(CLIENT, 44000, NODE_IP, 30090).build()).packet;
-    let masqueraded = egress(&mut s, &first);
-    assert_eq!(
-        summary(&masqueraded.packet).src,
-        NODE_IP.parse::<Ipv4Addr>().unwrap(),
-        "the Cluster-policy NodePort masquerades"
+    for f in FAMILIES {
+        let first = ingress(&mut s, &tcp(f, CLIENT, 44000, NODE_IP, 30090).build()).packet;
+        let masqueraded = egress(&mut s, &first);
+        assert_eq!(
+            summary(&masqueraded.packet).src,
+            f.ip(NODE_IP),
+            "the Cluster-policy NodePort masquerades"
+        );
+        // Same client tuple after DNAT (CLIENT:44000 -> 10.244.1.6:8080), but through the Local
+        // one.
+        let syn = tcp(f, CLIENT, 44000, NODE_IP, 30081).build();
+        let dnat = ingress(&mut s, &syn);
+        assert_bytes(
+            &dnat.packet,
+            &nat(f, &syn, None, Some(("10.244.1.6", 8080))),
+            format!("{f:?} ETP=Local DNAT"),
+        );
+        let leaving = egress(&mut s, &dnat.packet);
+        assert_bytes(
+            &leaving.packet,
+            &dnat.packet,
+            format!("{f:?} client address preserved"),
+        );
+        // Its replies go back as the Local NodePort.
+        let reply = tcp(f, "10.244.1.6", 8080, CLIENT, 44000).build();
+        let out = egress(&mut s, &reply);
+        assert_bytes(
+            &out.packet,
+            &nat(f, &reply, Some((NODE_IP, 30081)), None),
+            format!("{f:?} reverse NAT to the Local NodePort"),
+        );
+    }
+}
+
+#[test]
+fn client_ip_affinity_keeps_a_client_on_one_backend() {
+    let mut st = state();
+    add(
+        &mut st,
+        service("t", "sticky")
+            .cluster_ip("10.96.0.30")
+            .port("http", "TCP", 80, 8080)
+            .client_ip_affinity(60),
+        Some(
+            slice("t", "sticky", "sticky-1")
+                .endpoint("10.244.2.30", "node-b", State::Ready)
+                .endpoint("10.244.2.31", "node-b", State::Ready)
+                .port("http", "TCP", 8080),
+        ),
     );
-    // Same client tuple after DNAT (CLIENT:44000 -> 10.244.1.6:8080), but through the Local one.
-    let syn = packet::tcp(CLIENT, 44000, NODE_IP, 30081).build();
-    let dnat = ingress(&mut s, &syn);
-    assert_bytes(
-        &dnat.packet,
-        &rewritten(&syn, None, Some(("10.244.1.6", 8080))),
-        "ETP=Local DNAT",
-    );
-    let leaving = egress(&mut s, &dnat.packet);
-    assert_bytes(&leaving.packet, &dnat.packet, "client address preserved");
-    // Its replies go back as the Local NodePort.
-    let reply = packet::tcp("10.244.1.6", 8080, CLIENT, 44000).build();
-    let out = egress(&mut s, &reply);
-    assert_bytes(
-        &out.packet,
-        &rewritten(&reply, Some((NODE_IP, 30081)), None),
-        "reverse NAT to the Local NodePort",
-    );
+    let mut s = scratch_with(&st, true);
+    for f in FAMILIES {
+        let backend_of = |s: &mut ScratchDatapath, client: &str, sport: u16| {
+            summary(&ingress(s, &tcp(f, client, sport, "10.96.0.30", 80).build()).packet).dst
+        };
+        // One client, many connections: one backend.
+        let first = backend_of(&mut s, CLIENT, 48000);
+        for sport in 48001..48030 {
+            assert_eq!(backend_of(&mut s, CLIENT, sport), first, "{f:?}: affinity");
+        }
+        // Many clients: both backends (all twenty on one: 2^-19).
+        let seen: std::collections::BTreeSet<IpAddr> = (101..121)
+            .map(|host| backend_of(&mut s, &format!("192.168.50.{host}"), 48100))
+            .collect();
+        assert_eq!(seen, [f.ip("10.244.2.30"), f.ip("10.244.2.31")].into(), "{f:?}");
+    }
 }
 
 #[test]
 fn local_policy_without_local_endpoints_drops() {
     let mut s = scratch(true);
-    let syn = packet::tcp(CLIENT, 42100, NODE_IP, 30082).build();
-    let out = ingress(&mut s, &syn);
-    assert_eq!(out.action, SHOT);
+    for f in FAMILIES {
+        let syn = tcp(f, CLIENT, 42100, NODE_IP, 30082).build();
+        let out = ingress(&mut s, &syn);
+        assert_eq!(out.action, SHOT, "{f:?}");
+    }
+}
+
+/// The port unreachable the program answers `pkt` (from `CLIENT_MAC` to `NODE_MAC`) with: from
+/// the address the client called to the client, MAC addresses swapped, quoting the IP header
+/// (IPv4 options or IPv6 extension headers included) and 8 bytes of L4, IPv6 rounding up to 8
+/// bytes and quoting at most 64 (see `ipv6.rs`).
+fn expected_port_unreachable(pkt: &[u8]) -> Vec<u8> {
+    let l = packet::layout(pkt).expect("IP");
+    let to_ports = l.l4 - ETH_HLEN + 8;
+    let quote = match l.family {
+        Family::V4 => to_ports,
+        Family::V6 => to_ports.next_multiple_of(8).min(64),
+    };
+    let (kind, code, rest) = IcmpError::PortUnreachable.header(l.family);
+    let mut e = packet::icmp_raw(l.dst, l.src, kind, code, rest, &pkt[ETH_HLEN..ETH_HLEN + quote]);
+    e[0..6].copy_from_slice(&pkt[6..12]);
+    e[6..12].copy_from_slice(&pkt[0..6]);
+    e
 }
 
 #[test]
 fn a_service_without_endpoints_is_rejected_with_icmp_port_unreachable() {
     let mut s = scratch(true);
-    let mut with_options = packet::tcp(CLIENT, 42202, "10.96.0.14", 80);
-    with_options.options = vec![7, 7, 4, 0, 0, 0, 0, 0]; // record route (one slot), EOL padding
-    for syn in [
-        packet::tcp(CLIENT, 42200, "10.96.0.14", 80).build(),
-        packet::udp(CLIENT, 42201, "10.96.0.14", 53).build(),
-        // The quote carries the whole IP header, options included.
-        with_options.build(),
-    ] {
-        let out = ingress(&mut s, &syn);
-        assert_eq!(
-            out.action, REDIRECT,
-            "sent back out of the interface it came in on"
-        );
-        let expected = {
-            let mut e = packet::icmp_error(
-                "10.96.0.14",
-                CLIENT,
-                Icmpv4Type::DestinationUnreachable(DestUnreachableHeader::Port),
-                &syn,
+    for f in FAMILIES {
+        let mut cases = vec![
+            tcp(f, CLIENT, 42200, "10.96.0.14", 80),
+            udp(f, CLIENT, 42201, "10.96.0.14", 53),
+        ];
+        match f {
+            Family::V4 => {
+                // The quote carries the whole IP header, options included.
+                let mut with_options = tcp(f, CLIENT, 42202, "10.96.0.14", 80);
+                with_options.options = vec![7, 7, 4, 0, 0, 0, 0, 0]; // record route, EOL padding
+                cases.push(with_options);
+            }
+            Family::V6 => {
+                // The quote carries the extension headers: 56 bytes, 64, and the first 64 of a
+                // longer one (cut before the ports).
+                cases.push(tcp(f, CLIENT, 42202, "10.96.0.14", 80).extension(DSTOPTS, 8));
+                cases.push(
+                    udp(f, CLIENT, 42203, "10.96.0.14", 53)
+                        .extension(HOPOPTS, 8)
+                        .extension(DSTOPTS, 8),
+                );
+                cases.push(tcp(f, CLIENT, 42204, "10.96.0.14", 80).extension(DSTOPTS, 40));
+                // An authentication header of 12 bytes (a multiple of 4, not 8): the quote is
+                // rounded up to keep the ports.
+                cases.push(udp(f, CLIENT, 42205, "10.96.0.14", 53).extension(packet::AUTH, 12));
+            }
+        }
+        for spec in cases {
+            let syn = spec.build();
+            let what = format!("{f:?} {:?} {:?}", spec.extensions, spec.options);
+            let out = ingress(&mut s, &syn);
+            assert_eq!(
+                out.action, REDIRECT,
+                "{what}: sent back out of the interface it came in on"
             );
-            // The program sends it back: Ethernet addresses swapped, TOS 0xc0 (internetwork
-            // control, as the kernel's ICMP errors), no DF, id 0.
-            e[0..6].copy_from_slice(&packet::CLIENT_MAC);
-            e[6..12].copy_from_slice(&packet::NODE_MAC);
-            e
-        };
-        verify_checksums(&out.packet).unwrap();
-        assert_eq!(&out.packet[..12], &expected[..12], "Ethernet addresses swapped");
-        assert_eq!(
-            &out.packet[14 + 12..14 + 20],
-            &expected[14 + 12..14 + 20],
-            "from the frontend to the client"
-        );
-        assert_eq!(
-            &out.packet[34..],
-            &expected[34..],
-            "ICMP port unreachable quoting the packet"
-        );
+            let expected = expected_port_unreachable(&syn);
+            // Type 3/3 or 1/4, from the frontend to the client, Ethernet addresses swapped, the
+            // packet quoted, TOS 0xc0 and no DF (IPv4) or traffic class 0 (IPv6), TTL 64.
+            assert_same(&out.packet, &expected, format!("{what}: port unreachable"));
+            let l = packet::layout(&out.packet).unwrap();
+            assert_eq!(
+                (l.src, l.dst, l.proto),
+                (f.ip("10.96.0.14"), f.ip(CLIENT), f.icmp_proto())
+            );
+            if spec.extensions.iter().all(|e| e.1 <= 16) {
+                let q = packet::quoted_summary(&out.packet);
+                assert_eq!(
+                    (q.sport, q.dport),
+                    (spec.sport, spec.dport),
+                    "{what}: ports quoted"
+                );
+            }
+        }
     }
 }
 
 #[test]
 fn a_reject_never_answers_a_source_icmp_errors_may_not_go_to() {
     let mut s = scratch(true);
-    for src in [
-        "255.255.255.255",
-        "0.0.0.0",
-        "0.1.2.3",
-        "224.0.0.5",
-        "239.1.1.1",
-        "240.0.0.1",
-        "127.0.0.1",
-    ] {
-        let p = packet::udp(src, 5000, "10.96.0.14", 53).build();
-        let out = ingress(&mut s, &p);
-        assert_eq!(out.action, SHOT, "the packet from {src} is dropped unanswered");
+    let mut expected = 0;
+    for f in FAMILIES {
+        let sources: &[&str] = match f {
+            Family::V4 => &[
+                "255.255.255.255",
+                "0.0.0.0",
+                "0.1.2.3",
+                "224.0.0.5",
+                "239.1.1.1",
+                "240.0.0.1",
+                "127.0.0.1",
+            ],
+            // RFC 4443 2.4 (e): multicast, unspecified; loopback never comes from the wire.
+            Family::V6 => &["ff02::1", "ff05::1:3", "ff0e::101", "::", "::1"],
+        };
+        for src in sources {
+            let p = packet::udp(src, 5000, &f.addr("10.96.0.14"), 53).build();
+            let out = ingress(&mut s, &p);
+            assert_eq!(out.action, SHOT, "the packet from {src} is dropped unanswered");
+            let p = packet::tcp(src, 5000, &f.addr("10.96.0.14"), 80).build();
+            assert_eq!(ingress(&mut s, &p).action, SHOT, "{src}, TCP");
+            expected += 2;
+        }
+        // A unicast source in a link-layer broadcast or multicast frame (RFC 1122 3.2.2, RFC
+        // 4443 2.4 (e.2)).
+        for mac in [[0xff; 6], [0x33, 0x33, 0, 0, 0, 1], [0x01, 0, 0x5e, 0, 0, 1]] {
+            let mut p = udp(f, CLIENT, 5000, "10.96.0.14", 53).build();
+            p[0..6].copy_from_slice(&mac);
+            assert_eq!(
+                ingress(&mut s, &p).action,
+                SHOT,
+                "{f:?}: link-layer group {mac:x?}"
+            );
+            expected += 1;
+        }
     }
-    // A unicast source in a link-layer broadcast frame (RFC 1122 3.2.2 too).
-    let mut p = packet::udp(CLIENT, 5000, "10.96.0.14", 53).build();
-    p[0..6].copy_from_slice(&[0xff; 6]);
-    assert_eq!(ingress(&mut s, &p).action, SHOT, "link-layer broadcast");
-    let unanswerable = s
-        .maps()
-        .counter(lb_common::stats::Counter::TcRejectUnanswerable as u32);
-    assert_eq!(unanswerable, 8);
+    assert_eq!(counter(&s, Counter::TcRejectUnanswerable), expected);
+    assert_eq!(counter(&s, Counter::TcRejectRateLimited), 0);
 }
 
 #[test]
@@ -514,34 +665,36 @@ fn reject_answers_are_rate_limited_like_the_kernels_icmp_errors() {
     let mut s = scratch(true);
     let flood = 400u16;
     let started = std::time::Instant::now();
-    let mut answered = 0u64;
+    // One bucket for both families (as the kernel's global ICMP rate limit): the flood
+    // alternates between them.
+    let mut answered = [0u64; 2];
     for i in 0..flood {
-        let p = packet::udp(CLIENT, 10_000 + i, "10.96.0.14", 53).build();
+        let f = FAMILIES[usize::from(i % 2)];
+        let p = udp(f, CLIENT, 10_000 + i, "10.96.0.14", 53).build();
         match ingress(&mut s, &p).action {
-            REDIRECT => answered += 1,
+            REDIRECT => answered[usize::from(i % 2)] += 1,
             SHOT => {}
             other => panic!("verdict {other}"),
         }
     }
     let elapsed_ms = started.elapsed().as_millis() as u64;
+    let total: u64 = answered.iter().sum();
     // One bucket per CPU: a full burst on the first CPU the test runs on, and at most a burst per
     // CPU plus the refill over the time the flood took.
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
     let ceiling = cpus * REJECT_BURST + (elapsed_ms + 1) * REJECT_RATE_PER_SEC / 1000 * cpus;
+    assert!(total >= REJECT_BURST, "{total} answers: less than one burst");
     assert!(
-        answered >= REJECT_BURST,
-        "{answered} answers: less than one burst"
+        total <= ceiling.min(u64::from(flood)),
+        "{total} answers in {elapsed_ms} ms (ceiling {ceiling})"
     );
     assert!(
-        answered <= ceiling.min(u64::from(flood)),
-        "{answered} answers in {elapsed_ms} ms (ceiling {ceiling})"
+        answered.iter().all(|n| *n >= REJECT_BURST / 2 - 1),
+        "both families are answered: {answered:?}"
     );
-    let limited = s
-        .maps()
-        .counter(lb_common::stats::Counter::TcRejectRateLimited as u32);
     assert_eq!(
-        limited,
-        u64::from(flood) - answered,
+        counter(&s, Counter::TcRejectRateLimited),
+        u64::from(flood) - total,
         "every unanswered packet is counted"
     );
 }
@@ -549,75 +702,82 @@ fn reject_answers_are_rate_limited_like_the_kernels_icmp_errors() {
 #[test]
 fn load_balancer_source_ranges_are_enforced() {
     let mut s = scratch(true);
-    let denied = packet::tcp(CLIENT, 42300, "203.0.113.10", 80).build();
-    assert_eq!(ingress(&mut s, &denied).action, SHOT);
-    let allowed = packet::tcp("198.51.100.7", 42301, "203.0.113.10", 80).build();
-    let out = ingress(&mut s, &allowed);
-    assert_bytes(
-        &out.packet,
-        &rewritten(&allowed, None, Some(("10.244.1.5", 8080))),
-        "allowed source",
-    );
-    // NodePorts are not filtered by source ranges (kube-proxy).
-    let np = packet::tcp(CLIENT, 42302, NODE_IP, 30083).build();
-    assert_eq!(
-        summary(&ingress(&mut s, &np).packet).dst,
-        "10.244.1.5".parse::<Ipv4Addr>().unwrap()
-    );
+    for f in FAMILIES {
+        let denied = tcp(f, CLIENT, 42300, "203.0.113.10", 80).build();
+        assert_eq!(ingress(&mut s, &denied).action, SHOT, "{f:?}");
+        let allowed = tcp(f, "198.51.100.7", 42301, "203.0.113.10", 80).build();
+        let out = ingress(&mut s, &allowed);
+        assert_bytes(
+            &out.packet,
+            &nat(f, &allowed, None, Some(("10.244.1.5", 8080))),
+            format!("{f:?} allowed source"),
+        );
+        // Just outside the range (the next /24, or /64 in IPv6).
+        let outside = tcp(f, "198.51.101.7", 42302, "203.0.113.10", 80).build();
+        assert_eq!(ingress(&mut s, &outside).action, SHOT, "{f:?}");
+        // NodePorts are not filtered by source ranges (kube-proxy).
+        let np = tcp(f, CLIENT, 42303, NODE_IP, 30083).build();
+        assert_eq!(summary(&ingress(&mut s, &np).packet).dst, f.ip("10.244.1.5"));
+    }
+    assert_eq!(counter(&s, Counter::SourceRangeDenied), 4);
 }
 
 #[test]
 fn hairpin_is_masqueraded() {
     let mut s = scratch(true);
-    // The backend pod calls its own Service.
-    let syn = packet::tcp("10.244.1.5", 44000, "10.96.0.10", 80).build();
-    let dnat = ingress(&mut s, &syn);
-    assert_bytes(
-        &dnat.packet,
-        &rewritten(&syn, None, Some(("10.244.1.5", 8080))),
-        "hairpin DNAT",
-    );
-    let snat = egress(&mut s, &dnat.packet);
-    let s2 = summary(&snat.packet);
-    assert_eq!(
-        s2.src,
-        NODE_IP.parse::<Ipv4Addr>().unwrap(),
-        "the pod sees the node, not itself"
-    );
-    assert_bytes(
-        &snat.packet,
-        &rewritten(&dnat.packet, Some((NODE_IP, s2.sport)), None),
-        "hairpin SNAT",
-    );
+    for f in FAMILIES {
+        // The backend pod calls its own Service.
+        let syn = tcp(f, "10.244.1.5", 44000, "10.96.0.10", 80).build();
+        let dnat = ingress(&mut s, &syn);
+        assert_bytes(
+            &dnat.packet,
+            &nat(f, &syn, None, Some(("10.244.1.5", 8080))),
+            format!("{f:?} hairpin DNAT"),
+        );
+        let snat = egress(&mut s, &dnat.packet);
+        let s2 = summary(&snat.packet);
+        assert_eq!(s2.src, f.ip(NODE_IP), "the pod sees the node, not itself");
+        assert_bytes(
+            &snat.packet,
+            &nat(f, &dnat.packet, Some((NODE_IP, s2.sport)), None),
+            format!("{f:?} hairpin SNAT"),
+        );
+    }
 }
 
 #[test]
 fn off_cluster_sources_to_a_cluster_ip_are_masqueraded_when_a_cluster_cidr_is_set() {
     let mut s = scratch(true);
-    let syn = packet::tcp(CLIENT, 44100, "10.96.0.10", 80).build();
-    let dnat = ingress(&mut s, &syn).packet;
-    let out = egress(&mut s, &dnat);
-    assert_eq!(summary(&out.packet).src, NODE_IP.parse::<Ipv4Addr>().unwrap());
+    for f in FAMILIES {
+        let syn = tcp(f, CLIENT, 44100, "10.96.0.10", 80).build();
+        let dnat = ingress(&mut s, &syn).packet;
+        let out = egress(&mut s, &dnat);
+        assert_eq!(summary(&out.packet).src, f.ip(NODE_IP), "{f:?}");
+    }
     // Without a local-traffic detector, kube-proxy does not masquerade cluster IP traffic.
     let mut s = scratch(false);
-    let syn = packet::tcp(CLIENT, 44101, "10.96.0.10", 80).build();
-    let dnat = ingress(&mut s, &syn).packet;
-    let out = egress(&mut s, &dnat);
-    assert_eq!(summary(&out.packet).src, CLIENT.parse::<Ipv4Addr>().unwrap());
+    for f in FAMILIES {
+        let syn = tcp(f, CLIENT, 44101, "10.96.0.10", 80).build();
+        let dnat = ingress(&mut s, &syn).packet;
+        let out = egress(&mut s, &dnat);
+        assert_eq!(summary(&out.packet).src, f.ip(CLIENT), "{f:?}");
+    }
 }
 
 #[test]
 fn non_service_traffic_passes_untouched() {
     let mut s = scratch(true);
-    for pkt in [
-        packet::tcp(CLIENT, 45000, "10.244.1.5", 8080).build(),
-        packet::tcp(CLIENT, 45001, "10.96.0.10", 81).build(),
-        packet::udp(CLIENT, 45002, "10.96.0.10", 80).build(),
-        packet::tcp(CLIENT, 45003, NODE_IP, 22).build(),
-    ] {
-        for run in [ingress(&mut s, &pkt), egress(&mut s, &pkt)] {
-            assert_eq!(run.action, OK);
-            assert_eq!(run.packet, pkt);
+    for f in FAMILIES {
+        for pkt in [
+            tcp(f, CLIENT, 45000, "10.244.1.5", 8080).build(),
+            tcp(f, CLIENT, 45001, "10.96.0.10", 81).build(),
+            udp(f, CLIENT, 45002, "10.96.0.10", 80).build(),
+            tcp(f, CLIENT, 45003, NODE_IP, 22).build(),
+        ] {
+            for run in [ingress(&mut s, &pkt), egress(&mut s, &pkt)] {
+                assert_eq!(run.action, OK);
+                assert_eq!(run.packet, pkt);
+            }
         }
     }
 }
@@ -625,228 +785,540 @@ fn non_service_traffic_passes_untouched() {
 #[test]
 fn truncated_and_fragmented_packets_pass_untouched() {
     let mut s = scratch(true);
-    let full = packet::tcp(CLIENT, 45100, "10.96.0.10", 80).build();
-    // BPF_PROG_TEST_RUN refuses an IPv4 frame shorter than its IP header (kernel 6.18), so the
-    // truncation cases start inside the TCP header.
-    for len in [34, 40, 47, 53] {
-        let cut = &full[..len];
-        let out = ingress(&mut s, cut);
-        assert_eq!(out.action, OK, "truncated to {len}");
-        assert_eq!(out.packet, cut, "truncated to {len}");
+    for f in FAMILIES {
+        let full = tcp(f, CLIENT, 45100, "10.96.0.10", 80).build();
+        let l4 = ETH_HLEN + f.ip_hlen();
+        // BPF_PROG_TEST_RUN refuses a frame shorter than its IP header (kernel 6.18), so the
+        // truncation cases start at the L4 header.
+        let mut cut: Vec<Vec<u8>> = [l4, l4 + 6, l4 + 13, l4 + 19]
+            .map(|len| full[..len].to_vec())
+            .to_vec();
+        if f == Family::V6 {
+            // Cut inside an extension header, and inside the TCP header after one.
+            let with_ext = tcp(f, CLIENT, 45100, "10.96.0.10", 80)
+                .extension(DSTOPTS, 16)
+                .build();
+            cut.extend([l4 + 1, l4 + 4, l4 + 15, l4 + 16 + 10].map(|len| with_ext[..len].to_vec()));
+        }
+        let truncated = counter(&s, Counter::TcTruncated);
+        for p in &cut {
+            for run in [ingress(&mut s, p), egress(&mut s, p)] {
+                assert_eq!(run.action, OK, "{f:?} truncated to {}", p.len());
+                assert_eq!(&run.packet, p, "{f:?} truncated to {}", p.len());
+            }
+        }
+        assert_eq!(
+            counter(&s, Counter::TcTruncated) - truncated,
+            cut.len() as u64,
+            "{f:?}: counted at ingress"
+        );
+        // The first fragment (its ports are there, its length is not the datagram's) and a later
+        // one: never translated, counted.
+        let fragments = counter(&s, Counter::TcFragment);
+        let frags = [
+            Fragment {
+                offset: 0,
+                more: true,
+            },
+            Fragment {
+                offset: 185,
+                more: false,
+            },
+        ];
+        for frag in frags {
+            let mut spec = udp(f, CLIENT, 45101, "10.96.0.16", 53);
+            spec.fragment = Some(frag);
+            let p = spec.build();
+            let out = ingress(&mut s, &p);
+            assert_eq!(
+                (out.action, out.packet),
+                (OK, p),
+                "{f:?} {frag:?}: fragments are never translated"
+            );
+        }
+        assert_eq!(counter(&s, Counter::TcFragment) - fragments, 2, "{f:?}");
     }
-    let mut frag = packet::udp(CLIENT, 45101, "10.96.0.16", 53);
-    frag.more_fragments = true;
-    let frag = frag.build();
-    let out = ingress(&mut s, &frag);
-    assert_eq!(
-        (out.action, out.packet),
-        (OK, frag),
-        "fragments are never translated"
-    );
 }
 
 #[test]
 fn ip_options_are_handled() {
     let mut s = scratch(true);
-    let mut spec = packet::tcp("10.244.2.20", 45200, "10.96.0.10", 80);
+    let f = Family::V4;
+    let mut spec = tcp(f, "10.244.2.20", 45200, "10.96.0.10", 80);
     spec.options = vec![1, 1, 1, 0]; // NOP, NOP, NOP, EOL
     let syn = spec.build();
     let out = ingress(&mut s, &syn);
     assert_bytes(
         &out.packet,
-        &rewritten(&syn, None, Some(("10.244.1.5", 8080))),
+        &nat(f, &syn, None, Some(("10.244.1.5", 8080))),
         "DNAT with IP options",
     );
 }
 
 #[test]
-fn udp_is_translated_and_a_zero_checksum_stays_zero() {
+fn ipv6_extension_headers_before_l4_are_handled() {
     let mut s = scratch(true);
-    let dgram = packet::udp("10.244.2.20", 45300, "10.96.0.16", 53).build();
-    let out = ingress(&mut s, &dgram);
-    assert_bytes(
-        &out.packet,
-        &rewritten(&dgram, None, Some(("10.244.1.5", 5353))),
-        "UDP DNAT",
-    );
-    let mut no_csum = packet::udp("10.244.2.20", 45301, "10.96.0.16", 53).build();
-    no_csum[40] = 0;
-    no_csum[41] = 0;
-    let out = ingress(&mut s, &no_csum);
-    assert_eq!(&out.packet[40..42], &[0, 0], "no checksum stays no checksum");
+    let f = Family::V6;
+    let chains: [&[(u8, usize)]; 5] = [
+        &[(HOPOPTS, 8)],
+        &[(DSTOPTS, 8)],
+        &[(HOPOPTS, 8), (DSTOPTS, 16)],
+        &[(HOPOPTS, 16), (ROUTING, 8), (DSTOPTS, 24)],
+        &[(packet::AUTH, 12)],
+    ];
+    for (i, chain) in chains.iter().enumerate() {
+        let sport = 45200 + i as u16;
+        let with = |mut spec: Spec| {
+            spec.extensions = chain.to_vec();
+            spec
+        };
+        // A new flow through the headers: DNAT, and (a NodePort) masquerade.
+        let syn = with(tcp(f, "10.244.2.20", sport, "10.96.0.10", 80)).build();
+        let out = ingress(&mut s, &syn);
+        assert_bytes(
+            &out.packet,
+            &nat(f, &syn, None, Some(("10.244.1.5", 8080))),
+            format!("{chain:?}: DNAT"),
+        );
+        let data = with(tcp(f, "10.244.2.20", sport, "10.96.0.10", 80))
+            .data(b"more")
+            .build();
+        assert_bytes(
+            &ingress(&mut s, &data).packet,
+            &nat(f, &data, None, Some(("10.244.1.5", 8080))),
+            format!("{chain:?}: the established flow"),
+        );
+        let reply = with(tcp(f, "10.244.1.5", 8080, "10.244.2.20", sport))
+            .data(b"ok")
+            .build();
+        assert_bytes(
+            &egress(&mut s, &reply).packet,
+            &nat(f, &reply, Some(("10.96.0.10", 80)), None),
+            format!("{chain:?}: reverse NAT"),
+        );
+        let np = with(udp(f, CLIENT, sport, "10.96.0.16", 53)).build();
+        let dnat = ingress(&mut s, &np);
+        assert_bytes(
+            &dnat.packet,
+            &nat(f, &np, None, Some(("10.244.1.5", 5353))),
+            format!("{chain:?}: UDP DNAT"),
+        );
+        let snat = egress(&mut s, &dnat.packet);
+        let port = summary(&snat.packet).sport;
+        assert_bytes(
+            &snat.packet,
+            &nat(f, &dnat.packet, Some((NODE_IP, port)), None),
+            format!("{chain:?}: UDP SNAT"),
+        );
+    }
+    // More extension headers than the programs walk: left alone, not counted as anything.
+    let counters = |s: &ScratchDatapath| {
+        [Counter::TcTruncated, Counter::TcFragment, Counter::TcNewFlow].map(|c| counter(s, c))
+    };
+    let before = counters(&s);
+    let mut spec = tcp(f, "10.244.2.20", 45300, "10.96.0.10", 80);
+    spec.extensions = vec![
+        (HOPOPTS, 8),
+        (DSTOPTS, 8),
+        (ROUTING, 8),
+        (DSTOPTS, 8),
+        (DSTOPTS, 8),
+    ];
+    let p = spec.build();
+    for run in [ingress(&mut s, &p), egress(&mut s, &p)] {
+        assert_eq!((run.action, &run.packet), (OK, &p), "five extension headers");
+    }
+    assert_eq!(counters(&s), before);
+}
+
+#[test]
+fn an_ipv6_atomic_fragment_is_translated() {
+    // A fragment header with offset 0 and M clear (RFC 6946): a whole packet, sent so by hosts
+    // that were told of an MTU below 1280 (and by some middleboxes).
+    let mut s = scratch(true);
+    let f = Family::V6;
+    let atomic = Fragment {
+        offset: 0,
+        more: false,
+    };
+    let fragments = counter(&s, Counter::TcFragment);
+    for (i, chain) in [vec![], vec![(DSTOPTS, 8)]].into_iter().enumerate() {
+        let sport = 45400 + i as u16;
+        let mut syn = tcp(f, CLIENT, sport, NODE_IP, 30080);
+        syn.fragment = Some(atomic);
+        syn.extensions = chain.clone();
+        let syn = syn.build();
+        let l = packet::layout(&syn).unwrap();
+        assert!(l.atomic_fragment && !l.fragment);
+        let dnat = ingress(&mut s, &syn);
+        assert_bytes(
+            &dnat.packet,
+            &nat(f, &syn, None, Some(("10.244.2.7", 8080))),
+            format!("{chain:?}: DNAT of an atomic fragment"),
+        );
+        let snat = egress(&mut s, &dnat.packet);
+        let port = summary(&snat.packet).sport;
+        assert_bytes(
+            &snat.packet,
+            &nat(f, &dnat.packet, Some((NODE_IP, port)), None),
+            format!("{chain:?}: SNAT of an atomic fragment"),
+        );
+        let mut dgram = udp(f, CLIENT, sport, "10.96.0.16", 53);
+        dgram.fragment = Some(atomic);
+        let dgram = dgram.build();
+        assert_bytes(
+            &ingress(&mut s, &dgram).packet,
+            &nat(f, &dgram, None, Some(("10.244.1.5", 5353))),
+            format!("{chain:?}: UDP atomic fragment"),
+        );
+    }
     assert_eq!(
-        summary(&out.packet).dst,
-        "10.244.1.5".parse::<Ipv4Addr>().unwrap()
+        counter(&s, Counter::TcFragment),
+        fragments,
+        "not counted as fragments"
     );
 }
 
 #[test]
+fn udp_is_translated_with_correct_checksums_in_both_families() {
+    let mut s = scratch(true);
+    for f in FAMILIES {
+        let dgram = udp(f, "10.244.2.20", 45300, "10.96.0.16", 53).build();
+        let out = ingress(&mut s, &dgram);
+        assert_bytes(
+            &out.packet,
+            &nat(f, &dgram, None, Some(("10.244.1.5", 5353))),
+            format!("{f:?} UDP DNAT"),
+        );
+        let reply = udp(f, "10.244.1.5", 5353, "10.244.2.20", 45300).build();
+        assert_bytes(
+            &egress(&mut s, &reply).packet,
+            &nat(f, &reply, Some(("10.96.0.16", 53)), None),
+            format!("{f:?} UDP reverse NAT"),
+        );
+        // A zero checksum: IPv4's "none" stays none; in IPv6 it is invalid (RFC 8200 8.1) before
+        // and after, and the receiver drops it as it would have.
+        let mut no_csum = udp(f, "10.244.2.20", 45301, "10.96.0.16", 53).build();
+        let at = packet::layout(&no_csum).unwrap().l4 + 6;
+        no_csum[at..at + 2].fill(0);
+        let out = ingress(&mut s, &no_csum);
+        assert_eq!(&out.packet[at..at + 2], &[0, 0], "{f:?}: zero stays zero");
+        assert_eq!(summary(&out.packet).dst, f.ip("10.244.1.5"));
+        // A datagram whose checksum after translation sums to zero is sent with 0xffff (a zero
+        // would mean "none" in IPv4, and be invalid in IPv6).
+        let dst = f.addr("10.244.1.5");
+        let word = (0..=u16::MAX)
+            .find(|w| {
+                let p = udp(f, "10.244.2.20", 45302, "10.96.0.16", 53)
+                    .data(&w.to_be_bytes())
+                    .build();
+                let expected = rewritten(&p, None, Some((&dst, 5353)));
+                expected[at..at + 2] == [0xff, 0xff]
+            })
+            .expect("a payload that makes the checksum zero");
+        let p = udp(f, "10.244.2.20", 45302, "10.96.0.16", 53)
+            .data(&word.to_be_bytes())
+            .build();
+        let out = ingress(&mut s, &p);
+        assert_eq!(
+            &out.packet[at..at + 2],
+            &[0xff, 0xff],
+            "{f:?}: a zero sum is sent as 0xffff"
+        );
+        assert_bytes(
+            &out.packet,
+            &nat(f, &p, None, Some(("10.244.1.5", 5353))),
+            format!("{f:?} UDP DNAT to a zero sum"),
+        );
+    }
+}
+
+#[test]
 fn a_udp_flow_whose_backend_is_removed_moves_to_a_live_one() {
-    let mut st = state();
-    st.add_slice(
-        slice("t", "dns", "dns-1")
-            .endpoint("10.244.1.5", "node-a", State::Ready)
-            .port("dns", "UDP", 5353)
-            .build(),
-    );
-    let mut s = scratch_with(&st, true);
-    let dgram = packet::udp("10.244.2.20", 45400, "10.96.0.16", 53).build();
-    assert_eq!(
-        summary(&ingress(&mut s, &dgram).packet).dst,
-        "10.244.1.5".parse::<Ipv4Addr>().unwrap()
-    );
-    st.add_slice(
-        slice("t", "dns", "dns-1")
-            .endpoint("10.244.1.77", "node-a", State::Ready)
-            .port("dns", "UDP", 5353)
-            .build(),
-    );
-    s.program(&st).unwrap();
-    assert_eq!(
-        summary(&ingress(&mut s, &dgram).packet).dst,
-        "10.244.1.77".parse::<Ipv4Addr>().unwrap(),
-        "the next datagram of the same flow goes to the live backend"
-    );
+    let mut s = scratch(true);
+    for f in FAMILIES {
+        let mut st = state();
+        let dns = |ip: &str| {
+            slice("t", "dns", "dns-1")
+                .endpoint(ip, "node-a", State::Ready)
+                .port("dns", "UDP", 5353)
+                .in_family(f)
+                .build()
+        };
+        st.add_slice(dns("10.244.1.5"));
+        s.program(&st).unwrap();
+        let dgram = udp(f, "10.244.2.20", 45400, "10.96.0.16", 53).build();
+        assert_eq!(summary(&ingress(&mut s, &dgram).packet).dst, f.ip("10.244.1.5"));
+        st.add_slice(dns("10.244.1.77"));
+        s.program(&st).unwrap();
+        assert_eq!(
+            summary(&ingress(&mut s, &dgram).packet).dst,
+            f.ip("10.244.1.77"),
+            "{f:?}: the next datagram of the same flow goes to the live backend"
+        );
+        assert_eq!(counter(&s, Counter::TcStaleUdpMoved), 1 + f as u64);
+    }
 }
 
 #[test]
 fn icmp_errors_for_a_masqueraded_flow_are_translated_back() {
     let mut s = scratch(true);
-    let syn = packet::tcp(CLIENT, 46000, NODE_IP, 30080).build();
-    let dnat = ingress(&mut s, &syn);
-    let snat = egress(&mut s, &dnat.packet);
-    let port = summary(&snat.packet).sport;
-    // A router between the nodes cannot forward the (masqueraded) packet without fragmenting it.
-    let frag_needed = packet::icmp_error(
-        "10.244.2.1",
-        NODE_IP,
-        Icmpv4Type::DestinationUnreachable(DestUnreachableHeader::FragmentationNeeded { next_hop_mtu: 1400 }),
-        &snat.packet,
-    );
-    let back = ingress(&mut s, &frag_needed);
-    assert_eq!(back.action, OK);
-    verify_checksums(&back.packet).unwrap();
-    packet::verify_quoted_ip_checksum(&back.packet).unwrap();
-    let outer = &back.packet[14..34];
-    assert_eq!(
-        &outer[16..20],
-        &CLIENT.parse::<Ipv4Addr>().unwrap().octets(),
-        "addressed to the client"
-    );
-    let q = packet::quoted_summary(&back.packet);
-    assert_eq!(
-        (q.src, q.sport),
-        (CLIENT.parse().unwrap(), 46000),
-        "quotes the client's own source"
-    );
-    assert_eq!((q.dst, q.dport), ("10.244.2.7".parse().unwrap(), 8080));
-    // Leaving towards the client, the quote names the NodePort the client called.
-    let out = s
-        .datapath
-        .test_run_tc_with_mark("lb_tc_egress", &back.packet, back.mark)
-        .expect("egress");
-    verify_checksums(&out.packet).unwrap();
-    packet::verify_quoted_ip_checksum(&out.packet).unwrap();
-    let q = packet::quoted_summary(&out.packet);
-    assert_eq!(
-        (q.src, q.sport, q.dst, q.dport),
-        (CLIENT.parse().unwrap(), 46000, NODE_IP.parse().unwrap(), 30080)
-    );
-    assert!((20_000..=29_999).contains(&port));
+    for f in FAMILIES {
+        let errors = [
+            IcmpError::TooBig { mtu: 1400 },
+            IcmpError::HostUnreachable,
+            IcmpError::TimeExceeded,
+        ];
+        for (i, kind) in errors.into_iter().enumerate() {
+            let cport = 46000 + i as u16;
+            let what = format!("{f:?} {kind:?}");
+            let syn = tcp(f, CLIENT, cport, NODE_IP, 30080).build();
+            let dnat = ingress(&mut s, &syn).packet;
+            egress(&mut s, &dnat);
+            let data = tcp(f, CLIENT, cport, NODE_IP, 30080).data(&[0x55; 200]).build();
+            let dnat = ingress(&mut s, &data);
+            let snat = egress(&mut s, &dnat.packet);
+            let port = summary(&snat.packet).sport;
+            assert!((20_000..=29_999).contains(&port));
+            // A router between the nodes cannot forward the (masqueraded) packet: it answers the
+            // node's address, quoting the packet as it saw it (IPv6: all of it).
+            let router = f.addr("10.244.2.1");
+            let error = packet::icmp_error(&router, &f.addr(NODE_IP), kind, &snat.packet);
+            let back = ingress(&mut s, &error);
+            assert_eq!(back.action, OK, "{what}");
+            assert_ne!(back.mark, 0, "{what}: marked for egress");
+            // To the client, quoting its own source (the rest of the quote as it was: its L4
+            // checksum is not the receiver's business).
+            let quote = quote_nat(f, &snat.packet, Some((CLIENT, cport)), None);
+            let expected = packet::icmp_error(&router, &f.addr(CLIENT), kind, &quote);
+            assert_same(&back.packet, &expected, format!("{what} at ingress"));
+            // Leaving towards the client, the quote names the NodePort the client called.
+            let out = egress_marked(&mut s, &back.packet, back.mark);
+            assert_eq!((out.action, out.mark), (OK, 0), "{what}");
+            let quote = quote_nat(f, &quote, None, Some((NODE_IP, 30080)));
+            let expected = packet::icmp_error(&router, &f.addr(CLIENT), kind, &quote);
+            assert_same(&out.packet, &expected, format!("{what} at egress"));
+            let q = packet::quoted_summary(&out.packet);
+            assert_eq!(
+                (q.src, q.sport, q.dst, q.dport),
+                (f.ip(CLIENT), cport, f.ip(NODE_IP), 30080),
+                "{what}"
+            );
+        }
+    }
+    assert_eq!(counter(&s, Counter::TcIcmpErrorTranslated), 2 * 3 * 2);
+}
+
+#[test]
+fn icmp_errors_about_replies_are_translated_for_the_backend_and_the_client() {
+    let mut s = scratch(true);
+    for f in FAMILIES {
+        // A masqueraded NodePort flow: the client's side of the network cannot carry the reply
+        // the node sent as the NodePort (path MTU discovery of the backend's responses).
+        let syn = tcp(f, CLIENT, 47000, NODE_IP, 30080).build();
+        let dnat = ingress(&mut s, &syn);
+        let snat = egress(&mut s, &dnat.packet);
+        let port = summary(&snat.packet).sport;
+        let reply = tcp(f, "10.244.2.7", 8080, NODE_IP, port)
+            .data(&[0xaa; 300])
+            .build();
+        let unsnat = ingress(&mut s, &reply);
+        let sent = egress_marked(&mut s, &unsnat.packet, unsnat.mark).packet;
+        assert_eq!(
+            summary(&sent).src,
+            f.ip(NODE_IP),
+            "the reply left as the NodePort"
+        );
+        let router = f.addr("192.168.50.1");
+        let kind = IcmpError::TooBig { mtu: 1280 };
+        let error = packet::icmp_error(&router, &f.addr(NODE_IP), kind, &sent);
+        let back = ingress(&mut s, &error);
+        assert_eq!(back.action, OK, "{f:?}");
+        // To the backend, quoting what it sent: backend -> the node's masquerade address.
+        let quote = quote_nat(f, &sent, Some(("10.244.2.7", 8080)), Some((NODE_IP, port)));
+        let expected = packet::icmp_error(&router, &f.addr("10.244.2.7"), kind, &quote);
+        assert_same(&back.packet, &expected, format!("{f:?} error about a reply"));
+
+        // A flow that is not masqueraded (Local policy): the backend's own error about the
+        // client's packet leaves towards the client naming the NodePort the client called.
+        let syn = tcp(f, CLIENT, 47001, NODE_IP, 30081).build();
+        let dnat = ingress(&mut s, &syn).packet;
+        let error = packet::icmp_error(
+            &f.addr("10.244.1.6"),
+            &f.addr(CLIENT),
+            IcmpError::PortUnreachable,
+            &dnat,
+        );
+        let out = egress(&mut s, &error);
+        assert_eq!(out.action, OK);
+        let quote = quote_nat(f, &dnat, None, Some((NODE_IP, 30081)));
+        let expected = packet::icmp_error(
+            &f.addr("10.244.1.6"),
+            &f.addr(CLIENT),
+            IcmpError::PortUnreachable,
+            &quote,
+        );
+        assert_same(&out.packet, &expected, format!("{f:?} the backend's error"));
+    }
+}
+
+#[test]
+fn neighbour_discovery_and_other_icmpv6_pass_untouched() {
+    let mut s = scratch(true);
+    let frontend = Family::V6.ip("10.96.0.10");
+    let node = Family::V6.ip(NODE_IP);
+    let ll = |s: &str| -> IpAddr { s.parse().unwrap() };
+    let target = |ip: IpAddr| match ip {
+        IpAddr::V6(a) => a.octets(),
+        IpAddr::V4(_) => unreachable!(),
+    };
+    // (from, to, type, code, body after the 4 bytes that follow the checksum)
+    let messages: Vec<(IpAddr, IpAddr, u8, u8, Vec<u8>)> = vec![
+        // Neighbour solicitation for the cluster IP and the node, to the solicited-node group.
+        (
+            ll("fe80::1"),
+            ll("ff02::1:ff00:10"),
+            135,
+            0,
+            target(frontend).to_vec(),
+        ),
+        (ll("fe80::1"), node, 135, 0, target(node).to_vec()),
+        // Neighbour advertisement of the cluster IP (a proxy-ARP-like answer).
+        (ll("fe80::2"), ll("fe80::1"), 136, 0, target(frontend).to_vec()),
+        // Router solicitation and advertisement.
+        (ll("fe80::1"), ll("ff02::2"), 133, 0, vec![]),
+        (ll("fe80::2"), ll("ff02::1"), 134, 0, vec![0; 8]),
+        // Echo request and reply to and from a frontend.
+        (Family::V6.ip(CLIENT), frontend, 128, 0, b"ping".to_vec()),
+        (frontend, Family::V6.ip(CLIENT), 129, 0, b"pong".to_vec()),
+        // An error of a type that quotes nothing the programs translate (parameter problem
+        // about the neighbour solicitation above).
+        (ll("fe80::2"), ll("fe80::1"), 4, 1, vec![]),
+    ];
+    // MLD listener report, after a hop-by-hop header (router alert), as hosts send them.
+    let mut mld = packet::icmp_raw(ll("fe80::1"), ll("ff02::16"), 143, 0, [0; 4], &[]);
+    let hbh = vec![packet::ICMPV6, 0, 5, 2, 0, 0, 1, 0];
+    mld.splice(54..54, hbh);
+    mld[ETH_HLEN + 6] = HOPOPTS;
+    let payload = u16::from_be_bytes([mld[18], mld[19]]) + 8;
+    mld[18..20].copy_from_slice(&payload.to_be_bytes());
+    let mut frames: Vec<Vec<u8>> = messages
+        .into_iter()
+        .map(|(from, to, kind, code, body)| {
+            let mut p = packet::icmp_raw(from, to, kind, code, [0; 4], &body);
+            p[ETH_HLEN + 7] = 255; // hop limit, as neighbour discovery requires
+            p
+        })
+        .collect();
+    frames.push(mld);
+    for p in &frames {
+        for mark in [0, 0x5EA0_0001] {
+            for run in [ingress(&mut s, p), egress_marked(&mut s, p, mark)] {
+                assert_eq!(run.action, OK, "{}", hex(p));
+                assert_eq!(&run.packet, p, "ICMPv6 type {} rewritten", p[54]);
+            }
+        }
+    }
+    assert_eq!(counter(&s, Counter::TcIcmpErrorTranslated), 0);
 }
 
 /// Regression: the entries of closed connections held their masquerade ports until LRU eviction
 /// (only once the whole map was full), so after as many connections as the SNAT range has ports
 /// every new NodePort connection to that backend was dropped. The programs now mark FIN and RST,
-/// and the agent's conntrack GC frees ended flows.
+/// and the agent's conntrack GC frees ended flows, in both families' maps.
 #[test]
 fn closed_masqueraded_flows_give_their_ports_back_through_the_conntrack_gc() {
     use lb_agent::{apply::MapOps, datapath::conntrack};
-    use lb_common::stats::Counter;
     use packet::Close;
 
-    let mut s = scratch(true);
-    // A masquerade range of two ports.
-    let mut cfg = s.maps().config.get(&0, 0).expect("config");
-    cfg.snat_port_min = 20_000;
-    cfg.snat_port_max = 20_001;
-    s.maps_mut().put_config(&cfg).expect("config");
-    let mut ct = s.datapath.take_conntrack().expect("conntrack map");
-    const BACKEND: &str = "10.244.2.7";
+    for f in FAMILIES {
+        let mut s = scratch(true);
+        // A masquerade range of two ports.
+        let mut cfg = s.maps().config.get(&0, 0).expect("config");
+        cfg.snat_port_min = 20_000;
+        cfg.snat_port_max = 20_001;
+        s.maps_mut().put_config(&cfg).expect("config");
+        let mut ct = s.datapath.take_conntrack().expect("conntrack maps");
+        const BACKEND: &str = "10.244.2.7";
 
-    // Opens a NodePort connection from `cport`; its masquerade port, or None when dropped.
-    let connect = |s: &mut ScratchDatapath, cport: u16| -> Option<u16> {
-        let dnat = ingress(s, &packet::tcp(CLIENT, cport, NODE_IP, 30080).build());
-        if dnat.action == SHOT {
-            return None;
-        }
-        assert_eq!(summary(&dnat.packet).dst.to_string(), BACKEND);
-        let snat = egress(s, &dnat.packet);
-        Some(summary(&snat.packet).sport)
-    };
-    let a = connect(&mut s, 41000).expect("first connection");
-    let b = connect(&mut s, 41001).expect("second connection");
-    assert_eq!([a.min(b), a.max(b)], [20_000, 20_001]);
-    let exhausted = |s: &ScratchDatapath| s.maps().counter(Counter::TcSnatPortsExhausted as u32);
-    assert_eq!(connect(&mut s, 41002), None, "both ports taken: dropped");
-    assert_eq!(exhausted(&s), 1);
+        // Opens a NodePort connection from `cport`; its masquerade port, or None when dropped.
+        let connect = |s: &mut ScratchDatapath, cport: u16| -> Option<u16> {
+            let dnat = ingress(s, &tcp(f, CLIENT, cport, NODE_IP, 30080).build());
+            if dnat.action == SHOT {
+                return None;
+            }
+            assert_eq!(summary(&dnat.packet).dst, f.ip(BACKEND));
+            let snat = egress(s, &dnat.packet);
+            Some(summary(&snat.packet).sport)
+        };
+        let a = connect(&mut s, 41000).expect("first connection");
+        let b = connect(&mut s, 41001).expect("second connection");
+        assert_eq!([a.min(b), a.max(b)], [20_000, 20_001]);
+        let exhausted = |s: &ScratchDatapath| counter(s, Counter::TcSnatPortsExhausted);
+        assert_eq!(connect(&mut s, 41002), None, "both ports taken: dropped");
+        assert_eq!(exhausted(&s), 1);
 
-    // A is closed by both sides (FIN from the client, translated on the way in; FIN from the
-    // backend, un-SNATed on the way back); B only by its client.
-    let fin = ingress(
-        &mut s,
-        &packet::tcp(CLIENT, 41000, NODE_IP, 30080)
-            .closing(Close::Fin)
-            .build(),
-    );
-    assert_eq!(summary(&fin.packet).dst.to_string(), BACKEND);
-    let reply_fin = ingress(
-        &mut s,
-        &packet::tcp(BACKEND, 8080, NODE_IP, a).closing(Close::Fin).build(),
-    );
-    assert_eq!(summary(&reply_fin.packet).dst.to_string(), CLIENT);
-    ingress(
-        &mut s,
-        &packet::tcp(CLIENT, 41001, NODE_IP, 30080)
-            .closing(Close::Fin)
-            .build(),
-    );
+        // A is closed by both sides (FIN from the client, translated on the way in; FIN from the
+        // backend, un-SNATed on the way back); B only by its client.
+        let fin = ingress(
+            &mut s,
+            &tcp(f, CLIENT, 41000, NODE_IP, 30080).closing(Close::Fin).build(),
+        );
+        assert_eq!(summary(&fin.packet).dst, f.ip(BACKEND));
+        let reply_fin = ingress(
+            &mut s,
+            &tcp(f, BACKEND, 8080, NODE_IP, a).closing(Close::Fin).build(),
+        );
+        assert_eq!(summary(&reply_fin.packet).dst, f.ip(CLIENT));
+        ingress(
+            &mut s,
+            &tcp(f, CLIENT, 41001, NODE_IP, 30080).closing(Close::Fin).build(),
+        );
 
-    // Within the FIN timeout nothing goes; after it, A's three entries do, B's stay.
-    let timeouts = conntrack::GcTimeouts::default();
-    let now = lb_agent::time::monotonic_coarse_ns();
-    let early = conntrack::collect(&mut ct, now, &timeouts).expect("gc");
-    assert!(early.deleted.is_empty(), "{early:?}");
-    let later = now + timeouts.tcp_fin_timeout.as_nanos() as u64 + 1_000_000_000;
-    let report = conntrack::collect(&mut ct, later, &timeouts).expect("gc");
-    assert_eq!(report.deleted, vec![(conntrack::Reason::Closed, 3)], "{report:?}");
+        // Within the FIN timeout nothing goes; after it, A's three entries do, B's stay.
+        let timeouts = conntrack::GcTimeouts::default();
+        let now = lb_agent::time::monotonic_coarse_ns();
+        let early = ct.collect(now, &timeouts).expect("gc");
+        assert!(early.deleted.is_empty(), "{f:?} {early:?}");
+        assert_eq!(early.scanned, 3 * 2, "{f:?}: two flows of three entries");
+        let later = now + timeouts.tcp_fin_timeout.as_nanos() as u64 + 1_000_000_000;
+        let report = ct.collect(later, &timeouts).expect("gc");
+        assert_eq!(
+            report.deleted,
+            vec![(conntrack::Reason::Closed, 3)],
+            "{f:?} {report:?}"
+        );
 
-    // A's port serves a new connection; B's is still taken.
-    assert_eq!(connect(&mut s, 41002), Some(a));
-    assert_eq!(connect(&mut s, 41003), None, "B still holds its port");
+        // A's port serves a new connection; B's is still taken.
+        assert_eq!(connect(&mut s, 41002), Some(a));
+        assert_eq!(connect(&mut s, 41003), None, "B still holds its port");
 
-    // A reset by the backend ends B at once (after the timeout).
-    ingress(
-        &mut s,
-        &packet::tcp(BACKEND, 8080, NODE_IP, b).closing(Close::Rst).build(),
-    );
-    let later =
-        lb_agent::time::monotonic_coarse_ns() + timeouts.tcp_fin_timeout.as_nanos() as u64 + 1_000_000_000;
-    let report = conntrack::collect(&mut ct, later, &timeouts).expect("gc");
-    assert_eq!(report.deleted, vec![(conntrack::Reason::Closed, 3)], "{report:?}");
-    assert_eq!(connect(&mut s, 41003), Some(b));
+        // A reset by the backend ends B at once (after the timeout).
+        ingress(
+            &mut s,
+            &tcp(f, BACKEND, 8080, NODE_IP, b).closing(Close::Rst).build(),
+        );
+        let later = lb_agent::time::monotonic_coarse_ns()
+            + timeouts.tcp_fin_timeout.as_nanos() as u64
+            + 1_000_000_000;
+        let report = ct.collect(later, &timeouts).expect("gc");
+        assert_eq!(
+            report.deleted,
+            vec![(conntrack::Reason::Closed, 3)],
+            "{f:?} {report:?}"
+        );
+        assert_eq!(connect(&mut s, 41003), Some(b));
+    }
 }
 
-/// The kernel maps write runs of service and backend entries with BPF_MAP_UPDATE_BATCH; a run
-/// that does not fit stops exactly where the kernel refused, so the writer's mirror stays true.
+/// The kernel maps write runs of service and backend entries with BPF_MAP_UPDATE_BATCH, one run
+/// per family; a run that does not fit stops exactly where the kernel refused, counted from the
+/// start of the whole batch, so the writer's mirror stays true.
 #[test]
 fn batched_map_writes_report_exactly_what_was_written() {
-    use lb_agent::apply::MapOps;
-    use lb_common::catalog::Capacities;
-    use lb_common::{
-        backend::Backend4Value,
-        service::{Svc4Key, Svc4Value},
-    };
+    use lb_agent::apply::{BackendEntry, MapOps, ServiceMapKey};
+    use lb_common::{catalog::Capacities, service::SvcValue};
+    use std::net::Ipv6Addr;
     require_root();
     let caps = Capacities {
         services: 4,
@@ -856,38 +1328,44 @@ fn batched_map_writes_report_exactly_what_was_written() {
     let mut dp = lb_agent::datapath::Datapath::load_unpinned(&caps, OBJECT).expect("load");
     let mut maps = dp.take_maps().expect("maps");
 
-    let backends: Vec<(u32, Backend4Value)> = (1..=40u32)
+    // 40 IPv4 backends and 20 IPv6 ones, interleaved in runs of each family.
+    let backends: Vec<(u32, BackendEntry)> = (1..=60u32)
         .map(|id| {
-            let value = Backend4Value {
-                addr: [10, 244, 0, id as u8],
+            let addr = if id % 20 < 10 {
+                IpAddr::V4(Ipv4Addr::new(10, 244, 0, id as u8))
+            } else {
+                IpAddr::V6(Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, id as u16))
+            };
+            let value = BackendEntry {
+                addr,
                 port: 8080,
                 proto: lb_common::proto::TCP,
-                ..Default::default()
+                flags: 0,
             };
             (id, value)
         })
         .collect();
-    maps.put_backends(&backends).expect("40 backends fit");
+    maps.put_backends(&backends).expect("60 backends fit");
     let snap = maps.snapshot().expect("snapshot");
-    assert_eq!(snap.backends.len(), 40);
+    assert_eq!(snap.backends.len(), 60);
     assert!(backends.iter().all(|(id, v)| snap.backends.get(id) == Some(v)));
 
-    let services: Vec<(Svc4Key, Svc4Value)> = (0..6u16)
-        .map(|slot| {
-            let key = Svc4Key {
-                addr: [10, 96, 0, 10],
-                port: 80,
-                slot,
-                proto: lb_common::proto::TCP,
-                ..Default::default()
-            };
-            (key, Svc4Value::default())
-        })
+    // Two IPv6 entries (they fit), then six IPv4 ones in a map of four.
+    let key = |addr: IpAddr, slot: u16| ServiceMapKey::new(addr, 80, lb_common::proto::TCP, 0, slot);
+    let v4: IpAddr = Ipv4Addr::new(10, 96, 0, 10).into();
+    let v6: IpAddr = "fd00:10:96::10".parse().unwrap();
+    let services: Vec<(ServiceMapKey, SvcValue)> = (0..2u16)
+        .map(|slot| (key(v6, slot), SvcValue::default()))
+        .chain((0..6u16).map(|slot| (key(v4, slot), SvcValue::default())))
         .collect();
     let err = maps.put_services(&services).expect_err("6 entries in a map of 4");
-    assert_eq!(err.done, 4, "{err:?}");
+    assert_eq!(err.done, 2 + 4, "{err:?}");
     assert!(err.error.is_full(), "{err:?}");
+    assert!(err.error.to_string().contains("lb4_services"), "{err:?}");
     let snap = maps.snapshot().expect("snapshot");
-    let written: Vec<u16> = snap.services.keys().map(|k| k.slot).collect();
-    assert_eq!(written, vec![0, 1, 2, 3]);
+    let written: Vec<(bool, u16)> = snap.services.keys().map(|k| (k.addr.is_ipv4(), k.slot)).collect();
+    assert_eq!(
+        written,
+        vec![(true, 0), (true, 1), (true, 2), (true, 3), (false, 0), (false, 1)]
+    );
 }

@@ -1,9 +1,10 @@
-//! Fuzzing the real tc programs with BPF_PROG_TEST_RUN: thousands of random, truncated and mutated
-//! packets (random bytes, IPv4-looking garbage, TCP/UDP/SCTP between frontends, the node, pods and
-//! clients, random IHL and options, fragments, bit flips, ICMP errors quoting random and real
-//! flows) through `lb_tc_ingress` and `lb_tc_egress` of a scratch data path programmed with a
-//! handful of Services, interleaved with complete flows (DNAT, SNAT, reply, reverse NAT, ICMP
-//! errors) whose every step is checked. Properties:
+//! Fuzzing the real tc programs with BPF_PROG_TEST_RUN, in both IP families: thousands of random,
+//! truncated and mutated packets (random bytes, IPv4- and IPv6-looking garbage, TCP/UDP/SCTP
+//! between frontends, the node, pods and clients, random IPv4 options and IPv6 extension-header
+//! chains, fragments and atomic fragments, bit flips, ICMP and ICMPv6 errors quoting random and
+//! real flows, neighbour discovery) through `lb_tc_ingress` and `lb_tc_egress` of a scratch data
+//! path programmed with a handful of dual-stack Services, interleaved with complete flows (DNAT,
+//! SNAT, reply, reverse NAT, ICMP errors) whose every step is checked. Properties:
 //!
 //! - a test run never fails, except BPF_PROG_TEST_RUN's own EINVAL for an IPv4 or IPv6 frame
 //!   shorter than Ethernet + IP headers; the verdict is TC_ACT_OK, TC_ACT_SHOT or TC_ACT_REDIRECT;
@@ -12,20 +13,24 @@
 //! - a modified packet changed only in the fields translation may change (addresses, ports and
 //!   checksums, the right ones for the hook), and its checksums are still valid;
 //! - a DNAT result is a backend of the frontend's scope; a source rewrite is the masquerade
-//!   address and range, or a frontend;
+//!   address and range of the packet's family, or a frontend;
+//! - a REJECT is the family's port unreachable, from the frontend to the client, quoting the
+//!   packet, never to a source an ICMP error may not go to;
 //! - the service maps are exactly as programmed afterwards (the programs never write them), every
-//!   conntrack entry is well formed, and a flow set up before the fuzz still translates both ways.
+//!   conntrack entry of both families is well formed, and flows set up before the fuzz still
+//!   translate both ways.
 //!
-//! The seed is printed; `LB_FUZZ_SEED=<n>` replays a run, `LB_FUZZ_PACKETS=<n>` changes its length.
+//! The model is written once over `IpAddr` (the family is the packet's); the generators pick a
+//! family per packet. The run is deterministic: a fixed set of seeds, each on a fresh data path.
+//! `LB_FUZZ_SEED=<n>` runs that seed alone, `LB_FUZZ_PACKETS=<n>` changes each seed's length.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     time::Instant,
 };
 
-use aya::maps::{HashMap as BpfHashMap, IterableMap, Map, MapData, MapInfo};
-use etherparse::{IpNumber, Ipv4Header, PacketBuilder};
+use aya::maps::{HashMap as BpfHashMap, MapData};
 use lb_agent::{
     apply::{MapOps, Snapshot},
     datapath::{DatapathError, OBJECT, TcRun},
@@ -35,12 +40,16 @@ use lb_agent::{
 };
 use lb_common::{
     config::DatapathConfig,
-    conntrack::{Ct4Key, Ct4Value, dir, flags as ct},
+    conntrack::{CtKey, CtValue, dir, flags as ct},
+    family::{Family as AddrFamily, In6Addr},
     service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, flags},
 };
 use lb_tests::{
-    fixtures::{State, service, slice},
-    packet::{self, summary, verify_checksums, verify_quoted_ip_checksum},
+    fixtures::{Slice, State, Svc, service, slice},
+    packet::{
+        self, AUTH, DSTOPTS, ETH_HLEN, FAMILIES, FRAGMENT, Family, Fragment, HOPOPTS, IcmpError, ROUTING,
+        summary, verify_checksums, verify_quoted_ip_checksum,
+    },
     require_root,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -61,132 +70,126 @@ const SENTINEL_CLIENT: &str = "192.168.50.222";
 const TCP: u8 = 6;
 const UDP: u8 = 17;
 const ICMP: u8 = 1;
+const ICMPV6: u8 = 58;
 const SCTP: u8 = 132;
+
+/// The seeds every run goes through (each on a fresh data path: a seed replays alone exactly), and
+/// the packets of each: about the 20,000 packets of the IPv4-only fuzzer (and its run time), now
+/// over both families. Fixed, so that a run is reproducible; a new seed is added when a change of
+/// the generators deserves a new sample.
+const SEEDS: [u64; 3] = [0x5EED_0001, 7_683_810_944_893_409_766, 0x1B6_D5A1];
+const PACKETS_PER_SEED: usize = 6_000;
+
+/// Adds a dual-stack Service and its endpoints (a slice written with IPv4 addresses) in both
+/// families.
+fn add(s: &mut ClusterState, svc: Svc, endpoints: Slice) {
+    s.add_service(svc.dual_stack().build());
+    for family in FAMILIES {
+        s.add_slice(endpoints.clone().in_family(family).build());
+    }
+}
 
 fn state() -> ClusterState {
     let mut s = ClusterState::default();
-    s.add_service(
+    add(
+        &mut s,
         service("f", "web")
             .cluster_ip("10.96.0.10")
-            .port("http", "TCP", 80, 8080)
-            .build(),
-    );
-    s.add_slice(
+            .port("http", "TCP", 80, 8080),
         slice("f", "web", "web-1")
             .endpoint("10.244.1.5", "node-a", State::Ready)
             .endpoint("10.244.2.7", "node-b", State::Ready)
             .endpoint("10.244.2.11", "node-b", State::NotReady)
-            .port("http", "TCP", 8080)
-            .build(),
+            .port("http", "TCP", 8080),
     );
-    s.add_service(
+    add(
+        &mut s,
         service("f", "np")
             .cluster_ip("10.96.0.11")
             .port("http", "TCP", 80, 8080)
             .node_port(30080)
             .port("dns", "UDP", 53, 5353)
-            .node_port(30053)
-            .build(),
-    );
-    s.add_slice(
+            .node_port(30053),
         slice("f", "np", "np-1")
             .endpoint("10.244.2.7", "node-b", State::Ready)
             .port("http", "TCP", 8080)
-            .port("dns", "UDP", 5353)
-            .build(),
+            .port("dns", "UDP", 5353),
     );
-    s.add_service(
+    add(
+        &mut s,
         service("f", "local")
             .cluster_ip("10.96.0.12")
             .port("http", "TCP", 80, 8080)
             .node_port(30081)
-            .external_traffic_policy("Local")
-            .build(),
-    );
-    s.add_slice(
+            .external_traffic_policy("Local"),
         slice("f", "local", "local-1")
             .endpoint("10.244.1.6", "node-a", State::Ready)
             .endpoint("10.244.2.8", "node-b", State::Ready)
-            .port("http", "TCP", 8080)
-            .build(),
+            .port("http", "TCP", 8080),
     );
-    s.add_service(
+    add(
+        &mut s,
         service("f", "local-none")
             .cluster_ip("10.96.0.13")
             .port("http", "TCP", 80, 8080)
             .node_port(30082)
-            .external_traffic_policy("Local")
-            .build(),
-    );
-    s.add_slice(
+            .external_traffic_policy("Local"),
         slice("f", "local-none", "ln-1")
             .endpoint("10.244.2.9", "node-b", State::Ready)
-            .port("http", "TCP", 8080)
-            .build(),
+            .port("http", "TCP", 8080),
     );
     s.add_service(
         service("f", "empty")
             .cluster_ip("10.96.0.14")
             .port("http", "TCP", 80, 8080)
             .port("dns", "UDP", 53, 5353)
+            .dual_stack()
             .build(),
     );
-    s.add_service(
+    add(
+        &mut s,
         service("f", "lb")
             .cluster_ip("10.96.0.15")
             .port("http", "TCP", 80, 8080)
             .node_port(30083)
             .load_balancer_ip("203.0.113.10")
-            .source_ranges(&["198.51.100.0/24"])
-            .build(),
-    );
-    s.add_slice(
+            .source_ranges(&["198.51.100.0/24"]),
         slice("f", "lb", "lb-1")
             .endpoint("10.244.1.5", "node-a", State::Ready)
-            .port("http", "TCP", 8080)
-            .build(),
+            .port("http", "TCP", 8080),
     );
-    s.add_service(
+    add(
+        &mut s,
         service("f", "dns")
             .cluster_ip("10.96.0.16")
             .port("dns", "UDP", 53, 5353)
-            .port("dns-tcp", "TCP", 53, 5353)
-            .build(),
-    );
-    s.add_slice(
+            .port("dns-tcp", "TCP", 53, 5353),
         slice("f", "dns", "dns-1")
             .endpoint("10.244.1.5", "node-a", State::Ready)
             .endpoint("10.244.2.12", "node-b", State::Terminating)
             .port("dns", "UDP", 5353)
-            .port("dns-tcp", "TCP", 5353)
-            .build(),
+            .port("dns-tcp", "TCP", 5353),
     );
-    s.add_service(
+    add(
+        &mut s,
         service("f", "ext")
             .cluster_ip("10.96.0.17")
             .port("https", "TCP", 443, 8443)
             .external_ips(&["198.51.100.50"])
-            .client_ip_affinity(60)
-            .build(),
-    );
-    s.add_slice(
+            .client_ip_affinity(60),
         slice("f", "ext", "ext-1")
             .endpoint("10.244.2.10", "node-b", State::Ready)
             .endpoint("10.244.1.7", "node-a", State::Ready)
-            .port("https", "TCP", 8443)
-            .build(),
+            .port("https", "TCP", 8443),
     );
-    s.add_service(
+    add(
+        &mut s,
         service("f", "sctp")
             .cluster_ip("10.96.0.18")
-            .port("s", "SCTP", 9999, 9999)
-            .build(),
-    );
-    s.add_slice(
+            .port("s", "SCTP", 9999, 9999),
         slice("f", "sctp", "sctp-1")
             .endpoint("10.244.1.5", "node-a", State::Ready)
-            .port("s", "SCTP", 9999)
-            .build(),
+            .port("s", "SCTP", 9999),
     );
     s
 }
@@ -194,7 +197,7 @@ fn state() -> ClusterState {
 fn settings() -> NodeSettings {
     NodeSettings {
         node_name: "node-a".into(),
-        cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
+        cluster_cidrs: FAMILIES.map(|f| f.net("10.244.0.0/16").parse().unwrap()).to_vec(),
         nodeport_addresses: vec![],
         masquerade_all: false,
         localhost_nodeports: true,
@@ -202,15 +205,33 @@ fn settings() -> NodeSettings {
     }
 }
 
-fn ip(s: &str) -> Ipv4Addr {
-    s.parse().unwrap()
+fn node_ips() -> Vec<IpAddr> {
+    FAMILIES.iter().map(|f| f.ip(NODE_IP)).collect()
 }
+
+/// kube-proxy's local-traffic detector of the address's family, as `lb_config` holds it.
+fn is_pod(cfg: &DatapathConfig, ip: IpAddr) -> Option<bool> {
+    match ip {
+        IpAddr::V4(a) => cfg.v4.is_pod_address(&a.octets()),
+        IpAddr::V6(a) => cfg.v6.is_pod_address(&In6Addr::from(a)),
+    }
+}
+
+/// Whether an ICMP error may be sent to `ip` (RFC 1122 3.2.2, RFC 4443 2.4 (e)).
+fn answerable(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(a) => !matches!(a.octets()[0], 0 | 127 | 224..=255),
+        IpAddr::V6(a) => !(a.is_multicast() || a.is_unspecified() || a.is_loopback()),
+    }
+}
+
+type FeKey = (IpAddr, u16, u8);
 
 /// One scope of a frontend, as programmed.
 #[derive(Clone, Debug)]
 struct Scope {
     flags: u16,
-    backends: BTreeSet<(Ipv4Addr, u16)>,
+    backends: BTreeSet<(IpAddr, u16)>,
 }
 
 #[derive(Clone, Debug)]
@@ -221,16 +242,16 @@ struct Fe {
 
 impl Fe {
     /// The scope traffic from `client` uses (`lb::lookup_frontend`).
-    fn scope_for(&self, cfg: &DatapathConfig, client: Ipv4Addr) -> &Scope {
+    fn scope_for(&self, cfg: &DatapathConfig, client: IpAddr) -> &Scope {
         let ext = &self.scopes[&SCOPE_EXTERNAL];
-        if ext.flags & flags::TWO_SCOPES != 0 && cfg.is_pod_address(client.octets()) == Some(true) {
+        if ext.flags & flags::TWO_SCOPES != 0 && is_pod(cfg, client) == Some(true) {
             &self.scopes[&SCOPE_INTERNAL]
         } else {
             ext
         }
     }
 
-    fn all_backends(&self) -> BTreeSet<(Ipv4Addr, u16)> {
+    fn all_backends(&self) -> BTreeSet<(IpAddr, u16)> {
         self.scopes
             .values()
             .flat_map(|s| s.backends.iter().copied())
@@ -240,13 +261,15 @@ impl Fe {
 
 /// What the maps say, read back from them: the oracle of every check.
 struct World {
-    frontends: BTreeMap<(Ipv4Addr, u16, u8), Fe>,
-    by_rev: BTreeMap<u32, (Ipv4Addr, u16, u8)>,
-    frontend_addrs: BTreeSet<Ipv4Addr>,
-    backend_addrs: BTreeSet<Ipv4Addr>,
-    backends_by_id: BTreeMap<u32, (Ipv4Addr, u16, u8)>,
+    frontends: BTreeMap<FeKey, Fe>,
+    /// Reverse-NAT ids are one space across both families.
+    by_rev: BTreeMap<u32, FeKey>,
+    frontend_addrs: BTreeSet<IpAddr>,
+    backend_addrs: BTreeSet<IpAddr>,
+    backends_by_id: BTreeMap<u32, (IpAddr, u16, u8)>,
     cfg: DatapathConfig,
-    snat: Ipv4Addr,
+    /// The masquerade address of each family.
+    snat: [IpAddr; 2],
 }
 
 impl World {
@@ -254,12 +277,12 @@ impl World {
         let maps = s.maps();
         let snap = maps.snapshot().expect("snapshot of the scratch maps");
         let cfg = maps.config.get(&0, 0).expect("datapath config");
-        let backends_by_id: BTreeMap<u32, (Ipv4Addr, u16, u8)> = snap
+        let backends_by_id: BTreeMap<u32, (IpAddr, u16, u8)> = snap
             .backends
             .iter()
-            .map(|(id, b)| (*id, (Ipv4Addr::from(b.addr), b.port, b.proto)))
+            .map(|(id, b)| (*id, (b.addr, b.port, b.proto)))
             .collect();
-        let mut frontends: BTreeMap<(Ipv4Addr, u16, u8), Fe> = BTreeMap::new();
+        let mut frontends: BTreeMap<FeKey, Fe> = BTreeMap::new();
         for (key, value) in &snap.services {
             if key.slot != 0 {
                 continue;
@@ -271,7 +294,7 @@ impl World {
                 backends.insert((addr, port));
             }
             let fe = frontends
-                .entry((Ipv4Addr::from(key.addr), key.port, key.proto))
+                .entry((key.addr, key.port, key.proto))
                 .or_insert_with(|| Fe {
                     rev_nat_id: value.rev_nat_id,
                     scopes: BTreeMap::new(),
@@ -290,41 +313,65 @@ impl World {
             backend_addrs: backends_by_id.values().map(|b| b.0).collect(),
             frontends,
             backends_by_id,
-            snat: Ipv4Addr::from(cfg.snat_addr),
+            snat: [
+                Ipv4Addr::from(cfg.v4.snat_addr).into(),
+                Ipv6Addr::from(cfg.v6.snat_addr).into(),
+            ],
             cfg,
         };
+        assert_eq!(
+            world.by_rev.len(),
+            world.frontends.len(),
+            "reverse-NAT ids are unique across families"
+        );
         (world, snap)
+    }
+
+    fn snat(&self, family: Family) -> IpAddr {
+        self.snat[family as usize]
     }
 
     fn in_snat_range(&self, port: u16) -> bool {
         (self.cfg.snat_port_min..=self.cfg.snat_port_max).contains(&port)
     }
 
-    fn valid_mark(&self, mark: u32) -> bool {
-        mark & MARK_MASK == MARK_MAGIC && self.by_rev.contains_key(&(mark & MARK_ID))
+    /// The mark names a frontend of `family` (egress of a family reads its own reverse-NAT map).
+    fn valid_mark(&self, mark: u32, family: Family) -> bool {
+        mark & MARK_MASK == MARK_MAGIC
+            && self
+                .by_rev
+                .get(&(mark & MARK_ID))
+                .is_some_and(|k| Family::of(&k.0) == family)
     }
 }
 
-/// A packet as the programs parse it (`lb_ebpf::tc::parse`).
+/// A packet as the programs parse it (`lb_ebpf::tc::parse`, `Ip::parse`).
 #[derive(Clone, Copy, Debug)]
 struct Tuple {
-    src: Ipv4Addr,
-    dst: Ipv4Addr,
+    src: IpAddr,
+    dst: IpAddr,
     sport: u16,
     dport: u16,
     proto: u8,
 }
 
+impl Tuple {
+    fn family(&self) -> Family {
+        Family::of(&self.src)
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 enum Parsed {
-    NotIpv4,
+    /// Not IPv4 or IPv6, or more IPv6 extension headers than the programs walk.
+    NotIp,
     Truncated,
     Fragment,
     /// TCP, UDP or SCTP, and the offset of the L4 header.
     L4(Tuple, usize),
-    /// ICMP: outer addresses, the offset of the ICMP header, and the quoted packet of an error the
-    /// programs read (destination unreachable, time exceeded, parameter problem quoting TCP/UDP
-    /// with a 20-byte header), with its offset.
+    /// ICMP or ICMPv6: outer addresses, the offset of the ICMP header, and the quoted packet of an
+    /// error the programs read (the types that quote a packet, quoting TCP/UDP right after a
+    /// fixed header: 20 bytes in IPv4, 40 and no extension headers in IPv6), with its offset.
     Icmp(Tuple, usize, Option<(Tuple, usize)>),
     Other,
 }
@@ -333,41 +380,98 @@ fn be16(b: &[u8], at: usize) -> u16 {
     u16::from_be_bytes([b[at], b[at + 1]])
 }
 
-fn addr(b: &[u8], at: usize) -> Ipv4Addr {
-    Ipv4Addr::new(b[at], b[at + 1], b[at + 2], b[at + 3])
+fn addr_at(b: &[u8], at: usize, family: Family) -> IpAddr {
+    match family {
+        Family::V4 => Ipv4Addr::new(b[at], b[at + 1], b[at + 2], b[at + 3]).into(),
+        Family::V6 => Ipv6Addr::from(<[u8; 16]>::try_from(&b[at..at + 16]).unwrap()).into(),
+    }
 }
 
+/// Offsets, inside an IP header at `ip`, of the source and destination, and their length.
+fn addr_fields(family: Family, ip: usize) -> (usize, usize, usize) {
+    match family {
+        Family::V4 => (ip + 12, ip + 16, 4),
+        Family::V6 => (ip + 8, ip + 24, 16),
+    }
+}
+
+/// The programs' parser, in the model: `V4::parse` / `V6::parse` and `parse_l4`.
 fn parse(p: &[u8]) -> Parsed {
     if p.len() < 14 {
         return Parsed::Truncated;
     }
-    if be16(p, 12) != 0x0800 {
-        return Parsed::NotIpv4;
-    }
-    if p.len() < 34 {
+    let family = match be16(p, 12) {
+        0x0800 => Family::V4,
+        0x86dd => Family::V6,
+        _ => return Parsed::NotIp,
+    };
+    let hlen = family.ip_hlen();
+    if p.len() < 14 + hlen {
         return Parsed::Truncated;
     }
-    if p[14] >> 4 != 4 {
-        return Parsed::NotIpv4;
-    }
-    let ihl = usize::from(p[14] & 0x0f) * 4;
-    if ihl < 20 {
-        return Parsed::Truncated;
-    }
-    if be16(p, 20) & 0x3fff != 0 {
-        return Parsed::Fragment;
-    }
-    let l4 = 14 + ihl;
+    let (l4, proto) = match family {
+        Family::V4 => {
+            if p[14] >> 4 != 4 {
+                return Parsed::NotIp;
+            }
+            let ihl = usize::from(p[14] & 0x0f) * 4;
+            if ihl < 20 {
+                return Parsed::Truncated;
+            }
+            if be16(p, 20) & 0x3fff != 0 {
+                return Parsed::Fragment;
+            }
+            (14 + ihl, p[23])
+        }
+        Family::V6 => {
+            if p[14] >> 4 != 6 {
+                return Parsed::NotIp;
+            }
+            let (mut next, mut off) = (p[20], 14 + 40);
+            for _ in 0..4 {
+                match next {
+                    HOPOPTS | ROUTING | DSTOPTS | 135 | AUTH => {
+                        if p.len() < off + 2 {
+                            return Parsed::Truncated;
+                        }
+                        let (following, len) = (p[off], usize::from(p[off + 1]));
+                        off += if next == AUTH {
+                            (len + 2) * 4
+                        } else {
+                            (len + 1) * 8
+                        };
+                        next = following;
+                    }
+                    FRAGMENT => {
+                        if p.len() < off + 4 {
+                            return Parsed::Truncated;
+                        }
+                        if be16(p, off + 2) & 0xfff9 != 0 {
+                            return Parsed::Fragment;
+                        }
+                        next = p[off];
+                        off += 8;
+                    }
+                    _ => break,
+                }
+            }
+            if matches!(next, HOPOPTS | ROUTING | DSTOPTS | 135 | AUTH | FRAGMENT) {
+                return Parsed::NotIp;
+            }
+            (off, next)
+        }
+    };
+    let (src_at, dst_at, _) = addr_fields(family, 14);
     let mut t = Tuple {
-        src: addr(p, 26),
-        dst: addr(p, 30),
+        src: addr_at(p, src_at, family),
+        dst: addr_at(p, dst_at, family),
         sport: 0,
         dport: 0,
-        proto: p[23],
+        proto,
     };
-    match t.proto {
+    match proto {
         TCP | UDP | SCTP => {
-            let need = if t.proto == TCP { 20 } else { 8 };
+            let need = if proto == TCP { 20 } else { 8 };
             if p.len() < l4 + need {
                 return Parsed::Truncated;
             }
@@ -375,23 +479,35 @@ fn parse(p: &[u8]) -> Parsed {
             t.dport = be16(p, l4 + 2);
             Parsed::L4(t, l4)
         }
-        ICMP => {
+        p4 if p4 == family.icmp_proto() => {
             if p.len() < l4 + 8 {
                 return Parsed::Truncated;
             }
             let q = l4 + 8;
-            let quote = (matches!(p[l4], 3 | 11 | 12)
-                && p.len() >= q + 24
-                && p[q] == 0x45
-                && matches!(p[q + 9], TCP | UDP))
-            .then(|| {
+            let quote = match family {
+                Family::V4 => {
+                    matches!(p[l4], 3 | 11 | 12)
+                        && p.len() >= q + 24
+                        && p[q] == 0x45
+                        && matches!(p[q + 9], TCP | UDP)
+                }
+                Family::V6 => {
+                    matches!(p[l4], 1..=4)
+                        && p.len() >= q + 44
+                        && p[q] >> 4 == 6
+                        && matches!(p[q + 6], TCP | UDP)
+                }
+            };
+            let quote = quote.then(|| {
+                let (s, d, _) = addr_fields(family, q);
+                let ports = q + family.ip_hlen();
                 (
                     Tuple {
-                        src: addr(p, q + 12),
-                        dst: addr(p, q + 16),
-                        sport: be16(p, q + 20),
-                        dport: be16(p, q + 22),
-                        proto: p[q + 9],
+                        src: addr_at(p, s, family),
+                        dst: addr_at(p, d, family),
+                        sport: be16(p, ports),
+                        dport: be16(p, ports + 2),
+                        proto: p[if family == Family::V4 { q + 9 } else { q + 6 }],
                     },
                     q,
                 )
@@ -399,6 +515,14 @@ fn parse(p: &[u8]) -> Parsed {
             Parsed::Icmp(t, l4, quote)
         }
         _ => Parsed::Other,
+    }
+}
+
+/// The family of a parsed TCP/UDP/ICMP packet.
+fn family_of(parsed: &Parsed) -> Option<Family> {
+    match parsed {
+        Parsed::L4(t, _) | Parsed::Icmp(t, _, _) => Some(t.family()),
+        _ => None,
     }
 }
 
@@ -413,43 +537,86 @@ enum Hook {
 struct Stats {
     runs: usize,
     einval: usize,
+    by_family: BTreeMap<&'static str, usize>,
     by_action: BTreeMap<(&'static str, i32), usize>,
-    modified: BTreeMap<&'static str, usize>,
+    modified: BTreeMap<String, usize>,
     walks: usize,
     walks_translated: usize,
     walks_masqueraded: usize,
     walks_refused: usize,
     checksum_checked: usize,
+    conntrack: BTreeMap<&'static str, usize>,
+    sentinels: usize,
+}
+
+impl Stats {
+    fn merge(&mut self, other: Stats) {
+        fn add<K: Ord>(to: &mut BTreeMap<K, usize>, from: BTreeMap<K, usize>) {
+            for (k, v) in from {
+                *to.entry(k).or_default() += v;
+            }
+        }
+        self.runs += other.runs;
+        self.einval += other.einval;
+        add(&mut self.by_family, other.by_family);
+        add(&mut self.by_action, other.by_action);
+        add(&mut self.modified, other.modified);
+        self.walks += other.walks;
+        self.walks_translated += other.walks_translated;
+        self.walks_masqueraded += other.walks_masqueraded;
+        self.walks_refused += other.walks_refused;
+        self.checksum_checked += other.checksum_checked;
+        add(&mut self.conntrack, other.conntrack);
+        self.sentinels += other.sentinels;
+    }
+
+    fn modified(&mut self, what: &str, family: Family) {
+        *self
+            .modified
+            .entry(format!("{} {what}", family.name()))
+            .or_default() += 1;
+    }
 }
 
 /// The byte offsets a translation may change, by hook and packet kind.
 fn mutable_offsets(hook: Hook, parsed: &Parsed) -> BTreeSet<usize> {
     let mut out = BTreeSet::new();
-    let range = |out: &mut BTreeSet<usize>, from: usize, len: usize| out.extend(from..from + len);
-    match (hook, parsed) {
-        (Hook::Ingress, Parsed::L4(t, l4)) | (Hook::Egress, Parsed::L4(t, l4)) => {
-            range(&mut out, 24, 2); // IP checksum
-            if hook == Hook::Ingress {
-                range(&mut out, 30, 4);
-                range(&mut out, l4 + 2, 2);
-            } else {
-                range(&mut out, 26, 4);
-                range(&mut out, *l4, 2);
+    let mut range = |from: usize, len: usize| out.extend(from..from + len);
+    match parsed {
+        Parsed::L4(t, l4) => {
+            let family = t.family();
+            let (src, dst, len) = addr_fields(family, ETH_HLEN);
+            if family == Family::V4 {
+                range(24, 2); // IP checksum
             }
-            range(&mut out, l4 + if t.proto == TCP { 16 } else { 6 }, 2);
+            if hook == Hook::Ingress {
+                range(dst, len);
+                range(l4 + 2, 2);
+            } else {
+                range(src, len);
+                range(*l4, 2);
+            }
+            range(l4 + if t.proto == TCP { 16 } else { 6 }, 2);
         }
-        (_, Parsed::Icmp(_, l4, Some((_, q)))) => {
+        Parsed::Icmp(outer, l4, Some((_, q))) => {
+            let family = outer.family();
+            let (_, dst, len) = addr_fields(family, ETH_HLEN);
+            let (quoted_src, quoted_dst, _) = addr_fields(family, *q);
+            let quoted_ports = q + family.ip_hlen();
             if hook == Hook::Ingress {
-                range(&mut out, 24, 2);
-                range(&mut out, 30, 4);
-                range(&mut out, q + 12, 8); // quoted source and destination
-                range(&mut out, q + 20, 4); // quoted ports
+                range(dst, len);
+                range(quoted_src, len);
+                range(quoted_dst, len);
+                range(quoted_ports, 4);
             } else {
-                range(&mut out, q + 16, 4);
-                range(&mut out, q + 22, 2);
+                range(quoted_dst, len);
+                range(quoted_ports + 2, 2);
             }
-            range(&mut out, l4 + 2, 2); // ICMP checksum
-            range(&mut out, q + 10, 2); // quoted IP checksum
+            range(l4 + 2, 2); // ICMP checksum
+            if family == Family::V4 {
+                range(24, 2); // IP checksum
+                range(q + 10, 2); // quoted IP checksum
+            }
         }
         _ => {}
     }
@@ -460,19 +627,22 @@ fn mutable_offsets(hook: Hook, parsed: &Parsed) -> BTreeSet<usize> {
 /// masquerade address (ingress), comes from or goes to a backend or carries the un-SNAT mark
 /// (egress), or is an ICMP error about such a packet.
 fn candidate(w: &World, hook: Hook, parsed: &Parsed, mark: u32) -> bool {
-    let marked = w.valid_mark(mark);
     match (hook, parsed) {
         (_, Parsed::L4(t, _)) if t.proto == SCTP => false,
         (Hook::Ingress, Parsed::L4(t, _)) => {
-            w.frontends.contains_key(&(t.dst, t.dport, t.proto)) || t.dst == w.snat
+            w.frontends.contains_key(&(t.dst, t.dport, t.proto)) || t.dst == w.snat(t.family())
         }
         (Hook::Egress, Parsed::L4(t, _)) => {
-            marked || w.backend_addrs.contains(&t.src) || w.backend_addrs.contains(&t.dst)
+            w.valid_mark(mark, t.family())
+                || w.backend_addrs.contains(&t.src)
+                || w.backend_addrs.contains(&t.dst)
         }
         (Hook::Ingress, Parsed::Icmp(_, _, Some((q, _)))) => {
-            w.frontend_addrs.contains(&q.src) || q.src == w.snat
+            w.frontend_addrs.contains(&q.src) || q.src == w.snat(q.family())
         }
-        (Hook::Egress, Parsed::Icmp(_, _, Some((q, _)))) => marked || w.backend_addrs.contains(&q.dst),
+        (Hook::Egress, Parsed::Icmp(o, _, Some((q, _)))) => {
+            w.valid_mark(mark, o.family()) || w.backend_addrs.contains(&q.dst)
+        }
         _ => false,
     }
 }
@@ -506,6 +676,17 @@ fn fail_with(seed: u64, what: &str, hook: Hook, input: &[u8], mark: u32, run: Op
     )
 }
 
+/// The quote of the family's port unreachable answering a packet whose L4 header is at `l4`
+/// (`Ip::port_unreachable`): the IP header with its options or extension headers and 8 bytes of
+/// L4; IPv6 rounds up to 8 bytes and quotes at most 64.
+fn reject_quote_len(family: Family, l4: usize) -> usize {
+    let to_ports = l4 - ETH_HLEN + 8;
+    match family {
+        Family::V4 => to_ports,
+        Family::V6 => to_ports.next_multiple_of(8).min(64),
+    }
+}
+
 struct Fuzzer {
     s: ScratchDatapath,
     w: World,
@@ -515,7 +696,7 @@ struct Fuzzer {
     /// Packets of real flows (DNAT and SNAT results, replies), for ICMP errors to quote.
     seen: Vec<Vec<u8>>,
     /// (source address, source port) of every TCP/UDP packet run so far.
-    sources: BTreeSet<(Ipv4Addr, u16)>,
+    sources: BTreeSet<(IpAddr, u16)>,
 }
 
 impl Fuzzer {
@@ -534,8 +715,7 @@ impl Fuzzer {
         let run = match result {
             Ok(run) => run,
             Err(e) => {
-                // BPF_PROG_TEST_RUN refuses an IPv4 or IPv6 frame without room for its IP header
-                // (a random frame is typed IPv6 now and then: seed 7683810944893409766).
+                // BPF_PROG_TEST_RUN refuses an IPv4 or IPv6 frame without room for its IP header.
                 let short = input.len() < 14
                     || match be16(input, 12) {
                         0x0800 => input.len() < 14 + 20,
@@ -563,6 +743,12 @@ impl Fuzzer {
         };
         *self.stats.by_action.entry((hook_name, run.action)).or_default() += 1;
         let parsed = parse(input);
+        let family = family_of(&parsed);
+        *self
+            .stats
+            .by_family
+            .entry(family.map_or("neither", Family::name))
+            .or_default() += 1;
         if let Parsed::L4(t, _) = parsed {
             self.sources.insert((t.src, t.sport));
         }
@@ -573,12 +759,14 @@ impl Fuzzer {
             fail("unexpected verdict");
         }
         // The mark: egress clears the un-SNAT mark when it uses it and leaves every other mark
-        // alone; ingress sets it only for a known frontend.
+        // alone; ingress sets it only for a known frontend of the packet's family.
         match hook {
             Hook::Egress if run.mark != mark && (run.mark != 0 || mark & MARK_MASK != MARK_MAGIC) => {
                 fail("egress changed the mark")
             }
-            Hook::Ingress if run.mark != 0 && !w.valid_mark(run.mark) => fail("ingress set a bad mark"),
+            Hook::Ingress if run.mark != 0 && !family.is_some_and(|f| w.valid_mark(run.mark, f)) => {
+                fail("ingress set a bad mark")
+            }
             _ => {}
         }
         let cand = candidate(w, hook, &parsed, mark);
@@ -606,24 +794,31 @@ impl Fuzzer {
                 if !scope.backends.is_empty() || scope.flags & flags::DROP_IF_EMPTY != 0 {
                     fail("REJECT of a frontend that has backends or drops");
                 }
+                let f = t.family();
                 let out = &run.packet;
-                // The quote: the whole IP header, options included, and 8 bytes of L4.
-                let quote = l4 - 14 + 8;
-                if out.len() != 14 + 20 + 8 + quote || out[23] != ICMP || out[34] != 3 || out[35] != 3 {
-                    fail("the REJECT is not an ICMP port unreachable");
+                let quote = reject_quote_len(f, l4);
+                let (kind, code, _) = IcmpError::PortUnreachable.header(f);
+                let icmp = ETH_HLEN + f.ip_hlen();
+                let answer = packet::layout(out);
+                if out.len() != icmp + 8 + quote
+                    || answer.map(|a| (a.proto, a.l4)) != Some((f.icmp_proto(), icmp))
+                    || (out[icmp], out[icmp + 1]) != (kind, code)
+                {
+                    fail("the REJECT is not the family's port unreachable");
                 }
-                if addr(out, 26) != t.dst || addr(out, 30) != t.src || out[42..] != input[14..14 + quote] {
+                let answer = answer.unwrap();
+                if (answer.src, answer.dst) != (t.dst, t.src)
+                    || out[icmp + 8..] != input[ETH_HLEN..ETH_HLEN + quote]
+                    || out[0..6] != input[6..12]
+                    || out[6..12] != input[0..6]
+                {
                     fail("the REJECT is not from the frontend to the client quoting the packet");
                 }
                 verify_checksums(out).unwrap_or_else(|e| fail(&format!("REJECT checksums: {e}")));
-                if t.src.octets()[0] == 0
-                    || t.src.is_loopback()
-                    || t.src.octets()[0] >= 224
-                    || input[0] & 1 != 0
-                {
-                    fail("an ICMP error went to a source RFC 1122 forbids answering");
+                if !answerable(t.src) || input[0] & 1 != 0 {
+                    fail("an ICMP error went to a source RFC 1122 / RFC 4443 forbid answering");
                 }
-                *self.stats.modified.entry("reject").or_default() += 1;
+                self.stats.modified("reject", f);
                 return Some(run);
             }
             SHOT => return Some(run),
@@ -649,44 +844,42 @@ impl Fuzzer {
             }
         }
         let out = parse(&run.packet);
-        match (hook, parsed, out) {
+        let what = match (hook, parsed, out) {
             (Hook::Ingress, Parsed::L4(t, _), Parsed::L4(o, _)) => {
+                let f = t.family();
                 if let Some(fe) = w.frontends.get(&(t.dst, t.dport, t.proto)) {
                     // DNAT: a backend of the scope this client uses (the flow may predate the
                     // fuzz's own packets, but the Services never change here).
                     if !fe.scope_for(&w.cfg, t.src).backends.contains(&(o.dst, o.dport)) {
                         fail("DNAT to an address that is not a backend of this frontend's scope");
                     }
-                    *self.stats.modified.entry("ingress DNAT").or_default() += 1;
-                } else if t.dst == w.snat && w.in_snat_range(t.dport) && w.backend_addrs.contains(&t.src) {
-                    if !w.valid_mark(run.mark) {
+                    "ingress DNAT"
+                } else if t.dst == w.snat(f) && w.in_snat_range(t.dport) && w.backend_addrs.contains(&t.src) {
+                    if !w.valid_mark(run.mark, f) {
                         fail("un-SNAT without the mark for egress");
                     }
-                    *self.stats.modified.entry("ingress un-SNAT").or_default() += 1;
+                    "ingress un-SNAT"
                 } else {
                     fail("ingress rewrote a packet that is neither a frontend's nor a masquerade reply");
                 }
             }
             (Hook::Egress, Parsed::L4(t, _), Parsed::L4(o, _)) => {
-                let to_snat = o.src == w.snat && w.in_snat_range(o.sport);
-                if w.valid_mark(mark) && run.mark == 0 {
+                let f = t.family();
+                let to_snat = o.src == w.snat(f) && w.in_snat_range(o.sport);
+                if w.valid_mark(mark, f) && run.mark == 0 {
                     // Marked by ingress as an un-SNATed reply (and used, so cleared): the source
                     // becomes the frontend the mark names.
                     let fe = w.by_rev[&(mark & MARK_ID)];
-                    if (o.src, o.sport, o.proto) != (fe.0, fe.1, fe.2) {
+                    if (o.src, o.sport, o.proto) != fe {
                         fail("egress restored another frontend than the mark names");
                     }
-                    *self
-                        .stats
-                        .modified
-                        .entry("egress reverse NAT (marked)")
-                        .or_default() += 1;
+                    "egress reverse NAT (marked)"
                 } else if to_snat && w.backend_addrs.contains(&t.dst) {
-                    *self.stats.modified.entry("egress SNAT").or_default() += 1;
+                    "egress SNAT"
                 } else if w.frontends.contains_key(&(o.src, o.sport, o.proto))
                     && w.backend_addrs.contains(&t.src)
                 {
-                    *self.stats.modified.entry("egress reverse NAT").or_default() += 1;
+                    "egress reverse NAT"
                 } else {
                     fail("egress rewrote the source to neither the masquerade address nor a frontend");
                 }
@@ -695,10 +888,10 @@ impl Fuzzer {
                 if o.src != outer.src {
                     fail("ingress rewrote the source of an ICMP error");
                 }
-                *self.stats.modified.entry("ingress ICMP error").or_default() += 1;
+                "ingress ICMP error"
             }
-            (Hook::Egress, Parsed::Icmp(_, _, Some(_)), Parsed::Icmp(_, _, Some((q, _)))) => {
-                let expected = if w.valid_mark(mark) && run.mark == 0 {
+            (Hook::Egress, Parsed::Icmp(outer, _, Some(_)), Parsed::Icmp(_, _, Some((q, _)))) => {
+                let expected = if w.valid_mark(mark, outer.family()) && run.mark == 0 {
                     let fe = w.by_rev[&(mark & MARK_ID)];
                     (fe.0, fe.1) == (q.dst, q.dport)
                 } else {
@@ -707,10 +900,12 @@ impl Fuzzer {
                 if !expected {
                     fail("egress put a non-frontend in an ICMP error's quote");
                 }
-                *self.stats.modified.entry("egress ICMP error").or_default() += 1;
+                "egress ICMP error"
             }
             _ => fail("a modified packet no longer parses as it did"),
-        }
+        };
+        let f = family.expect("a translated packet has a family");
+        self.stats.modified(what, f);
         Some(run)
     }
 
@@ -718,24 +913,30 @@ impl Fuzzer {
         v[self.rng.random_range(0..v.len())]
     }
 
-    fn some_addr(&mut self) -> Ipv4Addr {
-        let mut pool: Vec<Ipv4Addr> = self.w.frontend_addrs.iter().copied().collect();
-        pool.extend(self.w.backend_addrs.iter().copied());
-        pool.extend(
-            [
-                NODE_IP,
-                CLIENT,
-                "198.51.100.7",
-                "10.244.3.3",
-                "10.244.1.1",
-                "127.0.0.1",
-                "0.0.0.0",
-                "255.255.255.255",
-            ]
-            .map(ip),
-        );
+    fn family(&mut self) -> Family {
+        self.pick(&FAMILIES)
+    }
+
+    fn some_addr(&mut self, family: Family) -> IpAddr {
+        let of_family = |ips: &BTreeSet<IpAddr>| -> Vec<IpAddr> {
+            ips.iter()
+                .copied()
+                .filter(|ip| Family::of(ip) == family)
+                .collect()
+        };
+        let mut pool = of_family(&self.w.frontend_addrs);
+        pool.extend(of_family(&self.w.backend_addrs));
+        pool.extend([NODE_IP, CLIENT, "198.51.100.7", "10.244.3.3", "10.244.1.1"].map(|a| family.ip(a)));
+        let special: &[&str] = match family {
+            Family::V4 => &["127.0.0.1", "0.0.0.0", "255.255.255.255", "224.0.0.5"],
+            Family::V6 => &["::1", "::", "ff02::1", "fe80::1", "::ffff:10.96.0.10"],
+        };
+        pool.extend(special.iter().map(|s| s.parse::<IpAddr>().unwrap()));
         match self.rng.random_range(0..10) {
-            0 => Ipv4Addr::from(self.rng.random::<u32>()),
+            0 => match family {
+                Family::V4 => Ipv4Addr::from(self.rng.random::<u32>()).into(),
+                Family::V6 => Ipv6Addr::from(self.rng.random::<u128>()).into(),
+            },
             _ => self.pick(&pool),
         }
     }
@@ -755,9 +956,13 @@ impl Fuzzer {
         }
     }
 
-    /// A well-formed TCP or UDP packet between addresses of interest.
-    fn valid_packet(&mut self) -> Vec<u8> {
-        let (src, dst) = (self.some_addr().to_string(), self.some_addr().to_string());
+    /// A well-formed TCP or UDP packet between addresses of interest, with IPv4 options or IPv6
+    /// extension headers now and then, and fragments (IPv6: atomic ones too).
+    fn valid_packet(&mut self, family: Family) -> Vec<u8> {
+        let (src, dst) = (
+            self.some_addr(family).to_string(),
+            self.some_addr(family).to_string(),
+        );
         let (sport, dport) = (self.some_port(), self.some_port());
         let mut spec = if self.rng.random_bool(0.5) {
             packet::tcp(&src, sport, &dst, dport)
@@ -769,40 +974,94 @@ impl Fuzzer {
             let payload: Vec<u8> = (0..len).map(|_| self.rng.random()).collect();
             spec = spec.data(&payload);
         }
-        if self.rng.random_bool(0.2) {
-            let words = self.rng.random_range(1..=10);
-            spec.options = (0..words * 4)
-                .map(|_| {
-                    let any = self.rng.random();
-                    self.pick(&[0u8, 1, 1, 1, 7, 68, 130, any])
-                })
-                .collect();
+        match family {
+            Family::V4 => {
+                if self.rng.random_bool(0.2) {
+                    let words = self.rng.random_range(1..=10);
+                    spec.options = (0..words * 4)
+                        .map(|_| {
+                            let any = self.rng.random();
+                            self.pick(&[0u8, 1, 1, 1, 7, 68, 130, any])
+                        })
+                        .collect();
+                }
+                spec.more_fragments = self.rng.random_bool(0.05);
+            }
+            Family::V6 => {
+                if self.rng.random_bool(0.2) {
+                    let n = self.rng.random_range(1..=5);
+                    spec.extensions = (0..n)
+                        .map(|_| {
+                            self.pick(&[
+                                (HOPOPTS, 8),
+                                (HOPOPTS, 16),
+                                (DSTOPTS, 8),
+                                (DSTOPTS, 24),
+                                (ROUTING, 8),
+                                (AUTH, 12),
+                                (AUTH, 16),
+                            ])
+                        })
+                        .collect();
+                }
+                if self.rng.random_bool(0.08) {
+                    let offset = self.rng.random_range(1..8192);
+                    let more = self.rng.random();
+                    spec.fragment = Some(self.pick(&[
+                        Fragment {
+                            offset: 0,
+                            more: false,
+                        },
+                        Fragment {
+                            offset: 0,
+                            more: true,
+                        },
+                        Fragment { offset, more },
+                    ]));
+                }
+            }
         }
-        spec.more_fragments = self.rng.random_bool(0.05);
         spec.ttl = self.rng.random();
         spec.build()
     }
 
-    /// A valid packet, mangled: truncated, bits flipped, IHL, total length, flags, protocol...
-    /// With probability 1/2 its checksums are made valid again, so that the program's checksum
-    /// maintenance is checked on the mangled packet too.
-    fn mutated_packet(&mut self) -> Vec<u8> {
+    /// A valid packet, mangled: truncated, bits flipped, version, lengths, fragment fields,
+    /// protocol or next header... With probability 1/2 its checksums are made valid again, so
+    /// that the program's checksum maintenance is checked on the mangled packet too.
+    fn mutated_packet(&mut self, family: Family) -> Vec<u8> {
         let mut p = if !self.seen.is_empty() && self.rng.random_bool(0.3) {
             let i = self.rng.random_range(0..self.seen.len());
             self.seen[i].clone()
         } else {
-            self.valid_packet()
+            self.valid_packet(family)
         };
+        let v6 = be16(&p, 12) == 0x86dd;
         let mut truncate = None;
         for _ in 0..self.rng.random_range(1..4) {
             // (offset, value) of a one-byte change, if any.
-            let change: Option<(usize, u8)> = match self.rng.random_range(0..8) {
+            let change: Option<(usize, u8)> = match self.rng.random_range(0..9) {
                 0 => {
                     let at = self.rng.random_range(0..p.len());
                     Some((at, p[at] ^ (1 << self.rng.random_range(0..8))))
                 }
+                1 if v6 => {
+                    let version: u8 = self.pick(&[6, 6, 4, 0, 15]);
+                    Some((14, version << 4 | (p[14] & 0x0f)))
+                }
                 1 => Some((14, 0x40 | self.rng.random_range(0..16u8))),
-                2 => Some((self.rng.random_range(16..18), self.rng.random())),
+                // Total length, or IPv6 payload length.
+                2 => Some((
+                    self.rng.random_range(if v6 { 18..20 } else { 16..18 }),
+                    self.rng.random(),
+                )),
+                3 if v6 => {
+                    // The first next-header field: another extension header, L4 or nothing.
+                    let any = self.rng.random();
+                    let next = self.pick(&[
+                        HOPOPTS, ROUTING, FRAGMENT, AUTH, DSTOPTS, 135, 59, TCP, UDP, ICMPV6, SCTP, any,
+                    ]);
+                    Some((20, next))
+                }
                 3 => {
                     let any = self.rng.random();
                     let frag: u16 = self.pick(&[0x2000, 0x0001, 0x1fff, 0x4000, 0x8000, any]);
@@ -813,12 +1072,25 @@ impl Fuzzer {
                 }
                 4 => {
                     let any = self.rng.random();
-                    Some((23, self.pick(&[TCP, UDP, ICMP, SCTP, 0, 41, 47, any])))
+                    let proto = self.pick(&[TCP, UDP, ICMP, ICMPV6, SCTP, 0, 41, 47, any]);
+                    // IPv6: the next header of the last extension header, if any, else the
+                    // header's own.
+                    let at = if v6 {
+                        last_next_header_at(&p).unwrap_or(20)
+                    } else {
+                        23
+                    };
+                    Some((at, proto))
                 }
                 5 => Some((12, self.rng.random())),
                 6 => {
                     truncate = Some(self.rng.random_range(14..p.len().max(15)));
                     None
+                }
+                7 if v6 => {
+                    // An extension header's length, or a fragment header's offset and flags.
+                    let at = self.rng.random_range(54..p.len().clamp(55, 54 + 48));
+                    Some((at, self.rng.random()))
                 }
                 _ => Some((self.rng.random_range(14..14 + 60 + 20), self.rng.random())),
             };
@@ -837,57 +1109,70 @@ impl Fuzzer {
         p
     }
 
-    /// An ICMP message from somewhere to somewhere, quoting a random or a real packet.
-    fn icmp_packet(&mut self) -> Vec<u8> {
+    /// An ICMP or ICMPv6 message from somewhere to somewhere, quoting a random or a real packet.
+    fn icmp_packet(&mut self, family: Family) -> Vec<u8> {
         let quoted = if !self.seen.is_empty() && self.rng.random_bool(0.6) {
             let i = self.rng.random_range(0..self.seen.len());
             self.seen[i].clone()
         } else {
-            self.valid_packet()
+            self.valid_packet(family)
         };
-        let (kind, code) = self.pick(&[
-            (3u8, 3u8),
-            (3, 4),
-            (3, 1),
-            (11, 0),
-            (12, 0),
-            (8, 0),
-            (0, 0),
-            (5, 1),
-        ]);
-        let (from, to) = if self.rng.random_bool(0.5) {
+        let kinds: &[(u8, u8)] = match family {
+            Family::V4 => &[(3, 3), (3, 4), (3, 1), (11, 0), (12, 0), (8, 0), (0, 0), (5, 1)],
+            Family::V6 => &[
+                (1, 4),
+                (1, 3),
+                (2, 0),
+                (3, 0),
+                (4, 0),
+                (4, 1),
+                (128, 0),
+                (129, 0),
+                (133, 0),
+                (134, 0),
+                (135, 0),
+                (136, 0),
+                (143, 0),
+            ],
+        };
+        let (kind, code) = self.pick(kinds);
+        let quoted_layout = packet::layout(&quoted).filter(|l| l.family == family);
+        let from = self.some_addr(family);
+        let to = match quoted_layout {
             // Addressed like a real error: to the quoted packet's source.
-            let s = summary_or(&quoted);
-            (self.some_addr(), s.map_or(self.some_addr(), |s| s.0))
-        } else {
-            (self.some_addr(), self.some_addr())
+            Some(l) if self.rng.random_bool(0.5) => l.src,
+            _ => self.some_addr(family),
         };
-        let ihl = usize::from(quoted.get(14).map_or(5, |b| b & 0x0f)) * 4;
+        let ip_len = quoted.len().saturating_sub(ETH_HLEN);
         let cut = match self.rng.random_range(0..4) {
-            0 => quoted.len().saturating_sub(14),
-            1 => self.rng.random_range(0..quoted.len().saturating_sub(14).max(1)),
-            _ => (ihl + 8).min(quoted.len().saturating_sub(14)),
+            0 => ip_len,
+            1 => self.rng.random_range(0..ip_len.max(1)),
+            // As routers quote: the header and 8 bytes (IPv4), all of it (IPv6).
+            _ => match (family, quoted_layout) {
+                (Family::V4, Some(l)) => (l.l4 - ETH_HLEN + 8).min(ip_len),
+                _ => ip_len,
+            },
         };
-        let quote = quoted.get(14..14 + cut).unwrap_or_default();
+        let quote = quoted.get(ETH_HLEN..ETH_HLEN + cut).unwrap_or_default();
         let mut rest = [0u8; 4];
-        if kind == 3 && code == 4 {
+        if (family, kind, code) == (Family::V4, 3, 4) || (family, kind) == (Family::V6, 2) {
             rest[2..4].copy_from_slice(&1400u16.to_be_bytes());
         }
-        icmp_raw(from, to, kind, code, rest, quote)
+        packet::icmp_raw(from, to, kind, code, rest, quote)
     }
 
     /// A complete flow through the node, every step checked: the first packet is DNATed to a
     /// backend of the right scope (or rejected/dropped as the frontend says), masqueraded when
     /// the frontend asks for it, the reply is un-SNATed and reverse-NATed to the frontend, and
     /// ICMP errors about the flow are translated back.
-    fn walk(&mut self) {
+    fn walk(&mut self, family: Family) {
         self.stats.walks += 1;
-        let keys: Vec<(Ipv4Addr, u16, u8)> = self
+        let keys: Vec<FeKey> = self
             .w
             .frontends
             .keys()
             .copied()
-            .filter(|k| k.2 != SCTP && !k.0.is_loopback())
+            .filter(|k| k.2 != SCTP && !k.0.is_loopback() && Family::of(&k.0) == family)
             .collect();
         let key = self.pick(&keys);
         let clients = [
@@ -897,7 +1182,7 @@ impl Fuzzer {
             "10.244.1.5",
             "172.16.9.9",
         ]
-        .map(ip);
+        .map(|a| family.ip(a));
         let client = self.pick(&clients);
         // A source no packet has used yet: two flows from one client port to two frontends that
         // share a backend have the same tuple after DNAT, and the newest owns it (see
@@ -912,15 +1197,11 @@ impl Fuzzer {
         self.walk_one(key, client, sport);
     }
 
-    fn walk_one(
-        &mut self,
-        (fe_addr, fe_port, proto): (Ipv4Addr, u16, u8),
-        client: Ipv4Addr,
-        sport: u16,
-    ) -> Option<Flow> {
+    fn walk_one(&mut self, (fe_addr, fe_port, proto): FeKey, client: IpAddr, sport: u16) -> Option<Flow> {
+        let family = Family::of(&client);
         let fe = self.w.frontends[&(fe_addr, fe_port, proto)].clone();
         let scope = fe.scope_for(&self.w.cfg, client).clone();
-        let build = |src: Ipv4Addr, sp: u16, dst: Ipv4Addr, dp: u16, data: &[u8]| {
+        let build = |src: IpAddr, sp: u16, dst: IpAddr, dp: u16, data: &[u8]| {
             let spec = if proto == TCP {
                 packet::tcp(&src.to_string(), sp, &dst.to_string(), dp)
             } else {
@@ -964,13 +1245,14 @@ impl Fuzzer {
             flow_fail("egress of the DNATed packet", &r2.packet);
         }
         let masqueraded = (o2.src, o2.sport) != (client, sport);
-        let from_pod = self.w.cfg.is_pod_address(client.octets()) == Some(true);
+        let from_pod = is_pod(&self.w.cfg, client) == Some(true);
         let must_masquerade = scope.flags & flags::MASQUERADE != 0
             || (scope.flags & flags::MASQUERADE_OFF_CLUSTER != 0 && !from_pod)
             || o1.dst == client;
-        if masqueraded && (o2.src != self.w.snat || !self.w.in_snat_range(o2.sport)) {
+        let snat = self.w.snat(family);
+        if masqueraded && (o2.src != snat || !self.w.in_snat_range(o2.sport)) {
             flow_fail(
-                "masqueraded to something else than the node's address and range",
+                "masqueraded to something else than the node's address of the family and range",
                 &r2.packet,
             );
         }
@@ -1017,21 +1299,23 @@ impl Fuzzer {
             );
         }
         self.seen.push(r4.packet.clone());
-        // ICMP errors about the flow.
+        // ICMP errors about the flow, quoting as routers do (IPv6: the whole packet).
+        let quote_of = |p: &[u8]| -> Vec<u8> {
+            let end = match family {
+                Family::V4 => ETH_HLEN + 20 + 8,
+                Family::V6 => p.len(),
+            };
+            p[ETH_HLEN..end].to_vec()
+        };
         if masqueraded {
             // A router between the nodes about the masqueraded packet: back to the client.
-            let err = icmp_raw(
-                ip("10.244.9.1"),
-                self.w.snat,
-                3,
-                4,
-                [0, 0, 5, 120],
-                &r2.packet[14..42],
-            );
+            let (kind, code, rest) = IcmpError::TooBig { mtu: 1400 }.header(family);
+            let router = family.ip("10.244.9.1");
+            let err = packet::icmp_raw(router, snat, kind, code, rest, &quote_of(&r2.packet));
             let e1 = self.run(Hook::Ingress, &err, 0)?;
             let q = packet::quoted_summary(&e1.packet);
             if e1.action != OK
-                || addr(&e1.packet, 30) != client
+                || packet::layout(&e1.packet).map(|l| l.dst) != Some(client)
                 || (q.src, q.sport) != (client, sport)
                 || (q.dst, q.dport) != (o1.dst, o1.dport)
             {
@@ -1047,13 +1331,15 @@ impl Fuzzer {
             }
         } else {
             // The backend's side about the DNATed packet, leaving towards the client.
-            let err = icmp_raw(o1.dst, client, 3, 3, [0; 4], &r1.packet[14..42]);
+            let (kind, code, rest) = IcmpError::PortUnreachable.header(family);
+            let err = packet::icmp_raw(o1.dst, client, kind, code, rest, &quote_of(&r1.packet));
             let e = self.run(Hook::Egress, &err, 0)?;
             let q = packet::quoted_summary(&e.packet);
+            let outer = ETH_HLEN + family.ip_hlen();
             if e.action != OK
                 || (q.dst, q.dport) != (fe_addr, fe_port)
                 || (q.src, q.sport) != (client, sport)
-                || e.packet[14..34] != err[14..34]
+                || e.packet[..outer] != err[..outer]
             {
                 flow_fail("ICMP error about a DNATed packet, at egress", &e.packet);
             }
@@ -1071,157 +1357,153 @@ impl Fuzzer {
 /// A flow the fuzz set up, to check after it.
 #[derive(Clone, Copy, Debug)]
 struct Flow {
-    client: Ipv4Addr,
+    client: IpAddr,
     sport: u16,
-    fe: (Ipv4Addr, u16, u8),
-    backend: (Ipv4Addr, u16),
+    fe: FeKey,
+    backend: (IpAddr, u16),
     /// The source the backend sees (the client, or the masquerade address and port).
-    seen_as: (Ipv4Addr, u16),
+    seen_as: (IpAddr, u16),
 }
 
-fn summary_or(p: &[u8]) -> Option<(Ipv4Addr, Ipv4Addr)> {
-    (p.len() >= 34 && be16(p, 12) == 0x0800).then(|| (addr(p, 26), addr(p, 30)))
-}
-
-fn checksum(data: &[u8], initial: u32) -> u16 {
-    let mut sum = initial;
-    for c in data.chunks(2) {
-        sum += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
+/// The offset of the next-header field of an IPv6 packet's last extension header (before L4).
+fn last_next_header_at(p: &[u8]) -> Option<usize> {
+    let mut next = *p.get(20)?;
+    let (mut at, mut off) = (20, ETH_HLEN + 40);
+    loop {
+        let len = match next {
+            HOPOPTS | ROUTING | DSTOPTS | 135 => (usize::from(*p.get(off + 1)?) + 1) * 8,
+            AUTH => (usize::from(*p.get(off + 1)?) + 2) * 4,
+            FRAGMENT => 8,
+            _ => return Some(at),
+        };
+        next = *p.get(off)?;
+        at = off;
+        off += len;
     }
-    while sum >> 16 != 0 {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
 }
 
-/// Recomputes the IPv4 header checksum and, when the lengths allow, the TCP/UDP/ICMP one.
+/// Recomputes the IPv4 header checksum and, when the lengths allow, the TCP/UDP/ICMP/ICMPv6 one
+/// (over its pseudo-header where it has one).
 fn fix_checksums(p: &mut [u8]) {
-    if p.len() < 34 || be16(p, 12) != 0x0800 {
+    let Some(l) = packet::layout(p) else { return };
+    if p.len() < 14 || be16(p, 12) != l.family.ether_type() {
         return;
     }
-    let ihl = usize::from(p[14] & 0x0f) * 4;
-    if ihl < 20 || p.len() < 14 + ihl {
+    if l.family == Family::V4 {
+        let ihl = l.l4 - ETH_HLEN;
+        p[24] = 0;
+        p[25] = 0;
+        let c = packet::checksum(&p[ETH_HLEN..ETH_HLEN + ihl], 0);
+        p[24..26].copy_from_slice(&c.to_be_bytes());
+    }
+    if l.fragment || l.l4 + l.l4_len > p.len() {
         return;
     }
-    p[24] = 0;
-    p[25] = 0;
-    let c = checksum(&p[14..14 + ihl], 0);
-    p[24..26].copy_from_slice(&c.to_be_bytes());
-    let total = usize::from(be16(p, 16));
-    if total < ihl || 14 + total > p.len() || be16(p, 20) & 0x3fff != 0 {
+    let min = match l.proto {
+        TCP => 20,
+        _ => 8,
+    };
+    let Some(at) = l.l4_checksum_offset().filter(|_| l.l4_len >= min) else {
         return;
-    }
-    let l4 = 14 + ihl;
-    let len = total - ihl;
-    let at = match p[23] {
-        TCP if len >= 20 => l4 + 16,
-        UDP if len >= 8 => l4 + 6,
-        ICMP if len >= 8 => l4 + 2,
-        _ => return,
     };
     p[at] = 0;
     p[at + 1] = 0;
-    let pseudo = if p[23] == ICMP {
-        0
+    let segment = &p[l.l4..l.l4 + l.l4_len];
+    let c = if l.proto == ICMP {
+        packet::checksum(segment, 0)
     } else {
-        let mut s = 0u32;
-        for w in [
-            be16(p, 26),
-            be16(p, 28),
-            be16(p, 30),
-            be16(p, 32),
-            u16::from(p[23]),
-            len as u16,
-        ] {
-            s += u32::from(w);
-        }
-        s
+        packet::l4_checksum(&l.src, &l.dst, l.proto, segment)
     };
-    let mut c = checksum(&p[l4..l4 + len], pseudo);
-    if p[23] == UDP && c == 0 {
-        c = 0xffff;
-    }
     p[at..at + 2].copy_from_slice(&c.to_be_bytes());
 }
 
-/// An ICMP message of any type and code, quoting `quote` (the start of an IP packet).
-fn icmp_raw(from: Ipv4Addr, to: Ipv4Addr, kind: u8, code: u8, rest: [u8; 4], quote: &[u8]) -> Vec<u8> {
-    let mut icmp = vec![kind, code, 0, 0];
-    icmp.extend_from_slice(&rest);
-    icmp.extend_from_slice(quote);
-    let c = checksum(&icmp, 0);
-    icmp[2..4].copy_from_slice(&c.to_be_bytes());
-    let header = Ipv4Header::new(icmp.len() as u16, 64, IpNumber::ICMP, from.octets(), to.octets())
-        .expect("ipv4 header");
-    let mut out = Vec::new();
-    PacketBuilder::ethernet2(packet::CLIENT_MAC, packet::NODE_MAC)
-        .ip(etherparse::IpHeaders::Ipv4(header, Default::default()))
-        .write(&mut out, IpNumber::ICMP, &icmp)
-        .expect("write");
-    out
+/// A conntrack entry of either family.
+#[derive(Debug)]
+struct CtEntry {
+    saddr: IpAddr,
+    daddr: IpAddr,
+    sport: u16,
+    dport: u16,
+    proto: u8,
+    dir: u8,
+    nat: (IpAddr, u16),
+    flags: u16,
+    rev_nat_id: u32,
+    backend_id: u32,
 }
 
-/// The conntrack map of this scratch data path: the `lb4_ct` of the programs that use our
-/// services map (the object keeps it; `KernelMaps` has no handle on it).
-fn conntrack_of(s: &ScratchDatapath) -> BpfHashMap<MapData, Ct4Key, Ct4Value> {
-    let services_id = s.maps().services.map().info().expect("services map info").id();
-    for prog in aya::programs::loaded_programs().flatten() {
-        let Ok(Some(ids)) = prog.map_ids() else { continue };
-        if !ids.contains(&services_id) {
-            continue;
-        }
-        for id in ids {
-            let Ok(info) = MapInfo::from_id(id) else { continue };
-            if info.name_as_str() == Some(lb_common::catalog::CONNTRACK) {
-                let data = MapData::from_id(id).expect("open lb4_ct");
-                return BpfHashMap::try_from(Map::LruHashMap(data)).expect("lb4_ct as a hash map");
+fn ct_entries<F: AddrFamily>(
+    map: &BpfHashMap<MapData, CtKey<F>, CtValue<F>>,
+    ip: impl Fn(F::Addr) -> IpAddr,
+) -> Vec<CtEntry>
+where
+    CtKey<F>: aya::Pod,
+    CtValue<F>: aya::Pod,
+{
+    map.iter()
+        .map(|entry| {
+            let (k, v) = entry.expect("read a conntrack map");
+            CtEntry {
+                saddr: ip(k.saddr),
+                daddr: ip(k.daddr),
+                sport: k.sport,
+                dport: k.dport,
+                proto: k.proto,
+                dir: k.dir,
+                nat: (ip(v.nat_addr), v.nat_port),
+                flags: v.flags,
+                rev_nat_id: v.rev_nat_id,
+                backend_id: v.backend_id,
             }
-        }
-    }
-    panic!("no lb4_ct map among the maps of the programs using services map {services_id}");
+        })
+        .collect()
+}
+
+/// Every entry of both families' conntrack maps: the `lb4_ct` and `lb6_ct` of this scratch data
+/// path.
+fn conntrack_of(s: &mut ScratchDatapath) -> Vec<CtEntry> {
+    let maps = s.datapath.take_conntrack().expect("the conntrack maps");
+    let mut entries = ct_entries(&maps.v4, |a| Ipv4Addr::from(a).into());
+    entries.extend(ct_entries(&maps.v6, |a| Ipv6Addr::from(a).into()));
+    entries
 }
 
 /// Every conntrack entry must be one of the four kinds `lb_common::conntrack` documents, naming
-/// a frontend and a backend that exist, with the translation they imply.
-fn check_conntrack(
-    w: &World,
-    ct_map: &BpfHashMap<MapData, Ct4Key, Ct4Value>,
-) -> BTreeMap<&'static str, usize> {
+/// a frontend and a backend of its own family that exist, with the translation they imply.
+fn check_conntrack(w: &World, entries: &[CtEntry]) -> BTreeMap<&'static str, usize> {
     let mut kinds = BTreeMap::new();
-    for entry in ct_map.iter() {
-        let (k, v) = entry.expect("read lb4_ct");
-        let fail = |what: &str| -> ! { panic!("conntrack entry {k:?} -> {v:?}: {what}") };
-        let Some(fe) = w.by_rev.get(&v.rev_nat_id) else {
+    for e in entries {
+        let fail = |what: &str| -> ! { panic!("conntrack entry {e:?}: {what}") };
+        let family = Family::of(&e.saddr);
+        let Some(fe) = w.by_rev.get(&e.rev_nat_id) else {
             fail("unknown frontend")
         };
-        let Some(be) = w.backends_by_id.get(&v.backend_id) else {
+        let Some(be) = w.backends_by_id.get(&e.backend_id) else {
             fail("unknown backend")
         };
-        let (saddr, daddr, nat) = (
-            Ipv4Addr::from(k.saddr),
-            Ipv4Addr::from(k.daddr),
-            (Ipv4Addr::from(v.nat_addr), v.nat_port),
-        );
-        if k.proto != fe.2 || k.proto != be.2 {
+        if Family::of(&fe.0) != family || Family::of(&be.0) != family {
+            fail("frontend or backend of the other family");
+        }
+        if e.proto != fe.2 || e.proto != be.2 {
             fail("protocol differs from its frontend's or backend's");
         }
         if !w.frontends[fe].all_backends().contains(&(be.0, be.1)) {
             fail("backend is not one of the frontend's");
         }
-        let kind = match (k.dir, v.flags & ct::REPLY != 0) {
+        let kind = match (e.dir, e.flags & ct::REPLY != 0) {
             (dir::INGRESS, false) => {
                 // Forward DNAT: client -> frontend, rewritten to the backend.
-                if (daddr, k.dport) != (fe.0, fe.1) || nat != (be.0, be.1) {
+                if (e.daddr, e.dport) != (fe.0, fe.1) || e.nat != (be.0, be.1) {
                     fail("DNAT entry does not map its frontend to its backend");
                 }
                 "dnat"
             }
             (dir::EGRESS, false) => {
                 // SNAT: client -> backend, source rewritten to the node.
-                if (daddr, k.dport) != (be.0, be.1)
-                    || nat.0 != w.snat
-                    || !w.in_snat_range(nat.1)
-                    || v.flags & ct::SNAT == 0
+                if (e.daddr, e.dport) != (be.0, be.1)
+                    || e.nat.0 != w.snat(family)
+                    || !w.in_snat_range(e.nat.1)
+                    || e.flags & ct::SNAT == 0
                 {
                     fail("SNAT entry");
                 }
@@ -1229,14 +1511,17 @@ fn check_conntrack(
             }
             (dir::INGRESS, true) => {
                 // un-SNAT: backend -> node:port, rewritten to the client.
-                if (saddr, k.sport) != (be.0, be.1) || daddr != w.snat || !w.in_snat_range(k.dport) {
+                if (e.saddr, e.sport) != (be.0, be.1)
+                    || e.daddr != w.snat(family)
+                    || !w.in_snat_range(e.dport)
+                {
                     fail("un-SNAT entry");
                 }
                 "unsnat"
             }
             (dir::EGRESS, true) => {
                 // un-DNAT: backend -> client, source rewritten to the frontend.
-                if (saddr, k.sport) != (be.0, be.1) || nat != (fe.0, fe.1) {
+                if (e.saddr, e.sport) != (be.0, be.1) || e.nat != (fe.0, fe.1) {
                     fail("un-DNAT entry");
                 }
                 "undnat"
@@ -1248,34 +1533,23 @@ fn check_conntrack(
     kinds
 }
 
-#[test]
-fn random_and_mutated_packets_through_ingress_and_egress() {
+fn scratch() -> ScratchDatapath {
     require_root();
     assert!(
         !OBJECT.is_empty(),
         "lb-agent was built without the eBPF object: run through ./x test"
     );
-    let seed = std::env::var("LB_FUZZ_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random::<u64>);
-    let packets: usize = std::env::var("LB_FUZZ_PACKETS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(20_000);
-    eprintln!("tc fuzz: seed {seed} (LB_FUZZ_SEED={seed} replays it), {packets} packets");
-    // Replaced by the figures once every check passed: a failed run leaves no stale figures.
-    lb_tests::report::started(
-        "5-hostile-packets",
-        "Random, truncated and mutated packets through the tc programs (BPF_PROG_TEST_RUN)",
-    );
-    let s = ScratchDatapath::new(&state(), settings(), &[ip(NODE_IP)], OBJECT).expect("scratch data path");
+    ScratchDatapath::new(&state(), settings(), &node_ips(), OBJECT).expect("scratch data path")
+}
+
+/// One seed's run on a fresh data path: its statistics, every property checked.
+fn fuzz(seed: u64, packets: usize) -> Stats {
+    let s = scratch();
     let (w, before) = World::read(&s);
-    assert!(
-        w.frontends.len() >= 15,
-        "{} frontends programmed",
-        w.frontends.len()
-    );
+    for family in FAMILIES {
+        let n = w.frontends.keys().filter(|k| Family::of(&k.0) == family).count();
+        assert!(n >= 14, "{n} {family:?} frontends programmed");
+    }
     let mut f = Fuzzer {
         s,
         w,
@@ -1285,47 +1559,53 @@ fn random_and_mutated_packets_through_ingress_and_egress() {
         seen: Vec::new(),
         sources: BTreeSet::new(),
     };
-    let started = Instant::now();
 
     // Flows set up before the fuzz, from a client the fuzz never uses, checked after it.
     let mut sentinels = Vec::new();
-    for (i, key) in [
-        (ip(NODE_IP), 30080, TCP),
-        (ip(NODE_IP), 30053, UDP),
-        (ip("10.96.0.10"), 80, TCP),
-        (ip("198.51.100.50"), 443, TCP),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let flow = f
-            .walk_one(key, ip(SENTINEL_CLIENT), 61_000 + i as u16)
-            .expect("a sentinel flow");
-        sentinels.push(flow);
+    for family in FAMILIES {
+        for (i, (fe, port, proto)) in [
+            (NODE_IP, 30080, TCP),
+            (NODE_IP, 30053, UDP),
+            ("10.96.0.10", 80, TCP),
+            ("198.51.100.50", 443, TCP),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let flow = f
+                .walk_one(
+                    (family.ip(fe), port, proto),
+                    family.ip(SENTINEL_CLIENT),
+                    61_000 + i as u16,
+                )
+                .expect("a sentinel flow");
+            sentinels.push(flow);
+        }
     }
 
     for _ in 0..packets {
+        let family = f.family();
         let p = match f.rng.random_range(0..100) {
             0..8 => {
                 let len = f.rng.random_range(0..160);
                 (0..len).map(|_| f.rng.random()).collect()
             }
             8..16 => {
-                // IPv4-looking garbage.
-                let len = f.rng.random_range(14..120);
+                // IP-looking garbage of the family.
+                let len = f.rng.random_range(14..140);
                 let mut p: Vec<u8> = (0..len).map(|_| f.rng.random()).collect();
-                p[12] = 0x08;
-                p[13] = 0x00;
+                p[12..14].copy_from_slice(&family.ether_type().to_be_bytes());
                 if p.len() > 14 {
-                    p[14] = 0x40 | (p[14] & 0x0f);
+                    let version = if family == Family::V4 { 0x40 } else { 0x60 };
+                    p[14] = version | (p[14] & 0x0f);
                 }
                 p
             }
-            16..42 => f.valid_packet(),
-            42..70 => f.mutated_packet(),
-            70..85 => f.icmp_packet(),
+            16..42 => f.valid_packet(family),
+            42..70 => f.mutated_packet(family),
+            70..85 => f.icmp_packet(family),
             _ => {
-                f.walk();
+                f.walk(family);
                 continue;
             }
         };
@@ -1333,23 +1613,29 @@ fn random_and_mutated_packets_through_ingress_and_egress() {
         let mark = match f.rng.random_range(0..10) {
             0..6 => 0,
             6 | 7 => MARK_MAGIC | f.rng.random_range(0..=f.w.by_rev.len() as u32 + 2),
-            8 => MARK_MAGIC | (f.rng.random::<u32>() & MARK_ID),
+            8 => {
+                // The id of a frontend of either family.
+                let ids: Vec<u32> = f.w.by_rev.keys().copied().collect();
+                MARK_MAGIC | f.pick(&ids)
+            }
             _ => f.rng.random(),
         };
         f.run(Hook::Egress, &p, mark);
     }
-    let elapsed = started.elapsed();
 
     // The programs never write service state.
     let (_, after) = World::read(&f.s);
-    assert_eq!(before, after, "the service maps changed during the fuzz");
+    assert_eq!(
+        before, after,
+        "the service maps changed during the fuzz (seed {seed})"
+    );
     // Every conntrack entry is well formed.
-    let ct_map = conntrack_of(&f.s);
-    let kinds = check_conntrack(&f.w, &ct_map);
+    let entries = conntrack_of(&mut f.s);
+    f.stats.conntrack = check_conntrack(&f.w, &entries);
     // The flows set up before the fuzz still translate both ways.
     for flow in &sentinels {
         let (fe_addr, fe_port, proto) = flow.fe;
-        let build = |src: Ipv4Addr, sp: u16, dst: Ipv4Addr, dp: u16| {
+        let build = |src: IpAddr, sp: u16, dst: IpAddr, dp: u16| {
             let spec = if proto == TCP {
                 packet::tcp(&src.to_string(), sp, &dst.to_string(), dp)
             } else {
@@ -1362,7 +1648,7 @@ fn random_and_mutated_packets_through_ingress_and_egress() {
         assert_eq!(
             (summary(&r.packet).dst, summary(&r.packet).dport),
             flow.backend,
-            "{flow:?}: the established flow lost its backend"
+            "{flow:?}: the established flow lost its backend (seed {seed})"
         );
         let reply = build(flow.backend.0, flow.backend.1, flow.seen_as.0, flow.seen_as.1);
         let back = f.run(Hook::Ingress, &reply, 0).expect("run");
@@ -1371,10 +1657,48 @@ fn random_and_mutated_packets_through_ingress_and_egress() {
         assert_eq!(
             (o.src, o.sport, o.dst, o.dport),
             (fe_addr, fe_port, flow.client, flow.sport),
-            "{flow:?}: the reply is not reverse-translated after the fuzz"
+            "{flow:?}: the reply is not reverse-translated after the fuzz (seed {seed})"
         );
         verify_checksums(&out.packet).unwrap();
     }
+    f.stats.sentinels = sentinels.len();
+    f.stats
+}
+
+#[test]
+fn random_and_mutated_packets_through_ingress_and_egress() {
+    require_root();
+    assert!(
+        !OBJECT.is_empty(),
+        "lb-agent was built without the eBPF object: run through ./x test"
+    );
+    let seeds: Vec<u64> = match std::env::var("LB_FUZZ_SEED").ok().and_then(|s| s.parse().ok()) {
+        Some(seed) => vec![seed],
+        None => SEEDS.to_vec(),
+    };
+    let packets: usize = std::env::var("LB_FUZZ_PACKETS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(PACKETS_PER_SEED);
+    eprintln!("tc fuzz: seeds {seeds:?} (LB_FUZZ_SEED=<seed> replays one), {packets} packets each");
+    // Replaced by the figures once every check passed: a failed run leaves no stale figures.
+    lb_tests::report::started(
+        "5-hostile-packets",
+        "Random, truncated and mutated packets through the tc programs (BPF_PROG_TEST_RUN)",
+    );
+    let started = Instant::now();
+    let mut stats = Stats::default();
+    for &seed in &seeds {
+        let one = Instant::now();
+        let s = fuzz(seed, packets);
+        eprintln!(
+            "tc fuzz: seed {seed}: {} test runs in {:.2?}",
+            s.runs,
+            one.elapsed()
+        );
+        stats.merge(s);
+    }
+    let elapsed = started.elapsed();
     let verdict_name = |action: i32| match action {
         OK => "TC_ACT_OK".to_string(),
         SHOT => "TC_ACT_SHOT".to_string(),
@@ -1384,50 +1708,43 @@ fn random_and_mutated_packets_through_ingress_and_egress() {
     lb_tests::report::record(
         "5-hostile-packets",
         &serde_json::json!({
-            "scenario": "Random, truncated and mutated packets through the tc programs (BPF_PROG_TEST_RUN), interleaved with complete flows whose every step is checked",
-            "attempted": f.stats.runs,
+            "scenario": "Random, truncated and mutated packets of both IP families through the tc programs (BPF_PROG_TEST_RUN), interleaved with complete flows whose every step is checked",
+            "attempted": stats.runs,
             "failed": 0,
-            "seed": format!("{seed} (LB_FUZZ_SEED={seed} replays it)"),
-            "packets": packets,
-            "test_runs": f.stats.runs,
-            "refused_by_test_run_einval": f.stats.einval,
-            "verdicts": f.stats.by_action.iter().map(|((hook, action), n)| (format!("{hook} {}", verdict_name(*action)), *n)).collect::<BTreeMap<_, _>>(),
-            "packets_modified": f.stats.modified,
-            "translations_checked": f.stats.modified.values().sum::<usize>(),
-            "checksum_checks": f.stats.checksum_checked,
-            "flows_walked": {"total": f.stats.walks, "translated": f.stats.walks_translated, "masqueraded": f.stats.walks_masqueraded, "refused": f.stats.walks_refused},
-            "conntrack_entries_verified": kinds.values().sum::<usize>(),
-            "conntrack": kinds,
-            "established_flows_checked_after": sentinels.len(),
+            "seeds": seeds.iter().map(|s| format!("{s} (LB_FUZZ_SEED={s} replays it)")).collect::<Vec<_>>(),
+            "packets": packets * seeds.len(),
+            "test_runs": stats.runs,
+            "test_runs_by_family": stats.by_family,
+            "refused_by_test_run_einval": stats.einval,
+            "verdicts": stats.by_action.iter().map(|((hook, action), n)| (format!("{hook} {}", verdict_name(*action)), *n)).collect::<BTreeMap<_, _>>(),
+            "packets_modified": stats.modified,
+            "translations_checked": stats.modified.values().sum::<usize>(),
+            "checksum_checks": stats.checksum_checked,
+            "flows_walked": {"total": stats.walks, "translated": stats.walks_translated, "masqueraded": stats.walks_masqueraded, "refused": stats.walks_refused},
+            "conntrack_entries_verified": stats.conntrack.values().sum::<usize>(),
+            "conntrack": stats.conntrack,
+            "established_flows_checked_after": stats.sentinels,
             "service_maps_unchanged": true,
             "mistranslations": 0,
             "duration_s": elapsed.as_secs_f64(),
         }),
     );
     eprintln!(
-        "tc fuzz: seed {seed}: {} test runs in {elapsed:.2?} ({} refused with EINVAL); verdicts {:?}; \
+        "tc fuzz: {} test runs in {elapsed:.2?} ({} refused with EINVAL); by family {:?}; verdicts {:?}; \
          modified {:?}; {} checksum checks; {} flows walked ({} translated, {} masqueraded, {} refused); \
          conntrack {:?}",
-        f.stats.runs,
-        f.stats.einval,
-        f.stats.by_action,
-        f.stats.modified,
-        f.stats.checksum_checked,
-        f.stats.walks,
-        f.stats.walks_translated,
-        f.stats.walks_masqueraded,
-        f.stats.walks_refused,
-        kinds,
+        stats.runs,
+        stats.einval,
+        stats.by_family,
+        stats.by_action,
+        stats.modified,
+        stats.checksum_checked,
+        stats.walks,
+        stats.walks_translated,
+        stats.walks_masqueraded,
+        stats.walks_refused,
+        stats.conntrack,
     );
-}
-
-fn scratch() -> ScratchDatapath {
-    require_root();
-    assert!(
-        !OBJECT.is_empty(),
-        "lb-agent was built without the eBPF object: run through ./x test"
-    );
-    ScratchDatapath::new(&state(), settings(), &[ip(NODE_IP)], OBJECT).expect("scratch data path")
 }
 
 fn tc(s: &mut ScratchDatapath, name: &str, p: &[u8], mark: u32) -> TcRun {
@@ -1439,37 +1756,53 @@ fn tc(s: &mut ScratchDatapath, name: &str, p: &[u8], mark: u32) -> TcRun {
 }
 
 /// Minimal reproducer of a data-path hardening gap: the REJECT path (a Service without
-/// endpoints) answers with an ICMP port unreachable whatever the source, including the limited
-/// broadcast, unspecified, multicast and loopback addresses, which RFC 1122 3.2.2 (and the
-/// kernel's own `icmp_send`, which kube-proxy's REJECT goes through) never answers; nor is it
-/// rate limited as the kernel's ICMP errors are (`net.ipv4.icmp_msgs_per_sec`).
+/// endpoints) answered with an ICMP port unreachable whatever the source, including the limited
+/// broadcast, unspecified, multicast and loopback addresses, which RFC 1122 3.2.2 and RFC 4443
+/// 2.4 (e) (and the kernel's own `icmp_send` and `icmp6_send`, which kube-proxy's REJECT goes
+/// through) never answer; nor was it rate limited as the kernel's ICMP errors are.
 #[test]
 fn reject_never_answers_a_broadcast_multicast_or_unspecified_source() {
     let mut s = scratch();
-    for src in ["255.255.255.255", "0.0.0.0", "224.0.0.5", "127.0.0.1"] {
-        let p = packet::udp(src, 5000, "10.96.0.14", 53).build();
-        let r = tc(&mut s, "lb_tc_ingress", &p, 0);
-        assert_ne!(r.action, REDIRECT, "an ICMP error was sent to {src}");
+    for family in FAMILIES {
+        let sources: &[&str] = match family {
+            Family::V4 => &["255.255.255.255", "0.0.0.0", "224.0.0.5", "127.0.0.1"],
+            Family::V6 => &["ff02::1", "::", "::1"],
+        };
+        for src in sources {
+            let p = packet::udp(src, 5000, &family.addr("10.96.0.14"), 53).build();
+            let r = tc(&mut s, "lb_tc_ingress", &p, 0);
+            assert_ne!(r.action, REDIRECT, "an ICMP error was sent to {src}");
+        }
     }
 }
 
-/// Minimal reproducer of a data-path robustness gap: egress trusts `skb->mark` alone. A packet
+/// Minimal reproducer of a data-path robustness gap: egress trusted `skb->mark` alone. A packet
 /// that ingress never un-SNATed but that carries a mark in `0x5EA00000/0xFFF00000` (another
 /// component's mark: Cilium, for one, keeps a security identity in the upper 16 bits, and
-/// 0x5EA0-0x5EAF are valid identities) gets its source rewritten to the frontend the low bits
-/// name, even a frontend of another protocol, and loses its mark.
+/// 0x5EA0-0x5EAF are valid identities) got its source rewritten to the frontend the low bits
+/// name, even a frontend of another protocol, and lost its mark.
 #[test]
 fn egress_ignores_a_mark_ingress_did_not_set() {
     let mut s = scratch();
     let (w, _) = World::read(&s);
-    let tcp_frontend = w.frontends[&(ip("10.96.0.10"), 80, TCP)].rev_nat_id;
-    // A UDP datagram from a pod, carrying the mark of a TCP frontend.
-    let p = packet::udp("10.244.1.5", 5353, "10.244.3.3", 40000).build();
-    let out = tc(&mut s, "lb_tc_egress", &p, MARK_MAGIC | tcp_frontend);
-    assert_eq!(out.packet, p, "rewritten to {:?}", summary(&out.packet));
-    assert_eq!(
-        out.mark,
-        MARK_MAGIC | tcp_frontend,
-        "another component's mark was cleared"
-    );
+    for family in FAMILIES {
+        for frontend_family in FAMILIES {
+            let tcp_frontend = w.frontends[&(frontend_family.ip("10.96.0.10"), 80, TCP)].rev_nat_id;
+            // A UDP datagram from a pod, carrying the mark of a TCP frontend (of either family).
+            let p = packet::udp(
+                &family.addr("10.244.1.5"),
+                5353,
+                &family.addr("10.244.3.3"),
+                40000,
+            )
+            .build();
+            let out = tc(&mut s, "lb_tc_egress", &p, MARK_MAGIC | tcp_frontend);
+            assert_eq!(out.packet, p, "rewritten to {:?}", summary(&out.packet));
+            assert_eq!(
+                out.mark,
+                MARK_MAGIC | tcp_frontend,
+                "another component's mark was cleared"
+            );
+        }
+    }
 }

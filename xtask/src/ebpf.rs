@@ -60,6 +60,7 @@ fn build_into(dir: &str, extra_flags: &[&str], object: &std::path::Path) -> Resu
     let built = target_dir.join("bpfel-unknown-none/release/lb-ebpf");
     // Copy only when changed, so lb-agent is not rebuilt for nothing.
     let new = fs::read(&built).with_context(|| format!("reading {}", built.display()))?;
+    check_no_panics(&new).with_context(|| format!("checking {}", built.display()))?;
     if let Some(parent) = object.parent() {
         fs::create_dir_all(parent)?;
     }
@@ -67,4 +68,27 @@ fn build_into(dir: &str, extra_flags: &[&str], object: &std::path::Path) -> Resu
         fs::write(object, &new).with_context(|| format!("writing {}", object.display()))?;
     }
     Ok(object.to_path_buf())
+}
+
+/// A panic in a program compiles to a jump to `core::panicking` code that never returns, which
+/// every verifier rejects (a loop, or "last insn is not an exit or jmp"), and only when the
+/// program is loaded. Said here, at build time, with the functions to look at.
+fn check_no_panics(elf: &[u8]) -> Result<()> {
+    use object::{Object, ObjectSymbol};
+    let file = object::File::parse(elf).context("parsing the eBPF object")?;
+    let panics: Vec<String> = file
+        .symbols()
+        .filter_map(|s| s.name().ok())
+        .filter(|name| name.contains("9panicking"))
+        .map(str::to_owned)
+        .collect();
+    if !panics.is_empty() {
+        anyhow::bail!(
+            "the eBPF object has panic paths, which the verifier rejects: {}. A division, an \
+             index or an unwrap the compiler cannot prove safe; `llvm-objdump -dr` shows which \
+             program calls them",
+            panics.join(", ")
+        );
+    }
+    Ok(())
 }

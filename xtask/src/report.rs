@@ -86,12 +86,30 @@ fn capitalized(s: &str) -> String {
         .unwrap_or_default()
 }
 
+/// The figures of a scenario's IPv6 load, kept apart from the rest (`"ipv6": {...}`, with the
+/// same keys as the scenario's own: `load`, `attempted`, `failed`, `established`, ...), so that
+/// the IPv4 figures read as they did before the scenarios carried IPv6 load.
+const IPV6: &str = "ipv6";
+
 /// What a scenario lost: failed requests, broken or moved connections, misrouted connections,
-/// unexpected outcomes.
+/// unexpected outcomes; its IPv6 load's losses after `IPv6: `.
 fn lost(v: &Value) -> String {
     if v["completed"] == false {
         return "the test did not complete (it failed before recording its figures)".into();
     }
+    let mut parts = losses(v);
+    if v[IPV6].is_object() {
+        parts.extend(losses(&v[IPV6]).into_iter().map(|p| format!("IPv6: {p}")));
+    }
+    if parts.is_empty() {
+        "nothing".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
+/// The losses among one set of figures (a scenario's, or its IPv6 load's).
+fn losses(v: &Value) -> Vec<String> {
     let mut parts = Vec::new();
     let count = |pointer: &str| v.pointer(pointer).and_then(Value::as_u64).filter(|n| *n > 0);
     for (pointer, what) in [
@@ -125,11 +143,7 @@ fn lost(v: &Value) -> String {
     if let Some(n) = count("/known_bugs") {
         parts.push(format!("{n} known bugs (see the table)"));
     }
-    if parts.is_empty() {
-        "nothing".into()
-    } else {
-        parts.join(", ")
-    }
+    parts
 }
 
 /// The document, from each scenario's (name, figures), in name order.
@@ -139,63 +153,85 @@ fn render(scenarios: &[(String, Value)], header: &str) -> String {
     let _ = writeln!(doc, "{header}\n");
     let _ = writeln!(
         doc,
-        "| Scenario | Requests attempted | Failed | Lost |\n|---|---:|---:|---|"
+        "| Scenario | Requests attempted | Failed | IPv6 requests attempted | IPv6 failed | Lost |\n|---|---:|---:|---:|---:|---|"
     );
     let mut sections = String::new();
     for (name, v) in scenarios {
         let title = v["scenario"].as_str().unwrap_or(name).to_string();
         let _ = writeln!(
             doc,
-            "| {name}: {} | {} | {} | {} |",
+            "| {name}: {} | {} | {} | {} | {} | {} |",
             cell(&json_string(&title)),
             cell(&v["attempted"]),
             cell(&v["failed"]),
+            cell(&v[IPV6]["attempted"]),
+            cell(&v[IPV6]["failed"]),
             lost(v)
         );
         let _ = writeln!(sections, "\n## {name}\n\n{title}\n");
-        if let Some(loads) = v["load"].as_array() {
-            let _ = writeln!(
-                sections,
-                "| Load held | Attempted | Failed | Details |\n|---|---:|---:|---|"
-            );
-            for l in loads {
-                let details: Vec<String> = l
-                    .as_object()
-                    .into_iter()
-                    .flatten()
-                    .filter(|(k, _)| !matches!(k.as_str(), "load" | "attempted" | "failed"))
-                    .map(|(k, v)| format!("{}: {}", key(k), cell(v)))
-                    .collect();
-                let _ = writeln!(
-                    sections,
-                    "| {} | {} | {} | {} |",
-                    cell(&l["load"]),
-                    cell(&l["attempted"]),
-                    cell(&l["failed"]),
-                    details.join("; ")
-                );
-            }
-            sections.push('\n');
+        figures(&mut sections, v, "");
+        if v[IPV6].is_object() {
+            let _ = writeln!(sections, "\nIPv6, alongside:\n");
+            figures(&mut sections, &v[IPV6], "IPv6 ");
         }
-        let mut tables = String::new();
-        for (k, val) in v.as_object().into_iter().flatten() {
-            if matches!(k.as_str(), "scenario" | "load" | "attempted" | "failed") {
-                continue;
-            }
-            match val.as_array() {
-                // Lists of objects (per-input rows, per-command attempts) get their own table.
-                Some(items) if !items.is_empty() && items.iter().all(Value::is_object) => {
-                    let _ = writeln!(tables, "\n{}:\n\n{}", capitalized(&key(k)), table(items));
-                }
-                _ => {
-                    let _ = writeln!(sections, "- {}: {}", key(k), cell(val));
-                }
-            }
-        }
-        sections.push_str(&tables);
     }
     doc.push_str(&sections);
     doc
+}
+
+/// One set of figures (a scenario's, or its IPv6 load's, whose rows and bullets start with
+/// `prefix`): the loads held as a table, lists of objects as tables, the rest as bullets.
+fn figures(sections: &mut String, v: &Value, prefix: &str) {
+    if let Some(loads) = v["load"].as_array() {
+        let _ = writeln!(
+            sections,
+            "| {}oad held | Attempted | Failed | Details |\n|---|---:|---:|---|",
+            if prefix.is_empty() {
+                "L".to_string()
+            } else {
+                format!("{prefix}l")
+            }
+        );
+        for l in loads {
+            let details: Vec<String> = l
+                .as_object()
+                .into_iter()
+                .flatten()
+                .filter(|(k, _)| !matches!(k.as_str(), "load" | "attempted" | "failed"))
+                .map(|(k, v)| format!("{}: {}", key(k), cell(v)))
+                .collect();
+            let _ = writeln!(
+                sections,
+                "| {} | {} | {} | {} |",
+                cell(&l["load"]),
+                cell(&l["attempted"]),
+                cell(&l["failed"]),
+                details.join("; ")
+            );
+        }
+        sections.push('\n');
+    }
+    let mut tables = String::new();
+    for (k, val) in v.as_object().into_iter().flatten() {
+        if matches!(k.as_str(), "scenario" | "load" | "attempted" | "failed" | IPV6) {
+            continue;
+        }
+        match val.as_array() {
+            // Lists of objects (per-input rows, per-command attempts) get their own table.
+            Some(items) if !items.is_empty() && items.iter().all(Value::is_object) => {
+                let _ = writeln!(
+                    tables,
+                    "\n{}:\n\n{}",
+                    capitalized(&format!("{prefix}{}", key(k))),
+                    table(items)
+                );
+            }
+            _ => {
+                let _ = writeln!(sections, "- {prefix}{}: {}", key(k), cell(val));
+            }
+        }
+    }
+    sections.push_str(&tables);
 }
 
 fn json_string(s: &str) -> Value {
@@ -227,7 +263,9 @@ pub fn write_reliability() -> Result<()> {
     let header = format!(
         "Generated by `cargo xtask test` (or `cargo xtask report`) from the figures the reliability tests recorded \
          (`target/reliability/*.json`), at {} on kernel {}, commit {}. Each scenario is an automated test in \
-         `tests/tests/`; the goal is that nothing is lost.",
+         `tests/tests/`; the goal is that nothing is lost. The scenarios run on a dual-stack node carry IPv6 load \
+         beside their IPv4 load and report it apart: its requests in the IPv6 columns and in each section's IPv6 \
+         part, the other columns and figures counting what they counted before (`-`: no IPv6 load of its own).",
         date.trim(),
         kernel.trim(),
         sha.trim()
@@ -265,7 +303,9 @@ mod tests {
         });
         let doc = render(&[("5-hostile-input".into(), v)], "header");
         assert!(
-            doc.contains("| 5-hostile-input: Hostile input | 10 | 0 | 1 known bugs (see the table) |"),
+            doc.contains(
+                "| 5-hostile-input: Hostile input | 10 | 0 | - | - | 1 known bugs (see the table) |"
+            ),
             "{doc}"
         );
         assert!(doc.contains("| Row | Agent | Event | Ok |"), "{doc}");
@@ -283,6 +323,46 @@ mod tests {
         );
         assert!(doc.contains("- verdicts: ingress TC_ACT_OK: 3"), "{doc}");
         assert!(doc.contains("- granted: list services, watch services"), "{doc}");
+        // The IPv6 load of a dual-stack scenario: its own columns, table and bullets, its losses
+        // named apart; the IPv4 figures as they were.
+        let dual = json!({
+            "scenario": "Restart",
+            "attempted": 100,
+            "failed": 0,
+            "load": [{"load": "socket path, TCP to the cluster IP", "attempted": 100, "failed": 0}],
+            "established": {"broken": 0, "connections": 3},
+            "ids_stable": true,
+            "ipv6": {
+                "attempted": 90,
+                "failed": 2,
+                "load": [{"load": "socket path, TCP to the cluster IP", "attempted": 90, "failed": 2}],
+                "established": {"broken": 1, "connections": 3},
+                "ids_stable": true,
+            },
+        });
+        let doc = render(&[("1-restart".into(), dual)], "header");
+        assert!(
+            doc.contains("| 1-restart: Restart | 100 | 0 | 90 | 2 | IPv6: 2 failed requests, IPv6: 1 broken connections |"),
+            "{doc}"
+        );
+        assert!(
+            doc.contains("| Load held | Attempted | Failed | Details |"),
+            "{doc}"
+        );
+        assert!(
+            doc.contains("| IPv6 load held | Attempted | Failed | Details |"),
+            "{doc}"
+        );
+        assert!(
+            doc.contains("| socket path, TCP to the cluster IP | 90 | 2 |  |"),
+            "{doc}"
+        );
+        assert!(doc.contains("- established: broken: 0; connections: 3"), "{doc}");
+        assert!(
+            doc.contains("- IPv6 established: broken: 1; connections: 3"),
+            "{doc}"
+        );
+        assert!(doc.contains("- IPv6 ids stable: true"), "{doc}");
         // A test that failed before recording says so.
         let failed = render(&[("x".into(), json!({"scenario": "x", "completed": false}))], "h");
         assert!(failed.contains("did not complete"), "{failed}");

@@ -18,7 +18,6 @@ mod sync;
 use std::{
     cell::RefCell,
     collections::{BTreeSet, HashSet},
-    net::{IpAddr, Ipv4Addr},
     rc::Rc,
     sync::Arc,
     time::{Duration, SystemTime},
@@ -107,12 +106,18 @@ fn spawn_server<F>(
 where
     F: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
 {
-    let Some(addr) = parse_bind_address(addr)
+    let Some(mut addr) = parse_bind_address(addr)
         .map_err(anyhow::Error::msg)
         .with_context(|| format!("{what} bind address"))?
     else {
         return Ok(());
     };
+    // `[::]` on a node without IPv6: every IPv4 address instead (what Go does with `:port`).
+    if addr.ip() == std::net::IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
+        && crate::node::local_network().is_ok_and(|l| l.ipv6_disabled)
+    {
+        addr.set_ip(std::net::Ipv4Addr::UNSPECIFIED.into());
+    }
     let what = what.to_string();
     let shutdown = shutdown.clone();
     tokio::spawn(async move {
@@ -186,9 +191,10 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         node = %settings.node_name,
         bpf_root = %paths.root.display(),
         cgroup = %cgroup_root.display(),
-        frontends = applier.occupancy().revnat,
+        ipv4_frontends = applier.occupancy().revnat.v4,
+        ipv6_frontends = applier.occupancy().revnat.v6,
         "data path loaded (adopted {} frontend(s) from the pinned maps)",
-        applier.occupancy().revnat
+        applier.occupancy().revnat.v4 + applier.occupancy().revnat.v6
     );
 
     let shutdown = CancellationToken::new();
@@ -273,7 +279,8 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         devices,
         metrics: metrics.clone(),
         health: health.clone(),
-        service_health: ServiceHealthServers::new(vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)], health),
+        // Every address of each family, as kube-proxy with the default nodePortAddresses.
+        service_health: ServiceHealthServers::new(Vec::new(), health),
         source,
         problems: Vec::new(),
         manifest_problems: BTreeSet::new(),
@@ -292,8 +299,11 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         });
     }
     // The first sync fills the maps; only then are the programs attached (or swapped in).
-    if let Err(e) = agent.borrow_mut().sync() {
-        tracing::error!("first sync: {e:#}");
+    if !first_sync(&agent, args.sync_period.min(Duration::from_secs(1)), &shutdown).await {
+        tracing::info!(
+            "stopping before the data path was attached; the programs attached before, if any, keep serving"
+        );
+        return Ok(());
     }
     agent.borrow_mut().attach_programs()?;
     tracing::info!("data path attached");
@@ -332,20 +342,48 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     Ok(())
 }
 
+/// Runs the first sync, retried every `retry` until it has programmed the maps; false when told to
+/// stop first. A sync that failed before writing anything (the manifests folder unreadable, say)
+/// leaves the `lb_config` entry of a new install or of an upgrade (a new layout version, a new
+/// pin) unconfigured and the maps this release added empty: programs attached then would run
+/// without a masquerade address, the node's namespace cookie or the affinity members (the
+/// programs they replace, if any, keep serving meanwhile with what they had). A sync that got as
+/// far as the maps (its failure is a map write, retried at the next sync) or that failed over
+/// maps a previous run of this release configured lets the programs be attached as before.
+async fn first_sync(agent: &RefCell<Agent>, retry: Duration, shutdown: &CancellationToken) -> bool {
+    loop {
+        let result = agent.borrow_mut().sync();
+        let Err(e) = result else { return true };
+        tracing::error!("first sync: {e:#}");
+        let configured = agent
+            .borrow()
+            .programmer
+            .maps()
+            .datapath_config()
+            .is_some_and(|c| c != lb_common::config::DatapathConfig::UNCONFIGURED);
+        if configured {
+            return true;
+        }
+        tracing::warn!(
+            "the data path is not programmed yet: its programs are not attached (nor swapped in) until a \
+             sync programs it; retrying in {retry:?}"
+        );
+        tokio::select! {
+            _ = shutdown.cancelled() => return false,
+            _ = tokio::time::sleep(retry) => {}
+        }
+    }
+}
+
 /// The conntrack GC (`datapath::conntrack`), on its own thread: a pass walks the whole map with a
 /// syscall or two per entry, which must not delay a sync.
 fn spawn_conntrack_gc(
-    mut map: aya::maps::HashMap<
-        aya::maps::MapData,
-        lb_common::conntrack::Ct4Key,
-        lb_common::conntrack::Ct4Value,
-    >,
+    mut maps: crate::datapath::conntrack::ConntrackMaps,
     interval: Duration,
     timeouts: crate::datapath::conntrack::GcTimeouts,
     metrics: Metrics,
     shutdown: CancellationToken,
 ) {
-    use crate::datapath::conntrack;
     let spawned = std::thread::Builder::new()
         .name("conntrack-gc".into())
         .spawn(move || {
@@ -356,7 +394,7 @@ fn spawn_conntrack_gc(
                     continue;
                 }
                 next = std::time::Instant::now() + interval;
-                match conntrack::collect(&mut map, crate::time::monotonic_coarse_ns(), &timeouts) {
+                match maps.collect(crate::time::monotonic_coarse_ns(), &timeouts) {
                     Ok(report) => {
                         for (reason, n) in &report.deleted {
                             metrics.conntrack_gc_deleted(reason.label(), *n);

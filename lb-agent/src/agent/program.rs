@@ -5,14 +5,12 @@
 //! maps through it, so the two agree by construction on every frontend, backend, flag and
 //! masquerade address.
 
-use std::net::Ipv4Addr;
-
 use k8s_openapi::api::core::v1::Node;
 use lb_common::{catalog::Capacities, config::DatapathConfig};
 
 use crate::{
     apply::{Applier, ApplyReport, MapError, MapOps},
-    node::{NodeSettings, NodeView},
+    node::{LocalNetwork, NodeSettings, NodeView},
     plan::{Outcome, Planner, Totals},
     watch::{ClusterState, ServiceInputs, ServiceKey},
 };
@@ -75,10 +73,10 @@ impl<M: MapOps> Programmer<M> {
         self.planner.totals()
     }
 
-    /// This node's view: its Node object (when known) and the addresses on its interfaces, through
+    /// This node's view: its Node object (when known) and its interfaces' addresses, through
     /// [`NodeSettings::view`].
-    pub fn view(&self, node: Option<&Node>, local_addresses: &[Ipv4Addr]) -> NodeView {
-        self.settings.view(node, local_addresses)
+    pub fn view(&self, node: Option<&Node>, local: &LocalNetwork) -> NodeView {
+        self.settings.view(node, local)
     }
 
     /// The `lb_config` entry `view` asks for.

@@ -20,6 +20,7 @@ use crate::{
     apply::{ApplyReport, KernelMaps},
     datapath::{Datapath, tc},
     events::ProblemEvent,
+    family::IpFamily,
     health::{self, ProxyHealth, ServiceHealthServers},
     metrics::Metrics,
     node::{self, NodeView},
@@ -126,8 +127,8 @@ impl Agent {
 
     /// This node's view from its Node object and the addresses on its interfaces now.
     fn node_view(&self, node: Option<&Node>) -> Result<NodeView> {
-        let locals = node::local_addresses().context("listing this node's addresses")?;
-        Ok(self.programmer.view(node, &locals))
+        let local = node::local_network().context("listing this node's addresses")?;
+        Ok(self.programmer.view(node, &local))
     }
 
     /// Re-plans and writes: every Service (`full`; the state is dropped before returning, so a
@@ -268,15 +269,26 @@ impl Agent {
         m.set_no_local_endpoints(totals.no_local_internal, totals.no_local_external);
         let caps = self.programmer.capacities();
         let occ = self.programmer.applier().occupancy();
-        for (name, used, cap) in [
-            (catalog::SERVICES, occ.services, caps.services),
-            (catalog::BACKENDS, occ.backends, caps.backends),
-            (catalog::REVNAT, occ.revnat, caps.revnat),
-            (catalog::AFFINITY_MATCH, occ.affinity_match, caps.affinity_match),
-            (catalog::SOURCE_RANGES, occ.source_ranges, caps.source_ranges),
-        ] {
-            m.set_map_occupancy(name, u64::from(used), u64::from(cap));
+        for family in IpFamily::ALL {
+            let maps = family.maps();
+            for (name, used, cap) in [
+                (maps.services, occ.services.get(family), caps.services),
+                (maps.backends, occ.backends.get(family), caps.backends),
+                (maps.revnat, occ.revnat.get(family), caps.revnat),
+                (
+                    maps.source_ranges,
+                    occ.source_ranges.get(family),
+                    caps.source_ranges,
+                ),
+            ] {
+                m.set_map_occupancy(name, u64::from(*used), u64::from(cap));
+            }
         }
+        m.set_map_occupancy(
+            catalog::AFFINITY_MATCH,
+            u64::from(occ.affinity_match),
+            u64::from(caps.affinity_match),
+        );
         let events: Vec<(&str, u64)> = Counter::ALL
             .iter()
             .map(|c| (c.name(), self.programmer.maps().counter(*c as u32)))

@@ -22,20 +22,19 @@ mod writes;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use lb_common::{
-    backend::Backend4Value,
-    catalog::{self, Capacities},
-};
+use lb_common::catalog::Capacities;
 
 use self::fit::WriteMode;
 use super::{
     entries::{
-        EntriesError, FrontendEntries, backend_value, entries_for, protocol_from, service_port_name, svc_name,
+        BackendEntry, EntriesError, FrontendEntries, backend_value, entries_for, protocol_from,
+        service_port_name, svc_name,
     },
-    ids::IdAllocator,
+    ids::{IdAllocator, family_ranges},
     ops::{MapError, MapOps},
 };
 use crate::{
+    family::{IpFamily, PerFamily},
     model::ServicePortName,
     plan::{BackendAddr, Changes, DesiredState, Frontend, FrontendPlan},
 };
@@ -60,14 +59,15 @@ impl ApplyReport {
     }
 }
 
-/// Entries currently in each map, as the writer knows them.
+/// Entries currently in each map, as the writer knows them (per family for the maps each family
+/// has).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Occupancy {
-    pub services: u32,
-    pub backends: u32,
-    pub revnat: u32,
+    pub services: PerFamily<u32>,
+    pub backends: PerFamily<u32>,
+    pub revnat: PerFamily<u32>,
+    pub source_ranges: PerFamily<u32>,
     pub affinity_match: u32,
-    pub source_ranges: u32,
 }
 
 pub struct Applier<M> {
@@ -75,7 +75,7 @@ pub struct Applier<M> {
     caps: Capacities,
     /// The mirror of the maps: what each frontend's entries are.
     frontends: BTreeMap<Frontend, FrontendEntries>,
-    backends: BTreeMap<BackendAddr, (u32, Backend4Value)>,
+    backends: BTreeMap<BackendAddr, (u32, BackendEntry)>,
     backend_addrs: HashMap<u32, BackendAddr>,
     /// How many backend slots point at each backend id.
     backend_refs: HashMap<u32, u32>,
@@ -84,8 +84,9 @@ pub struct Applier<M> {
     /// Frontends an apply could not bring to their desired state (skipped, or a write failed):
     /// the next `apply_changes` looks at them again.
     retry: BTreeSet<Frontend>,
-    backend_ids: IdAllocator,
-    rev_ids: IdAllocator,
+    /// Each family's backend and reverse-NAT ids (`ids::family_ranges`).
+    backend_ids: PerFamily<IdAllocator>,
+    rev_ids: PerFamily<IdAllocator>,
     occupancy: Occupancy,
 }
 
@@ -101,8 +102,8 @@ impl<M: MapOps> Applier<M> {
             backend_refs: HashMap::new(),
             maybe_unused: BTreeSet::new(),
             retry: BTreeSet::new(),
-            backend_ids: IdAllocator::new(caps.backends),
-            rev_ids: IdAllocator::new(caps.revnat),
+            backend_ids: ids(caps.backends),
+            rev_ids: ids(caps.revnat),
             occupancy: Occupancy::default(),
         }
     }
@@ -146,10 +147,14 @@ impl<M: MapOps> Applier<M> {
     /// reference counts; called whenever the mirror gains or loses a frontend's entries.
     fn count_frontend(&mut self, entries: &FrontendEntries, sign: i64) {
         let add = |v: &mut u32, n: usize| *v = (*v as i64 + sign * n as i64).max(0) as u32;
-        add(&mut self.occupancy.services, entries.services.len());
-        add(&mut self.occupancy.revnat, 1);
+        let family = entries.revnat.family();
+        add(self.occupancy.services.get_mut(family), entries.services.len());
+        add(self.occupancy.revnat.get_mut(family), 1);
         add(&mut self.occupancy.affinity_match, entries.affinity_match.len());
-        add(&mut self.occupancy.source_ranges, entries.source_ranges.len());
+        add(
+            self.occupancy.source_ranges.get_mut(family),
+            entries.source_ranges.len(),
+        );
         for value in entries
             .services
             .iter()
@@ -229,7 +234,7 @@ impl<M: MapOps> Applier<M> {
         // Ids allocated for backends that ended up unused (their Service was skipped).
         for (addr, id) in new_backend_ids {
             if !self.backends.contains_key(&addr) {
-                self.backend_ids.free(id);
+                self.backend_ids.get_mut(IpFamily::of(&addr.addr)).free(id);
             }
         }
         report
@@ -249,7 +254,7 @@ impl<M: MapOps> Applier<M> {
         {
             if !self.backends.contains_key(addr)
                 && !new_backend_ids.contains_key(addr)
-                && let Some(id) = self.backend_ids.alloc()
+                && let Some(id) = self.backend_ids.get_mut(IpFamily::of(&addr.addr)).alloc()
             {
                 new_backend_ids.insert(*addr, id);
             }
@@ -272,8 +277,8 @@ impl<M: MapOps> Applier<M> {
         let writes = match built.and_then(|built| self.plan_writes(built)) {
             Ok(writes) => writes,
             Err(reason) => {
-                for id in new_rev_ids {
-                    self.rev_ids.free(id);
+                for (family, id) in new_rev_ids {
+                    self.rev_ids.get_mut(family).free(id);
                 }
                 report.skipped.push((service, reason));
                 self.retry.extend(group.iter().map(|(f, _)| **f));
@@ -320,19 +325,20 @@ impl<M: MapOps> Applier<M> {
         &mut self,
         group: &[(&Frontend, &FrontendPlan)],
         new_backend_ids: &BTreeMap<BackendAddr, u32>,
-    ) -> (Result<Vec<FrontendWrite>, String>, Vec<u32>) {
+    ) -> (Result<Vec<FrontendWrite>, String>, NewRevNatIds) {
         let mut built = Vec::with_capacity(group.len());
         let mut new_rev_ids = Vec::new();
         for (frontend, plan) in group {
+            let family = IpFamily::of(&frontend.addr);
             let rev_nat_id = match self.frontends.get(frontend) {
                 Some(old) => old.rev_nat_id,
-                None => match self.rev_ids.alloc() {
+                None => match self.rev_ids.get_mut(family).alloc() {
                     Some(id) => {
-                        new_rev_ids.push(id);
+                        new_rev_ids.push((family, id));
                         id
                     }
                     None => {
-                        let reason = format!("no free reverse-NAT id (map {} full)", catalog::REVNAT);
+                        let reason = format!("no free reverse-NAT id (map {} full)", family.maps().revnat);
                         return (Err(reason), new_rev_ids);
                     }
                 },
@@ -348,9 +354,10 @@ impl<M: MapOps> Applier<M> {
                     built.push((**frontend, entries));
                     continue;
                 }
-                Err(EntriesError::NoBackendId(addr)) => {
-                    format!("no free backend id for {addr} (map {} full)", catalog::BACKENDS)
-                }
+                Err(EntriesError::NoBackendId(addr)) => format!(
+                    "no free backend id for {addr} (map {} full)",
+                    IpFamily::of(&addr.addr).maps().backends
+                ),
                 Err(EntriesError::TooManyBackends(n)) => format!(
                     "{frontend}: {n} backends in one scope, more than the {} a frontend entry can count",
                     u16::MAX
@@ -370,13 +377,15 @@ impl<M: MapOps> Applier<M> {
             let Some(addr) = self.backend_addrs.get(&id).copied() else {
                 continue;
             };
-            match self.maps.delete_backend(id) {
+            let family = IpFamily::of(&addr.addr);
+            match self.maps.delete_backend(family, id) {
                 Ok(()) => {
                     report.deletes += 1;
                     self.backends.remove(&addr);
                     self.backend_addrs.remove(&id);
-                    self.backend_ids.free(id);
-                    self.occupancy.backends = self.occupancy.backends.saturating_sub(1);
+                    self.backend_ids.get_mut(family).free(id);
+                    let used = self.occupancy.backends.get_mut(family);
+                    *used = used.saturating_sub(1);
                 }
                 Err(e) => {
                     report.errors.push(e.to_string());
@@ -389,6 +398,18 @@ impl<M: MapOps> Applier<M> {
 
 /// A frontend with the entries it is to have.
 type FrontendWrite = (Frontend, FrontendEntries);
+
+/// Reverse-NAT ids allocated while building a Service's entries, each in its family's range.
+type NewRevNatIds = Vec<(IpFamily, u32)>;
+
+/// Each family's allocator of the ids of maps of `capacity` entries.
+fn ids(capacity: u32) -> PerFamily<IdAllocator> {
+    let ranges = family_ranges(capacity);
+    PerFamily {
+        v4: IdAllocator::with_range(ranges.v4),
+        v6: IdAllocator::with_range(ranges.v6),
+    }
+}
 
 /// The desired frontends among `frontends`, by Service (written together: a Service is
 /// programmed whole or not at all).

@@ -1,48 +1,115 @@
 //! The map entries of one frontend, built from its plan ([`entries_for`]), and the conversions
 //! between the plan's names and what the maps store (`lb_svc_names`, backend values).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
+use ipnet::IpNet;
 use lb_common::{
     affinity::AffinityMatchKey,
-    backend::Backend4Value,
-    revnat::{NAME_LEN, PORT_NAME_LEN, RevNat4Value, SvcName},
-    service::{SrcRange4, Svc4Key, Svc4Value},
+    revnat::{NAME_LEN, PORT_NAME_LEN, SvcName},
+    service::SvcValue,
 };
 
 use crate::{
+    family::IpFamily,
     model::{Protocol, ServicePortName},
     plan::{BackendAddr, Frontend, FrontendPlan},
 };
+
+/// A key of `lb4_services` or `lb6_services` (`SvcKey<F>`, the family in the address): a
+/// frontend entry (slot 0) or one of its backend slots. The writer works on entries of either
+/// family alike; `KernelMaps` turns them into their family's map key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServiceMapKey {
+    pub addr: IpAddr,
+    pub port: u16,
+    /// 0 is the frontend entry; 1..=count are backend slots.
+    pub slot: u16,
+    pub proto: u8,
+    /// `SCOPE_EXTERNAL` or `SCOPE_INTERNAL`.
+    pub scope: u8,
+}
+
+impl ServiceMapKey {
+    pub fn new(addr: IpAddr, port: u16, proto: u8, scope: u8, slot: u16) -> Self {
+        ServiceMapKey {
+            addr,
+            port,
+            slot,
+            proto,
+            scope,
+        }
+    }
+
+    /// The same frontend and scope at another slot.
+    pub fn with_slot(self, slot: u16) -> Self {
+        ServiceMapKey { slot, ..self }
+    }
+
+    pub fn family(&self) -> IpFamily {
+        IpFamily::of(&self.addr)
+    }
+}
+
+/// A value of `lb4_backends` or `lb6_backends` (`BackendValue<F>`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BackendEntry {
+    pub addr: IpAddr,
+    pub port: u16,
+    pub proto: u8,
+    /// `lb_common::backend::flags::*`.
+    pub flags: u8,
+}
+
+/// A value of `lb4_revnat` or `lb6_revnat` (`RevNatValue<F>`): the frontend a reverse-NAT id
+/// stands for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RevNatEntry {
+    pub addr: IpAddr,
+    pub port: u16,
+    pub proto: u8,
+}
+
+impl RevNatEntry {
+    pub fn family(&self) -> IpFamily {
+        IpFamily::of(&self.addr)
+    }
+}
+
+/// An entry of `lb4_src_range` or `lb6_src_range`: one loadBalancerSourceRanges prefix of a
+/// frontend (the trie key is the id then the prefix, `SrcRange<F>`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SourceRange {
+    pub rev_nat_id: u32,
+    /// Normalised: no host bits (what the trie stores and gives back).
+    pub net: IpNet,
+}
+
+impl SourceRange {
+    pub fn new(rev_nat_id: u32, net: IpNet) -> Self {
+        SourceRange {
+            rev_nat_id,
+            net: net.trunc(),
+        }
+    }
+
+    pub fn family(&self) -> IpFamily {
+        IpFamily::of_net(&self.net)
+    }
+}
 
 /// Everything the maps hold for one frontend (its `lb_svc_names` entry is `svc_name(&service)`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct FrontendEntries {
     pub rev_nat_id: u32,
     pub service: ServicePortName,
-    pub services: BTreeMap<Svc4Key, Svc4Value>,
-    pub revnat: RevNat4Value,
+    pub services: BTreeMap<ServiceMapKey, SvcValue>,
+    pub revnat: RevNatEntry,
     pub affinity_match: BTreeSet<AffinityMatchKey>,
-    pub source_ranges: BTreeSet<(u32, SrcRange4Ord)>,
-}
-
-/// `SrcRange4` with an order, for sets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub(super) struct SrcRange4Ord([u8; 4], [u8; 4]);
-
-impl From<SrcRange4Ord> for SrcRange4 {
-    fn from(r: SrcRange4Ord) -> Self {
-        SrcRange4 {
-            rev_nat_id_be: r.0,
-            addr: r.1,
-        }
-    }
-}
-
-impl From<SrcRange4> for SrcRange4Ord {
-    fn from(r: SrcRange4) -> Self {
-        SrcRange4Ord(r.rev_nat_id_be, r.addr)
-    }
+    pub source_ranges: BTreeSet<SourceRange>,
 }
 
 /// `s` in a zero-padded field, cut at a character boundary: what is stored is valid UTF-8 and
@@ -91,9 +158,9 @@ pub fn protocol_from(n: u8) -> Option<Protocol> {
     }
 }
 
-pub(super) fn backend_value(addr: &BackendAddr, flags: u8) -> Backend4Value {
-    Backend4Value {
-        addr: addr.addr.octets(),
+pub(super) fn backend_value(addr: &BackendAddr, flags: u8) -> BackendEntry {
+    BackendEntry {
+        addr: addr.addr,
         port: addr.port,
         proto: addr.proto.number(),
         flags,
@@ -105,7 +172,7 @@ pub(super) fn backend_value(addr: &BackendAddr, flags: u8) -> Backend4Value {
 pub(super) enum EntriesError {
     /// A backend has no id (the backends map is full).
     NoBackendId(BackendAddr),
-    /// A scope has more backends than `Svc4Value::count` (a `u16`) can count. The plan never
+    /// A scope has more backends than `SvcValue::count` (a `u16`) can count. The plan never
     /// asks for this (`MAX_BACKENDS_PER_SCOPE`); checked here so that it could never wrap.
     TooManyBackends(usize),
 }
@@ -118,16 +185,16 @@ pub(super) fn entries_for(
     backend_id: &dyn Fn(&BackendAddr) -> Option<u32>,
 ) -> Result<FrontendEntries, EntriesError> {
     let proto = frontend.proto.number();
-    let addr = frontend.addr.octets();
+    let addr = frontend.addr;
     let mut services = BTreeMap::new();
     let mut affinity_match = BTreeSet::new();
     for scope in &plan.scopes {
-        let key = Svc4Key::new(addr, frontend.port, proto, scope.scope, 0);
+        let key = ServiceMapKey::new(addr, frontend.port, proto, scope.scope, 0);
         let count = u16::try_from(scope.backends.len())
             .map_err(|_| EntriesError::TooManyBackends(scope.backends.len()))?;
         for (slot, backend) in (1..=count).zip(&scope.backends) {
             let id = backend_id(backend).ok_or(EntriesError::NoBackendId(*backend))?;
-            services.insert(key.with_slot(slot), Svc4Value::slot(rev_nat_id, id));
+            services.insert(key.with_slot(slot), SvcValue::slot(rev_nat_id, id));
             if plan.affinity_timeout > 0 {
                 affinity_match.insert(AffinityMatchKey {
                     backend_id: id,
@@ -137,28 +204,22 @@ pub(super) fn entries_for(
         }
         services.insert(
             key,
-            Svc4Value::frontend(rev_nat_id, count, scope.flags, plan.affinity_timeout),
+            SvcValue::frontend(rev_nat_id, count, scope.flags, plan.affinity_timeout),
         );
     }
     let source_ranges = plan
         .source_ranges
         .iter()
-        .map(|net| {
-            (
-                SrcRange4::prefix_len(net.prefix_len()),
-                SrcRange4::new(rev_nat_id, net.network().octets()).into(),
-            )
-        })
+        .map(|net| SourceRange::new(rev_nat_id, *net))
         .collect();
     Ok(FrontendEntries {
         rev_nat_id,
         service: plan.service.clone(),
         services,
-        revnat: RevNat4Value {
+        revnat: RevNatEntry {
             addr,
             port: frontend.port,
             proto,
-            _pad: 0,
         },
         affinity_match,
         source_ranges,

@@ -5,29 +5,28 @@
 use std::collections::BTreeSet;
 
 use lb_common::{
-    affinity::AffinityMatchKey,
-    backend::Backend4Value,
-    catalog,
-    config::DatapathConfig,
-    revnat::{RevNat4Value, SvcName},
-    service::{SrcRange4, Svc4Key, Svc4Value},
+    affinity::AffinityMatchKey, catalog, config::DatapathConfig, revnat::SvcName, service::SvcValue,
 };
 
-use super::ops::{MapError, MapOps, Snapshot};
+use super::{
+    entries::{BackendEntry, RevNatEntry, ServiceMapKey, SourceRange},
+    ops::{MapError, MapOps, Snapshot},
+};
+use crate::family::IpFamily;
 
 /// One logged operation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
-    PutService(Svc4Key, Svc4Value),
-    DeleteService(Svc4Key),
-    PutBackend(u32, Backend4Value),
-    DeleteBackend(u32),
-    PutRevNat(u32, RevNat4Value),
-    DeleteRevNat(u32),
+    PutService(ServiceMapKey, SvcValue),
+    DeleteService(ServiceMapKey),
+    PutBackend(u32, BackendEntry),
+    DeleteBackend(IpFamily, u32),
+    PutRevNat(u32, RevNatEntry),
+    DeleteRevNat(IpFamily, u32),
     PutAffinityMatch(AffinityMatchKey),
     DeleteAffinityMatch(AffinityMatchKey),
-    PutSourceRange(u32, SrcRange4),
-    DeleteSourceRange(u32, SrcRange4),
+    PutSourceRange(SourceRange),
+    DeleteSourceRange(SourceRange),
     PutConfig,
 }
 
@@ -36,7 +35,8 @@ pub struct FakeMaps {
     pub state: Snapshot,
     pub config: Option<DatapathConfig>,
     pub log: Vec<Op>,
-    /// Refuse new service-map keys beyond this many entries (E2BIG), like a full kernel map.
+    /// Refuse new service-map keys beyond this many entries of one family (E2BIG), like a full
+    /// kernel map (each family has its own).
     pub services_capacity: Option<usize>,
 }
 
@@ -50,7 +50,8 @@ impl FakeMaps {
     }
 
     /// Checks the invariant readers rely on: every frontend entry's slots exist and point at
-    /// existing backends, and every frontend's reverse-NAT entry exists.
+    /// existing backends of the frontend's family, and every frontend's reverse-NAT entry exists
+    /// in its family.
     pub fn check_consistent(&self) -> Result<(), String> {
         for (key, value) in &self.state.services {
             if key.slot == 0 {
@@ -62,14 +63,16 @@ impl FakeMaps {
                             value.count
                         ));
                     };
-                    if !self.state.backends.contains_key(&entry.backend_id) {
+                    let backend = self.state.backends.get(&entry.backend_id);
+                    if backend.is_none_or(|b| IpFamily::of(&b.addr) != key.family()) {
                         return Err(format!(
                             "{slot_key:?} points at missing backend {}",
                             entry.backend_id
                         ));
                     }
                 }
-                if !self.state.revnat.contains_key(&value.rev_nat_id) {
+                let revnat = self.state.revnat.get(&value.rev_nat_id);
+                if revnat.is_none_or(|r| r.family() != key.family()) {
                     return Err(format!("{key:?} has no reverse-NAT entry {}", value.rev_nat_id));
                 }
             }
@@ -87,20 +90,20 @@ impl FakeMaps {
                 Op::PutService(k, v) => maps.put_service(k, v),
                 Op::DeleteService(k) => maps.delete_service(k),
                 Op::PutBackend(id, v) => maps.put_backend(*id, v),
-                Op::DeleteBackend(id) => maps.delete_backend(*id),
+                Op::DeleteBackend(family, id) => maps.delete_backend(*family, *id),
                 Op::PutRevNat(id, v) => maps.put_revnat(*id, v, &name),
-                Op::DeleteRevNat(id) => maps.delete_revnat(*id),
+                Op::DeleteRevNat(family, id) => maps.delete_revnat(*family, *id),
                 Op::PutAffinityMatch(k) => maps.put_affinity_match(k),
                 Op::DeleteAffinityMatch(k) => maps.delete_affinity_match(k),
-                Op::PutSourceRange(p, r) => maps.put_source_range(*p, r),
-                Op::DeleteSourceRange(p, r) => maps.delete_source_range(*p, r),
+                Op::PutSourceRange(r) => maps.put_source_range(r),
+                Op::DeleteSourceRange(r) => maps.delete_source_range(r),
                 Op::PutConfig => Ok(()),
             };
             check(i, &maps);
         }
     }
 
-    pub fn frontend_keys(&self) -> BTreeSet<Svc4Key> {
+    pub fn frontend_keys(&self) -> BTreeSet<ServiceMapKey> {
         self.state
             .services
             .keys()
@@ -111,46 +114,64 @@ impl FakeMaps {
 }
 
 impl MapOps for FakeMaps {
-    fn put_service(&mut self, key: &Svc4Key, value: &Svc4Value) -> Result<(), MapError> {
+    fn put_service(&mut self, key: &ServiceMapKey, value: &SvcValue) -> Result<(), MapError> {
         if let Some(cap) = self.services_capacity
             && !self.state.services.contains_key(key)
-            && self.state.services.len() >= cap
+            && self
+                .state
+                .services
+                .keys()
+                .filter(|k| k.family() == key.family())
+                .count()
+                >= cap
         {
-            return Err(full(catalog::SERVICES));
+            return Err(full(match key.family() {
+                IpFamily::V4 => catalog::SERVICES,
+                IpFamily::V6 => catalog::SERVICES6,
+            }));
         }
         self.log.push(Op::PutService(*key, *value));
         self.state.services.insert(*key, *value);
         Ok(())
     }
 
-    fn delete_service(&mut self, key: &Svc4Key) -> Result<(), MapError> {
+    fn delete_service(&mut self, key: &ServiceMapKey) -> Result<(), MapError> {
         self.log.push(Op::DeleteService(*key));
         self.state.services.remove(key);
         Ok(())
     }
 
-    fn put_backend(&mut self, id: u32, value: &Backend4Value) -> Result<(), MapError> {
+    fn put_backend(&mut self, id: u32, value: &BackendEntry) -> Result<(), MapError> {
         self.log.push(Op::PutBackend(id, *value));
         self.state.backends.insert(id, *value);
         Ok(())
     }
 
-    fn delete_backend(&mut self, id: u32) -> Result<(), MapError> {
-        self.log.push(Op::DeleteBackend(id));
-        self.state.backends.remove(&id);
+    fn delete_backend(&mut self, family: IpFamily, id: u32) -> Result<(), MapError> {
+        self.log.push(Op::DeleteBackend(family, id));
+        if self
+            .state
+            .backends
+            .get(&id)
+            .is_some_and(|b| IpFamily::of(&b.addr) == family)
+        {
+            self.state.backends.remove(&id);
+        }
         Ok(())
     }
 
-    fn put_revnat(&mut self, id: u32, value: &RevNat4Value, name: &SvcName) -> Result<(), MapError> {
+    fn put_revnat(&mut self, id: u32, value: &RevNatEntry, name: &SvcName) -> Result<(), MapError> {
         self.log.push(Op::PutRevNat(id, *value));
         self.state.revnat.insert(id, *value);
         self.state.names.insert(id, *name);
         Ok(())
     }
 
-    fn delete_revnat(&mut self, id: u32) -> Result<(), MapError> {
-        self.log.push(Op::DeleteRevNat(id));
-        self.state.revnat.remove(&id);
+    fn delete_revnat(&mut self, family: IpFamily, id: u32) -> Result<(), MapError> {
+        self.log.push(Op::DeleteRevNat(family, id));
+        if self.state.revnat.get(&id).is_some_and(|r| r.family() == family) {
+            self.state.revnat.remove(&id);
+        }
         self.state.names.remove(&id);
         Ok(())
     }
@@ -169,17 +190,17 @@ impl MapOps for FakeMaps {
         Ok(())
     }
 
-    fn put_source_range(&mut self, prefix_len: u32, range: &SrcRange4) -> Result<(), MapError> {
-        self.log.push(Op::PutSourceRange(prefix_len, *range));
-        if !self.state.source_ranges.contains(&(prefix_len, *range)) {
-            self.state.source_ranges.push((prefix_len, *range));
+    fn put_source_range(&mut self, range: &SourceRange) -> Result<(), MapError> {
+        self.log.push(Op::PutSourceRange(*range));
+        if !self.state.source_ranges.contains(range) {
+            self.state.source_ranges.push(*range);
         }
         Ok(())
     }
 
-    fn delete_source_range(&mut self, prefix_len: u32, range: &SrcRange4) -> Result<(), MapError> {
-        self.log.push(Op::DeleteSourceRange(prefix_len, *range));
-        self.state.source_ranges.retain(|e| e != &(prefix_len, *range));
+    fn delete_source_range(&mut self, range: &SourceRange) -> Result<(), MapError> {
+        self.log.push(Op::DeleteSourceRange(*range));
+        self.state.source_ranges.retain(|e| e != range);
         Ok(())
     }
 

@@ -1,24 +1,59 @@
 //! Id allocation for backends and frontends (reverse-NAT ids). Ids are handed out round-robin
 //! rather than lowest-free, so an id freed by a deleted frontend is not immediately given to a
 //! new one while flow state (socket reverse NAT, affinity) may still name it.
+//!
+//! Ids are one space across both families (the shared maps, `lb_svc_names` and `lb_aff_match`,
+//! are keyed by them); each family allocates from its own range of it ([`family_ranges`]), as
+//! large as its maps, so a family runs out exactly when its map is full.
 
-/// Ids `1..=max` in a bitset.
+use std::ops::RangeInclusive;
+
+use crate::family::PerFamily;
+
+/// Each family's ids for maps of `capacity` entries: IPv4 `1..=capacity`, IPv6 the next
+/// `capacity`.
+pub fn family_ranges(capacity: u32) -> PerFamily<RangeInclusive<u32>> {
+    PerFamily {
+        v4: 1..=capacity,
+        v6: capacity.saturating_add(1)..=capacity.saturating_mul(2),
+    }
+}
+
+/// Ids `first..=max` in a bitset.
 #[derive(Clone, Debug)]
 pub struct IdAllocator {
     used: Vec<u64>,
+    first: u32,
     max: u32,
     next: u32,
     in_use: u32,
 }
 
 impl IdAllocator {
+    /// Ids `1..=max`.
     pub fn new(max: u32) -> Self {
+        Self::with_range(1..=max)
+    }
+
+    /// Ids in `range` (which must not contain 0: an id of 0 means "none" in the maps).
+    pub fn with_range(range: RangeInclusive<u32>) -> Self {
+        let (first, max) = (*range.start(), *range.end());
         Self {
             used: vec![0; (max as usize).div_ceil(64) + 1],
+            first: first.max(1),
             max,
-            next: 1,
+            next: first.max(1),
             in_use: 0,
         }
+    }
+
+    fn size(&self) -> u32 {
+        (self.max + 1).saturating_sub(self.first)
+    }
+
+    /// Whether `id` is one this allocator hands out.
+    pub fn owns(&self, id: u32) -> bool {
+        (self.first..=self.max).contains(&id)
     }
 
     fn slot(id: u32) -> (usize, u64) {
@@ -32,24 +67,24 @@ impl IdAllocator {
 
     /// Marks an id recovered from the maps as used.
     pub fn reserve(&mut self, id: u32) -> bool {
-        if id == 0 || id > self.max || self.is_used(id) {
+        if !self.owns(id) || self.is_used(id) {
             return false;
         }
         let (w, b) = Self::slot(id);
         self.used[w] |= b;
         self.in_use += 1;
-        self.next = self.next.max(id % self.max + 1);
+        self.next = self.next.max(if id == self.max { self.first } else { id + 1 });
         true
     }
 
     pub fn alloc(&mut self) -> Option<u32> {
-        if self.in_use >= self.max {
+        if self.in_use >= self.size() {
             return None;
         }
         let mut id = self.next;
         loop {
-            if id == 0 || id > self.max {
-                id = 1;
+            if !self.owns(id) {
+                id = self.first;
             }
             if !self.is_used(id) {
                 let (w, b) = Self::slot(id);
@@ -75,7 +110,7 @@ impl IdAllocator {
     }
 
     pub fn available(&self) -> u32 {
-        self.max - self.in_use
+        self.size() - self.in_use
     }
 }
 
@@ -94,6 +129,24 @@ mod tests {
         assert_eq!(ids.alloc(), Some(1));
         assert_eq!(ids.alloc(), None);
         assert_eq!(ids.available(), 0);
+    }
+
+    #[test]
+    fn a_range_of_its_own() {
+        let ranges = family_ranges(3);
+        let mut v4 = IdAllocator::with_range(ranges.v4);
+        let mut v6 = IdAllocator::with_range(ranges.v6);
+        assert_eq!(v6.alloc(), Some(4));
+        assert_eq!(v6.alloc(), Some(5));
+        assert_eq!(v6.alloc(), Some(6));
+        assert_eq!(v6.alloc(), None, "IPv6 is full");
+        assert_eq!(v4.alloc(), Some(1), "IPv4 is not");
+        assert!(!v4.reserve(4), "an IPv6 id");
+        assert!(!v6.reserve(1), "an IPv4 id");
+        v6.free(5);
+        assert_eq!(v6.alloc(), Some(5));
+        assert_eq!(v6.available(), 0);
+        assert_eq!(v4.available(), 2);
     }
 
     #[test]

@@ -1,43 +1,59 @@
 //! `MapOps` on the real maps, through aya. The maps come either from a freshly loaded object or
 //! from their pins (so the CLI can read and clean up without loading anything).
+//!
+//! This is where an entry's family becomes a type: each write goes to its family's maps
+//! ([`FamilyMaps<F>`], written once over `F: KernelFamily`), its `IpAddr` turned into the map
+//! key's address.
 
 use std::{
     io,
+    net::IpAddr,
     os::fd::{AsFd, AsRawFd, OwnedFd, RawFd},
     path::Path,
 };
 
-use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key};
+use aya::{
+    Pod,
+    maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key},
+};
+use ipnet::IpNet;
 use lb_common::{
     affinity::AffinityMatchKey,
-    backend::Backend4Value,
+    backend::BackendValue,
     catalog,
     config::DatapathConfig,
-    revnat::{RevNat4Value, SvcName},
-    service::{SrcRange4, Svc4Key, Svc4Value},
+    family::{V4, V6},
+    revnat::{RevNatValue, SvcName},
+    service::{SrcRange, SvcKey, SvcValue},
 };
 
-use super::ops::{BatchError, MapError, MapOps, Snapshot};
+use super::{
+    entries::{BackendEntry, RevNatEntry, ServiceMapKey, SourceRange},
+    ops::{BatchError, MapError, MapOps, Snapshot},
+};
+use crate::family::{IpFamily, KernelFamily};
 
 /// The maps the agent writes, plus the counters it reads.
 pub struct KernelMaps {
-    pub services: HashMap<MapData, Svc4Key, Svc4Value>,
-    pub backends: HashMap<MapData, u32, Backend4Value>,
-    pub revnat: HashMap<MapData, u32, RevNat4Value>,
+    pub v4: FamilyMaps<V4>,
+    pub v6: FamilyMaps<V6>,
     pub names: HashMap<MapData, u32, SvcName>,
     pub affinity_match: HashMap<MapData, AffinityMatchKey, u8>,
-    pub source_ranges: LpmTrie<MapData, SrcRange4, u8>,
     pub config: Array<MapData, DatapathConfig>,
     pub stats: PerCpuArray<MapData, u64>,
-    /// The services and backends maps again, for BPF_MAP_UPDATE_BATCH (aya has no batch calls).
-    batch_fds: BatchFds,
+    /// Cleared when the kernel refuses batch updates (before 5.6): single updates from then on.
+    batch_supported: bool,
 }
 
-struct BatchFds {
-    services: OwnedFd,
-    backends: OwnedFd,
-    /// Cleared when the kernel refuses batch updates (before 5.6): single updates from then on.
-    supported: bool,
+/// The maps of one family that the agent writes.
+pub struct FamilyMaps<F: KernelFamily> {
+    pub services: HashMap<MapData, SvcKey<F>, SvcValue>,
+    pub backends: HashMap<MapData, u32, BackendValue<F>>,
+    pub revnat: HashMap<MapData, u32, RevNatValue<F>>,
+    pub source_ranges: LpmTrie<MapData, SrcRange<F>, u8>,
+    /// The services and backends maps again, for BPF_MAP_UPDATE_BATCH (aya has no batch calls).
+    batch_services: OwnedFd,
+    batch_backends: OwnedFd,
 }
 
 /// A second descriptor of a hash map, taken before aya wraps it.
@@ -101,40 +117,58 @@ fn batch_unsupported(e: &io::Error) -> bool {
     )
 }
 
-impl KernelMaps {
-    /// Writes a run of entries to the map behind `fd` with one batch call, or one by one (with
-    /// `single`) where batches are refused.
-    fn batch<K: aya::Pod, V: aya::Pod>(
-        &mut self,
-        fd: RawFd,
-        entries: &[(K, V)],
-        single: impl Fn(&mut Self, &K, &V) -> Result<(), MapError>,
-    ) -> Result<(), BatchError> {
-        let one_by_one = |this: &mut Self| {
-            for (done, (k, v)) in entries.iter().enumerate() {
-                single(this, k, v).map_err(|error| BatchError { done, error })?;
-            }
-            Ok(())
-        };
-        if entries.len() < 2 || !self.batch_fds.supported {
-            return one_by_one(self);
+/// Writes a run of entries to the map behind `fd` with one batch call (when `supported`, cleared
+/// when the kernel refuses batches), or one by one with `single`.
+fn write_batch<K: Pod, V: Pod>(
+    fd: RawFd,
+    supported: &mut bool,
+    entries: &[(K, V)],
+    mut single: impl FnMut(&K, &V) -> Result<(), MapError>,
+) -> Result<(), BatchError> {
+    let mut one_by_one = || {
+        for (done, (k, v)) in entries.iter().enumerate() {
+            single(k, v).map_err(|error| BatchError { done, error })?;
         }
-        let keys: Vec<K> = entries.iter().map(|(k, _)| *k).collect();
-        let values: Vec<V> = entries.iter().map(|(_, v)| *v).collect();
-        match update_batch(fd, &keys, &values) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                if batch_unsupported(&e) {
-                    tracing::debug!("BPF_MAP_UPDATE_BATCH refused ({e}): single updates from now on");
-                    self.batch_fds.supported = false;
-                }
-                // Redo the run one by one, for the failing entry's own error and an exact count
-                // (the kernel does not report one when it refuses the call before starting);
-                // rewriting an entry with the value it already has changes nothing.
-                one_by_one(self)
+        Ok(())
+    };
+    if entries.len() < 2 || !*supported {
+        return one_by_one();
+    }
+    let keys: Vec<K> = entries.iter().map(|(k, _)| *k).collect();
+    let values: Vec<V> = entries.iter().map(|(_, v)| *v).collect();
+    match update_batch(fd, &keys, &values) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            if batch_unsupported(&e) {
+                tracing::debug!("BPF_MAP_UPDATE_BATCH refused ({e}): single updates from now on");
+                *supported = false;
             }
+            // Redo the run one by one, for the failing entry's own error and an exact count (the
+            // kernel does not report one when it refuses the call before starting); rewriting an
+            // entry with the value it already has changes nothing.
+            one_by_one()
         }
     }
+}
+
+/// Writes `entries` (of both families, in order) as runs of one family each, `write_run` writing
+/// a run; a failure's `done` counts from the start of `entries`.
+fn by_family_runs<T>(
+    entries: &[T],
+    family: impl Fn(&T) -> IpFamily,
+    mut write_run: impl FnMut(IpFamily, &[T]) -> Result<(), BatchError>,
+) -> Result<(), BatchError> {
+    let mut start = 0;
+    while start < entries.len() {
+        let f = family(&entries[start]);
+        let len = entries[start..].iter().take_while(|e| family(e) == f).count();
+        write_run(f, &entries[start..start + len]).map_err(|e| BatchError {
+            done: start + e.done,
+            error: e.error,
+        })?;
+        start += len;
+    }
+    Ok(())
 }
 
 fn io_err(e: aya::maps::MapError) -> io::Error {
@@ -163,55 +197,241 @@ fn absent_ok(r: Result<(), aya::maps::MapError>) -> Result<(), io::Error> {
     }
 }
 
+/// An entry's address in its family's form; an address of the other family is a bug in the
+/// caller, reported as EAFNOSUPPORT rather than written anywhere.
+fn addr_of<F: KernelFamily>(ip: &IpAddr, map: &'static str, op: &'static str) -> Result<F::Addr, MapError> {
+    F::kernel_addr(ip).ok_or_else(|| MapError::new(map, op, io::Error::from_raw_os_error(libc::EAFNOSUPPORT)))
+}
+
+fn take_map(ebpf: &mut aya::Ebpf, name: &str) -> Result<Map, aya::maps::MapError> {
+    ebpf.take_map(name)
+        .ok_or_else(|| aya::maps::MapError::InvalidName {
+            name: name.to_string(),
+        })
+}
+
+impl<F> FamilyMaps<F>
+where
+    F: KernelFamily + catalog::FamilyMaps,
+    SvcKey<F>: Pod,
+    BackendValue<F>: Pod,
+    RevNatValue<F>: Pod,
+    SrcRange<F>: Pod,
+{
+    fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self, aya::maps::MapError> {
+        let services = take_map(ebpf, F::MAPS.services)?;
+        let backends = take_map(ebpf, F::MAPS.backends)?;
+        Ok(Self {
+            batch_services: dup_fd(&services)?,
+            batch_backends: dup_fd(&backends)?,
+            services: services.try_into()?,
+            backends: backends.try_into()?,
+            revnat: take_map(ebpf, F::MAPS.revnat)?.try_into()?,
+            source_ranges: take_map(ebpf, F::MAPS.source_ranges)?.try_into()?,
+        })
+    }
+
+    fn from_pins(maps_dir: &Path) -> Result<Self, aya::maps::MapError> {
+        // At each map's current layout version, as the agent pins it (`lb_config_v2`).
+        let open = |name: &str| MapData::from_pin(maps_dir.join(catalog::pin_name(name).to_string()));
+        let services = Map::HashMap(open(F::MAPS.services)?);
+        let backends = Map::HashMap(open(F::MAPS.backends)?);
+        Ok(Self {
+            batch_services: dup_fd(&services)?,
+            batch_backends: dup_fd(&backends)?,
+            services: services.try_into()?,
+            backends: backends.try_into()?,
+            revnat: Map::HashMap(open(F::MAPS.revnat)?).try_into()?,
+            source_ranges: Map::LpmTrie(open(F::MAPS.source_ranges)?).try_into()?,
+        })
+    }
+
+    fn service_key(key: &ServiceMapKey, op: &'static str) -> Result<SvcKey<F>, MapError> {
+        let addr = addr_of::<F>(&key.addr, F::MAPS.services, op)?;
+        Ok(SvcKey::new(addr, key.port, key.proto, key.scope, key.slot))
+    }
+
+    fn backend_value(value: &BackendEntry) -> Result<BackendValue<F>, MapError> {
+        Ok(BackendValue {
+            addr: addr_of::<F>(&value.addr, F::MAPS.backends, "update")?,
+            port: value.port,
+            proto: value.proto,
+            flags: value.flags,
+        })
+    }
+
+    fn source_range_key(range: &SourceRange, op: &'static str) -> Result<Key<SrcRange<F>>, MapError> {
+        let addr = addr_of::<F>(&range.net.network(), F::MAPS.source_ranges, op)?;
+        Ok(Key::new(
+            SrcRange::<F>::prefix_len(range.net.prefix_len()),
+            SrcRange::new(range.rev_nat_id, addr),
+        ))
+    }
+
+    fn put_services(
+        &mut self,
+        supported: &mut bool,
+        entries: &[(ServiceMapKey, SvcValue)],
+    ) -> Result<(), BatchError> {
+        let mut converted = Vec::with_capacity(entries.len());
+        for (done, (key, value)) in entries.iter().enumerate() {
+            let key = Self::service_key(key, "update").map_err(|error| BatchError { done, error })?;
+            converted.push((key, *value));
+        }
+        let fd = self.batch_services.as_raw_fd();
+        write_batch(fd, supported, &converted, |k, v| self.put_service(k, v))
+    }
+
+    fn put_backends(
+        &mut self,
+        supported: &mut bool,
+        entries: &[(u32, BackendEntry)],
+    ) -> Result<(), BatchError> {
+        let mut converted = Vec::with_capacity(entries.len());
+        for (done, (id, value)) in entries.iter().enumerate() {
+            let value = Self::backend_value(value).map_err(|error| BatchError { done, error })?;
+            converted.push((*id, value));
+        }
+        let fd = self.batch_backends.as_raw_fd();
+        write_batch(fd, supported, &converted, |id, v| {
+            self.backends
+                .insert(id, v, 0)
+                .map_err(|e| MapError::new(F::MAPS.backends, "update", io_err(e)))
+        })
+    }
+
+    fn put_service(&mut self, key: &SvcKey<F>, value: &SvcValue) -> Result<(), MapError> {
+        self.services
+            .insert(key, value, 0)
+            .map_err(|e| MapError::new(F::MAPS.services, "update", io_err(e)))
+    }
+
+    fn delete_service(&mut self, key: &ServiceMapKey) -> Result<(), MapError> {
+        let key = Self::service_key(key, "delete")?;
+        absent_ok(self.services.remove(&key)).map_err(|e| MapError::new(F::MAPS.services, "delete", e))
+    }
+
+    fn delete_backend(&mut self, id: u32) -> Result<(), MapError> {
+        absent_ok(self.backends.remove(&id)).map_err(|e| MapError::new(F::MAPS.backends, "delete", e))
+    }
+
+    fn put_revnat(&mut self, id: u32, value: &RevNatEntry) -> Result<(), MapError> {
+        let value = RevNatValue {
+            addr: addr_of::<F>(&value.addr, F::MAPS.revnat, "update")?,
+            port: value.port,
+            proto: value.proto,
+            _pad: 0,
+        };
+        self.revnat
+            .insert(&id, &value, 0)
+            .map_err(|e| MapError::new(F::MAPS.revnat, "update", io_err(e)))
+    }
+
+    fn delete_revnat(&mut self, id: u32) -> Result<(), MapError> {
+        absent_ok(self.revnat.remove(&id)).map_err(|e| MapError::new(F::MAPS.revnat, "delete", e))
+    }
+
+    fn put_source_range(&mut self, range: &SourceRange) -> Result<(), MapError> {
+        let key = Self::source_range_key(range, "update")?;
+        self.source_ranges
+            .insert(&key, &1u8, 0)
+            .map_err(|e| MapError::new(F::MAPS.source_ranges, "update", io_err(e)))
+    }
+
+    fn delete_source_range(&mut self, range: &SourceRange) -> Result<(), MapError> {
+        let key = Self::source_range_key(range, "delete")?;
+        absent_ok(self.source_ranges.remove(&key))
+            .map_err(|e| MapError::new(F::MAPS.source_ranges, "delete", e))
+    }
+
+    /// The service entry at `key`, if any (`key` must be of this family).
+    pub fn service(&self, key: &ServiceMapKey) -> Option<SvcValue> {
+        let key = Self::service_key(key, "lookup").ok()?;
+        self.services.get(&key, 0).ok()
+    }
+
+    pub fn backend(&self, id: u32) -> Option<BackendEntry> {
+        self.backends.get(&id, 0).ok().map(|v| BackendEntry {
+            addr: F::ip_addr(&v.addr),
+            port: v.port,
+            proto: v.proto,
+            flags: v.flags,
+        })
+    }
+
+    pub fn revnat(&self, id: u32) -> Option<RevNatEntry> {
+        self.revnat.get(&id, 0).ok().map(|v| RevNatEntry {
+            addr: F::ip_addr(&v.addr),
+            port: v.port,
+            proto: v.proto,
+        })
+    }
+
+    /// Adds this family's entries to `snap`.
+    fn read_into(&self, snap: &mut Snapshot) -> Result<(), MapError> {
+        let read = |map: &'static str| move |e| MapError::new(map, "dump", io_err(e));
+        for entry in self.services.iter() {
+            let (k, v) = entry.map_err(read(F::MAPS.services))?;
+            let key = ServiceMapKey::new(F::ip_addr(&k.addr), k.port, k.proto, k.scope, k.slot);
+            snap.services.insert(key, v);
+        }
+        for entry in self.backends.iter() {
+            let (id, v) = entry.map_err(read(F::MAPS.backends))?;
+            let value = BackendEntry {
+                addr: F::ip_addr(&v.addr),
+                port: v.port,
+                proto: v.proto,
+                flags: v.flags,
+            };
+            snap.backends.insert(id, value);
+        }
+        for entry in self.revnat.iter() {
+            let (id, v) = entry.map_err(read(F::MAPS.revnat))?;
+            let value = RevNatEntry {
+                addr: F::ip_addr(&v.addr),
+                port: v.port,
+                proto: v.proto,
+            };
+            snap.revnat.insert(id, value);
+        }
+        for key in self.source_ranges.keys() {
+            let key = key.map_err(read(F::MAPS.source_ranges))?;
+            let data = key.data();
+            let bits = key.prefix_len().saturating_sub(32).min(u32::from(F::BITS)) as u8;
+            let net = IpNet::new(F::ip_addr(&data.addr), bits).expect("a prefix within the family's bits");
+            snap.source_ranges
+                .push(SourceRange::new(u32::from_be_bytes(data.rev_nat_id_be), net));
+        }
+        Ok(())
+    }
+}
+
 impl KernelMaps {
     /// Takes the maps out of a loaded object.
     pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self, aya::maps::MapError> {
-        let mut take = |name: &str| {
-            ebpf.take_map(name)
-                .ok_or_else(|| aya::maps::MapError::InvalidName {
-                    name: name.to_string(),
-                })
-        };
-        let services = take(catalog::SERVICES)?;
-        let backends = take(catalog::BACKENDS)?;
-        let batch_fds = BatchFds {
-            services: dup_fd(&services)?,
-            backends: dup_fd(&backends)?,
-            supported: true,
-        };
         Ok(Self {
-            services: services.try_into()?,
-            backends: backends.try_into()?,
-            revnat: take(catalog::REVNAT)?.try_into()?,
-            names: take(catalog::SVC_NAMES)?.try_into()?,
-            affinity_match: take(catalog::AFFINITY_MATCH)?.try_into()?,
-            source_ranges: take(catalog::SOURCE_RANGES)?.try_into()?,
-            config: take(catalog::CONFIG)?.try_into()?,
-            stats: take(catalog::STATS)?.try_into()?,
-            batch_fds,
+            v4: FamilyMaps::from_ebpf(ebpf)?,
+            v6: FamilyMaps::from_ebpf(ebpf)?,
+            names: take_map(ebpf, catalog::SVC_NAMES)?.try_into()?,
+            affinity_match: take_map(ebpf, catalog::AFFINITY_MATCH)?.try_into()?,
+            config: take_map(ebpf, catalog::CONFIG)?.try_into()?,
+            stats: take_map(ebpf, catalog::STATS)?.try_into()?,
+            batch_supported: true,
         })
     }
 
     /// Opens the pinned maps under `<bpf-root>/maps`.
     pub fn from_pins(maps_dir: &Path) -> Result<Self, aya::maps::MapError> {
-        let open = |name: &str| MapData::from_pin(maps_dir.join(name));
-        let services = Map::HashMap(open(catalog::SERVICES)?);
-        let backends = Map::HashMap(open(catalog::BACKENDS)?);
-        let batch_fds = BatchFds {
-            services: dup_fd(&services)?,
-            backends: dup_fd(&backends)?,
-            supported: true,
-        };
+        // At each map's current layout version, as the agent pins it (`lb_config_v2`).
+        let open = |name: &str| MapData::from_pin(maps_dir.join(catalog::pin_name(name).to_string()));
         Ok(Self {
-            services: services.try_into()?,
-            backends: backends.try_into()?,
-            revnat: Map::HashMap(open(catalog::REVNAT)?).try_into()?,
+            v4: FamilyMaps::from_pins(maps_dir)?,
+            v6: FamilyMaps::from_pins(maps_dir)?,
             names: Map::HashMap(open(catalog::SVC_NAMES)?).try_into()?,
             affinity_match: Map::HashMap(open(catalog::AFFINITY_MATCH)?).try_into()?,
-            source_ranges: Map::LpmTrie(open(catalog::SOURCE_RANGES)?).try_into()?,
             config: Map::Array(open(catalog::CONFIG)?).try_into()?,
             stats: Map::PerCpuArray(open(catalog::STATS)?).try_into()?,
-            batch_fds,
+            batch_supported: true,
         })
     }
 
@@ -222,50 +442,100 @@ impl KernelMaps {
             .map(|per_cpu| per_cpu.iter().sum())
             .unwrap_or(0)
     }
+
+    /// The service entry at `key`, in its family's map.
+    pub fn service(&self, key: &ServiceMapKey) -> Option<SvcValue> {
+        match key.family() {
+            IpFamily::V4 => self.v4.service(key),
+            IpFamily::V6 => self.v6.service(key),
+        }
+    }
+
+    pub fn backend(&self, family: IpFamily, id: u32) -> Option<BackendEntry> {
+        match family {
+            IpFamily::V4 => self.v4.backend(id),
+            IpFamily::V6 => self.v6.backend(id),
+        }
+    }
+
+    pub fn revnat(&self, family: IpFamily, id: u32) -> Option<RevNatEntry> {
+        match family {
+            IpFamily::V4 => self.v4.revnat(id),
+            IpFamily::V6 => self.v6.revnat(id),
+        }
+    }
+
+    pub fn name(&self, rev_nat_id: u32) -> Option<SvcName> {
+        self.names.get(&rev_nat_id, 0).ok()
+    }
+
+    pub fn datapath_config(&self) -> Option<DatapathConfig> {
+        self.config.get(&0, 0).ok()
+    }
 }
 
 impl MapOps for KernelMaps {
-    fn put_services(&mut self, entries: &[(Svc4Key, Svc4Value)]) -> Result<(), BatchError> {
-        let fd = self.batch_fds.services.as_raw_fd();
-        self.batch(fd, entries, |m, k, v| m.put_service(k, v))
+    fn put_services(&mut self, entries: &[(ServiceMapKey, SvcValue)]) -> Result<(), BatchError> {
+        let (v4, v6, supported) = (&mut self.v4, &mut self.v6, &mut self.batch_supported);
+        by_family_runs(
+            entries,
+            |(k, _)| k.family(),
+            |family, run| match family {
+                IpFamily::V4 => v4.put_services(supported, run),
+                IpFamily::V6 => v6.put_services(supported, run),
+            },
+        )
     }
 
-    fn put_backends(&mut self, entries: &[(u32, Backend4Value)]) -> Result<(), BatchError> {
-        let fd = self.batch_fds.backends.as_raw_fd();
-        self.batch(fd, entries, |m, k, v| m.put_backend(*k, v))
+    fn put_backends(&mut self, entries: &[(u32, BackendEntry)]) -> Result<(), BatchError> {
+        let (v4, v6, supported) = (&mut self.v4, &mut self.v6, &mut self.batch_supported);
+        by_family_runs(
+            entries,
+            |(_, v)| IpFamily::of(&v.addr),
+            |family, run| match family {
+                IpFamily::V4 => v4.put_backends(supported, run),
+                IpFamily::V6 => v6.put_backends(supported, run),
+            },
+        )
     }
 
-    fn put_service(&mut self, key: &Svc4Key, value: &Svc4Value) -> Result<(), MapError> {
-        self.services
-            .insert(key, value, 0)
-            .map_err(|e| MapError::new(catalog::SERVICES, "update", io_err(e)))
+    fn put_service(&mut self, key: &ServiceMapKey, value: &SvcValue) -> Result<(), MapError> {
+        self.put_services(&[(*key, *value)]).map_err(|e| e.error)
     }
 
-    fn delete_service(&mut self, key: &Svc4Key) -> Result<(), MapError> {
-        absent_ok(self.services.remove(key)).map_err(|e| MapError::new(catalog::SERVICES, "delete", e))
+    fn delete_service(&mut self, key: &ServiceMapKey) -> Result<(), MapError> {
+        match key.family() {
+            IpFamily::V4 => self.v4.delete_service(key),
+            IpFamily::V6 => self.v6.delete_service(key),
+        }
     }
 
-    fn put_backend(&mut self, id: u32, value: &Backend4Value) -> Result<(), MapError> {
-        self.backends
-            .insert(&id, value, 0)
-            .map_err(|e| MapError::new(catalog::BACKENDS, "update", io_err(e)))
+    fn put_backend(&mut self, id: u32, value: &BackendEntry) -> Result<(), MapError> {
+        self.put_backends(&[(id, *value)]).map_err(|e| e.error)
     }
 
-    fn delete_backend(&mut self, id: u32) -> Result<(), MapError> {
-        absent_ok(self.backends.remove(&id)).map_err(|e| MapError::new(catalog::BACKENDS, "delete", e))
+    fn delete_backend(&mut self, family: IpFamily, id: u32) -> Result<(), MapError> {
+        match family {
+            IpFamily::V4 => self.v4.delete_backend(id),
+            IpFamily::V6 => self.v6.delete_backend(id),
+        }
     }
 
-    fn put_revnat(&mut self, id: u32, value: &RevNat4Value, name: &SvcName) -> Result<(), MapError> {
+    fn put_revnat(&mut self, id: u32, value: &RevNatEntry, name: &SvcName) -> Result<(), MapError> {
         self.names
             .insert(&id, name, 0)
             .map_err(|e| MapError::new(catalog::SVC_NAMES, "update", io_err(e)))?;
-        self.revnat
-            .insert(&id, value, 0)
-            .map_err(|e| MapError::new(catalog::REVNAT, "update", io_err(e)))
+        match value.family() {
+            IpFamily::V4 => self.v4.put_revnat(id, value),
+            IpFamily::V6 => self.v6.put_revnat(id, value),
+        }
     }
 
-    fn delete_revnat(&mut self, id: u32) -> Result<(), MapError> {
-        absent_ok(self.revnat.remove(&id)).map_err(|e| MapError::new(catalog::REVNAT, "delete", e))?;
+    fn delete_revnat(&mut self, family: IpFamily, id: u32) -> Result<(), MapError> {
+        match family {
+            IpFamily::V4 => self.v4.delete_revnat(id)?,
+            IpFamily::V6 => self.v6.delete_revnat(id)?,
+        }
         absent_ok(self.names.remove(&id)).map_err(|e| MapError::new(catalog::SVC_NAMES, "delete", e))
     }
 
@@ -280,15 +550,18 @@ impl MapOps for KernelMaps {
             .map_err(|e| MapError::new(catalog::AFFINITY_MATCH, "delete", e))
     }
 
-    fn put_source_range(&mut self, prefix_len: u32, range: &SrcRange4) -> Result<(), MapError> {
-        self.source_ranges
-            .insert(&Key::new(prefix_len, *range), &1u8, 0)
-            .map_err(|e| MapError::new(catalog::SOURCE_RANGES, "update", io_err(e)))
+    fn put_source_range(&mut self, range: &SourceRange) -> Result<(), MapError> {
+        match range.family() {
+            IpFamily::V4 => self.v4.put_source_range(range),
+            IpFamily::V6 => self.v6.put_source_range(range),
+        }
     }
 
-    fn delete_source_range(&mut self, prefix_len: u32, range: &SrcRange4) -> Result<(), MapError> {
-        absent_ok(self.source_ranges.remove(&Key::new(prefix_len, *range)))
-            .map_err(|e| MapError::new(catalog::SOURCE_RANGES, "delete", e))
+    fn delete_source_range(&mut self, range: &SourceRange) -> Result<(), MapError> {
+        match range.family() {
+            IpFamily::V4 => self.v4.delete_source_range(range),
+            IpFamily::V6 => self.v6.delete_source_range(range),
+        }
     }
 
     fn put_config(&mut self, config: &DatapathConfig) -> Result<(), MapError> {
@@ -300,18 +573,8 @@ impl MapOps for KernelMaps {
     fn snapshot(&self) -> Result<Snapshot, MapError> {
         let read = |map: &'static str| move |e| MapError::new(map, "dump", io_err(e));
         let mut snap = Snapshot::default();
-        for entry in self.services.iter() {
-            let (k, v) = entry.map_err(read(catalog::SERVICES))?;
-            snap.services.insert(k, v);
-        }
-        for entry in self.backends.iter() {
-            let (k, v) = entry.map_err(read(catalog::BACKENDS))?;
-            snap.backends.insert(k, v);
-        }
-        for entry in self.revnat.iter() {
-            let (k, v) = entry.map_err(read(catalog::REVNAT))?;
-            snap.revnat.insert(k, v);
-        }
+        self.v4.read_into(&mut snap)?;
+        self.v6.read_into(&mut snap)?;
         for entry in self.names.iter() {
             let (k, v) = entry.map_err(read(catalog::SVC_NAMES))?;
             snap.names.insert(k, v);
@@ -319,10 +582,6 @@ impl MapOps for KernelMaps {
         for key in self.affinity_match.keys() {
             snap.affinity_match
                 .push(key.map_err(read(catalog::AFFINITY_MATCH))?);
-        }
-        for key in self.source_ranges.keys() {
-            let key = key.map_err(read(catalog::SOURCE_RANGES))?;
-            snap.source_ranges.push((key.prefix_len(), key.data()));
         }
         Ok(snap)
     }

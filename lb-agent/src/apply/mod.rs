@@ -4,10 +4,16 @@
 //! - `applier`: [`Applier`], the mirror of what was written, the diff against the desired state
 //!   and the make-before-break write order (`adopt`: a restart's recovery; `fit`: whether a
 //!   Service fits and how it is written; `writes`: the writes);
-//! - `entries`: one frontend's map entries, built from its plan, and the names the maps store;
+//! - `entries`: the map entries of either family (`ServiceMapKey`, `BackendEntry`, ...), one
+//!   frontend's entries built from its plan, and the names the maps store;
 //! - `ids`: backend and reverse-NAT id allocation (stable across restarts: recovered from maps);
 //! - `ops`: the [`MapOps`] trait, one method per kind of map write, so the writer runs against the
-//!   kernel ([`KernelMaps`], `kernel`) or an in-memory fake (`fake::FakeMaps`) in unit tests.
+//!   kernel ([`KernelMaps`], `kernel`, where an entry's family picks its maps and becomes a type)
+//!   or an in-memory fake (`fake::FakeMaps`) in unit tests.
+//!
+//! The writer is family-blind: a dual-stack Service's frontends of both families are one Service
+//! to it, written together. What differs per family is counted per family: each family's maps
+//! have their own capacity, and ids come from each family's own range of one id space.
 
 pub mod applier;
 pub mod entries;
@@ -17,6 +23,7 @@ pub mod kernel;
 pub mod ops;
 
 pub use applier::{Applier, ApplyReport};
+pub use entries::{BackendEntry, RevNatEntry, ServiceMapKey, SourceRange};
 pub use kernel::KernelMaps;
 pub use ops::{BatchError, MapError, MapOps, Snapshot};
 

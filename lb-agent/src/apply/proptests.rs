@@ -10,18 +10,18 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr},
 };
 
+use ipnet::IpNet;
 use lb_common::{
-    backend::Backend4Value,
     catalog::Capacities,
-    service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, SrcRange4, flags},
+    service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, flags},
 };
 use proptest::{collection::vec, prelude::*};
 
 use super::{
-    Applier, ApplyReport, Snapshot,
+    Applier, ApplyReport, BackendEntry, Snapshot,
     entries::{service_port_name, svc_name},
     fake::FakeMaps,
 };
@@ -39,21 +39,21 @@ use crate::{
 };
 
 /// A frontend's identity in the maps.
-type RevNatT = ([u8; 4], u16, u8);
+type RevNatT = (IpAddr, u16, u8);
 /// One scope of a frontend in the maps: (address, port, protocol, scope).
-type ScopeKey = ([u8; 4], u16, u8, u8);
+type ScopeKey = (IpAddr, u16, u8, u8);
 /// What a scope holds: (flags, affinity timeout, backends in slot order, reverse NAT).
-type ScopeEntry = (u16, u32, Vec<Backend4Value>, RevNatT);
+type ScopeEntry = (u16, u32, Vec<BackendEntry>, RevNatT);
 
 /// The content of the service maps with the ids resolved, so that two maps written with
 /// different ids compare equal when they mean the same.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Canon {
     services: BTreeMap<ScopeKey, ScopeEntry>,
-    backends: BTreeSet<Backend4Value>,
+    backends: BTreeSet<BackendEntry>,
     revnat: BTreeSet<(RevNatT, ServicePortName)>,
-    affinity_match: BTreeSet<(Backend4Value, RevNatT)>,
-    source_ranges: BTreeSet<(u32, RevNatT, [u8; 4])>,
+    affinity_match: BTreeSet<(BackendEntry, RevNatT)>,
+    source_ranges: BTreeSet<(RevNatT, IpNet)>,
 }
 
 /// Reads `snap` id-free; fails on anything a reader could trip on (a slot or reverse-NAT entry
@@ -64,6 +64,16 @@ fn canon(snap: &Snapshot) -> Result<Canon, String> {
         Ok((r.addr, r.port, r.proto))
     };
     let backend = |id: u32| snap.backends.get(&id).copied().ok_or(format!("no backend {id}"));
+    // Every entry in its family's maps: a slot's backend and a frontend's reverse NAT are of the
+    // frontend's family.
+    for (key, value) in &snap.services {
+        if key.slot > 0 && backend(value.backend_id)?.addr.is_ipv4() != key.addr.is_ipv4() {
+            return Err(format!("{key:?}: a backend of the other family"));
+        }
+        if revnat(value.rev_nat_id)?.0.is_ipv4() != key.addr.is_ipv4() {
+            return Err(format!("{key:?}: a reverse NAT of the other family"));
+        }
+    }
     let mut services = BTreeMap::new();
     let mut referenced_revnat = BTreeSet::new();
     for (key, value) in &snap.services {
@@ -123,15 +133,15 @@ fn canon(snap: &Snapshot) -> Result<Canon, String> {
         source_ranges: snap
             .source_ranges
             .iter()
-            .map(|(prefix, r)| Ok((*prefix, revnat(u32::from_be_bytes(r.rev_nat_id_be))?, r.addr)))
+            .map(|r| Ok((revnat(r.rev_nat_id)?, r.net)))
             .collect::<Result<_, String>>()?,
     })
 }
 
 /// What the maps must hold for `desired`, built from the plan alone.
 fn expected(desired: &DesiredState) -> Canon {
-    let value = |b: &BackendAddr| Backend4Value {
-        addr: b.addr.octets(),
+    let value = |b: &BackendAddr| BackendEntry {
+        addr: b.addr,
         port: b.port,
         proto: b.proto.number(),
         flags: desired.backends[b],
@@ -144,10 +154,10 @@ fn expected(desired: &DesiredState) -> Canon {
         source_ranges: BTreeSet::new(),
     };
     for (fe, p) in &desired.frontends {
-        let rev: RevNatT = (fe.addr.octets(), fe.port, fe.proto.number());
+        let rev: RevNatT = (fe.addr, fe.port, fe.proto.number());
         for s in &p.scopes {
             c.services.insert(
-                (fe.addr.octets(), fe.port, fe.proto.number(), s.scope),
+                (fe.addr, fe.port, fe.proto.number(), s.scope),
                 (
                     s.flags,
                     p.affinity_timeout,
@@ -161,13 +171,8 @@ fn expected(desired: &DesiredState) -> Canon {
         if p.affinity_timeout > 0 {
             c.affinity_match.extend(p.backends().map(|b| (value(b), rev)));
         }
-        c.source_ranges.extend(p.source_ranges.iter().map(|net| {
-            (
-                SrcRange4::prefix_len(net.prefix_len()),
-                rev,
-                net.network().octets(),
-            )
-        }));
+        c.source_ranges
+            .extend(p.source_ranges.iter().map(|net| (rev, net.trunc())));
     }
     c
 }
@@ -388,9 +393,16 @@ proptest! {
             // `reshaping_a_frontend_in_a_full_services_map_is_not_an_error`).
             prop_assert!(report.errors.is_empty(), "{:?}", report.errors);
             let got = canon(&a.maps().state).map_err(TestCaseError::fail)?;
-            prop_assert!(got.services.len() <= services_cap as usize);
-            prop_assert!(got.backends.len() <= backends_cap as usize);
-            prop_assert!(got.revnat.len() <= revnat_cap as usize);
+            // Each family's maps within their own capacity.
+            let state = &a.maps().state;
+            for v4 in [true, false] {
+                let services = state.services.keys().filter(|k| k.addr.is_ipv4() == v4).count();
+                let backends = state.backends.values().filter(|b| b.addr.is_ipv4() == v4).count();
+                let revnat = state.revnat.values().filter(|r| r.addr.is_ipv4() == v4).count();
+                prop_assert!(services <= services_cap as usize);
+                prop_assert!(backends <= backends_cap as usize);
+                prop_assert!(revnat <= revnat_cap as usize);
+            }
             let skipped: BTreeSet<(&str, &str)> = report
                 .skipped
                 .iter()
@@ -434,12 +446,12 @@ proptest! {
 fn reshaping_a_frontend_in_a_full_services_map_is_not_an_error() {
     use crate::model::Protocol;
     let be = |i: u8| BackendAddr {
-        addr: Ipv4Addr::new(10, 244, 0, i),
+        addr: IpAddr::V4(Ipv4Addr::new(10, 244, 0, i)),
         port: 8080,
         proto: Protocol::Tcp,
     };
     let fe = Frontend {
-        addr: Ipv4Addr::new(192, 168, 1, 10),
+        addr: IpAddr::V4(Ipv4Addr::new(192, 168, 1, 10)),
         port: 30080,
         proto: Protocol::Tcp,
     };

@@ -1,7 +1,7 @@
 //! Flags and the file: which side wins ([`Precedence`]), which flags were given explicitly
 //! ([`explicit_flags`]), and applying the file to the parsed flags ([`merge`], [`merge_with`]).
 
-use std::{collections::HashSet, net::Ipv4Addr, path::PathBuf, time::Duration};
+use std::{collections::HashSet, net::IpAddr, path::PathBuf, time::Duration};
 
 use super::{ConfigError, ProxyConfig, field_error, flag, format_go_duration};
 use crate::cli::{LogFormat, RunArgs};
@@ -99,7 +99,7 @@ pub fn merge_with(
     let show_list = |v: &Vec<String>| v.join(",");
     let show_duration = |v: &Duration| format_go_duration(*v);
     let show_bool = |v: &bool| v.to_string();
-    let show_ip = |v: &Option<Ipv4Addr>| v.map(|ip| ip.to_string()).unwrap_or_default();
+    let show_ip = |v: &Option<IpAddr>| v.map(|ip| ip.to_string()).unwrap_or_default();
     let show_path = |v: &Option<PathBuf>| v.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
     let show_format = |v: &LogFormat| match v {
         LogFormat::Text => "text".to_string(),

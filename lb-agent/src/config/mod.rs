@@ -10,7 +10,7 @@
 //! | field (camelCase, as in the file) | agent setting | notes |
 //! |---|---|---|
 //! | `hostnameOverride` | `--hostname-override` | `""` = unset; lowercased, as kube-proxy |
-//! | `bindAddress` | `--bind-address` | the node's primary IP; `""`, `0.0.0.0`, `::` = unset; IPv6 ignored (warning) |
+//! | `bindAddress` | `--bind-address` | overrides the node's primary IP of its family; `""`, `0.0.0.0`, `::` = unset |
 //! | `healthzBindAddress` | `--healthz-bind-address` | `""` = unset (kube-proxy's default); port 10256 appended when missing |
 //! | `metricsBindAddress` | `--metrics-bind-address` | `""` = unset; port 10249 appended when missing |
 //! | `clusterCIDR` | `--cluster-cidr` | comma-separated, as kube-proxy |
@@ -68,7 +68,7 @@
 //! [`ProxyConfig`]), `fields` (the table of kube-proxy's fields, unused-field and typo reports),
 //! `duration` (Go durations), `merge` (flags and the file) and `render` (`--write-config-to`).
 
-use std::{collections::BTreeMap, fmt, net::Ipv4Addr, path::PathBuf, time::Duration};
+use std::{collections::BTreeMap, fmt, net::IpAddr, path::PathBuf, time::Duration};
 
 use crate::cli::LogFormat;
 
@@ -147,7 +147,7 @@ fn field_error(path: &str, message: impl Into<String>) -> ConfigError {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ProxyConfig {
     pub hostname_override: Option<String>,
-    pub bind_address: Option<Ipv4Addr>,
+    pub bind_address: Option<IpAddr>,
     /// `host:port`, the default port appended when the file gave none.
     pub healthz_bind_address: Option<String>,
     pub metrics_bind_address: Option<String>,

@@ -210,13 +210,8 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
 
     if let Some(bind) = r.string("bindAddress")? {
         match bind.parse::<IpAddr>() {
-            Ok(IpAddr::V4(v4)) if !v4.is_unspecified() => c.bind_address = Some(v4),
-            Ok(IpAddr::V4(_)) => {}
-            Ok(IpAddr::V6(v6)) if v6.is_unspecified() => {}
-            Ok(IpAddr::V6(_)) => r.note(
-                "bindAddress",
-                format!("bindAddress {bind} is IPv6 and is ignored: the agent's data path is IPv4"),
-            ),
+            Ok(ip) if !ip.is_unspecified() => c.bind_address = Some(ip),
+            Ok(_) => {}
             Err(_) => {
                 return Err(field_error(
                     "bindAddress",
@@ -449,7 +444,8 @@ fn bind_address_with_port(path: &str, addr: &str, default_port: u16) -> Result<S
     if let Some(port) = addr.strip_prefix(':')
         && port.parse::<u16>().is_ok()
     {
-        return Ok(format!("0.0.0.0:{port}"));
+        // Every address of both families, as Go listens on `:port`.
+        return Ok(format!("[::]:{port}"));
     }
     match addr
         .trim_start_matches('[')

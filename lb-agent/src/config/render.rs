@@ -1,7 +1,11 @@
 //! The effective configuration as a `KubeProxyConfiguration` v1alpha1 file: [`render_config`] and
 //! [`write_config_to`] (kube-proxy's `--write-config-to`).
 
-use std::{net::Ipv4Addr, path::Path, time::Duration};
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    path::Path,
+    time::Duration,
+};
 
 use serde_json::Value;
 
@@ -22,7 +26,7 @@ pub fn render_config(args: &RunArgs, file: Option<&ProxyConfig>) -> String {
     let bind_address = args
         .node
         .bind_address
-        .unwrap_or(Ipv4Addr::UNSPECIFIED)
+        .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED))
         .to_string();
     let nodeport_addresses = if args.node.nodeport_addresses.is_empty() {
         Value::Null

@@ -29,9 +29,9 @@ impl PinPaths {
         self.root.join("maps")
     }
 
-    /// The pin of a map at its current layout version (see `migrate::pin_name`).
+    /// The pin of a map at its current layout version (`catalog::pin_name`).
     pub fn map(&self, name: &str) -> PathBuf {
-        self.maps().join(super::migrate::pin_name(name))
+        self.maps().join(lb_common::catalog::pin_name(name).to_string())
     }
 
     pub fn links(&self) -> PathBuf {

@@ -1,7 +1,7 @@
-//! Conntrack GC: frees the tc path's NAT entries (`lb4_ct`) of flows that ended, and with them
-//! their masquerade ports.
+//! Conntrack GC: frees the tc path's NAT entries (`lb4_ct`, `lb6_ct`: the same code over
+//! `F: Family`) of flows that ended, and with them their masquerade ports.
 //!
-//! `lb4_ct` is an LRU map, but LRU eviction starts only when the map is full, and a masqueraded
+//! The conntrack maps are LRU maps, but LRU eviction starts only when the map is full, and a masqueraded
 //! flow reserves its port with its un-SNAT entry: left alone, the entries of closed connections
 //! would hold every port of the SNAT range towards a busy backend (10,000 connections), after
 //! which new NodePort connections to it are dropped (`tc_snat_ports_exhausted`). netfilter frees
@@ -25,8 +25,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use aya::maps::MapData;
-use lb_common::conntrack::{Ct4Key, Ct4Value, dir, flags};
+use aya::{Pod, maps::MapData};
+use lb_common::{
+    conntrack::{CtKey, CtValue, dir, flags},
+    family::{Family, V4, V6},
+};
 
 /// Timeouts of a GC pass.
 #[derive(Clone, Copy, Debug)]
@@ -67,15 +70,22 @@ impl Reason {
 /// One entry to delete: deleted only if it still has this `created_ns` (a new flow may have
 /// taken the key since the scan).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Doomed {
-    pub key: Ct4Key,
+pub struct Doomed<F: Family> {
+    pub key: CtKey<F>,
     pub created_ns: u64,
     pub reason: Reason,
 }
 
 /// The key of the entry for packets `saddr:sport -> daddr:dport` in direction `d`.
-fn tuple_key(saddr: [u8; 4], sport: u16, daddr: [u8; 4], dport: u16, proto: u8, d: u8) -> Ct4Key {
-    Ct4Key {
+fn tuple_key<F: Family>(
+    saddr: F::Addr,
+    sport: u16,
+    daddr: F::Addr,
+    dport: u16,
+    proto: u8,
+    d: u8,
+) -> CtKey<F> {
+    CtKey {
         saddr,
         daddr,
         sport,
@@ -87,12 +97,16 @@ fn tuple_key(saddr: [u8; 4], sport: u16, daddr: [u8; 4], dport: u16, proto: u8, 
 }
 
 /// The keys of a flow's companion entries, derived from its forward (DNAT) entry.
-fn companions(fwd_key: &Ct4Key, fwd: &Ct4Value, entries: &HashMap<Ct4Key, Ct4Value>) -> Vec<Ct4Key> {
-    let same_flow = |k: &Ct4Key| entries.get(k).is_some_and(|v| v.created_ns == fwd.created_ns);
+fn companions<F: Family>(
+    fwd_key: &CtKey<F>,
+    fwd: &CtValue<F>,
+    entries: &HashMap<CtKey<F>, CtValue<F>>,
+) -> Vec<CtKey<F>> {
+    let same_flow = |k: &CtKey<F>| entries.get(k).is_some_and(|v| v.created_ns == fwd.created_ns);
     let mut out = Vec::with_capacity(2);
     if fwd.flags & flags::SNAT != 0 {
         // SNAT: client -> backend (egress); un-SNAT: backend -> node IP:port (ingress).
-        let snat_key = tuple_key(
+        let snat_key = tuple_key::<F>(
             fwd_key.saddr,
             fwd_key.sport,
             fwd.nat_addr,
@@ -103,7 +117,7 @@ fn companions(fwd_key: &Ct4Key, fwd: &Ct4Value, entries: &HashMap<Ct4Key, Ct4Val
         if same_flow(&snat_key) {
             let snat = entries[&snat_key];
             out.push(snat_key);
-            let unsnat_key = tuple_key(
+            let unsnat_key = tuple_key::<F>(
                 fwd.nat_addr,
                 fwd.nat_port,
                 snat.nat_addr,
@@ -117,7 +131,7 @@ fn companions(fwd_key: &Ct4Key, fwd: &Ct4Value, entries: &HashMap<Ct4Key, Ct4Val
         }
     } else {
         // un-DNAT: backend -> client (egress).
-        let undnat_key = tuple_key(
+        let undnat_key = tuple_key::<F>(
             fwd.nat_addr,
             fwd.nat_port,
             fwd_key.saddr,
@@ -173,21 +187,29 @@ impl FlowState {
 }
 
 /// A forward entry's flow state, as `lb-agent conntrack` shows it.
-pub fn flow_state(fwd_key: &Ct4Key, fwd: &Ct4Value, entries: &HashMap<Ct4Key, Ct4Value>) -> FlowState {
+pub fn flow_state<F: Family>(
+    fwd_key: &CtKey<F>,
+    fwd: &CtValue<F>,
+    entries: &HashMap<CtKey<F>, CtValue<F>>,
+) -> FlowState {
     let marks = companions(fwd_key, fwd, entries)
         .iter()
         .fold(fwd.flags, |m, k| m | entries[k].flags);
     FlowState::from_marks(marks)
 }
 
-pub fn is_forward(key: &Ct4Key, value: &Ct4Value) -> bool {
+pub fn is_forward<F: Family>(key: &CtKey<F>, value: &CtValue<F>) -> bool {
     key.dir == dir::INGRESS && value.flags & flags::REPLY == 0
 }
 
 /// What a pass deletes from `entries` at `now_ns` (the programs' clock, CLOCK_MONOTONIC).
-pub fn plan(entries: &HashMap<Ct4Key, Ct4Value>, now_ns: u64, t: &GcTimeouts) -> Vec<Doomed> {
+pub fn plan<F: Family>(
+    entries: &HashMap<CtKey<F>, CtValue<F>>,
+    now_ns: u64,
+    t: &GcTimeouts,
+) -> Vec<Doomed<F>> {
     let older_than = |stamp: u64, d: Duration| now_ns.saturating_sub(stamp) >= d.as_nanos() as u64;
-    let mut claimed: HashSet<Ct4Key> = HashSet::new();
+    let mut claimed: HashSet<CtKey<F>> = HashSet::new();
     let mut doomed = Vec::new();
     for (key, fwd) in entries.iter().filter(|(k, v)| is_forward(k, v)) {
         let flow = companions(key, fwd, entries);
@@ -233,7 +255,7 @@ pub fn plan(entries: &HashMap<Ct4Key, Ct4Value>, now_ns: u64, t: &GcTimeouts) ->
     doomed
 }
 
-/// What one pass did.
+/// What one pass did (over one map, or summed over both families').
 #[derive(Debug, Default)]
 pub struct GcReport {
     pub scanned: usize,
@@ -242,14 +264,32 @@ pub struct GcReport {
     pub took: Duration,
 }
 
-/// One pass over the kernel map: scan, plan, delete what still is what was planned.
-pub fn collect<T>(
-    map: &mut aya::maps::HashMap<T, Ct4Key, Ct4Value>,
+impl GcReport {
+    /// Adds another map's pass to this one.
+    pub fn merge(&mut self, other: GcReport) {
+        self.scanned += other.scanned;
+        self.took += other.took;
+        for (reason, n) in other.deleted {
+            match self.deleted.iter_mut().find(|(r, _)| *r == reason) {
+                Some((_, total)) => *total += n,
+                None => self.deleted.push((reason, n)),
+            }
+        }
+        self.deleted.sort();
+    }
+}
+
+/// One pass over one family's kernel map: scan, plan, delete what still is what was planned.
+pub fn collect<T, F>(
+    map: &mut aya::maps::HashMap<T, CtKey<F>, CtValue<F>>,
     now_ns: u64,
     t: &GcTimeouts,
 ) -> Result<GcReport, aya::maps::MapError>
 where
     T: std::borrow::BorrowMut<MapData>,
+    F: Family,
+    CtKey<F>: Pod,
+    CtValue<F>: Pod,
 {
     let started = Instant::now();
     let mut entries = HashMap::new();
@@ -275,6 +315,21 @@ where
         deleted: deleted.into_iter().collect(),
         took: started.elapsed(),
     })
+}
+
+/// Both families' conntrack maps, taken out of the loaded object for the GC.
+pub struct ConntrackMaps {
+    pub v4: aya::maps::HashMap<MapData, CtKey<V4>, CtValue<V4>>,
+    pub v6: aya::maps::HashMap<MapData, CtKey<V6>, CtValue<V6>>,
+}
+
+impl ConntrackMaps {
+    /// One pass over both maps.
+    pub fn collect(&mut self, now_ns: u64, t: &GcTimeouts) -> Result<GcReport, aya::maps::MapError> {
+        let mut report = collect(&mut self.v4, now_ns, t)?;
+        report.merge(collect(&mut self.v6, now_ns, t)?);
+        Ok(report)
+    }
 }
 
 #[cfg(test)]

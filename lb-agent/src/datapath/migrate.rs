@@ -1,7 +1,7 @@
 //! Pinned maps across restarts and upgrades: reused when they still match, migrated when they do
 //! not, never silently reused with another layout.
 //!
-//! Each map has a layout version (`LAYOUTS`); a map whose key or value layout changes gets a new
+//! Each map has a layout version (`catalog::LAYOUTS`); a map whose key or value layout changes gets a new
 //! version and therefore a new pin name (`lb4_services` is version 1, its successor would be
 //! `lb4_services_v2`), as Cilium renames `cilium_lb4_services_v2`. At start-up:
 //! - a pin of the current version whose capacity differs (a changed `--bpf-lb-map-max`, say) is
@@ -20,51 +20,23 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use aya::maps::{HashMap, LpmTrie, Map, MapData, MapInfo, lpm_trie::Key};
+use aya::{
+    Pod,
+    maps::{HashMap, LpmTrie, Map, MapData, MapInfo, lpm_trie::Key},
+};
 use lb_common::{
-    affinity::{Affinity4Key, Affinity4Value, AffinityMatchKey},
-    backend::Backend4Value,
-    catalog,
+    affinity::{AffinityKey, AffinityMatchKey, AffinityValue},
+    backend::BackendValue,
+    catalog::{self, FamilyMaps},
     config::DatapathConfig,
-    conntrack::{Ct4Key, Ct4Value},
-    revnat::{RevNat4Value, SockRevNat4Key, SockRevNat4Sk, SockRevNat4Value, SvcName},
-    service::{SrcRange4, Svc4Key, Svc4Value},
+    conntrack::{CtKey, CtValue},
+    family::{V4, V6},
+    revnat::{RevNatValue, SockRevNatKey, SockRevNatSk, SockRevNatValue, SvcName},
+    service::{SrcRange, SvcKey, SvcValue},
 };
 
 use super::{DatapathError, PinPaths, hint_for};
-use lb_common::catalog::Capacities;
-
-/// Layout version of every map. Bump a map's version when its key or value layout changes (and add
-/// a conversion in `copy_entries` if its entries must survive the upgrade).
-pub const LAYOUTS: &[(&str, u32)] = &[
-    (catalog::SERVICES, 1),
-    (catalog::BACKENDS, 1),
-    (catalog::REVNAT, 1),
-    (catalog::SVC_NAMES, 1),
-    (catalog::SOCK_REVNAT, 1),
-    (catalog::SOCK_REVNAT_SK, 1),
-    (catalog::AFFINITY, 1),
-    (catalog::AFFINITY_MATCH, 1),
-    (catalog::SOURCE_RANGES, 1),
-    (catalog::CONNTRACK, 1),
-    (catalog::CONFIG, 1),
-    (catalog::STATS, 1),
-    (catalog::REJECT_LIMIT, 1),
-];
-
-/// The pin file name of a map at its current layout version.
-pub fn pin_name(name: &str) -> String {
-    let version = LAYOUTS
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map(|(_, v)| *v)
-        .unwrap_or(1);
-    if version == 1 {
-        name.to_string()
-    } else {
-        format!("{name}_v{version}")
-    }
-}
+use lb_common::catalog::{Capacities, LAYOUTS, pin_name};
 
 /// What the kernel must agree with for a pin to be reused.
 struct Expected {
@@ -73,38 +45,64 @@ struct Expected {
     max_entries: Option<u32>,
 }
 
+fn sizes(key: usize, value: usize, max_entries: Option<u32>) -> Expected {
+    Expected {
+        key_size: key as u32,
+        value_size: value as u32,
+        max_entries,
+    }
+}
+
 fn expected(name: &str, caps: &Capacities) -> Expected {
-    let sizes = |k: usize, v: usize, max: Option<u32>| Expected {
-        key_size: k as u32,
-        value_size: v as u32,
-        max_entries: max,
-    };
+    if let Some(e) = family_expected::<V4>(name, caps).or_else(|| family_expected::<V6>(name, caps)) {
+        return e;
+    }
     match name {
-        catalog::SERVICES => sizes(size_of::<Svc4Key>(), size_of::<Svc4Value>(), Some(caps.services)),
-        catalog::BACKENDS => sizes(4, size_of::<Backend4Value>(), Some(caps.backends)),
-        catalog::REVNAT => sizes(4, size_of::<RevNat4Value>(), Some(caps.revnat)),
-        catalog::SVC_NAMES => sizes(4, size_of::<SvcName>(), Some(caps.revnat)),
-        catalog::SOCK_REVNAT => sizes(
-            size_of::<SockRevNat4Key>(),
-            size_of::<SockRevNat4Value>(),
-            Some(caps.sock_revnat),
-        ),
-        // Socket storage: keyed by a socket (an fd from user space), no capacity.
-        catalog::SOCK_REVNAT_SK => sizes(4, size_of::<SockRevNat4Sk>(), None),
-        catalog::AFFINITY => sizes(
-            size_of::<Affinity4Key>(),
-            size_of::<Affinity4Value>(),
-            Some(caps.affinity),
-        ),
+        catalog::SVC_NAMES => sizes(4, size_of::<SvcName>(), Some(caps.revnat.saturating_mul(2))),
         catalog::AFFINITY_MATCH => sizes(size_of::<AffinityMatchKey>(), 1, Some(caps.affinity_match)),
-        catalog::SOURCE_RANGES => sizes(4 + size_of::<SrcRange4>(), 1, Some(caps.source_ranges)),
-        catalog::CONNTRACK => sizes(size_of::<Ct4Key>(), size_of::<Ct4Value>(), Some(caps.conntrack)),
         catalog::CONFIG => sizes(4, size_of::<DatapathConfig>(), Some(1)),
         // Per-CPU values: the kernel reports the per-CPU value size.
         catalog::REJECT_LIMIT => sizes(4, size_of::<lb_common::ratelimit::RateBucket>(), Some(1)),
         // New counters grow the map; counters then restart from zero.
         _ => sizes(4, 8, Some(lb_common::stats::COUNT)),
     }
+}
+
+/// The expected layout of `name` if it is one of family `F`'s maps.
+fn family_expected<F: FamilyMaps>(name: &str, caps: &Capacities) -> Option<Expected> {
+    let maps = F::MAPS;
+    Some(if name == maps.services {
+        sizes(size_of::<SvcKey<F>>(), size_of::<SvcValue>(), Some(caps.services))
+    } else if name == maps.backends {
+        sizes(4, size_of::<BackendValue<F>>(), Some(caps.backends))
+    } else if name == maps.revnat {
+        sizes(4, size_of::<RevNatValue<F>>(), Some(caps.revnat))
+    } else if name == maps.sock_revnat {
+        sizes(
+            size_of::<SockRevNatKey<F>>(),
+            size_of::<SockRevNatValue<F>>(),
+            Some(caps.sock_revnat),
+        )
+    } else if name == maps.sock_revnat_sk {
+        // Socket storage: keyed by a socket (an fd from user space), no capacity.
+        sizes(4, size_of::<SockRevNatSk<F>>(), None)
+    } else if name == maps.affinity {
+        sizes(
+            size_of::<AffinityKey<F>>(),
+            size_of::<AffinityValue>(),
+            Some(caps.affinity),
+        )
+    } else if name == maps.source_ranges {
+        sizes(4 + size_of::<SrcRange<F>>(), 1, Some(caps.source_ranges))
+    } else if name == maps.conntrack {
+        sizes(
+            size_of::<CtKey<F>>(),
+            size_of::<CtValue<F>>(),
+            Some(caps.conntrack),
+        )
+    } else {
+        return None;
+    })
 }
 
 /// Pins to deal with once the new programs are in place.
@@ -145,8 +143,18 @@ pub fn prepare(paths: &PinPaths, caps: &Capacities) -> Result<Migration, Datapat
                 .collect()
         })
         .unwrap_or_default();
+    // Maps this release no longer has: their pins go once the new programs are attached.
+    for retired in catalog::RETIRED {
+        if existing.iter().any(|f| f == retired) {
+            tracing::info!(
+                map = retired,
+                "a map of an earlier release is pinned; it is removed once the programs are replaced"
+            );
+            migration.stale.push(paths.maps().join(retired));
+        }
+    }
     for (name, _) in LAYOUTS {
-        let current = pin_name(name);
+        let current = pin_name(name).to_string();
         for other in existing
             .iter()
             .filter(|f| is_version_of(f, name) && **f != current)
@@ -252,16 +260,12 @@ pub fn copy_entries(migration: &Migration, ebpf: &mut aya::Ebpf) {
     for (name, from) in &migration.resized {
         let Some(to) = ebpf.map_mut(name) else { continue };
         let result = match name.as_str() {
-            catalog::SERVICES => copy_hash::<Svc4Key, Svc4Value>(from, to, false),
-            catalog::BACKENDS => copy_hash::<u32, Backend4Value>(from, to, false),
-            catalog::REVNAT => copy_hash::<u32, RevNat4Value>(from, to, false),
             catalog::SVC_NAMES => copy_hash::<u32, SvcName>(from, to, false),
             catalog::AFFINITY_MATCH => copy_hash::<AffinityMatchKey, u8>(from, to, false),
-            catalog::SOCK_REVNAT => copy_hash::<SockRevNat4Key, SockRevNat4Value>(from, to, true),
-            catalog::AFFINITY => copy_hash::<Affinity4Key, Affinity4Value>(from, to, true),
-            catalog::CONNTRACK => copy_hash::<Ct4Key, Ct4Value>(from, to, true),
-            catalog::SOURCE_RANGES => copy_lpm::<SrcRange4, u8>(from, to),
-            _ => continue,
+            _ => match copy_family::<V4>(name, from, to).or_else(|| copy_family::<V6>(name, from, to)) {
+                Some(result) => result,
+                None => continue,
+            },
         };
         match result {
             Ok((copied, 0)) => tracing::info!(map = %name, copied, "entries migrated"),
@@ -273,18 +277,74 @@ pub fn copy_entries(migration: &Migration, ebpf: &mut aya::Ebpf) {
     }
 }
 
+type Copied = Result<(usize, usize), aya::maps::MapError>;
+
+/// Copies `name`'s entries if it is one of family `F`'s maps.
+fn copy_family<F>(name: &str, from: &Path, to: &mut Map) -> Option<Copied>
+where
+    F: FamilyMaps,
+    SvcKey<F>: Pod,
+    BackendValue<F>: Pod,
+    RevNatValue<F>: Pod,
+    SockRevNatKey<F>: Pod,
+    SockRevNatValue<F>: Pod,
+    AffinityKey<F>: Pod,
+    CtKey<F>: Pod,
+    CtValue<F>: Pod,
+    SrcRange<F>: Pod,
+{
+    let maps = F::MAPS;
+    Some(if name == maps.services {
+        copy_hash::<SvcKey<F>, SvcValue>(from, to, false)
+    } else if name == maps.backends {
+        copy_hash::<u32, BackendValue<F>>(from, to, false)
+    } else if name == maps.revnat {
+        copy_hash::<u32, RevNatValue<F>>(from, to, false)
+    } else if name == maps.sock_revnat {
+        copy_hash::<SockRevNatKey<F>, SockRevNatValue<F>>(from, to, true)
+    } else if name == maps.affinity {
+        copy_hash::<AffinityKey<F>, AffinityValue>(from, to, true)
+    } else if name == maps.conntrack {
+        copy_hash::<CtKey<F>, CtValue<F>>(from, to, true)
+    } else if name == maps.source_ranges {
+        copy_lpm::<SrcRange<F>, u8>(from, to)
+    } else {
+        return None;
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn version_pin_names() {
-        assert_eq!(pin_name(catalog::SERVICES), "lb4_services");
+        assert_eq!(pin_name(catalog::SERVICES).to_string(), "lb4_services");
         assert!(is_version_of("lb4_services", "lb4_services"));
         assert!(is_version_of("lb4_services_v2", "lb4_services"));
         assert!(!is_version_of("lb4_services-old", "lb4_services"));
         assert!(!is_version_of("lb4_services_vx", "lb4_services"));
         assert!(!is_version_of("lb4_svc", "lb4_services"));
+    }
+
+    #[test]
+    fn the_config_entry_changed_layout() {
+        assert_eq!(pin_name(catalog::CONFIG).to_string(), "lb_config_v2");
+        assert!(
+            is_version_of("lb_config", catalog::CONFIG),
+            "the IPv4-only pin is an older version"
+        );
+        assert_eq!(pin_name(catalog::SERVICES6).to_string(), "lb6_services");
+    }
+
+    #[test]
+    fn each_family_has_its_own_layouts() {
+        let caps = Capacities::default();
+        let v4 = expected(catalog::CONNTRACK, &caps);
+        let v6 = expected(catalog::CONNTRACK6, &caps);
+        assert_eq!((v4.key_size, v4.value_size), (16, 32));
+        assert_eq!((v6.key_size, v6.value_size), (40, 48));
+        assert_eq!(expected(catalog::SOURCE_RANGES6, &caps).key_size, 4 + 4 + 16);
     }
 
     #[test]

@@ -25,24 +25,27 @@ use aya::{
         links::{FdLink, PinnedLink},
     },
 };
-use lb_common::{
-    catalog::{self, Capacities},
-    conntrack::{Ct4Key, Ct4Value},
-};
+use lb_common::catalog::{self, Capacities};
 
 pub use self::bpffs::PinPaths;
-use crate::{apply::KernelMaps, error::Chain};
+use crate::{apply::KernelMaps, error::Chain, family::IpFamily};
 
 /// The object built by `cargo xtask build-ebpf`, embedded at build time (empty when built
 /// without it).
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf.o"));
 
-/// The socket programs and the cgroup hook each attaches to.
-pub const SOCK_PROGRAMS: [(&str, &str); 4] = [
+/// The socket programs and the cgroup hook each attaches to. The IPv6 hooks also see IPv4
+/// traffic of dual-stack sockets (IPv4-mapped addresses), which they translate with the IPv4
+/// maps.
+pub const SOCK_PROGRAMS: [(&str, &str); 8] = [
     ("lb_connect4", "connect4"),
     ("lb_sendmsg4", "sendmsg4"),
     ("lb_recvmsg4", "recvmsg4"),
     ("lb_getpeername4", "getpeername4"),
+    ("lb_connect6", "connect6"),
+    ("lb_sendmsg6", "sendmsg6"),
+    ("lb_recvmsg6", "recvmsg6"),
+    ("lb_getpeername6", "getpeername6"),
 ];
 
 /// The trace harness (runs the socket code under BPF_PROG_TEST_RUN).
@@ -196,9 +199,13 @@ impl Datapath {
             catalog::SERVICES,
             catalog::BACKENDS,
             catalog::REVNAT,
+            catalog::SOURCE_RANGES,
+            catalog::SERVICES6,
+            catalog::BACKENDS6,
+            catalog::REVNAT6,
+            catalog::SOURCE_RANGES6,
             catalog::SVC_NAMES,
             catalog::AFFINITY_MATCH,
-            catalog::SOURCE_RANGES,
             catalog::CONFIG,
         ];
         let capacity = |name: &str| -> Result<u32, DatapathError> {
@@ -234,16 +241,21 @@ impl Datapath {
         caps: &Capacities,
         object: &[u8],
     ) -> Result<Ebpf, DatapathError> {
+        for family in IpFamily::ALL {
+            let maps = family.maps();
+            loader
+                .map_max_entries(maps.services, caps.services)
+                .map_max_entries(maps.backends, caps.backends)
+                .map_max_entries(maps.revnat, caps.revnat)
+                .map_max_entries(maps.sock_revnat, caps.sock_revnat)
+                .map_max_entries(maps.affinity, caps.affinity)
+                .map_max_entries(maps.source_ranges, caps.source_ranges)
+                .map_max_entries(maps.conntrack, caps.conntrack);
+        }
+        // Reverse-NAT ids of both families (`apply::ids::family_ranges`).
         loader
-            .map_max_entries(catalog::SERVICES, caps.services)
-            .map_max_entries(catalog::BACKENDS, caps.backends)
-            .map_max_entries(catalog::REVNAT, caps.revnat)
-            .map_max_entries(catalog::SVC_NAMES, caps.revnat)
-            .map_max_entries(catalog::SOCK_REVNAT, caps.sock_revnat)
-            .map_max_entries(catalog::AFFINITY, caps.affinity)
-            .map_max_entries(catalog::AFFINITY_MATCH, caps.affinity_match)
-            .map_max_entries(catalog::SOURCE_RANGES, caps.source_ranges)
-            .map_max_entries(catalog::CONNTRACK, caps.conntrack);
+            .map_max_entries(catalog::SVC_NAMES, caps.revnat.saturating_mul(2))
+            .map_max_entries(catalog::AFFINITY_MATCH, caps.affinity_match);
         // The kernel's features decide which branches the programs keep (`lb_common::features`).
         let features = features::current().map_err(|e| DatapathError::Kernel(e.to_string()))?;
         loader.override_global(lb_common::features::GLOBAL, &features.program_bits, true);
@@ -295,17 +307,19 @@ impl Datapath {
         Ok(KernelMaps::from_ebpf(&mut self.ebpf)?)
     }
 
-    /// Takes the tc path's conntrack map out of the object (for the conntrack GC).
-    pub fn take_conntrack(
-        &mut self,
-    ) -> Result<aya::maps::HashMap<aya::maps::MapData, Ct4Key, Ct4Value>, DatapathError> {
-        let map = self
-            .ebpf
-            .take_map(catalog::CONNTRACK)
-            .ok_or_else(|| aya::maps::MapError::InvalidName {
-                name: catalog::CONNTRACK.to_string(),
-            })?;
-        Ok(map.try_into()?)
+    /// Takes the tc path's conntrack maps out of the object (for the conntrack GC).
+    pub fn take_conntrack(&mut self) -> Result<conntrack::ConntrackMaps, DatapathError> {
+        let mut take = |name: &str| {
+            self.ebpf
+                .take_map(name)
+                .ok_or_else(|| aya::maps::MapError::InvalidName {
+                    name: name.to_string(),
+                })
+        };
+        Ok(conntrack::ConntrackMaps {
+            v4: take(catalog::CONNTRACK)?.try_into()?,
+            v6: take(catalog::CONNTRACK6)?.try_into()?,
+        })
     }
 
     /// The trace harness program.

@@ -39,14 +39,16 @@
 //! eligibility not included, as upstream) and `503` otherwise, plus the headers above and upstream's newer
 //! `X-Load-Balancing-Endpoint-Weight: N`. [`ServiceHealthServers::sync`] opens new ports, closes removed
 //! ones and updates the others in place (open connections keep working). Listeners bind the given
-//! addresses (upstream: the node IPs selected by `nodePortAddresses`, or `0.0.0.0` when that matches
-//! everything). A port that cannot be bound is reported in the returned list, not fatal, and retried by the
+//! addresses (upstream: the node IPs selected by `nodePortAddresses`, or `0.0.0.0` / `::` when that
+//! matches everything), per family: a dual-stack Service's port is open on both, each reporting
+//! its family's endpoints, as kube-proxy's two proxiers do. A port that cannot be bound is reported in the returned list, not fatal, and retried by the
 //! next `sync` (upstream logs it and emits a `FailedToStartServiceHealthcheck` event).
 //!
 //! Upstream keys these servers by Service and counts a Service's local ready endpoints across its ports
-//! (`EndpointsMap.LocalReadyEndpoints`: distinct `ip:port` strings); here they are keyed by port, and
-//! [`targets_from_health_checks`] sums the per-port counts of `sync::Computed::health_checks`, which is
-//! the same number unless two ports of a Service target the same endpoint port.
+//! (`EndpointsMap.LocalReadyEndpoints`: distinct `ip:port` strings); here they are keyed by family
+//! and port, and [`targets_from_health_checks`] sums the per-port counts of the plan's
+//! `HealthCheck`s, which is the same number unless two ports of a Service target the same endpoint
+//! port.
 //!
 //! # Files
 //!
@@ -68,7 +70,7 @@ pub use proxy::{
     serve_proxy_health, serve_proxy_health_on,
 };
 pub use service::{
-    HealthCheckService, ServiceHealthError, ServiceHealthServers, service_health_body,
+    HealthCheckPort, HealthCheckService, ServiceHealthError, ServiceHealthServers, service_health_body,
     targets_from_health_checks,
 };
 

@@ -5,7 +5,7 @@
 use std::{
     collections::BTreeMap,
     fmt, io,
-    net::{IpAddr, Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     sync::{Arc, RwLock},
 };
 
@@ -19,7 +19,15 @@ use axum::{
 use tokio_util::sync::CancellationToken;
 
 use super::{ProxyHealth, proxy::json_response};
-use crate::model::ServicePortName;
+use crate::{
+    family::{IpFamily, PerFamily},
+    plan::HealthCheck,
+};
+
+/// A health-check NodePort of one family: kube-proxy runs one proxier per family, each with its
+/// own listeners (`tcp4` on IPv4 addresses, `tcp6` on IPv6 ones) reporting its family's
+/// endpoints, so a dual-stack Service's port is open twice.
+pub type HealthCheckPort = (IpFamily, u16);
 
 /// What one health-check NodePort reports.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,17 +38,16 @@ pub struct HealthCheckService {
     pub local_endpoints: usize,
 }
 
-/// Groups `sync::Computed::health_checks` (one entry per Service port) by health-check port, summing the
-/// local endpoint counts of a Service's ports. Should two Services claim the same port (the API server
-/// prevents it), the first one listed keeps it.
-pub fn targets_from_health_checks(
-    checks: &[(u16, ServicePortName, usize)],
-) -> BTreeMap<u16, HealthCheckService> {
-    let mut out: BTreeMap<u16, HealthCheckService> = BTreeMap::new();
-    for (port, service, local) in checks {
-        match out.get_mut(port) {
+/// Groups the plan's health checks (one per Service port and family) by family and port, summing
+/// the local endpoint counts of a Service's ports. Should two Services claim the same port (the API
+/// server prevents it), the first one listed keeps it.
+pub fn targets_from_health_checks(checks: &[HealthCheck]) -> BTreeMap<HealthCheckPort, HealthCheckService> {
+    let mut out: BTreeMap<HealthCheckPort, HealthCheckService> = BTreeMap::new();
+    for check in checks {
+        let (port, service) = (check.node_port, &check.service);
+        match out.get_mut(&(check.family, port)) {
             Some(target) if target.namespace == service.namespace && target.name == service.name => {
-                target.local_endpoints += local;
+                target.local_endpoints += check.local_ready;
             }
             Some(_) => {
                 tracing::warn!(
@@ -51,11 +58,11 @@ pub fn targets_from_health_checks(
             }
             None => {
                 out.insert(
-                    *port,
+                    (check.family, port),
                     HealthCheckService {
                         namespace: service.namespace.clone(),
                         name: service.name.clone(),
-                        local_endpoints: *local,
+                        local_endpoints: check.local_ready,
                     },
                 );
             }
@@ -122,11 +129,12 @@ struct RunningServer {
     local_addrs: Vec<SocketAddr>,
 }
 
-/// The set of per-Service health-check listeners (upstream's `ServiceHealthServer`).
+/// The set of per-Service health-check listeners (upstream's `ServiceHealthServer`, one per
+/// family).
 pub struct ServiceHealthServers {
-    addresses: Vec<IpAddr>,
+    addresses: PerFamily<Vec<IpAddr>>,
     health: ProxyHealth,
-    servers: BTreeMap<u16, RunningServer>,
+    servers: BTreeMap<HealthCheckPort, RunningServer>,
 }
 
 impl fmt::Debug for ServiceHealthServers {
@@ -139,13 +147,23 @@ impl fmt::Debug for ServiceHealthServers {
 }
 
 impl ServiceHealthServers {
-    /// Listeners will bind each of `addresses` (empty: `0.0.0.0`, every address).
+    /// A family's listeners will bind each of its `addresses` (none of a family: every address of
+    /// it, `0.0.0.0` or `::`).
     pub fn new(addresses: Vec<IpAddr>, health: ProxyHealth) -> Self {
-        let addresses = if addresses.is_empty() {
-            vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)]
-        } else {
-            addresses
-        };
+        let addresses = PerFamily::from_fn(|family| {
+            let mine: Vec<IpAddr> = addresses
+                .iter()
+                .filter(|ip| IpFamily::of(ip) == family)
+                .copied()
+                .collect();
+            if !mine.is_empty() {
+                return mine;
+            }
+            vec![match family {
+                IpFamily::V4 => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+                IpFamily::V6 => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+            }]
+        });
         Self {
             addresses,
             health,
@@ -154,12 +172,12 @@ impl ServiceHealthServers {
     }
 
     /// The ports currently open.
-    pub fn ports(&self) -> Vec<u16> {
+    pub fn ports(&self) -> Vec<HealthCheckPort> {
         self.servers.keys().copied().collect()
     }
 
     /// The addresses actually bound for `port` (differs from the port when it was 0).
-    pub fn local_addrs(&self, port: u16) -> Option<&[SocketAddr]> {
+    pub fn local_addrs(&self, port: HealthCheckPort) -> Option<&[SocketAddr]> {
         self.servers
             .get(&port)
             .map(|server| server.local_addrs.as_slice())
@@ -168,33 +186,36 @@ impl ServiceHealthServers {
     /// Makes the open listeners match `wanted` (health-check port -> Service and local endpoints): closes
     /// ports no longer wanted, updates the others in place, opens new ones. Ports that cannot be opened are
     /// returned (and tried again by the next call). Must be called within a Tokio runtime.
-    pub fn sync(&mut self, wanted: &BTreeMap<u16, HealthCheckService>) -> Vec<ServiceHealthError> {
-        let removed: Vec<u16> = self
+    pub fn sync(
+        &mut self,
+        wanted: &BTreeMap<HealthCheckPort, HealthCheckService>,
+    ) -> Vec<ServiceHealthError> {
+        let removed: Vec<HealthCheckPort> = self
             .servers
             .keys()
             .filter(|port| !wanted.contains_key(port))
             .copied()
             .collect();
-        for port in removed {
-            if let Some(server) = self.servers.remove(&port) {
-                tracing::debug!(port, "closing health check");
+        for key in removed {
+            if let Some(server) = self.servers.remove(&key) {
+                tracing::debug!(port = key.1, family = %key.0, "closing health check");
                 server.stop.cancel();
             }
         }
         let mut errors = Vec::new();
-        for (&port, service) in wanted {
-            if let Some(server) = self.servers.get(&port) {
+        for (&key, service) in wanted {
+            if let Some(server) = self.servers.get(&key) {
                 let mut current = server.service.write().unwrap_or_else(|p| p.into_inner());
                 if *current != *service {
                     *current = service.clone();
                 }
                 continue;
             }
-            match self.open(port, service) {
+            match self.open(key, service) {
                 Ok(server) => {
                     let name = format!("{}/{}", service.namespace, service.name);
-                    tracing::debug!(port, service = %name, "opened health check");
-                    self.servers.insert(port, server);
+                    tracing::debug!(port = key.1, family = %key.0, service = %name, "opened health check");
+                    self.servers.insert(key, server);
                 }
                 Err(e) => errors.push(e),
             }
@@ -202,22 +223,22 @@ impl ServiceHealthServers {
         errors
     }
 
-    fn open(&self, port: u16, service: &HealthCheckService) -> Result<RunningServer, ServiceHealthError> {
-        let mut listeners = Vec::with_capacity(self.addresses.len());
-        for ip in &self.addresses {
+    fn open(
+        &self,
+        (family, port): HealthCheckPort,
+        service: &HealthCheckService,
+    ) -> Result<RunningServer, ServiceHealthError> {
+        let addresses = self.addresses.get(family);
+        let mut listeners = Vec::with_capacity(addresses.len());
+        for ip in addresses {
             let address = SocketAddr::new(*ip, port);
-            let bound = std::net::TcpListener::bind(address)
-                .and_then(|l| {
-                    l.set_nonblocking(true)?;
-                    tokio::net::TcpListener::from_std(l)
-                })
-                .map_err(|error| ServiceHealthError {
-                    port,
-                    namespace: service.namespace.clone(),
-                    name: service.name.clone(),
-                    address,
-                    error,
-                })?;
+            let bound = listen(address).map_err(|error| ServiceHealthError {
+                port,
+                namespace: service.namespace.clone(),
+                name: service.name.clone(),
+                address,
+                error,
+            })?;
             // On error, the listeners bound so far are dropped (closed) on return.
             listeners.push(bound);
         }
@@ -253,6 +274,22 @@ impl ServiceHealthServers {
             server.stop.cancel();
         }
     }
+}
+
+/// A listener on `address` of its family only: an IPv6 one is `IPV6_V6ONLY`, so `[::]:port` and
+/// `0.0.0.0:port` coexist (upstream's `tcp6` and `tcp4`).
+fn listen(address: SocketAddr) -> io::Result<tokio::net::TcpListener> {
+    let socket = match address {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => {
+            let socket = tokio::net::TcpSocket::new_v6()?;
+            nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::Ipv6V6Only, &true)?;
+            socket
+        }
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(address)?;
+    socket.listen(1024)
 }
 
 impl Drop for ServiceHealthServers {

@@ -3,19 +3,21 @@
 //! `EndpointSliceCache` (`pkg/proxy/endpointslicecache.go`: `endpointSliceCacheKeys`,
 //! `endpointInfoByServicePort`, `addEndpoints`, `endpointsMapFromEndpointInfo`), the address-type
 //! filter of `EndpointsChangeTracker.EndpointSliceUpdate` (`pkg/proxy/endpointschangetracker.go`)
-//! and kube-proxy's informer label selector, for the IPv4 family. The cache's incremental
+//! and kube-proxy's informer label selector, for one IP family at a time (kube-proxy's dual-stack
+//! mode runs one proxier per family, each reading only the slices of its `addressType`). The cache's incremental
 //! bookkeeping (pending/applied) is the caller's business: this is the function it computes.
 //!
 //! The model reads [`Slice`], what the watch keeps of an EndpointSlice (upstream's
 //! `endpointSliceData`: its ports and endpoints, not the object).
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use super::service::{parse_ip_sloppy, parse_protocol};
 use super::{Endpoint, ServicePortName};
 use crate::{
+    family::IpFamily,
     node::NodeInfo,
     watch::{Slice, SliceAddress, SliceEndpoint},
 };
@@ -44,12 +46,15 @@ pub enum SliceError {
     /// `addEndpoints`: "Ignoring invalid endpoint port with empty address".
     #[error("EndpointSlice {slice}: endpoints[{index}] has no address; ignored")]
     NoAddress { slice: String, index: usize },
-    /// The first address of an endpoint of an IPv4 slice is not an IPv4 address.
-    #[error("EndpointSlice {slice}: endpoints[{index}] address {address:?} is not an IPv4 address; ignored")]
+    /// The first address of an endpoint is not an address of the slice's family.
+    #[error(
+        "EndpointSlice {slice}: endpoints[{index}] address {address:?} is not an {family} address; ignored"
+    )]
     InvalidAddress {
         slice: String,
         index: usize,
         address: String,
+        family: IpFamily,
     },
     /// An address no backend may have (the API server's `ValidateEndpointIP` refuses them, but
     /// `--manifests` is not validated): traffic to a Service would go to the node itself
@@ -60,7 +65,7 @@ pub enum SliceError {
     SpecialAddress {
         slice: String,
         index: usize,
-        address: Ipv4Addr,
+        address: IpAddr,
         reason: &'static str,
     },
 }
@@ -82,12 +87,13 @@ pub fn slice_service_name(slice: &Slice) -> Result<(String, String), SliceError>
     Ok((slice.namespace.to_string(), service.to_owned()))
 }
 
-/// Whether kube-proxy handles this slice at all: an `IPv4` address type (the IPv4 proxier's
-/// `EndpointSliceUpdate` ignores `IPv6` slices, and kube-proxy never handles `FQDN` ones), and none
-/// of the labels its informers exclude (`service.kubernetes.io/service-proxy-name`,
-/// `service.kubernetes.io/headless`; the EndpointSlice controller copies them from the Service).
-pub fn slice_is_proxied(slice: &Slice) -> bool {
-    slice.ipv4 && !slice.excluded
+/// Whether the proxier of `family` handles this slice at all: its `addressType` is that family
+/// (each proxier's `EndpointSliceUpdate` ignores the other family's slices, and kube-proxy never
+/// handles `FQDN` ones), and none of the labels its informers exclude
+/// (`service.kubernetes.io/service-proxy-name`, `service.kubernetes.io/headless`; the EndpointSlice
+/// controller copies them from the Service).
+pub fn slice_is_proxied(slice: &Slice, family: IpFamily) -> bool {
+    slice.address_type == Some(family) && !slice.excluded
 }
 
 /// The endpoints of each port of Service `namespace/service`, from all the given slices (slices of
@@ -98,8 +104,9 @@ pub fn endpoints_by_port(
     service: &str,
     slices: &[&Slice],
     node: &NodeInfo,
+    family: IpFamily,
 ) -> BTreeMap<ServicePortName, Vec<Endpoint>> {
-    endpoints_by_port_with_problems(namespace, service, slices, node).0
+    endpoints_by_port_with_problems(namespace, service, slices, node, family).0
 }
 
 /// kube-proxy `EndpointSliceCache.getEndpointsMap` for one Service, plus the problems it logs.
@@ -124,11 +131,12 @@ pub fn endpoints_by_port_with_problems(
     service: &str,
     slices: &[&Slice],
     node: &NodeInfo,
+    family: IpFamily,
 ) -> (BTreeMap<ServicePortName, Vec<Endpoint>>, Vec<SliceError>) {
     let mut selected: BTreeMap<&str, &Slice> = BTreeMap::new();
     let mut problems = Vec::new();
     for slice in slices {
-        if !slice_is_proxied(slice) {
+        if !slice_is_proxied(slice, family) {
             continue;
         }
         match slice_service_name(slice) {
@@ -145,9 +153,9 @@ pub fn endpoints_by_port_with_problems(
         }
     }
 
-    let mut by_port: BTreeMap<ServicePortName, BTreeMap<(Ipv4Addr, u16), Endpoint>> = BTreeMap::new();
+    let mut by_port: BTreeMap<ServicePortName, BTreeMap<(IpAddr, u16), Endpoint>> = BTreeMap::new();
     for (slice_name, slice) in selected {
-        let parsed = parse_endpoints(slice_name, slice, node, &mut problems);
+        let parsed = parse_endpoints(slice_name, slice, node, family, &mut problems);
         for (index, port) in slice.ports.iter().enumerate() {
             let Some(number) = port.port.and_then(|p| u16::try_from(p).ok()).filter(|&p| p != 0) else {
                 problems.push(SliceError::InvalidPort {
@@ -192,12 +200,13 @@ pub fn endpoints_by_port_with_problems(
 }
 
 /// The usable endpoints of one slice, with port 0 (filled in per slice port); an endpoint without
-/// an address, or whose first address is not IPv4 (parsed as `netutils.ParseIPSloppy`), is left
-/// out and reported once per slice.
+/// an address, or whose first address is not of `family` (parsed as `netutils.ParseIPSloppy`), is
+/// left out and reported once per slice.
 fn parse_endpoints(
     slice_name: &str,
     slice: &Slice,
     node: &NodeInfo,
+    family: IpFamily,
     problems: &mut Vec<SliceError>,
 ) -> Vec<Endpoint> {
     let mut out = Vec::new();
@@ -211,13 +220,15 @@ fn parse_endpoints(
         };
         let parsed = match address {
             SliceAddress::V4(ip) => Some(IpAddr::V4(*ip)),
+            SliceAddress::V6(ip) => Some(IpAddr::V6(*ip)),
             SliceAddress::Written(text) => parse_ip_sloppy(text),
         };
-        let Some(IpAddr::V4(ip)) = parsed else {
+        let Some(ip) = parsed.filter(|ip| IpFamily::of(ip) == family) else {
             problems.push(SliceError::InvalidAddress {
                 slice: slice_name.to_owned(),
                 index,
                 address: address.to_string(),
+                family,
             });
             continue;
         };
@@ -236,7 +247,7 @@ fn parse_endpoints(
 }
 
 /// kube-proxy `addEndpoints`' conversion of one slice endpoint (before the port is known).
-fn endpoint(ip: Ipv4Addr, ep: &SliceEndpoint, node: &NodeInfo) -> Endpoint {
+fn endpoint(ip: IpAddr, ep: &SliceEndpoint, node: &NodeInfo) -> Endpoint {
     let owned = |s: &Option<Arc<str>>| s.as_deref().map(str::to_owned);
     Endpoint {
         ip,

@@ -9,9 +9,11 @@
 //! - `topology`: which endpoints each kind of traffic may use (`pkg/proxy/topology.go`,
 //!   `CategorizeEndpoints`).
 
-use std::{collections::BTreeSet, fmt, net::Ipv4Addr};
+use std::{collections::BTreeSet, fmt, net::IpAddr};
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
+
+use crate::family::IpFamily;
 
 pub mod endpoints;
 #[cfg(test)]
@@ -85,24 +87,28 @@ pub struct Problem {
     pub message: String,
 }
 
-/// One port of one Service, with everything the data path needs (IPv4 family only for now).
+/// One port of one Service in one IP family, with everything the data path needs: what
+/// kube-proxy's proxier of that family knows of it (a dual-stack Service has one per family, under
+/// the same name).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePortInfo {
     pub name: ServicePortName,
-    /// `spec.clusterIPs` of the IPv4 family (none when it is a special address such as 0.0.0.0,
-    /// see [`service::special_address`]).
-    pub cluster_ips: Vec<Ipv4Addr>,
+    /// The family of every address below, and of the NodePort addresses it is served on.
+    pub family: IpFamily,
+    /// `spec.clusterIPs` of the family (none when it is a special address such as 0.0.0.0, see
+    /// [`service::special_address`]).
+    pub cluster_ips: Vec<IpAddr>,
     pub port: u16,
     /// `spec.ports[].nodePort`, for NodePort and LoadBalancer Services.
     pub node_port: Option<u16>,
-    /// `spec.externalIPs` of the IPv4 family.
-    pub external_ips: Vec<Ipv4Addr>,
+    /// `spec.externalIPs` of the family.
+    pub external_ips: Vec<IpAddr>,
     /// `status.loadBalancer.ingress[].ip` whose `ipMode` is `VIP` or unset (ipMode `Proxy` is the
     /// load balancer's to serve, KEP-1860).
-    pub load_balancer_ips: Vec<Ipv4Addr>,
-    /// `spec.loadBalancerSourceRanges` of the IPv4 family (applies to `load_balancer_ips` only);
-    /// empty means every source is allowed (so does a `0.0.0.0/0` entry, which empties it).
-    pub load_balancer_source_ranges: Vec<Ipv4Net>,
+    pub load_balancer_ips: Vec<IpAddr>,
+    /// `spec.loadBalancerSourceRanges` of the family (applies to `load_balancer_ips` only); empty
+    /// means every source is allowed (so does a zero-length prefix, which empties it).
+    pub load_balancer_source_ranges: Vec<IpNet>,
     /// `Some(timeoutSeconds)` for sessionAffinity ClientIP (default 10800).
     pub session_affinity_timeout: Option<u32>,
     /// internalTrafficPolicy: Local.
@@ -141,7 +147,7 @@ impl ServicePortInfo {
 /// One endpoint of one Service port (kube-proxy's `BaseEndpointInfo`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Endpoint {
-    pub ip: Ipv4Addr,
+    pub ip: IpAddr,
     pub port: u16,
     /// `conditions.ready` (nil means true).
     pub ready: bool,

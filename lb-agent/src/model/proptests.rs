@@ -1,14 +1,15 @@
-//! Property-based tests of the model on arbitrary API objects, hostile ones included: invalid,
-//! IPv6 and special IPs, ports 0, negative or huge, duplicate ports and names, names at and beyond
-//! the 63/253-byte limits, unknown types, protocols and policies, random conditions and hints,
-//! slices of every address type, thousands of (duplicate) endpoints. Whatever the input, the model
-//! must not panic and what it returns must be well formed.
+//! Property-based tests of the model on arbitrary API objects, hostile ones included: IPv4, IPv6
+//! and dual-stack Services, slices of both families, invalid, wrong-family and special IPs, ports
+//! 0, negative or huge, duplicate ports and names, names at and beyond the 63/253-byte limits,
+//! unknown types, protocols and policies, random conditions and hints, slices of every address
+//! type, thousands of (duplicate) endpoints. Whatever the input, the model must not panic and what
+//! it returns must be well formed.
 //!
 //! The generators are shared with `plan::proptests` (planner, `plan::from_scratch`, map writer).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
 
 use k8s_openapi::{
@@ -30,6 +31,7 @@ use super::{
     Endpoint, ServicePortInfo, categorize_endpoints, endpoints_by_port_with_problems, service_ports,
 };
 use crate::{
+    family::IpFamily,
     node::NodeInfo,
     watch::{ClusterState, LABEL_SERVICE_NAME, Slice},
 };
@@ -38,18 +40,49 @@ fn strings(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| (*s).to_owned()).collect()
 }
 
-/// An IP address as a user may write it: mostly valid IPv4 from small pools (so that Services and
-/// endpoints collide), else anything: random IPv4, special addresses, sloppy forms, IPv6, garbage.
+/// The IPv6 twin of an IPv4 address: `fd00::/96` with the IPv4 address as its last 32 bits. The
+/// IPv6 pools are the twins of the IPv4 ones, so that IPv6 Services and endpoints collide as the
+/// IPv4 ones do.
+pub(crate) fn twin(ip: Ipv4Addr) -> Ipv6Addr {
+    Ipv6Addr::from((0xfd00_u128 << 112) | u128::from(u32::from(ip)))
+}
+
+/// `text` with a plain IPv4 address replaced by its [`twin`] (for `IPv6`) or a twin by its IPv4
+/// address (for `IPv4`); anything else is kept as written.
+fn retarget_text(text: &str, family: IpFamily) -> String {
+    match (family, text.parse::<IpAddr>()) {
+        (IpFamily::V6, Ok(IpAddr::V4(v4))) => twin(v4).to_string(),
+        (IpFamily::V4, Ok(IpAddr::V6(v6))) if u128::from(v6) >> 32 == 0xfd00_u128 << 80 => {
+            Ipv4Addr::from(u128::from(v6) as u32).to_string()
+        }
+        _ => text.to_owned(),
+    }
+}
+
+/// An IPv4 address from the small pools Services and endpoints are drawn from.
+fn pooled_v4() -> impl Strategy<Value = Ipv4Addr> {
+    prop_oneof![
+        4 => (0u8..2, 0u8..6).prop_map(|(a, b)| Ipv4Addr::new(10, 96, a, b)),
+        4 => (1u8..3, 0u8..8).prop_map(|(a, b)| Ipv4Addr::new(10, 244, a, b)),
+        1 => (0u8..3).prop_map(|b| Ipv4Addr::new(192, 168, 1, 10 + b)),
+    ]
+}
+
+/// An IP address as a user may write it: mostly valid IPv4 and IPv6 from small pools (so that
+/// Services and endpoints collide), else anything: random IPv4 and IPv6, special addresses,
+/// sloppy and non-canonical forms, garbage.
 pub(crate) fn ip_text() -> impl Strategy<Value = String> {
     prop_oneof![
-        4 => (0u8..2, 0u8..6).prop_map(|(a, b)| format!("10.96.{a}.{b}")),
-        4 => (1u8..3, 0u8..8).prop_map(|(a, b)| format!("10.244.{a}.{b}")),
-        1 => (0u8..3).prop_map(|b| format!("192.168.1.{}", 10 + b)),
+        9 => pooled_v4().prop_map(|ip| ip.to_string()),
+        4 => pooled_v4().prop_map(|ip| twin(ip).to_string()),
         2 => any::<u32>().prop_map(|v| Ipv4Addr::from(v).to_string()),
-        2 => select(strings(&[
+        1 => any::<u128>().prop_map(|v| Ipv6Addr::from(v).to_string()),
+        3 => select(strings(&[
             "0.0.0.0", "255.255.255.255", "127.0.0.1", "224.0.0.1", "169.254.169.254",
             "010.096.000.001", "10.96.0.1 ", " 10.96.0.1", "::ffff:10.96.0.1", "::ffff:127.0.0.1",
-            "fd00::1", "::", "::1", "2001:db8::10", "", "  ", "None", "1.2.3", "1.2.3.4.5",
+            "fd00::1", "::", "::1", "fe80::1", "ff02::1", "2001:db8::10", "2001:db8::11",
+            "FD00::A60:1", "fd00:0:0:0:0:0:a60:1", "[fd00::a60:1]", "fd00::a60:1%eth0",
+            "fd00::a60:1/128", "::10.96.0.1", "", "  ", "None", "1.2.3", "1.2.3.4.5",
             "256.1.1.1", "1.2.3.4/32", "-1.2.3.4", "0x0a.0.0.1", "10.96.0.1%eth0",
             "\u{ff11}.\u{ff12}.\u{ff13}.\u{ff14}", "1.2.3.0004", "00000000001.2.3.4",
         ])),
@@ -63,7 +96,8 @@ fn cidr_text() -> impl Strategy<Value = String> {
         3 => (ip_text(), 0u8..40).prop_map(|(ip, p)| format!("{ip}/{p}")),
         2 => select(strings(&[
             "0.0.0.0/0", "10.0.0.0/8", " 192.168.0.0/16 ", "198.51.100.0/24", "fd00::/8", "::/0",
-            "garbage", "1.2.3.4", "1.2.3.4/033", "1.2.3.4/", "1.2.3.4/-1", "1.2.3.4/ 8", "",
+            "2001:db8::/32", " 2001:db8::/64 ", "fd00::c633:6400/120", "fd00::/96", "::ffff:10.0.0.0/104",
+            "2001:db8::/129", "garbage", "1.2.3.4", "1.2.3.4/033", "1.2.3.4/", "1.2.3.4/-1", "1.2.3.4/ 8", "",
         ])),
     ]
 }
@@ -150,6 +184,7 @@ fn ingress() -> impl Strategy<Value = LoadBalancerIngress> {
     (
         option::of(prop_oneof![
             3 => (0u8..3).prop_map(|b| format!("203.0.113.{b}")),
+            2 => (0u8..3).prop_map(|b| twin(Ipv4Addr::new(203, 0, 113, b)).to_string()),
             1 => ip_text(),
         ]),
         option::of(select(strings(&["VIP", "Proxy", "Bogus", ""]))),
@@ -173,23 +208,43 @@ pub(crate) fn service() -> impl Strategy<Value = Service> {
     );
     let cluster_ip = prop_oneof![
         20 => (0u8..2, 0u8..6).prop_map(|(a, b)| Some(format!("10.96.{a}.{b}"))),
+        4 => (0u8..2, 0u8..6).prop_map(|(a, b)| Some(twin(Ipv4Addr::new(10, 96, a, b)).to_string())),
         1 => Just(Some("None".to_owned())),
         1 => Just(Some(String::new())),
         1 => Just(None),
         3 => ip_text().prop_map(Some),
     ];
+    // (clusterIP, clusterIPs, ipFamilies): as the API server writes them for each family policy,
+    // or anything.
+    let cluster_ips = prop_oneof![
+        3 => ((0u8..2, 0u8..6), 0u8..4).prop_map(|((a, b), layout)| {
+            let v4 = Ipv4Addr::new(10, 96, a, b);
+            let (v4, v6) = (v4.to_string(), twin(v4).to_string());
+            let (ips, families) = match layout {
+                0 => (vec![v4], vec!["IPv4"]),
+                1 => (vec![v6], vec!["IPv6"]),
+                2 => (vec![v4, v6], vec!["IPv4", "IPv6"]),
+                _ => (vec![v6, v4], vec!["IPv6", "IPv4"]),
+            };
+            (Some(ips[0].clone()), Some(ips), Some(strings(&families)))
+        }),
+        4 => (
+            cluster_ip,
+            prop_oneof![4 => Just(None), 1 => option::of(vec(ip_text(), 0..3))],
+            prop_oneof![
+                4 => Just(None),
+                1 => option::of(vec(select(strings(&["IPv4", "IPv6", "IPv5"])), 0..3)),
+            ],
+        ),
+    ];
     let addresses = (
-        cluster_ip,
-        prop_oneof![4 => Just(None), 1 => option::of(vec(ip_text(), 0..3))],
-        prop_oneof![
-            4 => Just(None),
-            1 => option::of(vec(select(strings(&["IPv4", "IPv6", "IPv5"])), 0..3)),
-        ],
+        cluster_ips,
         prop_oneof![
             3 => Just(None),
             1 => option::of(vec(
                 prop_oneof![
                     3 => (0u8..3).prop_map(|b| format!("198.51.100.{b}")),
+                    2 => (0u8..3).prop_map(|b| twin(Ipv4Addr::new(198, 51, 100, b)).to_string()),
                     1 => ip_text(),
                 ],
                 0..4,
@@ -235,7 +290,7 @@ pub(crate) fn service() -> impl Strategy<Value = Service> {
     (meta, addresses, policies, ports).prop_map(
         |(
             (namespace, name, labels, topology),
-            (cluster_ip, cluster_ips, ip_families, external_ips, ingress, source_ranges),
+            ((cluster_ip, cluster_ips, ip_families), external_ips, ingress, source_ranges),
             (type_, affinity, timeout, itp, etp, hc_port, distribution),
             ports,
         )| Service {
@@ -421,7 +476,8 @@ pub(crate) fn endpoint_slice() -> impl Strategy<Value = EndpointSlice> {
         ],
         prop_oneof![
             10 => Just("IPv4".to_owned()),
-            1 => select(strings(&["IPv6", "FQDN", "ipv4", ""])),
+            6 => Just("IPv6".to_owned()),
+            1 => select(strings(&["FQDN", "ipv4", "IPv5", ""])),
         ],
         prop_oneof![1 => Just(None), 10 => vec(slice_endpoint(), 0..8).prop_map(Some)],
         prop_oneof![6 => Just(None), 1 => bulk().prop_map(Some)],
@@ -437,7 +493,7 @@ pub(crate) fn endpoint_slice() -> impl Strategy<Value = EndpointSlice> {
                     (None, Some(b)) => Some(b.expand()),
                     (eps, None) => eps,
                 };
-                EndpointSlice {
+                let mut slice = EndpointSlice {
                     metadata: ObjectMeta {
                         namespace,
                         name,
@@ -447,9 +503,28 @@ pub(crate) fn endpoint_slice() -> impl Strategy<Value = EndpointSlice> {
                     address_type,
                     endpoints,
                     ports,
+                };
+                // The endpoints are drawn IPv4-first: an IPv6 slice gets their twins.
+                if slice.address_type == "IPv6" {
+                    retarget(&mut slice, IpFamily::V6);
                 }
+                slice
             },
         )
+}
+
+/// Makes `slice` a slice of `family`, its plain addresses of the other family replaced by their
+/// twins (see [`retarget_text`]); slices of neither family are left alone.
+fn retarget(slice: &mut EndpointSlice, family: IpFamily) {
+    if IpFamily::parse(&slice.address_type).is_none() {
+        return;
+    }
+    slice.address_type = family.as_str().to_owned();
+    for ep in slice.endpoints.iter_mut().flatten() {
+        for address in &mut ep.addresses {
+            *address = retarget_text(address, family);
+        }
+    }
 }
 
 /// This node as the agent knows it.
@@ -501,6 +576,7 @@ pub(crate) fn cluster_state() -> impl Strategy<Value = ClusterState> {
                 any::<prop::sample::Index>(),
                 endpoint_slice(),
                 prop_oneof![1 => Just(false), 3 => Just(true)],
+                prop_oneof![1 => Just(false), 3 => Just(true)],
             ),
             0..8,
         ),
@@ -509,11 +585,24 @@ pub(crate) fn cluster_state() -> impl Strategy<Value = ClusterState> {
     )
         .prop_map(|(services, owned, stray, node)| {
             let mut state = ClusterState::default();
-            for (n, (index, mut slice, copy_ports)) in owned.into_iter().enumerate() {
+            for (n, (index, mut slice, copy_ports, follow_families)) in owned.into_iter().enumerate() {
                 if services.is_empty() {
                     break;
                 }
                 let svc = index.get(&services);
+                // Usually a slice of one of the Service's families, as the EndpointSlice
+                // controller writes one per family: a dual-stack Service gets both.
+                let families = svc
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.ip_families.as_deref())
+                    .unwrap_or_default();
+                if follow_families
+                    && !families.is_empty()
+                    && let Some(family) = IpFamily::parse(&families[n % families.len()])
+                {
+                    retarget(&mut slice, family);
+                }
                 let name = svc.metadata.name.clone().unwrap_or_default();
                 slice.metadata.namespace = svc.metadata.namespace.clone();
                 slice.metadata.name = Some(format!("{name}-{n}"));
@@ -563,47 +652,64 @@ pub(crate) fn config(cases: u32) -> ProptestConfig {
     }
 }
 
-fn key(ep: &Endpoint) -> (Ipv4Addr, u16) {
+fn key(ep: &Endpoint) -> (IpAddr, u16) {
     (ep.ip, ep.port)
 }
 
 proptest! {
     #![proptest_config(config(512))]
 
-    /// `service_ports` never panics, and what it returns is usable as is: non-zero ports,
-    /// unique names and (port, protocol) pairs, an IPv4 cluster IP, a sane affinity timeout,
-    /// and warnings naming a field.
+    /// `service_ports` never panics, and what it returns is usable as is, in each family:
+    /// non-zero ports, unique names and (port, protocol) pairs, addresses and source ranges of
+    /// the family only and none special, a sane affinity timeout, and warnings naming a field. A
+    /// dual-stack Service has the same ports in both families.
     #[test]
     fn service_ports_is_total_and_well_formed(svc in service()) {
-        let Ok(ports) = service_ports(&svc) else { return Ok(()) };
-        prop_assert!(!ports.ports.is_empty());
-        let mut names = BTreeSet::new();
-        let mut numbers = BTreeSet::new();
-        for p in &ports.ports {
-            prop_assert_ne!(p.port, 0);
-            prop_assert_ne!(p.node_port, Some(0));
-            prop_assert_ne!(p.health_check_node_port, Some(0));
-            prop_assert!(names.insert(p.name.clone()), "duplicate port name {}", p.name);
-            prop_assert!(numbers.insert((p.port, p.name.protocol)), "duplicate port {}", p.port);
-            prop_assert!(p.cluster_ips.len() <= 1);
-            prop_assert!(p.cluster_ips.iter().all(|ip| super::service::special_address(*ip).is_none()));
-            prop_assert!(p.external_ips.iter().all(|ip| super::service::special_address(*ip).is_none()));
-            prop_assert!(p.load_balancer_ips.iter().all(|ip| super::service::special_address(*ip).is_none()));
-            prop_assert_eq!(Some(&p.name.name), svc.metadata.name.as_ref());
-            prop_assert_eq!(&p.name.namespace, &svc.metadata.namespace.clone().unwrap_or_default());
-            if let Some(t) = p.session_affinity_timeout {
-                prop_assert!((1..=86_400).contains(&t));
+        let mut per_family = Vec::new();
+        for family in IpFamily::ALL {
+            let Ok(ports) = service_ports(&svc, family) else { continue };
+            prop_assert!(!ports.ports.is_empty());
+            let mut names = BTreeSet::new();
+            let mut numbers = BTreeSet::new();
+            for p in &ports.ports {
+                prop_assert_eq!(p.family, family);
+                prop_assert_ne!(p.port, 0);
+                prop_assert_ne!(p.node_port, Some(0));
+                prop_assert_ne!(p.health_check_node_port, Some(0));
+                prop_assert!(names.insert(p.name.clone()), "duplicate port name {}", p.name);
+                prop_assert!(numbers.insert((p.port, p.name.protocol)), "duplicate port {}", p.port);
+                prop_assert!(p.cluster_ips.len() <= 1);
+                for ip in p.cluster_ips.iter().chain(&p.external_ips).chain(&p.load_balancer_ips) {
+                    prop_assert_eq!(IpFamily::of(ip), family, "{}", ip);
+                    prop_assert!(super::service::special_address(*ip).is_none(), "{}", ip);
+                }
+                prop_assert_eq!(Some(&p.name.name), svc.metadata.name.as_ref());
+                prop_assert_eq!(&p.name.namespace, &svc.metadata.namespace.clone().unwrap_or_default());
+                if let Some(t) = p.session_affinity_timeout {
+                    prop_assert!((1..=86_400).contains(&t));
+                }
+                prop_assert!(p.load_balancer_source_ranges.iter().all(|r| r.prefix_len() > 0));
+                prop_assert!(p.load_balancer_source_ranges.iter().all(|r| IpFamily::of_net(r) == family));
             }
-            prop_assert!(p.load_balancer_source_ranges.iter().all(|r| r.prefix_len() > 0));
+            for w in &ports.warnings {
+                prop_assert!(w.starts_with("spec.") || w.starts_with("status."), "{w}");
+            }
+            per_family.push(ports);
         }
-        for w in &ports.warnings {
-            prop_assert!(w.starts_with("spec.") || w.starts_with("status."), "{w}");
+        if let [v4, v6] = &per_family[..] {
+            let shape = |p: &ServicePortInfo| {
+                (p.name.clone(), p.port, p.node_port, p.health_check_node_port, p.session_affinity_timeout)
+            };
+            prop_assert_eq!(
+                v4.ports.iter().map(shape).collect::<Vec<_>>(),
+                v6.ports.iter().map(shape).collect::<Vec<_>>()
+            );
         }
     }
 
-    /// `endpoints_by_port_with_problems` never panics; every port list is sorted, without
-    /// duplicates, with non-zero ports, for this Service only; it does not depend on the order of
-    /// the slices (with distinct names).
+    /// `endpoints_by_port_with_problems` never panics; in each family, every port list is sorted,
+    /// without duplicates, with non-zero ports, for this Service only, of addresses of the family
+    /// only; it does not depend on the order of the slices (with distinct names).
     #[test]
     fn endpoints_by_port_is_total_well_formed_and_order_free(
         slices in vec(endpoint_slice(), 0..6),
@@ -614,30 +720,34 @@ proptest! {
     ) {
         let compact: Vec<Slice> = slices.iter().map(Slice::from).collect();
         let refs: Vec<&Slice> = compact.iter().collect();
-        let (by_port, _problems) = endpoints_by_port_with_problems(&namespace, &service, &refs, &node);
-        for (name, eps) in &by_port {
-            prop_assert_eq!(&name.namespace, &namespace);
-            prop_assert_eq!(&name.name, &service);
-            prop_assert!(!eps.is_empty());
-            prop_assert!(eps.windows(2).all(|w| key(&w[0]) < key(&w[1])), "sorted and unique");
-            for ep in eps {
-                prop_assert_ne!(ep.port, 0);
-                prop_assert_eq!(ep.is_local, !node.name.is_empty() && ep.node_name.as_deref() == Some(node.name.as_str()));
-            }
-        }
         // Distinct names (a later slice of the same name replaces an earlier one by design).
         let mut seen = BTreeSet::new();
-        let mut unique: Vec<&Slice> = refs
+        let unique: Vec<&Slice> = refs
             .iter()
             .rev()
             .filter(|s| seen.insert(s.name.clone()))
             .copied()
             .collect();
-        let (a, pa) = endpoints_by_port_with_problems(&namespace, &service, &unique, &node);
-        shuffle(&mut unique, seed);
-        let (b, pb) = endpoints_by_port_with_problems(&namespace, &service, &unique, &node);
-        prop_assert_eq!(a, b);
-        prop_assert_eq!(pa, pb);
+        let mut shuffled = unique.clone();
+        shuffle(&mut shuffled, seed);
+        for family in IpFamily::ALL {
+            let (by_port, _problems) = endpoints_by_port_with_problems(&namespace, &service, &refs, &node, family);
+            for (name, eps) in &by_port {
+                prop_assert_eq!(&name.namespace, &namespace);
+                prop_assert_eq!(&name.name, &service);
+                prop_assert!(!eps.is_empty());
+                prop_assert!(eps.windows(2).all(|w| key(&w[0]) < key(&w[1])), "sorted and unique");
+                for ep in eps {
+                    prop_assert_ne!(ep.port, 0);
+                    prop_assert_eq!(IpFamily::of(&ep.ip), family, "{}", ep.ip);
+                    prop_assert_eq!(ep.is_local, !node.name.is_empty() && ep.node_name.as_deref() == Some(node.name.as_str()));
+                }
+            }
+            let (a, pa) = endpoints_by_port_with_problems(&namespace, &service, &unique, &node, family);
+            let (b, pb) = endpoints_by_port_with_problems(&namespace, &service, &shuffled, &node, family);
+            prop_assert_eq!(a, b);
+            prop_assert_eq!(pa, pb);
+        }
     }
 
     /// `categorize_endpoints` never panics and keeps to kube-proxy's shape: `cluster` and `local`
@@ -649,7 +759,6 @@ proptest! {
         slices in vec(endpoint_slice(), 1..4),
         node in node_info(),
     ) {
-        let Ok(ports) = service_ports(&svc) else { return Ok(()) };
         let ns = svc.metadata.namespace.clone().unwrap_or_default();
         let name = svc.metadata.name.clone().unwrap_or_default();
         // Whatever the labels say, use these slices as the Service's.
@@ -661,10 +770,13 @@ proptest! {
         }
         let compact: Vec<Slice> = slices.iter().map(Slice::from).collect();
         let refs: Vec<&Slice> = compact.iter().collect();
-        let (by_port, _) = endpoints_by_port_with_problems(&ns, &name, &refs, &node);
-        for port in &ports.ports {
-            let eps = by_port.get(&port.name).cloned().unwrap_or_default();
-            check_categorized(&eps, port, &node)?;
+        for family in IpFamily::ALL {
+            let Ok(ports) = service_ports(&svc, family) else { continue };
+            let (by_port, _) = endpoints_by_port_with_problems(&ns, &name, &refs, &node, family);
+            for port in &ports.ports {
+                let eps = by_port.get(&port.name).cloned().unwrap_or_default();
+                check_categorized(&eps, port, &node)?;
+            }
         }
     }
 }

@@ -1,5 +1,5 @@
-//! Model step for Services: one v1 `Service` -> the [`ServicePortInfo`] of each of its ports, IPv4
-//! family only. This ports kube-proxy's `ServiceChangeTracker.serviceToServiceMap` and
+//! Model step for Services: one v1 `Service` and one IP family -> the [`ServicePortInfo`] of each
+//! of its ports, what kube-proxy's proxier of that family makes of it. This ports kube-proxy's `ServiceChangeTracker.serviceToServiceMap` and
 //! `newBaseServiceInfo` (`pkg/proxy/servicechangetracker.go`, `pkg/proxy/serviceport.go`), the
 //! skip rules of `proxyutil.ShouldSkipService` (`pkg/proxy/util/utils.go`) and of kube-proxy's
 //! informer label selector (`cmd/kube-proxy/app/server.go`), and the traffic-policy helpers of
@@ -13,10 +13,11 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
 
-use ipnet::Ipv4Net;
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
 
 use super::{Protocol, ServicePortInfo, ServicePortName};
+use crate::family::IpFamily;
 use crate::watch::{
     ANNOTATION_TOPOLOGY_AWARE_HINTS, ANNOTATION_TOPOLOGY_MODE, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME,
 };
@@ -41,16 +42,21 @@ pub struct ServicePorts {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ServiceError {
     /// kube-proxy does not proxy this Service, by design (headless, ExternalName, owned by another
-    /// proxy, no IPv4 cluster IP...). Not an error: callers must not report it.
+    /// proxy, no cluster IP of the family...). Not an error: callers must not report it.
     #[error("not proxied: {0}")]
     Skipped(&'static str),
     /// `metadata.name` is missing, so no `ServicePortName` can be formed.
     #[error("metadata.name is not set")]
     MissingName,
-    /// The IPv4 cluster IP is not an IPv4 address. kube-proxy would program a nil IP here
-    /// (`netutils.ParseIPSloppy` fails in `newBaseServiceInfo`); we refuse the whole Service.
-    #[error("{field}: {value:?} is not a valid IPv4 address")]
-    InvalidClusterIp { field: String, value: String },
+    /// The cluster IP of the family is not an address of the family. kube-proxy would program a
+    /// nil IP here (`netutils.ParseIPSloppy` fails in `newBaseServiceInfo`); we refuse the Service
+    /// in that family.
+    #[error("{field}: {value:?} is not a valid {family} address")]
+    InvalidClusterIp {
+        field: String,
+        value: String,
+        family: IpFamily,
+    },
     /// Every port was malformed (or `spec.ports` is empty); `problems` says why, one per field.
     #[error("no usable port: {}", .problems.join("; "))]
     NoUsablePorts { problems: Vec<String> },
@@ -63,24 +69,25 @@ impl ServiceError {
     }
 }
 
-/// Translates a Service into the [`ServicePortInfo`] of each of its ports (kube-proxy
-/// `ServiceChangeTracker.serviceToServiceMap` + `newBaseServiceInfo`, for the IPv4 family).
+/// Translates a Service into the [`ServicePortInfo`] of each of its ports in `family` (kube-proxy
+/// `ServiceChangeTracker.serviceToServiceMap` + `newBaseServiceInfo` of that family's proxier).
 ///
 /// Order of the checks, as upstream:
 /// 1. the informer label selector: `service.kubernetes.io/service-proxy-name` or
 ///    `service.kubernetes.io/headless` present -> skipped;
 /// 2. `ShouldSkipService`: `type: ExternalName`, or `clusterIP` `None` or empty -> skipped;
-/// 3. `GetClusterIPByFamily(IPv4)` empty (an IPv6 single-stack Service) -> skipped;
+/// 3. `GetClusterIPByFamily(family)` empty (a single-stack Service of the other family) ->
+///    skipped;
 /// 4. then one [`ServicePortInfo`] per port, dropping (with a warning) the malformed ones.
 ///
-/// A special address ([`special_address`]: 0.0.0.0, loopback, link-local, multicast, broadcast)
-/// as the cluster IP, an external IP or a load-balancer IP is dropped with a warning naming its
-/// field; the rest of the Service is kept.
+/// A special address ([`special_address`]: unspecified, loopback, link-local, multicast,
+/// broadcast) as the cluster IP, an external IP or a load-balancer IP is dropped with a warning
+/// naming its field; the rest of the Service is kept.
 ///
 /// Fields left unset are filled with the API server's defaults (`type: ClusterIP`, port
 /// `protocol: TCP`, `clusterIPs` from `clusterIP`, `timeoutSeconds: 10800`) so that objects read
 /// from manifest files behave as they would once created through the API.
-pub fn service_ports(svc: &Service) -> Result<ServicePorts, ServiceError> {
+pub fn service_ports(svc: &Service, family: IpFamily) -> Result<ServicePorts, ServiceError> {
     let meta = &svc.metadata;
     if let Some(labels) = &meta.labels {
         if labels.contains_key(LABEL_SERVICE_PROXY_NAME) {
@@ -113,8 +120,8 @@ pub fn service_ports(svc: &Service) -> Result<ServicePorts, ServiceError> {
     let namespace = meta.namespace.clone().unwrap_or_default();
 
     let mut warnings = Vec::new();
-    let Some((index, cluster_ip)) = ipv4_cluster_ip(spec, &mut warnings)? else {
-        return Err(ServiceError::Skipped("no IPv4 cluster IP"));
+    let Some((index, cluster_ip)) = cluster_ip_of(spec, family, &mut warnings)? else {
+        return Err(ServiceError::Skipped("no cluster IP of the family"));
     };
     // A special cluster IP (0.0.0.0, loopback...) is dropped, and with it the Service's cluster-IP
     // frontends; its NodePorts, external and load-balancer IPs are still served.
@@ -129,16 +136,16 @@ pub fn service_ports(svc: &Service) -> Result<ServicePorts, ServiceError> {
         }
         None => vec![cluster_ip],
     };
-    let has_ipv6 = has_ipv6_family(spec);
+    let has_other = has_family(spec, family.other());
 
     if !matches!(svc_type, "ClusterIP" | "NodePort" | "LoadBalancer") {
         warnings.push(format!(
             "spec.type: unknown type {svc_type:?}, treated as not externally accessible"
         ));
     }
-    let external_ips = external_ips(spec, has_ipv6, &mut warnings);
-    let load_balancer_ips = load_balancer_ips(svc, has_ipv6, &mut warnings);
-    let load_balancer_source_ranges = source_ranges(spec, &mut warnings);
+    let external_ips = external_ips(spec, family, has_other, &mut warnings);
+    let load_balancer_ips = load_balancer_ips(svc, family, has_other, &mut warnings);
+    let load_balancer_source_ranges = source_ranges(spec, family, &mut warnings);
     let session_affinity_timeout = session_affinity_timeout(spec, &mut warnings);
     let internal_policy_local = spec.internal_traffic_policy.as_deref() == Some("Local");
     let external_policy_local = external_policy_local(spec, svc_type);
@@ -186,6 +193,7 @@ pub fn service_ports(svc: &Service) -> Result<ServicePorts, ServiceError> {
         let node_port = node_port(sp, svc_type, &field, &mut warnings);
         ports.push(ServicePortInfo {
             name: port_name,
+            family,
             cluster_ips: cluster_ips.clone(),
             port,
             node_port,
@@ -232,34 +240,38 @@ fn cluster_ip_list(spec: &ServiceSpec) -> Vec<&str> {
     }
 }
 
-/// The Service's IPv4 cluster IP: kube-proxy `proxyutil.GetClusterIPByFamily(IPv4, svc)`.
+/// The Service's cluster IP of `family`: kube-proxy `proxyutil.GetClusterIPByFamily(family, svc)`.
 ///
-/// With `spec.ipFamilies` set, the IP is `clusterIPs[i]` where `ipFamilies[i] == "IPv4"`; none ->
-/// `Ok(None)` (skipped), and an address there that is not IPv4 -> [`ServiceError::InvalidClusterIp`].
-/// Without `ipFamilies` (version skew, or a manifest file), kube-proxy takes `clusterIP` when it
-/// is not IPv6; we take the first IPv4 entry of the list, and an unparsable entry is an error only
-/// when no IPv4 entry exists (kube-proxy would have used it as a nil IP).
-fn ipv4_cluster_ip(
+/// With `spec.ipFamilies` set, the IP is `clusterIPs[i]` where `ipFamilies[i]` is the family;
+/// none -> `Ok(None)` (skipped), and an address there that is not of the family ->
+/// [`ServiceError::InvalidClusterIp`]. Without `ipFamilies` (version skew, or a manifest file),
+/// kube-proxy takes `clusterIP` when its family matches (an unparsable one counts as IPv4, since
+/// it is not IPv6); we take the first entry of the family in the list, and an unparsable entry is
+/// an error only for IPv4 and only when no IPv4 entry exists (kube-proxy would have used it as a
+/// nil IP).
+fn cluster_ip_of(
     spec: &ServiceSpec,
+    family: IpFamily,
     warnings: &mut Vec<String>,
-) -> Result<Option<(usize, Ipv4Addr)>, ServiceError> {
+) -> Result<Option<(usize, IpAddr)>, ServiceError> {
     let ips = cluster_ip_list(spec);
     let families = spec.ip_families.as_deref().unwrap_or_default();
     let invalid = |i: usize, value: &str| ServiceError::InvalidClusterIp {
         field: format!("spec.clusterIPs[{i}]"),
         value: value.to_owned(),
+        family,
     };
     if !families.is_empty() {
-        let v4_index = families.iter().position(|f| f == "IPv4");
+        let index = families.iter().position(|f| f == family.as_str());
         for (i, ip) in ips.iter().enumerate() {
-            if Some(i) != v4_index && parse_ip_sloppy(ip).is_none() {
+            if Some(i) != index && parse_ip_sloppy(ip).is_none() {
                 warnings.push(format!("spec.clusterIPs[{i}]: {ip:?} is not an IP address"));
             }
         }
-        let Some(i) = v4_index else { return Ok(None) };
+        let Some(i) = index else { return Ok(None) };
         let Some(ip) = ips.get(i) else { return Ok(None) };
         return match parse_ip_sloppy(ip) {
-            Some(IpAddr::V4(v4)) => Ok(Some((i, v4))),
+            Some(addr) if IpFamily::of(&addr) == family => Ok(Some((i, addr))),
             _ => Err(invalid(i, ip)),
         };
     }
@@ -267,46 +279,68 @@ fn ipv4_cluster_ip(
     let mut found = None;
     for (i, ip) in ips.iter().enumerate() {
         match parse_ip_sloppy(ip) {
-            Some(IpAddr::V4(v4)) => {
-                found.get_or_insert((i, v4));
+            Some(addr) if IpFamily::of(&addr) == family => {
+                found.get_or_insert((i, addr));
             }
-            Some(IpAddr::V6(_)) => {}
+            Some(_) => {}
             None => {
                 first_invalid.get_or_insert((i, *ip));
             }
         }
     }
     match (found, first_invalid) {
-        (Some(v4), Some((i, ip))) => {
+        (Some(found), Some((i, ip))) => {
             warnings.push(format!("spec.clusterIPs[{i}]: {ip:?} is not an IP address"));
-            Ok(Some(v4))
+            Ok(Some(found))
         }
-        (Some(v4), None) => Ok(Some(v4)),
-        (None, Some((i, ip))) => Err(invalid(i, ip)),
-        (None, None) => Ok(None),
+        (Some(found), None) => Ok(Some(found)),
+        (None, Some((i, ip))) if family == IpFamily::V4 => Err(invalid(i, ip)),
+        (None, _) => Ok(None),
     }
 }
 
-/// Whether the Service also has an IPv6 cluster IP (dual-stack): then IPv6 external and
-/// load-balancer IPs are legitimate, served by an IPv6 proxy, and are dropped here silently.
-fn has_ipv6_family(spec: &ServiceSpec) -> bool {
+/// Whether the Service has a cluster IP of `family` (dual-stack, for the other family): then
+/// that family's external and load-balancer IPs are legitimate, served by that family's proxier,
+/// and are left out here silently.
+fn has_family(spec: &ServiceSpec, family: IpFamily) -> bool {
     spec.ip_families
         .as_deref()
         .unwrap_or_default()
         .iter()
-        .any(|f| f == "IPv6")
+        .any(|f| f == family.as_str())
         || cluster_ip_list(spec)
             .iter()
-            .any(|ip| matches!(parse_ip_sloppy(ip), Some(IpAddr::V6(_))))
+            .any(|ip| parse_ip_sloppy(ip).is_some_and(|a| IpFamily::of(&a) == family))
 }
 
 /// Why `ip` may not be a Service address, if it may not: API validation's `ValidateNonSpecialIP`
 /// (unspecified, loopback, link-local, link-local multicast), which also guards `externalIPs`,
-/// widened to all multicast and the limited broadcast address. The API server never lets such an
-/// address through (the cluster IP comes from the service CIDR), but `--manifests` skips the API
-/// server, and the socket programs would then take over the host's own connections (an external
-/// IP 127.0.0.1:22 would redirect `ssh localhost`).
-pub fn special_address(ip: Ipv4Addr) -> Option<&'static str> {
+/// widened to all multicast and IPv4's limited broadcast address. The API server never lets such
+/// an address through (the cluster IP comes from the service CIDR), but `--manifests` skips the
+/// API server, and the socket programs would then take over the host's own connections (an
+/// external IP 127.0.0.1:22 would redirect `ssh localhost`).
+pub fn special_address(ip: IpAddr) -> Option<&'static str> {
+    match ip {
+        IpAddr::V4(v4) => special_v4(v4),
+        IpAddr::V6(v6) => special_v6(v6),
+    }
+}
+
+fn special_v6(ip: Ipv6Addr) -> Option<&'static str> {
+    if ip.is_unspecified() {
+        Some("unspecified (::)")
+    } else if ip.is_loopback() {
+        Some("the loopback address (::1)")
+    } else if ip.is_unicast_link_local() {
+        Some("in the link-local range (fe80::/10)")
+    } else if ip.is_multicast() {
+        Some("multicast (ff00::/8)")
+    } else {
+        None
+    }
+}
+
+fn special_v4(ip: Ipv4Addr) -> Option<&'static str> {
     if ip.is_unspecified() {
         Some("unspecified (0.0.0.0)")
     } else if ip.is_loopback() {
@@ -323,18 +357,23 @@ pub fn special_address(ip: Ipv4Addr) -> Option<&'static str> {
 }
 
 /// The warning for a special address dropped from `field`.
-fn special_address_warning(field: &str, ip: Ipv4Addr, reason: &str) -> String {
+fn special_address_warning(field: &str, ip: IpAddr, reason: &str) -> String {
     format!("{field}: \"{ip}\" is {reason}, which a Service may not use; ignored")
 }
 
-/// `spec.externalIPs` of the IPv4 family: kube-proxy `proxyutil.MapIPsByIPFamily(...)[IPv4]`.
+/// `spec.externalIPs` of `family`: kube-proxy `proxyutil.MapIPsByIPFamily(...)[family]`.
 ///
 /// Unparsable entries are dropped with a warning (upstream: "Skipping invalid IP"), except blank
 /// ones, which upstream drops silently ("ExternalIPs may not be validated by the API server").
-/// Special addresses ([`special_address`]) are dropped with a warning.
-/// IPv6 entries are dropped; with a warning only when the Service has no IPv6 cluster IP, since
-/// then no proxy at all will serve them.
-fn external_ips(spec: &ServiceSpec, has_ipv6: bool, warnings: &mut Vec<String>) -> Vec<Ipv4Addr> {
+/// Special addresses ([`special_address`]) are dropped with a warning. Entries of the other
+/// family are left to that family's proxier; with a warning when the Service has no cluster IP
+/// of that family, since then no proxier at all serves them.
+fn external_ips(
+    spec: &ServiceSpec,
+    family: IpFamily,
+    has_other: bool,
+    warnings: &mut Vec<String>,
+) -> Vec<IpAddr> {
     let mut out = Vec::new();
     for (i, ip) in spec
         .external_ips
@@ -343,34 +382,37 @@ fn external_ips(spec: &ServiceSpec, has_ipv6: bool, warnings: &mut Vec<String>) 
         .iter()
         .enumerate()
     {
+        let field = format!("spec.externalIPs[{i}]");
         match parse_ip_sloppy(ip) {
-            Some(IpAddr::V4(v4)) => match special_address(v4) {
-                Some(reason) => warnings.push(special_address_warning(
-                    &format!("spec.externalIPs[{i}]"),
-                    v4,
-                    reason,
-                )),
-                None => out.push(v4),
+            Some(addr) if IpFamily::of(&addr) == family => match special_address(addr) {
+                Some(reason) => warnings.push(special_address_warning(&field, addr, reason)),
+                None => out.push(addr),
             },
-            Some(IpAddr::V6(_)) if has_ipv6 => {}
-            Some(IpAddr::V6(_)) => warnings.push(format!(
-                "spec.externalIPs[{i}]: {ip:?} is IPv6 but the Service has no IPv6 cluster IP; ignored"
-            )),
+            Some(_) if has_other => {}
+            Some(addr) => warnings.push(no_proxier_warning(&field, ip, IpFamily::of(&addr))),
             None if ip.trim().is_empty() => {}
-            None => warnings.push(format!(
-                "spec.externalIPs[{i}]: {ip:?} is not an IP address; ignored"
-            )),
+            None => warnings.push(format!("{field}: {ip:?} is not an IP address; ignored")),
         }
     }
     out
 }
 
-/// `status.loadBalancer.ingress[].ip` of the IPv4 family in VIP mode: kube-proxy
-/// `newBaseServiceInfo`'s ingress loop with `proxyutil.IsVIPMode` (`ipMode` unset or `VIP`;
-/// `Proxy` means the load balancer delivers to the node itself, KEP-1860). Hostname-only ingress
-/// entries are skipped silently, as upstream; unparsable, special ([`special_address`]) and
-/// (single-stack) IPv6 ones with a warning.
-fn load_balancer_ips(svc: &Service, has_ipv6: bool, warnings: &mut Vec<String>) -> Vec<Ipv4Addr> {
+/// The warning for an address of a family the Service has no cluster IP of.
+fn no_proxier_warning(field: &str, ip: &str, family: IpFamily) -> String {
+    format!("{field}: {ip:?} is {family} but the Service has no {family} cluster IP; ignored")
+}
+
+/// `status.loadBalancer.ingress[].ip` of `family` in VIP mode: kube-proxy `newBaseServiceInfo`'s
+/// ingress loop with `proxyutil.IsVIPMode` (`ipMode` unset or `VIP`; `Proxy` means the load
+/// balancer delivers to the node itself, KEP-1860). Hostname-only ingress entries are skipped
+/// silently, as upstream; unparsable and special ([`special_address`]) ones with a warning, and
+/// those of the other family as external IPs are.
+fn load_balancer_ips(
+    svc: &Service,
+    family: IpFamily,
+    has_other: bool,
+    warnings: &mut Vec<String>,
+) -> Vec<IpAddr> {
     let ingress = svc
         .status
         .as_ref()
@@ -392,13 +434,15 @@ fn load_balancer_ips(svc: &Service, has_ipv6: bool, warnings: &mut Vec<String>) 
             }
         }
         match parse_ip_sloppy(ip) {
-            Some(IpAddr::V4(v4)) => match special_address(v4) {
-                Some(reason) => warnings.push(special_address_warning(&format!("{field}.ip"), v4, reason)),
-                None => out.push(v4),
+            Some(addr) if IpFamily::of(&addr) == family => match special_address(addr) {
+                Some(reason) => warnings.push(special_address_warning(&format!("{field}.ip"), addr, reason)),
+                None => out.push(addr),
             },
-            Some(IpAddr::V6(_)) if has_ipv6 => {}
-            Some(IpAddr::V6(_)) => warnings.push(format!(
-                "{field}.ip: {ip:?} is IPv6 but the Service has no IPv6 cluster IP; ignored"
+            Some(_) if has_other => {}
+            Some(addr) => warnings.push(no_proxier_warning(
+                &format!("{field}.ip"),
+                ip,
+                IpFamily::of(&addr),
             )),
             None => warnings.push(format!("{field}.ip: {ip:?} is not an IP address; ignored")),
         }
@@ -406,28 +450,29 @@ fn load_balancer_ips(svc: &Service, has_ipv6: bool, warnings: &mut Vec<String>) 
     out
 }
 
-/// `spec.loadBalancerSourceRanges` of the IPv4 family: kube-proxy `newBaseServiceInfo` with
+/// `spec.loadBalancerSourceRanges` of `family`: kube-proxy `newBaseServiceInfo` with
 /// `proxyutil.MapCIDRsByIPFamily`.
 ///
 /// - each entry is whitespace-trimmed first (validation "mistakenly allows whitespace padding");
 /// - unparsable entries are ignored with a warning ("Invalid CIDR ignored"; blank ones silently);
 ///   host bits are cleared (`net.ParseCIDR` returns the network);
-/// - IPv6 entries belong to the IPv6 proxy and are dropped silently;
-/// - a zero-length prefix (`0.0.0.0/0`) means "allow any", which is the same as an empty list, so
-///   the list is emptied.
+/// - entries of the other family belong to that family's proxier and are dropped silently;
+/// - a zero-length prefix (`0.0.0.0/0`, `::/0`) means "allow any", which is the same as an empty
+///   list, so the list is emptied.
 ///
-/// An empty result allows every client. When the field was set but yields no usable IPv4 range
-/// (all invalid, or all IPv6), that is still kube-proxy's behaviour, and we add a warning.
-fn source_ranges(spec: &ServiceSpec, warnings: &mut Vec<String>) -> Vec<Ipv4Net> {
+/// An empty result allows every client of the family. When the field was set but yields no usable
+/// range of the family (all invalid, or all of the other family), that is still kube-proxy's
+/// behaviour, and we add a warning.
+fn source_ranges(spec: &ServiceSpec, family: IpFamily, warnings: &mut Vec<String>) -> Vec<IpNet> {
     let ranges = spec.load_balancer_source_ranges.as_deref().unwrap_or_default();
     let mut out = Vec::new();
     let mut allow_any = false;
     for (i, raw) in ranges.iter().enumerate() {
         let trimmed = raw.trim();
         match parse_cidr_sloppy(trimmed) {
-            Some(ParsedCidr::V4(net)) if net.prefix_len() == 0 => allow_any = true,
-            Some(ParsedCidr::V4(net)) => out.push(net),
-            Some(ParsedCidr::V6) => {}
+            Some(net) if IpFamily::of_net(&net) != family => {}
+            Some(net) if net.prefix_len() == 0 => allow_any = true,
+            Some(net) => out.push(net),
             None if trimmed.is_empty() => {}
             None => warnings.push(format!(
                 "spec.loadBalancerSourceRanges[{i}]: {raw:?} is not a CIDR; ignored"
@@ -438,9 +483,9 @@ fn source_ranges(spec: &ServiceSpec, warnings: &mut Vec<String>) -> Vec<Ipv4Net>
         return Vec::new();
     }
     if out.is_empty() && ranges.iter().any(|r| !r.trim().is_empty()) {
-        warnings.push(
-            "spec.loadBalancerSourceRanges: no usable IPv4 range, so every IPv4 client is allowed".to_owned(),
-        );
+        warnings.push(format!(
+            "spec.loadBalancerSourceRanges: no usable {family} range, so every {family} client is allowed"
+        ));
     }
     out
 }
@@ -623,15 +668,10 @@ fn parse_ipv4_sloppy(s: &str) -> Option<Ipv4Addr> {
     parts.next().is_none().then_some(Ipv4Addr::from(octets))
 }
 
-/// A CIDR as kube-proxy sorts it by family.
-enum ParsedCidr {
-    V4(Ipv4Net),
-    V6,
-}
-
 /// k8s.io/utils/net `ParseCIDRSloppy`: `ip/prefix` with a sloppy IP and a decimal prefix no
-/// longer than the address; the host bits are cleared.
-fn parse_cidr_sloppy(s: &str) -> Option<ParsedCidr> {
+/// longer than the address; the host bits are cleared. An IPv4-mapped IPv6 prefix is IPv4, as Go
+/// sees it (`To4()`).
+pub(crate) fn parse_cidr_sloppy(s: &str) -> Option<IpNet> {
     let (addr, prefix) = s.split_once('/')?;
     if prefix.is_empty() || !prefix.bytes().all(|b| b.is_ascii_digit()) {
         return None;
@@ -643,13 +683,16 @@ fn parse_cidr_sloppy(s: &str) -> Option<ParsedCidr> {
         digits.parse().ok()?
     };
     if addr.contains(':') {
-        let _: Ipv6Addr = addr.parse().ok()?;
-        return (prefix <= 128).then_some(ParsedCidr::V6);
+        let v6: Ipv6Addr = addr.parse().ok()?;
+        if let Some(v4) = v6.to_ipv4_mapped()
+            && prefix >= 96
+        {
+            return Ipv4Net::new(v4, prefix - 96).ok().map(|n| IpNet::V4(n.trunc()));
+        }
+        return Ipv6Net::new(v6, prefix).ok().map(|n| IpNet::V6(n.trunc()));
     }
     let ip = parse_ipv4_sloppy(addr)?;
-    Ipv4Net::new(ip, prefix)
-        .ok()
-        .map(|net| ParsedCidr::V4(net.trunc()))
+    Ipv4Net::new(ip, prefix).ok().map(|net| IpNet::V4(net.trunc()))
 }
 
 #[cfg(test)]

@@ -1,6 +1,9 @@
 //! Builders the model's and the plan's unit tests share.
 
+use std::net::IpAddr;
+
 use super::{Protocol, ServicePortInfo, ServicePortName};
+use crate::family::IpFamily;
 
 /// kube-proxy's `ServicePortName` of `namespace/name:port`.
 pub fn port_name(namespace: &str, name: &str, port: &str, protocol: Protocol) -> ServicePortName {
@@ -12,12 +15,14 @@ pub fn port_name(namespace: &str, name: &str, port: &str, protocol: Protocol) ->
     }
 }
 
-/// A TCP ClusterIP-only service port at `cluster_ip:80` with every option off (upstream's
-/// `&BaseServicePortInfo{}`); tests set the fields they are about.
+/// A TCP ClusterIP-only service port at `cluster_ip:80`, in the cluster IP's family, with every
+/// option off (upstream's `&BaseServicePortInfo{}`); tests set the fields they are about.
 pub fn service_port(namespace: &str, name: &str, port: &str, cluster_ip: &str) -> ServicePortInfo {
+    let cluster_ip: IpAddr = cluster_ip.parse().unwrap();
     ServicePortInfo {
         name: port_name(namespace, name, port, Protocol::Tcp),
-        cluster_ips: vec![cluster_ip.parse().unwrap()],
+        family: IpFamily::of(&cluster_ip),
+        cluster_ips: vec![cluster_ip],
         port: 80,
         node_port: None,
         external_ips: vec![],

@@ -9,7 +9,7 @@
 //! for them, so `ServicePortInfo::traffic_distribution` and `topology_mode` are not consulted here.
 
 use std::collections::BTreeSet;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use super::{Endpoint, ServicePortInfo};
 use crate::node::NodeInfo;
@@ -124,7 +124,7 @@ pub fn categorize_endpoints(
     // `cluster` may hold remote endpoints that are not in `local`, and `local` terminating or
     // topologically-unavailable local endpoints that are not in `cluster`: merge (by ip:port, as
     // upstream keys it by `Endpoint.String()`), keeping the input order.
-    let keys: BTreeSet<(Ipv4Addr, u16)> = out
+    let keys: BTreeSet<(IpAddr, u16)> = out
         .cluster
         .iter()
         .chain(&out.local)

@@ -1,23 +1,28 @@
-//! This node's interface addresses, and which of them serve NodePorts (`--nodeport-addresses`,
-//! with kube-proxy's semantics: CIDRs plus the keywords `primary`, `localhost` and `all`; unset
-//! means every local address, as in kube-proxy's iptables mode, localhost included).
+//! This node's interface addresses (both families) and whether it has IPv6, and which addresses
+//! serve NodePorts (`--nodeport-addresses`, with kube-proxy's semantics: CIDRs of either family
+//! plus the keywords `primary`, `localhost` and `all`; unset means every local address, as in
+//! kube-proxy's iptables mode, IPv4 localhost included).
 
-use std::{net::Ipv4Addr, str::FromStr};
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    str::FromStr,
+};
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
+
+use crate::family::{IpFamily, PerFamily};
 
 /// One entry of `--nodeport-addresses`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NodePortAddress {
-    Cidr(Ipv4Net),
-    /// The node's primary IPs (from the Node object, or `--bind-address`).
+    /// A CIDR of either family.
+    Cidr(IpNet),
+    /// The node's primary IPs, one per family (from the Node object, or `--bind-address`).
     Primary,
-    /// 127.0.0.0/8.
+    /// 127.0.0.0/8 (kube-proxy serves localhost NodePorts on IPv4 only).
     Localhost,
     /// Every local address.
     All,
-    /// A CIDR of the other family: valid, but the IPv4 data path has nothing to serve on it.
-    Ipv6(ipnet::Ipv6Net),
 }
 
 impl FromStr for NodePortAddress {
@@ -28,16 +33,14 @@ impl FromStr for NodePortAddress {
             "primary" => Ok(NodePortAddress::Primary),
             "localhost" => Ok(NodePortAddress::Localhost),
             "all" => Ok(NodePortAddress::All),
-            cidr => {
-                if let Ok(v6) = cidr.parse::<ipnet::Ipv6Net>() {
-                    return Ok(NodePortAddress::Ipv6(v6));
-                }
-                cidr.parse::<Ipv4Net>().map(NodePortAddress::Cidr).map_err(|e| {
+            cidr => cidr
+                .parse::<IpNet>()
+                .map(|net| NodePortAddress::Cidr(net.trunc()))
+                .map_err(|e| {
                     format!(
                         "--nodeport-addresses: {cidr:?} is neither a CIDR nor primary/localhost/all ({e})"
                     )
-                })
-            }
+                }),
         }
     }
 }
@@ -45,30 +48,47 @@ impl FromStr for NodePortAddress {
 /// Which NodePort addresses a configuration selects.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodePortSelection {
-    /// Non-loopback addresses.
-    pub addresses: Vec<Ipv4Addr>,
-    /// Whether 127.0.0.1 is selected (kube-proxy's localhost NodePorts).
+    /// Non-loopback addresses, both families.
+    pub addresses: Vec<IpAddr>,
+    /// Whether 127.0.0.1 is selected (kube-proxy's localhost NodePorts; IPv4 only: `::1` never
+    /// serves NodePorts).
     pub loopback: bool,
 }
 
 /// Applies `--nodeport-addresses` to the node's local addresses. `primary` are the node's primary
-/// IPs; an empty `config` means `all` (kube-proxy iptables mode's default).
+/// IPs; an empty `config` means `all` (kube-proxy iptables mode's default). As kube-proxy, each
+/// family gets only its own entries (`NewNodePortAddresses`), and a family left with none serves
+/// NodePorts on all its addresses.
 pub fn select_nodeport_addresses(
     config: &[NodePortAddress],
-    local: &[Ipv4Addr],
-    primary: &[Ipv4Addr],
+    local: &[IpAddr],
+    primary: &[IpAddr],
 ) -> NodePortSelection {
-    let all = config.is_empty() || config.contains(&NodePortAddress::All);
-    let selected = |ip: &Ipv4Addr| {
-        all || config.iter().any(|entry| match entry {
-            NodePortAddress::Cidr(net) => net.contains(ip),
-            NodePortAddress::Primary => primary.contains(ip),
-            NodePortAddress::Localhost => ip.is_loopback(),
-            NodePortAddress::All => true,
-            NodePortAddress::Ipv6(_) => false,
+    // The entries of `family` once kube-proxy has expanded the keywords
+    // (`expandNodePortAddressKeywords`: `primary` skips a family without a node IP).
+    let has_entries = |family: IpFamily| {
+        config.iter().any(|entry| match entry {
+            NodePortAddress::Cidr(net) => IpFamily::of_net(net) == family,
+            NodePortAddress::Primary => primary
+                .iter()
+                .any(|ip| IpFamily::of(ip) == family && !ip.is_loopback()),
+            NodePortAddress::Localhost | NodePortAddress::All => true,
         })
     };
-    let mut addresses: Vec<Ipv4Addr> = local
+    let all = PerFamily::from_fn(|family| config.contains(&NodePortAddress::All) || !has_entries(family));
+    // Every address of the family, but IPv6 link-local ones: every interface has one (each pod's
+    // host-side veth), so serving NodePorts on them would multiply the frontends by the number
+    // of interfaces, for addresses no client outside the link can name. A CIDR selects them.
+    let selected = |ip: &IpAddr| {
+        (*all.get(IpFamily::of(ip)) && !is_ipv6_link_local(ip))
+            || config.iter().any(|entry| match entry {
+                NodePortAddress::Cidr(net) => net.contains(ip),
+                NodePortAddress::Primary => primary.contains(ip),
+                NodePortAddress::Localhost => ip.is_loopback() && ip.is_ipv4(),
+                NodePortAddress::All => true,
+            })
+    };
+    let mut addresses: Vec<IpAddr> = local
         .iter()
         .filter(|ip| !ip.is_loopback() && selected(ip))
         .copied()
@@ -81,28 +101,52 @@ pub fn select_nodeport_addresses(
     }
     addresses.sort();
     addresses.dedup();
-    let loopback = selected(&Ipv4Addr::LOCALHOST);
+    let loopback = selected(&IpAddr::V4(Ipv4Addr::LOCALHOST));
     NodePortSelection { addresses, loopback }
 }
 
-/// IPv4 addresses on this network namespace's interfaces.
-pub fn local_addresses() -> std::io::Result<Vec<Ipv4Addr>> {
-    let mut out = Vec::new();
+/// `fe80::/10`.
+fn is_ipv6_link_local(ip: &IpAddr) -> bool {
+    matches!(ip, IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80)
+}
+
+/// What this node's own network says: its interface addresses (both families) and whether it
+/// has IPv6 at all (`net.ipv6.conf.all.disable_ipv6`, or no IPv6 in the kernel).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LocalNetwork {
+    pub addresses: Vec<IpAddr>,
+    pub ipv6_disabled: bool,
+}
+
+/// This network namespace's addresses and IPv6 state.
+pub fn local_network() -> std::io::Result<LocalNetwork> {
+    let mut addresses = Vec::new();
     for ifaddr in nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)? {
-        if let Some(addr) = ifaddr.address.as_ref().and_then(|a| a.as_sockaddr_in()) {
-            out.push(addr.ip());
+        let Some(addr) = ifaddr.address.as_ref() else {
+            continue;
+        };
+        if let Some(v4) = addr.as_sockaddr_in() {
+            addresses.push(IpAddr::V4(v4.ip()));
+        } else if let Some(v6) = addr.as_sockaddr_in6() {
+            addresses.push(IpAddr::V6(v6.ip()));
         }
     }
-    out.sort();
-    out.dedup();
-    Ok(out)
+    addresses.sort();
+    addresses.dedup();
+    // A kernel without IPv6 has no such file; one with IPv6 turned off says 1.
+    let ipv6_disabled =
+        std::fs::read_to_string("/proc/sys/net/ipv6/conf/all/disable_ipv6").map_or(true, |v| v.trim() == "1");
+    Ok(LocalNetwork {
+        addresses,
+        ipv6_disabled,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn ip(s: &str) -> Ipv4Addr {
+    fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
     }
 
@@ -146,6 +190,72 @@ mod tests {
         let sel = select_nodeport_addresses(&parse(&["192.168.0.0/16", "127.0.0.0/8"]), &local, &[]);
         assert_eq!(sel.addresses, vec![ip("192.168.1.10")]);
         assert!(sel.loopback);
+        let sel = select_nodeport_addresses(&parse(&["localhost"]), &local, &[]);
+        assert!(sel.addresses.is_empty());
+        assert!(sel.loopback);
+    }
+
+    #[test]
+    fn both_families() {
+        let local = [
+            ip("127.0.0.1"),
+            ip("::1"),
+            ip("192.168.1.10"),
+            ip("2001:db8::10"),
+            ip("fd00:10:244::1"),
+        ];
+        let primary = [ip("192.168.1.10"), ip("2001:db8::10")];
+        let sel = select_nodeport_addresses(&[], &local, &primary);
+        assert_eq!(
+            sel.addresses,
+            vec![ip("192.168.1.10"), ip("2001:db8::10"), ip("fd00:10:244::1")]
+        );
+        assert!(sel.loopback, "127.0.0.1; ::1 never serves NodePorts");
+        let sel = select_nodeport_addresses(&parse(&["primary"]), &local, &primary);
+        assert_eq!(sel.addresses, vec![ip("192.168.1.10"), ip("2001:db8::10")]);
+        let sel = select_nodeport_addresses(&parse(&["2001:db8::/64", "192.168.0.0/16"]), &local, &primary);
+        assert_eq!(sel.addresses, vec![ip("192.168.1.10"), ip("2001:db8::10")]);
+        assert!(!sel.loopback);
+        assert_eq!(
+            "2001:db8::1/64".parse(),
+            Ok(NodePortAddress::Cidr("2001:db8::/64".parse().unwrap()))
+        );
+    }
+
+    /// kube-proxy `NewNodePortAddresses`: each family's proxier gets that family's entries only,
+    /// and one left with none falls back to the zero CIDR (every address, IPv4 loopback included).
+    #[test]
+    fn a_family_without_entries_serves_every_address_of_it() {
+        let local = [
+            ip("127.0.0.1"),
+            ip("::1"),
+            ip("192.168.1.10"),
+            ip("10.244.0.1"),
+            ip("2001:db8::10"),
+            ip("fd00:10:244::1"),
+        ];
+        // IPv4 CIDRs only: every IPv6 address.
+        let sel = select_nodeport_addresses(&parse(&["192.168.0.0/16"]), &local, &[]);
+        assert_eq!(
+            sel.addresses,
+            vec![ip("192.168.1.10"), ip("2001:db8::10"), ip("fd00:10:244::1")]
+        );
+        assert!(!sel.loopback);
+        // IPv6 CIDRs only: every IPv4 address, and 127.0.0.1.
+        let sel = select_nodeport_addresses(&parse(&["2001:db8::/64"]), &local, &[]);
+        assert_eq!(
+            sel.addresses,
+            vec![ip("10.244.0.1"), ip("192.168.1.10"), ip("2001:db8::10")]
+        );
+        assert!(sel.loopback);
+        // `primary` of a node without an IPv6 node IP expands to the IPv4 one only.
+        let sel = select_nodeport_addresses(&parse(&["primary"]), &local, &[ip("192.168.1.10")]);
+        assert_eq!(
+            sel.addresses,
+            vec![ip("192.168.1.10"), ip("2001:db8::10"), ip("fd00:10:244::1")]
+        );
+        // `localhost` is 127.0.0.0/8 and ::1/128: both families have an entry, and ::1 never
+        // serves NodePorts.
         let sel = select_nodeport_addresses(&parse(&["localhost"]), &local, &[]);
         assert!(sel.addresses.is_empty());
         assert!(sel.loopback);

@@ -4,19 +4,26 @@
 //! its Node object and its interface addresses by [`NodeSettings::view`], the one derivation the
 //! agent and `lb-agent trace` share.
 //!
-//! - `object`: what is read from the Node object (zone, primary addresses);
-//! - `addresses`: the interface addresses and `--nodeport-addresses`.
+//! - `object`: what is read from the Node object (zone, primary addresses of each family);
+//! - `addresses`: the interface addresses, whether IPv6 is on, and `--nodeport-addresses`.
 
 pub mod addresses;
 pub mod object;
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
-pub use addresses::{NodePortAddress, NodePortSelection, local_addresses, select_nodeport_addresses};
-use ipnet::Ipv4Net;
+pub use addresses::{
+    LocalNetwork, NodePortAddress, NodePortSelection, local_network, select_nodeport_addresses,
+};
+use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
-use lb_common::config::{self as dpconfig, Cidr4, DatapathConfig, MAX_CLUSTER_CIDRS};
+use lb_common::{
+    config::{self as dpconfig, Cidr, DatapathConfig, FamilyConfig, FamilySettings, MAX_CLUSTER_CIDRS},
+    family::{V4, V6},
+};
 pub use object::ZONE_LABEL;
+
+use crate::family::{IpFamily, KernelFamily, PerFamily};
 
 /// What the model knows about its own node.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -27,33 +34,38 @@ pub struct NodeInfo {
     pub zone: Option<String>,
 }
 
-/// Node-wide facts and settings the plan depends on.
+/// Node-wide facts and settings the plan depends on, both families.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeContext {
     /// Addresses NodePorts are served on (`--nodeport-addresses` applied to this node's addresses),
-    /// not including loopback.
-    pub nodeport_addresses: Vec<Ipv4Addr>,
+    /// both families, not including loopback.
+    pub nodeport_addresses: Vec<IpAddr>,
     /// Serve NodePorts on 127.0.0.1 (`--nodeport-addresses` covers loopback and
-    /// `--iptables-localhost-nodeports` is on).
+    /// `--iptables-localhost-nodeports` is on; IPv4 only, as kube-proxy).
     pub localhost_nodeports: bool,
-    /// The node's primary IPs (for kube-proxy's `allowFromNode` source-range rule).
-    pub node_ips: Vec<Ipv4Addr>,
+    /// The node's primary IPs, at most one per family (for kube-proxy's `allowFromNode`
+    /// source-range rule).
+    pub node_ips: Vec<IpAddr>,
     /// `--masquerade-all`.
     pub masquerade_all: bool,
-    /// A local-traffic detector is configured (`--cluster-cidr`).
-    pub cluster_cidr_configured: bool,
+    /// Which families have a local-traffic detector (`--cluster-cidr` of the family; kube-proxy's
+    /// proxier of a family without one masquerades no cluster-IP traffic).
+    pub detect_local: PerFamily<bool>,
+    /// Which families the node serves (IPv6 is off on a node whose kernel or sysctls disable it).
+    pub serves: PerFamily<bool>,
 }
 
 /// The node's settings, from flags and the config file (`cli::NodeArgs::settings`).
 #[derive(Clone, Debug)]
 pub struct NodeSettings {
     pub node_name: String,
-    pub cluster_cidrs: Vec<Ipv4Net>,
+    /// `--cluster-cidr`: at most [`MAX_CLUSTER_CIDRS`] per family.
+    pub cluster_cidrs: Vec<IpNet>,
     pub nodeport_addresses: Vec<NodePortAddress>,
     pub masquerade_all: bool,
     pub localhost_nodeports: bool,
-    /// kube-proxy's `--bind-address`: the primary IP when the Node object gives none.
-    pub bind_address: Option<Ipv4Addr>,
+    /// kube-proxy's `--bind-address`: overrides the node's primary IP of its family.
+    pub bind_address: Option<IpAddr>,
 }
 
 /// Everything derived about this node at one sync.
@@ -61,27 +73,34 @@ pub struct NodeSettings {
 pub struct NodeView {
     pub info: NodeInfo,
     pub context: NodeContext,
-    /// The source address masqueraded flows get at tc (`lb_config`'s `snat_addr`): the node's
-    /// primary IP, else its first NodePort address; unspecified (no masquerading possible) when it
-    /// has neither.
-    pub masquerade_address: Ipv4Addr,
+    /// The source address masqueraded flows of each family get at tc (`lb_config`): the node's
+    /// primary IP of the family, else its first NodePort address of the family; none (no
+    /// masquerading possible in that family) when it has neither.
+    pub masquerade: PerFamily<Option<IpAddr>>,
 }
 
 impl NodeSettings {
-    /// Derives this node's view from its Node object (when known) and the addresses on its
-    /// interfaces: the node's primary IPs are the Node object's (kube-proxy `GetNodeHostIPs`),
-    /// else `--bind-address`.
-    pub fn view(&self, node: Option<&Node>, local_addresses: &[Ipv4Addr]) -> NodeView {
+    /// Derives this node's view from its Node object (when known) and its own network: the
+    /// node's primary IPs are the Node object's (kube-proxy `GetNodeHostIPs`), `--bind-address`
+    /// overriding the one of its family (kube-proxy `detectNodeIPs`).
+    pub fn view(&self, node: Option<&Node>, local: &LocalNetwork) -> NodeView {
         let mut primary = object::primary_ips(node);
-        if primary.is_empty() {
-            primary.extend(self.bind_address);
+        if let Some(bind) = self.bind_address.filter(|ip| !ip.is_unspecified()) {
+            primary.retain(|ip| IpFamily::of(ip) != IpFamily::of(&bind));
+            primary.push(bind);
+            primary.sort();
         }
-        let selection = select_nodeport_addresses(&self.nodeport_addresses, local_addresses, &primary);
-        let masquerade_address = primary
-            .first()
-            .or(selection.addresses.first())
-            .copied()
-            .unwrap_or(Ipv4Addr::UNSPECIFIED);
+        let serves = PerFamily {
+            v4: true,
+            v6: !local.ipv6_disabled,
+        };
+        let selection = select_nodeport_addresses(&self.nodeport_addresses, &local.addresses, &primary);
+        let masquerade = PerFamily::from_fn(|family| {
+            let of_family = |ips: &[IpAddr]| ips.iter().copied().find(|ip| IpFamily::of(ip) == family);
+            of_family(&primary)
+                .or_else(|| of_family(&selection.addresses))
+                .filter(|_| *serves.get(family))
+        });
         NodeView {
             info: NodeInfo {
                 name: self.node_name.clone(),
@@ -92,9 +111,12 @@ impl NodeSettings {
                 localhost_nodeports: selection.loopback && self.localhost_nodeports,
                 node_ips: primary,
                 masquerade_all: self.masquerade_all,
-                cluster_cidr_configured: !self.cluster_cidrs.is_empty(),
+                detect_local: PerFamily::from_fn(|family| {
+                    self.cluster_cidrs.iter().any(|c| IpFamily::of_net(c) == family)
+                }),
+                serves,
             },
-            masquerade_address,
+            masquerade,
         }
     }
 
@@ -108,7 +130,6 @@ impl NodeSettings {
     ) -> DatapathConfig {
         let mut cfg = DatapathConfig {
             host_netns_cookie,
-            snat_addr: view.masquerade_address.octets(),
             snat_port_min: dpconfig::SNAT_PORT_MIN,
             snat_port_max: dpconfig::SNAT_PORT_MAX,
             ..DatapathConfig::default()
@@ -116,11 +137,25 @@ impl NodeSettings {
         if sock_hostns_only {
             cfg.flags |= dpconfig::flags::SOCK_HOSTNS_ONLY;
         }
-        for (slot, cidr) in cfg.cluster_cidrs.iter_mut().zip(&self.cluster_cidrs) {
-            *slot = Cidr4::new(cidr.network().octets(), cidr.prefix_len());
-        }
-        cfg.cluster_cidr_count = self.cluster_cidrs.len().min(MAX_CLUSTER_CIDRS) as u32;
+        self.family_config::<V4>(view, V4::settings_mut(&mut cfg));
+        self.family_config::<V6>(view, V6::settings_mut(&mut cfg));
         cfg
+    }
+
+    /// One family's part of `lb_config`: its masquerade address and local-traffic detector.
+    fn family_config<F: KernelFamily>(&self, view: &NodeView, out: &mut FamilyConfig<F>) {
+        if let Some(addr) = view.masquerade.get(F::FAMILY).and_then(|ip| F::kernel_addr(&ip)) {
+            out.snat_addr = addr;
+        }
+        let cidrs = self
+            .cluster_cidrs
+            .iter()
+            .filter_map(|c| Some((F::kernel_addr(&c.network())?, c.prefix_len())));
+        for (slot, (addr, prefix)) in out.cluster_cidrs.iter_mut().zip(cidrs) {
+            *slot = Cidr::new(addr, prefix);
+            out.cluster_cidr_count += 1;
+        }
+        debug_assert!(usize::from(out.cluster_cidr_count) <= MAX_CLUSTER_CIDRS);
     }
 }
 

@@ -1,9 +1,12 @@
 //! What the agent reads from its own Node object: the zone label (topology), the primary
-//! addresses (kube-proxy's `GetNodeHostIPs`) and whether it may receive load-balancer traffic.
+//! addresses of each family (kube-proxy's `GetNodeHostIPs`) and whether it may receive
+//! load-balancer traffic.
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::Node;
+
+use crate::family::IpFamily;
 
 /// The node label kube-proxy reads its zone from.
 pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
@@ -15,26 +18,30 @@ pub fn zone(node: Option<&Node>) -> Option<String> {
         .cloned()
 }
 
-/// The node's primary IPv4 addresses from its Node object (kube-proxy `GetNodeHostIPs`: the first
-/// InternalIP, else the first ExternalIP).
-pub fn primary_ips(node: Option<&Node>) -> Vec<Ipv4Addr> {
+/// The node's primary addresses from its Node object, at most one per family (kube-proxy
+/// `GetNodeHostIPs`: of each family, the first InternalIP, else the first ExternalIP).
+pub fn primary_ips(node: Option<&Node>) -> Vec<IpAddr> {
     let Some(addresses) = node
         .and_then(|n| n.status.as_ref())
         .and_then(|s| s.addresses.as_ref())
     else {
         return Vec::new();
     };
-    for kind in ["InternalIP", "ExternalIP"] {
-        let ips: Vec<Ipv4Addr> = addresses
-            .iter()
-            .filter(|a| a.type_ == kind)
-            .filter_map(|a| a.address.parse().ok())
-            .collect();
-        if let Some(first) = ips.first() {
-            return vec![*first];
+    let mut out = Vec::new();
+    for family in IpFamily::ALL {
+        for kind in ["InternalIP", "ExternalIP"] {
+            let first = addresses
+                .iter()
+                .filter(|a| a.type_ == kind)
+                .filter_map(|a| a.address.parse::<IpAddr>().ok())
+                .find(|ip| IpFamily::of(ip) == family);
+            if let Some(ip) = first {
+                out.push(ip);
+                break;
+            }
         }
     }
-    Vec::new()
+    out
 }
 
 /// The taint the cluster autoscaler puts on a node it is about to delete

@@ -1,15 +1,20 @@
 //! The node view for the shapes of Node objects and flags that take different fallbacks.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, net::Ipv6Addr};
 
 use k8s_openapi::{
     api::core::v1::{NodeAddress, NodeSpec, NodeStatus, Taint},
     apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time},
 };
+use lb_common::family::In6Addr;
 
 use super::*;
 
-fn ip(s: &str) -> Ipv4Addr {
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+fn ip6(s: &str) -> Ipv6Addr {
     s.parse().unwrap()
 }
 
@@ -50,14 +55,41 @@ fn node(addresses: &[(&str, &str)]) -> Node {
 /// The interfaces of the test node: an uplink, a second uplink and loopback.
 const LOCAL: [&str; 3] = ["127.0.0.1", "192.168.1.10", "172.16.0.10"];
 
-fn local() -> Vec<Ipv4Addr> {
-    LOCAL.iter().map(|s| ip(s)).collect()
+fn local() -> LocalNetwork {
+    network(&LOCAL, false)
+}
+
+fn network(addresses: &[&str], ipv6_disabled: bool) -> LocalNetwork {
+    LocalNetwork {
+        addresses: addresses.iter().map(|s| ip(s)).collect(),
+        ipv6_disabled,
+    }
+}
+
+/// A dual-stack node's interfaces: both families' uplinks, a pod-network address of each family
+/// and loopback of each.
+const LOCAL_DUAL: [&str; 8] = [
+    "127.0.0.1",
+    "::1",
+    "192.168.1.10",
+    "172.16.0.10",
+    "2001:db8::10",
+    "2001:db8:1::10",
+    "fe80::1",
+    "fd00:10:244::1",
+];
+
+fn both(v4: Option<&str>, v6: Option<&str>) -> PerFamily<Option<IpAddr>> {
+    PerFamily {
+        v4: v4.map(ip),
+        v6: v6.map(ip),
+    }
 }
 
 #[test]
 fn internal_ip_is_primary_and_the_masquerade_address() {
     let n = node(&[("InternalIP", "192.168.1.10"), ("Hostname", "node-a")]);
-    let v = settings(&[], Some("172.16.0.10")).view(Some(&n), &local());
+    let v = settings(&[], None).view(Some(&n), &local());
     assert_eq!(
         v.info,
         NodeInfo {
@@ -66,13 +98,29 @@ fn internal_ip_is_primary_and_the_masquerade_address() {
         }
     );
     assert_eq!(v.context.node_ips, vec![ip("192.168.1.10")]);
-    assert_eq!(v.masquerade_address, ip("192.168.1.10"));
+    assert_eq!(v.masquerade, both(Some("192.168.1.10"), None));
     assert_eq!(
         v.context.nodeport_addresses,
         vec![ip("172.16.0.10"), ip("192.168.1.10")]
     );
     assert!(v.context.localhost_nodeports);
-    assert!(v.context.cluster_cidr_configured);
+    assert_eq!(v.context.detect_local, PerFamily { v4: true, v6: false });
+    assert_eq!(v.context.serves, PerFamily { v4: true, v6: true });
+}
+
+/// kube-proxy `detectNodeIPs`: a (specified) `--bind-address` overrides the Node object's
+/// primary IP of its family.
+#[test]
+fn the_bind_address_overrides_the_primary_ip_of_its_family() {
+    let n = node(&[("InternalIP", "192.168.1.10")]);
+    let v = settings(&[], Some("172.16.0.10")).view(Some(&n), &local());
+    assert_eq!(v.context.node_ips, vec![ip("172.16.0.10")]);
+    assert_eq!(v.masquerade, both(Some("172.16.0.10"), None));
+    // Unspecified means unset, in either family.
+    for unset in ["0.0.0.0", "::"] {
+        let v = settings(&[], Some(unset)).view(Some(&n), &local());
+        assert_eq!(v.context.node_ips, vec![ip("192.168.1.10")], "{unset}");
+    }
 }
 
 #[test]
@@ -80,7 +128,7 @@ fn external_ip_only_is_primary() {
     let n = node(&[("ExternalIP", "172.16.0.10")]);
     let v = settings(&[], None).view(Some(&n), &local());
     assert_eq!(v.context.node_ips, vec![ip("172.16.0.10")]);
-    assert_eq!(v.masquerade_address, ip("172.16.0.10"));
+    assert_eq!(v.masquerade.v4, Some(ip("172.16.0.10")));
 }
 
 #[test]
@@ -88,44 +136,162 @@ fn internal_ip_wins_over_external_ip() {
     let n = node(&[("ExternalIP", "172.16.0.10"), ("InternalIP", "192.168.1.10")]);
     let v = settings(&[], None).view(Some(&n), &local());
     assert_eq!(v.context.node_ips, vec![ip("192.168.1.10")]);
-    assert_eq!(v.masquerade_address, ip("192.168.1.10"));
+    assert_eq!(v.masquerade.v4, Some(ip("192.168.1.10")));
 }
 
 #[test]
 fn without_node_addresses_the_bind_address_is_primary() {
     let v = settings(&[], Some("172.16.0.10")).view(Some(&node(&[])), &local());
     assert_eq!(v.context.node_ips, vec![ip("172.16.0.10")]);
-    assert_eq!(v.masquerade_address, ip("172.16.0.10"));
+    assert_eq!(v.masquerade.v4, Some(ip("172.16.0.10")));
     let v = settings(&[], Some("172.16.0.10")).view(None, &local());
-    assert_eq!(v.masquerade_address, ip("172.16.0.10"));
+    assert_eq!(v.masquerade.v4, Some(ip("172.16.0.10")));
 }
 
 #[test]
 fn without_a_primary_ip_the_first_nodeport_address_masquerades() {
     let v = settings(&[], None).view(None, &local());
     assert!(v.context.node_ips.is_empty());
-    assert_eq!(v.masquerade_address, ip("172.16.0.10"));
+    assert_eq!(v.masquerade, both(Some("172.16.0.10"), None));
     let v = settings(&["192.168.0.0/16"], None).view(None, &local());
-    assert_eq!(v.masquerade_address, ip("192.168.1.10"));
+    assert_eq!(v.masquerade.v4, Some(ip("192.168.1.10")));
     assert!(
         !v.context.localhost_nodeports,
         "loopback is not in 192.168.0.0/16"
     );
+    // Per family: a Node object without an IPv6 address leaves IPv6 to the first IPv6 NodePort
+    // address.
+    let n = node(&[("InternalIP", "192.168.1.10")]);
+    let v = settings(&[], None).view(Some(&n), &network(&LOCAL_DUAL, false));
+    assert_eq!(v.masquerade, both(Some("192.168.1.10"), Some("2001:db8::10")));
 }
 
+/// `GetNodeHostIPs`: the first InternalIP (else ExternalIP) of each family, whatever the order.
 #[test]
-fn an_address_of_the_other_family_is_skipped() {
-    let n = node(&[("InternalIP", "2001:db8::10"), ("InternalIP", "192.168.1.10")]);
-    let v = settings(&["2001:db8::/64", "primary"], None).view(Some(&n), &local());
-    assert_eq!(v.context.node_ips, vec![ip("192.168.1.10")]);
-    assert_eq!(v.context.nodeport_addresses, vec![ip("192.168.1.10")]);
-    let v = settings(&["2001:db8::/64"], None).view(Some(&node(&[("InternalIP", "2001:db8::10")])), &local());
-    assert!(v.context.node_ips.is_empty() && v.context.nodeport_addresses.is_empty());
+fn a_dual_stack_node_has_a_primary_ip_per_family() {
+    let n = node(&[
+        ("InternalIP", "2001:db8::10"),
+        ("ExternalIP", "192.0.2.10"),
+        ("InternalIP", "192.168.1.10"),
+        ("InternalIP", "2001:db8:1::10"),
+    ]);
+    let s = settings(&[], None);
+    let v = s.view(Some(&n), &network(&LOCAL_DUAL, false));
+    assert_eq!(v.context.node_ips, vec![ip("192.168.1.10"), ip("2001:db8::10")]);
+    assert_eq!(v.masquerade, both(Some("192.168.1.10"), Some("2001:db8::10")));
+    // Every address of both families but loopback and IPv6 link-local.
     assert_eq!(
-        v.masquerade_address,
-        Ipv4Addr::UNSPECIFIED,
-        "nothing of this family to masquerade with"
+        v.context.nodeport_addresses,
+        vec![
+            ip("172.16.0.10"),
+            ip("192.168.1.10"),
+            ip("2001:db8::10"),
+            ip("2001:db8:1::10"),
+            ip("fd00:10:244::1"),
+        ]
     );
+    let v = settings(&["primary"], None).view(Some(&n), &network(&LOCAL_DUAL, false));
+    assert_eq!(
+        v.context.nodeport_addresses,
+        vec![ip("192.168.1.10"), ip("2001:db8::10")]
+    );
+    // Per family, as kube-proxy: IPv6 entries only leave IPv4 NodePorts on every IPv4 address.
+    let v = settings(&["2001:db8::/64"], None).view(Some(&n), &network(&LOCAL_DUAL, false));
+    assert_eq!(
+        v.context.nodeport_addresses,
+        vec![ip("172.16.0.10"), ip("192.168.1.10"), ip("2001:db8::10")]
+    );
+    let v = settings(&["2001:db8::/64", "192.168.1.0/24"], None).view(Some(&n), &network(&LOCAL_DUAL, false));
+    assert_eq!(
+        v.context.nodeport_addresses,
+        vec![ip("192.168.1.10"), ip("2001:db8::10")]
+    );
+    assert!(!v.context.localhost_nodeports);
+}
+
+/// `--bind-address` of one family leaves the other family's primary IP alone.
+#[test]
+fn the_bind_address_overrides_its_family_only() {
+    let n = node(&[("InternalIP", "192.168.1.10"), ("InternalIP", "2001:db8::10")]);
+    let local = network(&LOCAL_DUAL, false);
+    let v = settings(&[], Some("2001:db8:1::10")).view(Some(&n), &local);
+    assert_eq!(v.context.node_ips, vec![ip("192.168.1.10"), ip("2001:db8:1::10")]);
+    assert_eq!(v.masquerade, both(Some("192.168.1.10"), Some("2001:db8:1::10")));
+    let v = settings(&[], Some("172.16.0.10")).view(Some(&n), &local);
+    assert_eq!(v.context.node_ips, vec![ip("172.16.0.10"), ip("2001:db8::10")]);
+    assert_eq!(v.masquerade, both(Some("172.16.0.10"), Some("2001:db8::10")));
+    // A single-stack IPv4 node with an IPv6 --bind-address: IPv4 from the Node object, IPv6 from
+    // the flag.
+    let n = node(&[("InternalIP", "192.168.1.10")]);
+    let v = settings(&["primary"], Some("2001:db8::10")).view(Some(&n), &local);
+    assert_eq!(v.context.node_ips, vec![ip("192.168.1.10"), ip("2001:db8::10")]);
+    assert_eq!(
+        v.context.nodeport_addresses,
+        vec![ip("192.168.1.10"), ip("2001:db8::10")]
+    );
+}
+
+/// A single-stack IPv6 node: no IPv4 address to masquerade with, and no IPv4 primary IP (kube-proxy
+/// assumes 127.0.0.1, which `primary` skips, so its IPv4 proxier serves every IPv4 address).
+#[test]
+fn an_ipv6_only_node() {
+    let n = node(&[("InternalIP", "2001:db8::10")]);
+    let local = network(&["127.0.0.1", "::1", "2001:db8::10"], false);
+    let v = settings(&["primary"], None).view(Some(&n), &local);
+    assert_eq!(v.context.node_ips, vec![ip("2001:db8::10")]);
+    assert_eq!(v.context.nodeport_addresses, vec![ip("2001:db8::10")]);
+    assert_eq!(v.masquerade, both(None, Some("2001:db8::10")));
+    assert!(v.context.localhost_nodeports);
+    let v = settings(&["2001:db8::/64", "127.0.0.0/8"], None).view(Some(&n), &local);
+    assert_eq!(v.context.nodeport_addresses, vec![ip("2001:db8::10")]);
+    assert!(v.context.localhost_nodeports);
+    let v = settings(&["2001:db8::/64", "10.0.0.0/8"], None).view(Some(&n), &local);
+    assert!(!v.context.localhost_nodeports);
+}
+
+/// A node whose kernel has IPv6 off serves no IPv6 (kube-proxy runs its IPv4 proxier only): no
+/// IPv6 masquerade address, even with an IPv6 primary IP in the Node object.
+#[test]
+fn ipv6_off_serves_ipv4_only() {
+    let n = node(&[("InternalIP", "192.168.1.10"), ("InternalIP", "2001:db8::10")]);
+    let v = settings(&[], None).view(Some(&n), &network(&LOCAL, true));
+    assert_eq!(v.context.serves, PerFamily { v4: true, v6: false });
+    assert_eq!(v.masquerade, both(Some("192.168.1.10"), None));
+    let cfg = settings(&[], None).datapath_config(&v, 1, false);
+    assert_eq!(cfg.v6.snat_addr, In6Addr::default());
+}
+
+/// `--cluster-cidr` makes a local-traffic detector of each family it has a CIDR of (kube-proxy's
+/// `getLocalDetectors`); a family without one has none.
+#[test]
+fn detect_local_per_family() {
+    let n = node(&[("InternalIP", "192.168.1.10"), ("InternalIP", "2001:db8::10")]);
+    let local = network(&LOCAL_DUAL, false);
+    let cases: [(&[&str], PerFamily<bool>); 4] = [
+        (&[], PerFamily { v4: false, v6: false }),
+        (&["10.244.0.0/16"], PerFamily { v4: true, v6: false }),
+        (&["fd00:10:244::/56"], PerFamily { v4: false, v6: true }),
+        (
+            &["10.244.0.0/16", "fd00:10:244::/56"],
+            PerFamily { v4: true, v6: true },
+        ),
+    ];
+    for (cidrs, want) in cases {
+        let s = NodeSettings {
+            cluster_cidrs: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
+            ..settings(&[], None)
+        };
+        let v = s.view(Some(&n), &local);
+        assert_eq!(v.context.detect_local, want, "{cidrs:?}");
+        let cfg = s.datapath_config(&v, 1, false);
+        assert_eq!(
+            cfg.v4.is_pod_address(&[10, 244, 3, 4]).is_some(),
+            want.v4,
+            "{cidrs:?}"
+        );
+        let pod6 = In6Addr::from(ip6("fd00:10:244::5"));
+        assert_eq!(cfg.v6.is_pod_address(&pod6).is_some(), want.v6, "{cidrs:?}");
+    }
 }
 
 #[test]
@@ -141,15 +307,49 @@ fn the_datapath_config_carries_the_view() {
     let s = settings(&[], None);
     let v = s.view(Some(&node(&[("InternalIP", "192.168.1.10")])), &local());
     let cfg = s.datapath_config(&v, 42, true);
-    assert_eq!(cfg.snat_addr, [192, 168, 1, 10]);
+    assert_eq!(cfg.v4.snat_addr, [192, 168, 1, 10]);
     assert_eq!(cfg.host_netns_cookie, 42);
     assert_eq!(cfg.flags, dpconfig::flags::SOCK_HOSTNS_ONLY);
-    assert_eq!(cfg.cluster_cidr_count, 1);
-    assert_eq!(cfg.is_pod_address([10, 244, 3, 4]), Some(true));
+    assert_eq!(cfg.v4.cluster_cidr_count, 1);
+    assert_eq!(cfg.v4.is_pod_address(&[10, 244, 3, 4]), Some(true));
+    assert_eq!(cfg.v6, FamilyConfig::EMPTY, "nothing of IPv6 configured");
     assert_eq!(
         (cfg.snat_port_min, cfg.snat_port_max),
         (dpconfig::SNAT_PORT_MIN, dpconfig::SNAT_PORT_MAX)
     );
+}
+
+/// Each family's cluster CIDRs and masquerade address go to its own part of `lb_config`.
+#[test]
+fn the_datapath_config_of_a_dual_stack_node() {
+    let s = NodeSettings {
+        cluster_cidrs: ["fd00:10:244::/56", "10.244.0.0/16", "fd00:10:245::/56"]
+            .iter()
+            .map(|c| c.parse().unwrap())
+            .collect(),
+        ..settings(&[], None)
+    };
+    let n = node(&[("InternalIP", "192.168.1.10"), ("InternalIP", "2001:db8::10")]);
+    let v = s.view(Some(&n), &network(&LOCAL_DUAL, false));
+    let cfg = s.datapath_config(&v, 42, false);
+    assert_eq!(cfg.v4.snat_addr, [192, 168, 1, 10]);
+    assert_eq!(cfg.v6.snat_addr, In6Addr::from(ip6("2001:db8::10")));
+    assert_eq!(cfg.v4.cluster_cidr_count, 1);
+    assert_eq!(cfg.v6.cluster_cidr_count, 2);
+    assert_eq!(cfg.v4.is_pod_address(&[10, 244, 3, 4]), Some(true));
+    assert_eq!(cfg.v4.is_pod_address(&[10, 245, 3, 4]), Some(false));
+    for (addr, pod) in [
+        ("fd00:10:244::5", true),
+        ("fd00:10:245:ff::5", true),
+        ("fd00:10:246::5", false),
+        ("2001:db8::10", false),
+    ] {
+        assert_eq!(
+            cfg.v6.is_pod_address(&In6Addr::from(ip6(addr))),
+            Some(pod),
+            "{addr}"
+        );
+    }
 }
 
 #[test]

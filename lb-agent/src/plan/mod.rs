@@ -17,43 +17,55 @@ mod planner;
 mod rules;
 mod service;
 
-use std::{collections::BTreeMap, fmt, net::Ipv4Addr, sync::Arc};
+use std::{collections::BTreeMap, fmt, net::IpAddr, sync::Arc};
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 use lb_common::service::flags;
 pub use planner::{Changes, Outcome, Planner, Totals};
 pub use rules::{BackendVotes, merge, plan, plan_port};
-pub use service::ServicePlan;
 #[cfg(test)]
 pub use service::{Computed, from_scratch};
+pub use service::{HealthCheck, ServicePlan};
 
 use crate::model::{Protocol, ServicePortName};
 
 /// A frontend: what a client addresses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Frontend {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub proto: Protocol,
 }
 
 impl fmt::Display for Frontend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}/{}", self.addr, self.port, self.proto.as_str())
+        // `[2001:db8::1]:80/TCP` for IPv6, as a socket address is written.
+        write!(
+            f,
+            "{}/{}",
+            std::net::SocketAddr::new(self.addr, self.port),
+            self.proto.as_str()
+        )
     }
 }
 
 /// A backend: where a frontend's traffic goes. One map entry (and id) per distinct backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BackendAddr {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub proto: Protocol,
 }
 
 impl fmt::Display for BackendAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}/{}", self.addr, self.port, self.proto.as_str())
+        // `[2001:db8::1]:80/TCP` for IPv6, as a socket address is written.
+        write!(
+            f,
+            "{}/{}",
+            std::net::SocketAddr::new(self.addr, self.port),
+            self.proto.as_str()
+        )
     }
 }
 
@@ -112,8 +124,9 @@ pub struct FrontendPlan {
     pub affinity_timeout: u32,
     /// The external scope first; the internal scope when `flags::TWO_SCOPES` is set.
     pub scopes: Vec<ScopePlan>,
-    /// loadBalancerSourceRanges (plus the LB IPs themselves when a range contains the node IP).
-    pub source_ranges: Vec<Ipv4Net>,
+    /// loadBalancerSourceRanges (plus the LB IPs themselves when a range contains the node IP), of
+    /// the frontend's family.
+    pub source_ranges: Vec<IpNet>,
 }
 
 impl FrontendPlan {

@@ -12,7 +12,9 @@ use std::{
     sync::Arc,
 };
 
-use super::{BackendAddr, BackendVotes, DesiredState, Frontend, FrontendKind, FrontendPlan, ServicePlan};
+use super::{
+    BackendAddr, BackendVotes, DesiredState, Frontend, FrontendKind, FrontendPlan, HealthCheck, ServicePlan,
+};
 use crate::{
     model::{Problem, ServicePortName},
     node::{NodeContext, NodeInfo},
@@ -116,9 +118,8 @@ impl Planner {
         out
     }
 
-    /// The externalTrafficPolicy=Local health checks: (port, service port, local ready
-    /// endpoints).
-    pub fn health_checks(&self) -> Vec<(u16, ServicePortName, usize)> {
+    /// The externalTrafficPolicy=Local health checks, per family.
+    pub fn health_checks(&self) -> Vec<HealthCheck> {
         self.units
             .values()
             .flat_map(|u| u.health_checks.iter().cloned())

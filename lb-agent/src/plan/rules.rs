@@ -4,11 +4,11 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr},
     sync::Arc,
 };
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 use lb_common::{
     backend,
     service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, flags},
@@ -19,6 +19,7 @@ use super::{
     PlanProblem, PortPlan, ScopePlan,
 };
 use crate::{
+    family::IpFamily,
     model::{CategorizedEndpoints, Endpoint, Protocol, ServicePortInfo},
     node::NodeContext,
 };
@@ -144,11 +145,12 @@ impl BackendVotes {
     }
 }
 
-/// The frontends of one service port: every cluster IP, the NodePort on every NodePort address
-/// (and 127.0.0.1 with localhost NodePorts), every external IP and load-balancer IP.
+/// The frontends of one service port in its family: every cluster IP, the NodePort on every
+/// NodePort address of the family (and 127.0.0.1 with localhost NodePorts, IPv4 only), every
+/// external IP and load-balancer IP.
 fn frontends_of(svc: &ServicePortInfo, node: &NodeContext) -> Vec<(FrontendKind, Frontend)> {
     let proto = svc.name.protocol;
-    let at = |addr: Ipv4Addr, port: u16| Frontend { addr, port, proto };
+    let at = |addr: IpAddr, port: u16| Frontend { addr, port, proto };
     let mut out = Vec::new();
     out.extend(
         svc.cluster_ips
@@ -159,12 +161,13 @@ fn frontends_of(svc: &ServicePortInfo, node: &NodeContext) -> Vec<(FrontendKind,
         out.extend(
             node.nodeport_addresses
                 .iter()
+                .filter(|ip| IpFamily::of(ip) == svc.family)
                 .map(|ip| (FrontendKind::NodePort, at(*ip, node_port))),
         );
-        if node.localhost_nodeports {
+        if node.localhost_nodeports && svc.family == IpFamily::V4 {
             out.push((
                 FrontendKind::LocalhostNodePort,
-                at(Ipv4Addr::LOCALHOST, node_port),
+                at(IpAddr::V4(Ipv4Addr::LOCALHOST), node_port),
             ));
         }
     }
@@ -250,7 +253,7 @@ fn plan_frontend(
             .any(|r| node.node_ips.iter().any(|ip| r.contains(ip)))
         {
             common |= flags::SOURCE_RANGES_ALLOW_NODE;
-            source_ranges.extend(svc.load_balancer_ips.iter().map(|ip| Ipv4Net::from(*ip)));
+            source_ranges.extend(svc.load_balancer_ips.iter().map(|ip| IpNet::from(*ip)));
         }
         source_ranges.sort();
         source_ranges.dedup();
@@ -265,7 +268,7 @@ fn plan_frontend(
         let mut f = common | empty_flag(&backends);
         if node.masquerade_all {
             f |= flags::MASQUERADE;
-        } else if node.cluster_cidr_configured {
+        } else if *node.detect_local.get(svc.family) {
             f |= flags::MASQUERADE_OFF_CLUSTER;
         }
         vec![ScopePlan {

@@ -6,7 +6,8 @@ use k8s_openapi::api::core::v1::Service;
 
 use super::{PlanProblem, PortPlan};
 use crate::{
-    model::{self, Problem, categorize_endpoints, service_ports},
+    family::IpFamily,
+    model::{self, Problem, ServicePortName, categorize_endpoints, service_ports},
     node::{NodeContext, NodeInfo},
     watch::Slice,
 };
@@ -22,13 +23,15 @@ pub struct ServicePlan {
     pub ports: Vec<PortPlan>,
     /// Endpoints seen (before policy and topology).
     pub endpoints: usize,
-    pub health_checks: Vec<(u16, model::ServicePortName, usize)>,
+    pub health_checks: Vec<HealthCheck>,
     pub no_local_internal: usize,
     pub no_local_external: usize,
 }
 
 impl ServicePlan {
-    /// Runs the model and plans each port of one Service.
+    /// Runs the model and plans each port of one Service, in each family the node serves (as
+    /// kube-proxy's proxier of each family would: a dual-stack Service gets both families'
+    /// frontends, under the same port names).
     pub fn compute(
         namespace: &str,
         name: &str,
@@ -44,48 +47,90 @@ impl ServicePlan {
             name: name.to_owned(),
             message,
         };
-        let service = match service_ports(svc) {
-            Ok(service) => service,
-            Err(e) if e.is_skipped() => return unit,
-            Err(e) => {
-                unit.problems.push(report("Service", e.to_string()));
-                return unit;
+        // The families the Service has that this node does not serve (IPv6 disabled): a problem
+        // only when that leaves the Service with nothing here, since a dual-stack Service's
+        // other family serves it as kube-proxy's single-stack proxier would.
+        let mut unserved = Vec::new();
+        let mut served = false;
+        for family in IpFamily::ALL {
+            let service = match service_ports(svc, family) {
+                Ok(service) => service,
+                Err(e) if e.is_skipped() => continue,
+                Err(e) => {
+                    unit.problems.push(report("Service", e.to_string()));
+                    continue;
+                }
+            };
+            if !*ctx.serves.get(family) {
+                unserved.push(family);
+                continue;
             }
-        };
-        unit.problems
-            .extend(service.warnings.iter().map(|w| report("Service", w.clone())));
-        let (mut by_port, slice_problems) =
-            model::endpoints::endpoints_by_port_with_problems(namespace, name, slices, node);
-        unit.problems.extend(
-            slice_problems
-                .into_iter()
-                .map(|p| report("EndpointSlice", p.to_string())),
-        );
-        for port in service.ports {
-            let endpoints = by_port.remove(&port.name).unwrap_or_default();
-            unit.endpoints += endpoints.len();
-            let categorized = categorize_endpoints(&endpoints, &port, node);
-            if categorized.local.is_empty() && categorized.has_any {
-                unit.no_local_internal += usize::from(port.internal_policy_local);
-                unit.no_local_external += usize::from(port.external_policy_local);
+            served = true;
+            unit.problems
+                .extend(service.warnings.iter().map(|w| report("Service", w.clone())));
+            let (mut by_port, slice_problems) =
+                model::endpoints::endpoints_by_port_with_problems(namespace, name, slices, node, family);
+            unit.problems.extend(
+                slice_problems
+                    .into_iter()
+                    .map(|p| report("EndpointSlice", p.to_string())),
+            );
+            for port in service.ports {
+                let endpoints = by_port.remove(&port.name).unwrap_or_default();
+                unit.endpoints += endpoints.len();
+                let categorized = categorize_endpoints(&endpoints, &port, node);
+                if categorized.local.is_empty() && categorized.has_any {
+                    unit.no_local_internal += usize::from(port.internal_policy_local);
+                    unit.no_local_external += usize::from(port.external_policy_local);
+                }
+                if let Some(node_port) = port.health_check_node_port {
+                    // kube-proxy's health check counts local *ready* endpoints
+                    // (LocalReadyEndpoints), so a node whose pods are all terminating answers 503
+                    // and is drained.
+                    let local_ready = endpoints.iter().filter(|e| e.is_local && e.ready).count();
+                    unit.health_checks.push(HealthCheck {
+                        family,
+                        node_port,
+                        service: port.name.clone(),
+                        local_ready,
+                    });
+                }
+                let planned = super::plan_port(&port, &categorized, ctx);
+                if let Some(p) = &planned.problem {
+                    unit.problems.push(report("Service", p.message.clone()));
+                }
+                unit.ports.push(planned);
             }
-            if let Some(hc_port) = port.health_check_node_port {
-                // kube-proxy's health check counts local *ready* endpoints (LocalReadyEndpoints),
-                // so a node whose pods are all terminating answers 503 and is drained.
-                let local_ready = endpoints.iter().filter(|e| e.is_local && e.ready).count();
-                unit.health_checks.push((hc_port, port.name.clone(), local_ready));
-            }
-            let planned = super::plan_port(&port, &categorized, ctx);
-            if let Some(p) = &planned.problem {
-                unit.problems.push(report("Service", p.message.clone()));
-            }
-            unit.ports.push(planned);
         }
+        if !served && let Some(family) = unserved.first() {
+            unit.problems.push(report(
+                "Service",
+                format!(
+                    "{family} is off on node {} (disabled in its kernel or sysctls): the \
+                     Service has no frontend here",
+                    node.name
+                ),
+            ));
+        }
+        // A problem both families' passes find (a malformed port, say) is one problem.
+        let mut seen = std::collections::BTreeSet::new();
+        unit.problems.retain(|p| seen.insert(p.clone()));
         // Kept between syncs for every Service: no spare capacity.
         unit.ports.shrink_to_fit();
         unit.problems.shrink_to_fit();
         unit
     }
+}
+
+/// A health-check NodePort of a Service port with externalTrafficPolicy Local, in one family:
+/// what kube-proxy's health server of that family answers on it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct HealthCheck {
+    pub family: IpFamily,
+    pub node_port: u16,
+    pub service: ServicePortName,
+    /// Local endpoints that are ready.
+    pub local_ready: usize,
 }
 
 /// The result of [`from_scratch`].
@@ -100,7 +145,7 @@ pub struct Computed {
     pub endpoints: usize,
     /// Service ports with an externalTrafficPolicy=Local health-check NodePort: (port, name,
     /// local endpoints), for the health-check servers.
-    pub health_checks: Vec<(u16, model::ServicePortName, usize)>,
+    pub health_checks: Vec<HealthCheck>,
     /// Service ports whose Local traffic policy has no local endpoint, as kube-proxy's
     /// `sync_proxy_rules_no_local_endpoints_total{traffic_policy}`.
     pub no_local_internal: usize,

@@ -1,15 +1,18 @@
 //! The plan against kube-proxy's documented behaviour, one case per rule.
 
+use std::net::Ipv4Addr;
+
 use lb_common::service::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 use super::*;
 use crate::model::test_support::service_port;
 use crate::{
+    family::{IpFamily, PerFamily},
     model::{CategorizedEndpoints, Endpoint, Protocol, ServicePortInfo},
     node::NodeContext,
 };
 
-fn ip(s: &str) -> Ipv4Addr {
+fn ip(s: &str) -> IpAddr {
     s.parse().unwrap()
 }
 
@@ -47,7 +50,8 @@ fn ctx() -> NodeContext {
         localhost_nodeports: true,
         node_ips: vec![ip("192.168.1.10")],
         masquerade_all: false,
-        cluster_cidr_configured: false,
+        detect_local: PerFamily::default(),
+        serves: PerFamily { v4: true, v6: true },
     }
 }
 
@@ -195,7 +199,7 @@ fn local_policy_without_local_endpoints_drops_external_traffic_only() {
 fn cluster_ip_masquerade_rules() {
     let eps = [ep("10.244.1.1", true)];
     let mut c = ctx();
-    c.cluster_cidr_configured = true;
+    c.detect_local.v4 = true;
     let (d, _) = plan(&[(svc("web"), cat(&eps, &eps, true))], &c);
     let f = d.frontends[&fe("10.96.0.10", 80)].scopes[0].flags;
     assert_ne!(f & flags::MASQUERADE_OFF_CLUSTER, 0);
@@ -205,7 +209,7 @@ fn cluster_ip_masquerade_rules() {
     let f = d.frontends[&fe("10.96.0.10", 80)].scopes[0].flags;
     assert_ne!(f & flags::MASQUERADE, 0);
     c.masquerade_all = false;
-    c.cluster_cidr_configured = false;
+    c.detect_local.v4 = false;
     let (d, _) = plan(&[(svc("web"), cat(&eps, &eps, true))], &c);
     assert_eq!(
         d.frontends[&fe("10.96.0.10", 80)].scopes[0].flags
@@ -225,10 +229,7 @@ fn load_balancer_source_ranges() {
     assert_eq!(p.kind, FrontendKind::LoadBalancer);
     assert_ne!(p.scopes[0].flags & flags::SOURCE_RANGES, 0);
     assert_eq!(p.scopes[0].flags & flags::SOURCE_RANGES_ALLOW_NODE, 0);
-    assert_eq!(
-        p.source_ranges,
-        vec!["198.51.100.0/24".parse::<Ipv4Net>().unwrap()]
-    );
+    assert_eq!(p.source_ranges, vec!["198.51.100.0/24".parse::<IpNet>().unwrap()]);
     // Source ranges never apply to the cluster IP or NodePorts.
     assert_eq!(
         d.frontends[&fe("10.96.0.10", 80)].scopes[0].flags & flags::SOURCE_RANGES,
@@ -302,7 +303,7 @@ fn many(n: usize, local: bool) -> Vec<Endpoint> {
     (0..n)
         .map(|i| {
             let mut e = ep("10.0.0.0", local);
-            e.ip = Ipv4Addr::from(u32::from(ip("10.100.0.0")) + i as u32);
+            e.ip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 100, 0, 0)) + i as u32).into();
             e
         })
         .collect()
@@ -449,4 +450,311 @@ fn backend_flags_do_not_depend_on_the_order_of_the_services() {
         lb_common::backend::flags::LOCAL,
         "local if any Service says so; terminating only if all do"
     );
+}
+
+fn v6_ctx() -> NodeContext {
+    NodeContext {
+        nodeport_addresses: vec![ip("192.168.1.10"), ip("2001:db8::10"), ip("2001:db8:1::10")],
+        node_ips: vec![ip("192.168.1.10"), ip("2001:db8::10")],
+        ..ctx()
+    }
+}
+
+/// kube-proxy's proxier of a family serves NodePorts on that family's node addresses only
+/// (`NewNodePortAddresses(family, ...)`), and localhost NodePorts on 127.0.0.1 only.
+#[test]
+fn nodeports_are_served_on_node_addresses_of_the_ports_family() {
+    let eps4 = [ep("10.244.1.1", true)];
+    let mut s4 = svc("web");
+    s4.node_port = Some(30080);
+    let (d, problems) = plan(&[(s4, cat(&eps4, &eps4, true))], &v6_ctx());
+    assert!(problems.is_empty(), "{problems:?}");
+    assert_eq!(
+        d.frontends.keys().copied().collect::<Vec<_>>(),
+        vec![
+            fe("10.96.0.10", 80),
+            fe("127.0.0.1", 30080),
+            fe("192.168.1.10", 30080),
+        ]
+    );
+
+    let mut eps6 = [ep("10.0.0.0", true)];
+    eps6[0].ip = ip("fd00:10:244::5");
+    let mut s6 = service_port("ns", "web", "http", "fd00:10:96::10");
+    s6.node_port = Some(30080);
+    let (d, problems) = plan(&[(s6.clone(), cat(&eps6, &eps6, true))], &v6_ctx());
+    assert!(problems.is_empty(), "{problems:?}");
+    assert_eq!(
+        d.frontends.keys().copied().collect::<Vec<_>>(),
+        vec![
+            fe("2001:db8::10", 30080),
+            fe("2001:db8:1::10", 30080),
+            fe("fd00:10:96::10", 80),
+        ],
+        "no ::1 NodePort: kube-proxy serves localhost NodePorts on IPv4 only"
+    );
+    for p in d.frontends.values() {
+        assert_eq!(
+            p.scopes[0].backends,
+            vec![BackendAddr {
+                addr: ip("fd00:10:244::5"),
+                port: 8080,
+                proto: Protocol::Tcp
+            }]
+        );
+    }
+    assert_eq!(
+        d.frontends[&fe("2001:db8::10", 30080)].kind,
+        FrontendKind::NodePort
+    );
+    assert_eq!(fe("2001:db8::10", 30080).to_string(), "[2001:db8::10]:30080/TCP");
+    // A node without IPv6 NodePort addresses serves the IPv6 cluster IP only.
+    let (d, _) = plan(&[(s6, cat(&eps6, &eps6, true))], &ctx());
+    assert_eq!(
+        d.frontends.keys().copied().collect::<Vec<_>>(),
+        vec![fe("fd00:10:96::10", 80)]
+    );
+}
+
+/// Each family's proxier has its own local-traffic detector (`--cluster-cidr` of the family).
+#[test]
+fn cluster_ip_masquerade_follows_the_familys_detector() {
+    let eps4 = [ep("10.244.1.1", true)];
+    let mut eps6 = [ep("10.0.0.0", true)];
+    eps6[0].ip = ip("fd00:10:244::5");
+    let s6 = service_port("ns", "web6", "http", "fd00:10:96::10");
+    let mut c = ctx();
+    c.detect_local = PerFamily { v4: false, v6: true };
+    let (d, _) = plan(
+        &[
+            (svc("web"), cat(&eps4, &eps4, true)),
+            (s6, cat(&eps6, &eps6, true)),
+        ],
+        &c,
+    );
+    let off_cluster = |f: Frontend| d.frontends[&f].scopes[0].flags & flags::MASQUERADE_OFF_CLUSTER;
+    assert_eq!(off_cluster(fe("10.96.0.10", 80)), 0);
+    assert_ne!(off_cluster(fe("fd00:10:96::10", 80)), 0);
+}
+
+/// `allowFromNode`: an IPv6 source range containing the node's IPv6 IP admits the node (and
+/// traffic sourced from the LB IP); the node's IPv4 IP does not count for IPv6 ranges.
+#[test]
+fn ipv6_load_balancer_source_ranges() {
+    let mut eps6 = [ep("10.0.0.0", true)];
+    eps6[0].ip = ip("fd00:10:244::5");
+    let mut s = service_port("ns", "web", "http", "fd00:10:96::10");
+    s.load_balancer_ips = vec![ip("2001:db8:ff::7")];
+    s.load_balancer_source_ranges = vec!["2001:db8:aa::/48".parse().unwrap()];
+    let (d, _) = plan(&[(s.clone(), cat(&eps6, &eps6, true))], &v6_ctx());
+    let p = &d.frontends[&fe("2001:db8:ff::7", 80)];
+    assert_ne!(p.scopes[0].flags & flags::SOURCE_RANGES, 0);
+    assert_eq!(p.scopes[0].flags & flags::SOURCE_RANGES_ALLOW_NODE, 0);
+    assert_eq!(
+        p.source_ranges,
+        vec!["2001:db8:aa::/48".parse::<IpNet>().unwrap()]
+    );
+
+    s.load_balancer_source_ranges
+        .push("2001:db8::/64".parse().unwrap());
+    let (d, _) = plan(&[(s, cat(&eps6, &eps6, true))], &v6_ctx());
+    let p = &d.frontends[&fe("2001:db8:ff::7", 80)];
+    assert_ne!(p.scopes[0].flags & flags::SOURCE_RANGES_ALLOW_NODE, 0);
+    assert!(p.source_ranges.contains(&"2001:db8:ff::7/128".parse().unwrap()));
+}
+
+mod from_objects {
+    //! One Service planned from its API objects ([`ServicePlan::compute`]), in both families.
+
+    use k8s_openapi::{
+        api::{
+            core::v1::{Service, ServicePort, ServiceSpec},
+            discovery::v1::{Endpoint as SliceEndpoint, EndpointPort, EndpointSlice},
+        },
+        apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    };
+
+    use super::*;
+    use crate::{
+        model::Problem,
+        node::NodeInfo,
+        watch::{LABEL_SERVICE_NAME, Slice},
+    };
+
+    /// A LoadBalancer Service `ns/web` with NodePort 30080, externalTrafficPolicy Local and
+    /// health-check NodePort 31000, of the given families.
+    fn service(cluster_ips: &[&str], families: &[&str]) -> Service {
+        let strings = |v: &[&str]| Some(v.iter().map(|s| (*s).to_owned()).collect());
+        Service {
+            metadata: ObjectMeta {
+                name: Some("web".into()),
+                namespace: Some("ns".into()),
+                ..Default::default()
+            },
+            spec: Some(ServiceSpec {
+                type_: Some("LoadBalancer".into()),
+                cluster_ip: cluster_ips.first().map(|s| (*s).to_owned()),
+                cluster_ips: strings(cluster_ips),
+                ip_families: strings(families),
+                external_traffic_policy: Some("Local".into()),
+                health_check_node_port: Some(31000),
+                ports: Some(vec![ServicePort {
+                    name: Some("http".into()),
+                    port: 80,
+                    node_port: Some(30080),
+                    protocol: Some("TCP".into()),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            status: None,
+        }
+    }
+
+    /// An EndpointSlice of `ns/web` of `address_type`: (address, node name) at port 8080.
+    fn endpoint_slice(name: &str, address_type: &str, endpoints: &[(&str, &str)]) -> Slice {
+        Slice::from(&EndpointSlice {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                labels: Some([(LABEL_SERVICE_NAME.to_owned(), "web".to_owned())].into()),
+                ..Default::default()
+            },
+            address_type: address_type.into(),
+            endpoints: Some(
+                endpoints
+                    .iter()
+                    .map(|(address, node)| SliceEndpoint {
+                        addresses: vec![(*address).into()],
+                        node_name: Some((*node).into()),
+                        ..Default::default()
+                    })
+                    .collect(),
+            ),
+            ports: Some(vec![EndpointPort {
+                name: Some("http".into()),
+                port: Some(8080),
+                protocol: Some("TCP".into()),
+                app_protocol: None,
+            }]),
+        })
+    }
+
+    fn me() -> NodeInfo {
+        NodeInfo {
+            name: "me".into(),
+            zone: None,
+        }
+    }
+
+    fn slices() -> [Slice; 2] {
+        [
+            endpoint_slice("web-v4", "IPv4", &[("10.244.1.1", "me"), ("10.244.2.2", "other")]),
+            endpoint_slice("web-v6", "IPv6", &[("fd00:10:244:2::2", "other")]),
+        ]
+    }
+
+    fn compute(svc: &Service, ctx: &NodeContext) -> (ServicePlan, DesiredState) {
+        let slices = slices();
+        let refs: Vec<&Slice> = slices.iter().collect();
+        let unit = ServicePlan::compute("ns", "web", svc, &refs, &me(), ctx);
+        let (desired, conflicts) = merge(&unit.ports);
+        assert!(conflicts.is_empty(), "{conflicts:?}");
+        (unit, desired)
+    }
+
+    /// A dual-stack Service is planned by both families' rules, under one port name: each
+    /// family's frontends use that family's endpoints, and NodePorts are on that family's node
+    /// addresses.
+    #[test]
+    fn a_dual_stack_nodeport_service_has_frontends_in_both_families() {
+        let svc = service(&["10.96.0.10", "fd00:10:96::10"], &["IPv4", "IPv6"]);
+        let (unit, d) = compute(&svc, &v6_ctx());
+        assert!(unit.problems.is_empty(), "{:?}", unit.problems);
+        assert_eq!(unit.ports.len(), 2, "one port per family");
+        assert_eq!(unit.endpoints, 3);
+        assert_eq!(
+            d.frontends.keys().copied().collect::<Vec<_>>(),
+            vec![
+                fe("10.96.0.10", 80),
+                fe("127.0.0.1", 30080),
+                fe("192.168.1.10", 30080),
+                fe("2001:db8::10", 30080),
+                fe("2001:db8:1::10", 30080),
+                fe("fd00:10:96::10", 80),
+            ]
+        );
+        for (f, p) in &d.frontends {
+            assert_eq!(p.service.to_string(), "ns/web:http");
+            for b in p.backends() {
+                assert_eq!(IpFamily::of(&b.addr), IpFamily::of(&f.addr), "{f} -> {b}");
+            }
+        }
+        // ETP Local: IPv4 has a local endpoint, IPv6 has none and drops external traffic.
+        let ext = |f: Frontend| d.frontends[&f].scopes[0].clone();
+        assert_eq!(ext(fe("192.168.1.10", 30080)).backends.len(), 1);
+        let v6 = ext(fe("2001:db8::10", 30080));
+        assert!(v6.backends.is_empty());
+        assert_ne!(v6.flags & flags::DROP_IF_EMPTY, 0);
+        assert_eq!(unit.no_local_external, 1);
+    }
+
+    /// kube-proxy's health check servers are per family, each counting its own family's local
+    /// ready endpoints.
+    #[test]
+    fn health_checks_are_per_family() {
+        let svc = service(&["fd00:10:96::10", "10.96.0.10"], &["IPv6", "IPv4"]);
+        let (unit, _) = compute(&svc, &v6_ctx());
+        let name = crate::model::test_support::port_name("ns", "web", "http", Protocol::Tcp);
+        assert_eq!(
+            unit.health_checks,
+            vec![
+                HealthCheck {
+                    family: IpFamily::V4,
+                    node_port: 31000,
+                    service: name.clone(),
+                    local_ready: 1,
+                },
+                HealthCheck {
+                    family: IpFamily::V6,
+                    node_port: 31000,
+                    service: name,
+                    local_ready: 0,
+                },
+            ]
+        );
+        // Single-stack: one health check, of its family.
+        let (unit, _) = compute(&service(&["fd00:10:96::10"], &["IPv6"]), &v6_ctx());
+        assert_eq!(unit.health_checks.len(), 1);
+        assert_eq!(unit.health_checks[0].family, IpFamily::V6);
+    }
+
+    /// A family the node does not serve (IPv6 off): a dual-stack Service is served in IPv4 as a
+    /// single-stack kube-proxy would; an IPv6-only Service is reported.
+    #[test]
+    fn a_family_the_node_does_not_serve() {
+        let mut ctx = v6_ctx();
+        ctx.serves.v6 = false;
+        let (unit, d) = compute(
+            &service(&["10.96.0.10", "fd00:10:96::10"], &["IPv4", "IPv6"]),
+            &ctx,
+        );
+        assert!(unit.problems.is_empty(), "{:?}", unit.problems);
+        assert!(
+            d.frontends.keys().all(|f| f.addr.is_ipv4()),
+            "{:?}",
+            d.frontends.keys()
+        );
+        assert_eq!(unit.health_checks.len(), 1);
+
+        let (unit, d) = compute(&service(&["fd00:10:96::10"], &["IPv6"]), &ctx);
+        assert!(d.frontends.is_empty());
+        assert!(unit.health_checks.is_empty());
+        let messages: Vec<&Problem> = unit.problems.iter().collect();
+        assert_eq!(messages.len(), 1, "{messages:?}");
+        assert!(
+            messages[0].message.contains("IPv6 is off on node me"),
+            "{messages:?}"
+        );
+    }
 }

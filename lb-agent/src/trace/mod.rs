@@ -6,17 +6,25 @@
 //! UDP datagram) goes through `lb_tc_ingress`, and the packet that comes out and the decision the
 //! program records in `__sk_buff.cb` give the answer.
 //!
+//! Both families: an IPv6 destination goes through the IPv6 programs (`connect6`, `sendmsg6`, an
+//! IPv6 packet at tc); an IPv4-mapped one (`::ffff:10.96.0.10`, a dual-stack socket calling an
+//! IPv4 Service) through the IPv6 socket hooks onto the IPv4 maps, as the kernel would (connect6;
+//! the kernel hands such a datagram to sendmsg4, which decides alike), and from off the node as
+//! the IPv4 packet such a socket sends. An IPv4-mapped `--src` is the IPv4 address it maps; the
+//! two addresses must be of one family.
+//!
 //! The maps are either a scratch set built from manifests (`--manifests`: the live maps are never
 //! touched) or the live pinned ones (read for service state; the flow-state maps the programs
 //! write are private to the trace, so tracing never leaves state behind).
 
-use std::{collections::BTreeSet, net::Ipv4Addr, path::Path};
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, Ipv6Addr, SocketAddr},
+    path::Path,
+};
 
 use anyhow::{Context, Result, bail};
-use lb_common::{
-    service::Svc4Key,
-    trace::{SockTraceIn, SockTraceOut, TRACE_PACKET_LEN, hook, tc as trace_cb, verdict},
-};
+use lb_common::trace::{SockTraceIn, SockTraceOut, TRACE_PACKET_LEN, hook, tc as trace_cb, verdict};
 use serde::Serialize;
 
 mod scratch;
@@ -24,9 +32,10 @@ mod scratch;
 pub use scratch::ScratchDatapath;
 
 use crate::{
-    apply::KernelMaps,
+    apply::{KernelMaps, ServiceMapKey},
     cli::{OutputFormat, TraceArgs, TraceProtocol},
     datapath::{self, Datapath, PinPaths},
+    family::IpFamily,
     model::Protocol,
     watch::manifests,
 };
@@ -42,7 +51,7 @@ pub struct TraceResult {
     pub masquerade: bool,
     /// The source address a masqueraded packet leaves with (`lb_config`'s), when `masquerade`.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub masquerade_source: Option<Ipv4Addr>,
+    pub masquerade_source: Option<IpAddr>,
     /// "tc" or "socket".
     pub path: &'static str,
 }
@@ -59,10 +68,38 @@ pub struct TraceDetails {
 /// A packet or socket call to trace.
 #[derive(Clone, Copy, Debug)]
 pub struct TraceRequest {
-    pub src: Ipv4Addr,
-    pub dst: Ipv4Addr,
+    pub src: IpAddr,
+    pub dst: IpAddr,
     pub dport: u16,
     pub protocol: Protocol,
+}
+
+impl TraceRequest {
+    /// The frontend address the maps key the destination by: an IPv4-mapped IPv6 destination is
+    /// its IPv4 address (the IPv6 socket hooks look such calls up in the IPv4 maps).
+    fn frontend_addr(&self) -> IpAddr {
+        self.dst.to_canonical()
+    }
+}
+
+/// An address as a hook of `family` reads it from `SockTraceIn`: the first 4 bytes for IPv4, an
+/// IPv4 address IPv4-mapped for IPv6.
+fn hook_bytes(family: IpFamily, ip: IpAddr) -> [u8; 16] {
+    let mut out = [0; 16];
+    match (family, ip) {
+        (IpFamily::V4, IpAddr::V4(v4)) => out[..4].copy_from_slice(&v4.octets()),
+        (IpFamily::V6, IpAddr::V4(v4)) => out = v4.to_ipv6_mapped().octets(),
+        (_, IpAddr::V6(v6)) => out = v6.octets(),
+    }
+    out
+}
+
+/// An address a hook of `family` wrote to `SockTraceOut` (an IPv4-mapped one shown as IPv4).
+fn hook_addr(family: IpFamily, bytes: [u8; 16]) -> IpAddr {
+    match family {
+        IpFamily::V4 => IpAddr::from([bytes[0], bytes[1], bytes[2], bytes[3]]),
+        IpFamily::V6 => IpAddr::V6(Ipv6Addr::from(bytes)).to_canonical(),
+    }
 }
 
 fn verdict_name(v: u32) -> &'static str {
@@ -76,37 +113,37 @@ fn verdict_name(v: u32) -> &'static str {
 
 /// Every backend in the slots of a frontend's scope.
 fn scope_backends(maps: &KernelMaps, req: &TraceRequest, scope: u8) -> Vec<String> {
-    let key = Svc4Key::new(req.dst.octets(), req.dport, req.protocol.number(), scope, 0);
-    let Ok(frontend) = maps.services.get(&key, 0) else {
+    let key = ServiceMapKey::new(req.frontend_addr(), req.dport, req.protocol.number(), scope, 0);
+    let Some(frontend) = maps.service(&key) else {
         return Vec::new();
     };
     let mut out = BTreeSet::new();
     for slot in 1..=frontend.count {
-        if let Ok(entry) = maps.services.get(&key.with_slot(slot), 0)
-            && let Ok(b) = maps.backends.get(&entry.backend_id, 0)
+        if let Some(entry) = maps.service(&key.with_slot(slot))
+            && let Some(b) = maps.backend(key.family(), entry.backend_id)
         {
-            out.insert((Ipv4Addr::from(b.addr), b.port));
+            out.insert(SocketAddr::new(b.addr, b.port));
         }
     }
-    out.into_iter().map(|(a, p)| format!("{a}:{p}")).collect()
+    out.into_iter().map(|a| a.to_string()).collect()
 }
 
-fn backend_name(maps: &KernelMaps, id: u32) -> Option<String> {
-    maps.backends
-        .get(&id, 0)
-        .ok()
-        .map(|b| format!("{}:{}", Ipv4Addr::from(b.addr), b.port))
+fn backend_name(maps: &KernelMaps, family: IpFamily, id: u32) -> Option<String> {
+    maps.backend(family, id)
+        .map(|b| SocketAddr::new(b.addr, b.port).to_string())
 }
 
-fn service_name(maps: &KernelMaps, rev_nat_id: u32) -> Option<String> {
-    let name = maps.names.get(&rev_nat_id, 0).ok()?;
-    let revnat = maps.revnat.get(&rev_nat_id, 0).ok()?;
+fn service_name(maps: &KernelMaps, family: IpFamily, rev_nat_id: u32) -> Option<String> {
+    let name = maps.name(rev_nat_id)?;
+    let revnat = maps.revnat(family, rev_nat_id)?;
     Some(crate::apply::entries::service_port_name(&name, revnat.proto).to_string())
 }
 
-/// Whether the request starts on the node (socket path).
-pub fn starts_on_node(req: &TraceRequest, node_ips: &[Ipv4Addr]) -> bool {
-    req.src.is_loopback() || node_ips.contains(&req.src)
+/// Whether the request starts on the node (socket path); an IPv4-mapped source is the IPv4
+/// address it maps (a dual-stack socket bound to it shows it so).
+pub fn starts_on_node(req: &TraceRequest, node_ips: &[IpAddr]) -> bool {
+    let src = req.src.to_canonical();
+    src.is_loopback() || node_ips.iter().any(|ip| ip.to_canonical() == src)
 }
 
 /// Runs one trace against a loaded data path and its maps.
@@ -114,9 +151,19 @@ pub fn trace(
     dp: &mut Datapath,
     maps: &KernelMaps,
     host_cookie: u64,
-    node_ips: &[Ipv4Addr],
+    node_ips: &[IpAddr],
     req: &TraceRequest,
 ) -> Result<(TraceResult, TraceDetails)> {
+    // An IPv4-mapped address is the IPv4 address it maps: what a dual-stack socket sends to or
+    // from it is an IPv4 packet.
+    if IpFamily::of(&req.src.to_canonical()) != IpFamily::of(&req.frontend_addr()) {
+        bail!(
+            "--src {} and --dst {} are of different IP families (a packet has one; a dual-stack \
+             socket calling an IPv4 address ::ffff:a.b.c.d has an IPv4 source)",
+            req.src,
+            req.dst
+        );
+    }
     if starts_on_node(req, node_ips) {
         trace_socket(dp, maps, host_cookie, req)
     } else {
@@ -130,21 +177,25 @@ fn trace_socket(
     host_cookie: u64,
     req: &TraceRequest,
 ) -> Result<(TraceResult, TraceDetails)> {
+    // The hook is the socket's family: an IPv6 destination (IPv4-mapped included) is an AF_INET6
+    // socket's call.
+    let hook_family = IpFamily::of(&req.dst);
     let input = SockTraceIn {
-        hook: if req.protocol == Protocol::Udp {
-            hook::SENDMSG4
-        } else {
-            hook::CONNECT4
+        hook: match (hook_family, req.protocol == Protocol::Udp) {
+            (IpFamily::V4, true) => hook::SENDMSG4,
+            (IpFamily::V4, false) => hook::CONNECT4,
+            (IpFamily::V6, true) => hook::SENDMSG6,
+            (IpFamily::V6, false) => hook::CONNECT6,
         },
         protocol: u32::from(req.protocol.number()),
-        addr: req.dst.octets(),
+        addr: hook_bytes(hook_family, req.dst),
         port: req.dport,
         _pad: 0,
         // A loopback source means an unbound socket: the kernel picks the node's address.
-        src_addr: if req.src.is_loopback() {
-            [0; 4]
+        src_addr: if req.src.to_canonical().is_loopback() {
+            [0; 16]
         } else {
-            req.src.octets()
+            hook_bytes(hook_family, req.src)
         },
         random: 0,
         socket_cookie: 1,
@@ -171,13 +222,14 @@ fn trace_socket(
     } else {
         Vec::new()
     };
+    let family = IpFamily::of(&req.frontend_addr());
     let details = TraceDetails {
         service: (out.rev_nat_id != 0)
-            .then(|| service_name(maps, out.rev_nat_id))
+            .then(|| service_name(maps, family, out.rev_nat_id))
             .flatten(),
         scope: (out.rev_nat_id != 0).then_some(out.scope),
         chosen: (out.verdict == verdict::TRANSLATED)
-            .then(|| format!("{}:{}", Ipv4Addr::from(out.addr), out.port)),
+            .then(|| SocketAddr::new(hook_addr(hook_family, out.addr), out.port).to_string()),
         note: match out.verdict {
             verdict::REJECT => Some("connect() fails with ECONNREFUSED".into()),
             verdict::DROP => Some("connect() fails with EHOSTUNREACH".into()),
@@ -196,13 +248,13 @@ fn trace_socket(
     ))
 }
 
-/// A synthetic first packet of a flow: a TCP SYN, or a UDP datagram.
+/// A synthetic first packet of a flow: a TCP SYN, or a UDP datagram, of the request's family.
 pub fn first_packet(req: &TraceRequest, sport: u16) -> Vec<u8> {
-    let builder = etherparse::PacketBuilder::ethernet2([0x02, 0, 0, 0, 0, 1], [0x02, 0, 0, 0, 0, 2]).ipv4(
-        req.src.octets(),
-        req.dst.octets(),
-        64,
-    );
+    let ethernet = etherparse::PacketBuilder::ethernet2([0x02, 0, 0, 0, 0, 1], [0x02, 0, 0, 0, 0, 2]);
+    let builder = match (req.src, req.dst) {
+        (IpAddr::V4(src), IpAddr::V4(dst)) => ethernet.ipv4(src.octets(), dst.octets(), 64),
+        (src, dst) => ethernet.ipv6(v6(src).octets(), v6(dst).octets(), 64),
+    };
     let mut out = Vec::new();
     match req.protocol {
         Protocol::Tcp => {
@@ -217,7 +269,21 @@ pub fn first_packet(req: &TraceRequest, sport: u16) -> Vec<u8> {
     out
 }
 
+/// An address as IPv6 (an IPv4 one mapped).
+fn v6(ip: IpAddr) -> Ipv6Addr {
+    match ip {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+        IpAddr::V6(v6) => v6,
+    }
+}
+
 fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<(TraceResult, TraceDetails)> {
+    // IPv4-mapped addresses never reach the wire: a dual-stack socket calling one sends IPv4.
+    let req = &TraceRequest {
+        src: req.src.to_canonical(),
+        dst: req.dst.to_canonical(),
+        ..*req
+    };
     if req.protocol == Protocol::Sctp {
         let details = TraceDetails {
             note: Some("SCTP is load-balanced at the socket only; tc passes it untouched".into()),
@@ -246,13 +312,14 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
     } else {
         Vec::new()
     };
+    let family = IpFamily::of(&req.dst);
     let details = TraceDetails {
         service: (rev_nat_id != 0)
-            .then(|| service_name(maps, rev_nat_id))
+            .then(|| service_name(maps, family, rev_nat_id))
             .flatten(),
         scope: (rev_nat_id != 0).then_some(scope),
         chosen: (decision == verdict::TRANSLATED)
-            .then(|| backend_name(maps, run.cb[trace_cb::CB_BACKEND_ID]))
+            .then(|| backend_name(maps, family, run.cb[trace_cb::CB_BACKEND_ID]))
             .flatten(),
         note: match decision {
             verdict::REJECT => Some("answered with ICMP port unreachable".into()),
@@ -262,9 +329,12 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
     };
     // The address the programs masquerade with: `lb_config`'s, exactly as they read it.
     let masquerade_source = masquerade
-        .then(|| maps.config.get(&0, 0).ok())
+        .then(|| maps.datapath_config())
         .flatten()
-        .map(|c| Ipv4Addr::from(c.snat_addr));
+        .map(|c| match family {
+            IpFamily::V4 => IpAddr::from(c.v4.snat_addr),
+            IpFamily::V6 => IpAddr::from(Ipv6Addr::from(c.v6.snat_addr)),
+        });
     Ok((
         TraceResult {
             verdict: verdict_name(decision),
@@ -355,7 +425,7 @@ pub fn run(args: &TraceArgs) -> Result<()> {
 /// maps the programs write are private.
 fn trace_live(
     bpf_root: &Path,
-    node_ips: &[Ipv4Addr],
+    node_ips: &[IpAddr],
     req: &TraceRequest,
     object: &[u8],
 ) -> Result<(TraceResult, TraceDetails)> {
@@ -364,11 +434,12 @@ fn trace_live(
         &paths,
         "is the agent running? pass --bpf-root, or use --manifests",
     )?;
-    let host_cookie = maps.config.get(&0, 0).map(|c| c.host_netns_cookie).unwrap_or(0);
+    let host_cookie = maps.datapath_config().map(|c| c.host_netns_cookie).unwrap_or(0);
     let mut dp = Datapath::load_for_trace(&paths, object).context("loading the programs for tracing")?;
     let mut node_ips = node_ips.to_vec();
     if node_ips.is_empty() {
-        node_ips = crate::node::local_addresses()
+        node_ips = crate::node::local_network()
+            .map(|local| local.addresses)
             .unwrap_or_default()
             .into_iter()
             .filter(|ip| !ip.is_loopback())

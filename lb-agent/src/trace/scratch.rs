@@ -2,7 +2,7 @@
 //! own code (`agent::Programmer`): what `lb-agent trace --manifests` runs the programs against,
 //! and what the tests run them against with BPF_PROG_TEST_RUN.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use anyhow::{Context, Result, bail};
 use lb_common::catalog::Capacities;
@@ -12,7 +12,7 @@ use crate::{
     apply::{Applier, KernelMaps},
     datapath::Datapath,
     model::Problem,
-    node::NodeSettings,
+    node::{LocalNetwork, NodeSettings},
     watch::ClusterState,
 };
 
@@ -39,7 +39,7 @@ pub struct ScratchDatapath {
     pub programmer: Programmer<KernelMaps>,
     /// The node's interface addresses (loopback aside): what it programs NodePorts on, and what
     /// `trace` takes as "starts on this node".
-    pub node_ips: Vec<Ipv4Addr>,
+    pub node_ips: Vec<IpAddr>,
 }
 
 impl ScratchDatapath {
@@ -47,7 +47,7 @@ impl ScratchDatapath {
     pub fn new(
         state: &ClusterState,
         settings: NodeSettings,
-        node_ips: &[Ipv4Addr],
+        node_ips: &[IpAddr],
         object: &[u8],
     ) -> Result<Self> {
         Self::with_capacities(state, settings, node_ips, object, SCRATCH_CAPACITIES)
@@ -57,7 +57,7 @@ impl ScratchDatapath {
     pub fn with_capacities(
         state: &ClusterState,
         settings: NodeSettings,
-        node_ips: &[Ipv4Addr],
+        node_ips: &[IpAddr],
         object: &[u8],
         caps: Capacities,
     ) -> Result<Self> {
@@ -75,9 +75,13 @@ impl ScratchDatapath {
     /// Brings the scratch maps to `state` as the agent's full sync would; returns the problems
     /// found in it.
     pub fn program(&mut self, state: &ClusterState) -> Result<Vec<Problem>> {
-        let mut locals = self.node_ips.clone();
-        locals.push(Ipv4Addr::LOCALHOST);
-        let view = self.programmer.view(state.node.as_deref(), &locals);
+        let mut addresses = self.node_ips.clone();
+        addresses.extend([IpAddr::V4(Ipv4Addr::LOCALHOST), IpAddr::V6(Ipv6Addr::LOCALHOST)]);
+        let local = LocalNetwork {
+            addresses,
+            ipv6_disabled: false,
+        };
+        let view = self.programmer.view(state.node.as_deref(), &local);
         self.programmer.write_config(&view)?;
         let (_, report) = self.programmer.program_all(state, &view);
         if !report.errors.is_empty() {

@@ -3,11 +3,15 @@
 //! object). The agent keeps its slices in this form between syncs, at about a fifth of the API
 //! object's memory.
 
-use std::{net::Ipv4Addr, sync::Arc};
+use std::{
+    net::{Ipv4Addr, Ipv6Addr},
+    sync::Arc,
+};
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::{LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME};
+use crate::family::IpFamily;
 
 /// An EndpointSlice as the model reads it: the fields kube-proxy's `EndpointSliceCache` uses, as
 /// written in the object (validation is the model's: a bad address is reported, not lost on the
@@ -23,8 +27,8 @@ pub struct Slice {
     /// Labelled `service.kubernetes.io/service-proxy-name` or `service.kubernetes.io/headless`,
     /// which kube-proxy's informers exclude.
     pub excluded: bool,
-    /// `addressType` is `IPv4`.
-    pub ipv4: bool,
+    /// `addressType`, when it is `IPv4` or `IPv6` (`FQDN` slices are no proxier's).
+    pub address_type: Option<IpFamily>,
     pub ports: Box<[SlicePort]>,
     pub endpoints: Box<[SliceEndpoint]>,
 }
@@ -62,20 +66,26 @@ pub struct SliceHints {
     pub nodes: Box<[Box<str>]>,
 }
 
-/// An endpoint address as written: inline when it is a plain dotted quad (what the API server
-/// stores for IPv4 slices), else the text, which the model parses (`netutils.ParseIPSloppy`) and
-/// reports when it is not IPv4. A plain dotted quad parses to the same address both ways.
+/// An endpoint address as written: inline when it is a plain dotted quad or a canonical IPv6
+/// address (what the API server stores), else the text, which the model parses
+/// (`netutils.ParseIPSloppy`) and reports when it is not of the slice's family. A plain address
+/// parses to the same address both ways.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SliceAddress {
     V4(Ipv4Addr),
+    V6(Ipv6Addr),
     Written(Box<str>),
 }
 
 impl From<&str> for SliceAddress {
     fn from(text: &str) -> Self {
-        match text.parse() {
-            Ok(ip) => SliceAddress::V4(ip),
-            Err(_) => SliceAddress::Written(text.into()),
+        if let Ok(ip) = text.parse() {
+            return SliceAddress::V4(ip);
+        }
+        match text.parse::<Ipv6Addr>() {
+            // An IPv4-mapped address is IPv4 to `ParseIPSloppy`: left to the model's parser.
+            Ok(ip) if ip.to_ipv4_mapped().is_none() => SliceAddress::V6(ip),
+            _ => SliceAddress::Written(text.into()),
         }
     }
 }
@@ -84,6 +94,7 @@ impl std::fmt::Display for SliceAddress {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             SliceAddress::V4(ip) => ip.fmt(f),
+            SliceAddress::V6(ip) => ip.fmt(f),
             SliceAddress::Written(text) => f.write_str(text),
         }
     }
@@ -120,7 +131,7 @@ impl From<&EndpointSlice> for Slice {
                 .map(|s| s.as_str().into()),
             excluded: labels
                 .is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME) || l.contains_key(LABEL_HEADLESS)),
-            ipv4: slice.address_type == "IPv4",
+            address_type: IpFamily::parse(&slice.address_type),
             ports: slice
                 .ports
                 .iter()

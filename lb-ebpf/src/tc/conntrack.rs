@@ -8,28 +8,27 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use lb_common::{
-    conntrack::{Ct4Value, dir, flags as ct},
+    conntrack::{CtValue, dir, flags as ct},
+    family::Family,
     proto,
-    revnat::RevNat4Value,
+    revnat::RevNatValue,
     stats::Counter,
 };
 
 use super::{
+    ip::Ip,
     nat::apply,
-    new_flow::new_flow,
     parse::{Flow, Packet},
 };
-use crate::{
-    features, lb,
-    maps::{CONNTRACK, REVNAT},
-    stats::count,
-};
+use crate::{features, lb, stats::count};
 
 /// skb->mark set by ingress on an un-SNATed reply so that egress restores the frontend as its
 /// source: `MARK_MAGIC | rev_nat_id`. Cleared by egress.
 pub const MARK_MAGIC: u32 = 0x5EA0_0000;
 pub const MARK_MASK: u32 = 0xFFF0_0000;
 pub const MARK_ID: u32 = 0x000F_FFFF;
+// Both families' reverse-NAT ids fit the mark (the agent caps each family's count).
+const _: () = assert!(2 * lb_common::catalog::MAX_REVNAT_PER_FAMILY <= MARK_ID);
 
 const TCP_FIN: u8 = 0x01;
 const TCP_SYN: u8 = 0x02;
@@ -51,11 +50,18 @@ pub(super) fn now_ns() -> u64 {
     }
 }
 
-/// A TCP or UDP packet at ingress: a tracked flow's, else a new flow.
-#[inline(always)]
-pub(super) fn l4_ingress(ctx: &mut TcContext, pkt: &Packet) -> i32 {
+/// What `l4_ingress` returns for a packet no conntrack entry keeps: the programs call
+/// `new_flow` with it, beside (not below) this path, so that the stack frames of the two never
+/// add up.
+pub(super) const NEW_FLOW: i32 = i32::MIN + 1;
+
+/// A TCP or UDP packet at ingress: a tracked flow's, else [`NEW_FLOW`]. Not inlined: the
+/// program's frame then holds little more than the parsed packet, and each path beside this one
+/// has nearly the whole stack to itself.
+#[inline(never)]
+pub(super) fn l4_ingress<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
     let key = pkt.flow.key(dir::INGRESS);
-    if let Some(ptr) = CONNTRACK.get_ptr_mut(&key) {
+    if let Some(ptr) = F::conntrack().get_ptr_mut(&key) {
         let entry = unsafe { *ptr };
         if entry.flags & ct::REPLY != 0 {
             // A reply to a masqueraded flow: back to the client, and egress restores the frontend.
@@ -70,7 +76,7 @@ pub(super) fn l4_ingress(ctx: &mut TcContext, pkt: &Packet) -> i32 {
         } else {
             // UDP has no connection end: a flow whose backend is gone moves to a live one (the
             // stale-UDP-conntrack problem of kube-proxy).
-            let alive = lb::lookup_backend(entry.backend_id)
+            let alive = lb::lookup_backend::<F>(entry.backend_id)
                 .is_some_and(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
             if alive {
                 unsafe { (*ptr).last_seen_ns = now_ns() };
@@ -84,16 +90,16 @@ pub(super) fn l4_ingress(ctx: &mut TcContext, pkt: &Packet) -> i32 {
             return apply(ctx, pkt, false, entry.nat_addr, entry.nat_port);
         }
     }
-    new_flow(ctx, pkt)
+    NEW_FLOW
 }
 
 /// A TCP/UDP packet at egress: a reply ingress un-SNATed (`mark`, when `ours`) gets its frontend
 /// back as the source; a packet on a tracked egress entry is SNATed or reverse-DNATed.
 #[inline(always)]
-pub(super) fn established_egress(ctx: &mut TcContext, pkt: &Packet, mark: u32, ours: bool) -> i32 {
+pub(super) fn established_egress<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, mark: u32, ours: bool) -> i32 {
     let flow = pkt.flow;
     if ours {
-        match marked_reply(
+        match marked_reply::<F>(
             mark,
             (flow.daddr, flow.dport),
             (flow.saddr, flow.sport),
@@ -107,7 +113,7 @@ pub(super) fn established_egress(ctx: &mut TcContext, pkt: &Packet, mark: u32, o
             None => count(Counter::TcForeignMark),
         }
     }
-    match CONNTRACK.get_ptr_mut(&flow.key(dir::EGRESS)) {
+    match F::conntrack().get_ptr_mut(&flow.key(dir::EGRESS)) {
         Some(ptr) => {
             let entry = unsafe { *ptr };
             if entry.flags & ct::REPLY != 0 {
@@ -122,7 +128,7 @@ pub(super) fn established_egress(ctx: &mut TcContext, pkt: &Packet, mark: u32, o
 /// Close tracking for the agent's conntrack GC: the first FIN (in `fin` direction) or RST that
 /// passes a TCP entry marks it, with the time. One map write per closing packet, none for others.
 #[inline(always)]
-fn note_close(ptr: *mut Ct4Value, pkt: &Packet, fin: u16) {
+fn note_close<F: Family>(ptr: *mut CtValue<F>, pkt: &Packet<F>, fin: u16) {
     if pkt.flow.proto != proto::TCP {
         return;
     }
@@ -145,7 +151,7 @@ fn note_close(ptr: *mut Ct4Value, pkt: &Packet, fin: u16) {
 /// A packet from the backend on one of its flow's reply entries: TCP closes are marked, and a
 /// UDP flow whose traffic is all replies stays alive for the GC (refreshed at most once a second).
 #[inline(always)]
-pub(super) fn note_reply(ptr: *mut Ct4Value, pkt: &Packet) {
+pub(super) fn note_reply<F: Family>(ptr: *mut CtValue<F>, pkt: &Packet<F>) {
     if pkt.flow.proto == proto::UDP {
         let now = now_ns();
         // SAFETY: as in `note_close`.
@@ -164,25 +170,25 @@ pub(super) fn note_reply(ptr: *mut Ct4Value, pkt: &Packet) {
 /// backend. Other components use skb->mark too (Cilium keeps identities in the upper bits); a
 /// mark that merely looks like ours must not rewrite anything.
 #[inline(always)]
-pub(super) fn marked_reply(
+pub(super) fn marked_reply<F: Ip>(
     mark: u32,
-    client: ([u8; 4], u16),
-    backend: ([u8; 4], u16),
+    client: (F::Addr, u16),
+    backend: (F::Addr, u16),
     proto: u8,
-) -> Option<RevNat4Value> {
+) -> Option<RevNatValue<F>> {
     if mark & MARK_MASK != MARK_MAGIC {
         return None;
     }
     let id = mark & MARK_ID;
-    let frontend = REVNAT.get_ptr(&id).map(|p| unsafe { *p })?;
-    let forward = Flow {
+    let frontend = F::revnat().get_ptr(&id).map(|p| unsafe { *p })?;
+    let forward = Flow::<F> {
         saddr: client.0,
         daddr: frontend.addr,
         sport: client.1,
         dport: frontend.port,
         proto,
     };
-    let entry = CONNTRACK
+    let entry = F::conntrack()
         .get_ptr(&forward.key(dir::INGRESS))
         .map(|p| unsafe { *p })?;
     let ours = entry.flags & ct::REPLY == 0

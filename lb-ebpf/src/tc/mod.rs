@@ -20,12 +20,17 @@
 //! outside loadBalancerSourceRanges are dropped.
 //!
 //! Anything that cannot be translated safely passes untouched and is counted: truncated packets,
-//! fragments, SCTP (its CRC32c checksum cannot be updated incrementally), other protocols.
+//! fragments (IPv4 fragments, IPv6 packets with a fragment header that is not atomic), SCTP (its
+//! CRC32c checksum cannot be updated incrementally), other protocols; also IPv6 packets with more
+//! than four extension headers (not counted).
 //!
-//! One job per file; this one holds the two programs' dispatch only:
-//! - `parse`: the packet (`Flow`, `Packet`, `parse`) and bounds-checked access to it;
-//! - `ipv4`: the IPv4 and ICMPv4 facts (header layout and offsets, the header checksum sums, ICMP
-//!   types, which sources may get an ICMP error);
+//! Both families go through one code path, written over `F: Ip` and monomorphised for `V4` and
+//! `V6` inside each program; the Ethernet type picks the instance. One job per file; this one
+//! holds the two programs' dispatch only:
+//! - `ip`: what a family provides (`Ip`), and the one's-complement sums;
+//! - `ipv4`, `ipv6`: each family's headers, checksums, ICMP types, port unreachable and which
+//!   sources may get an ICMP error (IPv6: extension headers, no header checksum, Packet Too Big);
+//! - `parse`: the packet (`Flow`, `Packet`, `Parsed`) and bounds-checked access to it;
 //! - `conntrack`: packets of tracked flows at ingress and egress, close and liveness notes, the
 //!   un-SNAT mark;
 //! - `new_flow`: a new flow, from the frontend lookup to its conntrack entries;
@@ -41,7 +46,9 @@
 
 mod conntrack;
 mod icmp_error;
+mod ip;
 mod ipv4;
+mod ipv6;
 mod nat;
 mod new_flow;
 mod parse;
@@ -49,19 +56,44 @@ mod reject;
 mod snat;
 
 use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
-use lb_common::{proto, stats::Counter};
+use lb_common::{
+    family::{Family, V4, V6},
+    proto,
+    stats::Counter,
+};
 
 pub use self::conntrack::{MARK_ID, MARK_MAGIC, MARK_MASK};
-use self::parse::{Parsed, parse, skb};
+use self::{
+    ip::Ip,
+    parse::{Parsed, ether_type, skb},
+};
 use crate::{
     lb::{self, Frontend},
     stats::count,
 };
 
-/// The tc ingress program.
+/// The tc ingress program: each family's packets through its instance of the one code path.
 #[inline(always)]
 pub fn ingress(ctx: &mut TcContext) -> i32 {
-    match parse(ctx) {
+    match ether_type(ctx) {
+        Some(V4::ETH_P) => ingress_of::<V4>(ctx),
+        Some(V6::ETH_P) => ingress_of::<V6>(ctx),
+        Some(_) => TC_ACT_OK,
+        None => {
+            count(Counter::TcTruncated);
+            TC_ACT_OK
+        }
+    }
+}
+
+/// Not inlined: each family's instance is a BPF function of its own, with its own stack frame
+/// (inlined together, the two instances' locals overflow the 512 bytes a frame may have). Its
+/// frame holds the parsed packet; each path is a function called from here (tracked flows, the
+/// new-flow steps, REJECT, ICMP errors), one after the other rather than one inside another: the
+/// kernel limits the frames of a call chain to 512 bytes in all.
+#[inline(never)]
+fn ingress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
+    match F::parse(ctx) {
         Parsed::Skip => TC_ACT_OK,
         Parsed::Truncated => {
             count(Counter::TcTruncated);
@@ -71,30 +103,43 @@ pub fn ingress(ctx: &mut TcContext) -> i32 {
             count(Counter::TcFragment);
             TC_ACT_OK
         }
-        Parsed::Icmp(l4, outer) => icmp_error::icmp_error_ingress(ctx, l4, &outer),
+        Parsed::Icmp(l4, outer) => icmp_error::icmp_error_ingress::<F>(ctx, l4, &outer),
         Parsed::L4(pkt) if pkt.flow.proto == proto::SCTP => {
             if !matches!(
-                lb::lookup_frontend(pkt.flow.daddr, pkt.flow.dport, proto::SCTP, false),
+                lb::lookup_frontend::<F>(&pkt.flow.daddr, pkt.flow.dport, proto::SCTP, false),
                 Frontend::None
             ) {
                 count(Counter::TcUnsupportedProtocol);
             }
             TC_ACT_OK
         }
-        Parsed::L4(pkt) => conntrack::l4_ingress(ctx, &pkt),
+        Parsed::L4(pkt) => match conntrack::l4_ingress::<F>(ctx, &pkt) {
+            conntrack::NEW_FLOW => new_flow::new_flow::<F>(ctx, &pkt),
+            verdict => verdict,
+        },
     }
 }
 
 /// The tc egress program.
 #[inline(always)]
 pub fn egress(ctx: &mut TcContext) -> i32 {
+    match ether_type(ctx) {
+        Some(V4::ETH_P) => egress_of::<V4>(ctx),
+        Some(V6::ETH_P) => egress_of::<V6>(ctx),
+        _ => TC_ACT_OK,
+    }
+}
+
+/// Not inlined, as `ingress_of`.
+#[inline(never)]
+fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
     let mark = unsafe { (*skb(ctx)).mark };
     let ours = mark & MARK_MASK == MARK_MAGIC;
-    match parse(ctx) {
+    match F::parse(ctx) {
         Parsed::L4(pkt) if pkt.flow.proto != proto::SCTP => {
-            conntrack::established_egress(ctx, &pkt, mark, ours)
+            conntrack::established_egress::<F>(ctx, &pkt, mark, ours)
         }
-        Parsed::Icmp(icmp, _) => icmp_error::icmp_error_egress(ctx, icmp, mark, ours),
+        Parsed::Icmp(icmp, _) => icmp_error::icmp_error_egress::<F>(ctx, icmp, mark, ours),
         _ => TC_ACT_OK,
     }
 }

@@ -1,6 +1,8 @@
-//! A new flow at ingress: frontend lookup, loadBalancerSourceRanges, REJECT or DROP of a frontend
-//! without endpoints, backend selection, the masquerade decision, and the flow's conntrack
-//! entries.
+//! A new flow at ingress, in two steps: `choose` (frontend lookup, loadBalancerSourceRanges,
+//! REJECT or DROP of a frontend without endpoints, backend selection) and `track` (the masquerade
+//! decision, the flow's conntrack entries, DNAT). Each step is a BPF function of its own, called
+//! one after the other: together their locals would not fit beside the program's in the 512 bytes
+//! of stack a call chain may use (an IPv6 flow's conntrack key and entry alone take 88).
 
 use aya_ebpf::{
     bindings::{BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
@@ -9,7 +11,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     affinity::kind,
-    conntrack::{Ct4Value, dir, flags as ct},
+    conntrack::{CtKey, CtValue, dir, flags as ct},
     service::flags,
     stats::Counter,
     trace::{tc as trace_cb, verdict},
@@ -17,14 +19,14 @@ use lb_common::{
 
 use super::{
     conntrack::now_ns,
+    ip::Ip,
     nat::apply,
-    parse::{Flow, Packet},
-    reject::reject,
+    parse::Packet,
+    reject::{self, REJECT},
     snat::reserve_snat_port,
 };
 use crate::{
     lb::{self, Frontend},
-    maps::CONNTRACK,
     stats::count,
 };
 
@@ -41,14 +43,42 @@ fn trace(ctx: &mut TcContext, slot: usize, value: u32) {
 /// A TCP/UDP packet at ingress that no conntrack entry keeps: a frontend's new flow is DNATed
 /// (and masqueraded when kube-proxy would), rejected or dropped; anything else passes.
 #[inline(always)]
-pub(super) fn new_flow(ctx: &mut TcContext, pkt: &Packet) -> i32 {
-    let flow = pkt.flow;
-    let cfg = lb::datapath_config();
-    // kube-proxy's local-traffic detector: pods (sources in the cluster CIDR) short-circuit a
-    // Local-policy external frontend to the cluster-wide endpoints, and are not masqueraded when
-    // they reach a cluster IP.
-    let from_pod = cfg.is_pod_address(flow.saddr) == Some(true);
-    let (key, frontend) = match lb::lookup_frontend(flow.daddr, flow.dport, flow.proto, from_pod) {
+pub(super) fn new_flow<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
+    let mut choice = Choice::default();
+    match choose::<F>(ctx, pkt, &mut choice) {
+        CHOSEN => track::<F>(ctx, pkt, &choice),
+        REJECT => reject::reject::<F>(ctx, pkt.l4, &pkt.flow.saddr),
+        verdict => verdict,
+    }
+}
+
+/// What `choose` returns when it filled in a [`Choice`].
+const CHOSEN: i32 = i32::MIN + 2;
+
+/// The backend a new flow goes to, and what `track` needs of its frontend.
+#[derive(Default)]
+pub(super) struct Choice {
+    backend_id: u32,
+    rev_nat_id: u32,
+    /// The frontend entry's `flags::*`.
+    frontend_flags: u16,
+    /// The scope whose entry was used (`SCOPE_EXTERNAL` or `SCOPE_INTERNAL`).
+    scope: u8,
+    /// The source is a pod per the family's local-traffic detector.
+    from_pod: bool,
+}
+
+/// The frontend of a new flow and its backend: [`CHOSEN`] with `choice` filled in, [`REJECT`], or
+/// another verdict (not a frontend, denied by loadBalancerSourceRanges, no endpoints).
+#[inline(never)]
+fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i32 {
+    let flow = &pkt.flow;
+    let family = F::settings(lb::datapath_config());
+    // kube-proxy's local-traffic detector (per family): pods (sources in the cluster CIDR)
+    // short-circuit a Local-policy external frontend to the cluster-wide endpoints, and are not
+    // masqueraded when they reach a cluster IP.
+    let from_pod = family.is_pod_address(&flow.saddr) == Some(true);
+    let (svc_key, frontend) = match lb::lookup_frontend::<F>(&flow.daddr, flow.dport, flow.proto, from_pod) {
         Frontend::None => return TC_ACT_OK,
         Frontend::Incomplete => {
             count(Counter::TcNoBackend);
@@ -58,9 +88,9 @@ pub(super) fn new_flow(ctx: &mut TcContext, pkt: &Packet) -> i32 {
     };
     trace(ctx, trace_cb::CB_REV_NAT_ID, frontend.rev_nat_id);
     trace(ctx, trace_cb::CB_FRONTEND_FLAGS, frontend.flags as u32);
-    trace(ctx, trace_cb::CB_SCOPE_FLAGS, key.scope as u32);
+    trace(ctx, trace_cb::CB_SCOPE_FLAGS, svc_key.scope as u32);
 
-    if frontend.has(flags::SOURCE_RANGES) && !lb::source_in_ranges(&frontend, flow.saddr) {
+    if frontend.has(flags::SOURCE_RANGES) && !lb::source_in_ranges::<F>(frontend, &flow.saddr) {
         count(Counter::SourceRangeDenied);
         trace(ctx, trace_cb::CB_VERDICT, verdict::DROP);
         return TC_ACT_SHOT;
@@ -73,73 +103,87 @@ pub(super) fn new_flow(ctx: &mut TcContext, pkt: &Packet) -> i32 {
         }
         count(Counter::TcRejected);
         trace(ctx, trace_cb::CB_VERDICT, verdict::REJECT);
-        return reject(ctx, pkt);
+        return REJECT;
     }
 
-    let now = now_ns();
-    let client = u32::from_ne_bytes(flow.saddr) as u64;
+    let client = F::client_of_addr(&flow.saddr);
     let hash = unsafe { bpf_get_prandom_u32() };
-    let Some((backend_id, backend)) = lb::select_backend(&key, &frontend, client, kind::ADDR, hash, now)
+    let Some((backend_id, _)) =
+        lb::select_backend::<F>(&svc_key, frontend, client, kind::ADDR, hash, now_ns())
     else {
         count(Counter::TcNoBackend);
         return TC_ACT_OK;
     };
+    *choice = Choice {
+        backend_id,
+        rev_nat_id: frontend.rev_nat_id,
+        frontend_flags: frontend.flags,
+        scope: svc_key.scope,
+        from_pod,
+    };
+    CHOSEN
+}
+
+/// The chosen backend's flow: the masquerade decision, its conntrack entries, and DNAT.
+#[inline(never)]
+fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
+    let flow = &pkt.flow;
+    let cfg = lb::datapath_config();
+    let family = F::settings(cfg);
+    let has = |flag: u16| choice.frontend_flags & flag != 0;
+    let backend_id = choice.backend_id;
+    // Removed since `choose` read it (the agent deletes a backend after unlinking its slots):
+    // as if there were none.
+    let Some(backend) = lb::lookup_backend::<F>(backend_id) else {
+        count(Counter::TcNoBackend);
+        return TC_ACT_OK;
+    };
+    let now = now_ns();
     // A backend at this node's own address (a hostNetwork endpoint) is delivered locally: the
     // packet never reaches egress, where masquerading happens. As with kube-proxy, whose
     // POSTROUTING MASQUERADE never sees a locally delivered packet, it keeps the client's address
     // and its replies get the frontend back on their way out.
-    let local_backend = backend.addr == cfg.snat_addr;
+    let local_backend = backend.addr == family.snat_addr;
     let mut masquerade = !local_backend
-        && (frontend.has(flags::MASQUERADE)
-            || (frontend.has(flags::MASQUERADE_OFF_CLUSTER) && !from_pod)
+        && (has(flags::MASQUERADE)
+            || (has(flags::MASQUERADE_OFF_CLUSTER) && !choice.from_pod)
             // Hairpin: the reply must come back through this node to be translated.
             || backend.addr == flow.saddr);
 
-    let base = Ct4Value {
+    // One entry and one key, rewritten for each of the flow's entries in turn: an IPv6 flow's
+    // entries are 48 and 40 bytes, and copies of each would overflow the stack frame.
+    let mut entry = CtValue::<F> {
         created_ns: now,
         last_seen_ns: now,
-        nat_addr: [0; 4],
-        nat_port: 0,
-        flags: 0,
-        rev_nat_id: frontend.rev_nat_id,
+        nat_addr: flow.daddr,
+        nat_port: flow.dport,
+        flags: ct::REPLY,
+        rev_nat_id: choice.rev_nat_id,
         backend_id,
+        _pad: Default::default(),
     };
-    let reply_tuple = Flow {
+    // The reply tuple (backend -> client), as egress sees it.
+    let mut key = CtKey::<F> {
         saddr: backend.addr,
         daddr: flow.saddr,
         sport: backend.port,
         dport: flow.sport,
         proto: flow.proto,
-    };
-    // The tuple this flow has on the wire after DNAT; egress masquerades it when it carries an
-    // SNAT entry.
-    let fwd_after_dnat = Flow {
-        saddr: flow.saddr,
-        daddr: backend.addr,
-        sport: flow.sport,
-        dport: backend.port,
-        proto: flow.proto,
+        dir: dir::EGRESS,
+        _pad: [0; 2],
     };
     if !masquerade {
         // Replies (backend -> client) get the frontend back as their source on the way out. If a
         // live flow already owns that tuple (the same client port to two frontends with a shared
         // backend), masquerade this one so both stay unambiguous.
-        let undnat = Ct4Value {
-            nat_addr: flow.daddr,
-            nat_port: flow.dport,
-            flags: ct::REPLY,
-            ..base
-        };
-        let key = reply_tuple.key(dir::EGRESS);
-        match CONNTRACK.insert(&key, &undnat, BPF_NOEXIST as u64) {
+        match F::conntrack().insert(&key, &entry, BPF_NOEXIST as u64) {
             Ok(()) => {}
             Err(e) if e as i64 == -EEXIST => {
-                let same = CONNTRACK
-                    .get_ptr(&key)
-                    .map(|p| unsafe { *p })
-                    .is_some_and(|old| old.nat_addr == flow.daddr && old.nat_port == flow.dport);
+                let same = F::conntrack().get_ptr(&key).is_some_and(|old| unsafe {
+                    (*old).nat_addr == flow.daddr && (*old).nat_port == flow.dport
+                });
                 if same {
-                    let _ = CONNTRACK.insert(&key, &undnat, 0);
+                    let _ = F::conntrack().insert(&key, &entry, 0);
                 } else {
                     masquerade = true;
                 }
@@ -150,44 +194,58 @@ pub(super) fn new_flow(ctx: &mut TcContext, pkt: &Packet) -> i32 {
             }
         }
     }
-    if !masquerade {
-        // An earlier masqueraded flow from this client port to this backend through another
-        // frontend leaves an SNAT entry for the same post-DNAT tuple; left in place it would
-        // masquerade this flow too and its replies would go back as the wrong frontend. Egress
-        // cannot tell two such flows apart, so the newest owns the tuple.
-        let _ = CONNTRACK.remove(&fwd_after_dnat.key(dir::EGRESS));
-    }
-    if masquerade {
-        let Some(port) = reserve_snat_port(&cfg, &reply_tuple, &flow, &base) else {
-            count(Counter::TcSnatPortsExhausted);
-            return TC_ACT_SHOT;
-        };
-        let snat = Ct4Value {
-            nat_addr: cfg.snat_addr,
-            nat_port: port,
-            flags: ct::SNAT,
-            ..base
-        };
-        if CONNTRACK
-            .insert(&fwd_after_dnat.key(dir::EGRESS), &snat, 0)
-            .is_err()
-        {
-            count(Counter::TcCtInsertFailed);
+    let masquerade_port = if masquerade {
+        if family.snat_addr == F::UNSPECIFIED {
+            count(Counter::TcNoMasqueradeAddress);
             return TC_ACT_SHOT;
         }
-        count(Counter::TcMasqueraded);
-    }
-    let mut fwd_flags = if masquerade { ct::SNAT } else { 0 };
-    if backend.addr == flow.saddr {
-        fwd_flags |= ct::HAIRPIN;
-    }
-    let dnat = Ct4Value {
-        nat_addr: backend.addr,
-        nat_port: backend.port,
-        flags: fwd_flags,
-        ..base
+        // The un-SNAT entry (backend -> node IP:port) holds the port: client as the NAT target.
+        entry.nat_addr = flow.saddr;
+        entry.nat_port = flow.sport;
+        entry.flags = ct::REPLY | ct::SNAT;
+        match reserve_snat_port::<F>(cfg, &mut key, &entry) {
+            Some(port) => Some(port),
+            None => {
+                count(Counter::TcSnatPortsExhausted);
+                return TC_ACT_SHOT;
+            }
+        }
+    } else {
+        None
     };
-    if CONNTRACK.insert(&flow.key(dir::INGRESS), &dnat, 0).is_err() {
+    // The tuple this flow has on the wire after DNAT; egress masquerades it when it carries an
+    // SNAT entry.
+    key.saddr = flow.saddr;
+    key.daddr = backend.addr;
+    key.sport = flow.sport;
+    key.dport = backend.port;
+    key.dir = dir::EGRESS;
+    match masquerade_port {
+        None => {
+            // An earlier masqueraded flow from this client port to this backend through another
+            // frontend leaves an SNAT entry for the same post-DNAT tuple; left in place it would
+            // masquerade this flow too and its replies would go back as the wrong frontend.
+            // Egress cannot tell two such flows apart, so the newest owns the tuple.
+            let _ = F::conntrack().remove(&key);
+        }
+        Some(port) => {
+            entry.nat_addr = family.snat_addr;
+            entry.nat_port = port;
+            entry.flags = ct::SNAT;
+            if F::conntrack().insert(&key, &entry, 0).is_err() {
+                count(Counter::TcCtInsertFailed);
+                return TC_ACT_SHOT;
+            }
+            count(Counter::TcMasqueraded);
+        }
+    }
+    entry.flags = if masquerade { ct::SNAT } else { 0 };
+    if backend.addr == flow.saddr {
+        entry.flags |= ct::HAIRPIN;
+    }
+    entry.nat_addr = backend.addr;
+    entry.nat_port = backend.port;
+    if F::conntrack().insert(&flow.key(dir::INGRESS), &entry, 0).is_err() {
         count(Counter::TcCtInsertFailed);
         return TC_ACT_SHOT;
     }
@@ -197,7 +255,7 @@ pub(super) fn new_flow(ctx: &mut TcContext, pkt: &Packet) -> i32 {
     trace(
         ctx,
         trace_cb::CB_SCOPE_FLAGS,
-        key.scope as u32 | if masquerade { trace_cb::MASQUERADED } else { 0 },
+        choice.scope as u32 | if masquerade { trace_cb::MASQUERADED } else { 0 },
     );
     apply(ctx, pkt, false, backend.addr, backend.port)
 }

@@ -2,10 +2,15 @@
 //! the ClusterIP `10.96.1.0 + i`, port 80 (TCP) to target port 8080, and one EndpointSlice with
 //! 10 ready endpoints `10.128.0.0 + 16 i + j + 1` (j < 10) on another node. ClusterIPs are set
 //! explicitly so every run (and every delete/re-create) uses the same addresses.
+//!
+//! The IPv6 set is the same in IPv6, single-stack (the cluster is dual-stack, IPv4 first):
+//! `bench/sNNNNN-v6` has the ClusterIP `fd00:10:96::100 + i` (the same offset in the IPv6
+//! Service range) and one `addressType: IPv6` slice with the endpoints `fd00:10:200:: + 16 i +
+//! j + 1`. The two sets are independent: the suite has one or the other in the API.
 
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     sync::{
         Arc,
         atomic::{AtomicUsize, Ordering},
@@ -24,6 +29,7 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use lb_tests::{
     control_plane::ControlPlane,
     fixtures::{State, service, slice},
+    packet::Family,
 };
 
 use super::{crr::now_ns, topo};
@@ -37,8 +43,28 @@ pub const EXTRA_BASE: u32 = 50_000;
 /// Parallel API requests when creating or deleting many objects.
 const CONCURRENCY: usize = 8;
 
+/// The name of Service `i` of `family`'s set.
+pub fn svc_name_in(family: Family, i: u32) -> String {
+    match family {
+        Family::V4 => format!("s{i:05}"),
+        Family::V6 => format!("s{i:05}-v6"),
+    }
+}
+
 pub fn svc_name(i: u32) -> String {
-    format!("s{i:05}")
+    svc_name_in(Family::V4, i)
+}
+
+/// The ClusterIP of Service `i` of `family`'s set: the same offset (256 + i) in either range.
+pub fn cluster_ip_in(family: Family, i: u32) -> IpAddr {
+    assert!(i < 60_000, "service index {i} outside the Service ranges");
+    match family {
+        Family::V4 => cluster_ip(i).into(),
+        Family::V6 => {
+            Ipv6Addr::from(u128::from(Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x100)) + u128::from(i))
+                .into()
+        }
+    }
 }
 
 pub fn cluster_ip(i: u32) -> Ipv4Addr {
@@ -46,33 +72,66 @@ pub fn cluster_ip(i: u32) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 1, 0)) + i)
 }
 
+/// Endpoint `j` of Service `i` of `family`'s set: the same offset in either endpoint range.
+pub fn endpoint_ip_in(family: Family, i: u32, j: u32) -> IpAddr {
+    match family {
+        Family::V4 => endpoint_ip(i, j).into(),
+        Family::V6 => Ipv6Addr::from(
+            u128::from(Ipv6Addr::new(0xfd00, 0x10, 0x200, 0, 0, 0, 0, 0)) + u128::from(i * 16 + j + 1),
+        )
+        .into(),
+    }
+}
+
 pub fn endpoint_ip(i: u32, j: u32) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + i * 16 + j + 1)
 }
 
-pub fn vip(i: u32, port: u16) -> SocketAddrV4 {
-    SocketAddrV4::new(cluster_ip(i), port)
+pub fn vip_in(family: Family, i: u32, port: u16) -> SocketAddr {
+    SocketAddr::new(cluster_ip_in(family, i), port)
 }
 
-pub fn endpoints(i: u32) -> Vec<SocketAddrV4> {
+pub fn vip(i: u32, port: u16) -> SocketAddr {
+    vip_in(Family::V4, i, port)
+}
+
+pub fn endpoints_in(family: Family, i: u32) -> Vec<SocketAddr> {
     (0..ENDPOINTS)
-        .map(|j| SocketAddrV4::new(endpoint_ip(i, j), topo::BACKEND_PORT))
+        .map(|j| SocketAddr::new(endpoint_ip_in(family, i, j), topo::BACKEND_PORT))
         .collect()
 }
 
+pub fn build_service_in(family: Family, i: u32, port: u16) -> Service {
+    let svc = service(NS, &svc_name_in(family, i));
+    match family {
+        Family::V4 => svc.cluster_ip(&cluster_ip(i).to_string()),
+        // Single-stack IPv6 (`ipFamilies: [IPv6]`) in the IPv4-first dual-stack cluster.
+        Family::V6 => svc.cluster_ips(&[&cluster_ip_in(family, i).to_string()]),
+    }
+    .port("http", "TCP", i32::from(port), i32::from(topo::BACKEND_PORT))
+    .build()
+}
+
 pub fn build_service(i: u32, port: u16) -> Service {
-    service(NS, &svc_name(i))
-        .cluster_ip(&cluster_ip(i).to_string())
-        .port("http", "TCP", i32::from(port), i32::from(topo::BACKEND_PORT))
-        .build()
+    build_service_in(Family::V4, i, port)
+}
+
+/// The slice of Service `i` of `family`'s set (its `addressType` is the family's).
+pub fn build_slice_in(family: Family, i: u32) -> EndpointSlice {
+    let name = svc_name_in(family, i);
+    let mut s = slice(NS, &name, &format!("{name}-1"));
+    for j in 0..ENDPOINTS {
+        s = s.endpoint(
+            &endpoint_ip_in(family, i, j).to_string(),
+            "bench-node-b",
+            State::Ready,
+        );
+    }
+    s.port("http", "TCP", i32::from(topo::BACKEND_PORT)).build()
 }
 
 pub fn build_slice(i: u32) -> EndpointSlice {
-    let mut s = slice(NS, &svc_name(i), &format!("{}-1", svc_name(i)));
-    for j in 0..ENDPOINTS {
-        s = s.endpoint(&endpoint_ip(i, j).to_string(), "bench-node-b", State::Ready);
-    }
-    s.port("http", "TCP", i32::from(topo::BACKEND_PORT)).build()
+    build_slice_in(Family::V4, i)
 }
 
 type WatchLog = Arc<std::sync::Mutex<Vec<(u64, String, u16, bool)>>>;
@@ -102,11 +161,13 @@ impl Drop for ServiceWatch {
     }
 }
 
-/// The API client and the number of benchmark Services that exist (`0..present`).
+/// The API client and the number of benchmark Services that exist (`0..present` of the IPv4
+/// set, `0..present6` of the IPv6 set).
 pub struct Cluster {
     pub rt: tokio::runtime::Runtime,
     pub client: kube::Client,
     pub present: u32,
+    pub present6: u32,
 }
 
 fn code(e: &kube::Error) -> Option<u16> {
@@ -137,7 +198,9 @@ where
 }
 
 impl Cluster {
-    /// The benchmark namespace and the Node every proxy runs as (InternalIP = the node address).
+    /// The benchmark namespace and the Node every proxy runs as: a dual-stack node, its
+    /// InternalIPs the node's addresses of both families, IPv4 first (kube-proxy takes the
+    /// first as its primary family's node IP, the second as the other's).
     pub fn setup(cp: &ControlPlane) -> Cluster {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -170,10 +233,14 @@ impl Cluster {
             };
             retry("create node", 409, || nodes.create(&pp, &node)).await;
             let status = NodeStatus {
-                addresses: Some(vec![NodeAddress {
-                    type_: "InternalIP".into(),
-                    address: topo::NODE_IP.into(),
-                }]),
+                addresses: Some(
+                    [topo::NODE_IP, topo::NODE_IP6]
+                        .map(|ip| NodeAddress {
+                            type_: "InternalIP".into(),
+                            address: ip.into(),
+                        })
+                        .to_vec(),
+                ),
                 ..Default::default()
             };
             nodes
@@ -189,6 +256,7 @@ impl Cluster {
             rt,
             client,
             present: 0,
+            present6: 0,
         }
     }
 
@@ -253,38 +321,66 @@ impl Cluster {
 
     /// Creates Services (and their slices) `present..n`. Returns (first request, all done) times.
     pub fn grow_to(&mut self, n: u32) -> (u64, u64) {
+        self.grow_in(Family::V4, n)
+    }
+
+    /// Deletes Services (and slices) `n..present`.
+    pub fn shrink_to(&mut self, n: u32) {
+        self.shrink_in(Family::V4, n)
+    }
+
+    /// The number of Services of `family`'s set that exist.
+    pub fn present_in(&self, family: Family) -> u32 {
+        match family {
+            Family::V4 => self.present,
+            Family::V6 => self.present6,
+        }
+    }
+
+    fn present_mut(&mut self, family: Family) -> &mut u32 {
+        match family {
+            Family::V4 => &mut self.present,
+            Family::V6 => &mut self.present6,
+        }
+    }
+
+    /// [`Cluster::grow_to`] for `family`'s set.
+    pub fn grow_in(&mut self, family: Family, n: u32) -> (u64, u64) {
         let started = now_ns();
-        let indices: Vec<u32> = (self.present..n).collect();
+        let indices: Vec<u32> = (self.present_in(family)..n).collect();
         self.parallel(
-            "creating Services + EndpointSlices",
+            &format!("creating {} Services + EndpointSlices", family.name()),
             indices,
-            |svcs, slices, i| async move {
+            move |svcs, slices, i| async move {
                 let (pp, svc, sl) = (
                     PostParams::default(),
-                    build_service(i, SERVICE_PORT),
-                    build_slice(i),
+                    build_service_in(family, i, SERVICE_PORT),
+                    build_slice_in(family, i),
                 );
                 retry("create service", 409, || svcs.create(&pp, &svc)).await;
                 retry("create slice", 409, || slices.create(&pp, &sl)).await;
             },
         );
-        self.present = self.present.max(n);
+        let present = self.present_mut(family);
+        *present = (*present).max(n);
         (started, now_ns())
     }
 
-    /// Deletes Services (and slices) `n..present`.
-    pub fn shrink_to(&mut self, n: u32) {
-        let indices: Vec<u32> = (n..self.present).rev().collect();
+    /// [`Cluster::shrink_to`] for `family`'s set.
+    pub fn shrink_in(&mut self, family: Family, n: u32) {
+        let indices: Vec<u32> = (n..self.present_in(family)).rev().collect();
         self.parallel(
-            "deleting Services + EndpointSlices",
+            &format!("deleting {} Services + EndpointSlices", family.name()),
             indices,
-            |svcs, slices, i| async move {
-                let (dp, svc, name) = (DeleteParams::default(), svc_name(i), format!("{}-1", svc_name(i)));
+            move |svcs, slices, i| async move {
+                let (dp, svc) = (DeleteParams::default(), svc_name_in(family, i));
+                let name = format!("{svc}-1");
                 retry("delete service", 404, || svcs.delete(&svc, &dp)).await;
                 retry("delete slice", 404, || slices.delete(&name, &dp)).await;
             },
         );
-        self.present = self.present.min(n);
+        let present = self.present_mut(family);
+        *present = (*present).min(n);
     }
 
     /// Watches the benchmark Services from this process: when each Service event reached an API

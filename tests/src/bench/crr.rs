@@ -7,16 +7,21 @@
 //!   endpoint of it), closed with RST (`SO_LINGER` 0) so no TIME_WAIT piles up. The time of the
 //!   blocking `connect()` is SYN to SYN-ACK (plus the local syscall); conn/s is the closed-loop
 //!   rate over the whole loop (socket, connect, close).
-//! - `serve`: the accept-and-close server that answers every endpoint IP (AnyIP route).
+//! - `serve`: the accept-and-close server that answers every endpoint IP (AnyIP routes), in both
+//!   families (one IPv4 and one IPv6-only listener per port, so an IPv4 connection meets the
+//!   same listener as in an IPv4-only benchmark).
 //! - `probe`: polls one address with short-timeout connects until it answers (or stops
 //!   answering), and reports the CLOCK_MONOTONIC time at which the deciding attempt started,
 //!   which the parent compares with the time it made the API call (the clock is shared by every
 //!   process on the machine). The resolution is one attempt plus the polling interval.
+//!
+//! Every address is IPv4 or IPv6; a connection uses a socket of its family (an IPv6 one meets
+//! the agent's connect6 on the socket path).
 
 use std::{
     fs,
     io::Write,
-    net::{SocketAddrV4, TcpListener},
+    net::{SocketAddr, TcpListener},
     path::Path,
     process::{Command, Stdio},
     time::Duration,
@@ -48,11 +53,65 @@ pub fn pin_to_cpu(cpu: usize) {
     }
 }
 
+/// A socket address for the syscalls: a `sockaddr_in` or a `sockaddr_in6`.
+enum RawAddr {
+    V4(libc::sockaddr_in),
+    V6(libc::sockaddr_in6),
+}
+
+impl RawAddr {
+    fn new(addr: SocketAddr) -> RawAddr {
+        match addr {
+            SocketAddr::V4(a) => RawAddr::V4(libc::sockaddr_in {
+                sin_family: libc::AF_INET as u16,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from(*a.ip()).to_be(),
+                },
+                sin_zero: [0; 8],
+            }),
+            SocketAddr::V6(a) => RawAddr::V6(libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as u16,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: 0,
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: 0,
+            }),
+        }
+    }
+
+    fn domain(&self) -> libc::c_int {
+        match self {
+            RawAddr::V4(_) => libc::AF_INET,
+            RawAddr::V6(_) => libc::AF_INET6,
+        }
+    }
+
+    /// The pointer and length the syscalls take (valid while `self` lives).
+    fn as_ptr(&self) -> (*const libc::sockaddr, libc::socklen_t) {
+        match self {
+            RawAddr::V4(a) => (
+                (a as *const libc::sockaddr_in).cast(),
+                std::mem::size_of::<libc::sockaddr_in>() as u32,
+            ),
+            RawAddr::V6(a) => (
+                (a as *const libc::sockaddr_in6).cast(),
+                std::mem::size_of::<libc::sockaddr_in6>() as u32,
+            ),
+        }
+    }
+}
+
 /// One TCP connect to `to`, closed with RST. Ok(connect time in ns) or Err(errno).
-pub fn connect_once(to: SocketAddrV4, timeout: Duration) -> Result<u64, i32> {
-    // SAFETY: plain socket syscalls on a descriptor this function owns and always closes.
+pub fn connect_once(to: SocketAddr, timeout: Duration) -> Result<u64, i32> {
+    let addr = RawAddr::new(to);
+    let (sa, len) = addr.as_ptr();
+    // SAFETY: plain socket syscalls on a descriptor this function owns and always closes; `sa`
+    // points into `addr`, which lives until the end.
     unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        let fd = libc::socket(addr.domain(), libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
         if fd < 0 {
             return Err(*libc::__errno_location());
         }
@@ -79,20 +138,8 @@ pub fn connect_once(to: SocketAddrV4, timeout: Duration) -> Result<u64, i32> {
             (&tv as *const libc::timeval).cast(),
             std::mem::size_of::<libc::timeval>() as u32,
         );
-        let sin = libc::sockaddr_in {
-            sin_family: libc::AF_INET as u16,
-            sin_port: to.port().to_be(),
-            sin_addr: libc::in_addr {
-                s_addr: u32::from(*to.ip()).to_be(),
-            },
-            sin_zero: [0; 8],
-        };
         let t0 = now_ns();
-        let r = libc::connect(
-            fd,
-            (&sin as *const libc::sockaddr_in).cast(),
-            std::mem::size_of::<libc::sockaddr_in>() as u32,
-        );
+        let r = libc::connect(fd, sa, len);
         let t1 = now_ns();
         let err = if r != 0 { *libc::__errno_location() } else { 0 };
         libc::close(fd);
@@ -102,7 +149,7 @@ pub fn connect_once(to: SocketAddrV4, timeout: Duration) -> Result<u64, i32> {
 
 /// Targets: one line per Service, the addresses a connection to it may use (one ClusterIP:port,
 /// or, for the floor, every endpoint IP:port).
-pub fn write_targets(path: &Path, lines: &[Vec<SocketAddrV4>]) {
+pub fn write_targets(path: &Path, lines: &[Vec<SocketAddr>]) {
     let mut text = String::new();
     for l in lines {
         let parts: Vec<String> = l.iter().map(ToString::to_string).collect();
@@ -112,7 +159,7 @@ pub fn write_targets(path: &Path, lines: &[Vec<SocketAddrV4>]) {
     fs::write(path, text).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
 }
 
-fn read_targets(path: &str) -> Vec<Vec<SocketAddrV4>> {
+fn read_targets(path: &str) -> Vec<Vec<SocketAddr>> {
     fs::read_to_string(path)
         .unwrap_or_else(|e| panic!("read {path}: {e}"))
         .lines()
@@ -204,7 +251,13 @@ pub fn crr_main(args: &[String]) {
 pub fn serve_main(args: &[String]) {
     let (cpu, ports) = args.split_first().expect("usage: lb-bench serve CPU PORT...");
     pin_to_cpu(cpu.parse().expect("cpu"));
-    let listeners: Vec<TcpListener> = ports.iter().map(|p| listen(p.parse().expect("port"))).collect();
+    let listeners: Vec<TcpListener> = ports
+        .iter()
+        .flat_map(|p| {
+            let port = p.parse().expect("port");
+            [listen(port, false), listen(port, true)]
+        })
+        .collect();
     println!("{{\"ready\":true}}");
     let _ = std::io::stdout().flush();
     let handles: Vec<_> = listeners
@@ -224,13 +277,22 @@ pub fn serve_main(args: &[String]) {
     }
 }
 
-/// A listener on 0.0.0.0:port with a deep accept queue (std's is 128: a server descheduled for
-/// a few ms would drop SYNs, and the client would see a 1 s retransmission).
-fn listen(port: u16) -> TcpListener {
+/// A listener on 0.0.0.0:port, or on [::]:port for IPv6 only (IPV6_V6ONLY: the IPv4 listener
+/// keeps every IPv4 connection), with a deep accept queue (std's is 128: a server descheduled
+/// for a few ms would drop SYNs, and the client would see a 1 s retransmission).
+fn listen(port: u16, ipv6: bool) -> TcpListener {
     use std::os::fd::FromRawFd;
-    // SAFETY: socket syscalls on a descriptor handed to TcpListener, which owns it afterwards.
+    let any: SocketAddr = if ipv6 {
+        (std::net::Ipv6Addr::UNSPECIFIED, port).into()
+    } else {
+        (std::net::Ipv4Addr::UNSPECIFIED, port).into()
+    };
+    let addr = RawAddr::new(any);
+    let (sa, len) = addr.as_ptr();
+    // SAFETY: socket syscalls on a descriptor handed to TcpListener, which owns it afterwards;
+    // `sa` points into `addr`, which outlives the calls.
     unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        let fd = libc::socket(addr.domain(), libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
         assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
         let one: libc::c_int = 1;
         libc::setsockopt(
@@ -240,18 +302,17 @@ fn listen(port: u16) -> TcpListener {
             (&one as *const libc::c_int).cast(),
             std::mem::size_of::<libc::c_int>() as u32,
         );
-        let sin = libc::sockaddr_in {
-            sin_family: libc::AF_INET as u16,
-            sin_port: port.to_be(),
-            sin_addr: libc::in_addr { s_addr: 0 },
-            sin_zero: [0; 8],
-        };
-        let r = libc::bind(
-            fd,
-            (&sin as *const libc::sockaddr_in).cast(),
-            std::mem::size_of::<libc::sockaddr_in>() as u32,
-        );
-        assert!(r == 0, "bind :{port}: {}", std::io::Error::last_os_error());
+        if ipv6 {
+            libc::setsockopt(
+                fd,
+                libc::IPPROTO_IPV6,
+                libc::IPV6_V6ONLY,
+                (&one as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as u32,
+            );
+        }
+        let r = libc::bind(fd, sa, len);
+        assert!(r == 0, "bind {any}: {}", std::io::Error::last_os_error());
         assert!(
             libc::listen(fd, 4096) == 0,
             "listen: {}",
@@ -283,7 +344,7 @@ pub fn probe_main(args: &[String]) {
         _ => panic!("usage: lb-bench probe TO up|down TIMEOUT_MS INTERVAL_US [ALL_TARGETS]"),
     };
     pin_to_cpu(1);
-    let to: SocketAddrV4 = to.parse().expect("address");
+    let to: SocketAddr = to.parse().expect("address");
     let want_up = want == "up";
     let deadline = now_ns() + timeout_ms.parse::<u64>().expect("timeout") * 1_000_000;
     let interval = Duration::from_micros(interval_us.parse().expect("interval"));
@@ -314,7 +375,7 @@ pub fn probe_main(args: &[String]) {
     }
     result.attempts = attempts;
     if let (true, Some(all)) = (result.ok, all) {
-        let mut pending: Vec<SocketAddrV4> = read_targets(all).into_iter().flatten().collect();
+        let mut pending: Vec<SocketAddr> = read_targets(all).into_iter().flatten().collect();
         loop {
             result.all_passes += 1;
             pending.retain(|t| connect_once(*t, attempt_timeout).is_err());
@@ -379,7 +440,7 @@ pub struct Probe {
 impl Probe {
     pub fn start(
         place: Place<'_>,
-        to: SocketAddrV4,
+        to: SocketAddr,
         want_up: bool,
         timeout: Duration,
         interval_us: u64,

@@ -1,5 +1,6 @@
-//! The measurements that need the API server: connect latency per configuration, programming
-//! time, add/change/remove latency, and memory.
+//! The measurements that need the API server: connect latency per configuration (over IPv4,
+//! and over IPv6 with the IPv6 Service set), programming time, add/change/remove latency, and
+//! memory.
 
 use std::{
     collections::BTreeMap,
@@ -8,6 +9,7 @@ use std::{
     time::Duration,
 };
 
+use lb_tests::packet::Family;
 use serde::{Deserialize, Serialize};
 
 use super::{
@@ -33,17 +35,38 @@ impl Ctx<'_> {
         peer.launch(&self.kubeconfig, &self.kube_proxy, self.opts.backends_capacity);
     }
 
-    /// Target files for `n` Services: ClusterIP:80 per line, and the floor's endpoints.
-    fn targets(&self, n: u32) -> (PathBuf, PathBuf) {
-        let vips = self.workdir.join(format!("vips-{n}.txt"));
-        let direct = self.workdir.join(format!("direct-{n}.txt"));
+    /// Target files for `n` Services of `family`'s set: ClusterIP:80 per line, and the floor's
+    /// endpoints.
+    fn targets(&self, n: u32, family: Family) -> (PathBuf, PathBuf) {
+        let tag = tag(family);
+        let vips = self.workdir.join(format!("vips{tag}-{n}.txt"));
+        let direct = self.workdir.join(format!("direct{tag}-{n}.txt"));
         if !vips.exists() {
-            let lines: Vec<_> = (0..n).map(|i| vec![api::vip(i, api::SERVICE_PORT)]).collect();
+            let lines: Vec<_> = (0..n)
+                .map(|i| vec![api::vip_in(family, i, api::SERVICE_PORT)])
+                .collect();
             crr::write_targets(&vips, &lines);
-            let lines: Vec<_> = (0..n).map(api::endpoints).collect();
+            let lines: Vec<_> = (0..n).map(|i| api::endpoints_in(family, i)).collect();
             crr::write_targets(&direct, &lines);
         }
         (vips, direct)
+    }
+}
+
+/// "" for IPv4 (the names of an IPv4-only suite), "6" for IPv6: in file names.
+fn tag(family: Family) -> &'static str {
+    match family {
+        Family::V4 => "",
+        Family::V6 => "6",
+    }
+}
+
+/// What the memory taken after a cold start is called (`Memory::when`), per family of the
+/// Services in the API.
+pub fn cold_start_when(family: Family) -> &'static str {
+    match family {
+        Family::V4 => "cold start",
+        Family::V6 => "cold start (IPv6 Services)",
     }
 }
 
@@ -229,10 +252,20 @@ fn agent_ms(peer: &Peer, since: u64) -> Vec<f64> {
         .collect()
 }
 
-/// Starts every configuration on its own topology with `n` Services in the API (one at a time,
-/// timing each cold start), then runs the connect-latency rounds, alternating configurations.
-pub fn latency_level(ctx: &mut Ctx<'_>, n: u32) -> (LatencyLevel, Vec<Memory>) {
-    let (vips, direct) = ctx.targets(n);
+/// Starts every configuration (but those in `skip`) on its own topology with `n` Services of
+/// `family`'s set in the API (one at a time, timing each cold start), then runs the
+/// connect-latency rounds over that family, alternating configurations.
+pub fn latency_level(
+    ctx: &mut Ctx<'_>,
+    n: u32,
+    family: Family,
+    skip: &[Config],
+) -> (LatencyLevel, Vec<Memory>) {
+    let (vips, direct) = ctx.targets(n, family);
+    let over = match family {
+        Family::V4 => "",
+        Family::V6 => " over IPv6",
+    };
     let mut level = LatencyLevel {
         n,
         ..Default::default()
@@ -241,11 +274,17 @@ pub fn latency_level(ctx: &mut Ctx<'_>, n: u32) -> (LatencyLevel, Vec<Memory>) {
     let mut mem = Vec::new();
     for config in Config::ALL {
         check_interrupted();
+        if skip.contains(&config) {
+            continue;
+        }
         let mut peer = Peer::new(config, ctx.api_addr);
-        let (last, all): (std::net::SocketAddrV4, &Path) = if config == Config::Direct {
-            (api::endpoints(n - 1)[api::ENDPOINTS as usize - 1], &direct)
+        let (last, all): (std::net::SocketAddr, &Path) = if config == Config::Direct {
+            (
+                api::endpoints_in(family, n - 1)[api::ENDPOINTS as usize - 1],
+                &direct,
+            )
         } else {
-            (api::vip(n - 1, api::SERVICE_PORT), &vips)
+            (api::vip_in(family, n - 1, api::SERVICE_PORT), &vips)
         };
         let probe = Probe::start(peer.client(), last, true, ctx.opts.cold_timeout, 2000, Some(all));
         ctx.launch(&mut peer);
@@ -271,7 +310,7 @@ pub fn latency_level(ctx: &mut Ctx<'_>, n: u32) -> (LatencyLevel, Vec<Memory>) {
             agent_sync_ms: agent_ms(&peer, 0),
         };
         eprintln!(
-            "  {:<22} N={n}: serving all after {} (last Service after {}){}",
+            "  {:<22} N={n}{over}: serving all after {} (last Service after {}){}",
             config.label(),
             fmt_s(cold.all_s),
             fmt_s(cold.last_s),
@@ -294,14 +333,17 @@ pub fn latency_level(ctx: &mut Ctx<'_>, n: u32) -> (LatencyLevel, Vec<Memory>) {
         level.cold.push(cold);
         if failed {
             // Not measured at this N: it would only time out, and keep a CPU busy meanwhile.
-            eprintln!("  {} is left out of the rounds at N={n}", config.label());
-            peer.save_log(&ctx.opts.log_dir, &format!("cold-{n}-{config:?}.log"));
+            eprintln!("  {} is left out of the rounds at N={n}{over}", config.label());
+            peer.save_log(
+                &ctx.opts.log_dir,
+                &format!("cold{}-{n}-{config:?}.log", tag(family)),
+            );
             peer.stop();
             continue;
         }
         if config != Config::Direct
             && config != Config::LbTc
-            && let Some(m) = memory(&peer, n, "cold start")
+            && let Some(m) = memory(&peer, n, cold_start_when(family))
         {
             mem.push(m);
         }
@@ -332,10 +374,13 @@ pub fn latency_level(ctx: &mut Ctx<'_>, n: u32) -> (LatencyLevel, Vec<Memory>) {
             } else {
                 &vips
             };
-            let seed = u64::from(n) * 1000 + round as u64 * 10 + k as u64;
+            let seed = u64::from(n) * 1000
+                + round as u64 * 10
+                + k as u64
+                + if family == Family::V6 { 500 } else { 0 };
             let r = crr::run_crr(peer.client(), targets, ctx.opts.conns, ctx.opts.warmup, seed);
             eprintln!(
-                "  round {}/{} N={n} {:<22} p50 {:>7.1} µs  p90 {:>7.1}  p99 {:>7.1}  p99.9 {:>7.1}  {:>7.0} conn/s{}",
+                "  round {}/{} N={n}{over} {:<22} p50 {:>7.1} µs  p90 {:>7.1}  p99 {:>7.1}  p99.9 {:>7.1}  {:>7.0} conn/s{}",
                 round + 1,
                 ctx.opts.rounds,
                 peer.config.label(),
@@ -362,7 +407,7 @@ pub fn latency_level(ctx: &mut Ctx<'_>, n: u32) -> (LatencyLevel, Vec<Memory>) {
         let costs = in_stack_costs(peer, &vips, ctx.opts.conns, u64::from(n) * 1000 + 999);
         for c in &costs {
             eprintln!(
-                "  in-stack N={n} {:<22} {:<14} {:>7.0} ns/run  {:.1} runs/connection",
+                "  in-stack N={n}{over} {:<22} {:<14} {:>7.0} ns/run  {:.1} runs/connection",
                 peer.config.label(),
                 c.program,
                 c.ns_per_run,
@@ -373,7 +418,10 @@ pub fn latency_level(ctx: &mut Ctx<'_>, n: u32) -> (LatencyLevel, Vec<Memory>) {
     }
     for p in peers {
         if p.config != Config::Direct {
-            p.save_log(&ctx.opts.log_dir, &format!("cold-{n}-{:?}.log", p.config));
+            p.save_log(
+                &ctx.opts.log_dir,
+                &format!("cold{}-{n}-{:?}.log", tag(family), p.config),
+            );
         }
         p.stop();
     }
@@ -393,7 +441,7 @@ pub fn programming(
         ctx.cluster.present, 0,
         "programming starts from no benchmark Service"
     );
-    let (vips, _) = ctx.targets(n);
+    let (vips, _) = ctx.targets(n, Family::V4);
     let mut peer = Peer::new(config, ctx.api_addr);
     ctx.launch(&mut peer);
     assert!(
@@ -564,7 +612,7 @@ struct Step<'a> {
     settle_max: Duration,
     what: &'a str,
     index: u32,
-    to: std::net::SocketAddrV4,
+    to: std::net::SocketAddr,
     want_up: bool,
     watch: &'a api::ServiceWatch,
 }

@@ -10,6 +10,12 @@
 //! - `measure`: connect latency, programming time, change latency and memory;
 //! - `tcrun`: tc cost per packet with BPF_PROG_TEST_RUN;
 //! - `report`: docs/benchmarks.md, the plots, the terminal summary.
+//!
+//! Connect latency and the tc cost are measured in both IP families: every topology, proxy and
+//! Node is dual-stack (IPv4 first), and after the IPv4 rounds at each N the IPv4 Services are
+//! replaced by as many single-stack IPv6 ones for the IPv6 rounds (fresh proxies, cold starts
+//! timed the same way), so each family's numbers are taken with only that family's Services in
+//! the API, and the IPv4 ones exactly as in an IPv4-only run.
 
 pub mod api;
 pub mod crr;
@@ -29,7 +35,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use lb_tests::control_plane::ControlPlane;
+use lb_tests::{control_plane::ControlPlane, packet::Family};
 
 use self::{measure::Ctx, peers::Config, report::Results};
 
@@ -56,6 +62,8 @@ pub struct Options {
     /// The agent's `--bpf-lb-map-max` (backends and reverse-NAT capacity).
     pub backends_capacity: u32,
     pub write_docs: bool,
+    /// The IPv6 rounds (connect latency and tc cost over IPv6) besides the IPv4 ones.
+    pub ipv6: bool,
     pub skip_tc: bool,
     /// Only the BPF_PROG_TEST_RUN measurements (development).
     pub tc_only: bool,
@@ -86,6 +94,7 @@ impl Options {
             // 10,000 Services × 10 distinct endpoints do not fit the default 65,536 backends.
             backends_capacity: 131_072,
             write_docs: true,
+            ipv6: true,
             skip_tc: false,
             tc_only: false,
             log_dir: workspace_root().join("target/bench/logs"),
@@ -177,19 +186,24 @@ pub fn run(opts: &Options, command: String) -> Results {
     };
 
     if !opts.skip_tc {
-        for &n in &opts.tc_levels {
-            step(&format!(
-                "tc cost per packet (BPF_PROG_TEST_RUN) with {n} Services × 10 endpoints"
-            ));
-            match tcrun::measure(n, opts.tc_batches, opts.tc_calls) {
-                Ok(level) => r.tc.push(level),
-                Err(e) => {
-                    eprintln!("  FAILED: {e:#}");
-                    r.problems
-                        .push(format!("tc measurement at {n} Services failed: {e:#}"));
+        for family in families(opts) {
+            for &n in &opts.tc_levels {
+                step(&format!(
+                    "tc cost per packet (BPF_PROG_TEST_RUN) with {n} {} Services × 10 endpoints",
+                    family.name()
+                ));
+                match tcrun::measure(n, family, opts.tc_batches, opts.tc_calls) {
+                    Ok(level) => r.tc_in_mut(family).push(level),
+                    Err(e) => {
+                        eprintln!("  FAILED: {e:#}");
+                        r.problems.push(format!(
+                            "tc measurement at {n} {} Services failed: {e:#}",
+                            family.name()
+                        ));
+                    }
                 }
+                check_interrupted();
             }
-            check_interrupted();
         }
         save(&r, &out_json);
     }
@@ -273,36 +287,48 @@ pub fn run(opts: &Options, command: String) -> Results {
         step(&format!(
             "connect latency with {n} Services: starting the five configurations"
         ));
-        let (level, mem) = measure::latency_level(&mut ctx, n);
-        for c in &level.cold {
-            if c.all_s.is_none() || c.not_answering > 0 {
-                r.problems.push(format!(
-                    "{} did not serve every one of {n} Services within {:?} of its start{}",
-                    c.config.map(Config::label).unwrap_or(""),
-                    opts.cold_timeout,
-                    if c.last_s.is_none() {
-                        " (left out of the connect-latency rounds at this N)"
-                    } else {
-                        ""
-                    }
-                ));
-            }
-        }
-        for (c, runs) in &level.runs {
-            let errors: usize = runs.iter().map(|x| x.errors).sum();
-            if errors > 0 {
-                r.problems.push(format!(
-                    "{} at {n} Services: {errors} failed connections (first: {})",
-                    c.label(),
-                    runs.iter()
-                        .find_map(|x| x.first_error.clone())
-                        .unwrap_or_default()
-                ));
-            }
-        }
+        let (level, mem) = measure::latency_level(&mut ctx, n, Family::V4, &[]);
+        level_problems(&mut r, &level, Family::V4, opts);
+        // Left out over IPv4 (did not serve the N Services within the cold-start timeout): not
+        // started over IPv6 at this N, where the same proxier would face as many Services.
+        let left_out: Vec<Config> = level
+            .cold
+            .iter()
+            .filter(|c| c.last_s.is_none())
+            .filter_map(|c| c.config)
+            .collect();
         r.latency.push(level);
         r.memory.extend(mem);
         save(&r, &out_json);
+        if opts.ipv6 {
+            check_interrupted();
+            step(&format!(
+                "IPv6: replacing the {} IPv4 Services by {n} single-stack IPv6 Services",
+                ctx.cluster.present
+            ));
+            ctx.cluster.shrink_to(0);
+            ctx.cluster.grow_in(Family::V6, n);
+            for c in &left_out {
+                let why = format!(
+                    "{} was not started over IPv6 at {n} Services: it did not serve the {n} IPv4 \
+                     Services within {:?} of its start, and its IPv6 proxier would face as many",
+                    c.label(),
+                    opts.cold_timeout
+                );
+                eprintln!("  {why}");
+                r.problems.push(why);
+            }
+            step(&format!(
+                "connect latency over IPv6 with {n} Services: starting the configurations"
+            ));
+            let (level, mem) = measure::latency_level(&mut ctx, n, Family::V6, &left_out);
+            level_problems(&mut r, &level, Family::V6, opts);
+            r.latency6.push(level);
+            r.memory.extend(mem);
+            save(&r, &out_json);
+            step(&format!("deleting the {n} IPv6 Services"));
+            ctx.cluster.shrink_in(Family::V6, 0);
+        }
     }
     drop(ctx);
     drop(cluster);
@@ -312,6 +338,51 @@ pub fn run(opts: &Options, command: String) -> Results {
     eprintln!("results saved in {}", out_json.display());
     eprintln!("the proxies' logs saved in {}", opts.log_dir.display());
     r
+}
+
+/// The families measured.
+fn families(opts: &Options) -> Vec<Family> {
+    if opts.ipv6 {
+        vec![Family::V4, Family::V6]
+    } else {
+        vec![Family::V4]
+    }
+}
+
+/// What went wrong at one connect-latency level: a configuration that did not serve every
+/// Service after its start, failed connections.
+fn level_problems(r: &mut Results, level: &measure::LatencyLevel, family: Family, opts: &Options) {
+    let n = level.n;
+    let over = match family {
+        Family::V4 => "",
+        Family::V6 => " IPv6",
+    };
+    for c in &level.cold {
+        if c.all_s.is_none() || c.not_answering > 0 {
+            r.problems.push(format!(
+                "{} did not serve every one of {n}{over} Services within {:?} of its start{}",
+                c.config.map(Config::label).unwrap_or(""),
+                opts.cold_timeout,
+                if c.last_s.is_none() {
+                    " (left out of the connect-latency rounds at this N)"
+                } else {
+                    ""
+                }
+            ));
+        }
+    }
+    for (c, runs) in &level.runs {
+        let errors: usize = runs.iter().map(|x| x.errors).sum();
+        if errors > 0 {
+            r.problems.push(format!(
+                "{} at {n}{over} Services: {errors} failed connections (first: {})",
+                c.label(),
+                runs.iter()
+                    .find_map(|x| x.first_error.clone())
+                    .unwrap_or_default()
+            ));
+        }
+    }
 }
 
 /// Writes docs/benchmarks.md and docs/bench/*.png from the results.

@@ -75,11 +75,15 @@ impl Config {
 }
 
 /// Flags every peer ran with (besides kubeconfig, node name, cgroup and bpffs paths), for the doc.
+/// kube-proxy runs dual-stack by itself wherever ip6tables works (iptables mode) or always
+/// (nftables mode, the nft CLI serves both families) and IPv6 is enabled, IPv4 primary (the
+/// Node's first InternalIP); `--cluster-cidr` with one CIDR per family gives its IPv6 proxier a
+/// local-traffic detector, so the IPv6 client is in-cluster (not masqueraded) as the IPv4 one.
 pub fn kube_proxy_flags(mode: &str) -> Vec<String> {
     vec![
         format!("--proxy-mode={mode}"),
         format!("--hostname-override={}", api::NODE),
-        format!("--cluster-cidr={}", topo::CLUSTER_CIDR),
+        format!("--cluster-cidr={}", topo::cluster_cidrs()),
         "--conntrack-max-per-core=0".into(),
         "--conntrack-tcp-timeout-established=0".into(),
         "--conntrack-tcp-timeout-close-wait=0".into(),
@@ -95,7 +99,7 @@ pub fn kube_proxy_flags(mode: &str) -> Vec<String> {
 pub fn agent_flags(backends_capacity: u32) -> Vec<String> {
     let mut flags = vec![
         format!("--hostname-override={}", api::NODE),
-        format!("--cluster-cidr={}", topo::CLUSTER_CIDR),
+        format!("--cluster-cidr={}", topo::cluster_cidrs()),
         "--metrics-bind-address=127.0.0.1:10249".into(),
         "--healthz-bind-address=127.0.0.1:10256".into(),
         "--sync-period=1h".into(),

@@ -19,8 +19,13 @@
 //! There is no empty program to subtract (we cannot load other programs); the non-service packet
 //! is itself an upper bound of the harness cost plus the program's cheapest path, and the
 //! reference measured an empty tc program at 26 ns/run on this VM.
+//!
+//! Each family is measured on its own scratch maps holding N Services of that family only (the
+//! suite's IPv4 or IPv6 set, see `api`), with the same packets in that family: the addresses are
+//! the IPv4 ones or their IPv6 twins (`10.97.0.1` → `fd00:10:97::1`, see
+//! `lb_tests::packet::Family::ip`), and the socket call is connect4 or connect6.
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use anyhow::{Result, bail};
 use lb_agent::{
@@ -35,7 +40,7 @@ use lb_common::{
 };
 use lb_tests::{
     fixtures::{State, service, slice},
-    packet,
+    packet::{self, Family},
 };
 use serde::{Deserialize, Serialize};
 
@@ -60,27 +65,30 @@ pub struct TcFixture {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct TcLevel {
     pub n: u32,
+    /// "IPv4" or "IPv6": the family of the Services and packets (absent in older results: IPv4).
+    #[serde(default)]
+    pub family: String,
     pub fixtures: Vec<TcFixture>,
     /// Estimated per-call timer overhead of a repeat = 1 run.
     pub single_overhead_ns: f64,
 }
 
-fn state(n: u32) -> ClusterState {
+fn state(n: u32, family: Family) -> ClusterState {
     let mut s = ClusterState::default();
     for i in 0..n {
-        s.add_service(api::build_service(i, api::SERVICE_PORT));
-        s.add_slice(api::build_slice(i));
+        s.add_service(api::build_service_in(family, i, api::SERVICE_PORT));
+        s.add_slice(api::build_slice_in(family, i));
     }
     for (name, vip, ep) in [("ping", A, B), ("pong", B, A)] {
         s.add_service(
             service("tc", name)
-                .cluster_ip(vip)
+                .cluster_ips(&[&family.addr(vip)])
                 .port("http", "TCP", 80, 80)
                 .build(),
         );
         s.add_slice(
             slice("tc", name, &format!("{name}-1"))
-                .endpoint(ep, "bench-node-b", State::Ready)
+                .endpoint(&family.addr(ep), "bench-node-b", State::Ready)
                 .port("http", "TCP", 80)
                 .build(),
         );
@@ -88,7 +96,7 @@ fn state(n: u32) -> ClusterState {
     s
 }
 
-fn scratch(n: u32) -> Result<ScratchDatapath> {
+fn scratch(n: u32, family: Family) -> Result<ScratchDatapath> {
     if OBJECT.is_empty() {
         bail!("lb-agent was built without the eBPF object (run through `cargo xtask bench`)");
     }
@@ -106,25 +114,38 @@ fn scratch(n: u32) -> Result<ScratchDatapath> {
     };
     let settings = NodeSettings {
         node_name: api::NODE.into(),
-        cluster_cidrs: vec![topo::CLUSTER_CIDR.parse().expect("cidr")],
+        cluster_cidrs: vec![
+            topo::CLUSTER_CIDR.parse().expect("cidr"),
+            topo::CLUSTER_CIDR6.parse().expect("cidr"),
+        ],
         nodeport_addresses: vec![],
         masquerade_all: false,
         localhost_nodeports: true,
         bind_address: None,
     };
-    let node_ips = [topo::NODE_IP.parse::<Ipv4Addr>().expect("ip")];
-    ScratchDatapath::with_capacities(&state(n), settings, &node_ips, OBJECT, caps)
+    let node_ips = [topo::NODE_IP, topo::NODE_IP6].map(|ip| ip.parse::<IpAddr>().expect("ip"));
+    ScratchDatapath::with_capacities(&state(n, family), settings, &node_ips, OBJECT, caps)
 }
 
-/// A `SockTraceIn` as the packet `lb_sock_trace` reads.
-fn sock_call(hook: u32, addr: Ipv4Addr, port: u16, socket_cookie: u64, random: u32) -> Vec<u8> {
+/// A `SockTraceIn` as the packet `lb_sock_trace` reads: a connect4 or connect6 call, after the
+/// address's family.
+fn sock_call(addr: IpAddr, port: u16, socket_cookie: u64, random: u32) -> Vec<u8> {
+    let (hook, addr) = match addr {
+        // An IPv4 hook reads the first 4 bytes.
+        IpAddr::V4(a) => {
+            let mut bytes = [0; 16];
+            bytes[..4].copy_from_slice(&a.octets());
+            (hook::CONNECT4, bytes)
+        }
+        IpAddr::V6(a) => (hook::CONNECT6, a.octets()),
+    };
     let input = SockTraceIn {
         hook,
         protocol: u32::from(lb_common::proto::TCP),
-        addr: addr.octets(),
+        addr,
         port,
         _pad: 0,
-        src_addr: [0; 4],
+        src_addr: [0; 16],
         random,
         socket_cookie,
         netns_cookie: 0x1000_0001,
@@ -166,19 +187,27 @@ fn single(s: &mut ScratchDatapath, prog: &str, calls: usize, make: impl Fn(usize
     Ok(median(&mut v))
 }
 
-pub fn measure(n: u32, batches: usize, calls: usize) -> Result<TcLevel> {
-    let mut s = scratch(n)?;
-    let client = topo::CLIENT_IP;
-    let vip = |i: u32| api::cluster_ip(i % n).to_string();
+pub fn measure(n: u32, family: Family, batches: usize, calls: usize) -> Result<TcLevel> {
+    let mut s = scratch(n, family)?;
+    let client = topo::client_ip(family);
+    let vip = |i: u32| api::cluster_ip_in(family, i % n).to_string();
+    let (a, b) = (family.addr(A), family.addr(B));
+    let (a, b) = (a.as_str(), b.as_str());
     let mut level = TcLevel {
         n,
+        family: family.name().into(),
         ..Default::default()
     };
 
     // Non-service: to an endpoint address directly (routed, not a frontend).
-    let plain = packet::tcp(client, 40000, &api::endpoint_ip(0, 0).to_string(), 8080)
-        .data(b"x")
-        .build();
+    let plain = packet::tcp(
+        client,
+        40000,
+        &api::endpoint_ip_in(family, 0, 0).to_string(),
+        8080,
+    )
+    .data(b"x")
+    .build();
     let out = s.datapath.test_run_tc("lb_tc_ingress", &plain, 1)?;
     if out.packet != plain {
         bail!("the non-service packet was modified");
@@ -202,7 +231,7 @@ pub fn measure(n: u32, batches: usize, calls: usize) -> Result<TcLevel> {
         packet::tcp(client, 1024 + (k % 60_000) as u16, &vip(i), 80).build()
     };
     let first = s.datapath.test_run_tc("lb_tc_ingress", &syn(0), 1)?;
-    if packet::summary(&first.packet).dst == api::cluster_ip(0) {
+    if packet::summary(&first.packet).dst == api::cluster_ip_in(family, 0) {
         bail!("the SYN to a ClusterIP was not translated");
     }
     let syn_single = single(&mut s, "lb_tc_ingress", calls.min(60_000), |k| syn(k + 1))?;
@@ -237,22 +266,22 @@ pub fn measure(n: u32, batches: usize, calls: usize) -> Result<TcLevel> {
 
     // The two-cycle for repeat = 1,000,000.
     s.datapath
-        .test_run_tc("lb_tc_ingress", &packet::tcp(client, 62000, A, 80).build(), 1)?;
+        .test_run_tc("lb_tc_ingress", &packet::tcp(client, 62000, a, 80).build(), 1)?;
     s.datapath
-        .test_run_tc("lb_tc_ingress", &packet::tcp(client, 62000, B, 80).build(), 1)?;
-    let ping = packet::tcp(client, 62000, A, 80).data(b"GET /").build();
+        .test_run_tc("lb_tc_ingress", &packet::tcp(client, 62000, b, 80).build(), 1)?;
+    let ping = packet::tcp(client, 62000, a, 80).data(b"GET /").build();
     let once = s.datapath.test_run_tc("lb_tc_ingress", &ping, 1)?.packet;
     let twice = s.datapath.test_run_tc("lb_tc_ingress", &once, 1)?.packet;
-    let est_batched = if packet::summary(&once).dst.to_string() == B && twice == ping {
+    let est_batched = if packet::summary(&once).dst.to_string() == b && twice == ping {
         batched(&mut s, "lb_tc_ingress", &ping, batches)?
     } else {
         eprintln!("  note: the established two-cycle is not stable; batched timing skipped");
         vec![]
     };
-    let pong_reply = packet::tcp(A, 80, client, 62000).data(b"200").build();
+    let pong_reply = packet::tcp(a, 80, client, 62000).data(b"200").build();
     let once = s.datapath.test_run_tc("lb_tc_egress", &pong_reply, 1)?.packet;
     let twice = s.datapath.test_run_tc("lb_tc_egress", &once, 1)?.packet;
-    let reply_batched = if packet::summary(&once).src.to_string() == B && twice == pong_reply {
+    let reply_batched = if packet::summary(&once).src.to_string() == b && twice == pong_reply {
         batched(&mut s, "lb_tc_egress", &pong_reply, batches)?
     } else {
         eprintln!("  note: the reply two-cycle is not stable; batched timing skipped");
@@ -275,13 +304,17 @@ pub fn measure(n: u32, batches: usize, calls: usize) -> Result<TcLevel> {
         action: reply_out.action,
     });
 
-    // The socket path's connect4 code, run through `lb_sock_trace` (the same translation on a
-    // described socket call; cgroup programs cannot be test-run): a connect to a random
-    // Service, a new socket cookie each call. One call at a time (the harness overwrites its
-    // input with the outcome).
+    // The socket path's connect4 (connect6) code, run through `lb_sock_trace` (the same
+    // translation on a described socket call; cgroup programs cannot be test-run): a connect to
+    // a random Service, a new socket cookie each call. One call at a time (the harness
+    // overwrites its input with the outcome).
     let connect = |k: usize| {
         let i = (k as u32).wrapping_mul(2_654_435_761) % n;
-        sock_call(hook::CONNECT4, api::cluster_ip(i), 80, k as u64 + 1, k as u32)
+        sock_call(api::cluster_ip_in(family, i), 80, k as u64 + 1, k as u32)
+    };
+    let connect_hook = match family {
+        Family::V4 => "connect4",
+        Family::V6 => "connect6",
     };
     let first = s.datapath.test_run_tc(SOCK_TRACE_PROGRAM, &connect(0), 1)?;
     // SAFETY: the harness wrote a SockTraceOut at the start of the packet.
@@ -294,8 +327,9 @@ pub fn measure(n: u32, batches: usize, calls: usize) -> Result<TcLevel> {
     }
     let connect_single = single(&mut s, SOCK_TRACE_PROGRAM, calls, |k| connect(k + 1))?;
     level.fixtures.push(TcFixture {
-        name: "socket connect (connect4's code via lb_sock_trace: lookup, backend choice, reverse-NAT entry in the LRU map)"
-            .into(),
+        name: format!(
+            "socket connect ({connect_hook}'s code via lb_sock_trace: lookup, backend choice, reverse-NAT entry in the LRU map)"
+        ),
         program: SOCK_TRACE_PROGRAM.into(),
         batched_ns: vec![],
         single_median_ns: Some(connect_single),
@@ -304,9 +338,14 @@ pub fn measure(n: u32, batches: usize, calls: usize) -> Result<TcLevel> {
     });
 
     // Non-service at egress too.
-    let plain_e = packet::tcp(&api::endpoint_ip(0, 0).to_string(), 8080, "10.250.0.9", 40000)
-        .data(b"x")
-        .build();
+    let plain_e = packet::tcp(
+        &api::endpoint_ip_in(family, 0, 0).to_string(),
+        8080,
+        &family.addr("10.250.0.9"),
+        40000,
+    )
+    .data(b"x")
+    .build();
     let out = s.datapath.test_run_tc("lb_tc_egress", &plain_e, 1)?;
     let e_batched = batched(&mut s, "lb_tc_egress", &plain_e, batches)?;
     let e_single = single(&mut s, "lb_tc_egress", calls, |_| plain_e.clone())?;

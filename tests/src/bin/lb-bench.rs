@@ -1,7 +1,8 @@
 //! `cargo xtask bench [--quick]`: lb-agent side by side with the real kube-proxy (iptables and
-//! nftables) and the no-balancer floor; prints the numbers and regenerates docs/benchmarks.md and
-//! docs/bench/*.png. Needs root (namespaces, cgroups, BPF) and the control-plane binaries of
-//! `cargo xtask k8s-bins`; everything it creates is removed by guards, also on panic or Ctrl-C.
+//! nftables) and the no-balancer floor, over IPv4 and over IPv6; prints the numbers and
+//! regenerates docs/benchmarks.md and docs/bench/*.png. Needs root (namespaces, cgroups, BPF)
+//! and the control-plane binaries of `cargo xtask k8s-bins`; everything it creates is removed
+//! by guards, also on panic or Ctrl-C.
 //!
 //! Hidden subcommands (`crr`, `serve`, `probe`) are the child processes the suite starts inside
 //! its namespaces and cgroups. `lb-bench cluster N` is for profiling by hand: a control plane
@@ -52,6 +53,9 @@ struct Cli {
     /// Skip the BPF_PROG_TEST_RUN measurements.
     #[arg(long)]
     skip_tc: bool,
+    /// IPv4 only: no connect-latency rounds or tc cost over IPv6.
+    #[arg(long)]
+    no_ipv6: bool,
     /// Only the BPF_PROG_TEST_RUN measurements (development).
     #[arg(long, conflicts_with_all = ["skip_tc", "latency_only"])]
     tc_only: bool,
@@ -143,6 +147,7 @@ fn main() {
         opts.programming = cli.programming_levels.clone();
     }
     opts.skip_tc = cli.skip_tc;
+    opts.ipv6 = !cli.no_ipv6;
     opts.tc_only = cli.tc_only;
     if cli.latency_only {
         opts.programming.clear();

@@ -99,8 +99,32 @@ enum Cmd {
 }
 
 fn answer(name: &str, local: SocketAddr, peer: SocketAddr, extra: serde_json::Value) -> String {
+    let (local, peer) = (canonical(local), canonical(peer));
     json!({"server": name, "local": local.to_string(), "client": peer.to_string(), "extra": extra})
         .to_string()
+}
+
+/// An address as answers report it: an IPv4-mapped IPv6 address (an IPv4 peer of a dual-stack
+/// socket bound to `[::]`) as the IPv4 address it stands for, so that a server on `[::]` reports
+/// IPv4 clients as one on `0.0.0.0` does.
+fn canonical(addr: SocketAddr) -> SocketAddr {
+    SocketAddr::new(addr.ip().to_canonical(), addr.port())
+}
+
+/// Binds `addr` with `bind`; `[::]` on a kernel without IPv6 (EAFNOSUPPORT) falls back to
+/// `0.0.0.0` of the same port, so a server told to listen on both families still serves IPv4.
+fn bind_or_ipv4<T>(addr: SocketAddr, bind: impl Fn(SocketAddr) -> std::io::Result<T>) -> (T, SocketAddr) {
+    match bind(addr) {
+        Err(e)
+            if addr.ip() == std::net::Ipv6Addr::UNSPECIFIED
+                && e.raw_os_error() == Some(libc::EAFNOSUPPORT) =>
+        {
+            let v4 = SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, addr.port()));
+            eprintln!("no IPv6 on this kernel: {addr} is served on {v4}");
+            (bind(v4).unwrap_or_else(|e| panic!("bind {v4}: {e}")), v4)
+        }
+        result => (result.unwrap_or_else(|e| panic!("bind {addr}: {e}")), addr),
+    }
 }
 
 /// FNV-1a, to check bulk payloads end to end without a crypto dependency.
@@ -189,7 +213,7 @@ fn serve(tcp: Vec<SocketAddr>, udp: Vec<SocketAddr>, name: Option<String>) {
     let name = name.or_else(host_name);
     let mut handles = Vec::new();
     for addr in tcp {
-        let listener = TcpListener::bind(addr).unwrap_or_else(|e| panic!("bind tcp {addr}: {e}"));
+        let (listener, addr) = bind_or_ipv4(addr, TcpListener::bind);
         let name = name.clone().unwrap_or_else(|| addr.to_string());
         handles.push(thread::spawn(move || {
             for stream in listener.incoming().flatten() {
@@ -199,7 +223,7 @@ fn serve(tcp: Vec<SocketAddr>, udp: Vec<SocketAddr>, name: Option<String>) {
         }));
     }
     for addr in udp {
-        let sock = UdpSocket::bind(addr).unwrap_or_else(|e| panic!("bind udp {addr}: {e}"));
+        let (sock, addr) = bind_or_ipv4(addr, UdpSocket::bind);
         let name = name.clone().unwrap_or_else(|| addr.to_string());
         handles.push(thread::spawn(move || {
             let mut buf = [0u8; 65536];
@@ -266,8 +290,19 @@ fn tcp_once(to: SocketAddr, payload: usize, timeout: Duration) -> serde_json::Va
     }
 }
 
+/// A UDP socket of the family of `to`, bound to any address: AF_INET6 for an IPv6 destination,
+/// IPv4-mapped ones included (a dual-stack socket, as Java's, Go's and most C programs' are).
+fn udp_socket_for(to: SocketAddr) -> UdpSocket {
+    let any: SocketAddr = if to.is_ipv6() {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+    };
+    UdpSocket::bind(any).unwrap_or_else(|e| panic!("bind udp {any}: {e}"))
+}
+
 fn udp_once(to: SocketAddr, connected: bool, timeout: Duration) -> serde_json::Value {
-    let sock = UdpSocket::bind("0.0.0.0:0").expect("bind udp");
+    let sock = udp_socket_for(to);
     let _ = sock.set_read_timeout(Some(timeout));
     let sent = if connected {
         sock.connect(to).and_then(|()| sock.send(b"hello"))
@@ -420,7 +455,7 @@ fn main() {
         } => {
             let timeout = Duration::from_millis(timeout_ms);
             let flow = persistent.then(|| {
-                let sock = UdpSocket::bind("0.0.0.0:0").expect("bind udp");
+                let sock = udp_socket_for(to);
                 let _ = sock.set_read_timeout(Some(timeout));
                 sock
             });

@@ -132,6 +132,7 @@ fn build_cluster(images: &[Image]) -> Result<Cluster> {
                 ip,
                 pod_cidr: pod_cidr.to_string(),
                 cluster_dns: Some(CLUSTER_DNS),
+                ipv6: None,
             },
             images,
         )?;

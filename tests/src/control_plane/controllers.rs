@@ -12,7 +12,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
-use super::{ControlPlane, SERVICE_CIDR, process::spawn_logged};
+use super::{ControlPlane, SERVICE_CIDR, SERVICE_CIDR6, process::spawn_logged};
 
 /// kube-controller-manager's flags besides its kubeconfig and key files.
 const KCM_ARGS: &[&str] = &[
@@ -74,7 +74,9 @@ impl ControlPlane {
                     "--service-account-private-key-file={}",
                     self.pki("sa.key").display()
                 ))
-                .arg(format!("--service-cluster-ip-range={SERVICE_CIDR}")),
+                .arg(format!(
+                    "--service-cluster-ip-range={SERVICE_CIDR},{SERVICE_CIDR6}"
+                )),
             &log,
             "kube-controller-manager",
         )?;

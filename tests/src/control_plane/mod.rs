@@ -44,6 +44,10 @@ use self::{
 const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// The Service CIDR; its first address is the `kubernetes` Service's ClusterIP.
 pub const SERVICE_CIDR: &str = "10.96.0.0/16";
+/// The IPv6 Service CIDR: every control plane is dual-stack, IPv4 first (the primary family,
+/// which Services without `ipFamilies` get), as `--service-cluster-ip-range` with one range per
+/// family makes it.
+pub const SERVICE_CIDR6: &str = "fd00:10:96::/112";
 /// Lines of each log that errors and [`ControlPlane::log_tail`] show.
 const TAIL_LINES: usize = 40;
 /// Attempts at starting when a free port picked for etcd or kube-apiserver was taken meanwhile.

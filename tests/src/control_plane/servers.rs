@@ -13,7 +13,7 @@ use std::{
 use anyhow::{Context, Result, anyhow, bail};
 
 use super::{
-    ADVERTISE_ADDRESS, ControlPlane, SERVICE_CIDR,
+    ADVERTISE_ADDRESS, ControlPlane, SERVICE_CIDR, SERVICE_CIDR6,
     process::{append_marker, spawn_logged},
 };
 
@@ -139,7 +139,7 @@ impl ControlPlane {
             format!("--etcd-servers={}", self.etcd_url()),
             "--bind-address=127.0.0.1".into(),
             format!("--secure-port={}", self.apiserver_port),
-            format!("--service-cluster-ip-range={SERVICE_CIDR}"),
+            format!("--service-cluster-ip-range={SERVICE_CIDR},{SERVICE_CIDR6}"),
             "--authorization-mode=Node,RBAC".into(),
             format!("--client-ca-file={}", pki("ca.crt")),
             format!("--tls-cert-file={}", pki("apiserver.crt")),

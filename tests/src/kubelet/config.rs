@@ -1,7 +1,11 @@
 //! The node's configuration files: the CNI bridge network, containerd's config (version 3,
 //! images imported, never pulled) and kubelet's `KubeletConfiguration`.
 
-use std::{fs, net::Ipv4Addr, path::PathBuf};
+use std::{
+    fs,
+    net::{Ipv4Addr, Ipv6Addr},
+    path::PathBuf,
+};
 
 use anyhow::{Context, Result};
 
@@ -15,7 +19,15 @@ impl KubeletNode {
         let gateway = gateway_of(&self.pod_cidr)?;
         // The bridge plugin, as kubeadm's documentation and kind's first CNI: Pods on `cni0`,
         // which is their gateway; the node routes between the bridge and its uplink. No
-        // masquerading: Pod addresses are routed on the LAN (as the netns nodes of `topo`).
+        // masquerading: Pod addresses are routed on the LAN (as the netns nodes of `topo`). A
+        // dual-stack node has a range of each family (two range sets: an address of each).
+        let mut ranges = vec![serde_json::json!([{"subnet": self.pod_cidr, "gateway": gateway.to_string()}])];
+        let mut routes = vec![serde_json::json!({"dst": "0.0.0.0/0"})];
+        if let Some(v6) = &self.ipv6 {
+            let gateway6 = gateway6_of(&v6.pod_cidr)?;
+            ranges.push(serde_json::json!([{"subnet": v6.pod_cidr, "gateway": gateway6.to_string()}]));
+            routes.push(serde_json::json!({"dst": "::/0"}));
+        }
         let cni = serde_json::json!({
             "cniVersion": "1.0.0",
             "name": "lb-node",
@@ -28,8 +40,8 @@ impl KubeletNode {
                     "hairpinMode": true,
                     "ipam": {
                         "type": "host-local",
-                        "ranges": [[{"subnet": self.pod_cidr, "gateway": gateway.to_string()}]],
-                        "routes": [{"dst": "0.0.0.0/0"}]
+                        "ranges": ranges,
+                        "routes": routes
                     }
                 },
                 {"type": "loopback"}
@@ -122,6 +134,12 @@ pub fn gateway_of(cidr: &str) -> Result<Ipv4Addr> {
     let (net, _) = cidr.split_once('/').context("a CIDR")?;
     let net: Ipv4Addr = net.parse().context("a CIDR's address")?;
     Ok(Ipv4Addr::from(u32::from(net) + 1))
+}
+
+/// The bridge's (gateway's) IPv6 address: the first of the range.
+pub fn gateway6_of(cidr: &str) -> Result<Ipv6Addr> {
+    let net: ipnet::Ipv6Net = cidr.parse().context("an IPv6 CIDR")?;
+    Ok(Ipv6Addr::from(u128::from(net.network()) + 1))
 }
 
 fn toml_string(s: &str) -> String {

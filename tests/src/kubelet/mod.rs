@@ -41,9 +41,9 @@ mod query;
 pub use self::{
     archives::{Image, image, images, images_in},
     cgroups::remove_cgroup_tree,
-    config::gateway_of,
+    config::{gateway_of, gateway6_of},
     loads::NodeLoads,
-    node::{KubeletNode, NodeConfig},
+    node::{KubeletNode, NodeConfig, NodeIpv6},
     operator::{apply_agent_manifests, operator_manifests},
     parts::NodeParts,
     query::{is_ready, json_of, pods, wait_for},
@@ -53,3 +53,6 @@ pub use self::{
 pub const API_PORT: u16 = 6443;
 /// The cluster CIDR the deployed agent is told (every node's Pod range is inside it).
 pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
+/// The IPv6 cluster CIDR, told besides [`CLUSTER_CIDR`] on a dual-stack node ([`NodeIpv6`]):
+/// every node's IPv6 Pod range is inside it (`fd00:10:244:<node>::/64`, as in `crate::topo`).
+pub const CLUSTER_CIDR6: &str = "fd00:10:244::/48";

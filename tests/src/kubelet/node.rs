@@ -4,7 +4,7 @@
 
 use std::{
     fs,
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     thread,
@@ -32,6 +32,21 @@ pub struct NodeConfig {
     /// The cluster DNS Service's address kubelet writes into Pods' resolv.conf (kubelet's
     /// `clusterDNS`); `None`: Pods get the node's resolver.
     pub cluster_dns: Option<Ipv4Addr>,
+    /// Makes the node dual-stack (IPv4 primary); `None`: IPv4 only.
+    pub ipv6: Option<NodeIpv6>,
+}
+
+/// The IPv6 side of a dual-stack node: an address on the LAN beside the IPv4 one (kubelet's
+/// `--node-ip` names both, so the Node has an InternalIP of each family), and a second Pod range
+/// in the CNI bridge's IPAM, so every Pod gets an address of each family (`status.podIPs`), which
+/// the EndpointSlice controller puts in the IPv4 and the IPv6 slices of dual-stack Services.
+#[derive(Clone, Debug)]
+pub struct NodeIpv6 {
+    /// The node's IPv6 address on the LAN (a /64).
+    pub ip: Ipv6Addr,
+    /// The Pods' IPv6 range on this node, e.g. `fd00:10:244:3::/64`; its first address is the
+    /// bridge's.
+    pub pod_cidr: String,
 }
 
 /// A kubelet node; see the documentation of [`crate::kubelet`].
@@ -40,6 +55,7 @@ pub struct KubeletNode {
     pub(super) ip: Ipv4Addr,
     pub(super) pod_cidr: String,
     pub(super) cluster_dns: Option<Ipv4Addr>,
+    pub(super) ipv6: Option<NodeIpv6>,
     pub(super) parts: NodeParts,
     pub(super) kubelet_bin: PathBuf,
     pub(super) kubeconfig: PathBuf,
@@ -71,6 +87,27 @@ impl KubeletNode {
             .context("creating the node's directory")?;
         lan.attach(&ns, "eth0", &format!("{}/24", config.ip));
         ns.sysctl("net.ipv4.ip_forward=1");
+        if let Some(v6) = &config.ipv6 {
+            // Forwarding between the bridge and the uplink, and IPv6 addresses usable at once:
+            // no duplicate address detection on the uplink nor on the bridge the CNI plugin
+            // creates (its gateway address; the plugin already turns it off inside Pods).
+            for setting in [
+                "net.ipv6.conf.all.forwarding=1",
+                "net.ipv6.conf.all.accept_dad=0",
+                "net.ipv6.conf.default.accept_dad=0",
+            ] {
+                ns.sysctl(setting);
+            }
+            ns.ip(&[
+                "-6",
+                "addr",
+                "add",
+                &format!("{}/64", v6.ip),
+                "dev",
+                "eth0",
+                "nodad",
+            ]);
+        }
         ns.ip(&["addr", "add", &format!("{ADVERTISE_ADDRESS}/32"), "dev", "lo"]);
         let api: SocketAddr = cp
             .server_url()
@@ -86,7 +123,12 @@ impl KubeletNode {
             PortForward::start(&ns, SocketAddr::from((ADVERTISE_ADDRESS, API_PORT)), api),
         ];
         let pods: ipnet::IpNet = config.pod_cidr.parse().context("the node's Pod range")?;
-        for net in [ipnet::IpNet::from(std::net::IpAddr::from(config.ip)), pods] {
+        let mut nets = vec![ipnet::IpNet::from(IpAddr::from(config.ip)), pods];
+        if let Some(v6) = &config.ipv6 {
+            nets.push(IpAddr::from(v6.ip).into());
+            nets.push(v6.pod_cidr.parse().context("the node's IPv6 Pod range")?);
+        }
+        for net in nets {
             cp.route_to_node(net, ns.path());
         }
         let (cgroups, cgroup2) = make_cgroups(&name)?;
@@ -95,6 +137,7 @@ impl KubeletNode {
             ip: config.ip,
             pod_cidr: config.pod_cidr,
             cluster_dns: config.cluster_dns,
+            ipv6: config.ipv6,
             parts,
             kubelet_bin: cp.binaries().kubelet.clone(),
             kubeconfig: cp.kubeconfig_path().to_path_buf(),
@@ -129,6 +172,26 @@ impl KubeletNode {
 
     pub fn pod_cidr(&self) -> &str {
         &self.pod_cidr
+    }
+
+    /// The node's IPv6 address and Pod range, on a dual-stack node.
+    pub fn ipv6(&self) -> Option<&NodeIpv6> {
+        self.ipv6.as_ref()
+    }
+
+    /// The node's addresses, IPv4 first (kubelet's `--node-ip`).
+    pub fn ips(&self) -> Vec<IpAddr> {
+        let mut ips = vec![IpAddr::from(self.ip)];
+        ips.extend(self.ipv6.as_ref().map(|v6| IpAddr::from(v6.ip)));
+        ips
+    }
+
+    /// The cluster CIDR(s) the agent on this node is told, one per family of the node.
+    pub fn cluster_cidr(&self) -> String {
+        match self.ipv6 {
+            Some(_) => format!("{},{}", super::CLUSTER_CIDR, super::CLUSTER_CIDR6),
+            None => super::CLUSTER_CIDR.to_string(),
+        }
     }
 
     /// The node's network namespace (what `hostNetwork` Pods share).

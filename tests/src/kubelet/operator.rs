@@ -5,7 +5,7 @@ use std::{fs, path::Path};
 
 use anyhow::{Context, Result};
 
-use super::{CLUSTER_CIDR, KubeletNode, image};
+use super::{KubeletNode, image};
 use crate::control_plane::{ADVERTISE_ADDRESS, ControlPlane};
 
 /// The manifests as an operator deploys them, in `dir`: the folder copied, the documented edits
@@ -18,7 +18,8 @@ pub fn operator_manifests(dir: &Path, node: &KubeletNode) -> Result<()> {
             fs::copy(entry.path(), dir.join(entry.file_name()))?;
         }
     }
-    // manifests/README.md, "Deploying", step 2: the API server address and the cluster CIDR.
+    // manifests/README.md, "Deploying", step 2: the API server address and the cluster CIDR (one
+    // per family of the node: a dual-stack node's agent detects local traffic of both).
     let configmap = fs::read_to_string(dir.join("configmap.yaml"))?;
     anyhow::ensure!(
         configmap.contains("API_SERVER_HOST") && configmap.contains("clusterCIDR: 10.244.0.0/16")
@@ -27,7 +28,7 @@ pub fn operator_manifests(dir: &Path, node: &KubeletNode) -> Result<()> {
         .replace("API_SERVER_HOST", &ADVERTISE_ADDRESS.to_string())
         .replace(
             "clusterCIDR: 10.244.0.0/16",
-            &format!("clusterCIDR: {CLUSTER_CIDR}"),
+            &format!("clusterCIDR: {}", node.cluster_cidr()),
         );
     fs::write(dir.join("configmap.yaml"), configmap)?;
     // Step 2 again: the image, as `kustomize edit set image` writes it.

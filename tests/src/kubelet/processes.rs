@@ -134,7 +134,15 @@ impl KubeletNode {
         cmd.arg(format!("--config={}", self.path("kubelet.yaml").display()))
             .arg(format!("--kubeconfig={}", self.kubeconfig.display()))
             .arg(format!("--hostname-override={}", self.name))
-            .arg(format!("--node-ip={}", self.ip))
+            // One address per family on a dual-stack node, IPv4 (the primary) first.
+            .arg(format!(
+                "--node-ip={}",
+                self.ips()
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ))
             .arg("--v=1");
         let child = self.spawn(cmd, "kubelet.log")?;
         self.kubelet = Some(child);

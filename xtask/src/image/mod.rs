@@ -9,7 +9,8 @@
 //!   layout (`/bin -> usr/bin`, `/lib -> usr/lib`, ...). The builder refuses to run on another
 //!   release; a unit test checks the recipe against the Dockerfile and the DaemonSet.
 //! - `lb-probe` (`localhost/lb-probe:dev`): the traffic helper of `tests/` (debug build), serving
-//!   TCP 8080 and UDP 5353 and answering with its host name, which is the pod's name.
+//!   TCP 8080 and UDP 5353 on both families (`[::]`, dual-stack sockets) and answering with its
+//!   host name, which is the pod's name.
 //! - `pause` (`localhost/pause:3.10`): Kubernetes' own `build/pause/linux/pause.c`, from the
 //!   `k8s.io/kubernetes` module that `cargo xtask k8s-bins` uses, compiled static.
 //! - `kube-proxy` (`localhost/kube-proxy:v1.37.1`): the kube-proxy `cargo xtask k8s-bins` builds

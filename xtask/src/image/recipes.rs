@@ -80,8 +80,9 @@ pub fn probe_recipe() -> Recipe {
         program_source: workspace_root().join("target/debug/lb-probe"),
         tools: &[],
         entrypoint: &["/usr/local/bin/lb-probe"],
-        // Without --name it answers with its host name: the pod's name.
-        cmd: &["serve", "--tcp", "0.0.0.0:8080", "--udp", "0.0.0.0:5353"],
+        // Without --name it answers with its host name: the pod's name. On `[::]`, a dual-stack
+        // socket: a dual-stack Pod answers on both families (IPv4 clients are reported as IPv4).
+        cmd: &["serve", "--tcp", "[::]:8080", "--udp", "[::]:5353"],
         user: "0",
         base: None,
     }

@@ -2,16 +2,12 @@
 //! rebuilt from a snapshot and the ids are reserved, so they stay stable and the next apply writes
 //! only the difference.
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
-};
-
-use lb_common::revnat::RevNat4Value;
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::{Applier, FrontendEntries, protocol_from, service_port_name};
 use crate::{
-    apply::{MapOps, Snapshot},
+    apply::{MapOps, RevNatEntry, Snapshot},
+    family::IpFamily,
     model::{Protocol, ServicePortName},
     plan::{BackendAddr, Frontend},
 };
@@ -22,9 +18,11 @@ impl<M: MapOps> Applier<M> {
             let Some(proto) = protocol_from(value.proto) else {
                 continue;
             };
-            if self.backend_ids.reserve(*id) {
+            // An id outside its family's range (the maps were sized differently) is not adopted:
+            // the next apply writes the backend anew and deletes the stray entry.
+            if self.backend_ids.get_mut(IpFamily::of(&value.addr)).reserve(*id) {
                 let addr = BackendAddr {
-                    addr: Ipv4Addr::from(value.addr),
+                    addr: value.addr,
                     port: value.port,
                     proto,
                 };
@@ -45,11 +43,10 @@ impl<M: MapOps> Applier<M> {
                     protocol: protocol_from(key.proto).unwrap_or(Protocol::Tcp),
                 },
                 services: BTreeMap::new(),
-                revnat: RevNat4Value {
+                revnat: RevNatEntry {
                     addr: key.addr,
                     port: key.port,
                     proto: key.proto,
-                    _pad: 0,
                 },
                 affinity_match: BTreeSet::new(),
                 source_ranges: BTreeSet::new(),
@@ -57,7 +54,9 @@ impl<M: MapOps> Applier<M> {
             entries.services.insert(*key, *value);
         }
         for (id, revnat) in &snap.revnat {
-            if let Some(entries) = by_rev.get_mut(id) {
+            if let Some(entries) = by_rev.get_mut(id)
+                && entries.revnat.family() == revnat.family()
+            {
                 entries.revnat = *revnat;
                 if let Some(name) = snap.names.get(id) {
                     entries.service = service_port_name(name, revnat.proto);
@@ -69,26 +68,34 @@ impl<M: MapOps> Applier<M> {
                 entries.affinity_match.insert(*key);
             }
         }
-        for (prefix, range) in &snap.source_ranges {
-            if let Some(entries) = by_rev.get_mut(&u32::from_be_bytes(range.rev_nat_id_be)) {
-                entries.source_ranges.insert((*prefix, (*range).into()));
+        for range in &snap.source_ranges {
+            if let Some(entries) = by_rev.get_mut(&range.rev_nat_id)
+                && entries.revnat.family() == range.family()
+            {
+                entries.source_ranges.insert(*range);
             }
         }
         for (id, entries) in by_rev {
             let Some(proto) = protocol_from(entries.revnat.proto) else {
                 continue;
             };
-            if !self.rev_ids.reserve(id) {
+            if !self.rev_ids.get_mut(entries.revnat.family()).reserve(id) {
                 continue;
             }
             let frontend = Frontend {
-                addr: Ipv4Addr::from(entries.revnat.addr),
+                addr: entries.revnat.addr,
                 port: entries.revnat.port,
                 proto,
             };
             self.count_frontend(&entries, 1);
             self.frontends.insert(frontend, entries);
         }
-        self.occupancy.backends = self.backends.len() as u32;
+        for family in IpFamily::ALL {
+            *self.occupancy.backends.get_mut(family) = self
+                .backends
+                .keys()
+                .filter(|a| IpFamily::of(&a.addr) == family)
+                .count() as u32;
+        }
     }
 }

@@ -5,7 +5,29 @@
 use lb_common::catalog;
 
 use super::{Applier, FrontendEntries};
-use crate::{apply::MapOps, plan::Frontend};
+use crate::{apply::MapOps, family::IpFamily, plan::Frontend};
+
+/// The maps whose room `plan_writes` counts: each family's services and source-range maps have
+/// a capacity of their own; `lb_aff_match` is shared.
+const ROOMS: usize = 5;
+
+fn room_name(room: usize) -> &'static str {
+    match room {
+        0 => IpFamily::V4.maps().services,
+        1 => IpFamily::V6.maps().services,
+        2 => catalog::AFFINITY_MATCH,
+        3 => IpFamily::V4.maps().source_ranges,
+        _ => IpFamily::V6.maps().source_ranges,
+    }
+}
+
+/// The rooms of a family's services and source-range maps.
+fn family_rooms(family: IpFamily) -> (usize, usize) {
+    match family {
+        IpFamily::V4 => (0, 3),
+        IpFamily::V6 => (1, 4),
+    }
+}
 
 impl<M: MapOps> Applier<M> {
     /// The order and the manner in which to write a group of frontends (one Service), or why they
@@ -31,41 +53,49 @@ impl<M: MapOps> Applier<M> {
         &self,
         built: Vec<(Frontend, FrontendEntries)>,
     ) -> Result<Vec<(Frontend, FrontendEntries, WriteMode)>, String> {
-        let deltas: Vec<[Delta; 3]> = built
+        let deltas: Vec<[Delta; ROOMS]> = built
             .iter()
             .map(|(frontend, new)| {
                 let old = self.frontends.get(frontend);
-                [
-                    delta(
-                        new.services.keys(),
-                        old.into_iter().flat_map(|o| o.services.keys()),
-                    ),
-                    delta(
-                        new.affinity_match.iter(),
-                        old.into_iter().flat_map(|o| o.affinity_match.iter()),
-                    ),
-                    delta(
-                        new.source_ranges.iter(),
-                        old.into_iter().flat_map(|o| o.source_ranges.iter()),
-                    ),
-                ]
+                let (services, source_ranges) = family_rooms(IpFamily::of(&frontend.addr));
+                let mut d = [Delta::default(); ROOMS];
+                d[services] = delta(
+                    new.services.keys(),
+                    old.into_iter().flat_map(|o| o.services.keys()),
+                );
+                d[2] = delta(
+                    new.affinity_match.iter(),
+                    old.into_iter().flat_map(|o| o.affinity_match.iter()),
+                );
+                d[source_ranges] = delta(
+                    new.source_ranges.iter(),
+                    old.into_iter().flat_map(|o| o.source_ranges.iter()),
+                );
+                d
             })
             .collect();
+        let occupancy = &self.occupancy;
         let used = [
-            i64::from(self.occupancy.services),
-            i64::from(self.occupancy.affinity_match),
-            i64::from(self.occupancy.source_ranges),
-        ];
+            occupancy.services.v4,
+            occupancy.services.v6,
+            occupancy.affinity_match,
+            occupancy.source_ranges.v4,
+            occupancy.source_ranges.v6,
+        ]
+        .map(i64::from);
         let caps = [
-            i64::from(self.caps.services),
-            i64::from(self.caps.affinity_match),
-            i64::from(self.caps.source_ranges),
-        ];
+            self.caps.services,
+            self.caps.services,
+            self.caps.affinity_match,
+            self.caps.source_ranges,
+            self.caps.source_ranges,
+        ]
+        .map(i64::from);
         // 1. Make-before-break throughout, in the usual order.
         let mut running = used;
         let mut fits = true;
         for d in &deltas {
-            for m in 0..3 {
+            for m in 0..ROOMS {
                 fits &= running[m] + d[m].added <= caps[m];
                 running[m] += d[m].net();
             }
@@ -79,25 +109,24 @@ impl<M: MapOps> Applier<M> {
         // 2. Shrinking frontends first; break-before-make where the peak does not fit. A frontend
         //    written break-before-make never holds more than max(before, after) entries.
         let mut order: Vec<usize> = (0..built.len()).collect();
-        order.sort_by_key(|&i| deltas[i][0].net());
+        order.sort_by_key(|&i| deltas[i][0].net() + deltas[i][1].net());
         let mut running = used;
         let mut modes = vec![WriteMode::MakeBeforeBreak; built.len()];
         let mut peak = used;
         for &i in &order {
             let d = &deltas[i];
-            if (0..3).any(|m| running[m] + d[m].added > caps[m]) {
+            if (0..ROOMS).any(|m| running[m] + d[m].added > caps[m]) {
                 modes[i] = WriteMode::BreakBeforeMake;
             }
-            for m in 0..3 {
+            for m in 0..ROOMS {
                 running[m] += d[m].net();
                 peak[m] = peak[m].max(running[m]);
             }
         }
-        let names = [catalog::SERVICES, catalog::AFFINITY_MATCH, catalog::SOURCE_RANGES];
-        if let Some(m) = (0..3).find(|&m| peak[m] > caps[m]) {
+        if let Some(m) = (0..ROOMS).find(|&m| peak[m] > caps[m]) {
             return Err(format!(
                 "map {} is full ({} of {} entries used, {} more needed)",
-                names[m],
+                room_name(m),
                 used[m],
                 caps[m],
                 peak[m] - used[m]

@@ -1,16 +1,20 @@
 //! The writer against the fake maps: write order, minimal writes, recovery, and full maps.
 
-use std::{net::Ipv4Addr, sync::Arc};
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    sync::Arc,
+};
 
 use lb_common::{
+    catalog,
     revnat::SvcName,
-    service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, SrcRange4, Svc4Key, flags},
+    service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, flags},
 };
 
 use super::*;
 use crate::{
     apply::{
-        Snapshot,
+        ServiceMapKey, Snapshot, SourceRange,
         fake::{FakeMaps, Op},
     },
     model::{Protocol, ServicePortName},
@@ -28,7 +32,7 @@ fn name(svc: &str) -> ServicePortName {
 
 fn be(last: u8) -> BackendAddr {
     BackendAddr {
-        addr: Ipv4Addr::new(10, 244, 0, last),
+        addr: IpAddr::V4(Ipv4Addr::new(10, 244, 0, last)),
         port: 8080,
         proto: Protocol::Tcp,
     }
@@ -36,9 +40,23 @@ fn be(last: u8) -> BackendAddr {
 
 fn fe(last: u8) -> Frontend {
     Frontend {
-        addr: Ipv4Addr::new(10, 96, 0, last),
+        addr: IpAddr::V4(Ipv4Addr::new(10, 96, 0, last)),
         port: 80,
         proto: Protocol::Tcp,
+    }
+}
+
+fn be6(last: u16) -> BackendAddr {
+    BackendAddr {
+        addr: IpAddr::V6(Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, last)),
+        ..be(0)
+    }
+}
+
+fn fe6(last: u16) -> Frontend {
+    Frontend {
+        addr: IpAddr::V6(Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, last)),
+        ..fe(0)
     }
 }
 
@@ -148,7 +166,7 @@ fn scaling_down_lowers_the_count_before_deleting_slots() {
             Op::PutService(k, v) => maps.put_service(k, v).unwrap(),
             Op::DeleteService(k) => maps.delete_service(k).unwrap(),
             Op::PutBackend(id, v) => maps.put_backend(*id, v).unwrap(),
-            Op::DeleteBackend(id) => maps.delete_backend(*id).unwrap(),
+            Op::DeleteBackend(family, id) => maps.delete_backend(*family, *id).unwrap(),
             other => panic!("unexpected {other:?}"),
         }
         maps.check_consistent()
@@ -171,7 +189,7 @@ fn removing_a_service_hides_its_frontend_first_and_frees_backends() {
         "{log:?}"
     );
     assert!(
-        matches!(log.last(), Some(Op::DeleteBackend(_))),
+        matches!(log.last(), Some(Op::DeleteBackend(IpFamily::V4, _))),
         "the unused backend goes last: {log:?}"
     );
     assert_eq!(
@@ -322,9 +340,9 @@ fn affinity_members_and_source_ranges_follow_the_plan() {
     assert!(a.maps().state.affinity_match.iter().all(|k| k.rev_nat_id == rev));
     assert_eq!(
         a.maps().state.source_ranges,
-        vec![(56, SrcRange4::new(rev, [198, 51, 100, 0]))]
+        vec![SourceRange::new(rev, "198.51.100.0/24".parse().unwrap())]
     );
-    let front = a.maps().state.services[&Svc4Key::new([10, 96, 0, 10], 80, 6, SCOPE_EXTERNAL, 0)];
+    let front = a.maps().state.services[&ServiceMapKey::new(fe(10).addr, 80, 6, SCOPE_EXTERNAL, 0)];
     assert_eq!(front.affinity_timeout, 60);
 
     // Dropping a backend drops its affinity member.
@@ -349,13 +367,13 @@ fn assert_consistent_from(before: Snapshot, log: &[Op]) {
             Op::PutService(k, v) => maps.put_service(k, v).unwrap(),
             Op::DeleteService(k) => maps.delete_service(k).unwrap(),
             Op::PutBackend(id, v) => maps.put_backend(*id, v).unwrap(),
-            Op::DeleteBackend(id) => maps.delete_backend(*id).unwrap(),
+            Op::DeleteBackend(family, id) => maps.delete_backend(*family, *id).unwrap(),
             Op::PutRevNat(id, v) => maps.put_revnat(*id, v, &name).unwrap(),
-            Op::DeleteRevNat(id) => maps.delete_revnat(*id).unwrap(),
+            Op::DeleteRevNat(family, id) => maps.delete_revnat(*family, *id).unwrap(),
             Op::PutAffinityMatch(k) => maps.put_affinity_match(k).unwrap(),
             Op::DeleteAffinityMatch(k) => maps.delete_affinity_match(k).unwrap(),
-            Op::PutSourceRange(p, r) => maps.put_source_range(*p, r).unwrap(),
-            Op::DeleteSourceRange(p, r) => maps.delete_source_range(*p, r).unwrap(),
+            Op::PutSourceRange(r) => maps.put_source_range(r).unwrap(),
+            Op::DeleteSourceRange(r) => maps.delete_source_range(r).unwrap(),
             Op::PutConfig => {}
         }
         maps.check_consistent()
@@ -430,7 +448,7 @@ fn a_full_map_rewrites_a_frontend_break_before_make() {
     let mut fresh = applier();
     fresh.apply(&cluster());
     assert_eq!(a.maps().state.services, fresh.maps().state.services);
-    assert_eq!(a.occupancy().services, 6);
+    assert_eq!(a.occupancy().services.v4, 6);
 
     // With room for the peak, the usual make-before-break: no withdrawal.
     let mut roomy = applier();
@@ -496,9 +514,9 @@ fn a_full_source_range_map_never_leaves_a_frontend_without_its_ranges() {
     let rev = a.rev_nat_id(&fe(10)).unwrap();
     assert_eq!(
         a.maps().state.source_ranges,
-        vec![(56, SrcRange4::new(rev, [203, 0, 113, 0]))]
+        vec![SourceRange::new(rev, "203.0.113.0/24".parse().unwrap())]
     );
-    assert_eq!(a.occupancy().source_ranges, 1);
+    assert_eq!(a.occupancy().source_ranges.v4, 1);
 }
 
 /// A scope with more backends than a frontend entry's `u16` count is refused with a reason, not
@@ -508,7 +526,7 @@ fn a_scope_too_large_to_count_is_skipped() {
     let mut d = desired(&[(10, "web", &[1])]);
     let many: Vec<BackendAddr> = (0..=u32::from(u16::MAX))
         .map(|i| BackendAddr {
-            addr: Ipv4Addr::from(0x0a00_0000 + i),
+            addr: IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i)),
             port: 8080,
             proto: Protocol::Tcp,
         })
@@ -548,4 +566,121 @@ fn a_cut_name_reads_back_to_the_same_bytes() {
     );
     let read_back = service_port_name(&stored, lb_common::proto::TCP);
     assert_eq!(svc_name(&read_back), stored);
+}
+
+/// A desired state of the given frontends, each with its Service and backends.
+fn desired_of(frontends: &[(Frontend, &str, Vec<BackendAddr>)]) -> DesiredState {
+    let mut d = DesiredState::default();
+    for (frontend, svc, backends) in frontends {
+        let mut plan = frontend_plan(svc, &[]);
+        plan.scopes[0].backends = backends.clone();
+        for b in plan.backends() {
+            d.backends.insert(*b, 0);
+        }
+        d.frontends.insert(*frontend, plan.into());
+    }
+    d
+}
+
+/// A dual-stack Service is one Service to the writer: its IPv4 frontend goes to the `lb4_*`
+/// maps, its IPv6 one to the `lb6_*` maps, each with ids from its family's range; removing one
+/// family leaves the other untouched.
+#[test]
+fn a_dual_stack_service_goes_to_each_familys_maps() {
+    let caps = Capacities::default();
+    let mut a = applier();
+    let both = desired_of(&[
+        (fe(10), "web", vec![be(1), be(2)]),
+        (fe6(10), "web", vec![be6(1), be6(2)]),
+    ]);
+    let r = a.apply(&both);
+    assert!(r.is_clean(), "{r:?}");
+    a.maps().check_consistent().unwrap();
+    let state = &a.maps().state;
+    let families = |f: IpFamily| state.services.keys().filter(|k| k.family() == f).count();
+    assert_eq!((families(IpFamily::V4), families(IpFamily::V6)), (3, 3));
+    let v6_rev = a.rev_nat_id(&fe6(10)).unwrap();
+    let v4_rev = a.rev_nat_id(&fe(10)).unwrap();
+    assert!(v4_rev <= caps.revnat && v6_rev > caps.revnat, "{v4_rev} {v6_rev}");
+    let v6_backend = a.backend_id(&be6(1)).unwrap();
+    assert!(v6_backend > caps.backends, "{v6_backend}");
+    assert_eq!(state.revnat[&v6_rev].addr, fe6(10).addr);
+    assert_eq!(state.backends[&v6_backend].addr, be6(1).addr);
+    let occ = a.occupancy();
+    assert_eq!((occ.services.v4, occ.services.v6), (3, 3));
+    assert_eq!((occ.backends.v4, occ.backends.v6), (2, 2));
+    assert_eq!((occ.revnat.v4, occ.revnat.v6), (1, 1));
+
+    // The IPv6 frontend goes; IPv4 is not written at all.
+    a.maps_mut().log.clear();
+    let r = a.apply(&desired_of(&[(fe(10), "web", vec![be(1), be(2)])]));
+    assert!(r.is_clean(), "{r:?}");
+    let log = &a.maps().log;
+    assert!(
+        log.iter().all(|op| match op {
+            Op::DeleteService(k) => k.family() == IpFamily::V6,
+            Op::DeleteBackend(f, _) | Op::DeleteRevNat(f, _) => *f == IpFamily::V6,
+            _ => false,
+        }),
+        "{log:?}"
+    );
+    assert_eq!(a.occupancy().services.v6, 0);
+    assert_eq!(a.occupancy().backends.v6, 0);
+    assert_eq!(a.maps().state.services.len(), 3);
+}
+
+/// Each family's maps have their own capacity: a full `lb4_services` does not stop an IPv6
+/// Service, and the reason names the full map.
+#[test]
+fn each_family_has_its_own_capacity() {
+    let caps = Capacities {
+        services: 2,
+        ..Capacities::default()
+    };
+    let maps = FakeMaps {
+        services_capacity: Some(2),
+        ..FakeMaps::new()
+    };
+    let mut a = Applier::new(maps, caps);
+    let r = a.apply(&desired_of(&[
+        (fe(10), "a", vec![be(1)]),
+        (fe(11), "b", vec![be(2)]),
+        (fe6(10), "c", vec![be6(1)]),
+        (fe6(11), "d", vec![be6(2)]),
+    ]));
+    assert!(r.errors.is_empty(), "{r:?}");
+    let reasons: Vec<&str> = r.skipped.iter().map(|(_, why)| why.as_str()).collect();
+    assert_eq!(reasons.len(), 2, "{reasons:?}");
+    assert!(
+        reasons.iter().any(|w| w.contains(catalog::SERVICES)),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|w| w.contains(catalog::SERVICES6)),
+        "{reasons:?}"
+    );
+    assert_eq!(a.occupancy().services, PerFamily { v4: 2, v6: 2 });
+    a.maps().check_consistent().unwrap();
+}
+
+/// A restarted writer adopts both families' entries with their ids and writes nothing.
+#[test]
+fn a_restart_adopts_both_families() {
+    let both = desired_of(&[
+        (fe(10), "web", vec![be(1), be(2)]),
+        (fe6(10), "web", vec![be6(1)]),
+    ]);
+    let mut a = applier();
+    assert!(a.apply(&both).is_clean());
+    let maps = FakeMaps {
+        state: a.maps().state.clone(),
+        ..FakeMaps::new()
+    };
+    let mut b = Applier::recover(maps, Capacities::default()).unwrap();
+    assert_eq!(b.occupancy(), a.occupancy());
+    assert_eq!(b.rev_nat_id(&fe6(10)), a.rev_nat_id(&fe6(10)));
+    assert_eq!(b.backend_id(&be6(1)), a.backend_id(&be6(1)));
+    let r = b.apply(&both);
+    assert!(r.is_clean(), "{r:?}");
+    assert_eq!((r.writes, r.deletes), (0, 0), "{:?}", b.maps().log);
 }

@@ -5,14 +5,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use lb_common::{
-    backend::Backend4Value,
-    service::{Svc4Key, Svc4Value},
-};
+use lb_common::service::SvcValue;
 
 use super::{Applier, ApplyReport, FrontendEntries, WriteMode, backend_value, svc_name};
 use crate::{
-    apply::{MapError, MapOps},
+    apply::{BackendEntry, MapError, MapOps, ServiceMapKey},
+    family::IpFamily,
     plan::{BackendAddr, Frontend},
 };
 
@@ -35,18 +33,18 @@ impl<M: MapOps> Applier<M> {
         backends: &[(BackendAddr, u32, u8)],
         report: &mut ApplyReport,
     ) -> bool {
-        let writes: Vec<(BackendAddr, u32, Backend4Value)> = backends
+        let writes: Vec<(BackendAddr, u32, BackendEntry)> = backends
             .iter()
             .map(|(addr, id, flags)| (*addr, *id, backend_value(addr, *flags)))
             .filter(|(addr, id, value)| self.backends.get(addr) != Some(&(*id, *value)))
             .collect();
-        let entries: Vec<(u32, Backend4Value)> = writes.iter().map(|(_, id, v)| (*id, *v)).collect();
+        let entries: Vec<(u32, BackendEntry)> = writes.iter().map(|(_, id, v)| (*id, *v)).collect();
         let result = self.maps.put_backends(&entries);
         let done = result.as_ref().err().map_or(writes.len(), |e| e.done);
         for (addr, id, value) in &writes[..done] {
             report.writes += 1;
             if self.backends.insert(*addr, (*id, *value)).is_none() {
-                self.occupancy.backends += 1;
+                *self.occupancy.backends.get_mut(IpFamily::of(&addr.addr)) += 1;
                 self.backend_addrs.insert(*id, *addr);
                 // Deleted again at the end of this apply unless a frontend now uses it.
                 self.maybe_unused.insert(*id);
@@ -116,7 +114,7 @@ impl<M: MapOps> Applier<M> {
         current.revnat = new.revnat;
         current.service = new.service.clone();
         for range in new.source_ranges.difference(&current.source_ranges.clone()) {
-            self.maps.put_source_range(range.0, &range.1.into())?;
+            self.maps.put_source_range(range)?;
             report.writes += 1;
             current.source_ranges.insert(*range);
         }
@@ -126,13 +124,13 @@ impl<M: MapOps> Applier<M> {
             current.affinity_match.insert(*member);
         }
         // Writes: internal scope first, and within a scope the slots before slot 0.
-        let mut writes: Vec<(&Svc4Key, &Svc4Value)> = new
+        let mut writes: Vec<(&ServiceMapKey, &SvcValue)> = new
             .services
             .iter()
             .filter(|(k, v)| current.services.get(k) != Some(v))
             .collect();
         writes.sort_by_key(|(k, _)| (std::cmp::Reverse(k.scope), k.slot == 0, k.slot));
-        let writes: Vec<(Svc4Key, Svc4Value)> = writes.into_iter().map(|(k, v)| (*k, *v)).collect();
+        let writes: Vec<(ServiceMapKey, SvcValue)> = writes.into_iter().map(|(k, v)| (*k, *v)).collect();
         let result = self.maps.put_services(&writes);
         let done = result.as_ref().err().map_or(writes.len(), |e| e.done);
         for (key, value) in &writes[..done] {
@@ -141,7 +139,7 @@ impl<M: MapOps> Applier<M> {
         }
         result.map_err(|e| e.error)?;
         // Deletions: slot 0 of the external scope first, then the rest.
-        let mut deletes: Vec<Svc4Key> = current
+        let mut deletes: Vec<ServiceMapKey> = current
             .services
             .keys()
             .filter(|k| !new.services.contains_key(k))
@@ -154,7 +152,7 @@ impl<M: MapOps> Applier<M> {
             current.services.remove(&key);
         }
         for range in current.source_ranges.clone().difference(&new.source_ranges) {
-            self.maps.delete_source_range(range.0, &range.1.into())?;
+            self.maps.delete_source_range(range)?;
             report.deletes += 1;
             current.source_ranges.remove(range);
         }
@@ -177,7 +175,7 @@ impl<M: MapOps> Applier<M> {
         current: &mut FrontendEntries,
         report: &mut ApplyReport,
     ) -> Result<(), MapError> {
-        let mut keys: Vec<Svc4Key> = current
+        let mut keys: Vec<ServiceMapKey> = current
             .services
             .keys()
             .filter(|k| k.slot == 0 || !new.services.contains_key(k))
@@ -190,7 +188,7 @@ impl<M: MapOps> Applier<M> {
             current.services.remove(&key);
         }
         for range in current.source_ranges.clone().difference(&new.source_ranges) {
-            self.maps.delete_source_range(range.0, &range.1.into())?;
+            self.maps.delete_source_range(range)?;
             report.deletes += 1;
             current.source_ranges.remove(range);
         }
@@ -208,17 +206,18 @@ impl<M: MapOps> Applier<M> {
         };
         self.count_frontend(&current, -1);
         let result = (|| -> Result<(), MapError> {
-            let mut keys: Vec<Svc4Key> = current.services.keys().copied().collect();
+            let mut keys: Vec<ServiceMapKey> = current.services.keys().copied().collect();
             keys.sort_by_key(|k| (k.slot != 0, k.scope, k.slot));
             for key in keys {
                 self.maps.delete_service(&key)?;
                 report.deletes += 1;
                 current.services.remove(&key);
             }
-            self.maps.delete_revnat(current.rev_nat_id)?;
+            self.maps
+                .delete_revnat(current.revnat.family(), current.rev_nat_id)?;
             report.deletes += 1;
             for range in std::mem::take(&mut current.source_ranges) {
-                self.maps.delete_source_range(range.0, &range.1.into())?;
+                self.maps.delete_source_range(&range)?;
                 report.deletes += 1;
             }
             for member in std::mem::take(&mut current.affinity_match) {
@@ -228,7 +227,10 @@ impl<M: MapOps> Applier<M> {
             Ok(())
         })();
         match result {
-            Ok(()) => self.rev_ids.free(current.rev_nat_id),
+            Ok(()) => self
+                .rev_ids
+                .get_mut(current.revnat.family())
+                .free(current.rev_nat_id),
             Err(e) => {
                 report.errors.push(format!("removing {frontend}: {e}"));
                 // Keep what is left so the next apply retries the deletion.

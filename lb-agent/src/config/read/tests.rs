@@ -69,7 +69,7 @@ logging:
     );
     let c = &loaded.config;
     assert_eq!(c.hostname_override.as_deref(), Some("node-a"));
-    assert_eq!(c.bind_address, Some(Ipv4Addr::new(192, 168, 1, 10)));
+    assert_eq!(c.bind_address, Some(Ipv4Addr::new(192, 168, 1, 10).into()));
     assert_eq!(c.healthz_bind_address.as_deref(), Some("0.0.0.0:10256"));
     assert_eq!(
         c.metrics_bind_address.as_deref(),
@@ -280,12 +280,18 @@ fn bind_addresses_and_unset_values() {
     let c = load("bindAddress: 0.0.0.0\nhealthzBindAddress: \"\"\nmetricsBindAddress: \":9999\"\n").config;
     assert_eq!(c.bind_address, None);
     assert_eq!(c.healthz_bind_address, None);
-    assert_eq!(c.metrics_bind_address.as_deref(), Some("0.0.0.0:9999"));
+    assert_eq!(c.metrics_bind_address.as_deref(), Some("[::]:9999"));
     let c = load("healthzBindAddress: \"::1\"\n").config;
     assert_eq!(c.healthz_bind_address.as_deref(), Some("[::1]:10256"));
+    // Either family: it overrides the node's primary IP of its family (`detectNodeIPs`).
     let loaded = load("bindAddress: \"fd00::1\"\n");
-    assert_eq!(loaded.config.bind_address, None);
-    assert_eq!(warning(&loaded, "bindAddress").kind, WarningKind::Note);
+    assert_eq!(loaded.config.bind_address, Some("fd00::1".parse().unwrap()));
+    assert!(
+        loaded.warnings.iter().all(|w| w.path != "bindAddress"),
+        "{:#?}",
+        loaded.warnings
+    );
+    assert_eq!(load("bindAddress: \"::\"\n").config.bind_address, None);
     // Zero durations and zero client settings are unset, as kube-proxy's defaulting.
     let c = load("configSyncPeriod: 0s\niptables:\n  syncPeriod: 0s\n  minSyncPeriod: 0s\nclientConnection:\n  qps: 0\n  burst: 0\n").config;
     assert_eq!(c, ProxyConfig::default());

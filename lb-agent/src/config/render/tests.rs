@@ -27,7 +27,7 @@ fn rendered_config_round_trips() {
     assert!(reread.warnings.is_empty(), "{:#?}\n{yaml}", reread.warnings);
     let c = reread.config;
     assert_eq!(c.hostname_override.as_deref(), Some("from-file"));
-    assert_eq!(c.bind_address, Some(Ipv4Addr::new(192, 168, 1, 5)));
+    assert_eq!(c.bind_address, Some(Ipv4Addr::new(192, 168, 1, 5).into()));
     assert_eq!(c.cluster_cidrs, Some(vec!["10.244.0.0/16".to_string()]));
     assert_eq!(
         c.nodeport_addresses,

@@ -1,4 +1,8 @@
-use lb_common::proto;
+use lb_common::{
+    conntrack::{Ct4Key, Ct4Value, Ct6Key, Ct6Value},
+    family::In6Addr,
+    proto,
+};
 
 use super::*;
 
@@ -16,6 +20,7 @@ fn value(created: u64, nat: ([u8; 4], u16), flags: u16) -> Ct4Value {
         flags,
         rev_nat_id: 1,
         backend_id: 1,
+        _pad: Default::default(),
     }
 }
 
@@ -27,9 +32,9 @@ fn masqueraded(
     snat_port: u16,
     at: u64,
 ) -> [Ct4Key; 3] {
-    let fwd = tuple_key(CLIENT, cport, NODE, 30080, proto, dir::INGRESS);
-    let snat = tuple_key(CLIENT, cport, BACKEND, 8080, proto, dir::EGRESS);
-    let unsnat = tuple_key(BACKEND, 8080, NODE, snat_port, proto, dir::INGRESS);
+    let fwd = tuple_key::<V4>(CLIENT, cport, NODE, 30080, proto, dir::INGRESS);
+    let snat = tuple_key::<V4>(CLIENT, cport, BACKEND, 8080, proto, dir::EGRESS);
+    let unsnat = tuple_key::<V4>(BACKEND, 8080, NODE, snat_port, proto, dir::INGRESS);
     m.insert(fwd, value(at, (BACKEND, 8080), flags::SNAT));
     m.insert(snat, value(at, (NODE, snat_port), flags::SNAT));
     m.insert(unsnat, value(at, (CLIENT, cport), flags::SNAT | flags::REPLY));
@@ -38,8 +43,8 @@ fn masqueraded(
 
 /// A flow kept with its client address: forward and un-DNAT.
 fn direct(m: &mut HashMap<Ct4Key, Ct4Value>, cport: u16, at: u64) -> [Ct4Key; 2] {
-    let fwd = tuple_key(CLIENT, cport, [10, 96, 0, 10], 80, proto::TCP, dir::INGRESS);
-    let undnat = tuple_key(BACKEND, 8080, CLIENT, cport, proto::TCP, dir::EGRESS);
+    let fwd = tuple_key::<V4>(CLIENT, cport, [10, 96, 0, 10], 80, proto::TCP, dir::INGRESS);
+    let undnat = tuple_key::<V4>(BACKEND, 8080, CLIENT, cport, proto::TCP, dir::EGRESS);
     m.insert(fwd, value(at, (BACKEND, 8080), 0));
     m.insert(undnat, value(at, ([10, 96, 0, 10], 80), flags::REPLY));
     [fwd, undnat]
@@ -149,4 +154,51 @@ fn many_closed_flows_towards_one_backend_free_their_ports() {
     }
     let gone = plan(&m, 111 * S, &GcTimeouts::default());
     assert_eq!(gone.len(), m.len());
+}
+
+/// The IPv6 map goes through the same GC: a masqueraded flow's three entries, closed by both
+/// sides, go together; an open one stays.
+#[test]
+fn ipv6_flows_are_collected_alike() {
+    let addr = |last: u8| {
+        let mut a = In6Addr::new([0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        a.octets[15] = last;
+        a
+    };
+    let (client, node, backend) = (addr(10), addr(1), addr(5));
+    let v = |nat: (In6Addr, u16), flags: u16| Ct6Value {
+        created_ns: S,
+        last_seen_ns: S,
+        nat_addr: nat.0,
+        nat_port: nat.1,
+        flags,
+        rev_nat_id: 7,
+        backend_id: 3,
+        _pad: Default::default(),
+    };
+    let mut m: HashMap<Ct6Key, Ct6Value> = HashMap::new();
+    let flow = |m: &mut HashMap<Ct6Key, Ct6Value>, cport: u16| {
+        let fwd = tuple_key::<V6>(client, cport, node, 30080, proto::TCP, dir::INGRESS);
+        let snat = tuple_key::<V6>(client, cport, backend, 8080, proto::TCP, dir::EGRESS);
+        let unsnat = tuple_key::<V6>(backend, 8080, node, 20000 + cport, proto::TCP, dir::INGRESS);
+        m.insert(fwd, v((backend, 8080), flags::SNAT));
+        m.insert(snat, v((node, 20000 + cport), flags::SNAT));
+        m.insert(unsnat, v((client, cport), flags::SNAT | flags::REPLY));
+        [fwd, snat, unsnat]
+    };
+    let closed = flow(&mut m, 1);
+    let open = flow(&mut m, 2);
+    for (key, fin) in [(closed[0], flags::FIN_FORWARD), (closed[2], flags::FIN_REPLY)] {
+        let e = m.get_mut(&key).unwrap();
+        e.flags |= fin;
+        e.last_seen_ns = 2 * S;
+    }
+    let doomed: HashSet<(Ct6Key, Reason)> = plan(&m, 2 * S + 11 * S, &GcTimeouts::default())
+        .into_iter()
+        .map(|d| (d.key, d.reason))
+        .collect();
+    let want: HashSet<(Ct6Key, Reason)> = closed.iter().map(|k| (*k, Reason::Closed)).collect();
+    assert_eq!(doomed, want);
+    assert!(open.iter().all(|k| !doomed.iter().any(|(d, _)| d == k)));
+    assert_eq!(flow_state(&closed[0], &m[&closed[0]], &m), FlowState::Closed);
 }

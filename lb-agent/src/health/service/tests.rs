@@ -8,7 +8,7 @@ use super::*;
 use crate::test_util::http_get;
 use crate::{
     health::test_support::{TIMEOUT, get, setup},
-    model::Protocol,
+    model::{Protocol, ServicePortName},
 };
 
 fn svc(namespace: &str, name: &str, local_endpoints: usize) -> HealthCheckService {
@@ -76,15 +76,28 @@ fn targets_group_ports_of_a_service() {
         port: port.into(),
         protocol: Protocol::Tcp,
     };
+    let check = |family, node_port, service, local_ready| HealthCheck {
+        family,
+        node_port,
+        service,
+        local_ready,
+    };
+    let (v4, v6) = (IpFamily::V4, IpFamily::V6);
     let targets = targets_from_health_checks(&[
-        (30001, spn("ns", "web", "http"), 2),
-        (30001, spn("ns", "web", "https"), 2),
-        (30002, spn("ns", "dns", ""), 0),
-        (30002, spn("other", "intruder", ""), 5),
+        check(v4, 30001, spn("ns", "web", "http"), 2),
+        check(v4, 30001, spn("ns", "web", "https"), 2),
+        check(v6, 30001, spn("ns", "web", "http"), 1),
+        check(v4, 30002, spn("ns", "dns", ""), 0),
+        check(v4, 30002, spn("other", "intruder", ""), 5),
     ]);
-    assert_eq!(targets.len(), 2);
-    assert_eq!(targets[&30001], svc("ns", "web", 4));
-    assert_eq!(targets[&30002], svc("ns", "dns", 0));
+    assert_eq!(targets.len(), 3);
+    assert_eq!(targets[&(v4, 30001)], svc("ns", "web", 4));
+    assert_eq!(
+        targets[&(v6, 30001)],
+        svc("ns", "web", 1),
+        "each family counts its own endpoints"
+    );
+    assert_eq!(targets[&(v4, 30002)], svc("ns", "dns", 0));
 }
 async fn wait_closed(addr: SocketAddr) {
     tokio::time::timeout(Duration::from_secs(5), async {
@@ -108,6 +121,7 @@ async fn service_servers_open_update_and_close_real_listeners() {
             .port()
     };
     let (p1, p2): (u16, u16) = (free(0), free(1));
+    let (p1, p2) = ((IpFamily::V4, p1), (IpFamily::V4, p2));
 
     let mut wanted = BTreeMap::from([(p1, svc("ns", "a", 1)), (p2, svc("ns", "b", 0))]);
     let errors = servers.sync(&wanted);
@@ -115,7 +129,7 @@ async fn service_servers_open_update_and_close_real_listeners() {
     assert_eq!(servers.ports().len(), 2);
     let a1 = servers.local_addrs(p1).unwrap()[0];
     let a2 = servers.local_addrs(p2).unwrap()[0];
-    assert_eq!(a1.port(), p1);
+    assert_eq!(a1.port(), p1.1);
 
     let r = http_get(a1, "/").await;
     assert!(r.starts_with("HTTP/1.1 200"), "{r}");
@@ -154,15 +168,16 @@ async fn taken_port_is_reported_and_retried() {
         .unwrap()
         .port();
     let mut servers = ServiceHealthServers::new(vec![IpAddr::V4(Ipv4Addr::LOCALHOST)], health);
+    let (taken, free) = ((IpFamily::V4, taken), (IpFamily::V4, free));
     let wanted = BTreeMap::from([(taken, svc("ns", "blocked", 1)), (free, svc("ns", "ok", 1))]);
 
     let errors = servers.sync(&wanted);
     assert_eq!(errors.len(), 1);
-    assert_eq!(errors[0].port, taken);
+    assert_eq!(errors[0].port, taken.1);
     assert_eq!(errors[0].error.kind(), io::ErrorKind::AddrInUse);
     let message = errors[0].to_string();
     assert!(
-        message.contains("ns/blocked") && message.contains(&taken.to_string()),
+        message.contains("ns/blocked") && message.contains(&taken.1.to_string()),
         "{message}"
     );
     assert_eq!(servers.ports(), vec![free], "the other port still opens");
@@ -177,8 +192,47 @@ async fn taken_port_is_reported_and_retried() {
     assert!(servers.ports().is_empty());
 }
 #[test]
-fn default_bind_address_is_every_address() {
+fn default_bind_address_is_every_address_of_each_family() {
     let (_clock, health) = setup();
-    let servers = ServiceHealthServers::new(Vec::new(), health);
-    assert_eq!(servers.addresses, vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)]);
+    let servers = ServiceHealthServers::new(Vec::new(), health.clone());
+    assert_eq!(servers.addresses.v4, vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)]);
+    assert_eq!(servers.addresses.v6, vec![IpAddr::V6(Ipv6Addr::UNSPECIFIED)]);
+    let only_v4 = ServiceHealthServers::new(vec!["10.0.0.1".parse().unwrap()], health);
+    assert_eq!(only_v4.addresses.v4, vec!["10.0.0.1".parse::<IpAddr>().unwrap()]);
+    assert_eq!(only_v4.addresses.v6, vec![IpAddr::V6(Ipv6Addr::UNSPECIFIED)]);
+}
+
+/// A dual-stack Service's health-check port is open once per family, on the same port number,
+/// each answering with its own family's endpoints (the IPv6 listener is IPv6-only).
+#[tokio::test]
+async fn one_port_per_family() {
+    if std::net::TcpListener::bind("[::1]:0").is_err() {
+        eprintln!("skipped: no IPv6 loopback here");
+        return;
+    }
+    let (_clock, health) = setup();
+    let mut servers = ServiceHealthServers::new(
+        vec![IpAddr::V4(Ipv4Addr::LOCALHOST), IpAddr::V6(Ipv6Addr::LOCALHOST)],
+        health,
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let wanted = BTreeMap::from([
+        ((IpFamily::V4, port), svc("ns", "dual", 2)),
+        ((IpFamily::V6, port), svc("ns", "dual", 0)),
+    ]);
+    let errors = servers.sync(&wanted);
+    assert!(errors.is_empty(), "{errors:?}");
+    let v4 = servers.local_addrs((IpFamily::V4, port)).unwrap()[0];
+    let v6 = servers.local_addrs((IpFamily::V6, port)).unwrap()[0];
+    assert!(v4.is_ipv4() && v6.is_ipv6() && v4.port() == v6.port());
+    assert!(http_get(v4, "/").await.starts_with("HTTP/1.1 200"));
+    let r = http_get(v6, "/").await;
+    assert!(
+        r.starts_with("HTTP/1.1 503") && r.contains("\"localEndpoints\": 0"),
+        "{r}"
+    );
 }

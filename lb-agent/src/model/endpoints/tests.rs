@@ -1,4 +1,7 @@
-use std::collections::BTreeSet;
+use std::{
+    collections::BTreeSet,
+    net::{Ipv4Addr, Ipv6Addr},
+};
 
 use k8s_openapi::{
     api::discovery::v1::{EndpointConditions, EndpointHints, EndpointPort, ForNode, ForZone},
@@ -22,6 +25,7 @@ fn compact(slices: &[&EndpointSlice]) -> Vec<Slice> {
     slices.iter().map(|s| Slice::from(*s)).collect()
 }
 
+/// The IPv4 proxier's view, which most cases are about.
 fn endpoints_by_port(
     namespace: &str,
     service: &str,
@@ -37,13 +41,24 @@ fn endpoints_by_port_with_problems(
     slices: &[&EndpointSlice],
     node: &NodeInfo,
 ) -> (BTreeMap<ServicePortName, Vec<Endpoint>>, Vec<SliceError>) {
+    endpoints_in(IpFamily::V4, namespace, service, slices, node)
+}
+
+/// The view of `family`'s proxier.
+fn endpoints_in(
+    family: IpFamily,
+    namespace: &str,
+    service: &str,
+    slices: &[&EndpointSlice],
+    node: &NodeInfo,
+) -> (BTreeMap<ServicePortName, Vec<Endpoint>>, Vec<SliceError>) {
     let compacted = compact(slices);
     let refs: Vec<&Slice> = compacted.iter().collect();
-    super::endpoints_by_port_with_problems(namespace, service, &refs, node)
+    super::endpoints_by_port_with_problems(namespace, service, &refs, node, family)
 }
 
 fn slice_is_proxied(slice: &EndpointSlice) -> bool {
-    super::slice_is_proxied(&Slice::from(slice))
+    super::slice_is_proxied(&Slice::from(slice), IpFamily::V4)
 }
 
 fn slice_service_name(slice: &EndpointSlice) -> Result<(String, String), SliceError> {
@@ -231,7 +246,7 @@ fn sorted_wants(want: &[Want]) -> Vec<(String, bool, bool, bool, bool)> {
         .collect();
     v.sort_by_key(|(a, ..)| {
         let (ip, port) = a.split_once(':').unwrap();
-        (ip.parse::<Ipv4Addr>().unwrap(), port.parse::<u16>().unwrap())
+        (ip.parse::<IpAddr>().unwrap(), port.parse::<u16>().unwrap())
     });
     v
 }
@@ -727,12 +742,14 @@ fn malformed_ports_and_endpoints_reported() {
             SliceError::InvalidAddress {
                 slice: slice(),
                 index: 1,
-                address: "not-an-ip".into()
+                address: "not-an-ip".into(),
+                family: IpFamily::V4,
             },
             SliceError::InvalidAddress {
                 slice: slice(),
                 index: 2,
-                address: "fd00::1".into()
+                address: "fd00::1".into(),
+                family: IpFamily::V4,
             },
             SliceError::InvalidPort {
                 slice: slice(),
@@ -842,7 +859,7 @@ fn a_compacted_slice_keeps_what_the_model_reads() {
             namespace: "ns1".into(),
             service_name: Some("svc1".into()),
             excluded: false,
-            ipv4: true,
+            address_type: Some(IpFamily::V4),
             ports: vec![SlicePort {
                 name: Some("http".into()),
                 port: Some(80),
@@ -894,4 +911,148 @@ fn slice_service_names() {
     let mut no_name = s;
     no_name.metadata.name = Some(String::new());
     assert_eq!(slice_service_name(&no_name), Err(SliceError::NoNameOrNamespace));
+}
+
+/// `EndpointsChangeTracker.EndpointSliceUpdate`: each proxier takes the slices of its own
+/// `addressType`, so a dual-stack Service's IPv4 and IPv6 slices feed one family each, under the
+/// same port names; FQDN slices feed neither.
+#[test]
+fn slices_feed_the_family_of_their_address_type() {
+    let mk = |name: &str, address_type: &str, addresses: &[&str]| {
+        let mut s = slice(name, "svc1", "ns1");
+        s.address_type = address_type.to_owned();
+        s.ports = Some(vec![slice_port(Some("http"), Some(8080), Some("TCP"))]);
+        s.endpoints = Some(addresses.iter().map(|a| ep(a).node("n")).collect());
+        s
+    };
+    let v4 = mk("svc1-v4", "IPv4", &["10.244.1.5"]);
+    let v6 = mk("svc1-v6", "IPv6", &["fd00:10:244:1::5", "2001:db8::7"]);
+    let fqdn = mk("svc1-fqdn", "FQDN", &["web.example.com"]);
+    let all = [&v4, &v6, &fqdn];
+    let ips = |family| {
+        let (got, problems) = endpoints_in(family, "ns1", "svc1", &all, &node("n"));
+        assert!(problems.is_empty(), "{family}: {problems:?}");
+        assert_eq!(got.keys().collect::<Vec<_>>(), vec![&spn("http", Protocol::Tcp)]);
+        got.values()
+            .flatten()
+            .map(|e| (e.ip.to_string(), e.port, e.is_local))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(ips(IpFamily::V4), vec![("10.244.1.5".to_owned(), 8080, true)]);
+    assert_eq!(
+        ips(IpFamily::V6),
+        vec![
+            ("2001:db8::7".to_owned(), 8080, true),
+            ("fd00:10:244:1::5".to_owned(), 8080, true),
+        ]
+    );
+    for (s, v4_proxied, v6_proxied) in [(&v4, true, false), (&v6, false, true), (&fqdn, false, false)] {
+        let compact = Slice::from(s);
+        assert_eq!(
+            super::slice_is_proxied(&compact, IpFamily::V4),
+            v4_proxied,
+            "{}",
+            compact.name
+        );
+        assert_eq!(
+            super::slice_is_proxied(&compact, IpFamily::V6),
+            v6_proxied,
+            "{}",
+            compact.name
+        );
+    }
+    // Only an IPv6 slice: nothing for IPv4, and the other way round.
+    assert!(
+        endpoints_in(IpFamily::V4, "ns1", "svc1", &[&v6], &node("n"))
+            .0
+            .is_empty()
+    );
+    assert!(
+        endpoints_in(IpFamily::V6, "ns1", "svc1", &[&v4], &node("n"))
+            .0
+            .is_empty()
+    );
+    // The informers' label selector applies to IPv6 slices too.
+    let mut headless = mk("svc1-h", "IPv6", &["fd00::9"]);
+    headless
+        .metadata
+        .labels
+        .as_mut()
+        .unwrap()
+        .insert(LABEL_HEADLESS.into(), String::new());
+    assert!(!super::slice_is_proxied(&Slice::from(&headless), IpFamily::V6));
+}
+
+/// In an IPv6 slice, an address that is not IPv6 (ParseIPSloppy: an IPv4-mapped one is IPv4) or
+/// is special is reported and left out; non-canonical IPv6 is parsed; endpoints are sorted
+/// numerically.
+#[test]
+fn ipv6_endpoints_are_validated_and_sorted() {
+    let mut s = slice("svc1-v6", "svc1", "ns1");
+    s.address_type = "IPv6".into();
+    s.ports = Some(vec![slice_port(Some("http"), Some(80), Some("TCP"))]);
+    s.endpoints = Some(vec![
+        ep("fd00::10"),
+        ep("10.0.0.1"),
+        ep("::ffff:10.0.0.2"),
+        ep("::1"),
+        ep("fe80::1"),
+        ep("::"),
+        ep("ff02::1"),
+        ep("FD00:0:0::9"),
+        ep("fd00::a"),
+        ep("not-an-ip"),
+    ]);
+    let (got, problems) = endpoints_in(IpFamily::V6, "ns1", "svc1", &[&s], &node("n"));
+    let eps: Vec<_> = got[&spn("http", Protocol::Tcp)]
+        .iter()
+        .map(|e| e.ip.to_string())
+        .collect();
+    assert_eq!(eps, vec!["fd00::9", "fd00::a", "fd00::10"]);
+    let invalid = |index: usize, address: &str| SliceError::InvalidAddress {
+        slice: "svc1-v6".into(),
+        index,
+        address: address.into(),
+        family: IpFamily::V6,
+    };
+    assert_eq!(problems[0], invalid(1, "10.0.0.1"));
+    assert_eq!(problems[1], invalid(2, "::ffff:10.0.0.2"));
+    let special: Vec<usize> = problems
+        .iter()
+        .filter_map(|p| match p {
+            SliceError::SpecialAddress { index, .. } => Some(*index),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(special, vec![3, 4, 5, 6]);
+    assert_eq!(problems.last(), Some(&invalid(9, "not-an-ip")));
+    assert_eq!(problems.len(), 7);
+    assert_eq!(
+        problems[0].to_string(),
+        "EndpointSlice svc1-v6: endpoints[1] address \"10.0.0.1\" is not an IPv6 address; ignored"
+    );
+}
+
+#[test]
+fn a_compacted_ipv6_slice() {
+    let mut s = slice("svc1-v6", "svc1", "ns1");
+    s.address_type = "IPv6".into();
+    s.endpoints = Some(vec![ep("fd00::1"), ep("::ffff:10.0.0.1"), ep("FD00::2")]);
+    let compact = Slice::from(&s);
+    assert_eq!(compact.address_type, Some(IpFamily::V6));
+    let addresses: Vec<_> = compact
+        .endpoints
+        .iter()
+        .map(|e| e.address.clone().unwrap())
+        .collect();
+    assert_eq!(
+        addresses,
+        vec![
+            SliceAddress::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 1)),
+            SliceAddress::Written("::ffff:10.0.0.1".into()),
+            SliceAddress::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 2)),
+        ]
+    );
+    s.address_type = "FQDN".into();
+    assert_eq!(Slice::from(&s).address_type, None);
 }

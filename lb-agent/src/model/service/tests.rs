@@ -132,8 +132,12 @@ impl SvcBuilder {
     fn build(self) -> Service {
         self.0
     }
+    /// The IPv4 proxier's view, which most cases are about.
     fn ports_ok(self) -> ServicePorts {
-        service_ports(&self.0).expect("service_ports")
+        self.ports_in(IpFamily::V4)
+    }
+    fn ports_in(&self, family: IpFamily) -> ServicePorts {
+        service_ports(&self.0, family).expect("service_ports")
     }
     fn one(self) -> ServicePortInfo {
         let out = self.ports_ok();
@@ -142,7 +146,15 @@ impl SvcBuilder {
     }
 }
 
-fn v4(s: &str) -> Ipv4Addr {
+fn v4(s: &str) -> IpAddr {
+    s.parse::<Ipv4Addr>().unwrap().into()
+}
+
+fn v6(s: &str) -> IpAddr {
+    s.parse::<Ipv6Addr>().unwrap().into()
+}
+
+fn net(s: &str) -> IpNet {
     s.parse().unwrap()
 }
 
@@ -157,6 +169,7 @@ fn basic_cluster_ip_service() {
         info,
         ServicePortInfo {
             name: spn("", Protocol::Tcp),
+            family: IpFamily::V4,
             cluster_ips: vec![v4("10.96.0.1")],
             port: 80,
             node_port: None,
@@ -263,7 +276,7 @@ fn skipped_services() {
         (
             "IPv6 single-stack",
             svc().cluster_ips(&["fd00::1"], &["IPv6"]).build(),
-            "no IPv4 cluster IP",
+            "no cluster IP of the family",
         ),
         (
             "IPv6 single-stack, no ipFamilies",
@@ -271,12 +284,12 @@ fn skipped_services() {
                 .cluster_ips(&["fd00::1"], &[])
                 .spec(|s| s.ip_families = None)
                 .build(),
-            "no IPv4 cluster IP",
+            "no cluster IP of the family",
         ),
         (
             "ipFamilies IPv4 without an IP at that index",
             svc().cluster_ips(&["fd00::1"], &["IPv6", "IPv4"]).build(),
-            "no IPv4 cluster IP",
+            "no cluster IP of the family",
         ),
         (
             "no spec",
@@ -288,7 +301,7 @@ fn skipped_services() {
         ),
     ];
     for (name, s, reason) in cases {
-        let err = service_ports(&s).expect_err(name);
+        let err = service_ports(&s, IpFamily::V4).expect_err(name);
         assert_eq!(err, ServiceError::Skipped(reason), "{name}");
         assert!(err.is_skipped(), "{name}");
     }
@@ -336,7 +349,7 @@ fn dual_stack_takes_the_ipv4_cluster_ip() {
         ),
     ];
     for (name, s) in cases {
-        let out = service_ports(&s).expect(name);
+        let out = service_ports(&s, IpFamily::V4).expect(name);
         assert_eq!(out.ports[0].cluster_ips, vec![v4("10.96.0.7")], "{name}");
         assert!(out.warnings.is_empty(), "{name}: {:?}", out.warnings);
     }
@@ -368,28 +381,32 @@ fn invalid_cluster_ips() {
         ),
     ];
     for (name, s, field, value) in cases {
-        let err = service_ports(&s).expect_err(name);
+        let err = service_ports(&s, IpFamily::V4).expect_err(name);
         assert_eq!(
             err,
             ServiceError::InvalidClusterIp {
                 field: field.into(),
-                value: value.into()
+                value: value.into(),
+                family: IpFamily::V4,
             },
             "{name}"
         );
         assert!(!err.is_skipped());
     }
-    let err = service_ports(&svc().spec(|s| s.ports = None).build()).unwrap_err();
+    let err = service_ports(&svc().spec(|s| s.ports = None).build(), IpFamily::V4).unwrap_err();
     assert_eq!(
         err,
         ServiceError::NoUsablePorts {
             problems: vec!["spec.ports: no port".into()]
         }
     );
-    let err = service_ports(&Service {
-        metadata: ObjectMeta::default(),
-        ..svc().build()
-    })
+    let err = service_ports(
+        &Service {
+            metadata: ObjectMeta::default(),
+            ..svc().build()
+        },
+        IpFamily::V4,
+    )
     .unwrap_err();
     assert_eq!(err, ServiceError::MissingName);
 }
@@ -568,7 +585,6 @@ fn load_balancer_ips_by_ip_mode() {
 /// zero CIDR means "allow any".
 #[test]
 fn load_balancer_source_ranges() {
-    let net = |s: &str| s.parse::<Ipv4Net>().unwrap();
     type Case = (
         &'static str,
         &'static [&'static str],
@@ -628,7 +644,7 @@ fn load_balancer_source_ranges() {
             .node_ports(&[30080])
             .source_ranges(input)
             .ports_ok();
-        let want: Vec<Ipv4Net> = want.iter().map(|s| net(s)).collect();
+        let want: Vec<IpNet> = want.iter().map(|s| net(s)).collect();
         assert_eq!(out.ports[0].load_balancer_source_ranges, want, "{name}");
         assert_eq!(out.warnings.len(), *n_warnings, "{name}: {:?}", out.warnings);
     }
@@ -852,6 +868,7 @@ fn no_usable_port_is_an_error() {
         &svc()
             .ports(vec![port("a", 0, "TCP"), port("b", 80, "ICMP")])
             .build(),
+        IpFamily::V4,
     )
     .unwrap_err();
     assert_eq!(
@@ -982,9 +999,9 @@ fn pruning_by_the_watch_keeps_everything_the_model_reads() {
             conditions: Some(vec![]),
         }),
     };
-    let before = service_ports(&svc).unwrap();
+    let before = service_ports(&svc, IpFamily::V4).unwrap();
     crate::watch::prune::service(&mut svc);
-    assert_eq!(service_ports(&svc).unwrap(), before);
+    assert_eq!(service_ports(&svc, IpFamily::V4).unwrap(), before);
     let m = &svc.metadata;
     assert_eq!(m.managed_fields, None);
     assert_eq!(m.owner_references, None);
@@ -1000,4 +1017,314 @@ fn pruning_by_the_watch_keeps_everything_the_model_reads() {
     assert_eq!(svc.spec.as_ref().unwrap().selector, None);
     let status = svc.status.unwrap();
     assert!(status.load_balancer.is_some() && status.conditions.is_none());
+}
+
+/// kube-proxy runs one proxier per family, each with the Service's cluster IP of its family
+/// (`GetClusterIPByFamily`): a dual-stack Service has the same ports in both, whichever family is
+/// primary.
+#[test]
+fn a_dual_stack_service_has_ports_in_both_families() {
+    for families in [["IPv4", "IPv6"], ["IPv6", "IPv4"]] {
+        let ips = if families[0] == "IPv4" {
+            ["10.96.0.7", "fd00:10:96::7"]
+        } else {
+            ["fd00:10:96::7", "10.96.0.7"]
+        };
+        let b = svc()
+            .type_("NodePort")
+            .cluster_ips(&ips, &families)
+            .ports(vec![port("http", 80, "TCP"), port("dns", 53, "UDP")])
+            .node_ports(&[30080, 30053]);
+        let out4 = b.ports_in(IpFamily::V4);
+        let out6 = b.ports_in(IpFamily::V6);
+        assert!(
+            out4.warnings.is_empty() && out6.warnings.is_empty(),
+            "{out4:?} {out6:?}"
+        );
+        for (out, family, cluster_ip) in [
+            (&out4, IpFamily::V4, v4("10.96.0.7")),
+            (&out6, IpFamily::V6, v6("fd00:10:96::7")),
+        ] {
+            let got: Vec<_> = out
+                .ports
+                .iter()
+                .map(|p| {
+                    (
+                        p.name.clone(),
+                        p.family,
+                        p.cluster_ips.clone(),
+                        p.port,
+                        p.node_port,
+                    )
+                })
+                .collect();
+            assert_eq!(
+                got,
+                vec![
+                    (
+                        spn("http", Protocol::Tcp),
+                        family,
+                        vec![cluster_ip],
+                        80,
+                        Some(30080)
+                    ),
+                    (
+                        spn("dns", Protocol::Udp),
+                        family,
+                        vec![cluster_ip],
+                        53,
+                        Some(30053)
+                    ),
+                ],
+                "{families:?}"
+            );
+        }
+    }
+}
+
+/// A single-stack Service belongs to the proxier of its family only; without `ipFamilies`
+/// (version skew, a manifest) the family is the cluster IP's.
+#[test]
+fn a_single_stack_service_is_its_familys_only() {
+    let cases: Vec<(&str, SvcBuilder)> = vec![
+        ("ipFamilies", svc().cluster_ips(&["fd00::1"], &["IPv6"])),
+        (
+            "no ipFamilies",
+            svc()
+                .cluster_ips(&["fd00::1"], &[])
+                .spec(|s| s.ip_families = None),
+        ),
+        (
+            "only spec.clusterIP",
+            svc().spec(|s| {
+                (s.cluster_ip, s.cluster_ips, s.ip_families) = (Some("fd00::1".into()), None, None)
+            }),
+        ),
+    ];
+    for (name, b) in cases {
+        let s = b.build();
+        assert_eq!(
+            service_ports(&s, IpFamily::V4),
+            Err(ServiceError::Skipped("no cluster IP of the family")),
+            "{name}"
+        );
+        let out = service_ports(&s, IpFamily::V6).expect(name);
+        assert_eq!(out.ports[0].cluster_ips, vec![v6("fd00::1")], "{name}");
+        assert_eq!(out.ports[0].family, IpFamily::V6, "{name}");
+    }
+    assert_eq!(
+        service_ports(&svc().build(), IpFamily::V6),
+        Err(ServiceError::Skipped("no cluster IP of the family"))
+    );
+    // Headless and ExternalName Services are skipped by every proxier.
+    for s in [
+        svc().cluster_ips(&["None"], &["IPv4", "IPv6"]).build(),
+        svc()
+            .type_("ExternalName")
+            .cluster_ips(&["fd00::1"], &["IPv6"])
+            .build(),
+    ] {
+        for family in IpFamily::ALL {
+            assert!(service_ports(&s, family).unwrap_err().is_skipped(), "{family}");
+        }
+    }
+}
+
+/// The cluster IP in the family's slot must be of the family; a bad one refuses the Service in
+/// that family only.
+#[test]
+fn an_invalid_cluster_ip_refuses_its_family_only() {
+    let cases: Vec<(&str, SvcBuilder, &str)> = vec![
+        (
+            "IPv4 in the IPv6 slot",
+            svc().cluster_ips(&["10.96.0.1", "10.96.0.2"], &["IPv4", "IPv6"]),
+            "10.96.0.2",
+        ),
+        (
+            "garbage in the IPv6 slot",
+            svc().cluster_ips(&["10.96.0.1", "zzz"], &["IPv4", "IPv6"]),
+            "zzz",
+        ),
+        (
+            // ParseIPSloppy: an IPv4-mapped address is IPv4.
+            "IPv4-mapped in the IPv6 slot",
+            svc().cluster_ips(&["10.96.0.1", "::ffff:10.96.0.2"], &["IPv4", "IPv6"]),
+            "::ffff:10.96.0.2",
+        ),
+    ];
+    for (name, b, value) in cases {
+        assert_eq!(
+            service_ports(&b.0, IpFamily::V6),
+            Err(ServiceError::InvalidClusterIp {
+                field: "spec.clusterIPs[1]".into(),
+                value: value.into(),
+                family: IpFamily::V6,
+            }),
+            "{name}"
+        );
+        assert_eq!(b.ports_ok().ports[0].cluster_ips, vec![v4("10.96.0.1")], "{name}");
+    }
+    let err = service_ports(
+        &svc().cluster_ips(&["10.96.0.1"], &["IPv6"]).build(),
+        IpFamily::V6,
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "spec.clusterIPs[0]: \"10.96.0.1\" is not a valid IPv6 address"
+    );
+    // Without ipFamilies an unparsable entry is the IPv4 proxier's nil IP, not the IPv6 one's.
+    let s = svc()
+        .cluster_ips(&["10.96.0.300"], &[])
+        .spec(|s| s.ip_families = None)
+        .build();
+    assert!(service_ports(&s, IpFamily::V6).unwrap_err().is_skipped());
+}
+
+/// `MapIPsByIPFamily` and `newBaseServiceInfo`'s ingress loop: each proxier takes the external
+/// and load-balancer IPs of its family; the other family's are that proxier's, silently.
+#[test]
+fn external_and_load_balancer_ips_are_split_by_family() {
+    let b = svc()
+        .type_("LoadBalancer")
+        .cluster_ips(&["10.96.0.1", "fd00::1"], &["IPv4", "IPv6"])
+        .node_ports(&[30080])
+        .external_ips(&["192.0.2.1", "2001:db8::1", "::ffff:192.0.2.3", "2001:DB8::2"])
+        .ingress(&[
+            ("203.0.113.1", None),
+            ("2001:db8:ff::1", None),
+            ("2001:db8:ff::2", Some("Proxy")),
+            ("2001:db8:ff::3", Some("VIP")),
+        ]);
+    let out4 = b.ports_in(IpFamily::V4);
+    let out6 = b.ports_in(IpFamily::V6);
+    assert!(out4.warnings.is_empty(), "{:?}", out4.warnings);
+    assert!(out6.warnings.is_empty(), "{:?}", out6.warnings);
+    assert_eq!(out4.ports[0].external_ips, vec![v4("192.0.2.1"), v4("192.0.2.3")]);
+    assert_eq!(
+        out6.ports[0].external_ips,
+        vec![v6("2001:db8::1"), v6("2001:db8::2")]
+    );
+    assert_eq!(out4.ports[0].load_balancer_ips, vec![v4("203.0.113.1")]);
+    assert_eq!(
+        out6.ports[0].load_balancer_ips,
+        vec![v6("2001:db8:ff::1"), v6("2001:db8:ff::3")]
+    );
+    // A single-stack IPv6 Service: its IPv4 addresses have no proxier at all, which is reported.
+    let out = svc()
+        .type_("LoadBalancer")
+        .cluster_ips(&["fd00::1"], &["IPv6"])
+        .node_ports(&[30080])
+        .external_ips(&["192.0.2.1", "2001:db8::1"])
+        .ingress(&[("203.0.113.1", None), ("2001:db8:ff::1", None)])
+        .ports_in(IpFamily::V6);
+    assert_eq!(out.ports[0].external_ips, vec![v6("2001:db8::1")]);
+    assert_eq!(out.ports[0].load_balancer_ips, vec![v6("2001:db8:ff::1")]);
+    assert_eq!(
+        out.warnings,
+        vec![
+            "spec.externalIPs[0]: \"192.0.2.1\" is IPv4 but the Service has no IPv4 cluster IP; ignored",
+            "status.loadBalancer.ingress[0].ip: \"203.0.113.1\" is IPv4 but the Service has no IPv4 cluster IP; ignored",
+        ]
+    );
+}
+
+/// `MapCIDRsByIPFamily`: each proxier takes the ranges of its family; a family with none allows
+/// every client of it, and a zero-length prefix empties its own family's list only.
+#[test]
+fn load_balancer_source_ranges_are_split_by_family() {
+    type Case = (
+        &'static str,
+        &'static [&'static str],
+        &'static [&'static str],
+        &'static [&'static str],
+    );
+    let cases: &[Case] = &[
+        (
+            "both families",
+            &["10.0.0.0/8", "2001:db8::/32", " fd00::1/64 "],
+            &["10.0.0.0/8"],
+            &["2001:db8::/32", "fd00::/64"],
+        ),
+        (
+            "IPv6 ::/0 allows any IPv6 client",
+            &["10.0.0.0/8", "2001:db8::/32", "::/0"],
+            &["10.0.0.0/8"],
+            &[],
+        ),
+        (
+            "IPv4 0.0.0.0/0 allows any IPv4 client",
+            &["0.0.0.0/0", "2001:db8::/32"],
+            &[],
+            &["2001:db8::/32"],
+        ),
+        (
+            "IPv4 only: every IPv6 client",
+            &["10.0.0.0/8"],
+            &["10.0.0.0/8"],
+            &[],
+        ),
+        // Go's ParseCIDR: an IPv4-mapped prefix is IPv4.
+        ("IPv4-mapped", &["::ffff:10.0.0.0/104"], &["10.0.0.0/8"], &[]),
+    ];
+    for (name, ranges, want4, want6) in cases {
+        let b = svc()
+            .type_("LoadBalancer")
+            .cluster_ips(&["10.96.0.1", "fd00::1"], &["IPv4", "IPv6"])
+            .node_ports(&[30080])
+            .source_ranges(ranges);
+        for (family, want) in [(IpFamily::V4, want4), (IpFamily::V6, want6)] {
+            let got = b.ports_in(family).ports[0].load_balancer_source_ranges.clone();
+            let want: Vec<IpNet> = want.iter().map(|s| net(s)).collect();
+            assert_eq!(got, want, "{name}: {family}");
+        }
+    }
+    let out = svc()
+        .cluster_ips(&["10.96.0.1", "fd00::1"], &["IPv4", "IPv6"])
+        .source_ranges(&["10.0.0.0/8"])
+        .ports_in(IpFamily::V6);
+    assert_eq!(
+        out.warnings,
+        vec!["spec.loadBalancerSourceRanges: no usable IPv6 range, so every IPv6 client is allowed"]
+    );
+}
+
+/// IPv6's special addresses are dropped from every field as IPv4's are.
+#[test]
+fn special_ipv6_addresses_are_dropped_with_a_warning() {
+    let special = ["::", "::1", "fe80::1", "ff02::1", "ff05::2"];
+    let out = svc()
+        .type_("LoadBalancer")
+        .cluster_ips(&["fd00::1"], &["IPv6"])
+        .node_ports(&[30080])
+        .external_ips(&[&["2001:db8::1"][..], &special[..]].concat())
+        .ingress(
+            &[("2001:db8:ff::1", None)]
+                .into_iter()
+                .chain(special.iter().map(|ip| (*ip, None)))
+                .collect::<Vec<_>>(),
+        )
+        .ports_in(IpFamily::V6);
+    let p = &out.ports[0];
+    assert_eq!(p.external_ips, vec![v6("2001:db8::1")]);
+    assert_eq!(p.load_balancer_ips, vec![v6("2001:db8:ff::1")]);
+    assert_eq!(out.warnings.len(), 2 * special.len(), "{:?}", out.warnings);
+    assert_eq!(
+        out.warnings[1],
+        "spec.externalIPs[2]: \"::1\" is the loopback address (::1), which a Service may not use; ignored"
+    );
+    for ip in special {
+        let out = svc()
+            .type_("NodePort")
+            .cluster_ips(&[ip], &["IPv6"])
+            .node_ports(&[30080])
+            .ports_in(IpFamily::V6);
+        assert!(out.ports[0].cluster_ips.is_empty(), "{ip}");
+        assert_eq!(out.ports[0].node_port, Some(30080));
+        assert_eq!(out.warnings.len(), 1, "{:?}", out.warnings);
+        assert!(special_address(v6(ip)).is_some(), "{ip}");
+    }
+    for ip in ["2001:db8::1", "fd00::1", "fec0::1", "64:ff9b::a00:1"] {
+        assert_eq!(special_address(v6(ip)), None, "{ip}");
+    }
 }

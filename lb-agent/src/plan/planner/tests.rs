@@ -13,6 +13,14 @@ fn state(yaml: &str) -> ClusterState {
     s
 }
 
+/// A node serving both families (`NodeContext::default()` serves none).
+fn ctx() -> NodeContext {
+    NodeContext {
+        serves: crate::family::PerFamily { v4: true, v6: true },
+        ..NodeContext::default()
+    }
+}
+
 fn node() -> NodeInfo {
     NodeInfo {
         name: "node-a".into(),
@@ -66,7 +74,7 @@ ports:
 
 #[test]
 fn a_backend_moving_to_this_node_changes_its_flags_only() {
-    let ctx = NodeContext::default();
+    let ctx = ctx();
     let before = state(&format!("{WEB}---{}", web_slice("node-b")));
     let mut s = Planner::new();
     s.rebuild(&before, &node(), &ctx);
@@ -85,7 +93,7 @@ fn a_backend_moving_to_this_node_changes_its_flags_only() {
 
 #[test]
 fn an_unchanged_service_costs_nothing() {
-    let ctx = NodeContext::default();
+    let ctx = ctx();
     let st = state(&format!("{WEB}---{}", web_slice("node-a")));
     let mut s = Planner::new();
     s.rebuild(&st, &node(), &ctx);
@@ -110,7 +118,7 @@ spec:
 
 #[test]
 fn a_contested_frontend_changes_hands_and_conflicts_are_reported_once() {
-    let ctx = NodeContext::default();
+    let ctx = ctx();
     let both = state(&format!(
         "{}---{}",
         with_external_ip("a", "10.96.0.1"),
@@ -151,14 +159,14 @@ fn a_contested_frontend_changes_hands_and_conflicts_are_reported_once() {
 
 #[test]
 fn other_node_facts_need_a_rebuild() {
-    let ctx = NodeContext::default();
+    let ctx = ctx();
     let mut s = Planner::new();
     assert!(!s.is_current(&node(), &ctx), "nothing computed yet");
     s.rebuild(&ClusterState::default(), &node(), &ctx);
     assert!(s.is_current(&node(), &ctx));
     let moved = NodeContext {
         nodeport_addresses: vec!["192.168.1.10".parse().unwrap()],
-        ..NodeContext::default()
+        ..ctx.clone()
     };
     assert!(!s.is_current(&node(), &moved));
     let other = NodeInfo {
@@ -173,7 +181,7 @@ fn other_node_facts_need_a_rebuild() {
 /// hostile-input scenario saw it when lb-a and lb-b came in different syncs.
 #[test]
 fn a_claim_that_loses_on_arrival_is_reported() {
-    let ctx = NodeContext::default();
+    let ctx = ctx();
     let only_a = state(&with_external_ip("a", "10.96.0.1"));
     let mut s = Planner::new();
     let first = s.rebuild(&only_a, &node(), &ctx);

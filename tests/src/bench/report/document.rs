@@ -4,13 +4,17 @@
 
 use std::fmt::Write as _;
 
+use lb_tests::packet::Family;
+
 use super::{
     Results,
-    prose::{CAVEATS, METHOD, TC_METHOD},
+    prose::{CAVEATS, IPV6_METHOD, METHOD, TC_METHOD},
+    results::FAMILIES,
     stats::{fmt_n, median, mib, min_max, num, opt_s, percentile, spread},
     targets::{TARGET_N, targets},
 };
 use crate::bench::{
+    crr::CrrResult,
     measure::{LatencyLevel, Memory},
     peers::{self, Config},
 };
@@ -113,9 +117,14 @@ pub fn markdown(r: &Results) -> String {
          per second, single-threaded. Each cell is the median over rounds, with the min–max over \
          rounds in parentheses.\n\n![connect latency](bench/connect-latency.png)\n\n",
     );
+    let families = r.latency_families();
+    if families.contains(&Family::V6) {
+        s.push_str(IPV6_METHOD);
+    }
     let loads: Vec<f64> = r
         .latency
         .iter()
+        .chain(&r.latency6)
         .flat_map(|l| l.round_load.iter().copied())
         .collect();
     if let Some((lo, hi)) = min_max(&loads) {
@@ -129,65 +138,105 @@ pub fn markdown(r: &Results) -> String {
     }
     for &n in &levels {
         let _ = writeln!(s, "### {} Services × 10 endpoints\n", fmt_n(n));
-        s.push_str("| configuration | p50 µs | p90 µs | p99 µs | p99.9 µs | conn/s | p50 ÷ floor | errors |\n|---|---|---|---|---|---|---|---|\n");
-        let floor = r.p50(n, Config::Direct);
+        s.push_str("| configuration | family | p50 µs | p90 µs | p99 µs | p99.9 µs | conn/s | p50 ÷ floor | errors |\n|---|---|---|---|---|---|---|---|---|\n");
         let mut left_out = Vec::new();
-        for c in Config::ALL {
-            let runs = r.lat(n, c, |x| x.p50_us);
-            if runs.is_empty() {
-                left_out.push(c.label());
-                continue;
+        for &family in &families {
+            // The floor of the same family.
+            let floor = r.p50_in(family, n, Config::Direct);
+            for c in Config::ALL {
+                let lat = |f: fn(&CrrResult) -> f64| r.lat_in(family, n, c, f);
+                let runs = lat(|x| x.p50_us);
+                if runs.is_empty() {
+                    left_out.push(format!("{} over {}", c.label(), family.name()));
+                    continue;
+                }
+                let errors: usize = r
+                    .level_in(family, n)
+                    .and_then(|l| l.runs.get(&c))
+                    .map(|v| v.iter().map(|x| x.errors).sum())
+                    .unwrap_or(0);
+                let ratio = match (r.p50_in(family, n, c), floor) {
+                    (Some(a), Some(b)) => format!("{:.2}", a / b),
+                    _ => "–".into(),
+                };
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {} | {} | {} | {ratio} | {errors} |",
+                    c.label(),
+                    family.name(),
+                    spread(&runs),
+                    spread(&lat(|x| x.p90_us)),
+                    spread(&lat(|x| x.p99_us)),
+                    spread(&lat(|x| x.p999_us)),
+                    spread(&lat(|x| x.conn_per_s)),
+                );
             }
-            let errors: usize = r
-                .level(n)
-                .and_then(|l| l.runs.get(&c))
-                .map(|v| v.iter().map(|x| x.errors).sum())
-                .unwrap_or(0);
-            let ratio = match (r.p50(n, c), floor) {
-                (Some(a), Some(b)) => format!("{:.2}", a / b),
-                _ => "–".into(),
-            };
-            let _ = writeln!(
-                s,
-                "| {} | {} | {} | {} | {} | {} | {ratio} | {errors} |",
-                c.label(),
-                spread(&runs),
-                spread(&r.lat(n, c, |x| x.p90_us)),
-                spread(&r.lat(n, c, |x| x.p99_us)),
-                spread(&r.lat(n, c, |x| x.p999_us)),
-                spread(&r.lat(n, c, |x| x.conn_per_s)),
-            );
         }
         if !left_out.is_empty() {
             let _ = writeln!(
                 s,
-                "\nNot measured at {} Services: {} (did not serve every Service within the cold-start \
-                 timeout; see the problems at the end).",
+                "\nNot measured at {} Services: {} (see the problems at the end).",
                 fmt_n(n),
                 left_out.join(", ")
             );
         }
         s.push('\n');
     }
-    s.push_str("### Ratios (median p50 and p99 of lb divided by each peer's; below 1 is faster)\n\n| | ");
+    s.push_str(
+        "### Ratios (median p50 and p99 of lb divided by each peer's of the same family; below 1 is faster)\n\n| | family | ",
+    );
     for &n in &levels {
         let _ = write!(s, "{} Services | ", fmt_n(n));
     }
-    s.push_str("\n|---|");
+    s.push_str("\n|---|---|");
     for _ in &levels {
         s.push_str("---|");
     }
     s.push('\n');
-    for ours in [Config::LbSocket, Config::LbTc] {
-        for peer in [Config::Direct, Config::Iptables, Config::Nftables] {
-            let _ = write!(s, "| {} ÷ {} | ", ours.label(), peer.label());
+    for &family in &families {
+        for ours in [Config::LbSocket, Config::LbTc] {
+            for peer in [Config::Direct, Config::Iptables, Config::Nftables] {
+                let _ = write!(s, "| {} ÷ {} | {} | ", ours.label(), peer.label(), family.name());
+                for &n in &levels {
+                    let q = |c: Config, f: fn(&CrrResult) -> f64| median(&r.lat_in(family, n, c, f));
+                    let p50 = q(ours, |x| x.p50_us)
+                        .zip(q(peer, |x| x.p50_us))
+                        .map(|(a, b)| a / b);
+                    let p99 = q(ours, |x| x.p99_us)
+                        .zip(q(peer, |x| x.p99_us))
+                        .map(|(a, b)| a / b);
+                    match (p50, p99) {
+                        (Some(a), Some(b)) => {
+                            let _ = write!(s, "p50 {a:.2}, p99 {b:.2} | ");
+                        }
+                        _ => s.push_str("– | "),
+                    }
+                }
+                s.push('\n');
+            }
+        }
+    }
+    if families.contains(&Family::V6) {
+        s.push_str(
+            "\n### IPv6 against IPv4 (median p50 and p99 over IPv6 divided by the same configuration's over IPv4)\n\n| configuration | ",
+        );
+        for &n in &levels {
+            let _ = write!(s, "{} Services | ", fmt_n(n));
+        }
+        s.push_str("\n|---|");
+        for _ in &levels {
+            s.push_str("---|");
+        }
+        s.push('\n');
+        for c in Config::ALL {
+            let _ = write!(s, "| {} | ", c.label());
             for &n in &levels {
-                let q = |c: Config, f: fn(&crate::bench::crr::CrrResult) -> f64| median(&r.lat(n, c, f));
-                let p50 = q(ours, |x| x.p50_us)
-                    .zip(q(peer, |x| x.p50_us))
+                let q = |family: Family, f: fn(&CrrResult) -> f64| median(&r.lat_in(family, n, c, f));
+                let p50 = q(Family::V6, |x| x.p50_us)
+                    .zip(q(Family::V4, |x| x.p50_us))
                     .map(|(a, b)| a / b);
-                let p99 = q(ours, |x| x.p99_us)
-                    .zip(q(peer, |x| x.p99_us))
+                let p99 = q(Family::V6, |x| x.p99_us)
+                    .zip(q(Family::V4, |x| x.p99_us))
                     .map(|(a, b)| a / b);
                 match (p50, p99) {
                     (Some(a), Some(b)) => {
@@ -199,31 +248,37 @@ pub fn markdown(r: &Results) -> String {
             s.push('\n');
         }
     }
-    s.push_str("\n### Growth with the number of Services (median p50, µs)\n\n| configuration | ");
+    s.push_str("\n### Growth with the number of Services (median p50, µs)\n\n| configuration | family | ");
     for &n in &levels {
         let _ = write!(s, "{} | ", fmt_n(n));
     }
-    s.push_str("largest ÷ smallest |\n|---|");
+    s.push_str("largest ÷ smallest |\n|---|---|");
     for _ in &levels {
         s.push_str("---|");
     }
     s.push_str("---|\n");
-    for c in Config::ALL {
-        let _ = write!(s, "| {} | ", c.label());
-        let vals: Vec<Option<f64>> = levels.iter().map(|&n| r.p50(n, c)).collect();
-        for v in &vals {
-            let _ = write!(s, "{} | ", v.map(num).unwrap_or_else(|| "–".into()));
-        }
-        match (vals.first().copied().flatten(), vals.last().copied().flatten()) {
-            (Some(a), Some(b)) => {
-                let _ = writeln!(s, "{:.2} |", b / a);
+    for &family in &families {
+        for c in Config::ALL {
+            let _ = write!(s, "| {} | {} | ", c.label(), family.name());
+            let vals: Vec<Option<f64>> = levels.iter().map(|&n| r.p50_in(family, n, c)).collect();
+            for v in &vals {
+                let _ = write!(s, "{} | ", v.map(num).unwrap_or_else(|| "–".into()));
             }
-            _ => s.push_str("– |\n"),
+            match (vals.first().copied().flatten(), vals.last().copied().flatten()) {
+                (Some(a), Some(b)) => {
+                    let _ = writeln!(s, "{:.2} |", b / a);
+                }
+                _ => s.push_str("– |\n"),
+            }
         }
     }
 
     // In-stack cost of our programs (a diagnostic round with the kernel's run-time statistics).
-    let in_stack: Vec<&LatencyLevel> = r.latency.iter().filter(|l| !l.in_stack.is_empty()).collect();
+    let in_stack: Vec<(Family, &LatencyLevel)> = families
+        .iter()
+        .flat_map(|&f| r.latency_in(f).iter().map(move |l| (f, l)))
+        .filter(|(_, l)| !l.in_stack.is_empty())
+        .collect();
     if !in_stack.is_empty() {
         s.push_str(
             "\n### What our programs cost in the real stack\n\nAfter the timed rounds, each lb \
@@ -233,15 +288,17 @@ pub fn markdown(r: &Results) -> String {
              connection (SYN, ACK and RST from the client; SYN-ACK from the server; each crosses \
              the node's two interfaces). Unlike BPF_PROG_TEST_RUN (section 3), this includes the \
              cache misses of a real connection: the TCP stack runs between two program runs and \
-             evicts the maps' lines.\n\n| N | configuration | program | ns per run | runs per connection | ns per connection |\n|---|---|---|---|---|---|\n",
+             evicts the maps' lines. Over IPv6 the socket path runs `lb_connect6`; the tc programs \
+             are the same for both families.\n\n| N | family | configuration | program | ns per run | runs per connection | ns per connection |\n|---|---|---|---|---|---|---|\n",
         );
-        for level in in_stack {
+        for (family, level) in in_stack {
             for (config, costs) in &level.in_stack {
                 for c in costs {
                     let _ = writeln!(
                         s,
-                        "| {} | {} | `{}` | {} | {:.1} | {} |",
+                        "| {} | {} | {} | `{}` | {} | {:.1} | {} |",
                         fmt_n(level.n),
+                        family.name(),
                         config.label(),
                         c.program,
                         num(c.ns_per_run),
@@ -300,10 +357,15 @@ pub fn markdown(r: &Results) -> String {
          the time it waits for its informers). Both lb configurations run the same agent; they \
          differ only in where the client is. \"Syncs\" and \"time in syncs\" are the sync histogram \
          as above; \"agent syncs\" are the `elapsed_ms` of the agent's `data path programmed` lines, \
-         which it logs for the syncs that changed something.\n\n",
+         which it logs for the syncs that changed something. *Services* is the family of the N \
+         Services in the API at that start (the IPv4 set, or the IPv6 set probed over IPv6; never \
+         both).\n\n",
     );
-    s.push_str("| configuration | N | last Service answers | all answer | syncs | time in syncs | agent syncs (ms) |\n|---|---|---|---|---|---|---|\n");
-    for l in &r.latency {
+    s.push_str("| configuration | Services | N | last Service answers | all answer | syncs | time in syncs | agent syncs (ms) |\n|---|---|---|---|---|---|---|---|\n");
+    let cold_levels = FAMILIES
+        .iter()
+        .flat_map(|&f| r.latency_in(f).iter().map(move |l| (f, l)));
+    for (family, l) in cold_levels {
         for c in &l.cold {
             let cfg = c.config.unwrap_or(Config::Direct);
             if cfg == Config::Direct {
@@ -311,8 +373,9 @@ pub fn markdown(r: &Results) -> String {
             }
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {}{} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {}{} | {} | {} | {} |",
                 cfg.label(),
+                family.name(),
                 fmt_n(c.n),
                 opt_s(c.last_s),
                 opt_s(c.all_s),
@@ -386,54 +449,70 @@ pub fn markdown(r: &Results) -> String {
     // (3) tc.
     s.push_str("\n## 3. tc program cost per packet (BPF_PROG_TEST_RUN)\n\n");
     s.push_str(TC_METHOD);
-    if let Some(first) = r.tc.first() {
-        s.push_str("| fixture | program |");
-        for t in &r.tc {
+    // Columns: the Service counts of either family; rows: each family's fixtures (same order).
+    let mut tc_ns: Vec<u32> = r.tc.iter().chain(&r.tc6).map(|t| t.n).collect();
+    tc_ns.sort_unstable();
+    tc_ns.dedup();
+    if tc_ns.is_empty() {
+        s.push_str("Not measured in this run.\n");
+    } else {
+        s.push_str("| fixture | family | program |");
+        for n in &tc_ns {
             let _ = write!(
                 s,
                 " {} Svc: repeat 10⁶, ns | {} Svc: one call, ns |",
-                fmt_n(t.n),
-                fmt_n(t.n)
+                fmt_n(*n),
+                fmt_n(*n)
             );
         }
-        s.push_str("\n|---|---|");
-        for _ in &r.tc {
+        s.push_str("\n|---|---|---|");
+        for _ in &tc_ns {
             s.push_str("---|---|");
         }
         s.push('\n');
-        for (k, f) in first.fixtures.iter().enumerate() {
-            let _ = write!(s, "| {} | `{}` |", f.name, f.program);
-            for t in &r.tc {
-                let g = &t.fixtures[k];
-                let batched = if g.batched_ns.is_empty() {
-                    "–".to_string()
-                } else {
-                    let (lo, _) = min_max(&g.batched_ns).unwrap_or_default();
-                    format!(
-                        "{} (min {})",
-                        num(median(&g.batched_ns).unwrap_or(f64::NAN)),
-                        num(lo)
-                    )
-                };
-                let single = match (g.single_median_ns, g.single_corrected_ns) {
-                    (Some(raw), Some(c)) => format!("{} ({} raw)", num(c), num(raw)),
-                    _ => "–".into(),
-                };
-                let _ = write!(s, " {batched} | {single} |");
+        for family in FAMILIES {
+            let levels = r.tc_in(family);
+            let Some(first) = levels.first() else {
+                continue;
+            };
+            for (k, f) in first.fixtures.iter().enumerate() {
+                let _ = write!(s, "| {} | {} | `{}` |", f.name, family.name(), f.program);
+                for n in &tc_ns {
+                    let Some(g) = levels.iter().find(|t| t.n == *n).and_then(|t| t.fixtures.get(k)) else {
+                        s.push_str(" – | – |");
+                        continue;
+                    };
+                    let batched = if g.batched_ns.is_empty() {
+                        "–".to_string()
+                    } else {
+                        let (lo, _) = min_max(&g.batched_ns).unwrap_or_default();
+                        format!(
+                            "{} (min {})",
+                            num(median(&g.batched_ns).unwrap_or(f64::NAN)),
+                            num(lo)
+                        )
+                    };
+                    let single = match (g.single_median_ns, g.single_corrected_ns) {
+                        (Some(raw), Some(c)) => format!("{} ({} raw)", num(c), num(raw)),
+                        _ => "–".into(),
+                    };
+                    let _ = write!(s, " {batched} | {single} |");
+                }
+                s.push('\n');
             }
-            s.push('\n');
         }
         s.push('\n');
-        for t in &r.tc {
-            let _ = writeln!(
-                s,
-                "- {} Services: timer overhead of a one-call run, estimated and subtracted: {} ns.",
-                fmt_n(t.n),
-                num(t.single_overhead_ns)
-            );
+        for family in FAMILIES {
+            for t in r.tc_in(family) {
+                let _ = writeln!(
+                    s,
+                    "- {} {} Services: timer overhead of a one-call run, estimated and subtracted: {} ns.",
+                    fmt_n(t.n),
+                    family.name(),
+                    num(t.single_overhead_ns)
+                );
+            }
         }
-    } else {
-        s.push_str("Not measured in this run.\n");
     }
 
     // (4) Memory.

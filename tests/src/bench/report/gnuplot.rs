@@ -1,7 +1,10 @@
 //! The plots in docs/bench/ (connect latency, programming time), drawn by gnuplot from data
-//! files written next to its script.
+//! files written next to its script. In the connect-latency plot each configuration has one
+//! colour, solid over IPv4 and dashed over IPv6.
 
 use std::{fmt::Write as _, fs, path::Path, process::Command};
+
+use lb_tests::packet::Family;
 
 use super::{
     Results,
@@ -19,12 +22,17 @@ pub fn plots(r: &Results, out_dir: &Path, work: &Path) -> Result<(), String> {
     let levels = r.levels();
     let lo = levels.iter().copied().min().unwrap_or(10) as f64 / 2.0;
     let hi = levels.iter().copied().max().unwrap_or(10_000) as f64 * 2.0;
-    // Latency: one data block per configuration, columns N p50 p99.
+    // Latency: one data block per family and configuration, columns N p50 p99.
+    let families = r.latency_families();
+    let series: Vec<(Family, Config)> = families
+        .iter()
+        .flat_map(|&f| Config::ALL.map(|c| (f, c)))
+        .collect();
     let mut lat = String::new();
-    for c in Config::ALL {
-        let _ = writeln!(lat, "# {}", c.label());
+    for &(f, c) in &series {
+        let _ = writeln!(lat, "# {} {}", c.label(), f.name());
         for &n in &levels {
-            if let (Some(p50), Some(p99)) = (r.p50(n, c), median(&r.lat(n, c, |x| x.p99_us))) {
+            if let (Some(p50), Some(p99)) = (r.p50_in(f, n, c), median(&r.lat_in(f, n, c, |x| x.p99_us))) {
                 let _ = writeln!(lat, "{n} {p50} {p99}");
             }
         }
@@ -32,12 +40,23 @@ pub fn plots(r: &Results, out_dir: &Path, work: &Path) -> Result<(), String> {
     }
     let lat_file = work.join("latency.dat");
     fs::write(&lat_file, lat).map_err(|e| e.to_string())?;
+    // With both families the key (ten entries) goes below the panels.
+    let (height, key) = if families.len() > 1 {
+        (620, "set key below maxrows 5\nset bmargin 9")
+    } else {
+        (480, "set key top left")
+    };
     let mut plot = format!(
-        "set terminal pngcairo size 1100,480 font 'sans,10'\nset output '{}'\n\
-         set multiplot layout 1,2 title 'Connect latency to a ClusterIP (median over rounds)'\n\
+        "set terminal pngcairo size 1100,{height} font 'sans,10'\nset output '{}'\n\
+         set multiplot layout 1,2 title 'Connect latency to a ClusterIP (median over rounds){}'\n\
          set logscale x\nset xrange [{lo}:{hi}]\nset xlabel 'Services (10 endpoints each)'\n\
-         set key top left\nset grid\nset xtics ({})\nset yrange [0:*]\n",
+         {key}\nset grid\nset xtics ({})\nset yrange [0:*]\n",
         out_dir.join("connect-latency.png").display(),
+        if families.len() > 1 {
+            ": solid IPv4, dashed IPv6"
+        } else {
+            ""
+        },
         levels
             .iter()
             .map(|n| format!("'{}' {n}", fmt_n(*n)))
@@ -46,16 +65,22 @@ pub fn plots(r: &Results, out_dir: &Path, work: &Path) -> Result<(), String> {
     );
     for (title, col) in [("p50", 2), ("p99", 3)] {
         let _ = write!(plot, "set title '{title}'\nset ylabel 'µs'\nplot ");
-        let parts: Vec<String> = Config::ALL
+        let parts: Vec<String> = series
             .iter()
             .enumerate()
-            .filter(|&(_, &c)| levels.iter().any(|&n| r.p50(n, c).is_some()))
-            .map(|(k, &c)| {
+            .filter(|&(_, &(f, c))| levels.iter().any(|&n| r.p50_in(f, n, c).is_some()))
+            .map(|(k, &(f, c))| {
                 format!(
-                    "'{}' index {k} using 1:{col} with linespoints lw 2 lc {} title '{}'",
+                    "'{}' index {k} using 1:{col} with linespoints lw 2 lc {} dt {} title '{}{}'",
                     lat_file.display(),
                     color(c),
-                    c.label()
+                    if f == Family::V4 { 1 } else { 2 },
+                    c.label(),
+                    if families.len() > 1 {
+                        format!(", {}", f.name())
+                    } else {
+                        String::new()
+                    }
                 )
             })
             .collect();

@@ -1,4 +1,5 @@
-//! The document's fixed text: how it is measured, how the tc cost is measured, the caveats.
+//! The document's fixed text: how it is measured (over IPv4, over IPv6), how the tc cost is
+//! measured, the caveats.
 
 pub(super) const METHOD: &str = r#"
 ## How it is measured
@@ -7,28 +8,35 @@ Everything runs inside network namespaces and a test cgroup made for the run (no
 machine's interfaces, root cgroup or global sysctls). A real etcd and kube-apiserver run on
 loopback; the Services are created through the API: Service *i* has the ClusterIP 10.96.1.0 + *i*,
 port 80 → 8080, and one EndpointSlice with 10 ready endpoints (10.128.0.0 + 16*i* + *j* + 1).
-Every configuration gets its own fresh topology (the reference's §7.2/§8(a)):
+Every configuration gets its own fresh topology (the reference's §7.2/§8(a)), dual-stack (every
+address has its IPv6 twin; section 1 says how the IPv6 numbers are taken):
 
 ```
 client netns              node netns (the proxy runs here)           backend netns
 c0 10.240.0.2 ──veth── n0 10.240.0.1   n1 10.250.0.1 ──veth── b0 10.250.0.2
+   fd00:10:240::2          fd00:10:240::1  fd00:10:250::1            fd00:10:250::2
 default via the node      10.128.0.0/12 via the backend              local 10.128.0.0/12 dev lo
                           10.96.0.0/16 via the backend               local 10.96.0.0/16 dev lo
+                          fd00:10:200::/64 via the backend           local fd00:10:200::/64 dev lo
+                          fd00:10:96::/112 via the backend           local fd00:10:96::/112 dev lo
                                                                      one accept-and-close server :8080
+                                                                     (an IPv4 and an IPv6 listener)
 ```
 
 A connection to a ClusterIP that nothing translated is refused at once by the backend namespace
 (the Service range is local there and nothing listens on the Service ports), so the probes below
 see "not served yet" / "no longer served" without waiting for a timeout.
 
-The client is inside the cluster CIDR given to every proxy (10.128.0.0/9), so it is an in-cluster
-pod and no configuration masquerades. Configurations:
+The client is inside the cluster CIDRs given to every proxy (10.128.0.0/9 and fd00:10:200::/40),
+so it is an in-cluster pod and no configuration masquerades, in either family. The API server is
+dual-stack (`--service-cluster-ip-range=10.96.0.0/16,fd00:10:96::/112`, IPv4 first) and the Node
+the proxies run as has both InternalIPs (10.240.0.1, fd00:10:240::1). Configurations:
 
 1. **direct (floor)**: the client connects to a random endpoint of a random Service; no proxy.
 2. **kube-proxy iptables** / 3. **kube-proxy nftables**: the real kube-proxy in the node namespace.
 4. **lb socket**: lb-agent in the node namespace; the client runs in the agent's `--cgroup-root`,
-   so `connect()` is translated at the socket (the tc programs are attached too, and see the
-   packets as non-service traffic).
+   so `connect()` is translated at the socket (connect4, or connect6 over IPv6; the tc programs
+   are attached too, and see the packets as non-service traffic).
 5. **lb tc**: lb-agent in the node namespace; the client is outside its cgroup, so the SYN is
    translated by the tc program on the node's client-facing veth, and replies on the way back.
 
@@ -39,8 +47,10 @@ configuration once, in alternating order (forward, then backward: ABCDE EDCBA ..
 "#;
 
 pub(super) const TC_METHOD: &str = r#"The real programs run with BPF_PROG_TEST_RUN against private maps that the agent's own pipeline
-programs with N Services × 10 endpoints (plus two helper Services). With repeat > 1 every run
-after the first sees the packet the previous run rewrote, so:
+programs with N Services × 10 endpoints (plus two helper Services), once with the IPv4 Service set
+and IPv4 packets and once with the IPv6 set and the same packets in IPv6 (each address's twin,
+`10.97.0.1` → `fd00:10:97::1`; the socket call is connect6). With repeat > 1 every run after the
+first sees the packet the previous run rewrote, so:
 
 - *repeat 10⁶* (median and min over batches): used only for packets that stay valid under their
   own rewrite. The non-service packet is left untouched. The established flow uses a two-cycle:
@@ -55,6 +65,22 @@ after the first sees the packet the previous run rewrote, so:
 
 No empty program can be loaded here to subtract a harness baseline; the non-service packet is an
 upper bound of it (the reference measured an empty tc program at 26 ns/run on this VM).
+
+"#;
+
+pub(super) const IPV6_METHOD: &str = r#"**Over IPv6.** After the IPv4 rounds at each N, the N IPv4 Services are deleted and N single-stack
+IPv6 Services created instead (`ipFamilies: [IPv6]`; Service *i* has the ClusterIP
+fd00:10:96::100 + *i* and one `addressType: IPv6` EndpointSlice with the endpoints
+fd00:10:200:: + 16*i* + *j* + 1), and every configuration is started afresh on a fresh topology
+and timed to serve them (the cold starts of section 2, *Services* IPv6), then measured the same
+way with the client connecting over IPv6 (an AF_INET6 socket; the floor connects to the IPv6
+endpoints directly). So each family's rows are taken with only that family's Services in the API,
+and the IPv4 rows exactly as in an IPv4-only run. The proxies run dual-stack all along: kube-proxy
+runs one proxier per family (IPv4 primary), the IPv6 one writing `ip6tables` rules in iptables
+mode and the `ip6 kube-proxy` table in nftables mode; lb-agent serves both families from one
+process (its `lb6_*` maps; connect6 on the socket path). A configuration that did not serve the
+IPv4 Services within the cold-start timeout at some N is not started over IPv6 at that N (the
+problems at the end say so).
 
 "#;
 

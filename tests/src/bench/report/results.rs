@@ -1,14 +1,18 @@
 //! The results of a run as saved (`target/bench/results-*.json`), a later run merged into
 //! them, and what the document, the plots and the summary read from them.
 
+use lb_tests::packet::Family;
 use serde::{Deserialize, Serialize};
 
 use super::{Machine, stats::median};
 use crate::bench::{
-    measure::{ChangeLatency, LatencyLevel, Memory, Programming},
+    measure::{ChangeLatency, LatencyLevel, Memory, Programming, cold_start_when},
     peers::Config,
     tcrun::TcLevel,
 };
+
+/// Both families, IPv4 first (the document's order).
+pub(super) const FAMILIES: [Family; 2] = [Family::V4, Family::V6];
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Results {
@@ -20,8 +24,16 @@ pub struct Results {
     pub warmup: usize,
     pub change_reps: u32,
     pub backends_capacity: u32,
+    /// tc cost per packet with IPv4 Services and packets.
     pub tc: Vec<TcLevel>,
+    /// The same with IPv6 Services and packets.
+    #[serde(default)]
+    pub tc6: Vec<TcLevel>,
+    /// Connect latency over IPv4 (the IPv4 Service set in the API).
     pub latency: Vec<LatencyLevel>,
+    /// Connect latency over IPv6 (the IPv6 Service set in the API instead).
+    #[serde(default)]
+    pub latency6: Vec<LatencyLevel>,
     pub programming: Vec<Programming>,
     pub changes: Vec<ChangeLatency>,
     pub memory: Vec<Memory>,
@@ -36,13 +48,20 @@ impl Results {
     /// appended; the machine and settings of the first run are kept.
     pub fn merge(mut self, later: Results) -> Results {
         self.command = format!("{}` and `{}", self.command, later.command);
-        self.tc.retain(|t| !later.tc.iter().any(|x| x.n == t.n));
-        self.tc.extend(later.tc);
-        self.tc.sort_by_key(|t| t.n);
-        let redone: Vec<u32> = later.latency.iter().map(|l| l.n).collect();
-        self.latency.retain(|l| !redone.contains(&l.n));
-        self.latency.extend(later.latency);
-        self.latency.sort_by_key(|l| l.n);
+        for (ours, theirs) in [(&mut self.tc, later.tc), (&mut self.tc6, later.tc6)] {
+            ours.retain(|t| !theirs.iter().any(|x| x.n == t.n));
+            ours.extend(theirs);
+            ours.sort_by_key(|t| t.n);
+        }
+        for (ours, theirs) in [
+            (&mut self.latency, later.latency),
+            (&mut self.latency6, later.latency6),
+        ] {
+            let redone: Vec<u32> = theirs.iter().map(|l| l.n).collect();
+            ours.retain(|l| !redone.contains(&l.n));
+            ours.extend(theirs);
+            ours.sort_by_key(|l| l.n);
+        }
         self.programming.retain(|p| {
             !later
                 .programming
@@ -65,39 +84,82 @@ impl Results {
         self
     }
 
+    /// The IPv4 Service counts of the connect-latency runs.
     pub fn levels(&self) -> Vec<u32> {
         self.latency.iter().map(|l| l.n).collect()
     }
 
-    pub(super) fn level(&self, n: u32) -> Option<&LatencyLevel> {
-        self.latency.iter().find(|l| l.n == n)
+    /// The connect-latency levels over `family`.
+    pub(super) fn latency_in(&self, family: Family) -> &[LatencyLevel] {
+        match family {
+            Family::V4 => &self.latency,
+            Family::V6 => &self.latency6,
+        }
     }
 
-    /// Per-round values of one latency statistic.
-    pub(super) fn lat(
+    /// The tc levels of `family`.
+    pub(super) fn tc_in(&self, family: Family) -> &[TcLevel] {
+        match family {
+            Family::V4 => &self.tc,
+            Family::V6 => &self.tc6,
+        }
+    }
+
+    pub fn tc_in_mut(&mut self, family: Family) -> &mut Vec<TcLevel> {
+        match family {
+            Family::V4 => &mut self.tc,
+            Family::V6 => &mut self.tc6,
+        }
+    }
+
+    /// The families with connect-latency runs (IPv4 always listed).
+    pub(super) fn latency_families(&self) -> Vec<Family> {
+        FAMILIES
+            .into_iter()
+            .filter(|&f| f == Family::V4 || !self.latency_in(f).is_empty())
+            .collect()
+    }
+
+    pub(super) fn level(&self, n: u32) -> Option<&LatencyLevel> {
+        self.level_in(Family::V4, n)
+    }
+
+    pub(super) fn level_in(&self, family: Family, n: u32) -> Option<&LatencyLevel> {
+        self.latency_in(family).iter().find(|l| l.n == n)
+    }
+
+    /// Per-round values of one latency statistic over `family`.
+    pub(super) fn lat_in(
         &self,
+        family: Family,
         n: u32,
         c: Config,
         f: impl Fn(&crate::bench::crr::CrrResult) -> f64,
     ) -> Vec<f64> {
-        self.level(n)
+        self.level_in(family, n)
             .and_then(|l| l.runs.get(&c))
             .map(|runs| runs.iter().map(&f).collect())
             .unwrap_or_default()
     }
 
     pub(super) fn p50(&self, n: u32, c: Config) -> Option<f64> {
-        median(&self.lat(n, c, |r| r.p50_us))
+        self.p50_in(Family::V4, n, c)
+    }
+
+    pub(super) fn p50_in(&self, family: Family, n: u32, c: Config) -> Option<f64> {
+        median(&self.lat_in(family, n, c, |r| r.p50_us))
     }
 
     pub(super) fn max_n(&self) -> Option<u32> {
         self.levels().into_iter().max()
     }
 
+    /// The agent's largest memory measurement at N with the IPv4 Services (the target's).
     pub(super) fn agent_memory(&self, n: u32) -> Option<&Memory> {
         self.memory
             .iter()
             .filter(|m| m.n == n && m.config.is_some_and(Config::is_agent))
+            .filter(|m| m.when != cold_start_when(Family::V6))
             .max_by_key(|m| m.rss_kib)
     }
 

@@ -20,18 +20,22 @@ pub fn summary(r: &Results) -> String {
     );
     for &n in &levels {
         let _ = writeln!(s, "N = {n}");
-        for c in Config::ALL {
-            let _ = writeln!(
-                s,
-                "  {:<22} p50 {:>8}  p99 {:>8}  p99.9 {:>8}  {:>8} conn/s",
-                c.label(),
-                median(&r.lat(n, c, |x| x.p50_us)).map(num).unwrap_or_default(),
-                median(&r.lat(n, c, |x| x.p99_us)).map(num).unwrap_or_default(),
-                median(&r.lat(n, c, |x| x.p999_us)).map(num).unwrap_or_default(),
-                median(&r.lat(n, c, |x| x.conn_per_s))
-                    .map(num)
-                    .unwrap_or_default(),
-            );
+        for family in r.latency_families() {
+            for c in Config::ALL {
+                let q = |f: fn(&crate::bench::crr::CrrResult) -> f64| {
+                    median(&r.lat_in(family, n, c, f)).map(num).unwrap_or_default()
+                };
+                let _ = writeln!(
+                    s,
+                    "  {:<22} {}  p50 {:>8}  p99 {:>8}  p99.9 {:>8}  {:>8} conn/s",
+                    c.label(),
+                    family.name(),
+                    q(|x| x.p50_us),
+                    q(|x| x.p99_us),
+                    q(|x| x.p999_us),
+                    q(|x| x.conn_per_s),
+                );
+            }
         }
     }
     let _ = writeln!(s, "==== programming through the API ====");
@@ -66,12 +70,13 @@ pub fn summary(r: &Results) -> String {
         );
     }
     let _ = writeln!(s, "==== tc ns/packet ====");
-    for t in &r.tc {
+    for t in r.tc.iter().chain(&r.tc6) {
         for f in &t.fixtures {
             let _ = writeln!(
                 s,
-                "  N={:<6} {:<75} repeat 1e6: {:>6}  one call: {:>6}",
+                "  N={:<6} {:<4} {:<75} repeat 1e6: {:>6}  one call: {:>6}",
                 t.n,
+                if t.family.is_empty() { "IPv4" } else { &t.family },
                 f.name,
                 median(&f.batched_ns).map(num).unwrap_or_else(|| "–".into()),
                 f.single_corrected_ns.map(num).unwrap_or_else(|| "–".into())

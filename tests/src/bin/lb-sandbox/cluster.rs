@@ -1,11 +1,16 @@
 //! The sandbox's cluster: the control plane with its controllers, the LAN, two netns nodes
 //! with their pods and lb-agent processes, the real kubelet node with lb-agent deployed from
 //! `manifests/`, the external clients; built in order, and waited for until the agents serve.
+//!
+//! Everything is dual-stack, IPv4 first (the API server's primary family): every IPv4 address
+//! `a.b.c.d` of the layout has its IPv6 twin `fd00:a:b:c::d` (`topo::ipv6_twin`: pods
+//! `fd00:10:244:<node>::<n>`, the LAN `fd00:192:168:50::/64`), added without duplicate address
+//! detection so it is usable at once.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
     process::{Command, Stdio},
     time::{Duration, Instant},
@@ -21,10 +26,10 @@ use lb_tests::{
     bpffs::BpfFs,
     cgroup::{self, Cgroup},
     control_plane::ControlPlane,
-    kubelet::{self, KubeletNode, NodeConfig},
+    kubelet::{self, KubeletNode, NodeConfig, NodeIpv6},
     netns::{NetNs, PortForward},
     process::{Place, Proc, workspace_bin},
-    topo::Lan,
+    topo::{Lan, ipv6_twin},
 };
 
 use crate::{
@@ -33,21 +38,23 @@ use crate::{
     traffic::Flow,
 };
 
-/// One pod: its namespace, address, labels and its server process.
+/// One pod: its namespace, addresses, labels and its server process.
 pub(crate) struct Pod {
     pub(crate) node: String,
     pub(crate) ip: Ipv4Addr,
+    pub(crate) ip6: Ipv6Addr,
     pub(crate) app: &'static str,
     pub(crate) ns: NetNs,
     _cgroup: Cgroup,
     _server: Option<Proc>,
 }
 
-/// One node: namespace, LAN address, cgroup, agent.
+/// One node: namespace, LAN addresses, cgroup, agent.
 pub(crate) struct SandboxNode {
     pub(crate) name: String,
     pub(crate) index: u8,
     pub(crate) ip: Ipv4Addr,
+    pub(crate) ip6: Ipv6Addr,
     pub(crate) ns: NetNs,
     pub(crate) cgroup: Cgroup,
     pub(crate) agent: Option<Proc>,
@@ -64,9 +71,9 @@ pub(crate) struct Cluster {
     /// node's lb-agent (the DaemonSet's) balances their sockets as it does its Pods'.
     pub(crate) real_clients: Cgroup,
     pub(crate) real: KubeletNode,
-    pub(crate) external: (NetNs, Ipv4Addr, Cgroup),
+    pub(crate) external: Host,
     /// A second external client outside the LoadBalancer's source ranges.
-    pub(crate) outsider: (NetNs, Ipv4Addr),
+    pub(crate) outsider: Host,
     _lan: Lan,
     _root: Cgroup,
     _bpffs: BpfFs,
@@ -78,13 +85,68 @@ pub(crate) struct Cluster {
     pub(crate) rate: u32,
 }
 
-fn veth_to_lan(lan: &NetNs, port: &str, ns: &NetNs, dev: &str, addr: &str) {
-    lb_tests::netns::veth(lan, port, None, ns, dev, Some(addr));
+/// A host on the LAN outside the cluster: its namespace, its addresses, and the cgroup its
+/// traffic runs in (where the sandbox puts it, so the client's sockets are not the test's).
+pub(crate) struct Host {
+    pub(crate) ns: NetNs,
+    pub(crate) ip: Ipv4Addr,
+    pub(crate) ip6: Ipv6Addr,
+    pub(crate) cgroup: Option<Cgroup>,
+}
+
+impl Host {
+    pub(crate) fn place(&self) -> Place<'_> {
+        match &self.cgroup {
+            Some(cgroup) => Place::new(&self.ns, cgroup),
+            None => Place::netns(&self.ns),
+        }
+    }
+}
+
+/// The address of the family of `like` among an IPv4 address and its IPv6 twin.
+pub(crate) fn of_family(like: IpAddr, ip: Ipv4Addr, ip6: Ipv6Addr) -> IpAddr {
+    if like.is_ipv6() { ip6.into() } else { ip.into() }
+}
+
+impl Pod {
+    /// The pod's address of the family of `like`.
+    pub(crate) fn addr_like(&self, like: IpAddr) -> IpAddr {
+        of_family(like, self.ip, self.ip6)
+    }
+}
+
+impl SandboxNode {
+    /// The node's LAN address of the family of `like`.
+    pub(crate) fn addr_like(&self, like: IpAddr) -> IpAddr {
+        of_family(like, self.ip, self.ip6)
+    }
+}
+
+/// Connects `ns` to the LAN: `dev` gets `ip`/24 and its IPv6 twin /64.
+fn veth_to_lan(lan: &NetNs, port: &str, ns: &NetNs, dev: &str, ip: Ipv4Addr) {
+    lb_tests::netns::veth(lan, port, None, ns, dev, Some(&format!("{ip}/24")));
     lan.ip(&["link", "set", port, "master", "br0"]);
+    add_ipv6(ns, &format!("{}/64", ipv6_twin(ip)), dev);
+}
+
+/// Adds an IPv6 address (CIDR notation) to `dev` in `ns`, usable at once (no duplicate address
+/// detection).
+fn add_ipv6(ns: &NetNs, addr: &str, dev: &str) {
+    ns.ip(&["-6", "addr", "add", addr, "dev", dev, "nodad"]);
 }
 
 fn pod_cidr(index: u8) -> String {
     format!("10.244.{index}.0/24")
+}
+
+/// The IPv6 twin of [`pod_cidr`]: `fd00:10:244:<index>::/64`.
+fn pod_cidr6(index: u8) -> String {
+    format!("{}/64", ipv6_twin(Ipv4Addr::new(10, 244, index, 0)))
+}
+
+/// The pod CIDRs the agents are told: one per family.
+fn cluster_cidr() -> String {
+    format!("{},{}", kubelet::CLUSTER_CIDR, kubelet::CLUSTER_CIDR6)
 }
 
 fn node_ip(index: u8) -> Ipv4Addr {
@@ -126,30 +188,35 @@ pub(crate) fn build(args: &Args) -> Result<Cluster> {
         ns.sysctl("net.ipv4.ip_forward=1");
         ns.sysctl("net.ipv4.conf.all.rp_filter=0");
         ns.sysctl("net.ipv4.conf.default.rp_filter=0");
+        ns.sysctl("net.ipv6.conf.all.forwarding=1");
         let ip = node_ip(index);
-        veth_to_lan(&lan.ns, &format!("ln{index}"), &ns, "eth0", &format!("{ip}/24"));
+        veth_to_lan(&lan.ns, &format!("ln{index}"), &ns, "eth0", ip);
         nodes.push(SandboxNode {
             name: format!("node-{index}"),
             index,
             ip,
+            ip6: ipv6_twin(ip),
             ns,
             cgroup: root.child(&format!("node-{index}")),
             agent: None,
             _forward: None,
         });
     }
-    // Every node routes the other nodes' Pod ranges (the real node's too) via their LAN address.
+    // Every node routes the other nodes' Pod ranges (the real node's too) via their LAN address,
+    // in both families.
     let all_nodes: Vec<u8> = vec![1, 2, REAL_NODE_INDEX];
     for a in &nodes {
         for &b in &all_nodes {
             if a.index != b {
                 a.ns.ip(&["route", "add", &pod_cidr(b), "via", &node_ip(b).to_string()]);
+                let via6 = ipv6_twin(node_ip(b)).to_string();
+                a.ns.ip(&["-6", "route", "add", &pod_cidr6(b), "via", &via6]);
             }
         }
     }
     let ext_ns = NetNs::named("lbsb-ext");
     let ext_ip = Ipv4Addr::new(192, 168, 50, 100);
-    veth_to_lan(&lan.ns, "lext", &ext_ns, "eth0", &format!("{ext_ip}/24"));
+    veth_to_lan(&lan.ns, "lext", &ext_ns, "eth0", ext_ip);
     // The load balancer announces its IPs at node-1 (as an L2 or BGP load balancer would).
     ext_ns.ip(&[
         "route",
@@ -161,7 +228,7 @@ pub(crate) fn build(args: &Args) -> Result<Cluster> {
     let ext_cgroup = root.child("external");
     let out_ns = NetNs::named("lbsb-out");
     let out_ip = Ipv4Addr::new(192, 168, 50, 200);
-    veth_to_lan(&lan.ns, "lout", &out_ns, "eth0", &format!("{out_ip}/24"));
+    veth_to_lan(&lan.ns, "lout", &out_ns, "eth0", out_ip);
     out_ns.ip(&[
         "route",
         "add",
@@ -185,6 +252,7 @@ pub(crate) fn build(args: &Args) -> Result<Cluster> {
         let node = &nodes[node_i];
         let ns = NetNs::named(&format!("lbsb-{name}"));
         let ip = Ipv4Addr::new(10, 244, node.index, host);
+        let ip6 = ipv6_twin(ip);
         let gw = format!("10.244.{}.1", node.index);
         let dev = format!("vp-{name}");
         node.ns.ip(&[
@@ -214,20 +282,25 @@ pub(crate) fn build(args: &Args) -> Result<Cluster> {
             "link",
         ]);
         ns.ip(&["route", "add", "default", "via", &gw, "dev", "eth0"]);
+        // The same wiring in IPv6: the gateway's twin on the node side, the pod's /128.
+        let gw6 = ipv6_twin(Ipv4Addr::new(10, 244, node.index, 1)).to_string();
+        add_ipv6(&node.ns, &format!("{gw6}/128"), &dev);
+        node.ns
+            .ip(&["-6", "route", "add", &format!("{ip6}/128"), "dev", &dev]);
+        add_ipv6(&ns, &format!("{ip6}/128"), "eth0");
+        ns.ip(&["-6", "route", "add", &format!("{gw6}/128"), "dev", "eth0"]);
+        ns.ip(&["-6", "route", "add", "default", "via", &gw6, "dev", "eth0"]);
         let pod_cgroup = node.cgroup.child(name);
         let server = (app != "client").then(|| {
+            // On the pod's own addresses: IPv4 clients show as IPv4 (a dual-stack wildcard socket
+            // would show them IPv4-mapped).
+            let on = |ip: IpAddr, port: u16| SocketAddr::new(ip, port).to_string();
             let mut cmd = Command::new(&probe);
-            cmd.args([
-                "serve",
-                "--name",
-                name,
-                "--tcp",
-                "0.0.0.0:8080",
-                "--udp",
-                "0.0.0.0:5353",
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped());
+            cmd.args(["serve", "--name", name]);
+            for ip in [IpAddr::from(ip), IpAddr::from(ip6)] {
+                cmd.args(["--tcp", &on(ip, 8080), "--udp", &on(ip, 5353)]);
+            }
+            cmd.stdin(Stdio::null()).stdout(Stdio::piped());
             Place::new(&ns, &pod_cgroup).apply(&mut cmd);
             let mut p = Proc::spawn_command(cmd);
             p.wait_for_line(Duration::from_secs(10), |l| l.contains("ready"));
@@ -236,6 +309,7 @@ pub(crate) fn build(args: &Args) -> Result<Cluster> {
         pods.push(Pod {
             node: node.name.clone(),
             ip,
+            ip6,
             app,
             ns,
             _cgroup: pod_cgroup,
@@ -253,12 +327,24 @@ pub(crate) fn build(args: &Args) -> Result<Cluster> {
             ip: node_ip(REAL_NODE_INDEX),
             pod_cidr: pod_cidr(REAL_NODE_INDEX),
             cluster_dns: None,
+            ipv6: Some(NodeIpv6 {
+                ip: ipv6_twin(node_ip(REAL_NODE_INDEX)),
+                pod_cidr: pod_cidr6(REAL_NODE_INDEX),
+            }),
         },
         &images,
     )?;
     for node in &nodes {
         real.netns()
             .ip(&["route", "add", &pod_cidr(node.index), "via", &node.ip.to_string()]);
+        real.netns().ip(&[
+            "-6",
+            "route",
+            "add",
+            &pod_cidr6(node.index),
+            "via",
+            &node.ip6.to_string(),
+        ]);
     }
     let real_clients = Cgroup::at(
         &real
@@ -306,11 +392,17 @@ pub(crate) fn build(args: &Args) -> Result<Cluster> {
                 ..Default::default()
             };
             api_nodes.create(&PostParams::default(), &obj).await?;
+            // An InternalIP of each family, IPv4 first, as kubelet's `--node-ip` with two.
             let status = NodeStatus {
-                addresses: Some(vec![NodeAddress {
-                    type_: "InternalIP".into(),
-                    address: node.ip.to_string(),
-                }]),
+                addresses: Some(
+                    [node.ip.to_string(), node.ip6.to_string()]
+                        .into_iter()
+                        .map(|address| NodeAddress {
+                            type_: "InternalIP".into(),
+                            address,
+                        })
+                        .collect(),
+                ),
                 ..Default::default()
             };
             api_nodes
@@ -340,7 +432,7 @@ pub(crate) fn build(args: &Args) -> Result<Cluster> {
                 "--hostname-override",
                 &node.name,
                 "--cluster-cidr",
-                "10.244.0.0/16",
+                &cluster_cidr(),
                 "--bpf-root",
             ])
             .arg(Path::new(STATE_DIR).join("bpf").join(&node.name))
@@ -360,8 +452,18 @@ pub(crate) fn build(args: &Args) -> Result<Cluster> {
         nodes,
         real_clients,
         real,
-        external: (ext_ns, ext_ip, ext_cgroup),
-        outsider: (out_ns, out_ip),
+        external: Host {
+            ns: ext_ns,
+            ip: ext_ip,
+            ip6: ipv6_twin(ext_ip),
+            cgroup: Some(ext_cgroup),
+        },
+        outsider: Host {
+            ns: out_ns,
+            ip: out_ip,
+            ip6: ipv6_twin(out_ip),
+            cgroup: None,
+        },
         _lan: lan,
         _root: root,
         _bpffs: bpffs,

@@ -15,6 +15,11 @@
 //!   and a live table per Service: frontend, backends (pod names) and requests per backend,
 //!   errors, whether the client IP was kept.
 //!
+//! It is dual-stack, IPv4 first: the API server has a Service range of each family, every node
+//! (the real one too: kubelet's `--node-ip` and the CNI bridge's IPAM have both families) and pod
+//! has an address of each, the agents are told a cluster CIDR of each; a dual-stack Service (the
+//! example `web-dual-stack`, or one made so with `kubectl patch`) gets the rows of both families.
+//!
 //! It runs until Ctrl-C (SIGINT), SIGTERM, SIGHUP or `--duration`, then tears everything down; a
 //! run that crashed is cleaned up by the next one (fixed names under `/run/lb-sandbox` and
 //! `/tmp/lb-sandbox`, the `lb-sandbox` cgroup and `lbsb-*` namespaces; the real node and the LAN

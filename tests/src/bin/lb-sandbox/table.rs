@@ -13,15 +13,21 @@ use crate::{
     traffic::Flow,
 };
 
+/// How the instructions make a Service dual-stack (the second family's ClusterIP is allocated,
+/// the EndpointSlice controller writes the IPv6 slice from the Pods' `podIPs`).
+const DUAL_STACK_PATCH: &str =
+    r#"kubectl patch service hello -p '{"spec":{"ipFamilyPolicy":"PreferDualStack"}}'"#;
+
 impl Cluster {
     pub(crate) fn render(&self, elapsed: Duration) -> String {
         let mut out = String::new();
         out.push_str(&format!(
-            "lb sandbox: 2 netns nodes with {} pods, real node {} (kubelet: your Deployments), external clients {} and {} (outside the LB source ranges) — running for {:.0?}\n\n",
+            "lb sandbox (dual-stack): 2 netns nodes with {} pods, real node {} (kubelet: your Deployments), external clients {} / {} and {} (outside the LB source ranges) — running for {:.0?}\n\n",
             self.pods.len(),
             self.real.name(),
-            self.external.1,
-            self.outsider.1,
+            self.external.ip,
+            self.external.ip6,
+            self.outsider.ip,
             Duration::from_secs(elapsed.as_secs())
         ));
         let mut by_service: BTreeMap<&str, Vec<&Flow>> = BTreeMap::new();
@@ -31,7 +37,7 @@ impl Cluster {
         for (service, flows) in by_service {
             out.push_str(&format!("{service}\n"));
             out.push_str(&format!(
-                "  {:<36} {:<9} {:<48} {:>6}  {}\n",
+                "  {:<44} {:<9} {:<48} {:>6}  {}\n",
                 "FRONTEND", "FROM", "REQUESTS PER BACKEND", "ERRORS", "CLIENT IP"
             ));
             for f in flows {
@@ -60,7 +66,7 @@ impl Cluster {
                     _ => s.errors.to_string(),
                 };
                 out.push_str(&format!(
-                    "  {:<36} {:<9} {:<48} {:>6}  {}\n",
+                    "  {:<44} {:<9} {:<48} {:>6}  {}\n",
                     f.frontend, f.from, backends, errors, kept
                 ));
             }
@@ -128,6 +134,10 @@ impl Cluster {
         ] {
             s.push_str(&format!("  {example}\n"));
         }
+        s.push_str(
+            "The cluster is dual-stack: give a Service an IPv6 ClusterIP beside its IPv4 one (a row more):\n",
+        );
+        s.push_str(&format!("  {DUAL_STACK_PATCH}\n"));
         s.push_str("Look inside:\n");
         s.push_str(
             "  kubectl -n kube-system exec ds/lb-agent -- lb-agent services   (the real node's agent)\n",
@@ -141,7 +151,7 @@ impl Cluster {
             ));
         }
         s.push_str(&format!(
-            "  bpftool map dump pinned {STATE_DIR}/bpf/node-1/maps/lb4_services\n"
+            "  bpftool map dump pinned {STATE_DIR}/bpf/node-1/maps/lb4_services   (lb6_services: IPv6)\n"
         ));
         s.push_str(&format!(
             "  logs: {STATE_DIR}/logs/node-*.log (netns agents), {}/kubelet.log   (Ctrl-C tears everything down)\n",

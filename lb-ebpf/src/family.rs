@@ -1,0 +1,119 @@
+//! The family a program instance serves: the type of each map that exists once per family, and
+//! which static serves which family ([`FamilyMaps`]). The socket and tc code is written once over
+//! `F: FamilyMaps` and monomorphised for `V4` and `V6`.
+
+use aya_ebpf::{
+    bindings::{BPF_F_NO_PREALLOC, BPF_F_RDONLY_PROG},
+    btf_maps::{HashMap, LpmTrie, LruHashMap, SkStorage},
+};
+use lb_common::{
+    affinity::{AffinityClient, AffinityKey, AffinityValue},
+    backend::BackendValue,
+    catalog::capacity,
+    config::FamilySettings,
+    conntrack::{CtKey, CtValue},
+    family::{V4, V6},
+    revnat::{RevNatValue, SockRevNatKey, SockRevNatSk, SockRevNatValue},
+    service::{SrcRange, SvcKey, SvcValue},
+};
+
+use crate::maps::{
+    AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, CONNTRACK4, CONNTRACK6, REVNAT4, REVNAT6, SERVICES4,
+    SERVICES6, SOCK_REVNAT_SK4, SOCK_REVNAT_SK6, SOCK_REVNAT4, SOCK_REVNAT6, SOURCE_RANGES4, SOURCE_RANGES6,
+};
+
+pub const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
+/// The programs only read what the agent writes; the verifier enforces it.
+pub const RDONLY_PROG: usize = BPF_F_RDONLY_PROG as usize;
+
+pub type ServicesMap<F> =
+    HashMap<SvcKey<F>, SvcValue, { capacity::SERVICES as usize }, { NO_PREALLOC | RDONLY_PROG }>;
+pub type BackendsMap<F> =
+    HashMap<u32, BackendValue<F>, { capacity::BACKENDS as usize }, { NO_PREALLOC | RDONLY_PROG }>;
+pub type RevNatMap<F> =
+    HashMap<u32, RevNatValue<F>, { capacity::REVNAT as usize }, { NO_PREALLOC | RDONLY_PROG }>;
+pub type SockRevNatMap<F> =
+    LruHashMap<SockRevNatKey<F>, SockRevNatValue<F>, { capacity::SOCK_REVNAT as usize }>;
+pub type SockRevNatSkMap<F> = SkStorage<SockRevNatSk<F>>;
+pub type AffinityMap<F> = LruHashMap<AffinityKey<F>, AffinityValue, { capacity::AFFINITY as usize }>;
+pub type SourceRangesMap<F> =
+    LpmTrie<SrcRange<F>, u8, { capacity::SOURCE_RANGES as usize }, { NO_PREALLOC | RDONLY_PROG }>;
+pub type ConntrackMap<F> = LruHashMap<CtKey<F>, CtValue<F>, { capacity::CONNTRACK as usize }>;
+
+/// The maps of one family.
+pub trait FamilyMaps: FamilySettings + AffinityClient {
+    fn services() -> &'static ServicesMap<Self>;
+    fn backends() -> &'static BackendsMap<Self>;
+    fn revnat() -> &'static RevNatMap<Self>;
+    fn sock_revnat() -> &'static SockRevNatMap<Self>;
+    fn sock_revnat_sk() -> &'static SockRevNatSkMap<Self>;
+    fn affinity() -> &'static AffinityMap<Self>;
+    fn source_ranges() -> &'static SourceRangesMap<Self>;
+    fn conntrack() -> &'static ConntrackMap<Self>;
+}
+
+macro_rules! family_maps {
+    ($family:ty, $services:ident, $backends:ident, $revnat:ident, $sock_revnat:ident,
+     $sock_revnat_sk:ident, $affinity:ident, $source_ranges:ident, $conntrack:ident) => {
+        #[inline(always)]
+        fn services() -> &'static ServicesMap<$family> {
+            &$services
+        }
+        #[inline(always)]
+        fn backends() -> &'static BackendsMap<$family> {
+            &$backends
+        }
+        #[inline(always)]
+        fn revnat() -> &'static RevNatMap<$family> {
+            &$revnat
+        }
+        #[inline(always)]
+        fn sock_revnat() -> &'static SockRevNatMap<$family> {
+            &$sock_revnat
+        }
+        #[inline(always)]
+        fn sock_revnat_sk() -> &'static SockRevNatSkMap<$family> {
+            &$sock_revnat_sk
+        }
+        #[inline(always)]
+        fn affinity() -> &'static AffinityMap<$family> {
+            &$affinity
+        }
+        #[inline(always)]
+        fn source_ranges() -> &'static SourceRangesMap<$family> {
+            &$source_ranges
+        }
+        #[inline(always)]
+        fn conntrack() -> &'static ConntrackMap<$family> {
+            &$conntrack
+        }
+    };
+}
+
+impl FamilyMaps for V4 {
+    family_maps!(
+        V4,
+        SERVICES4,
+        BACKENDS4,
+        REVNAT4,
+        SOCK_REVNAT4,
+        SOCK_REVNAT_SK4,
+        AFFINITY4,
+        SOURCE_RANGES4,
+        CONNTRACK4
+    );
+}
+
+impl FamilyMaps for V6 {
+    family_maps!(
+        V6,
+        SERVICES6,
+        BACKENDS6,
+        REVNAT6,
+        SOCK_REVNAT6,
+        SOCK_REVNAT_SK6,
+        AFFINITY6,
+        SOURCE_RANGES6,
+        CONNTRACK6
+    );
+}

@@ -1,0 +1,95 @@
+//! What the tc path needs of an IP family, as a trait ([`Ip`]): parsing a packet, rewriting its
+//! addresses and ports with their checksums, answering with an ICMP port unreachable, and reading
+//! and rewriting the packet an ICMP error quotes. `ipv4.rs` and `ipv6.rs` implement it; every
+//! other file of the tc path is written once over `F: Ip`. Also the one's-complement sums both
+//! families' checksums use.
+
+use aya_ebpf::programs::TcContext;
+
+use super::{
+    icmp_error::Quoted,
+    parse::{Flow, Packet, Parsed},
+};
+use crate::family::FamilyMaps;
+
+pub(super) trait Ip: FamilyMaps {
+    /// Length of the IP header without options or extension headers.
+    const HLEN: usize;
+    /// Offsets of the source and destination addresses inside the IP header.
+    const SADDR: usize;
+    const DADDR: usize;
+
+    /// Ethernet, IP and the L4 ports of the packet in `ctx`, whose Ethernet type is this family's.
+    fn parse(ctx: &TcContext) -> Parsed<Self>;
+
+    /// Rewrites the destination (`source == false`) or source address and port of a TCP/UDP
+    /// packet, with every checksum that covers them updated incrementally.
+    fn rewrite(
+        ctx: &TcContext,
+        pkt: &Packet<Self>,
+        source: bool,
+        addr: Self::Addr,
+        port: u16,
+    ) -> Result<(), ()>;
+
+    /// Whether an ICMP error may be sent to `addr`.
+    fn answerable(addr: &Self::Addr) -> bool;
+
+    /// Turns the packet into the family's ICMP port unreachable for its source, sent back out of
+    /// the interface it came in on (a verdict: `TC_ACT_REDIRECT`, or `TC_ACT_SHOT`).
+    /// `l4`: the offset of the packet's L4 header (the quote ends 8 bytes into it).
+    fn port_unreachable(ctx: &TcContext, l4: usize) -> i32;
+
+    /// The packet an ICMP error at `icmp` quotes, when the error is one to translate (the types
+    /// that quote a packet) and the quote is a TCP or UDP packet.
+    fn parse_icmp_error(ctx: &TcContext, icmp: usize) -> Option<Quoted<Self>>;
+
+    /// Rewrites the quoted packet's address at `addr_off` from `old_addr` to `addr`, with the ICMP
+    /// checksum (and the quoted IP checksum, where there is one); `icmp_error::rewrite_quoted`
+    /// does the rest.
+    fn rewrite_quoted_addr(
+        ctx: &TcContext,
+        q: &Quoted<Self>,
+        addr_off: usize,
+        old_addr: Self::Addr,
+        addr: Self::Addr,
+    ) -> Result<(), ()>;
+
+    /// Rewrites the outer destination of the ICMP error at `icmp`, with every checksum that
+    /// covers it.
+    fn rewrite_outer_dst(
+        ctx: &TcContext,
+        outer: &Flow<Self>,
+        icmp: usize,
+        addr: Self::Addr,
+    ) -> Result<(), ()>;
+}
+
+/// One's-complement sum of big-endian 16-bit words.
+#[inline(always)]
+pub(super) fn csum_add_bytes<const N: usize>(mut sum: u32, bytes: &[u8; N]) -> u32 {
+    let mut i = 0;
+    while i + 1 < N {
+        sum += u16::from_be_bytes([bytes[i], bytes[i + 1]]) as u32;
+        i += 2;
+    }
+    sum
+}
+
+/// One's-complement sum of the `len` bytes of `bytes` from `from` (constants at every call site).
+#[inline(always)]
+pub(super) fn csum_add_range<const N: usize>(mut sum: u32, bytes: &[u8; N], from: usize, len: usize) -> u32 {
+    let mut i = from;
+    while i + 1 < from + len && i + 1 < N {
+        sum += u16::from_be_bytes([bytes[i], bytes[i + 1]]) as u32;
+        i += 2;
+    }
+    sum
+}
+
+#[inline(always)]
+pub(super) fn csum_fold(mut sum: u32) -> u16 {
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    !(sum as u16)
+}
