@@ -748,6 +748,30 @@ fn dual_stack_frontends_of_every_type_from_the_host_and_from_a_pod() {
     // A process outside the cgroup is not translated: the virtual IPv6 address is not routable.
     let outside = probe::tcp(Place::netns(&f.node.ns), "[fd00:10:96::20]:80", 1);
     assert_eq!(outside[0]["ok"], false, "{}", outside[0]);
+
+    // The IPv6 maps dump with named fields too (BTF); the address's 16 bytes under `octets`.
+    let pin = bpf_root_in(f.bpffs.path()).join("maps/lb6_services");
+    let dump = Command::new("bpftool")
+        .args(["map", "dump", "pinned"])
+        .arg(&pin)
+        .output()
+        .expect("bpftool");
+    let text = String::from_utf8_lossy(&dump.stdout);
+    assert!(
+        dump.status.success(),
+        "bpftool: {}",
+        String::from_utf8_lossy(&dump.stderr)
+    );
+    for field in [
+        "\"addr\"",
+        "\"octets\"",
+        "\"port\": 80",
+        "\"slot\"",
+        "\"backend_id\"",
+        "\"rev_nat_id\"",
+    ] {
+        assert!(text.contains(field), "bpftool output lacks {field}:\n{text}");
+    }
 }
 
 /// A dual-stack socket (AF_INET6 without IPV6_V6ONLY, as Java's, Go's and most C programs' are)
