@@ -561,15 +561,17 @@ fn refused_rows(site: &Site) -> Vec<Row> {
             absent_backends: vec![],
         },
         Row {
-            what: "Cluster IP of the wrong family (fd00::10 on an IPv4-only cluster)",
+            what: "Cluster IP of the wrong family (fd00:10:96::10 where ipFamilies says IPv4)",
             service: "v6-cluster-ip".into(),
-            objects: simple(site, "v6-cluster-ip", "fd00::10", &[0]),
-            api: ApiExpect::Refuses("IPv6 is not configured"),
-            agent: AgentExpect::Ignores(
-                "an IPv6 single-stack Service is the IPv6 proxy's, as with kube-proxy",
-            ),
+            objects: {
+                let mut o = simple(site, "v6-cluster-ip", "fd00:10:96::10", &[0]);
+                o[0]["spec"]["ipFamilies"] = json!(["IPv4"]);
+                o
+            },
+            api: ApiExpect::Refuses("expected an IPv4 value as indicated by `ipFamilies[0]`"),
+            agent: AgentExpect::Reports(vec!["spec.clusterIPs[0]", "is not a valid IPv4 address"]),
             serves: vec![],
-            absent: vec![],
+            absent: vec!["[fd00:10:96::10]:80/TCP".into()],
             absent_backends: vec![],
         },
         Row {
@@ -871,7 +873,7 @@ fn accepted_rows(site: &Site) -> Vec<Row> {
             ],
             api: ApiExpect::Accepts,
             agent: AgentExpect::Ignores(
-                "IPv6 and FQDN slices are not the IPv4 proxy's, as with kube-proxy; the IPv4 slice serves",
+                "the Service is IPv4 single-stack: its IPv6 slice has no frontend of its family and FQDN slices are never proxied, as with kube-proxy; the IPv4 slice serves",
             ),
             serves: vec![(format!("{}:80", cip(47)), vec![2])],
             absent: vec![],
