@@ -265,6 +265,25 @@ fn ok(results: &[Value]) -> Vec<&Value> {
     results.iter().collect()
 }
 
+/// `bpftool map dump pinned <pin>` succeeds and prints each of `fields` (the map's BTF names
+/// them, which is what an SRE reads).
+fn assert_bpftool_names_fields(pin: &std::path::Path, fields: &[&str]) {
+    let dump = Command::new("bpftool")
+        .args(["map", "dump", "pinned"])
+        .arg(pin)
+        .output()
+        .expect("bpftool");
+    let text = String::from_utf8_lossy(&dump.stdout);
+    assert!(
+        dump.status.success(),
+        "bpftool: {}",
+        String::from_utf8_lossy(&dump.stderr)
+    );
+    for field in fields {
+        assert!(text.contains(field), "bpftool output lacks {field}:\n{text}");
+    }
+}
+
 #[test]
 fn first_slice_tcp_to_a_virtual_ip_reaches_the_backend() {
     let mut f = Fixture::new(1);
@@ -303,28 +322,17 @@ fn first_slice_tcp_to_a_virtual_ip_reaches_the_backend() {
     assert_eq!(outside[0]["ok"], false, "{}", outside[0]);
 
     // SREs read the maps with bpftool: named fields thanks to BTF.
-    let pin = bpf_root_in(f.bpffs.path()).join("maps/lb4_services");
-    let dump = Command::new("bpftool")
-        .args(["map", "dump", "pinned"])
-        .arg(&pin)
-        .output()
-        .expect("bpftool");
-    let text = String::from_utf8_lossy(&dump.stdout);
-    assert!(
-        dump.status.success(),
-        "bpftool: {}",
-        String::from_utf8_lossy(&dump.stderr)
+    assert_bpftool_names_fields(
+        &bpf_root_in(f.bpffs.path()).join("maps/lb4_services"),
+        &[
+            "\"addr\"",
+            "\"port\": 80",
+            "\"slot\"",
+            "\"backend_id\"",
+            "\"count\": 1",
+            "\"rev_nat_id\"",
+        ],
     );
-    for field in [
-        "\"addr\"",
-        "\"port\": 80",
-        "\"slot\"",
-        "\"backend_id\"",
-        "\"count\": 1",
-        "\"rev_nat_id\"",
-    ] {
-        assert!(text.contains(field), "bpftool output lacks {field}:\n{text}");
-    }
     let status = f.agent.take().map(Agent::stop);
     assert!(
         status.is_some_and(|s| s.success()),
@@ -750,28 +758,17 @@ fn dual_stack_frontends_of_every_type_from_the_host_and_from_a_pod() {
     assert_eq!(outside[0]["ok"], false, "{}", outside[0]);
 
     // The IPv6 maps dump with named fields too (BTF); the address's 16 bytes under `octets`.
-    let pin = bpf_root_in(f.bpffs.path()).join("maps/lb6_services");
-    let dump = Command::new("bpftool")
-        .args(["map", "dump", "pinned"])
-        .arg(&pin)
-        .output()
-        .expect("bpftool");
-    let text = String::from_utf8_lossy(&dump.stdout);
-    assert!(
-        dump.status.success(),
-        "bpftool: {}",
-        String::from_utf8_lossy(&dump.stderr)
+    assert_bpftool_names_fields(
+        &bpf_root_in(f.bpffs.path()).join("maps/lb6_services"),
+        &[
+            "\"addr\"",
+            "\"octets\"",
+            "\"port\": 80",
+            "\"slot\"",
+            "\"backend_id\"",
+            "\"rev_nat_id\"",
+        ],
     );
-    for field in [
-        "\"addr\"",
-        "\"octets\"",
-        "\"port\": 80",
-        "\"slot\"",
-        "\"backend_id\"",
-        "\"rev_nat_id\"",
-    ] {
-        assert!(text.contains(field), "bpftool output lacks {field}:\n{text}");
-    }
 }
 
 /// A dual-stack socket (AF_INET6 without IPV6_V6ONLY, as Java's, Go's and most C programs' are)
