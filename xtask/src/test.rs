@@ -173,9 +173,14 @@ pub(crate) fn test_env(with_e2e: bool) -> Result<Vec<(&'static str, String)>> {
     Ok(envs)
 }
 
+/// What a fresh `./x test` writes, measured on a fresh clone (target/ with the test binaries, the
+/// images and the guest stage's build, plus the first fill of the caches); the README says so.
+const FRESH_TEST_GIB: u64 = 8;
+
 pub fn run_all(filter: Option<&str>, with_e2e: bool, with_guest: bool) -> Result<()> {
     let started = Instant::now();
     require_root()?;
+    crate::util::warn_if_disk_low("a fresh ./x test", FRESH_TEST_GIB);
     setup::all()?;
     ebpf::build()?;
     let envs = test_env(with_e2e)?;

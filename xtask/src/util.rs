@@ -40,6 +40,31 @@ pub fn step(message: &str) {
     eprintln!("==> {message}");
 }
 
+/// Free bytes for an unprivileged writer on the filesystem holding `path`, if it can be read.
+pub fn free_bytes(path: &Path) -> Option<u64> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid C string and `st` a writable statvfs.
+    (unsafe { libc::statvfs(c.as_ptr(), &mut st) } == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// Says so up front when the disk holding the checkout has less room than `needed_gib`: a full
+/// disk shows up much later, and far from its cause (the linker dies of SIGBUS writing a test
+/// binary, or a write fails with ENOSPC in the middle of a test).
+pub fn warn_if_disk_low(what: &str, needed_gib: u64) {
+    let root = workspace_root();
+    if let Some(free) = free_bytes(&root)
+        && free < needed_gib << 30
+    {
+        eprintln!(
+            "==> warning: {:.1} GiB free on the filesystem of {}; {what} writes about {needed_gib} GiB \
+             (target/ and the caches); a full disk fails it later as a linker crash (SIGBUS) or ENOSPC",
+            free as f64 / f64::from(1u32 << 30),
+            root.display()
+        );
+    }
+}
+
 /// Runs a command to completion, failing with the command line and its exit status.
 pub fn run(cmd: &mut Command) -> Result<()> {
     let started = Instant::now();
@@ -63,16 +88,20 @@ pub fn output(cmd: &mut Command) -> Result<String> {
     Ok(String::from_utf8(out.stdout)?)
 }
 
-/// The short commit and the UTC time a generated document states it comes from.
+/// The short commit and the UTC time a generated document states it comes from. A tree with
+/// uncommitted changes outside docs/ (which the generators write) is `<commit>-dirty`: the run
+/// measured code that commit does not hold.
 pub fn provenance() -> (String, String) {
-    let sha = output(
-        Command::new("git")
-            .args(["rev-parse", "--short", "HEAD"])
-            .current_dir(workspace_root()),
-    )
-    .unwrap_or_default();
+    let git = |args: &[&str]| {
+        output(Command::new("git").args(args).current_dir(workspace_root())).unwrap_or_default()
+    };
+    let mut sha = git(&["rev-parse", "--short", "HEAD"]).trim().to_string();
+    let changed = git(&["status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs"]);
+    if !sha.is_empty() && !changed.trim().is_empty() {
+        sha.push_str("-dirty");
+    }
     let date = output(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"])).unwrap_or_default();
-    (sha.trim().to_string(), date.trim().to_string())
+    (sha, date.trim().to_string())
 }
 
 /// Whether a program is on PATH.
