@@ -84,23 +84,30 @@ pub fn source_in_ranges<F: FamilyMaps>(frontend: &SvcValue, src: &F::Addr) -> bo
 
 /// Picks a backend for the frontend entry `frontend` at `key` (slot 0 of the scope used):
 /// a still-valid ClientIP affinity entry first, else slot `hash % count + 1`.
-/// `client` identifies the client for affinity (`AffinityKey` without the frontend).
+/// `client` identifies the client for affinity (`AffinityKey` without the frontend). The client
+/// and the clock are read only for a frontend with affinity: on a connect each is a helper call
+/// (the netns cookie, the clock) that costs about what a map lookup does in the real stack.
 #[inline(always)]
 pub fn select_backend<F: FamilyMaps>(
     key: &SvcKey<F>,
     frontend: &SvcValue,
-    client: F::Client,
+    client: impl Fn() -> F::Client,
     client_kind: u8,
     hash: u32,
-    now_ns: u64,
+    now_ns: impl Fn() -> u64,
 ) -> Option<(u32, &'static BackendValue<F>)> {
+    let affinity = frontend.has(flags::AFFINITY);
+    let (client, now_ns) = if affinity {
+        (client(), now_ns())
+    } else {
+        (F::Client::default(), 0)
+    };
     let affinity_key = AffinityKey::<F> {
         client,
         rev_nat_id: frontend.rev_nat_id,
         kind: client_kind,
         _pad: [0; 3],
     };
-    let affinity = frontend.has(flags::AFFINITY);
     if affinity
         && let Some(entry) = F::affinity().get_ptr(&affinity_key).map(|p| unsafe { *p })
         && select::affinity_valid(entry.last_used_ns, now_ns, frontend.affinity_timeout)

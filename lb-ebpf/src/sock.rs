@@ -252,10 +252,10 @@ pub fn translate_forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C) -> Outcome
     let selected = lb::select_backend::<F>(
         &key,
         frontend,
-        F::client_of_cookie(call.netns_cookie()),
+        || F::client_of_cookie(call.netns_cookie()),
         kind::NETNS_COOKIE,
         hash,
-        call.now_ns(),
+        || call.now_ns(),
     );
     let Some((backend_id, backend)) = selected else {
         count(Counter::SockNoBackend);

@@ -55,10 +55,10 @@ pub(super) fn now_ns() -> u64 {
 /// add up.
 pub(super) const NEW_FLOW: i32 = i32::MIN + 1;
 
-/// A TCP or UDP packet at ingress: a tracked flow's, else [`NEW_FLOW`]. Not inlined: the
-/// program's frame then holds little more than the parsed packet, and each path beside this one
-/// has nearly the whole stack to itself.
-#[inline(never)]
+/// A TCP or UDP packet at ingress: a tracked flow's, else [`NEW_FLOW`]. A step of
+/// [`super::Steps`]: for IPv6 a frame of its own, so that the program's frame holds little more
+/// than the parsed packet and each path beside this one has nearly the whole stack to itself.
+#[inline(always)]
 pub(super) fn l4_ingress<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
     let key = pkt.flow.key(dir::INGRESS);
     if let Some(ptr) = F::conntrack().get_ptr_mut(&key) {

@@ -109,7 +109,7 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
     let client = F::client_of_addr(&flow.saddr);
     let hash = unsafe { bpf_get_prandom_u32() };
     let Some((backend_id, _)) =
-        lb::select_backend::<F>(&svc_key, frontend, client, kind::ADDR, hash, now_ns())
+        lb::select_backend::<F>(&svc_key, frontend, || client, kind::ADDR, hash, now_ns)
     else {
         count(Counter::TcNoBackend);
         return TC_ACT_OK;
