@@ -176,6 +176,13 @@ pub struct Programming {
     pub agent_sync_ms: Vec<f64>,
 }
 
+/// One kind of call's API watch times and the times from the watch event to the data path.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct WatchShares {
+    pub api_watch_ms: Vec<f64>,
+    pub after_watch_ms: Vec<f64>,
+}
+
 /// One added, changed and removed Service on top of N, repeated.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct ChangeLatency {
@@ -193,6 +200,11 @@ pub struct ChangeLatency {
     /// Per change: the data path time minus the API watch time (from the event to the data path).
     #[serde(default)]
     pub after_watch_ms: Vec<f64>,
+    /// The same two shares per kind of call ("add", "change", "remove"): an add's watch event
+    /// comes later than a change's (the API server allocates the ClusterIP first), so the split
+    /// says whose time the difference is.
+    #[serde(default)]
+    pub by_kind: BTreeMap<String, WatchShares>,
     /// kube-proxy's own sync durations over the changes (count, total seconds).
     pub sync_count: f64,
     pub sync_sum_s: f64,
@@ -574,6 +586,9 @@ fn change_latency(ctx: &mut Ctx<'_>, peer: &Peer, n: u32, reps: u32) -> ChangeLa
                     if let Some(a) = api_ms {
                         out.api_watch_ms.push(a);
                         out.after_watch_ms.push(ms - a);
+                        let kind = out.by_kind.entry(what.to_string()).or_default();
+                        kind.api_watch_ms.push(a);
+                        kind.after_watch_ms.push(ms - a);
                     }
                     line.push_str(&format!(
                         " {what} {ms:.1} ms (API watch event after {})",

@@ -446,6 +446,44 @@ pub fn markdown(r: &Results) -> String {
         }
     }
 
+    // Change latency split at the API server's watch event, per kind of call.
+    if r.changes.iter().any(|c| !c.by_kind.is_empty()) {
+        s.push_str(
+            "\nThe same calls split at the moment lb-bench's own watch receives the event: *API* is the \
+             API server's share (call to watch event), *after* is the program's (watch event to the \
+             data path, including the probe's 200 µs polling). p50 / p99 in ms.\n\n\
+             | program | N | add: API | add: after | change: API | change: after | remove: API | remove: after |\n\
+             |---|---|---|---|---|---|---|---|\n",
+        );
+        for c in r.changes.iter().filter(|c| !c.by_kind.is_empty()) {
+            let pair = |v: &[f64]| match (percentile(v, 0.5), percentile(v, 0.99)) {
+                (Some(a), Some(b)) => format!("{} / {}", num(a), num(b)),
+                _ => "–".into(),
+            };
+            let _ = write!(
+                s,
+                "| {} | {} |",
+                c.config.unwrap_or(Config::Direct).program(),
+                fmt_n(c.n)
+            );
+            for kind in ["add", "change", "remove"] {
+                match c.by_kind.get(kind) {
+                    Some(k) => {
+                        let _ = write!(s, " {} | {} |", pair(&k.api_watch_ms), pair(&k.after_watch_ms));
+                    }
+                    None => s.push_str(" – | – |"),
+                }
+            }
+            s.push('\n');
+        }
+        s.push_str(
+            "\nAn add waits longer than a change for its watch event because the API server allocates \
+             the new Service's ClusterIP first, which since Kubernetes 1.33 writes an IPAddress object \
+             to etcd before the Service itself; a change is one write. Every proxy pays that share \
+             alike; the *after* columns are what each program adds.\n",
+        );
+    }
+
     // (3) tc.
     s.push_str("\n## 3. tc program cost per packet (BPF_PROG_TEST_RUN)\n\n");
     s.push_str(TC_METHOD);
