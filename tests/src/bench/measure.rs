@@ -193,6 +193,10 @@ pub struct ChangeLatency {
     pub remove_ms: Vec<f64>,
     /// The agent's sync that applied each change (elapsed_ms from its log).
     pub agent_sync_ms: Vec<f64>,
+    /// The same syncs from their start to their last map write (datapath_ms from its log): the
+    /// part a change waits for; the rest is metrics, health and Events.
+    #[serde(default)]
+    pub agent_datapath_ms: Vec<f64>,
     /// API call to the Service's watch event reaching a client (lb-bench's own watch): the API
     /// server's share, the same for every program.
     #[serde(default)]
@@ -599,8 +603,9 @@ fn change_latency(ctx: &mut Ctx<'_>, peer: &Peer, n: u32, reps: u32) -> ChangeLa
                         "change" => out.change_ms.push(ms),
                         _ => out.remove_ms.push(ms),
                     }
-                    if let Some(a) = agent {
+                    if let Some((a, to_datapath)) = agent {
                         out.agent_sync_ms.push(a);
+                        out.agent_datapath_ms.extend(to_datapath);
                     }
                 }
                 None => {
@@ -634,8 +639,14 @@ struct Step<'a> {
 
 impl Step<'_> {
     /// Waits for the proxy to be idle, then times `act` until the probe sees the wanted state.
-    /// Returns (ms, the agent's sync elapsed_ms if it logged one, ms to the API watch event).
-    fn run(&self, cluster: &Cluster, act: &dyn Fn(&Cluster)) -> Option<(f64, Option<f64>, Option<f64>)> {
+    /// Returns (ms, the agent's sync elapsed_ms and datapath_ms if it logged one, ms to the API
+    /// watch event).
+    #[allow(clippy::type_complexity)]
+    fn run(
+        &self,
+        cluster: &Cluster,
+        act: &dyn Fn(&Cluster),
+    ) -> Option<(f64, Option<(f64, Option<f64>)>, Option<f64>)> {
         self.peer.settle(self.quiet, self.settle_max);
         let probe = Probe::start(
             self.peer.client(),
@@ -687,8 +698,10 @@ impl Step<'_> {
             .agent_syncs_since(since)
             .iter()
             .filter(|(t, _)| *t <= r.at_ns + 50_000_000)
-            .filter_map(|(_, f)| f.get("elapsed_ms").copied())
-            .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))));
+            .filter_map(|(_, f)| f.get("elapsed_ms").map(|e| (*e, f.get("datapath_ms").copied())))
+            .fold(None, |m: Option<(f64, Option<f64>)>, v| {
+                Some(m.map_or(v, |m| if v.0 > m.0 { v } else { m }))
+            });
         let seen = || self.watch.seen(since, self.index, self.to.port(), !self.want_up);
         let api_ms = seen()
             .or_else(|| {

@@ -420,7 +420,13 @@ pub fn markdown(r: &Results) -> String {
                 (Some(a), Some(b), Some((_, mx))) => format!("{} / {} / {}", num(a), num(b), num(mx)),
                 _ => "–".into(),
             };
-            let own = if cfg.is_agent() {
+            let own = if cfg.is_agent() && !c.agent_datapath_ms.is_empty() {
+                format!(
+                    "{} to the last map write; {} in all (datapath_ms, elapsed_ms from the log)",
+                    trio(&c.agent_datapath_ms),
+                    trio(&c.agent_sync_ms)
+                )
+            } else if cfg.is_agent() {
                 format!("{} (elapsed_ms from the log)", trio(&c.agent_sync_ms))
             } else if c.sync_count > 0.0 {
                 format!(
