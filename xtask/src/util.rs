@@ -96,7 +96,14 @@ pub fn provenance() -> (String, String) {
         output(Command::new("git").args(args).current_dir(workspace_root())).unwrap_or_default()
     };
     let mut sha = git(&["rev-parse", "--short", "HEAD"]).trim().to_string();
-    let changed = git(&["status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs"]);
+    let changed = git(&[
+        "status",
+        "--porcelain",
+        "--untracked-files=no",
+        "--",
+        ".",
+        ":!docs",
+    ]);
     if !sha.is_empty() && !changed.trim().is_empty() {
         sha.push_str("-dirty");
     }

@@ -85,7 +85,14 @@ impl Agent {
         self.report_problems(&outcome, &report);
         self.record_metrics(&report, &pending, started);
         self.update_health(&report);
-        log_sync(full, &outcome, &report, self.programmer.planner(), programmed, started);
+        log_sync(
+            full,
+            &outcome,
+            &report,
+            self.programmer.planner(),
+            programmed,
+            started,
+        );
         if !report.errors.is_empty() {
             anyhow::bail!("{} map update(s) failed; retrying", report.errors.len());
         }
