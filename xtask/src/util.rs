@@ -40,20 +40,16 @@ pub fn step(message: &str) {
     eprintln!("==> {message}");
 }
 
-/// Free bytes for an unprivileged writer on the filesystem holding `path`, if it can be read.
-pub fn free_bytes(path: &Path) -> Option<u64> {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a valid C string and `st` a writable statvfs.
-    (unsafe { libc::statvfs(c.as_ptr(), &mut st) } == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
-}
-
 /// Says so up front when the disk holding the checkout has less room than `needed_gib`: a full
 /// disk shows up much later, and far from its cause (the linker dies of SIGBUS writing a test
 /// binary, or a write fails with ENOSPC in the middle of a test).
 pub fn warn_if_disk_low(what: &str, needed_gib: u64) {
     let root = workspace_root();
-    if let Some(free) = free_bytes(&root)
+    // Free bytes for an unprivileged writer, as df shows them.
+    let free = nix::sys::statvfs::statvfs(&root)
+        .ok()
+        .map(|st| st.blocks_available() * st.fragment_size());
+    if let Some(free) = free
         && free < needed_gib << 30
     {
         eprintln!(

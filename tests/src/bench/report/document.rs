@@ -8,7 +8,7 @@ use lb_tests::packet::Family;
 
 use super::{
     Results,
-    prose::{CAVEATS, IPV6_METHOD, METHOD, TC_METHOD},
+    prose::{ADD_VS_CHANGE, CAVEATS, IPV6_METHOD, METHOD, TC_METHOD},
     results::FAMILIES,
     stats::{fmt_n, median, mib, min_max, num, opt_s, percentile, spread},
     targets::{TARGET_N, targets},
@@ -482,11 +482,10 @@ pub fn markdown(r: &Results) -> String {
             }
             s.push('\n');
         }
-        s.push_str(
-            "\nAn add waits longer than a change for its watch event because the API server allocates \
-             the new Service's ClusterIP first, which since Kubernetes 1.33 writes an IPAddress object \
-             to etcd before the Service itself; a change is one write. Every proxy pays that share \
-             alike; the *after* columns are what each program adds.\n",
+        let _ = writeln!(
+            s,
+            "\nAn add waits longer than a change for its watch event. {ADD_VS_CHANGE} The *after* \
+             columns are what each program adds."
         );
     }
 

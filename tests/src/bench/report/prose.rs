@@ -84,6 +84,12 @@ problems at the end say so).
 
 "#;
 
+/// Why an add's watch event comes later than a change's: said under the change table and, when
+/// the target is missed, in the reasons.
+pub(super) const ADD_VS_CHANGE: &str = "Creating a Service allocates its ClusterIP first, which \
+since Kubernetes 1.33 writes an IPAddress object to etcd before the Service itself; a change is \
+one write. That difference is the API server's, and every proxy pays it alike.";
+
 pub(super) const CAVEATS: &str = r#"
 ## Caveats
 

@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 
 use super::{
     Results,
+    prose::ADD_VS_CHANGE,
     stats::{fmt_n, median, mib, num, percentile},
 };
 use crate::bench::peers::Config;
@@ -289,11 +290,9 @@ pub(super) fn targets(r: &Results) -> String {
         };
         why.push(format!(
             "Add versus change: the API server delivers an add's watch event {} p50 / {} p99 after \
-             the call and a change's {} / {}. Creating a Service allocates its ClusterIP first, which \
-             since Kubernetes 1.33 writes an IPAddress object to etcd before the Service itself; a \
-             change is one write. That difference is the API server's and every proxy pays it. What \
-             the agent adds after the event, in the row above, includes the probe's 200 µs polling \
-             and the agent's event handling and sync on the same cores as the API server and etcd.",
+             the call and a change's {} / {}. {ADD_VS_CHANGE} What the agent adds after the event, \
+             in the row above, includes the probe's 200 µs polling and the agent's event handling \
+             and sync on the same cores as the API server and etcd.",
             api("add", 0.5),
             api("add", 0.99),
             api("change", 0.5),
