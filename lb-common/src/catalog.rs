@@ -44,6 +44,10 @@ pub const AFFINITY_MATCH: &str = "lb_aff_match";
 pub const SOURCE_RANGES: &str = "lb4_src_range";
 /// Connection tracking and NAT of the tc path (LRU): `Ct4Key` -> `Ct4Value`.
 pub const CONNTRACK: &str = "lb4_ct";
+/// The tc programs' prefilter (`crate::prefilter`), an array of `prefilter::WORDS` 64-bit words:
+/// `u32` -> `u64`. Written by the agent.
+pub const PREFILTER: &str = "lb4_prefilter";
+pub const PREFILTER6: &str = "lb6_prefilter";
 /// Datapath configuration, one entry: `u32` 0 -> `DatapathConfig`. Written by the agent.
 pub const CONFIG: &str = "lb_config";
 /// Per-CPU counters: `u32` (a `stats::Counter`) -> `u64`. Written by the programs.
@@ -68,6 +72,7 @@ pub const ALL: &[&str] = &[
     AFFINITY_MATCH,
     SOURCE_RANGES,
     CONNTRACK,
+    PREFILTER,
     CONFIG,
     STATS,
     REJECT_LIMIT,
@@ -79,6 +84,7 @@ pub const ALL: &[&str] = &[
     AFFINITY6,
     SOURCE_RANGES6,
     CONNTRACK6,
+    PREFILTER6,
 ];
 
 /// Map names an earlier release pinned and this one no longer uses; the agent removes their pins
@@ -102,6 +108,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (AFFINITY_MATCH, 1),
     (SOURCE_RANGES, 1),
     (CONNTRACK, 1),
+    (PREFILTER, 1),
     (CONFIG, 2),
     (STATS, 1),
     (REJECT_LIMIT, 1),
@@ -113,6 +120,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (AFFINITY6, 1),
     (SOURCE_RANGES6, 1),
     (CONNTRACK6, 1),
+    (PREFILTER6, 1),
 ];
 
 /// The pin file name of a map at its current layout version, as `Display`: the map's name at
@@ -150,6 +158,7 @@ pub struct FamilyMapNames {
     pub affinity: &'static str,
     pub source_ranges: &'static str,
     pub conntrack: &'static str,
+    pub prefilter: &'static str,
 }
 
 /// The maps of a family, by name.
@@ -167,6 +176,7 @@ impl FamilyMaps for V4 {
         affinity: AFFINITY,
         source_ranges: SOURCE_RANGES,
         conntrack: CONNTRACK,
+        prefilter: PREFILTER,
     };
 }
 
@@ -180,6 +190,7 @@ impl FamilyMaps for V6 {
         affinity: AFFINITY6,
         source_ranges: SOURCE_RANGES6,
         conntrack: CONNTRACK6,
+        prefilter: PREFILTER6,
     };
 }
 

@@ -10,6 +10,10 @@ pub mod flags {
     /// Socket programs translate only sockets of the host network namespace (pods are left to the
     /// tc path), like Cilium's `--bpf-lb-sock-hostns-only`; needed under service meshes.
     pub const SOCK_HOSTNS_ONLY: u32 = 1 << 0;
+    /// The prefilter's bits are complete (`crate::prefilter`): the tc programs may pass a packet
+    /// whose bit is clear without looking further. Until the agent sets it, they look at every
+    /// packet.
+    pub const PREFILTER: u32 = 1 << 1;
 }
 
 /// Up to this many `--cluster-cidr` entries of one family (kube-proxy takes one per family).

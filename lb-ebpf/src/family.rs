@@ -4,7 +4,7 @@
 
 use aya_ebpf::{
     bindings::{BPF_F_NO_PREALLOC, BPF_F_RDONLY_PROG},
-    btf_maps::{HashMap, LpmTrie, LruHashMap, SkStorage},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, SkStorage},
 };
 use lb_common::{
     affinity::{AffinityClient, AffinityKey, AffinityValue},
@@ -13,13 +13,15 @@ use lb_common::{
     config::FamilySettings,
     conntrack::{CtKey, CtValue},
     family::{V4, V6},
+    prefilter,
     revnat::{RevNatValue, SockRevNatKey, SockRevNatSk, SockRevNatValue},
     service::{SrcRange, SvcKey, SvcValue},
 };
 
 use crate::maps::{
-    AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, CONNTRACK4, CONNTRACK6, REVNAT4, REVNAT6, SERVICES4,
-    SERVICES6, SOCK_REVNAT_SK4, SOCK_REVNAT_SK6, SOCK_REVNAT4, SOCK_REVNAT6, SOURCE_RANGES4, SOURCE_RANGES6,
+    AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, CONNTRACK4, CONNTRACK6, PREFILTER4, PREFILTER6, REVNAT4,
+    REVNAT6, SERVICES4, SERVICES6, SOCK_REVNAT_SK4, SOCK_REVNAT_SK6, SOCK_REVNAT4, SOCK_REVNAT6,
+    SOURCE_RANGES4, SOURCE_RANGES6,
 };
 
 pub const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -39,6 +41,7 @@ pub type AffinityMap<F> = LruHashMap<AffinityKey<F>, AffinityValue, { capacity::
 pub type SourceRangesMap<F> =
     LpmTrie<SrcRange<F>, u8, { capacity::SOURCE_RANGES as usize }, { NO_PREALLOC | RDONLY_PROG }>;
 pub type ConntrackMap<F> = LruHashMap<CtKey<F>, CtValue<F>, { capacity::CONNTRACK as usize }>;
+pub type PrefilterMap = Array<u64, { prefilter::WORDS as usize }, RDONLY_PROG>;
 
 /// The maps of one family.
 pub trait FamilyMaps: FamilySettings + AffinityClient {
@@ -50,11 +53,13 @@ pub trait FamilyMaps: FamilySettings + AffinityClient {
     fn affinity() -> &'static AffinityMap<Self>;
     fn source_ranges() -> &'static SourceRangesMap<Self>;
     fn conntrack() -> &'static ConntrackMap<Self>;
+    fn prefilter() -> &'static PrefilterMap;
 }
 
 macro_rules! family_maps {
     ($family:ty, $services:ident, $backends:ident, $revnat:ident, $sock_revnat:ident,
-     $sock_revnat_sk:ident, $affinity:ident, $source_ranges:ident, $conntrack:ident) => {
+     $sock_revnat_sk:ident, $affinity:ident, $source_ranges:ident, $conntrack:ident,
+     $prefilter:ident) => {
         #[inline(always)]
         fn services() -> &'static ServicesMap<$family> {
             &$services
@@ -87,6 +92,10 @@ macro_rules! family_maps {
         fn conntrack() -> &'static ConntrackMap<$family> {
             &$conntrack
         }
+        #[inline(always)]
+        fn prefilter() -> &'static PrefilterMap {
+            &$prefilter
+        }
     };
 }
 
@@ -100,7 +109,8 @@ impl FamilyMaps for V4 {
         SOCK_REVNAT_SK4,
         AFFINITY4,
         SOURCE_RANGES4,
-        CONNTRACK4
+        CONNTRACK4,
+        PREFILTER4
     );
 }
 
@@ -114,6 +124,7 @@ impl FamilyMaps for V6 {
         SOCK_REVNAT_SK6,
         AFFINITY6,
         SOURCE_RANGES6,
-        CONNTRACK6
+        CONNTRACK6,
+        PREFILTER6
     );
 }

@@ -22,8 +22,8 @@ use lb_common::{
 };
 
 use crate::family::{
-    AffinityMap, BackendsMap, ConntrackMap, NO_PREALLOC, RDONLY_PROG, RevNatMap, ServicesMap, SockRevNatMap,
-    SockRevNatSkMap, SourceRangesMap,
+    AffinityMap, BackendsMap, ConntrackMap, NO_PREALLOC, PrefilterMap, RDONLY_PROG, RevNatMap, ServicesMap,
+    SockRevNatMap, SockRevNatSkMap, SourceRangesMap,
 };
 
 /// Frontends and backend slots. Key: frontend (address, port, protocol, scope, slot). Value: slot 0
@@ -94,6 +94,13 @@ pub static SOURCE_RANGES6: SourceRangesMap<V6> = SourceRangesMap::new();
 pub static CONNTRACK4: ConntrackMap<V4> = ConntrackMap::new();
 #[btf_map(name = "lb6_ct")]
 pub static CONNTRACK6: ConntrackMap<V6> = ConntrackMap::new();
+
+/// The tc programs' prefilter (`lb_common::prefilter`): bit `b` is bit `b % 64` of word `b / 64`.
+/// Writer: agent. Readers: tc ingress and egress.
+#[btf_map(name = "lb4_prefilter")]
+pub static PREFILTER4: PrefilterMap = PrefilterMap::new();
+#[btf_map(name = "lb6_prefilter")]
+pub static PREFILTER6: PrefilterMap = PrefilterMap::new();
 
 /// Node-wide settings, index 0. Writer: agent.
 #[btf_map(name = "lb_config")]

@@ -1369,3 +1369,96 @@ fn batched_map_writes_report_exactly_what_was_written() {
         vec![(true, 0), (true, 1), (true, 2), (true, 3), (false, 0), (false, 1)]
     );
 }
+
+/// The prefilter (`lb_common::prefilter`): the programs skip a packet whose bit is clear, so the
+/// bits must outlive the Services whose flows still run. A deleted Service's established flow
+/// keeps its translation while a conntrack entry names its frontend; a rebuild that ignored
+/// conntrack would break it (shown here on purpose, then repaired by a real GC pass); once the
+/// flow is gone, the next pass after the grace clears the bit.
+#[test]
+fn the_prefilter_keeps_the_bits_of_a_deleted_services_live_flows() {
+    use lb_agent::{
+        apply::prefilter::{RELEASE_GRACE, Referenced, ingress_bit},
+        datapath::conntrack,
+    };
+
+    for f in FAMILIES {
+        let mut s = scratch(true);
+        let flags = s.maps().datapath_config().expect("config").flags;
+        assert_ne!(
+            flags & lb_common::config::flags::PREFILTER,
+            0,
+            "the scratch maps filter"
+        );
+        let prefilter = s.maps().prefilter.clone();
+        let mut ct = s.datapath.take_conntrack().expect("conntrack maps");
+        let frontend = f.ip("10.96.0.10");
+        let (family, bit) = ingress_bit(&frontend);
+        let data = || {
+            tcp(f, "10.244.2.20", 40010, "10.96.0.10", 80)
+                .data(b"GET / HTTP/1.1\r\n\r\n")
+                .build()
+        };
+        let translated =
+            |s: &mut ScratchDatapath| summary(&ingress(s, &data()).packet).dst == f.ip("10.244.1.5");
+        let syn = tcp(f, "10.244.2.20", 40010, "10.96.0.10", 80).build();
+        assert_eq!(summary(&ingress(&mut s, &syn).packet).dst, f.ip("10.244.1.5"));
+        assert!(prefilter.is_set(family, bit));
+
+        // The Service goes; its bit stays set (released, not cleared) and the flow runs on.
+        let mut without = state();
+        without.services.remove(&("t".to_string(), "web".to_string()));
+        s.program(&without).unwrap();
+        assert!(translated(&mut s), "{f:?}: released, the bit stays set");
+
+        // A rebuild after the grace that saw no conntrack entry clears it: the programs then pass
+        // the flow's packets untouched, which is why rebuilds only follow a GC pass.
+        std::thread::sleep(RELEASE_GRACE);
+        prefilter
+            .rebuild(&Referenced {
+                began: Some(std::time::Instant::now()),
+                ..Default::default()
+            })
+            .unwrap();
+        assert!(!prefilter.is_set(family, bit));
+        let skipped = ingress(&mut s, &data());
+        assert_eq!(skipped.action, OK);
+        assert_bytes(
+            &skipped.packet,
+            &data(),
+            format!("{f:?}: bit clear, packet untouched"),
+        );
+
+        // A GC pass names the flow's frontend: the rebuild sets the bit again.
+        let timeouts = conntrack::GcTimeouts::default();
+        let mut referenced = Referenced::default();
+        ct.collect_noting(lb_agent::time::monotonic_coarse_ns(), &timeouts, &mut referenced)
+            .expect("gc");
+        prefilter.rebuild(&referenced).unwrap();
+        assert!(prefilter.is_set(family, bit));
+        assert!(translated(&mut s), "{f:?}: the live flow is translated again");
+
+        // The flow's entries go (as the GC does for an ended flow): the next pass clears the bit.
+        let removed = match family {
+            lb_agent::family::IpFamily::V4 => {
+                let keys: Vec<_> = ct.v4.keys().filter_map(Result::ok).collect();
+                keys.iter().for_each(|k| ct.v4.remove(k).unwrap());
+                keys.len()
+            }
+            lb_agent::family::IpFamily::V6 => {
+                let keys: Vec<_> = ct.v6.keys().filter_map(Result::ok).collect();
+                keys.iter().for_each(|k| ct.v6.remove(k).unwrap());
+                keys.len()
+            }
+        };
+        assert!(removed > 0, "{f:?}: the flow had entries");
+        let mut referenced = Referenced::default();
+        ct.collect_noting(lb_agent::time::monotonic_coarse_ns(), &timeouts, &mut referenced)
+            .expect("gc");
+        prefilter.rebuild(&referenced).unwrap();
+        assert!(!prefilter.is_set(family, bit), "{f:?}: nothing needs the bit");
+        // The Service's other tuples were never needed by the flow; a frontend still present is.
+        let (family, np_bit) = ingress_bit(&f.ip("10.96.0.11"));
+        assert!(prefilter.is_set(family, np_bit));
+    }
+}

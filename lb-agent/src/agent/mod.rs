@@ -305,11 +305,30 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         );
         return Ok(());
     }
+    // The first sync held the bits of every frontend and backend; the flows of a previous run
+    // need theirs too before the new programs may skip what the bits rule out.
+    let prefilter = agent.borrow().programmer.maps().prefilter.clone();
+    match conntrack.referenced() {
+        Ok(referenced) => {
+            if let Err(e) = agent
+                .borrow_mut()
+                .programmer
+                .maps_mut()
+                .prime_prefilter(&referenced)
+            {
+                tracing::warn!("the tc prefilter stays off (every packet takes the full path): {e}");
+            }
+        }
+        Err(e) => tracing::warn!(
+            "cannot read the conntrack maps, so the tc prefilter stays off (every packet takes the full path): {e}"
+        ),
+    }
     agent.borrow_mut().attach_programs()?;
     tracing::info!("data path attached");
     if !args.bpf.no_tc && !args.bpf.conntrack_gc_interval.is_zero() {
         spawn_conntrack_gc(
             conntrack,
+            prefilter,
             args.bpf.conntrack_gc_interval,
             args.bpf.conntrack_timeouts(),
             metrics.clone(),
@@ -379,6 +398,7 @@ async fn first_sync(agent: &RefCell<Agent>, retry: Duration, shutdown: &Cancella
 /// syscall or two per entry, which must not delay a sync.
 fn spawn_conntrack_gc(
     mut maps: crate::datapath::conntrack::ConntrackMaps,
+    prefilter: crate::apply::prefilter::Prefilter,
     interval: Duration,
     timeouts: crate::datapath::conntrack::GcTimeouts,
     metrics: Metrics,
@@ -394,15 +414,25 @@ fn spawn_conntrack_gc(
                     continue;
                 }
                 next = std::time::Instant::now() + interval;
-                match maps.collect(crate::time::monotonic_coarse_ns(), &timeouts) {
+                let mut referenced = Default::default();
+                match maps.collect_noting(crate::time::monotonic_coarse_ns(), &timeouts, &mut referenced) {
                     Ok(report) => {
                         for (reason, n) in &report.deleted {
                             metrics.conntrack_gc_deleted(reason.label(), *n);
                         }
+                        // The bits only ended flows and removed Services needed go now.
+                        let bits = match prefilter.rebuild(&referenced) {
+                            Ok(r) => r.bits_set,
+                            Err(e) => {
+                                tracing::warn!("tc prefilter rebuild failed (retried next interval): {e}");
+                                0
+                            }
+                        };
                         tracing::debug!(
                             scanned = report.scanned,
                             deleted = ?report.deleted,
                             took_ms = report.took.as_millis() as u64,
+                            prefilter_bits = bits,
                             "conntrack GC pass"
                         );
                     }

@@ -110,8 +110,9 @@ impl<M: MapOps> Applier<M> {
 
     /// A writer that adopts what the maps already hold (after a restart): ids stay stable and
     /// the next `apply` writes only the difference, so no Service disappears in between.
-    pub fn recover(maps: M, caps: Capacities) -> Result<Self, MapError> {
+    pub fn recover(mut maps: M, caps: Capacities) -> Result<Self, MapError> {
         let snap = maps.snapshot()?;
+        maps.adopted(&snap)?;
         let mut applier = Self::new(maps, caps);
         applier.adopt(snap);
         Ok(applier)

@@ -30,6 +30,7 @@ use lb_common::{
 use super::{
     entries::{BackendEntry, RevNatEntry, ServiceMapKey, SourceRange},
     ops::{BatchError, MapError, MapOps, Snapshot},
+    prefilter::{Owner, Prefilter, Referenced},
 };
 use crate::family::{IpFamily, KernelFamily};
 
@@ -41,6 +42,8 @@ pub struct KernelMaps {
     pub affinity_match: HashMap<MapData, AffinityMatchKey, u8>,
     pub config: Array<MapData, DatapathConfig>,
     pub stats: PerCpuArray<MapData, u64>,
+    /// The tc programs' prefilter: each write below holds the bits its entry needs first.
+    pub prefilter: Prefilter,
     /// Cleared when the kernel refuses batch updates (before 5.6): single updates from then on.
     batch_supported: bool,
 }
@@ -119,7 +122,7 @@ fn batch_unsupported(e: &io::Error) -> bool {
 
 /// Writes a run of entries to the map behind `fd` with one batch call (when `supported`, cleared
 /// when the kernel refuses batches), or one by one with `single`.
-fn write_batch<K: Pod, V: Pod>(
+pub(super) fn write_batch<K: Pod, V: Pod>(
     fd: RawFd,
     supported: &mut bool,
     entries: &[(K, V)],
@@ -171,7 +174,7 @@ fn by_family_runs<T>(
     Ok(())
 }
 
-fn io_err(e: aya::maps::MapError) -> io::Error {
+pub(super) fn io_err(e: aya::maps::MapError) -> io::Error {
     match e {
         aya::maps::MapError::SyscallError(s) => s.io_error,
         aya::maps::MapError::IoError(e) => e,
@@ -416,6 +419,10 @@ impl KernelMaps {
             affinity_match: take_map(ebpf, catalog::AFFINITY_MATCH)?.try_into()?,
             config: take_map(ebpf, catalog::CONFIG)?.try_into()?,
             stats: take_map(ebpf, catalog::STATS)?.try_into()?,
+            prefilter: Prefilter::new(Some([
+                take_map(ebpf, catalog::PREFILTER)?,
+                take_map(ebpf, catalog::PREFILTER6)?,
+            ]))?,
             batch_supported: true,
         })
     }
@@ -431,6 +438,8 @@ impl KernelMaps {
             affinity_match: Map::HashMap(open(catalog::AFFINITY_MATCH)?).try_into()?,
             config: Map::Array(open(catalog::CONFIG)?).try_into()?,
             stats: Map::PerCpuArray(open(catalog::STATS)?).try_into()?,
+            // Read-only handles (the CLI): the bits are the running agent's to keep.
+            prefilter: Prefilter::new(None)?,
             batch_supported: true,
         })
     }
@@ -472,10 +481,46 @@ impl KernelMaps {
     pub fn datapath_config(&self) -> Option<DatapathConfig> {
         self.config.get(&0, 0).ok()
     }
+
+    /// Sets the bits the conntrack entries of `referenced` need and lets the programs filter
+    /// (`config::flags::PREFILTER`, written now if the config entry is written already). Call
+    /// after the first sync, which holds every frontend's and backend's bit.
+    pub fn prime_prefilter(&mut self, referenced: &Referenced) -> Result<(), MapError> {
+        self.prefilter.prime(referenced)?;
+        match self.datapath_config() {
+            Some(config) if config != DatapathConfig::UNCONFIGURED => self.put_config(&config),
+            _ => Ok(()),
+        }
+    }
+
+    /// Holds the masquerade addresses' bits of `config`.
+    fn hold_masquerade(&self, config: &DatapathConfig) -> Result<(), MapError> {
+        let mut held = Vec::new();
+        for (family, addr) in [
+            (IpFamily::V4, V4::ip_addr(&config.v4.snat_addr)),
+            (IpFamily::V6, V6::ip_addr(&config.v6.snat_addr)),
+        ] {
+            if addr.is_unspecified() {
+                self.prefilter.release(&Owner::Masquerade(family));
+            } else {
+                let (f, bit) = super::prefilter::ingress_bit(&addr);
+                held.push((Owner::Masquerade(family), f, bit));
+            }
+        }
+        self.prefilter.hold_all(held)
+    }
+}
+
+/// The prefilter bits of the frontend entries (slot 0) among `entries`.
+fn frontend_bits(entries: &[(ServiceMapKey, SvcValue)]) -> Vec<(Owner, IpFamily, u32)> {
+    entries.iter().filter_map(|(k, _)| Owner::frontend(k)).collect()
 }
 
 impl MapOps for KernelMaps {
     fn put_services(&mut self, entries: &[(ServiceMapKey, SvcValue)]) -> Result<(), BatchError> {
+        self.prefilter
+            .hold_all(frontend_bits(entries))
+            .map_err(|error| BatchError { done: 0, error })?;
         let (v4, v6, supported) = (&mut self.v4, &mut self.v6, &mut self.batch_supported);
         by_family_runs(
             entries,
@@ -488,6 +533,9 @@ impl MapOps for KernelMaps {
     }
 
     fn put_backends(&mut self, entries: &[(u32, BackendEntry)]) -> Result<(), BatchError> {
+        self.prefilter
+            .hold_all(entries.iter().map(|(id, v)| Owner::backend(*id, v)))
+            .map_err(|error| BatchError { done: 0, error })?;
         let (v4, v6, supported) = (&mut self.v4, &mut self.v6, &mut self.batch_supported);
         by_family_runs(
             entries,
@@ -505,9 +553,13 @@ impl MapOps for KernelMaps {
 
     fn delete_service(&mut self, key: &ServiceMapKey) -> Result<(), MapError> {
         match key.family() {
-            IpFamily::V4 => self.v4.delete_service(key),
-            IpFamily::V6 => self.v6.delete_service(key),
+            IpFamily::V4 => self.v4.delete_service(key)?,
+            IpFamily::V6 => self.v6.delete_service(key)?,
         }
+        if let Some((owner, _, _)) = Owner::frontend(key) {
+            self.prefilter.release(&owner);
+        }
+        Ok(())
     }
 
     fn put_backend(&mut self, id: u32, value: &BackendEntry) -> Result<(), MapError> {
@@ -516,9 +568,11 @@ impl MapOps for KernelMaps {
 
     fn delete_backend(&mut self, family: IpFamily, id: u32) -> Result<(), MapError> {
         match family {
-            IpFamily::V4 => self.v4.delete_backend(id),
-            IpFamily::V6 => self.v6.delete_backend(id),
+            IpFamily::V4 => self.v4.delete_backend(id)?,
+            IpFamily::V6 => self.v6.delete_backend(id)?,
         }
+        self.prefilter.release(&Owner::Backend(family, id));
+        Ok(())
     }
 
     fn put_revnat(&mut self, id: u32, value: &RevNatEntry, name: &SvcName) -> Result<(), MapError> {
@@ -565,9 +619,20 @@ impl MapOps for KernelMaps {
     }
 
     fn put_config(&mut self, config: &DatapathConfig) -> Result<(), MapError> {
+        self.hold_masquerade(config)?;
+        let mut config = *config;
+        if self.prefilter.is_ready() {
+            config.flags |= lb_common::config::flags::PREFILTER;
+        }
         self.config
-            .set(0, config, 0)
+            .set(0, &config, 0)
             .map_err(|e| MapError::new(catalog::CONFIG, "update", io_err(e)))
+    }
+
+    fn adopted(&mut self, snapshot: &Snapshot) -> Result<(), MapError> {
+        let frontends = snapshot.services.keys().filter_map(Owner::frontend);
+        let backends = snapshot.backends.iter().map(|(id, v)| Owner::backend(*id, v));
+        self.prefilter.hold_all(frontends.chain(backends))
     }
 
     fn snapshot(&self) -> Result<Snapshot, MapError> {

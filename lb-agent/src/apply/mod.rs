@@ -9,7 +9,9 @@
 //! - `ids`: backend and reverse-NAT id allocation (stable across restarts: recovered from maps);
 //! - `ops`: the [`MapOps`] trait, one method per kind of map write, so the writer runs against the
 //!   kernel ([`KernelMaps`], `kernel`, where an entry's family picks its maps and becomes a type)
-//!   or an in-memory fake (`fake::FakeMaps`) in unit tests.
+//!   or an in-memory fake (`fake::FakeMaps`) in unit tests;
+//! - `prefilter`: the tc programs' prefilter bits, held by the kernel maps' writes before the
+//!   entries that need them, cleared after conntrack GC passes.
 //!
 //! The writer is family-blind: a dual-stack Service's frontends of both families are one Service
 //! to it, written together. What differs per family is counted per family: each family's maps
@@ -21,6 +23,7 @@ pub mod fake;
 pub mod ids;
 pub mod kernel;
 pub mod ops;
+pub mod prefilter;
 
 pub use applier::{Applier, ApplyReport};
 pub use entries::{BackendEntry, RevNatEntry, ServiceMapKey, SourceRange};

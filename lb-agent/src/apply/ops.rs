@@ -81,5 +81,9 @@ pub trait MapOps {
     fn put_source_range(&mut self, range: &SourceRange) -> Result<(), MapError>;
     fn delete_source_range(&mut self, range: &SourceRange) -> Result<(), MapError>;
     fn put_config(&mut self, config: &DatapathConfig) -> Result<(), MapError>;
+    /// The writer adopted `snapshot` (what a previous run wrote) without writing it again.
+    fn adopted(&mut self, _snapshot: &Snapshot) -> Result<(), MapError> {
+        Ok(())
+    }
     fn snapshot(&self) -> Result<Snapshot, MapError>;
 }

@@ -26,6 +26,8 @@ use std::{
 };
 
 use aya::{Pod, maps::MapData};
+
+use crate::apply::prefilter::Referenced;
 use lb_common::{
     conntrack::{CtKey, CtValue, dir, flags},
     family::{Family, V4, V6},
@@ -280,10 +282,12 @@ impl GcReport {
 }
 
 /// One pass over one family's kernel map: scan, plan, delete what still is what was planned.
+/// `referenced` gets the prefilter bit of every entry scanned (`lb_common::prefilter`).
 pub fn collect<T, F>(
     map: &mut aya::maps::HashMap<T, CtKey<F>, CtValue<F>>,
     now_ns: u64,
     t: &GcTimeouts,
+    referenced: &mut HashSet<u32>,
 ) -> Result<GcReport, aya::maps::MapError>
 where
     T: std::borrow::BorrowMut<MapData>,
@@ -296,6 +300,7 @@ where
     for item in map.iter() {
         match item {
             Ok((k, v)) => {
+                referenced.insert(lb_common::prefilter::conntrack_bit(&k, &v));
                 entries.insert(k, v);
             }
             // Deleted by the programs (or LRU) between the key walk and the lookup.
@@ -326,9 +331,50 @@ pub struct ConntrackMaps {
 impl ConntrackMaps {
     /// One pass over both maps.
     pub fn collect(&mut self, now_ns: u64, t: &GcTimeouts) -> Result<GcReport, aya::maps::MapError> {
-        let mut report = collect(&mut self.v4, now_ns, t)?;
-        report.merge(collect(&mut self.v6, now_ns, t)?);
+        self.collect_noting(now_ns, t, &mut Referenced::default())
+    }
+
+    /// One pass over both maps, noting the prefilter bits their entries need in `referenced`.
+    pub fn collect_noting(
+        &mut self,
+        now_ns: u64,
+        t: &GcTimeouts,
+        referenced: &mut Referenced,
+    ) -> Result<GcReport, aya::maps::MapError> {
+        referenced.began = Some(Instant::now());
+        let mut report = collect(&mut self.v4, now_ns, t, &mut referenced.v4)?;
+        report.merge(collect(&mut self.v6, now_ns, t, &mut referenced.v6)?);
         Ok(report)
+    }
+
+    /// The prefilter bits the entries need, without collecting anything (start-up).
+    pub fn referenced(&self) -> Result<Referenced, aya::maps::MapError> {
+        fn scan<F: Family>(
+            map: &aya::maps::HashMap<MapData, CtKey<F>, CtValue<F>>,
+            into: &mut HashSet<u32>,
+        ) -> Result<(), aya::maps::MapError>
+        where
+            CtKey<F>: Pod,
+            CtValue<F>: Pod,
+        {
+            for item in map.iter() {
+                match item {
+                    Ok((k, v)) => {
+                        into.insert(lb_common::prefilter::conntrack_bit(&k, &v));
+                    }
+                    Err(aya::maps::MapError::KeyNotFound) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(())
+        }
+        let mut referenced = Referenced {
+            began: Some(Instant::now()),
+            ..Default::default()
+        };
+        scan(&self.v4, &mut referenced.v4)?;
+        scan(&self.v6, &mut referenced.v6)?;
+        Ok(referenced)
     }
 }
 

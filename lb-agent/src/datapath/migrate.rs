@@ -100,6 +100,8 @@ fn family_expected<F: FamilyMaps>(name: &str, caps: &Capacities) -> Option<Expec
             size_of::<CtValue<F>>(),
             Some(caps.conntrack),
         )
+    } else if name == maps.prefilter {
+        sizes(4, 8, Some(lb_common::prefilter::WORDS))
     } else {
         return None;
     })

@@ -207,6 +207,9 @@ impl Datapath {
             catalog::SVC_NAMES,
             catalog::AFFINITY_MATCH,
             catalog::CONFIG,
+            // The programs trust the pinned config's PREFILTER flag only with the bits beside it.
+            catalog::PREFILTER,
+            catalog::PREFILTER6,
         ];
         let capacity = |name: &str| -> Result<u32, DatapathError> {
             Ok(aya::maps::MapInfo::from_pin(paths.map(name))?.max_entries())
@@ -221,7 +224,12 @@ impl Datapath {
             affinity: 4096,
             conntrack: 4096,
         };
-        let pins: Vec<(&'static str, PathBuf)> = shared.iter().map(|n| (*n, paths.map(n))).collect();
+        // An agent of an earlier release pinned no prefilter (nor set the flag): never pin one here.
+        let pins: Vec<(&'static str, PathBuf)> = shared
+            .iter()
+            .map(|n| (*n, paths.map(n)))
+            .filter(|(n, p)| !n.ends_with("_prefilter") || p.try_exists().unwrap_or(false))
+            .collect();
         let mut loader = EbpfLoader::new();
         for (name, path) in &pins {
             loader.map_pin_path(name, path.as_path());

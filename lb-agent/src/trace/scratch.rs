@@ -62,7 +62,10 @@ impl ScratchDatapath {
         caps: Capacities,
     ) -> Result<Self> {
         let mut datapath = Datapath::load_unpinned(&caps, object).context("loading the eBPF object")?;
-        let maps = datapath.take_maps()?;
+        let mut maps = datapath.take_maps()?;
+        // Fresh maps hold no flow: the bits are complete as soon as the Services are written, so
+        // the programs filter as the agent's do.
+        maps.prime_prefilter(&Default::default())?;
         let mut scratch = Self {
             datapath,
             programmer: Programmer::new(settings, SCRATCH_HOST_COOKIE, false, Applier::new(maps, caps)),

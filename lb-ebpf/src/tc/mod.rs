@@ -31,6 +31,7 @@
 //! - `ipv4`, `ipv6`: each family's headers, checksums, ICMP types, port unreachable and which
 //!   sources may get an ICMP error (IPv6: extension headers, no header checksum, Packet Too Big);
 //! - `parse`: the packet (`Flow`, `Packet`, `Parsed`) and bounds-checked access to it;
+//! - `prefilter`: whether a packet may concern the programs at all (one bit of an array);
 //! - `conntrack`: packets of tracked flows at ingress and egress, close and liveness notes, the
 //!   un-SNAT mark;
 //! - `new_flow`: a new flow, from the frontend lookup to its conntrack entries;
@@ -52,6 +53,7 @@ mod ipv6;
 mod nat;
 mod new_flow;
 mod parse;
+mod prefilter;
 mod reject;
 mod snat;
 
@@ -105,6 +107,8 @@ fn ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
             TC_ACT_OK
         }
         Parsed::Icmp(l4, outer) => icmp_error::icmp_error_ingress::<F>(ctx, l4, &outer),
+        // Neither a frontend nor a masquerade address: nothing to look up.
+        Parsed::L4(pkt) if !prefilter::ingress::<F>(&pkt.flow.daddr) => TC_ACT_OK,
         Parsed::L4(pkt) if pkt.flow.proto == proto::SCTP => {
             if !matches!(
                 lb::lookup_frontend::<F>(&pkt.flow.daddr, pkt.flow.dport, proto::SCTP, false),
@@ -137,7 +141,14 @@ fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
     let mark = unsafe { (*skb(ctx)).mark };
     let ours = mark & MARK_MASK == MARK_MAGIC;
     match F::parse(ctx) {
-        Parsed::L4(pkt) if pkt.flow.proto != proto::SCTP => {
+        Parsed::L4(pkt)
+            if pkt.flow.proto != proto::SCTP
+                && (ours
+                    || prefilter::egress::<F>(
+                        (&pkt.flow.saddr, pkt.flow.sport),
+                        (&pkt.flow.daddr, pkt.flow.dport),
+                    )) =>
+        {
             conntrack::established_egress::<F>(ctx, &pkt, mark, ours)
         }
         Parsed::Icmp(icmp, _) => icmp_error::icmp_error_egress::<F>(ctx, icmp, mark, ours),
