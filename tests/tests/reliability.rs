@@ -848,7 +848,9 @@ fn bpftool(args: &[&str]) {
 fn config_layout_1(c: &lb_common::config::DatapathConfig) -> [u8; IPV4_ONLY_CONFIG_SIZE] {
     let mut b = [0u8; IPV4_ONLY_CONFIG_SIZE];
     b[0..8].copy_from_slice(&c.host_netns_cookie.to_ne_bytes());
-    b[8..12].copy_from_slice(&c.flags.to_ne_bytes());
+    // The IPv4-only release knew no prefilter.
+    let flags = c.flags & !lb_common::config::flags::PREFILTER;
+    b[8..12].copy_from_slice(&flags.to_ne_bytes());
     b[12..16].copy_from_slice(&u32::from(c.v4.cluster_cidr_count).to_ne_bytes());
     for (i, cidr) in c.v4.cluster_cidrs.iter().enumerate() {
         let at = 16 + 8 * i;
@@ -955,8 +957,11 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
         "lb_svc_names at {IPV4_ONLY_SVC_NAMES_CAPACITY} entries (was {}), entries copied",
         info["max_entries"]
     ));
-    // The IPv6 maps are new in this release.
-    for family_map in pins_in(&maps).into_iter().filter(|p| p.starts_with("lb6_")) {
+    // The IPv6 maps and the tc prefilter are newer than the IPv4-only release.
+    for family_map in pins_in(&maps)
+        .into_iter()
+        .filter(|p| p.starts_with("lb6_") || p == lb_common::catalog::PREFILTER)
+    {
         std::fs::remove_file(maps.join(&family_map)).unwrap();
         changed.push(format!("{family_map} removed"));
     }
