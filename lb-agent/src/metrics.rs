@@ -22,6 +22,7 @@
 //! | `lb_map_write_errors_total` | counter | `map` | [`Metrics::map_write_errors`] |
 //! | `lb_services_skipped` | gauge | `reason` | [`Metrics::set_services_skipped`] |
 //! | `lb_conntrack_gc_deleted_total` | counter | `reason` = `closed`/`idle`/`orphan` | [`Metrics::conntrack_gc_deleted`] |
+//! | `lb_tc_prefilter_bits` | gauge | `ip_family` = `IPv4`/`IPv6` | [`Metrics::set_prefilter_bits`] (after each conntrack GC pass) |
 //!
 //! Not exported: the iptables/ipvs/nftables-specific metrics (`..._iptables_restore_failures_total`,
 //! `..._iptables_total`, `..._nftables_sync_failures_total`, `kubeproxy_conntrack_reconciler_*`, ...),
@@ -106,6 +107,11 @@ struct ReasonLabels {
     reason: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FamilyLabels {
+    ip_family: String,
+}
+
 type FloatGauge = Gauge<f64, AtomicU64>;
 
 /// `lb_datapath_events_total`: counters fed with absolute totals (see the module documentation).
@@ -174,6 +180,7 @@ struct Inner {
     map_write_errors: Family<MapLabels, Counter>,
     services_skipped: Family<ReasonLabels, Gauge>,
     conntrack_gc_deleted: Family<ReasonLabels, Counter>,
+    prefilter_bits: Family<FamilyLabels, Gauge>,
     /// The label values currently in `services_skipped`.
     skipped_reasons: Mutex<BTreeSet<String>>,
 }
@@ -227,6 +234,7 @@ impl Metrics {
         let map_write_errors = Family::<MapLabels, Counter>::default();
         let services_skipped = Family::<ReasonLabels, Gauge>::default();
         let conntrack_gc_deleted = Family::<ReasonLabels, Counter>::default();
+        let prefilter_bits = Family::<FamilyLabels, Gauge>::default();
 
         // Names and help texts as in pkg/proxy/metrics/metrics.go. Counters are registered without
         // `_total`: the OpenMetrics encoder appends it.
@@ -307,6 +315,12 @@ impl Metrics {
             "Conntrack entries of the tc path freed by the GC, by reason",
             conntrack_gc_deleted.clone(),
         );
+        registry.register(
+            "lb_tc_prefilter_bits",
+            "Bits set in the tc prefilter, of 2^20 per family (the fraction of packets the tc \
+             programs do not translate that still take the full path)",
+            prefilter_bits.clone(),
+        );
 
         // Upstream sets both label values on every sync; show them from the start.
         for policy in ["internal", "external"] {
@@ -337,6 +351,7 @@ impl Metrics {
                 map_write_errors,
                 services_skipped,
                 conntrack_gc_deleted,
+                prefilter_bits,
                 skipped_reasons: Mutex::default(),
             }),
         }
@@ -448,6 +463,16 @@ impl Metrics {
                 reason: reason.to_string(),
             })
             .inc_by(n);
+    }
+
+    /// Bits set in `family`'s tc prefilter (`IPv4`, `IPv6`).
+    pub fn set_prefilter_bits(&self, family: &str, bits: u64) {
+        self.inner
+            .prefilter_bits
+            .get_or_create(&FamilyLabels {
+                ip_family: family.to_string(),
+            })
+            .set(saturating_i64(bits));
     }
 
     /// Service ports left out of the last sync, by reason (for example `map full`). Replaces the previous

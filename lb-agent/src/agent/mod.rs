@@ -422,17 +422,22 @@ fn spawn_conntrack_gc(
                         }
                         // The bits only ended flows and removed Services needed go now.
                         let bits = match prefilter.rebuild(&referenced) {
-                            Ok(r) => r.bits_set,
+                            Ok(r) => {
+                                for (family, n) in crate::family::IpFamily::ALL.iter().zip(r.bits_set) {
+                                    metrics.set_prefilter_bits(family.as_str(), u64::from(n));
+                                }
+                                r.bits_set
+                            }
                             Err(e) => {
                                 tracing::warn!("tc prefilter rebuild failed (retried next interval): {e}");
-                                0
+                                [0; 2]
                             }
                         };
                         tracing::debug!(
                             scanned = report.scanned,
                             deleted = ?report.deleted,
                             took_ms = report.took.as_millis() as u64,
-                            prefilter_bits = bits,
+                            prefilter_bits = ?bits,
                             "conntrack GC pass"
                         );
                     }

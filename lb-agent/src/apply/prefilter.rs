@@ -390,7 +390,7 @@ impl Prefilter {
             if !words.is_empty() {
                 inner.write(family, &words)?;
             }
-            report.bits_set += inner.bits[index(family)].count_set() as usize;
+            report.bits_set[index(family)] = inner.bits[index(family)].count_set();
         }
         Ok(report)
     }
@@ -400,8 +400,8 @@ impl Prefilter {
 #[derive(Debug, Default)]
 pub struct RebuildReport {
     pub words_written: usize,
-    /// Bits set afterwards, both families (of 2 x 2^`BITS_LOG2`).
-    pub bits_set: usize,
+    /// Bits set afterwards, IPv4 then IPv6 (of 2^`BITS_LOG2` each).
+    pub bits_set: [u32; 2],
 }
 
 #[cfg(test)]

@@ -337,3 +337,20 @@ async fn serve_metrics_on_a_real_listener() {
         .unwrap()
         .unwrap();
 }
+
+#[test]
+fn prefilter_bits_per_family() {
+    let m = Metrics::new();
+    m.set_prefilter_bits("IPv4", 1234);
+    m.set_prefilter_bits("IPv6", 0);
+    let text = m.encode();
+    assert_eq!(
+        sample(&text, "lb_tc_prefilter_bits{ip_family=\"IPv4\"}"),
+        Some(1234.0)
+    );
+    assert_eq!(
+        sample(&text, "lb_tc_prefilter_bits{ip_family=\"IPv6\"}"),
+        Some(0.0)
+    );
+    assert!(text.contains("# TYPE lb_tc_prefilter_bits gauge"), "{text}");
+}
