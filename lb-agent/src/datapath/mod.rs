@@ -78,6 +78,18 @@ pub enum DatapathError {
         error: aya::EbpfError,
         hint: &'static str,
     },
+    #[error(
+        "program {program}: the kernel's verifier (Linux {kernel}) rejected it ({errno}); this is not \
+         a permission problem but a limit of this kernel's verifier, and the last lines of its log \
+         say which:\n{last_lines}\nRun `cargo xtask kernel-test --kernel <version>` to reproduce; \
+         docs/kernels.md lists the kernels this object is verified on"
+    )]
+    Verifier {
+        program: String,
+        kernel: String,
+        errno: io::Error,
+        last_lines: String,
+    },
     #[error("program {name}: {}{hint}", Chain(.error))]
     Program {
         name: String,
@@ -122,6 +134,30 @@ fn hint_for(message: &str) -> &'static str {
     } else {
         ""
     }
+}
+
+/// The last lines of the verifier's log when `BPF_PROG_LOAD` failed because the verifier rejected
+/// the program: it answers EACCES (or EINVAL, E2BIG, ...) with a log. EPERM is a missing
+/// capability whatever the log says, and a failure without a log is not the verifier's.
+fn verifier_rejection(errno: &io::Error, log: &str) -> Option<String> {
+    if errno.raw_os_error() == Some(libc::EPERM) {
+        return None;
+    }
+    let lines: Vec<&str> = log
+        .lines()
+        .map(str::trim_end)
+        .filter(|l| !l.trim().is_empty())
+        .collect();
+    if lines.is_empty() {
+        return None;
+    }
+    let tail = &lines[lines.len().saturating_sub(VERIFIER_LINES)..];
+    Some(
+        tail.iter()
+            .map(|l| format!("  {l}"))
+            .collect::<Vec<_>>()
+            .join("\n"),
+    )
 }
 
 /// Where the object comes from and what it is called.
@@ -597,7 +633,23 @@ impl Datapath {
     }
 }
 
+/// How many lines of a verifier log an error quotes: the verdict is in the last ones.
+const VERIFIER_LINES: usize = 12;
+
 pub(crate) fn program_error(name: &str, error: aya::programs::ProgramError) -> DatapathError {
+    if let aya::programs::ProgramError::LoadError {
+        io_error,
+        verifier_log,
+    } = &error
+        && let Some(last_lines) = verifier_rejection(io_error, &verifier_log.to_string())
+    {
+        return DatapathError::Verifier {
+            program: name.to_string(),
+            kernel: features::current().map_or_else(|_| "(unknown)".to_string(), |f| f.release.clone()),
+            errno: io::Error::from_raw_os_error(io_error.raw_os_error().unwrap_or(libc::EINVAL)),
+            last_lines,
+        };
+    }
     let hint = hint_for(&format!("{error:?}"));
     DatapathError::Program {
         name: name.to_string(),
@@ -616,4 +668,58 @@ where
         hint: " (not in the object: is the object out of date? run `cargo xtask build-ebpf`)",
     })?;
     prog.try_into().map_err(|source| program_error(name, source))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LOG_6_1: &str = "func#0 @0\n0: R1=ctx(off=0,imm=0) R10=fp0\n\ncombined stack size of 3 calls is 560. Too large\nverification time 4518638 usec\nstack depth 8+248+224\nprocessed 658461 insns (limit 1000000) max_states_per_insn 49\n";
+
+    #[test]
+    fn a_verifier_rejection_quotes_the_log_and_never_blames_permissions() {
+        let errno = io::Error::from_raw_os_error(libc::EACCES);
+        let error = aya::programs::ProgramError::LoadError {
+            io_error: io::Error::from_raw_os_error(libc::EACCES),
+            verifier_log: aya_obj::VerifierLog::new(LOG_6_1.to_string()),
+        };
+        let tail = verifier_rejection(&errno, LOG_6_1).expect("a rejection");
+        assert!(tail.contains("combined stack size of 3 calls is 560"), "{tail}");
+        let message = program_error("lb_tc_ingress", error).to_string();
+        assert!(
+            message.starts_with("program lb_tc_ingress: the kernel's verifier"),
+            "{message}"
+        );
+        assert!(message.contains("processed 658461 insns"), "{message}");
+        assert!(!message.contains("CAP_BPF"), "{message}");
+    }
+
+    #[test]
+    fn a_long_log_is_cut_to_its_last_lines() {
+        let log: String = (0..500).map(|i| format!("line {i}\n")).collect();
+        let tail = verifier_rejection(&io::Error::from_raw_os_error(libc::EINVAL), &log).unwrap();
+        assert_eq!(tail.lines().count(), VERIFIER_LINES);
+        assert!(tail.ends_with("line 499"), "{tail}");
+    }
+
+    #[test]
+    fn eperm_or_no_log_keeps_the_capability_hint() {
+        assert_eq!(
+            verifier_rejection(&io::Error::from_raw_os_error(libc::EPERM), LOG_6_1),
+            None
+        );
+        assert_eq!(
+            verifier_rejection(&io::Error::from_raw_os_error(libc::EACCES), "\n  \n"),
+            None
+        );
+        let error = aya::programs::ProgramError::LoadError {
+            io_error: io::Error::from_raw_os_error(libc::EPERM),
+            verifier_log: aya_obj::VerifierLog::new(String::new()),
+        };
+        assert!(
+            program_error("lb_connect4", error)
+                .to_string()
+                .contains("CAP_BPF")
+        );
+    }
 }
