@@ -216,6 +216,14 @@ pub struct RunArgs {
     /// The API server address (overrides the kubeconfig's).
     #[arg(long)]
     pub master: Option<String>,
+    /// Requests per second to the API server (a token bucket, as client-go's); 0 means the default,
+    /// a negative value no limit (kube-proxy's --kube-api-qps, clientConnection.qps).
+    #[arg(long, default_value_t = crate::watch::rate::DEFAULT_QPS, allow_negative_numbers = true)]
+    pub kube_api_qps: f32,
+    /// Requests the API client may send at once before --kube-api-qps paces them (kube-proxy's
+    /// --kube-api-burst, clientConnection.burst).
+    #[arg(long, default_value_t = crate::watch::rate::DEFAULT_BURST)]
+    pub kube_api_burst: i32,
     /// Read Services and EndpointSlices from this folder instead of the API (static mode).
     #[arg(long, conflicts_with_all = ["kubeconfig", "master"])]
     pub manifests: Option<PathBuf>,

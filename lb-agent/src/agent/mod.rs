@@ -91,7 +91,13 @@ async fn kube_client(args: &RunArgs) -> Result<kube::Client> {
             .parse()
             .with_context(|| format!("--master {master:?} is not a URL"))?;
     }
-    Ok(kube::Client::try_from(config)?)
+    let builder = kube::client::ClientBuilder::try_from(config)?;
+    Ok(
+        match crate::watch::rate::RateLimitLayer::new(args.kube_api_qps, args.kube_api_burst) {
+            Some(limit) => builder.with_layer(&limit).build(),
+            None => builder.build(),
+        },
+    )
 }
 
 /// Binds a server or fails with a clear message.

@@ -171,6 +171,23 @@ pub fn merge_with(
             show_path
         );
     }
+    let show_number = |v: &dyn std::fmt::Display| v.to_string();
+    apply!(
+        flag::KUBE_API_QPS,
+        "clientConnection.qps",
+        &file.qps,
+        args.kube_api_qps,
+        |v| v,
+        |v: &f32| show_number(v)
+    );
+    apply!(
+        flag::KUBE_API_BURST,
+        "clientConnection.burst",
+        &file.burst,
+        args.kube_api_burst,
+        |v| v,
+        |v: &i32| show_number(v)
+    );
     apply!(
         flag::SYNC_PERIOD,
         "syncPeriod",

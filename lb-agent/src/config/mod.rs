@@ -18,7 +18,7 @@
 //! | `detectLocalMode` | | only `ClusterCIDR` (or unset); any other mode is an error |
 //! | `nodePortAddresses` | `--nodeport-addresses` | CIDRs and `primary`/`localhost`/`all` |
 //! | `clientConnection.kubeconfig` | `--kubeconfig` | not applied when `--manifests` is given |
-//! | `clientConnection.qps`, `.burst` | [`ProxyConfig::qps`], [`ProxyConfig::burst`] | kept for the API client; `0` = unset |
+//! | `clientConnection.qps`, `.burst` | `--kube-api-qps`, `--kube-api-burst` | the API client's token bucket (`watch::rate`); `0` = unset |
 //! | `iptables.syncPeriod` / `ipvs.syncPeriod` / `nftables.syncPeriod` | `--sync-period` | the section of the file's `mode`, as kube-proxy's conversion (`ipvs`, `nftables`, else `iptables`) |
 //! | `iptables.minSyncPeriod` / `ipvs.…` / `nftables.…` | `--min-sync-period` | likewise |
 //! | `syncPeriod`, `minSyncPeriod` | `--sync-period`, `--min-sync-period` | the internal/draft-v1alpha2 top-level layout; wins over the section |
@@ -105,6 +105,8 @@ pub mod flag {
     pub const CLUSTER_CIDR: &str = "cluster_cidr";
     pub const NODEPORT_ADDRESSES: &str = "nodeport_addresses";
     pub const KUBECONFIG: &str = "kubeconfig";
+    pub const KUBE_API_QPS: &str = "kube_api_qps";
+    pub const KUBE_API_BURST: &str = "kube_api_burst";
     pub const SYNC_PERIOD: &str = "sync_period";
     pub const MIN_SYNC_PERIOD: &str = "min_sync_period";
     pub const MASQUERADE_ALL: &str = "masquerade_all";

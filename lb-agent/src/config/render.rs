@@ -12,9 +12,7 @@ use serde_json::Value;
 use super::{API_VERSION, KIND, ProxyConfig, format_go_duration};
 use crate::cli::{LogFormat, RunArgs};
 
-/// kube-proxy's v1alpha1 defaults for the client settings the agent keeps but has no flag for.
-const DEFAULT_QPS: f32 = 5.0;
-const DEFAULT_BURST: i32 = 10;
+/// kube-proxy's v1alpha1 default for a setting the agent keeps but has no flag for.
 const DEFAULT_CONFIG_SYNC_PERIOD: Duration = Duration::from_secs(15 * 60);
 
 /// The effective configuration (flags merged with `file`) as a `KubeProxyConfiguration` v1alpha1 YAML
@@ -33,7 +31,7 @@ pub fn render_config(args: &RunArgs, file: Option<&ProxyConfig>) -> String {
     } else {
         Value::from(args.node.nodeport_addresses.clone())
     };
-    let qps = file.qps.unwrap_or(DEFAULT_QPS);
+    let qps = args.kube_api_qps;
     let doc = serde_json::json!({
         "apiVersion": API_VERSION,
         "kind": KIND,
@@ -42,7 +40,7 @@ pub fn render_config(args: &RunArgs, file: Option<&ProxyConfig>) -> String {
             "kubeconfig": args.kubeconfig.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
             // f32 -> f64 through its decimal form, so 5.5 stays 5.5.
             "qps": qps.to_string().parse::<f64>().unwrap_or(f64::from(qps)),
-            "burst": file.burst.unwrap_or(DEFAULT_BURST),
+            "burst": args.kube_api_burst,
         },
         "clusterCIDR": args.node.cluster_cidr.join(","),
         "configSyncPeriod": duration(file.config_sync_period.unwrap_or(DEFAULT_CONFIG_SYNC_PERIOD)),

@@ -7,6 +7,7 @@
 pub mod kube;
 pub mod manifests;
 pub mod prune;
+pub mod rate;
 mod slice;
 
 use std::{collections::BTreeMap, sync::Arc};

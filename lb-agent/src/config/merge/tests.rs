@@ -44,6 +44,8 @@ fn flag_ids_exist_in_the_cli() {
         flag::MASQUERADE_ALL,
         flag::LOCALHOST_NODEPORTS,
         flag::LOG_FORMAT,
+        flag::KUBE_API_QPS,
+        flag::KUBE_API_BURST,
     ] {
         assert!(command.get_arguments().any(|a| a.get_id() == id), "no flag {id}");
     }
@@ -130,4 +132,30 @@ fn merge_of_an_empty_file_changes_nothing() {
     let notes = merge(&ProxyConfig::default(), &mut args, &explicit).unwrap();
     assert!(notes.is_empty());
     assert_eq!(format!("{args:?}"), before);
+}
+
+#[test]
+fn the_client_rate_limit_comes_from_the_file_unless_a_flag_says_otherwise() {
+    let file = ProxyConfig {
+        qps: Some(50.0),
+        burst: Some(100),
+        ..Default::default()
+    };
+    let (mut args, explicit) = cli(&["--manifests", "/m"]);
+    assert_eq!(
+        (args.kube_api_qps, args.kube_api_burst),
+        (5.0, 10),
+        "kube-proxy's defaults"
+    );
+    merge(&file, &mut args, &explicit).unwrap();
+    assert_eq!((args.kube_api_qps, args.kube_api_burst), (50.0, 100));
+    let (mut args, explicit) = cli(&["--manifests", "/m", "--kube-api-qps", "-1"]);
+    let notes = merge(&file, &mut args, &explicit).unwrap();
+    assert_eq!((args.kube_api_qps, args.kube_api_burst), (-1.0, 100));
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.starts_with("--kube-api-qps=-1 overrides clientConnection.qps=50")),
+        "{notes:?}"
+    );
 }
