@@ -332,37 +332,10 @@ impl BpfArgs {
     }
 }
 
-/// Parses kube-proxy style durations: `250ms`, `30s`, `1m`, `1h`, `1m30s`.
+/// Parses a flag's duration as the config file's are: Go's `time.ParseDuration` (`250ms`, `30s`,
+/// `1m30s`, `1.5h`, `10µs`, `0`), so `--sync-period` accepts exactly what `syncPeriod` does.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    if s.is_empty() {
-        return Err("empty duration".into());
-    }
-    let mut total = Duration::ZERO;
-    let mut rest = s;
-    while !rest.is_empty() {
-        let digits = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .ok_or_else(|| format!("{s:?}: missing unit (ms, s, m, h)"))?;
-        let (number, tail) = rest.split_at(digits);
-        let value: f64 = number
-            .parse()
-            .map_err(|_| format!("{s:?}: bad number {number:?}"))?;
-        let unit_len = tail.find(|c: char| c.is_ascii_digit()).unwrap_or(tail.len());
-        let (unit, next) = tail.split_at(unit_len);
-        let secs = match unit {
-            "ns" => value / 1e9,
-            "us" | "µs" => value / 1e6,
-            "ms" => value / 1e3,
-            "s" => value,
-            "m" => value * 60.0,
-            "h" => value * 3600.0,
-            other => return Err(format!("{s:?}: unknown unit {other:?}")),
-        };
-        total += Duration::from_secs_f64(secs);
-        rest = next;
-    }
-    Ok(total)
+    crate::config::parse_go_duration(s)
 }
 
 /// Parses `host:port`; `:port` means every address of both families, as Go's listeners take it
@@ -390,6 +363,11 @@ mod tests {
         assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
         assert!(parse_duration("5").is_err());
         assert!(parse_duration("5x").is_err());
+        // What the config file accepts, the flags accept (they share Go's parser).
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration("10µs"), Ok(Duration::from_micros(10)));
+        assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
+        assert!(parse_duration("-1s").is_err());
     }
 
     #[test]

@@ -156,6 +156,8 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         for note in config::merge(&loaded.config, &mut args, &explicit)? {
             tracing::info!("{note}");
         }
+    } else {
+        config::validate(&args)?;
     }
     let settings = args.node.settings()?;
     // The kernel before anything is loaded or pinned: refuse one the data path cannot run on,

@@ -229,6 +229,16 @@ pub fn merge_with(
         show_format
     );
 
+    validate(args)?;
+    Ok(notes)
+}
+
+#[cfg(test)]
+mod tests;
+
+/// The checks every run's settings pass, from flags alone or merged with a file:
+/// `syncPeriod` (`--sync-period`) > 0 and `minSyncPeriod` <= `syncPeriod`.
+pub fn validate(args: &RunArgs) -> Result<(), ConfigError> {
     if args.sync_period.is_zero() {
         return Err(field_error("syncPeriod", "must be greater than 0"));
     }
@@ -242,8 +252,5 @@ pub fn merge_with(
             ),
         ));
     }
-    Ok(notes)
+    Ok(())
 }
-
-#[cfg(test)]
-mod tests;

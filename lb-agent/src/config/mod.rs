@@ -81,7 +81,7 @@ mod render;
 mod test_support;
 
 pub use duration::{format_go_duration, parse_go_duration};
-pub use merge::{Precedence, explicit_flags, merge, merge_with};
+pub use merge::{Precedence, explicit_flags, merge, merge_with, validate};
 pub use read::{from_value, load_file, parse};
 pub use render::{render_config, write_config_to};
 

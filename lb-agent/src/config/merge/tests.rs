@@ -159,3 +159,23 @@ fn the_client_rate_limit_comes_from_the_file_unless_a_flag_says_otherwise() {
         "{notes:?}"
     );
 }
+
+#[test]
+fn flags_alone_are_validated_as_a_file_is() {
+    let (args, _) = cli(&["--manifests", "/m", "--sync-period", "0"]);
+    assert!(validate(&args).unwrap_err().to_string().contains("syncPeriod"));
+    let (args, _) = cli(&[
+        "--manifests",
+        "/m",
+        "--sync-period",
+        "1s",
+        "--min-sync-period",
+        "2s",
+    ]);
+    assert!(validate(&args).is_err());
+    let (args, _) = cli(&["--manifests", "/m", "--min-sync-period", "0"]);
+    assert!(
+        validate(&args).is_ok(),
+        "a zero minSyncPeriod is kube-proxy's 'no minimum'"
+    );
+}
