@@ -4,7 +4,6 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    hash::{Hash, Hasher},
     sync::Mutex,
 };
 
@@ -16,6 +15,7 @@ use kube::{
     Client,
     api::{Api, PostParams},
 };
+use sha2::{Digest, Sha256};
 
 use crate::watch::ServiceKey;
 
@@ -24,6 +24,21 @@ use crate::watch::ServiceKey;
 /// each problem has its own Event with its own message (kube-runtime's `Recorder` keys Events by
 /// reason and object only: two problems would share one Event showing the first message), and the
 /// agents of other nodes finding the same problem meet the same name instead of adding copies.
+/// The Event of one problem on one Service: `<service>.<16 hex digits>`, the digits the start of a
+/// SHA-256 of the problem (reason, message, the Service's uid). Every agent, of any build or
+/// architecture, names the same problem alike (std's hasher promises no such thing).
+pub fn event_name(service: &str, reason: &str, note: &str, uid: Option<&str>) -> String {
+    let mut hash = Sha256::new();
+    for part in [reason, note, uid.unwrap_or("")] {
+        // Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
+        hash.update((part.len() as u64).to_le_bytes());
+        hash.update(part.as_bytes());
+    }
+    let digest = hash.finalize();
+    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{service}.{hex}")
+}
+
 pub struct EventPublisher {
     client: Client,
     node_name: String,
@@ -84,11 +99,9 @@ impl EventPublisher {
         reason: String,
         note: String,
     ) -> Result<(), kube::Error> {
-        let mut hash = std::hash::DefaultHasher::new();
-        (&reason, &note, &regarding.uid).hash(&mut hash);
         let event = events::Event {
             metadata: ObjectMeta {
-                name: Some(format!("{name}.{:016x}", hash.finish())),
+                name: Some(event_name(name, &reason, &note, regarding.uid.as_deref())),
                 namespace: Some(namespace.clone()),
                 ..ObjectMeta::default()
             },
@@ -110,4 +123,29 @@ impl EventPublisher {
             Err(e) => Err(e),
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::event_name;
+
+    #[test]
+    fn event_names_are_stable_and_tell_problems_apart() {
+        // A fixed value: agents of every node and release must agree on it.
+        let name = event_name("web", "InvalidService", "port 0", Some("uid-1"));
+        assert_eq!(name, event_name("web", "InvalidService", "port 0", Some("uid-1")));
+        assert!(
+            name.starts_with("web.") && name.len() == "web.".len() + 16,
+            "{name}"
+        );
+        assert_ne!(name, event_name("web", "InvalidService", "port 1", Some("uid-1")));
+        assert_ne!(event_name("s", "ab", "c", None), event_name("s", "a", "bc", None));
+        assert_eq!(
+            name, EXPECTED,
+            "the hash changed: Events of older agents would be duplicated"
+        );
+    }
+
+    // sha256(len8 "InvalidService" len8 "port 0" len8 "uid-1"), lengths little-endian u64.
+    const EXPECTED: &str = "web.fd62646a9bb85b31";
 }

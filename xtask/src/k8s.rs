@@ -16,7 +16,6 @@
 use std::{
     fs,
     fs::File,
-    os::unix::io::AsRawFd,
     path::{Path, PathBuf},
     process::Command,
     time::Instant,
@@ -479,22 +478,9 @@ fn find_go() -> Result<PathBuf> {
     }
 }
 
-/// An exclusive `flock` on `path`, released when the file is dropped.
+/// An exclusive lock on `path`, released when the file is dropped.
 fn lock(path: &Path) -> Result<File> {
-    let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    // SAFETY: flock on a file descriptor we own; no memory is involved.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        step(&format!(
-            "waiting for another build of the control-plane binaries ({})",
-            path.display()
-        ));
-        // SAFETY: as above.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(std::io::Error::last_os_error())
-                .with_context(|| format!("locking {}", path.display()));
-        }
-    }
-    Ok(file)
+    crate::util::lock_exclusive(path, "another build of the control-plane binaries")
 }
 
 /// 64-bit FNV-1a: a stable content hash (std's hasher may change between Rust releases).

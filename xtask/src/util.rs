@@ -140,3 +140,21 @@ pub fn clean_cargo(toolchain: Option<&str>) -> Command {
     cmd.current_dir(workspace_root());
     cmd
 }
+
+/// An exclusive lock on `path` (created if missing), held until the file is dropped; says what it
+/// waits for when another process holds it (`what`: "another build of the images").
+pub fn lock_exclusive(path: &Path, what: &str) -> Result<std::fs::File> {
+    let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            step(&format!("waiting for {what} ({})", path.display()));
+            file.lock()
+                .with_context(|| format!("locking {}", path.display()))?;
+        }
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(e).with_context(|| format!("locking {}", path.display()));
+        }
+    }
+    Ok(file)
+}

@@ -4,7 +4,6 @@
 use std::{
     fs::{self, File},
     io,
-    os::unix::io::AsRawFd,
     path::{Path, PathBuf},
 };
 
@@ -12,7 +11,6 @@ use anyhow::{Context, Result};
 use serde_json::Value;
 
 use super::Built;
-use crate::util::step;
 
 /// Writes `out/images.json` for `built` unless it already says exactly that; returns its path.
 pub(crate) fn write_index(out: &Path, built: &[Built]) -> Result<PathBuf> {
@@ -48,21 +46,9 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     fs::rename(&tmp, path).with_context(|| format!("renaming {}", tmp.display()))
 }
 
-/// An exclusive `flock` on `path` (two builds into one directory would race), released on drop.
+/// An exclusive lock on `path` (two builds into one directory would race), released on drop.
 pub(crate) fn lock(path: &Path) -> Result<File> {
-    let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    // SAFETY: flock on a file descriptor we own; no memory is involved.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        step(&format!(
-            "waiting for another build of the images ({})",
-            path.display()
-        ));
-        // SAFETY: as above.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(io::Error::last_os_error()).with_context(|| format!("locking {}", path.display()));
-        }
-    }
-    Ok(file)
+    crate::util::lock_exclusive(path, "another build of the images")
 }
 
 /// Removes `path`; a file that is not there is no error.

@@ -1,6 +1,6 @@
 //! Go's time format, around leap years and before the epoch.
 
-use std::time::Duration;
+use std::time::{Duration, UNIX_EPOCH};
 
 use super::*;
 
