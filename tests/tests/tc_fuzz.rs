@@ -52,7 +52,7 @@ use lb_tests::{
     },
     require_root,
 };
-use rand::{Rng, SeedableRng, rngs::StdRng};
+use rand::{RngExt, SeedableRng, rngs::StdRng};
 
 const OK: i32 = 0;
 const SHOT: i32 = 2;

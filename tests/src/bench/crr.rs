@@ -27,7 +27,7 @@ use std::{
     time::Duration,
 };
 
-use rand::{Rng, SeedableRng, rngs::StdRng};
+use rand::{RngExt, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
 use lb_tests::process::{Place, Proc};
