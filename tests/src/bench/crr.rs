@@ -29,6 +29,7 @@ use std::{
 
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
+use socket2::{Domain, SockAddr, Socket, Type};
 
 use lb_tests::process::{Place, Proc};
 
@@ -40,111 +41,28 @@ pub fn now_ns() -> u64 {
 
 /// Pins the calling process to one CPU.
 pub fn pin_to_cpu(cpu: usize) {
-    // SAFETY: a zeroed cpu_set_t is valid; CPU_SET and sched_setaffinity only touch it.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            eprintln!(
-                "lb-bench: cannot pin to CPU {cpu}: {}",
-                std::io::Error::last_os_error()
-            );
-        }
-    }
-}
-
-/// A socket address for the syscalls: a `sockaddr_in` or a `sockaddr_in6`.
-enum RawAddr {
-    V4(libc::sockaddr_in),
-    V6(libc::sockaddr_in6),
-}
-
-impl RawAddr {
-    fn new(addr: SocketAddr) -> RawAddr {
-        match addr {
-            SocketAddr::V4(a) => RawAddr::V4(libc::sockaddr_in {
-                sin_family: libc::AF_INET as u16,
-                sin_port: a.port().to_be(),
-                sin_addr: libc::in_addr {
-                    s_addr: u32::from(*a.ip()).to_be(),
-                },
-                sin_zero: [0; 8],
-            }),
-            SocketAddr::V6(a) => RawAddr::V6(libc::sockaddr_in6 {
-                sin6_family: libc::AF_INET6 as u16,
-                sin6_port: a.port().to_be(),
-                sin6_flowinfo: 0,
-                sin6_addr: libc::in6_addr {
-                    s6_addr: a.ip().octets(),
-                },
-                sin6_scope_id: 0,
-            }),
-        }
-    }
-
-    fn domain(&self) -> libc::c_int {
-        match self {
-            RawAddr::V4(_) => libc::AF_INET,
-            RawAddr::V6(_) => libc::AF_INET6,
-        }
-    }
-
-    /// The pointer and length the syscalls take (valid while `self` lives).
-    fn as_ptr(&self) -> (*const libc::sockaddr, libc::socklen_t) {
-        match self {
-            RawAddr::V4(a) => (
-                (a as *const libc::sockaddr_in).cast(),
-                std::mem::size_of::<libc::sockaddr_in>() as u32,
-            ),
-            RawAddr::V6(a) => (
-                (a as *const libc::sockaddr_in6).cast(),
-                std::mem::size_of::<libc::sockaddr_in6>() as u32,
-            ),
-        }
+    let mut set = nix::sched::CpuSet::new();
+    let pinned = set
+        .set(cpu)
+        .and_then(|()| nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set));
+    if let Err(e) = pinned {
+        eprintln!("lb-bench: cannot pin to CPU {cpu}: {e}");
     }
 }
 
 /// One TCP connect to `to`, closed with RST. Ok(connect time in ns) or Err(errno).
 pub fn connect_once(to: SocketAddr, timeout: Duration) -> Result<u64, i32> {
-    let addr = RawAddr::new(to);
-    let (sa, len) = addr.as_ptr();
-    // SAFETY: plain socket syscalls on a descriptor this function owns and always closes; `sa`
-    // points into `addr`, which lives until the end.
-    unsafe {
-        let fd = libc::socket(addr.domain(), libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-        if fd < 0 {
-            return Err(*libc::__errno_location());
-        }
-        let linger = libc::linger {
-            l_onoff: 1,
-            l_linger: 0,
-        };
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            (&linger as *const libc::linger).cast(),
-            std::mem::size_of::<libc::linger>() as u32,
-        );
-        // A blocking connect gives up after SO_SNDTIMEO (EINPROGRESS): no run can hang on a lost SYN.
-        let tv = libc::timeval {
-            tv_sec: timeout.as_secs() as i64,
-            tv_usec: i64::from(timeout.subsec_micros()),
-        };
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_SNDTIMEO,
-            (&tv as *const libc::timeval).cast(),
-            std::mem::size_of::<libc::timeval>() as u32,
-        );
-        let t0 = now_ns();
-        let r = libc::connect(fd, sa, len);
-        let t1 = now_ns();
-        let err = if r != 0 { *libc::__errno_location() } else { 0 };
-        libc::close(fd);
-        if r == 0 { Ok(t1 - t0) } else { Err(err) }
-    }
+    let errno = |e: std::io::Error| e.raw_os_error().unwrap_or(libc::EIO);
+    let socket = Socket::new(Domain::for_address(to), Type::STREAM.cloexec(), None).map_err(errno)?;
+    // Closed with RST: no TIME_WAIT piles up over a run.
+    socket.set_linger(Some(Duration::ZERO)).map_err(errno)?;
+    // A blocking connect gives up after SO_SNDTIMEO (EINPROGRESS): no run can hang on a lost SYN.
+    socket.set_write_timeout(Some(timeout)).map_err(errno)?;
+    let to = SockAddr::from(to);
+    let t0 = now_ns();
+    let r = socket.connect(&to);
+    let t1 = now_ns();
+    r.map(|()| t1 - t0).map_err(errno)
 }
 
 /// Targets: one line per Service, the addresses a connection to it may use (one ClusterIP:port,
@@ -281,45 +199,26 @@ pub fn serve_main(args: &[String]) {
 /// keeps every IPv4 connection), with a deep accept queue (std's is 128: a server descheduled
 /// for a few ms would drop SYNs, and the client would see a 1 s retransmission).
 fn listen(port: u16, ipv6: bool) -> TcpListener {
-    use std::os::fd::FromRawFd;
     let any: SocketAddr = if ipv6 {
         (std::net::Ipv6Addr::UNSPECIFIED, port).into()
     } else {
         (std::net::Ipv4Addr::UNSPECIFIED, port).into()
     };
-    let addr = RawAddr::new(any);
-    let (sa, len) = addr.as_ptr();
-    // SAFETY: socket syscalls on a descriptor handed to TcpListener, which owns it afterwards;
-    // `sa` points into `addr`, which outlives the calls.
-    unsafe {
-        let fd = libc::socket(addr.domain(), libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
-        let one: libc::c_int = 1;
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_REUSEADDR,
-            (&one as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as u32,
-        );
-        if ipv6 {
-            libc::setsockopt(
-                fd,
-                libc::IPPROTO_IPV6,
-                libc::IPV6_V6ONLY,
-                (&one as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as u32,
-            );
-        }
-        let r = libc::bind(fd, sa, len);
-        assert!(r == 0, "bind {any}: {}", std::io::Error::last_os_error());
-        assert!(
-            libc::listen(fd, 4096) == 0,
-            "listen: {}",
-            std::io::Error::last_os_error()
-        );
-        TcpListener::from_raw_fd(fd)
+    let socket = Socket::new(Domain::for_address(any), Type::STREAM.cloexec(), None)
+        .unwrap_or_else(|e| panic!("socket: {e}"));
+    socket
+        .set_reuse_address(true)
+        .unwrap_or_else(|e| panic!("SO_REUSEADDR: {e}"));
+    if ipv6 {
+        socket
+            .set_only_v6(true)
+            .unwrap_or_else(|e| panic!("IPV6_V6ONLY: {e}"));
     }
+    socket
+        .bind(&any.into())
+        .unwrap_or_else(|e| panic!("bind {any}: {e}"));
+    socket.listen(4096).unwrap_or_else(|e| panic!("listen: {e}"));
+    socket.into()
 }
 
 /// What a probe prints when done.
