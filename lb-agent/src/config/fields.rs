@@ -154,7 +154,12 @@ pub(super) const TOP: &[(&str, Known)] = &[
         Leaf("set the agent's OOM score in its Pod or unit"),
     ),
     ("conntrack", Object(CONNTRACK_FIELDS)),
-    ("configSyncPeriod", Leaf(HONOURED)),
+    (
+        "configSyncPeriod",
+        Leaf(
+            "kube-proxy's informer resync period; the agent's watches (kube-rs reflectors) have no periodic resync, they re-list when a watch breaks",
+        ),
+    ),
     ("portRange", Leaf("unused by kube-proxy too (userspace mode)")),
     ("windowsRunAsService", Leaf(WINDOWS)),
     // The internal (and draft v1alpha2) layout.

@@ -25,7 +25,7 @@
 //! | `iptables.masqueradeAll` / `nftables.masqueradeAll` | `--masquerade-all` | `nftables.` when `mode: nftables`, else `iptables.` |
 //! | `linux.masqueradeAll` | `--masquerade-all` | internal/draft-v1alpha2 layout; wins over the section |
 //! | `iptables.localhostNodePorts` | `--iptables-localhost-nodeports` | `null` = unset |
-//! | `configSyncPeriod` | [`ProxyConfig::config_sync_period`] | kept (no flag) |
+//! | `configSyncPeriod` | [`ProxyConfig::config_sync_period`] | not used (reported as such): the watches have no resync; written back by `--write-config-to` |
 //! | `mode` | | accepted; a non-empty value gets a note: the agent always runs its eBPF data path |
 //! | `featureGates` | [`ProxyConfig::feature_gates`] | kept, each gate reported as not used |
 //! | `logging.format` | `--log-format` | `text` or `json` |
