@@ -251,7 +251,16 @@ fn errno_of(e: &std::io::Error) -> i32 {
     }
 }
 
+/// CLOCK_MONOTONIC in nanoseconds: when an attempt started, comparable across attempts (and
+/// processes), so a test can tell an idle gap from a stall.
+fn monotonic_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(|ts| ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64)
+        .unwrap_or(0)
+}
+
 fn tcp_once(to: SocketAddr, payload: usize, timeout: Duration) -> serde_json::Value {
+    let start_ns = monotonic_ns();
     let started = Instant::now();
     let mut stream = match TcpStream::connect_timeout(&to, timeout) {
         Ok(s) => s,
@@ -281,7 +290,7 @@ fn tcp_once(to: SocketAddr, payload: usize, timeout: Duration) -> serde_json::Va
     match BufReader::new(&stream).read_line(&mut line) {
         Ok(n) if n > 0 => {
             let reply: serde_json::Value = serde_json::from_str(line.trim()).unwrap_or(json!(line.trim()));
-            json!({"ok": true, "peer": peer, "reply": reply, "sent_fnv1a": sum, "connect_us": connect_us})
+            json!({"ok": true, "peer": peer, "reply": reply, "sent_fnv1a": sum, "connect_us": connect_us, "start_ns": start_ns})
         }
         Ok(_) => {
             json!({"ok": false, "error": "connection closed without an answer", "errno": 0, "peer": peer})
