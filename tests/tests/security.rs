@@ -768,3 +768,163 @@ fn load_balancer_source_ranges_hold_for_real_connections() {
     drop(agent);
     assert!(wrong.is_empty(), "{wrong:?}; agent log:\n{log}");
 }
+
+/// What a start may have changed under a bpf root: every path below it, with the id of the map or
+/// link a pin holds (a pin moved aside and replaced by a new map keeps its name, not its id).
+fn pin_state(root: &Path) -> Vec<(String, Option<u32>)> {
+    let mut all = BTreeSet::new();
+    fn walk(dir: &Path, into: &mut BTreeSet<PathBuf>) {
+        for e in fs::read_dir(dir).into_iter().flatten().flatten() {
+            into.insert(e.path());
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                walk(&e.path(), into);
+            }
+        }
+    }
+    walk(root, &mut all);
+    all.into_iter()
+        .map(|p| {
+            let id = aya::maps::MapInfo::from_pin(&p)
+                .map(|i| i.id())
+                .or_else(|_| aya::programs::links::PinnedLink::from_pin(&p).map(|_| 0))
+                .ok();
+            (p.strip_prefix(root).unwrap_or(&p).display().to_string(), id)
+        })
+        .collect()
+}
+
+/// Issue 18: a start that fails leaves the node as it was. The configuration, the kubeconfig and
+/// the kernel are checked before anything is touched; a failure after that (here the kernel
+/// refusing a map, as it refuses one too large for its memory) undoes the bpffs mount, the new
+/// pins and the pins moved aside for a migration. Checked on a fresh node and on one a previous
+/// agent programmed, whose pins must keep their maps (their ids) and whose programs keep serving.
+#[test]
+fn a_failed_start_leaves_the_node_as_it_was() {
+    require_root();
+    const SCENARIO: &str = "Starts that fail, on a fresh node (no bpffs mounted at the root) and on one a previous agent programmed: the pins, maps and mounts under the bpf root compared before and after";
+    started("8-failed-start", SCENARIO);
+    let ns = NetNs::new("lbfail");
+    let cgroup = Cgroup::new("lbfail");
+    let manifests = manifests();
+    let common = |root: &Path| -> Vec<String> {
+        [
+            "--bpf-root",
+            root.to_str().expect("utf-8"),
+            "--hostname-override",
+            NODE,
+            "--healthz-bind-address",
+            "",
+            "--metrics-bind-address",
+            "",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let in_cgroup = ["--cgroup-root", cgroup.path().to_str().expect("utf-8")].map(String::from);
+    let with_manifests = ["--manifests", manifests.path().to_str().expect("utf-8")].map(String::from);
+    // 2^32 buckets: the kernel refuses the conntrack map (E2BIG) after the other maps are pinned.
+    let refused_map = ["--bpf-ct-map-max", "4000000000"].map(String::from);
+    let failures: [(&str, Vec<String>, &str); 3] = [
+        (
+            "a kubeconfig that does not exist",
+            [
+                in_cgroup.to_vec(),
+                vec!["--kubeconfig".into(), "/nonexistent/kubeconfig".into()],
+            ]
+            .concat(),
+            "reading kubeconfig /nonexistent/kubeconfig",
+        ),
+        (
+            "a --cgroup-root that is not a cgroup v2 directory",
+            [
+                with_manifests.to_vec(),
+                vec!["--cgroup-root".into(), "/proc".into()],
+            ]
+            .concat(),
+            "--cgroup-root /proc",
+        ),
+        (
+            "a map the kernel refuses",
+            [with_manifests.to_vec(), in_cgroup.to_vec(), refused_map.to_vec()].concat(),
+            "loading the data path",
+        ),
+    ];
+
+    let mut attempts = Vec::new();
+    let mut changed = Vec::new();
+    let mut try_start = |node: &str, root: &Path, fresh_parent: Option<&Path>| {
+        for (what, args, says) in &failures {
+            let before = pin_state(root);
+            let mounted_before = is_bpffs(root);
+            let args: Vec<String> = [common(root), args.clone()].concat();
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let out = lb_agent(Place::netns(&ns), false, &args, Duration::from_secs(60));
+            let log = text(&out);
+            let after = pin_state(root);
+            let same = before == after && mounted_before == is_bpffs(root);
+            let root_gone = fresh_parent.is_none_or(|_| !root.exists());
+            let parent_untouched = fresh_parent.is_none_or(|p| !is_bpffs(p));
+            let refused = !out.status.success();
+            let says_why = log.contains(says);
+            if !(same && root_gone && parent_untouched && refused && says_why) {
+                changed.push(format!(
+                    "{node}, {what}: refused {refused}, says {says:?}: {says_why}, pins unchanged {same}, root gone {root_gone}, parent untouched {parent_untouched}\nbefore {before:?}\nafter {after:?}\n{log}"
+                ));
+            }
+            let last = log
+                .lines()
+                .rev()
+                .find_map(|l| l.split_once("ERROR "))
+                .map_or("", |(_, m)| m);
+            attempts.push(json!({
+                "node": node,
+                "failure": what,
+                "refused": refused,
+                "left_as_it_was": same && root_gone && parent_untouched,
+                "message": last.chars().take(160).collect::<String>(),
+            }));
+        }
+    };
+
+    // A fresh node: the root's parent is no bpffs, so a start would mount one at the root.
+    let parent = world_readable_tempdir();
+    let fresh_root = parent.path().join("lb");
+    try_start("fresh node", &fresh_root, Some(parent.path()));
+    // Only a failure of this test leaves a mount here: never leave it to the machine.
+    let _ = nix::mount::umount2(&fresh_root, nix::mount::MntFlags::MNT_DETACH);
+
+    // A node a previous agent programmed and left serving.
+    let bpffs = BpfFs::new();
+    let root = bpf_root_in(bpffs.path());
+    let previous = Agent::start(AgentOptions {
+        netns: &ns,
+        cgroup: &cgroup,
+        bpf_root: root.clone(),
+        node_name: NODE.into(),
+        manifests: Some(manifests.path().to_path_buf()),
+        kubeconfig: None,
+        extra_args: vec![],
+    });
+    previous.stop();
+    let programmed = pin_state(&root);
+    assert!(
+        programmed
+            .iter()
+            .any(|(p, id)| p.starts_with("maps/") && id.is_some()),
+        "the previous agent left no pinned maps: {programmed:?}"
+    );
+    try_start("node a previous agent programmed", &root, None);
+
+    let left = attempts.iter().filter(|a| a["left_as_it_was"] == true).count();
+    record(
+        "8-failed-start",
+        &json!({
+            "scenario": SCENARIO,
+            "attempted": attempts.len(),
+            "failed": attempts.len() - left,
+            "left_as_it_was": left,
+            "attempts": attempts,
+        }),
+    );
+    assert!(changed.is_empty(), "{}", changed.join("\n\n"));
+}

@@ -173,18 +173,35 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         );
     }
     let object = datapath::object_bytes(args.bpf.bpf_object.as_deref())?;
-    let caps = args.bpf.capacities();
-    let paths = PinPaths::new(&args.bpf.root.bpf_root);
-    let mut dp = Datapath::load(&paths, &caps, &object).context("loading the data path")?;
+    // Everything else that can be checked without touching the node, before anything is: a start
+    // refused here leaves it exactly as it was (and one that fails later undoes what it changed,
+    // `datapath::journal`).
     let cgroup_root = match &args.bpf.cgroup_root {
         Some(path) => path.clone(),
         None => cgroup::cgroup2_mount().context("finding the cgroup v2 mount")?,
     };
+    cgroup::check_cgroup2_dir(&cgroup_root)
+        .with_context(|| format!("--cgroup-root {}", cgroup_root.display()))?;
+    for (what, addr) in [
+        ("healthz", &args.healthz_bind_address),
+        ("metrics", &args.metrics_bind_address),
+    ] {
+        parse_bind_address(addr)
+            .map_err(anyhow::Error::msg)
+            .with_context(|| format!("{what} bind address"))?;
+    }
+    // The Services come from the API server (its client built here: a bad kubeconfig stops the
+    // start) or from a manifests folder.
+    let api = match &args.manifests {
+        Some(dir) => Err(dir.clone()),
+        None => Ok(kube_client(&args).await?),
+    };
+    let caps = args.bpf.capacities();
+    let paths = PinPaths::new(&args.bpf.root.bpf_root);
+    let mut dp = Datapath::load(&paths, &caps, &object).context("loading the data path")?;
     let maps = dp.take_maps()?;
     let conntrack = dp.take_conntrack()?;
     let applier = Applier::recover(maps, caps).context("reading the pinned maps")?;
-    cgroup::check_cgroup2_dir(&cgroup_root)
-        .with_context(|| format!("--cgroup-root {}", cgroup_root.display()))?;
     let host_cookie = host_netns_cookie(kernel, &mut dp, &cgroup_root)?;
     let tcx = dp.enable_tcx(args.bpf.enable_tcx);
     if !args.bpf.no_tc && !tcx {
@@ -231,13 +248,12 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         args.sync_period,
     );
     let handle = runner.handle();
-    let (source, reporter) = match &args.manifests {
-        Some(dir) => (
-            Source::Manifests(manifests::Manifests::new(dir, &settings.node_name)),
+    let (source, reporter) = match api {
+        Err(dir) => (
+            Source::Manifests(manifests::Manifests::new(&dir, &settings.node_name)),
             None,
         ),
-        None => {
-            let client = kube_client(&args).await?;
+        Ok(client) => {
             match tokio::time::timeout(Duration::from_secs(10), client.apiserver_version()).await {
                 Ok(Ok(v)) => tracing::info!(version = %v.git_version, "connected to the API server"),
                 Ok(Err(e)) => tracing::error!(
@@ -309,7 +325,7 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     // The first sync fills the maps; only then are the programs attached (or swapped in).
     if !first_sync(&agent, args.sync_period.min(Duration::from_secs(1)), &shutdown).await {
         tracing::info!(
-            "stopping before the data path was attached; the programs attached before, if any, keep serving"
+            "stopping before the data path was attached: what this start pinned is removed, and the programs attached before, if any, keep serving"
         );
         return Ok(());
     }

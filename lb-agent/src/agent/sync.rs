@@ -228,6 +228,7 @@ impl Agent {
         self.datapath
             .attach_cgroup(&self.cgroup_root)
             .context("attaching the socket programs")?;
+        self.datapath.commit_start();
         self.cgroup_attached = true;
         self.attach_tc();
         if self.datapath.migrating() {

@@ -190,14 +190,17 @@ fn mount_bpffs(mount_point: &Path) -> io::Result<()> {
 }
 
 /// Makes sure `root` is a directory on a bpffs, mounting one where [`mount_plan`] allows when
-/// none is mounted, and creates the maps/ and links/ directories.
-pub fn prepare(paths: &PinPaths) -> io::Result<()> {
+/// none is mounted, and creates the maps/ and links/ directories. A mount is noted in `journal`.
+pub fn prepare(paths: &PinPaths, journal: &mut super::journal::StartJournal) -> io::Result<()> {
     let root = std::path::absolute(&paths.root)?;
     let (facts, base) = root_facts(&root)?;
     let plan = mount_plan(&root, &facts).map_err(|m| io::Error::new(io::ErrorKind::InvalidInput, m))?;
     match plan {
         MountPlan::Nothing => {}
-        MountPlan::Standard => mount_bpffs(Path::new(STANDARD_MOUNT))?,
+        MountPlan::Standard => {
+            mount_bpffs(Path::new(STANDARD_MOUNT))?;
+            journal.mounted(Path::new(STANDARD_MOUNT));
+        }
         MountPlan::AtRoot { create } => {
             if create {
                 fs::DirBuilder::new().recursive(true).mode(0o755).create(&root)?;
@@ -211,6 +214,7 @@ pub fn prepare(paths: &PinPaths) -> io::Result<()> {
                 }
                 return Err(e);
             }
+            journal.mounted(&root);
         }
     }
     for dir in [root.clone(), paths.maps(), paths.links()] {

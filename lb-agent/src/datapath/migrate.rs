@@ -136,7 +136,11 @@ impl Migration {
 
 /// Checks every existing pin against what this agent will create; moves aside the ones to
 /// migrate. Runs before the object is loaded.
-pub fn prepare(paths: &PinPaths, caps: &Capacities) -> Result<Migration, DatapathError> {
+pub fn prepare(
+    paths: &PinPaths,
+    caps: &Capacities,
+    journal: &mut super::journal::StartJournal,
+) -> Result<Migration, DatapathError> {
     let mut migration = Migration::default();
     let existing: Vec<String> = fs::read_dir(paths.maps())
         .map(|rd| {
@@ -197,6 +201,7 @@ pub fn prepare(paths: &PinPaths, caps: &Capacities) -> Result<Migration, Datapat
                 path: pin.clone(),
                 message: e.to_string(),
             })?;
+            journal.moved_aside(&pin, &aside);
             tracing::info!(
                 map = name,
                 from = info.max_entries(),

@@ -10,6 +10,7 @@ pub mod bpffs;
 pub mod cgroup;
 pub mod conntrack;
 pub mod features;
+pub mod journal;
 pub mod migrate;
 pub mod tc;
 
@@ -187,17 +188,23 @@ pub struct Datapath {
     /// Attach the tc programs with TCX links (else as clsact filters): the kernel has TCX and
     /// `--enable-tcx` is not false.
     tcx: bool,
+    /// What this start changed under the bpf root, undone if it is dropped before
+    /// [`Datapath::commit_start`] (declared last: dropped after the maps and programs).
+    journal: Option<journal::StartJournal>,
 }
 
 impl Datapath {
     /// Loads the object with its maps pinned under `paths` (reusing existing pins) and the
     /// programs verified and ready to attach.
+    /// Until [`Datapath::commit_start`], dropping it (or a failure here) undoes what it changed
+    /// under the root (`journal`).
     pub fn load(paths: &PinPaths, caps: &Capacities, object: &[u8]) -> Result<Self, DatapathError> {
-        bpffs::prepare(paths).map_err(|error| DatapathError::Bpffs {
+        let mut journal = journal::StartJournal::begin(&paths.root);
+        bpffs::prepare(paths, &mut journal).map_err(|error| DatapathError::Bpffs {
             path: paths.root.clone(),
             error,
         })?;
-        let migration = migrate::prepare(paths, caps)?;
+        let migration = migrate::prepare(paths, caps, &mut journal)?;
         let pin_paths: Vec<(&'static str, PathBuf)> =
             catalog::ALL.iter().map(|n| (*n, paths.map(n))).collect();
         let mut loader = EbpfLoader::new();
@@ -212,7 +219,16 @@ impl Datapath {
             migration,
             tc_attached: Default::default(),
             tcx: features::current().is_ok_and(|f| f.tcx),
+            journal: Some(journal),
         })
+    }
+
+    /// The programs are attached: the maps and pins this start made are the node's data path, no
+    /// longer undone when the agent stops.
+    pub fn commit_start(&mut self) {
+        if let Some(mut journal) = self.journal.take() {
+            journal.commit();
+        }
     }
 
     /// Loads the object with private, unpinned maps (trace against manifests, tests).
@@ -224,6 +240,7 @@ impl Datapath {
             migration: migrate::Migration::default(),
             tc_attached: Default::default(),
             tcx: features::current().is_ok_and(|f| f.tcx),
+            journal: None,
         })
     }
 
@@ -277,6 +294,7 @@ impl Datapath {
             migration: migrate::Migration::default(),
             tc_attached: Default::default(),
             tcx: features::current().is_ok_and(|f| f.tcx),
+            journal: None,
         })
     }
 
