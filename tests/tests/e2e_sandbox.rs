@@ -3,7 +3,8 @@
 //! commands it prints (create a Deployment, expose it, scale it, make it dual-stack) followed by
 //! its live table, whose rows show the Deployment's Pods (on the real node) answering by name, old
 //! and new, over IPv4 and then IPv6 too; a deleted Service leaves the table; and, stopped by
-//! SIGTERM, it leaves nothing behind.
+//! closing its terminal (a hang-up: SIGHUP from the kernel and from the shell), it leaves nothing
+//! behind. SIGTERM and Ctrl-C stop it through the same handler.
 
 use std::{
     collections::BTreeSet,
@@ -42,6 +43,9 @@ fn backends(flow: &Value) -> BTreeSet<String> {
 /// fails before it stops it.
 struct Sandbox {
     child: Child,
+    /// The controlling terminal's master side: closing it hangs the terminal up, as closing a
+    /// terminal window does.
+    terminal: Option<std::os::fd::OwnedFd>,
     stderr: Arc<Mutex<String>>,
     stdout: Arc<Mutex<String>>,
 }
@@ -49,17 +53,29 @@ struct Sandbox {
 impl Sandbox {
     fn start(summary: &Path) -> Sandbox {
         let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/examples");
-        let mut child = Command::new(workspace_bin("lb-sandbox"))
-            // A cap: the test stops it with SIGTERM once done.
+        // A terminal of its own, as in a terminal window: its session's controlling terminal, on
+        // stdin (stdout and stderr stay pipes, read here).
+        let pty = nix::pty::openpty(None, None).expect("openpty");
+        let mut command = Command::new(workspace_bin("lb-sandbox"));
+        // A cap: the test stops it by hanging up its terminal once done.
+        command
             .args(["--duration", "240s", "--rate", "20", "--examples"])
             .arg(&examples)
             .arg("--summary-json")
             .arg(summary)
-            .stdin(Stdio::null())
+            .stdin(Stdio::from(pty.slave))
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("run lb-sandbox");
+            .stderr(Stdio::piped());
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+                if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = command.spawn().expect("run lb-sandbox");
         let stderr = Arc::new(Mutex::new(String::new()));
         let sink = stderr.clone();
         let pipe = child.stderr.take().unwrap();
@@ -84,6 +100,7 @@ impl Sandbox {
         });
         Sandbox {
             child,
+            terminal: Some(pty.master),
             stderr,
             stdout,
         }
@@ -124,10 +141,13 @@ impl Sandbox {
         }
     }
 
-    /// SIGTERM, then waits for it to finish its teardown.
-    fn stop(&mut self, timeout: Duration) -> std::process::ExitStatus {
-        // SAFETY: kill has no memory-safety preconditions.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+    /// Closes its terminal, then waits for it to finish its teardown. The kernel sends SIGHUP to the
+    /// session's leader (the sandbox) and the shell that ran it would send SIGHUP to its process
+    /// group, so both are sent.
+    fn hang_up(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        drop(self.terminal.take());
+        // SAFETY: kill has no memory-safety preconditions (the group is the sandbox's session).
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGHUP) };
         let deadline = Instant::now() + timeout;
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -137,7 +157,7 @@ impl Sandbox {
             }
             assert!(
                 Instant::now() < deadline,
-                "lb-sandbox did not stop within {timeout:?} of SIGTERM:\n{}",
+                "lb-sandbox did not stop within {timeout:?} of its terminal's hang-up:\n{}",
                 self.output()
             );
             thread::sleep(Duration::from_millis(100));
@@ -377,11 +397,11 @@ fn the_sandbox_balances_every_example_service_and_follows_kubectl() {
     if ready_for < EXAMPLE_TRAFFIC.as_secs_f64() {
         thread::sleep(EXAMPLE_TRAFFIC - Duration::from_secs_f64(ready_for));
     }
-    // Stopped as Ctrl-C or a service manager would.
-    let status = sandbox.stop(Duration::from_secs(90));
+    // Stopped as closing its terminal window would.
+    let status = sandbox.hang_up(Duration::from_secs(90));
     let stderr = sandbox.stderr();
     assert!(status.success(), "lb-sandbox failed:\n{}", sandbox.output());
-    assert!(stderr.contains("tearing down (signal 15)"), "{stderr}");
+    assert!(stderr.contains("tearing down (signal 1)"), "{stderr}");
     eprintln!(
         "sandbox ready after {ready_s:.1}s; hello followed {followed_s:.1}s after; whole run {:.1}s",
         started.elapsed().as_secs_f64()
