@@ -234,10 +234,23 @@ pub fn load_dir(dir: &Path, node_name: &str) -> Result<Loaded, ManifestError> {
 
 /// The documents of one file (a YAML stream; JSON is YAML), without the empty ones.
 fn parse_documents(text: &str, path: &Path) -> Result<Vec<Value>, ManifestError> {
-    let docs: Vec<Value> = serde_saphyr::from_multiple(text).map_err(|e| ManifestError::Yaml {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    })?;
+    // The parser's default budget is a config file's: 1,024 documents, 250,000 nodes, so a file
+    // with 600 Services and their slices was refused whole. Without aliases, documents, nodes and
+    // events grow with the text, so those caps follow its length here; the alias and anchor caps,
+    // which stop an alias bomb, stay the defaults.
+    let len = text.len().max(1024);
+    let options = serde_saphyr::options! {
+        budget: serde_saphyr::budget! {
+            max_documents: len,
+            max_nodes: len,
+            max_events: len.saturating_mul(4),
+        },
+    };
+    let docs: Vec<Value> =
+        serde_saphyr::from_multiple_with_options(text, options).map_err(|e| ManifestError::Yaml {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
     Ok(docs.into_iter().filter(|d| !d.is_null()).collect())
 }
 

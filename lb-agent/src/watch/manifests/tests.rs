@@ -195,3 +195,30 @@ fn an_unreadable_folder_is_an_error() {
     let err = load_dir(Path::new("/nonexistent/manifests"), "n").unwrap_err();
     assert!(err.to_string().contains("/nonexistent/manifests"), "{err}");
 }
+
+/// Regression: the YAML parser's default budget (1,024 documents) refused a file of 600
+/// Services and their slices whole ("budget breached"), so nothing was programmed. A cluster's
+/// worth of objects loads; an alias bomb is still refused.
+#[test]
+fn a_file_of_thousands_of_objects_loads_and_an_alias_bomb_does_not() {
+    let one = TEXT.split("---").next().unwrap().to_string();
+    let text: String = (0..3000)
+        .map(|i| {
+            one.replace("name: web", &format!("name: web{i}"))
+                .replace("10.96.0.10", &format!("10.96.{}.{}", i / 250, i % 250 + 1))
+        })
+        .collect::<Vec<_>>()
+        .join("---\n");
+    let mut state = ClusterState::default();
+    load_text(&text, Path::new("many.yaml"), "node-a", &mut state).unwrap();
+    assert_eq!(state.services.len(), 3000);
+
+    let mut bomb = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
+    for level in 1..12 {
+        let prev = (b'a' + level - 1) as char;
+        let this = (b'a' + level) as char;
+        bomb.push_str(&format!("{this}: &{this} [*{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}]\n"));
+    }
+    let err = parse_documents(&bomb, Path::new("bomb.yaml")).unwrap_err();
+    assert!(err.to_string().contains("bomb.yaml"), "{err}");
+}
