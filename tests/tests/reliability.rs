@@ -3,6 +3,11 @@
 //!
 //! 1. agent restart (graceful stop, then kill -9): no failed connection, established connections
 //!    survive on their backends, ids stable;
+//!    Also (1b) kill -9 at random points while the agent programs a large change (a cold start,
+//!    a restart onto a changed cluster, a change applied live, a restart migrating maps),
+//!    seeded: no Service half-programmed in the maps a packet sees, no failed request to a
+//!    Service served before, convergence after the last start (`LB_CRASH_SERVICES=10000
+//!    LB_CRASH_KILLS=25 cargo test -p lb-tests --test reliability kill_9` is the long run);
 //! 2. upgrade: a new object (the test variant of the programs) and new map capacities replace the
 //!    running data path in place: links kept, programs swapped, maps migrated, no failure; and
 //!    the upgrade of an install of the IPv4-only release (its pins emulated, see
@@ -1975,5 +1980,339 @@ fn full_maps_skip_whole_services_and_recover() {
     assert!(
         events.contains("MapFull"),
         "a MapFull Event names the skipped Services"
+    );
+}
+
+/// Filler Services of the crash scenario: `n` ClusterIP Services over the node's pods, their
+/// endpoints a subset of the pods that depends on `variant` (so a new variant changes most of
+/// them); every 7th with ClientIP affinity, every 13th a NodePort with externalTrafficPolicy Local
+/// (two scopes). With the `web` Service, which never changes (the load runs against it).
+fn crash_manifests(site: &Site, dir: &Path, n: usize, variant: u64) {
+    let pods = site.node.pods.len();
+    let mut services = vec![web_service(&[IpFamily::V4]).build()];
+    let mut slices = vec![web_slice(site, "web", IpFamily::V4, &(0..pods).collect::<Vec<_>>()).build()];
+    for i in 0..n {
+        let name = format!("f{i}");
+        let ip = format!("10.97.{}.{}", i / 250, i % 250 + 1);
+        let mut svc = service("rel", &name)
+            .cluster_ip(&ip)
+            .port("http", "TCP", 80, 8080);
+        if i % 7 == 0 {
+            svc = svc.client_ip_affinity(60);
+        }
+        if i % 13 == 0 {
+            svc = svc
+                .type_("NodePort")
+                .node_port(31000 + (i / 13) as i32)
+                .external_traffic_policy("Local");
+        }
+        services.push(svc.build());
+        // 1..=pods endpoints, chosen by (i, variant).
+        let mix =
+            (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ variant.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        let mut s = slice("rel", &name, &format!("{name}-1"));
+        for p in 0..pods {
+            if (mix >> p) & 1 == 1 || p == (mix as usize >> 8) % pods {
+                s = s.endpoint(&site.pod_ip(p), NODE, State::Ready);
+            }
+        }
+        slices.push(s.port("http", "TCP", 8080).build());
+    }
+    write_manifests(dir, "objects.yaml", &services, &slices);
+}
+
+/// `bpftool -j <args>`, parsed.
+fn bpftool_json(args: &[&str]) -> Value {
+    let out = Command::new("bpftool")
+        .arg("-j")
+        .args(args)
+        .output()
+        .expect("bpftool");
+    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+}
+
+/// The maps a packet sees now: those of the programs behind the agent's pinned links (during a
+/// migration, the old maps until the new programs are swapped in), and the pinned ones for maps
+/// no attached program uses. Read into a snapshot through pins made for it under `scratch`.
+fn live_snapshot(site: &Site, scratch: &Path) -> Option<lb_agent::apply::Snapshot> {
+    if !site.bpf_root().join("maps").join(catalog::SERVICES).exists() {
+        return None;
+    }
+    let _ = std::fs::remove_dir_all(scratch);
+    std::fs::create_dir_all(scratch).unwrap();
+    let mut pinned = BTreeSet::new();
+    for (_, prog) in site.pinned_links().values() {
+        let info = bpftool_json(&["prog", "show", "id", &prog.to_string()]);
+        for map in info["map_ids"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_u64)
+        {
+            let name = bpftool_json(&["map", "show", "id", &map.to_string()])["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            let Some(name) = catalog::ALL.iter().find(|n| **n == name) else {
+                continue;
+            };
+            if pinned.insert(*name) {
+                bpftool(&[
+                    "map",
+                    "pin",
+                    "id",
+                    &map.to_string(),
+                    scratch
+                        .join(catalog::pin_name(name).to_string())
+                        .to_str()
+                        .unwrap(),
+                ]);
+            }
+        }
+    }
+    let maps = site.bpf_root().join("maps");
+    for name in catalog::ALL.iter().filter(|n| !pinned.contains(*n)) {
+        let pin = catalog::pin_name(name).to_string();
+        if let Ok(map) = aya::maps::MapData::from_pin(maps.join(&pin)) {
+            map.pin(scratch.join(&pin)).expect("pin for the snapshot");
+        }
+    }
+    let snapshot = KernelMaps::from_pins(scratch)
+        .expect("opening the maps a packet sees")
+        .snapshot()
+        .expect("reading the maps a packet sees");
+    let _ = std::fs::remove_dir_all(scratch);
+    Some(snapshot)
+}
+
+/// An env variable's number, or `default`.
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// How long a start took: from spawn to its maps loaded ("data path loaded"), then to its
+/// programs attached after the first sync programmed them.
+#[derive(Clone, Copy)]
+struct StartTimes {
+    load: Duration,
+    program: Duration,
+}
+
+/// Spawns the agent and waits until it has attached its programs.
+fn start_attached(site: &Site, dir: &Path, extra: &[&str]) -> (Agent, StartTimes) {
+    let started = Instant::now();
+    let agent = Agent::spawn(site.agent_options(CLUSTER_CIDR, Some(dir.into()), None, extra));
+    agent.wait_for_line("data path loaded", Duration::from_secs(300));
+    let load = started.elapsed();
+    agent.wait_for_line(lb_tests::agent::ATTACHED, Duration::from_secs(300));
+    let program = started.elapsed() - load;
+    (agent, StartTimes { load, program })
+}
+
+/// Where in its start a killed agent was, from its log.
+fn reached(log: &str) -> &'static str {
+    if log.contains(lb_tests::agent::ATTACHED) {
+        "attached (a later sync)"
+    } else if log.contains("data path loaded") {
+        "first sync"
+    } else {
+        "loading"
+    }
+}
+
+/// Issue 18: kill -9 at random points while the agent applies a large change, many times over
+/// (seeded; the seed is printed), then start it again. Four kinds of change: a cold start on a
+/// fresh node, a restart onto a changed cluster (a relist: most Services' endpoints differ), a
+/// change applied by a running agent, and a restart that migrates the services maps to a new
+/// capacity. After every kill, the maps a packet sees (those of the attached programs) hold no
+/// half-programmed Service; throughout, the `web` Service, served before the first crash, loses
+/// no request (TCP and UDP through the socket path and tc); after the last start the agent
+/// converges to every Service. `LB_CRASH_SERVICES` (default 1000), `LB_CRASH_KILLS` (per kind,
+/// default 4) and `LB_CRASH_SEED` set the run; 10,000 Services and many kills make the long one.
+#[test]
+fn kill_9_while_programming_never_leaves_a_service_half_programmed() {
+    use rand::{RngExt, SeedableRng, rngs::StdRng};
+    let _one = serial();
+    let n: usize = env_or("LB_CRASH_SERVICES", 1000);
+    let kills: usize = env_or("LB_CRASH_KILLS", 4);
+    let seed: u64 = env_or("LB_CRASH_SEED", now_us());
+    eprintln!(
+        "crash scenario: seed {seed} (replay with LB_CRASH_SEED={seed}), {n} Services, {kills} kills per kind of change"
+    );
+    let mut rng = StdRng::seed_from_u64(seed);
+    let site = Site::new(3);
+    let manifests = tempfile::tempdir().unwrap();
+    let dir = manifests.path();
+    let scratch = site.bpffs.path().join("crash-live");
+    let mut variant = 0;
+    crash_manifests(&site, dir, n, variant);
+
+    // The windows to kill in, measured: a cold start, a restart, a live change.
+    let (agent, cold) = start_attached(&site, dir, &[]);
+    let full = live_snapshot(&site, &scratch).expect("programmed");
+    full.check_consistent().expect("a complete start is consistent");
+    let frontends = |s: &lb_agent::apply::Snapshot| {
+        s.services
+            .keys()
+            .filter(|k| k.slot == 0 && k.scope == lb_common::service::SCOPE_EXTERNAL)
+            .count()
+    };
+    let expected_frontends = frontends(&full);
+    drop(agent);
+    let (agent, restart) = start_attached(&site, dir, &[]);
+    drop(agent);
+
+    let mut kills_json = Vec::new();
+    let mut half_programmed = Vec::new();
+    let mut check = |kind: &str, delay: Duration, log: &str, site: &Site| {
+        let verdict = match live_snapshot(site, &scratch) {
+            None => Ok(()),
+            Some(snapshot) => snapshot.check_consistent(),
+        };
+        if let Err(e) = &verdict {
+            half_programmed.push(format!("{kind}, killed {delay:?} after its start: {e}"));
+        }
+        kills_json.push(json!({
+            "change": kind,
+            "killed_after_ms": delay.as_millis() as u64,
+            "reached": reached(log),
+            "consistent": verdict.is_ok(),
+        }));
+    };
+    // A quarter of the kills anywhere in the start (the object loading, maps created and
+    // migrated), the rest while the first sync writes the maps.
+    let spawn_and_kill = |extra: &[&str], window: StartTimes, rng: &mut StdRng| {
+        let started = Instant::now();
+        let agent = Agent::spawn(site.agent_options(CLUSTER_CIDR, Some(dir.into()), None, extra));
+        if rng.random_bool(0.25) {
+            std::thread::sleep((window.load + window.program).mul_f64(rng.random_range(0.0..1.1)));
+        } else {
+            agent.wait_for_line("data path loaded", Duration::from_secs(300));
+            std::thread::sleep(window.program.mul_f64(rng.random_range(0.0..1.1)));
+        }
+        let delay = started.elapsed();
+        let log = agent.log();
+        drop(agent); // SIGKILL
+        (delay, log)
+    };
+
+    // 1. Cold starts on a fresh node (nothing served yet: no load).
+    for _ in 0..kills {
+        let out = Command::new(workspace_bin("lb-agent"))
+            .args(["cleanup", "--bpf-root"])
+            .arg(site.bpf_root())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "cleanup: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let (delay, log) = spawn_and_kill(&[], cold, &mut rng);
+        check("cold start", delay, &log, &site);
+    }
+    let (agent, _) = start_attached(&site, dir, &[]);
+    drop(agent);
+
+    // The web Service is served from here on: load through both paths.
+    let loads = web_loads(&site, IpFamily::V4, true);
+
+    // 2. Restarts onto a changed cluster.
+    for _ in 0..kills {
+        variant += 1;
+        crash_manifests(&site, dir, n, variant);
+        let (delay, log) = spawn_and_kill(&[], restart, &mut rng);
+        check("restart onto a changed cluster", delay, &log, &site);
+    }
+
+    // 3. A change applied by a running agent (its syncs run every 200 ms).
+    for _ in 0..kills {
+        let (agent, _) = start_attached(&site, dir, &[]);
+        variant += 1;
+        crash_manifests(&site, dir, n, variant);
+        let delay = Duration::from_millis(rng.random_range(0..600));
+        std::thread::sleep(delay);
+        let log = agent.log();
+        drop(agent);
+        check("change applied by a running agent", delay, &log, &site);
+    }
+
+    // 4. Restarts that migrate the services maps to a new capacity (each a different one).
+    for k in 0..kills {
+        let capacity = (lb_common::catalog::capacity::SERVICES + 1 + k as u32).to_string();
+        let (delay, log) = spawn_and_kill(&["--bpf-lb-service-map-max", &capacity], restart, &mut rng);
+        check("restart migrating the services maps", delay, &log, &site);
+    }
+
+    // The last start, at the default capacity: how long until every Service is programmed.
+    variant += 1;
+    crash_manifests(&site, dir, n, variant);
+    let (agent, converged) = start_attached(&site, dir, &[]);
+    std::thread::sleep(Duration::from_secs(1));
+    let last = live_snapshot(&site, &scratch).expect("programmed");
+    let tally = stop_loads(loads);
+    let filler_served = (1..4)
+        .map(|i| format!("10.97.0.{}:80", i + 1))
+        .filter(|to| probe::tcp(site.host(), to, 1)[0]["ok"] == true)
+        .count();
+    let stale_pins: Vec<String> = std::fs::read_dir(site.bpf_root().join("maps"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|f| {
+            !catalog::ALL
+                .iter()
+                .any(|n| catalog::pin_name(n).to_string() == *f)
+        })
+        .collect();
+    drop(agent);
+
+    let consistent = kills_json.iter().filter(|k| k["consistent"] == true).count();
+    record(
+        "1b-crash-while-programming",
+        json!({
+            "scenario": format!(
+                "kill -9 at random points while the agent programs {n} Services (seed {seed}): cold starts, restarts onto a changed cluster, changes applied live, restarts migrating the services maps; load on the web Service, served before the first crash"
+            ),
+            "load": tally.rows,
+            "attempted": tally.attempted,
+            "failed": tally.failed,
+            "kills": kills_json.len(),
+            "kills_leaving_maps_consistent": consistent,
+            "half_programmed": half_programmed.len(),
+            "cold_start_ms": (cold.load + cold.program).as_millis() as u64,
+            "cold_start_first_sync_ms": cold.program.as_millis() as u64,
+            "restart_ms": (restart.load + restart.program).as_millis() as u64,
+            "convergence_after_last_restart_ms": (converged.load + converged.program).as_millis() as u64,
+            "frontends_after_last_restart": frontends(&last),
+            "frontends_expected": expected_frontends,
+            "stale_pins": stale_pins,
+            "attempts": kills_json,
+        }),
+    );
+    assert!(
+        half_programmed.is_empty(),
+        "half-programmed Services after kill -9:\n{}",
+        half_programmed.join("\n")
+    );
+    last.check_consistent().expect("the last start is consistent");
+    assert_eq!(
+        frontends(&last),
+        expected_frontends,
+        "every Service programmed after the last start"
+    );
+    assert_eq!(filler_served, 3, "the filler Services serve after the last start");
+    assert_eq!(
+        tally.failed, 0,
+        "no request to a Service served before the crashes may fail: {:#?}",
+        tally.failures
+    );
+    assert!(
+        stale_pins.is_empty(),
+        "pins left by interrupted starts: {stale_pins:?}"
     );
 }

@@ -49,35 +49,9 @@ impl FakeMaps {
         Self::default()
     }
 
-    /// Checks the invariant readers rely on: every frontend entry's slots exist and point at
-    /// existing backends of the frontend's family, and every frontend's reverse-NAT entry exists
-    /// in its family.
+    /// [`Snapshot::check_consistent`] on the maps as they are now.
     pub fn check_consistent(&self) -> Result<(), String> {
-        for (key, value) in &self.state.services {
-            if key.slot == 0 {
-                for slot in 1..=value.count {
-                    let slot_key = key.with_slot(slot);
-                    let Some(entry) = self.state.services.get(&slot_key) else {
-                        return Err(format!(
-                            "{key:?} has count {} but slot {slot} is missing",
-                            value.count
-                        ));
-                    };
-                    let backend = self.state.backends.get(&entry.backend_id);
-                    if backend.is_none_or(|b| IpFamily::of(&b.addr) != key.family()) {
-                        return Err(format!(
-                            "{slot_key:?} points at missing backend {}",
-                            entry.backend_id
-                        ));
-                    }
-                }
-                let revnat = self.state.revnat.get(&value.rev_nat_id);
-                if revnat.is_none_or(|r| r.family() != key.family()) {
-                    return Err(format!("{key:?} has no reverse-NAT entry {}", value.rev_nat_id));
-                }
-            }
-        }
-        Ok(())
+        self.state.check_consistent()
     }
 
     /// Replays `log` on empty maps, calling `check` after every operation: what a reader running

@@ -40,6 +40,49 @@ pub struct Snapshot {
     pub source_ranges: Vec<SourceRange>,
 }
 
+impl Snapshot {
+    /// Checks what a packet relies on at any moment, the write order's promise (and, after a
+    /// kill -9 in the middle of a sync, what the pinned maps must still hold): every frontend
+    /// entry's slots exist and point at existing backends of the frontend's family; its
+    /// reverse-NAT entry exists in its family; and a frontend whose external entry says
+    /// `TWO_SCOPES` has its internal entry.
+    pub fn check_consistent(&self) -> Result<(), String> {
+        for (key, value) in self.services.iter().filter(|(k, _)| k.slot == 0) {
+            for slot in 1..=value.count {
+                let slot_key = key.with_slot(slot);
+                let Some(entry) = self.services.get(&slot_key) else {
+                    return Err(format!(
+                        "{key:?} has count {} but slot {slot} is missing",
+                        value.count
+                    ));
+                };
+                let backend = self.backends.get(&entry.backend_id);
+                if backend.is_none_or(|b| IpFamily::of(&b.addr) != key.family()) {
+                    return Err(format!(
+                        "{slot_key:?} points at missing backend {}",
+                        entry.backend_id
+                    ));
+                }
+            }
+            let revnat = self.revnat.get(&value.rev_nat_id);
+            if revnat.is_none_or(|r| r.family() != key.family()) {
+                return Err(format!("{key:?} has no reverse-NAT entry {}", value.rev_nat_id));
+            }
+            let internal = ServiceMapKey {
+                scope: lb_common::service::SCOPE_INTERNAL,
+                ..*key
+            };
+            if key.scope == lb_common::service::SCOPE_EXTERNAL
+                && value.flags & lb_common::service::flags::TWO_SCOPES != 0
+                && !self.services.contains_key(&internal)
+            {
+                return Err(format!("{key:?} says TWO_SCOPES but has no internal entry"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A batch write that stopped: the entries before `done` are written, the one at `done` failed
 /// with `error`, the rest were not tried.
 #[derive(Debug)]
@@ -86,4 +129,85 @@ pub trait MapOps {
         Ok(())
     }
     fn snapshot(&self) -> Result<Snapshot, MapError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr};
+
+    use lb_common::service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, flags};
+
+    use super::*;
+
+    fn key(slot: u16, scope: u8) -> ServiceMapKey {
+        ServiceMapKey::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 1)), 80, 6, scope, slot)
+    }
+
+    /// Each broken promise is found: a missing slot, a slot naming a missing backend, a missing
+    /// reverse-NAT entry, a two-scope frontend without its internal entry.
+    #[test]
+    fn check_consistent_finds_each_half_written_frontend() {
+        let mut snap = Snapshot::default();
+        snap.revnat.insert(
+            1,
+            RevNatEntry {
+                addr: IpAddr::V4(Ipv4Addr::new(10, 96, 0, 1)),
+                port: 80,
+                proto: 6,
+            },
+        );
+        snap.backends.insert(
+            7,
+            BackendEntry {
+                addr: IpAddr::V4(Ipv4Addr::new(10, 244, 0, 2)),
+                port: 8080,
+                proto: 6,
+                flags: 0,
+            },
+        );
+        snap.services
+            .insert(key(0, SCOPE_EXTERNAL), SvcValue::frontend(1, 1, 0, 0));
+        snap.services.insert(key(1, SCOPE_EXTERNAL), SvcValue::slot(1, 7));
+        assert_eq!(snap.check_consistent(), Ok(()));
+
+        let mut missing_slot = snap.clone();
+        missing_slot
+            .services
+            .insert(key(0, SCOPE_EXTERNAL), SvcValue::frontend(1, 2, 0, 0));
+        assert!(
+            missing_slot
+                .check_consistent()
+                .unwrap_err()
+                .contains("slot 2 is missing")
+        );
+
+        let mut missing_backend = snap.clone();
+        missing_backend.backends.clear();
+        assert!(
+            missing_backend
+                .check_consistent()
+                .unwrap_err()
+                .contains("missing backend 7")
+        );
+
+        let mut missing_revnat = snap.clone();
+        missing_revnat.revnat.clear();
+        assert!(
+            missing_revnat
+                .check_consistent()
+                .unwrap_err()
+                .contains("reverse-NAT")
+        );
+
+        let mut two_scopes = snap.clone();
+        two_scopes.services.insert(
+            key(0, SCOPE_EXTERNAL),
+            SvcValue::frontend(1, 1, flags::TWO_SCOPES, 0),
+        );
+        assert!(two_scopes.check_consistent().unwrap_err().contains("TWO_SCOPES"));
+        two_scopes
+            .services
+            .insert(key(0, SCOPE_INTERNAL), SvcValue::frontend(1, 0, 0, 0));
+        assert_eq!(two_scopes.check_consistent(), Ok(()));
+    }
 }
