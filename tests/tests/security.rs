@@ -928,3 +928,64 @@ fn a_failed_start_leaves_the_node_as_it_was() {
     );
     assert!(changed.is_empty(), "{}", changed.join("\n\n"));
 }
+
+/// The migration guide's promise while kube-proxy still runs: a port another process holds
+/// (`/healthz`, `/metrics`, a health-check NodePort) is bound again and again, and taken once
+/// that process lets it go: the two servers every 5 s, the NodePort at every sync.
+#[test]
+fn a_held_listen_port_is_taken_once_freed() {
+    require_root();
+    let bpffs = BpfFs::new();
+    let cgroup = Cgroup::new("lbheld");
+    let ns = NetNs::new("lbheld");
+    ns.exec_ok("ip", &["link", "set", "lo", "up"]);
+    let manifests = manifests();
+    let node_port = format!("0.0.0.0:{HEALTH_CHECK_NODE_PORT}");
+    let holder = probe::server(
+        Place::netns(&ns),
+        "kube-proxy",
+        &["0.0.0.0:10256", "127.0.0.1:10249", &node_port],
+        &[],
+    );
+    let agent = Agent::start(AgentOptions {
+        netns: &ns,
+        cgroup: &cgroup,
+        bpf_root: bpf_root_in(bpffs.path()),
+        node_name: NODE.into(),
+        manifests: Some(manifests.path().to_path_buf()),
+        kubeconfig: None,
+        extra_args: vec![],
+    });
+    agent.wait_for_line("healthz server on", Duration::from_secs(10));
+    agent.wait_for_line("metrics server on", Duration::from_secs(10));
+    drop(holder);
+    let freed = Instant::now();
+    let answers = |port: u16, path: &str| {
+        probe::http_get(Place::netns(&ns), &format!("127.0.0.1:{port}"), path)["status"] == 200
+    };
+    let mut taken: Vec<(u16, Option<f64>)> = vec![
+        (10_256, None),
+        (10_249, None),
+        (HEALTH_CHECK_NODE_PORT as u16, None),
+    ];
+    while freed.elapsed() < Duration::from_secs(20) && taken.iter().any(|(_, t)| t.is_none()) {
+        for (port, at) in taken.iter_mut().filter(|(_, t)| t.is_none()) {
+            let path = match *port {
+                10_256 => "/healthz",
+                10_249 => "/metrics",
+                _ => "/",
+            };
+            if answers(*port, path) {
+                *at = Some(freed.elapsed().as_secs_f64());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let log = agent.log();
+    drop(agent);
+    eprintln!("ports taken after being freed (s): {taken:?}");
+    assert!(
+        taken.iter().all(|(_, t)| t.is_some()),
+        "a freed port was not taken within 20 s: {taken:?}; agent log:\n{log}"
+    );
+}
