@@ -353,6 +353,7 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         spawn_conntrack_gc(
             conntrack,
             prefilter,
+            caps.conntrack,
             args.bpf.conntrack_gc_interval,
             args.bpf.conntrack_timeouts(),
             metrics.clone(),
@@ -423,6 +424,7 @@ async fn first_sync(agent: &RefCell<Agent>, retry: Duration, shutdown: &Cancella
 fn spawn_conntrack_gc(
     mut maps: crate::datapath::conntrack::ConntrackMaps,
     prefilter: crate::apply::prefilter::Prefilter,
+    capacity: u32,
     interval: Duration,
     timeouts: crate::datapath::conntrack::GcTimeouts,
     metrics: Metrics,
@@ -443,6 +445,13 @@ fn spawn_conntrack_gc(
                     Ok(report) => {
                         for (reason, n) in &report.deleted {
                             metrics.conntrack_gc_deleted(reason.label(), *n);
+                        }
+                        for (family, left) in crate::family::IpFamily::ALL.iter().zip(report.left) {
+                            metrics.set_map_occupancy(
+                                family.maps().conntrack,
+                                left as u64,
+                                u64::from(capacity),
+                            );
                         }
                         // The bits only ended flows and removed Services needed go now.
                         let bits = match prefilter.rebuild(&referenced) {

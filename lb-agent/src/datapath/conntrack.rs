@@ -261,6 +261,8 @@ pub fn plan<F: Family>(
 #[derive(Debug, Default)]
 pub struct GcReport {
     pub scanned: usize,
+    /// Entries left after the pass, IPv4 then IPv6 (the maps' occupancy, `lb_map_entries`).
+    pub left: [usize; 2],
     /// Deleted entries by reason.
     pub deleted: Vec<(Reason, u64)>,
     pub took: Duration,
@@ -270,6 +272,7 @@ impl GcReport {
     /// Adds another map's pass to this one.
     pub fn merge(&mut self, other: GcReport) {
         self.scanned += other.scanned;
+        self.left = [self.left[0] + other.left[0], self.left[1] + other.left[1]];
         self.took += other.took;
         for (reason, n) in other.deleted {
             match self.deleted.iter_mut().find(|(r, _)| *r == reason) {
@@ -279,6 +282,28 @@ impl GcReport {
         }
         self.deleted.sort();
     }
+}
+
+/// Every entry of one family's kernel map, as the walk finds them; an entry deleted between the
+/// key walk and its lookup (by the programs, or LRU) is skipped.
+fn read_entries<T, F>(
+    map: &aya::maps::HashMap<T, CtKey<F>, CtValue<F>>,
+    mut each: impl FnMut(&CtKey<F>, &CtValue<F>),
+) -> Result<(), aya::maps::MapError>
+where
+    T: std::borrow::Borrow<MapData>,
+    F: Family,
+    CtKey<F>: Pod,
+    CtValue<F>: Pod,
+{
+    for item in map.iter() {
+        match item {
+            Ok((k, v)) => each(&k, &v),
+            Err(aya::maps::MapError::KeyNotFound) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// One pass over one family's kernel map: scan, plan, delete what still is what was planned.
@@ -297,17 +322,10 @@ where
 {
     let started = Instant::now();
     let mut entries = HashMap::new();
-    for item in map.iter() {
-        match item {
-            Ok((k, v)) => {
-                referenced.insert(lb_common::prefilter::conntrack_bit(&k, &v));
-                entries.insert(k, v);
-            }
-            // Deleted by the programs (or LRU) between the key walk and the lookup.
-            Err(aya::maps::MapError::KeyNotFound) => {}
-            Err(e) => return Err(e),
-        }
-    }
+    read_entries(map, |k, v| {
+        referenced.insert(lb_common::prefilter::conntrack_bit(k, v));
+        entries.insert(*k, *v);
+    })?;
     let mut deleted: std::collections::BTreeMap<Reason, u64> = Default::default();
     for d in plan(&entries, now_ns, t) {
         let still = map.get(&d.key, 0).is_ok_and(|v| v.created_ns == d.created_ns);
@@ -315,8 +333,12 @@ where
             *deleted.entry(d.reason).or_default() += 1;
         }
     }
+    let mut left = [0; 2];
+    left[usize::from(F::AF == libc::AF_INET6 as u32)] =
+        entries.len() - deleted.values().sum::<u64>() as usize;
     Ok(GcReport {
         scanned: entries.len(),
+        left,
         deleted: deleted.into_iter().collect(),
         took: started.elapsed(),
     })
@@ -349,31 +371,17 @@ impl ConntrackMaps {
 
     /// The prefilter bits the entries need, without collecting anything (start-up).
     pub fn referenced(&self) -> Result<Referenced, aya::maps::MapError> {
-        fn scan<F: Family>(
-            map: &aya::maps::HashMap<MapData, CtKey<F>, CtValue<F>>,
-            into: &mut HashSet<u32>,
-        ) -> Result<(), aya::maps::MapError>
-        where
-            CtKey<F>: Pod,
-            CtValue<F>: Pod,
-        {
-            for item in map.iter() {
-                match item {
-                    Ok((k, v)) => {
-                        into.insert(lb_common::prefilter::conntrack_bit(&k, &v));
-                    }
-                    Err(aya::maps::MapError::KeyNotFound) => {}
-                    Err(e) => return Err(e),
-                }
-            }
-            Ok(())
-        }
         let mut referenced = Referenced {
             began: Some(Instant::now()),
             ..Default::default()
         };
-        scan(&self.v4, &mut referenced.v4)?;
-        scan(&self.v6, &mut referenced.v6)?;
+        let Referenced { v4, v6, .. } = &mut referenced;
+        read_entries(&self.v4, |k, v| {
+            v4.insert(lb_common::prefilter::conntrack_bit(k, v));
+        })?;
+        read_entries(&self.v6, |k, v| {
+            v6.insert(lb_common::prefilter::conntrack_bit(k, v));
+        })?;
         Ok(referenced)
     }
 }
