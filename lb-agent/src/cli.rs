@@ -39,7 +39,7 @@ pub enum Command {
     Conntrack(InspectArgs),
     /// List ClientIP session-affinity entries.
     Affinity(InspectArgs),
-    /// Show the data path's event counters.
+    /// Show the data path's event counters, and the bits the tc prefilter has set per family.
     Stats(InspectArgs),
     /// Explain what the data path does with one packet (BPF_PROG_TEST_RUN on the real programs).
     Trace(Box<TraceArgs>),

@@ -645,11 +645,20 @@ where
 }
 
 pub fn stats(args: &InspectArgs) -> Result<()> {
-    let (_, maps) = open(args)?;
-    let rows: Vec<(&str, u64)> = Counter::ALL
+    let (paths, maps) = open(args)?;
+    let mut rows: Vec<(&str, u64)> = Counter::ALL
         .iter()
         .map(|c| (c.name(), maps.counter(*c as u32)))
         .collect();
+    // Gauges beside the counters: the tc prefilter's bits set now (as the metric
+    // lb_tc_prefilter_bits), absent where an agent of an earlier release pinned no prefilter.
+    let prefilter =
+        |name: &str| -> Option<Map> { Some(Map::Array(MapData::from_pin(paths.map(name)).ok()?)) };
+    if let (Some(v4), Some(v6)) = (prefilter(catalog::PREFILTER), prefilter(catalog::PREFILTER6)) {
+        let [b4, b6] = crate::apply::prefilter::bits_set_in([v4, v6])?;
+        rows.push(("tc_prefilter_bits_set_ipv4", u64::from(b4)));
+        rows.push(("tc_prefilter_bits_set_ipv6", u64::from(b6)));
+    }
     match args.output {
         OutputFormat::Json => {
             let obj: serde_json::Map<String, serde_json::Value> =

@@ -989,3 +989,34 @@ fn a_held_listen_port_is_taken_once_freed() {
         "a freed port was not taken within 20 s: {taken:?}; agent log:\n{log}"
     );
 }
+
+/// `lb-agent stats` shows the tc prefilter's bits per family, read from the pinned maps with one
+/// batch lookup each (the agent reads them back the same way when it restarts): the same count as
+/// reading every word of the pinned map one by one.
+#[test]
+fn stats_counts_the_prefilter_bits_the_maps_hold() {
+    let node = Node::start();
+    let root = node.bpf_root.to_str().expect("utf-8").to_string();
+    let out = lb_agent(
+        Place::netns(&node.ns),
+        false,
+        &["stats", "-o", "json", "--bpf-root", &root],
+        Duration::from_secs(30),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let stats: Value = serde_json::from_slice(&out.stdout).expect("json");
+    for (map, key) in [
+        ("lb4_prefilter", "tc_prefilter_bits_set_ipv4"),
+        ("lb6_prefilter", "tc_prefilter_bits_set_ipv6"),
+    ] {
+        let data = aya::maps::MapData::from_pin(node.bpf_root.join("maps").join(map)).expect("pinned");
+        let words: aya::maps::Array<_, u64> = aya::maps::Map::Array(data).try_into().expect("array");
+        let bits: u64 = (0..words.len())
+            .map(|i| u64::from(words.get(&i, 0).expect("word").count_ones()))
+            .sum();
+        assert_eq!(stats[key], bits, "{key}: {stats}");
+        if map == "lb4_prefilter" {
+            assert!(bits > 0, "the Service's frontends hold bits");
+        }
+    }
+}

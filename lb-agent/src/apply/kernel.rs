@@ -111,6 +111,40 @@ fn update_batch<K: aya::Pod, V: aya::Pod>(fd: RawFd, keys: &[K], values: &[V]) -
     }
 }
 
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+
+/// Reads the first `len` values of the array map behind `fd` with one syscall (`None` where the
+/// kernel has no batch lookup, or the call fails: the caller then reads them one by one).
+pub(super) fn lookup_array_batch<V: aya::Pod + Default>(fd: RawFd, len: u32) -> Option<Vec<V>> {
+    let mut keys = vec![0u32; len as usize];
+    let mut values = vec![V::default(); len as usize];
+    let mut next = 0u32;
+    let mut attr = BatchAttr {
+        out_batch: &mut next as *mut u32 as u64,
+        keys: keys.as_mut_ptr() as u64,
+        values: values.as_mut_ptr() as u64,
+        count: len,
+        map_fd: fd as u32,
+        ..Default::default()
+    };
+    // SAFETY: `attr` is the kernel's batch layout; `keys` and `values` hold `count` elements of
+    // the array's key (u32) and value size, and `next` the batch token (a key), alive for the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_LOOKUP_BATCH,
+            &mut attr as *mut BatchAttr,
+            std::mem::size_of::<BatchAttr>(),
+        )
+    };
+    // An array of exactly `len` entries reads whole with 0; ENOENT with every entry copied is the
+    // end of a longer walk's last batch, as good.
+    let whole =
+        attr.count == len && (rc == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::ENOENT));
+    let in_order = keys.iter().enumerate().all(|(i, k)| *k == i as u32);
+    (whole && in_order).then_some(values)
+}
+
 /// Whether an error says the kernel has no batch update for this map (not an entry's failure).
 fn batch_unsupported(e: &io::Error) -> bool {
     // ENOTSUPP (524) is the kernel-internal "not supported" some paths return.
