@@ -2316,3 +2316,267 @@ fn kill_9_while_programming_never_leaves_a_service_half_programmed() {
         "pins left by interrupted starts: {stale_pins:?}"
     );
 }
+
+/// The agent's resident memory (KiB) and open file descriptors.
+fn process_usage(pid: u32) -> (u64, usize) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count());
+    (rss, fds)
+}
+
+/// The agent's `/metrics`: each sample line's value by its name and labels.
+fn metric_values(site: &Site) -> BTreeMap<String, f64> {
+    let body = probe::http_get(Place::netns(&site.node.ns), "127.0.0.1:10249", "/metrics")["body"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    body.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            Some((name.to_string(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Issue 18's soak (not in `./x test`: `cargo xtask soak --duration 1h` runs it and writes
+/// docs/soak.md). A real API server and etcd; steady TCP and UDP load on the `web` Service
+/// through the socket path and tc; every `LB_SOAK_STEP_SECS` (20) one action, in a fixed cycle:
+/// endpoint churn, Services created and deleted, API server restarts, etcd restarts, agent
+/// restarts (SIGTERM), upgrades and downgrades (another object, other map capacities) and
+/// kill -9. The last 30% of the run keeps one agent, so its memory and descriptors over that
+/// stretch show any growth. Every 30 s: the agent's RSS and descriptors, each map's entries, the
+/// conntrack GC's deletions. Nothing may fail; nothing may grow without bound.
+#[test]
+#[ignore = "the soak runs for an hour: cargo xtask soak --duration 1h"]
+fn soak() {
+    use rand::{RngExt, SeedableRng, rngs::StdRng};
+    let _one = serial();
+    let duration = Duration::from_secs(env_or("LB_SOAK_SECS", 600));
+    let step = Duration::from_secs(env_or("LB_SOAK_STEP_SECS", 20));
+    let seed: u64 = env_or("LB_SOAK_SEED", now_us());
+    eprintln!("soak: {duration:?}, an action every {step:?}, seed {seed}");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let variant = variant_object();
+    let mut s = ApiSite::new(3);
+    let pods: Vec<usize> = (0..3).collect();
+    s.put_service(web_service(&[IpFamily::V4]));
+    s.put_slice(web_slice(&s.site, "web", IpFamily::V4, &pods));
+    const CHURNED: usize = 20;
+    let pod_ips: Vec<String> = pods.iter().map(|p| s.site.pod_ip(*p)).collect();
+    let churned_slice = |i: usize, rng: &mut StdRng| {
+        let mut sl = slice("rel", &format!("churn{i}"), &format!("churn{i}-1"));
+        for (p, ip) in pod_ips.iter().enumerate() {
+            if rng.random_bool(0.6) || p == i % 3 {
+                sl = sl.endpoint(ip, NODE, State::Ready);
+            }
+        }
+        sl.port("http", "TCP", 8080)
+    };
+    for i in 0..CHURNED {
+        s.put_service(
+            service("rel", &format!("churn{i}"))
+                .cluster_ip(&format!("10.96.70.{}", i + 1))
+                .port("http", "TCP", 80, 8080),
+        );
+        s.put_slice(churned_slice(i, &mut rng));
+    }
+    let mut agent = s.agent(&[]);
+    let mut generation = 1;
+    let loads = web_loads(&s.site, IpFamily::V4, true);
+
+    const CYCLE: [&str; 15] = [
+        "endpoint churn",
+        "Services created and deleted",
+        "API server restart",
+        "endpoint churn",
+        "Services created and deleted",
+        "etcd restart",
+        "endpoint churn",
+        "Services created and deleted",
+        "agent restart (SIGTERM)",
+        "endpoint churn",
+        "Services created and deleted",
+        "agent upgrade or downgrade",
+        "endpoint churn",
+        "Services created and deleted",
+        "agent kill -9",
+    ];
+    let mut done: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut created: std::collections::VecDeque<usize> = Default::default();
+    let mut next_created = 0usize;
+    let mut upgraded = false;
+    let mut samples = Vec::new();
+    let started = Instant::now();
+    let mut next_sample = started;
+    let last_lifetime_from = duration.mul_f64(0.7);
+    let mut last_lifetime_start: Option<usize> = None;
+    let mut action = 0usize;
+    while started.elapsed() < duration {
+        let kind = CYCLE[action % CYCLE.len()];
+        action += 1;
+        let restarts_agent = kind.starts_with("agent");
+        if restarts_agent && started.elapsed() >= last_lifetime_from {
+            continue;
+        }
+        match kind {
+            "endpoint churn" => {
+                for i in 0..CHURNED {
+                    s.put_slice(churned_slice(i, &mut rng));
+                }
+            }
+            "Services created and deleted" => {
+                for _ in 0..5 {
+                    let n = next_created;
+                    next_created += 1;
+                    s.put_service(
+                        service("rel", &format!("new{n}"))
+                            .cluster_ip(&format!("10.96.{}.{}", 80 + (n / 250) % 20, n % 250 + 1))
+                            .port("http", "TCP", 80, 8080),
+                    );
+                    s.put_slice(
+                        slice("rel", &format!("new{n}"), &format!("new{n}-1"))
+                            .endpoint(&pod_ips[n % 3], NODE, State::Ready)
+                            .port("http", "TCP", 8080),
+                    );
+                    created.push_back(n);
+                }
+                while created.len() > 50 {
+                    let n = created.pop_front().unwrap();
+                    s.delete_service(&format!("new{n}"));
+                }
+            }
+            "API server restart" => {
+                s.cp.stop_apiserver();
+                std::thread::sleep(Duration::from_secs(5));
+                s.cp.start_apiserver().expect("kube-apiserver restarts");
+            }
+            "etcd restart" => s.cp.restart_etcd().expect("etcd restarts"),
+            "agent restart (SIGTERM)" => {
+                assert!(agent.stop().success());
+                agent = s.agent(&[]);
+                generation += 1;
+            }
+            "agent upgrade or downgrade" => {
+                assert!(agent.stop().success());
+                upgraded = !upgraded;
+                agent = if upgraded {
+                    s.agent(&[
+                        "--bpf-object",
+                        variant.to_str().unwrap(),
+                        "--bpf-lb-service-map-max",
+                        "300000",
+                    ])
+                } else {
+                    s.agent(&[])
+                };
+                generation += 1;
+            }
+            "agent kill -9" => {
+                drop(agent);
+                agent = s.agent(&[]);
+                generation += 1;
+            }
+            other => unreachable!("{other}"),
+        }
+        *done.entry(kind).or_default() += 1;
+        let until = Instant::now() + step;
+        while Instant::now() < until && started.elapsed() < duration {
+            if Instant::now() >= next_sample {
+                next_sample += Duration::from_secs(30);
+                let (rss_kib, fds) = process_usage(agent.pid());
+                let m = metric_values(&s.site);
+                let entries = |map: &str| {
+                    m.get(&format!("lb_map_entries{{map=\"{map}\"}}"))
+                        .copied()
+                        .unwrap_or(0.0) as u64
+                };
+                let gc: f64 = m
+                    .iter()
+                    .filter(|(k, _)| k.starts_with("lb_conntrack_gc_deleted_total"))
+                    .map(|(_, v)| v)
+                    .sum();
+                if started.elapsed() >= last_lifetime_from && last_lifetime_start.is_none() {
+                    last_lifetime_start = Some(samples.len());
+                }
+                samples.push(json!({
+                    "t_s": started.elapsed().as_secs(),
+                    "agent": generation,
+                    "rss_kib": rss_kib,
+                    "fds": fds,
+                    "lb4_services": entries("lb4_services"),
+                    "lb4_backends": entries("lb4_backends"),
+                    "lb4_revnat": entries("lb4_revnat"),
+                    "lb4_ct": entries("lb4_ct"),
+                    "lb_aff_match": entries("lb_aff_match"),
+                    "gc_deleted_total": gc as u64,
+                }));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    let tally = stop_loads(loads);
+    drop(agent);
+
+    // Growth over the last stretch, one agent throughout: its first sample a minute in against
+    // its last.
+    let last: Vec<&Value> = samples[last_lifetime_start.unwrap_or(samples.len().saturating_sub(2))..]
+        .iter()
+        .filter(|v| v["agent"] == samples.last().map_or(json!(0), |l| l["agent"].clone()))
+        .collect();
+    let (first, end) = (last.get(2).or(last.first()).copied(), last.last().copied());
+    let grew = |key: &str| -> Value {
+        match (first, end) {
+            (Some(a), Some(b)) => json!({
+                "from": a[key],
+                "to": b[key],
+                "over_s": b["t_s"].as_u64().unwrap_or(0).saturating_sub(a["t_s"].as_u64().unwrap_or(0)),
+            }),
+            _ => Value::Null,
+        }
+    };
+    let figures = json!({
+        "scenario": format!(
+            "Soak of {}s (seed {seed}): steady TCP and UDP load on the web Service through both paths, an action every {}s",
+            duration.as_secs(),
+            step.as_secs()
+        ),
+        "load": tally.rows,
+        "attempted": tally.attempted,
+        "failed": tally.failed,
+        "actions": done.iter().map(|(k, n)| json!({"action": k, "times": n})).collect::<Vec<_>>(),
+        "last_agent_rss_kib": grew("rss_kib"),
+        "last_agent_fds": grew("fds"),
+        "last_agent_lb4_ct": grew("lb4_ct"),
+        "samples": samples,
+    });
+    let dir = workspace_bin("lb-agent").ancestors().nth(2).unwrap().join("soak");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("soak.json"),
+        serde_json::to_string_pretty(&figures).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        tally.failed, 0,
+        "no request may fail during the soak: {:#?}",
+        tally.failures
+    );
+    if let (Some(a), Some(b)) = (first, end) {
+        let (rss_a, rss_b) = (a["rss_kib"].as_u64().unwrap(), b["rss_kib"].as_u64().unwrap());
+        assert!(
+            rss_b <= rss_a + rss_a / 4 + 8 * 1024,
+            "the agent's memory grew from {rss_a} KiB to {rss_b} KiB over the last stretch"
+        );
+        let (fds_a, fds_b) = (a["fds"].as_u64().unwrap(), b["fds"].as_u64().unwrap());
+        assert!(
+            fds_b <= fds_a + 8,
+            "the agent's descriptors grew from {fds_a} to {fds_b}"
+        );
+    }
+}

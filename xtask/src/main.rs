@@ -8,6 +8,8 @@
 //! - `sandbox`      the main job: a local cluster in network namespaces, live traffic tables;
 //! - `bench`        benchmarks side by side with kube-proxy (writes docs/benchmarks.md);
 //! - `report`       regenerate docs/reliability.md from the figures the last test run recorded;
+//! - `soak`         the long reliability run (`--duration 1h`): churn, restarts and upgrades under
+//!   load (writes docs/soak.md);
 //! - `k8s-bins`     build (or find cached) etcd, kube-apiserver, kube-controller-manager,
 //!   kube-scheduler, kubelet, kubectl and kube-proxy;
 //! - `node-parts`   fetch (or find cached) containerd, runc and the CNI plugins (Debian's);
@@ -87,6 +89,16 @@ enum Command {
     },
     /// Regenerate docs/reliability.md from target/reliability/*.json (as `test` does at its end).
     Report,
+    /// The soak: churn, API server and etcd restarts, agent restarts, upgrades and kill -9 under
+    /// steady load for `--duration`; writes docs/soak.md. Not part of `test`.
+    Soak {
+        /// How long: Go-style (`1h`, `30m`, `90s`).
+        #[arg(long, default_value = "1h", value_parser = parse_duration)]
+        duration: std::time::Duration,
+        /// Seconds between two actions.
+        #[arg(long, default_value_t = 20)]
+        step: u64,
+    },
     /// Run the privileged test suite on other kernels (Debian's linux-image packages), each booted
     /// in a guest, and on this machine's kernel; writes docs/kernels.md.
     KernelTest(kernel::Options),
@@ -136,6 +148,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Sandbox { args } => test::run_tool("lb-sandbox", &args),
         Command::Bench { args } => test::run_tool("lb-bench", &args),
         Command::Report => report::write_reliability(),
+        Command::Soak { duration, step } => test::run_soak(duration, step),
         Command::KernelTest(opts) => kernel::run_matrix(&opts),
         Command::E2eUpstream(opts) => upstream_e2e::run(&opts),
         Command::KernelGuest {
@@ -157,6 +170,42 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             image::ensure(&out)?;
             println!("{}", out.join("images.json").display());
             Ok(())
+        }
+    }
+}
+
+/// `1h`, `30m`, `90s`, `1h30m` (jiff's friendly format, or ISO 8601) or plain seconds.
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    if let Ok(secs) = s.parse::<u64>() {
+        return Ok(std::time::Duration::from_secs(secs));
+    }
+    let d: jiff::SignedDuration = s
+        .parse()
+        .map_err(|e| format!("{s:?}: expected a duration such as 1h, 30m or 90s ({e})"))?;
+    std::time::Duration::try_from(d).map_err(|_| format!("{s:?}: a negative duration"))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    #[test]
+    fn soak_durations_parse_as_operators_write_them() {
+        for (text, secs) in [
+            ("1h", 3600),
+            ("30m", 1800),
+            ("90s", 90),
+            ("1h30m", 5400),
+            ("600", 600),
+        ] {
+            assert_eq!(
+                super::parse_duration(text),
+                Ok(Duration::from_secs(secs)),
+                "{text}"
+            );
+        }
+        for bad in ["-1h", "an hour", "1x"] {
+            assert!(super::parse_duration(bad).is_err(), "{bad}");
         }
     }
 }

@@ -83,11 +83,22 @@ fn cargo_test(
     envs: &[(&str, String)],
     summary: &mut Summary,
 ) -> Result<bool> {
+    cargo_test_with(args, filter.as_slice(), envs, summary)
+}
+
+/// `cargo test ARGS --no-fail-fast -- HARNESS_ARGS`, its output passed through and summed.
+fn cargo_test_with(
+    args: &[String],
+    harness_args: &[&str],
+    envs: &[(&str, String)],
+    summary: &mut Summary,
+) -> Result<bool> {
     let mut cmd = clean_cargo(None);
-    cmd.arg("test").args(args).arg("--no-fail-fast").arg("--");
-    if let Some(f) = filter {
-        cmd.arg(f);
-    }
+    cmd.arg("test")
+        .args(args)
+        .arg("--no-fail-fast")
+        .arg("--")
+        .args(harness_args);
     for (k, v) in envs {
         cmd.env(k, v);
     }
@@ -220,6 +231,50 @@ pub fn run_all(filter: Option<&str>, with_e2e: bool, with_guest: bool) -> Result
     print_summary(&summary, started, ok);
     if !ok {
         bail!("tests failed");
+    }
+    Ok(())
+}
+
+/// `cargo xtask soak`: the soak scenario (`reliability.rs`'s ignored `soak` test) for `duration`,
+/// under the suite's set-up (the test variant of the object for its upgrades), then docs/soak.md
+/// from its figures.
+pub fn run_soak(duration: std::time::Duration, step_secs: u64) -> Result<()> {
+    let started = Instant::now();
+    require_root()?;
+    setup::all()?;
+    ebpf::build()?;
+    ebpf::build_variant()?;
+    // A control plane, no kubelet node: the binaries, not the images.
+    let mut envs = test_env(false)?;
+    envs.push((
+        "LB_K8S_BIN_DIR",
+        k8s::ensure(&cache_dir())?.dir.display().to_string(),
+    ));
+    envs.push(("LB_SOAK_SECS", duration.as_secs().to_string()));
+    envs.push(("LB_SOAK_STEP_SECS", step_secs.to_string()));
+    build_agent()?;
+    let figures = workspace_root().join("target/soak/soak.json");
+    let _ = fs::remove_file(&figures);
+    step(&format!(
+        "the soak: {}s, an action every {step_secs}s (progress on stderr; figures to {})",
+        duration.as_secs(),
+        figures.display()
+    ));
+    let mut summary = Summary::default();
+    let args = ["--package", "lb-tests", "--test", "reliability"].map(String::from);
+    let ok = cargo_test_with(
+        &args,
+        &["soak", "--exact", "--ignored", "--nocapture"],
+        &envs,
+        &mut summary,
+    )? && summary.failed == 0
+        && summary.passed == 1;
+    if figures.exists() {
+        crate::report::write_soak(&figures)?;
+    }
+    print_summary(&summary, started, ok);
+    if !ok {
+        bail!("the soak failed (docs/soak.md has its figures, if it got as far as recording them)");
     }
     Ok(())
 }

@@ -1,5 +1,5 @@
 //! etcd and kube-apiserver: their flags, their start on free loopback ports and the wait for
-//! their health and `/readyz`, and stopping and restarting kube-apiserver (an API outage).
+//! their health and `/readyz`, and stopping and restarting kube-apiserver (an API outage) and etcd.
 
 use std::{
     env,
@@ -78,6 +78,17 @@ impl ControlPlane {
             }
             thread::sleep(Duration::from_millis(250));
         }
+    }
+
+    /// Kills etcd (SIGKILL) and starts it again on the same data and ports, waiting until it is
+    /// healthy; kube-apiserver keeps running and reconnects. Blocking.
+    pub fn restart_etcd(&mut self) -> Result<()> {
+        if let Some(mut child) = self.etcd.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+            append_marker(&self.etcd_log(), "killed by ControlPlane::restart_etcd");
+        }
+        self.start_etcd()
     }
 
     /// Whether kube-apiserver is running (started and not stopped).
