@@ -94,13 +94,23 @@ fn update_batch<K: aya::Pod, V: aya::Pod>(fd: RawFd, keys: &[K], values: &[V]) -
         map_fd: fd as u32,
         ..Default::default()
     };
-    // SAFETY: `attr` is the kernel's batch layout; keys and values point at `count` contiguous
-    // elements of the map's key and value size, alive for the call.
+    // SAFETY: keys and values point at `count` contiguous elements of the map's key and value
+    // size, alive for the call.
+    unsafe { bpf_batch(BPF_MAP_UPDATE_BATCH, &mut attr) }
+}
+
+/// bpf(2) with a batch command; the kernel writes `count` back.
+///
+/// # Safety
+/// `attr`'s pointers must name buffers of `count` elements of the map's key and value size (and
+/// `out_batch` one key), valid for the call.
+unsafe fn bpf_batch(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
+    // SAFETY: `attr` is the kernel's batch layout; its buffers are the caller's promise.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_bpf,
-            BPF_MAP_UPDATE_BATCH,
-            &mut attr as *mut BatchAttr, // the kernel writes `count` back
+            cmd,
+            attr as *mut BatchAttr,
             std::mem::size_of::<BatchAttr>(),
         )
     };
@@ -127,20 +137,13 @@ pub(super) fn lookup_array_batch<V: aya::Pod + Default>(fd: RawFd, len: u32) -> 
         map_fd: fd as u32,
         ..Default::default()
     };
-    // SAFETY: `attr` is the kernel's batch layout; `keys` and `values` hold `count` elements of
-    // the array's key (u32) and value size, and `next` the batch token (a key), alive for the call.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_MAP_LOOKUP_BATCH,
-            &mut attr as *mut BatchAttr,
-            std::mem::size_of::<BatchAttr>(),
-        )
-    };
-    // An array of exactly `len` entries reads whole with 0; ENOENT with every entry copied is the
-    // end of a longer walk's last batch, as good.
+    // SAFETY: `keys` and `values` hold `count` elements of the array's key (u32) and value size,
+    // and `next` the batch token (a key), alive for the call.
+    let result = unsafe { bpf_batch(BPF_MAP_LOOKUP_BATCH, &mut attr) };
+    // An array of exactly `len` entries reads whole with Ok; ENOENT with every entry copied is
+    // the end of a longer walk's last batch, as good.
     let whole =
-        attr.count == len && (rc == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::ENOENT));
+        attr.count == len && result.map_or_else(|e| e.raw_os_error() == Some(libc::ENOENT), |()| true);
     let in_order = keys.iter().enumerate().all(|(i, k)| *k == i as u32);
     (whole && in_order).then_some(values)
 }
