@@ -13,7 +13,7 @@ use lb_common::{catalog::Capacities, config::MAX_CLUSTER_CIDRS};
 
 use crate::{
     family::IpFamily,
-    node::{NodePortAddress, NodeSettings},
+    node::{DetectLocalMode, NodePortAddress, NodeSettings},
 };
 
 #[derive(Parser, Debug)]
@@ -144,6 +144,11 @@ pub struct NodeArgs {
     /// a ClusterIP is masqueraded, pod traffic to an external frontend uses all endpoints.
     #[arg(long, value_delimiter = ',')]
     pub cluster_cidr: Vec<String>,
+    /// What tells pod traffic apart (kube-proxy's --detect-local-mode): ClusterCIDR (the
+    /// --cluster-cidr ranges) or NodeCIDR (this node's spec.podCIDRs, so another node's pods
+    /// count as off the node). BridgeInterface and InterfaceNamePrefix are not supported yet.
+    #[arg(long, value_parser = clap::builder::ValueParser::new(str::parse::<DetectLocalMode>), default_value = "ClusterCIDR")]
+    pub detect_local_mode: DetectLocalMode,
     /// Addresses NodePorts are served on: CIDRs and/or `primary`, `localhost`, `all`
     /// (default: every local address, as kube-proxy's iptables mode).
     #[arg(long, value_delimiter = ',')]
@@ -195,6 +200,7 @@ impl NodeArgs {
                 .unwrap_or_else(crate::node::hostname)
                 .to_lowercase(),
             cluster_cidrs,
+            detect_local_mode: args.detect_local_mode,
             nodeport_addresses,
             masquerade_all: args.masquerade_all,
             localhost_nodeports: args.iptables_localhost_nodeports,

@@ -140,6 +140,7 @@ fn settings(cluster_cidr: bool) -> NodeSettings {
         } else {
             vec![]
         },
+        detect_local_mode: Default::default(),
         nodeport_addresses: vec![],
         masquerade_all: false,
         localhost_nodeports: true,
@@ -761,6 +762,79 @@ fn off_cluster_sources_to_a_cluster_ip_are_masqueraded_when_a_cluster_cidr_is_se
         let dnat = ingress(&mut s, &syn).packet;
         let out = egress(&mut s, &dnat);
         assert_eq!(summary(&out.packet).src, f.ip(CLIENT), "{f:?}");
+    }
+}
+
+/// `--detect-local-mode NodeCIDR` (kube-proxy's): the detector is this node's `spec.podCIDRs`, so
+/// a pod of another node (inside the cluster CIDR, outside this node's range) reaching a cluster
+/// IP through this node is masqueraded, where ClusterCIDR mode would keep its address; this
+/// node's own pods keep theirs in both modes. Before the Node has pod CIDRs, there is no detector.
+#[test]
+fn node_cidr_mode_masquerades_other_nodes_pods_to_a_cluster_ip() {
+    use k8s_openapi::api::core::v1::{Node, NodeSpec};
+    use lb_agent::node::DetectLocalMode;
+
+    let node = |pod_cidrs: Vec<String>| Node {
+        metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: Some("node-a".into()),
+            ..Default::default()
+        },
+        spec: Some(NodeSpec {
+            pod_cidrs: Some(pod_cidrs),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let this_node = FAMILIES.map(|f| f.net("10.244.1.0/24")).to_vec();
+    let source_after = |mode: DetectLocalMode, pod_cidrs: Vec<String>, f: Family, src: &str, sport: u16| {
+        let mut state = state();
+        state.node = Some(std::sync::Arc::new(node(pod_cidrs)));
+        let mut settings = settings(true);
+        settings.detect_local_mode = mode;
+        let node_ips: Vec<IpAddr> = FAMILIES.iter().map(|f| f.ip(NODE_IP)).collect();
+        let mut s = ScratchDatapath::new(&state, settings, &node_ips, OBJECT).expect("scratch data path");
+        let syn = tcp(f, src, sport, "10.96.0.10", 80).build();
+        let dnat = ingress(&mut s, &syn).packet;
+        summary(&egress(&mut s, &dnat).packet).src
+    };
+    for f in FAMILIES {
+        let (own_pod, other_pod) = (f.ip("10.244.1.9"), f.ip("10.244.2.20"));
+        let node_cidr = |src: &str, port, cidrs: Vec<String>| {
+            source_after(DetectLocalMode::NodeCidr, cidrs, f, src, port)
+        };
+        assert_eq!(
+            node_cidr("10.244.1.9", 44200, this_node.clone()),
+            own_pod,
+            "{f:?}: this node's pod"
+        );
+        assert_eq!(
+            node_cidr("10.244.2.20", 44201, this_node.clone()),
+            f.ip(NODE_IP),
+            "{f:?}: another node's pod"
+        );
+        assert_eq!(
+            node_cidr(CLIENT, 44202, this_node.clone()),
+            f.ip(NODE_IP),
+            "{f:?}: off the cluster"
+        );
+        // No pod CIDRs yet: no detector, nothing masqueraded (as without --cluster-cidr).
+        assert_eq!(
+            node_cidr("10.244.2.20", 44203, vec![]),
+            other_pod,
+            "{f:?}: no pod CIDRs yet"
+        );
+        // ClusterCIDR mode keeps another node's pod's address.
+        assert_eq!(
+            source_after(
+                DetectLocalMode::ClusterCidr,
+                this_node.clone(),
+                f,
+                "10.244.2.20",
+                44204
+            ),
+            other_pod,
+            "{f:?}: ClusterCIDR mode"
+        );
     }
 }
 

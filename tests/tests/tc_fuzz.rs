@@ -198,6 +198,7 @@ fn settings() -> NodeSettings {
     NodeSettings {
         node_name: "node-a".into(),
         cluster_cidrs: FAMILIES.map(|f| f.net("10.244.0.0/16").parse().unwrap()).to_vec(),
+        detect_local_mode: Default::default(),
         nodeport_addresses: vec![],
         masquerade_all: false,
         localhost_nodeports: true,

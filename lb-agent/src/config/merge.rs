@@ -205,6 +205,14 @@ pub fn merge_with(
         show_duration
     );
     apply!(
+        flag::DETECT_LOCAL_MODE,
+        "detectLocalMode",
+        &file.detect_local_mode,
+        args.node.detect_local_mode,
+        |v| v,
+        |v: &crate::node::DetectLocalMode| v.as_str().to_string()
+    );
+    apply!(
         flag::MASQUERADE_ALL,
         "masqueradeAll",
         &file.masquerade_all,

@@ -15,7 +15,7 @@
 //! | `metricsBindAddress` | `--metrics-bind-address` | `""` = unset; port 10249 appended when missing |
 //! | `clusterCIDR` | `--cluster-cidr` | comma-separated, as kube-proxy |
 //! | `detectLocal.clusterCIDRs` | `--cluster-cidr` | the internal/draft-v1alpha2 layout (a list); wins over `clusterCIDR` |
-//! | `detectLocalMode` | | only `ClusterCIDR` (or unset); any other mode is an error |
+//! | `detectLocalMode` | `--detect-local-mode` | `ClusterCIDR` (or unset) or `NodeCIDR` (the Node's `spec.podCIDRs`); `BridgeInterface` and `InterfaceNamePrefix` are an error |
 //! | `nodePortAddresses` | `--nodeport-addresses` | CIDRs and `primary`/`localhost`/`all` |
 //! | `clientConnection.kubeconfig` | `--kubeconfig` | not applied when `--manifests` is given |
 //! | `clientConnection.qps`, `.burst` | `--kube-api-qps`, `--kube-api-burst` | the API client's token bucket (`watch::rate`); `0` = unset |
@@ -103,6 +103,7 @@ pub mod flag {
     pub const HEALTHZ_BIND_ADDRESS: &str = "healthz_bind_address";
     pub const METRICS_BIND_ADDRESS: &str = "metrics_bind_address";
     pub const CLUSTER_CIDR: &str = "cluster_cidr";
+    pub const DETECT_LOCAL_MODE: &str = "detect_local_mode";
     pub const NODEPORT_ADDRESSES: &str = "nodeport_addresses";
     pub const KUBECONFIG: &str = "kubeconfig";
     pub const KUBE_API_QPS: &str = "kube_api_qps";
@@ -154,6 +155,7 @@ pub struct ProxyConfig {
     pub healthz_bind_address: Option<String>,
     pub metrics_bind_address: Option<String>,
     pub cluster_cidrs: Option<Vec<String>>,
+    pub detect_local_mode: Option<crate::node::DetectLocalMode>,
     pub nodeport_addresses: Option<Vec<String>>,
     pub kubeconfig: Option<PathBuf>,
     pub qps: Option<f32>,

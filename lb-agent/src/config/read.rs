@@ -231,27 +231,10 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
         .transpose()?;
 
     // Local traffic detection.
-    match r.string("detectLocalMode")?.as_deref() {
-        None | Some("ClusterCIDR") => {}
-        Some(other @ ("NodeCIDR" | "BridgeInterface" | "InterfaceNamePrefix")) => {
-            return Err(field_error(
-                "detectLocalMode",
-                format!(
-                    "{other} is not supported by lb-agent: only ClusterCIDR (set clusterCIDR, or --cluster-cidr) \
-                     detects pod traffic in the eBPF data path"
-                ),
-            ));
-        }
-        Some(other) => {
-            return Err(field_error(
-                "detectLocalMode",
-                format!(
-                    "unknown mode {other:?} (kube-proxy knows ClusterCIDR, NodeCIDR, BridgeInterface, \
-                     InterfaceNamePrefix; lb-agent supports ClusterCIDR)"
-                ),
-            ));
-        }
-    }
+    c.detect_local_mode = r
+        .string("detectLocalMode")?
+        .map(|m| m.parse().map_err(|e: String| field_error("detectLocalMode", e)))
+        .transpose()?;
     let legacy_cidrs = r
         .string("clusterCIDR")?
         .map(|s| {

@@ -55,12 +55,55 @@ pub struct NodeContext {
     pub serves: PerFamily<bool>,
 }
 
+/// kube-proxy's `--detect-local-mode`: what tells pod traffic from other traffic (the masquerade
+/// decision for cluster IPs, and pod traffic to external frontends using every endpoint).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DetectLocalMode {
+    /// Sources in `--cluster-cidr` (each family's).
+    #[default]
+    ClusterCidr,
+    /// Sources in this node's pod CIDRs (`spec.podCIDRs` of its Node object): traffic from
+    /// another node's pods counts as off the node, as with kube-proxy.
+    NodeCidr,
+}
+
+impl DetectLocalMode {
+    /// kube-proxy's spelling (`ClusterCIDR`, `NodeCIDR`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DetectLocalMode::ClusterCidr => "ClusterCIDR",
+            DetectLocalMode::NodeCidr => "NodeCIDR",
+        }
+    }
+}
+
+impl std::str::FromStr for DetectLocalMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "" | "ClusterCIDR" => Ok(DetectLocalMode::ClusterCidr),
+            "NodeCIDR" => Ok(DetectLocalMode::NodeCidr),
+            "BridgeInterface" | "InterfaceNamePrefix" => Err(format!(
+                "{s} is not supported by lb-agent yet: ClusterCIDR (--cluster-cidr) or NodeCIDR (the Node's \
+                 spec.podCIDRs) tell pod traffic apart in the eBPF data path"
+            )),
+            other => Err(format!(
+                "unknown mode {other:?} (kube-proxy knows ClusterCIDR, NodeCIDR, BridgeInterface, \
+                 InterfaceNamePrefix; lb-agent supports ClusterCIDR and NodeCIDR)"
+            )),
+        }
+    }
+}
+
 /// The node's settings, from flags and the config file (`cli::NodeArgs::settings`).
 #[derive(Clone, Debug)]
 pub struct NodeSettings {
     pub node_name: String,
     /// `--cluster-cidr`: at most [`MAX_CLUSTER_CIDRS`] per family.
     pub cluster_cidrs: Vec<IpNet>,
+    /// `--detect-local-mode`.
+    pub detect_local_mode: DetectLocalMode,
     pub nodeport_addresses: Vec<NodePortAddress>,
     pub masquerade_all: bool,
     pub localhost_nodeports: bool,
@@ -77,6 +120,10 @@ pub struct NodeView {
     /// primary IP of the family, else its first NodePort address of the family; none (no
     /// masquerading possible in that family) when it has neither.
     pub masquerade: PerFamily<Option<IpAddr>>,
+    /// The local-traffic detector's CIDRs, at most [`MAX_CLUSTER_CIDRS`] per family:
+    /// `--cluster-cidr`, or the Node's pod CIDRs in NodeCIDR mode (none of a family until the
+    /// Node has one).
+    pub local_cidrs: Vec<IpNet>,
 }
 
 impl NodeSettings {
@@ -95,6 +142,17 @@ impl NodeSettings {
             v6: !local.ipv6_disabled,
         };
         let selection = select_nodeport_addresses(&self.nodeport_addresses, &local.addresses, &primary);
+        let mut local_cidrs = match self.detect_local_mode {
+            DetectLocalMode::ClusterCidr => self.cluster_cidrs.clone(),
+            DetectLocalMode::NodeCidr => object::pod_cidrs(node),
+        };
+        for family in IpFamily::ALL {
+            let mut n = 0;
+            local_cidrs.retain(|c| {
+                n += usize::from(IpFamily::of_net(c) == family);
+                IpFamily::of_net(c) != family || n <= MAX_CLUSTER_CIDRS
+            });
+        }
         let masquerade = PerFamily::from_fn(|family| {
             let of_family = |ips: &[IpAddr]| ips.iter().copied().find(|ip| IpFamily::of(ip) == family);
             of_family(&primary)
@@ -112,11 +170,12 @@ impl NodeSettings {
                 node_ips: primary,
                 masquerade_all: self.masquerade_all,
                 detect_local: PerFamily::from_fn(|family| {
-                    self.cluster_cidrs.iter().any(|c| IpFamily::of_net(c) == family)
+                    local_cidrs.iter().any(|c| IpFamily::of_net(c) == family)
                 }),
                 serves,
             },
             masquerade,
+            local_cidrs,
         }
     }
 
@@ -147,8 +206,8 @@ impl NodeSettings {
         if let Some(addr) = view.masquerade.get(F::FAMILY).and_then(|ip| F::kernel_addr(&ip)) {
             out.snat_addr = addr;
         }
-        let cidrs = self
-            .cluster_cidrs
+        let cidrs = view
+            .local_cidrs
             .iter()
             .filter_map(|c| Some((F::kernel_addr(&c.network())?, c.prefix_len())));
         for (slot, (addr, prefix)) in out.cluster_cidrs.iter_mut().zip(cidrs) {

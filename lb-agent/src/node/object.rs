@@ -1,8 +1,10 @@
 //! What the agent reads from its own Node object: the zone label (topology), the primary
-//! addresses of each family (kube-proxy's `GetNodeHostIPs`) and whether it may receive
-//! load-balancer traffic.
+//! addresses of each family (kube-proxy's `GetNodeHostIPs`), its pod CIDRs (`detectLocalMode`
+//! NodeCIDR) and whether it may receive load-balancer traffic.
 
 use std::net::IpAddr;
+
+use ipnet::IpNet;
 
 use k8s_openapi::api::core::v1::Node;
 
@@ -42,6 +44,23 @@ pub fn primary_ips(node: Option<&Node>) -> Vec<IpAddr> {
         }
     }
     out
+}
+
+/// The node's pod CIDRs (`spec.podCIDRs`, else `spec.podCIDR`), normalised; unparsable entries are
+/// skipped, as kube-proxy's NodeCIDR detector skips them.
+pub fn pod_cidrs(node: Option<&Node>) -> Vec<IpNet> {
+    let Some(spec) = node.and_then(|n| n.spec.as_ref()) else {
+        return Vec::new();
+    };
+    let listed: Vec<&String> = match spec.pod_cidrs.as_deref() {
+        Some(cidrs) if !cidrs.is_empty() => cidrs.iter().collect(),
+        _ => spec.pod_cidr.iter().collect(),
+    };
+    listed
+        .into_iter()
+        .filter_map(|c| c.trim().parse::<IpNet>().ok())
+        .map(|c| c.trunc())
+        .collect()
 }
 
 /// The taint the cluster autoscaler puts on a node it is about to delete

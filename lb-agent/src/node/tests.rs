@@ -22,6 +22,7 @@ fn settings(nodeport_addresses: &[&str], bind_address: Option<&str>) -> NodeSett
     NodeSettings {
         node_name: "node-a".into(),
         cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
+        detect_local_mode: Default::default(),
         nodeport_addresses: nodeport_addresses.iter().map(|s| s.parse().unwrap()).collect(),
         masquerade_all: false,
         localhost_nodeports: true,
@@ -371,4 +372,82 @@ fn eligibility_follows_upstream() {
     let mut deleted = node(&[]);
     deleted.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
     assert!(!object::node_eligible(&deleted));
+}
+
+/// NodeCIDR mode: the detector is the Node's `spec.podCIDRs` (else `spec.podCIDR`), per family,
+/// capped at what `lb_config` holds; no pod CIDRs (yet) means no detector, and `--cluster-cidr`
+/// plays no part.
+#[test]
+fn node_cidr_mode_detects_the_nodes_pod_cidrs() {
+    let local = network(&LOCAL_DUAL, false);
+    let s = NodeSettings {
+        detect_local_mode: DetectLocalMode::NodeCidr,
+        ..settings(&[], None)
+    };
+    let with = |pod_cidrs: Option<Vec<&str>>, pod_cidr: Option<&str>| {
+        let mut n = node(&[("InternalIP", "192.168.1.10")]);
+        n.spec = Some(NodeSpec {
+            pod_cidrs: pod_cidrs.map(|c| c.into_iter().map(String::from).collect()),
+            pod_cidr: pod_cidr.map(String::from),
+            ..NodeSpec::default()
+        });
+        s.view(Some(&n), &local)
+    };
+    let v = with(Some(vec!["10.244.1.0/24", "fd00:10:244:1::/64"]), None);
+    assert_eq!(v.context.detect_local, PerFamily { v4: true, v6: true });
+    let cfg = s.datapath_config(&v, 1, false);
+    assert_eq!(
+        cfg.v4.is_pod_address(&[10, 244, 1, 4]),
+        Some(true),
+        "this node's pod"
+    );
+    assert_eq!(
+        cfg.v4.is_pod_address(&[10, 244, 2, 4]),
+        Some(false),
+        "another node's pod"
+    );
+    assert_eq!(
+        cfg.v6.is_pod_address(&In6Addr::from(ip6("fd00:10:244:1::5"))),
+        Some(true)
+    );
+    assert_eq!(
+        cfg.v6.is_pod_address(&In6Addr::from(ip6("fd00:10:244:2::5"))),
+        Some(false)
+    );
+
+    // The single-stack field of older clusters, when podCIDRs is empty.
+    let v = with(Some(vec![]), Some("10.244.7.0/24"));
+    assert_eq!(v.local_cidrs, vec!["10.244.7.0/24".parse::<IpNet>().unwrap()]);
+
+    // None yet (the node controller has not assigned one): no detector in either family.
+    for v in [with(None, None), s.view(None, &local)] {
+        assert_eq!(v.context.detect_local, PerFamily { v4: false, v6: false });
+        assert!(v.local_cidrs.is_empty());
+    }
+
+    // Garbage is skipped, and each family keeps at most MAX_CLUSTER_CIDRS.
+    let many: Vec<String> = (0..MAX_CLUSTER_CIDRS + 2)
+        .map(|i| format!("10.{i}.0.0/16"))
+        .collect();
+    let mut listed: Vec<&str> = many.iter().map(String::as_str).collect();
+    listed.push("not-a-cidr");
+    let v = with(Some(listed), None);
+    assert_eq!(v.local_cidrs.len(), MAX_CLUSTER_CIDRS);
+}
+
+#[test]
+fn detect_local_mode_parses_kube_proxys_names() {
+    assert_eq!("ClusterCIDR".parse(), Ok(DetectLocalMode::ClusterCidr));
+    assert_eq!("".parse(), Ok(DetectLocalMode::ClusterCidr));
+    assert_eq!("NodeCIDR".parse(), Ok(DetectLocalMode::NodeCidr));
+    for mode in ["BridgeInterface", "InterfaceNamePrefix"] {
+        let err = mode.parse::<DetectLocalMode>().unwrap_err();
+        assert!(err.contains("not supported") && err.contains(mode), "{err}");
+    }
+    assert!(
+        "nodecidr"
+            .parse::<DetectLocalMode>()
+            .unwrap_err()
+            .contains("unknown mode")
+    );
 }

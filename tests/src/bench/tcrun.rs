@@ -118,6 +118,7 @@ fn scratch(n: u32, family: Family) -> Result<ScratchDatapath> {
             topo::CLUSTER_CIDR.parse().expect("cidr"),
             topo::CLUSTER_CIDR6.parse().expect("cidr"),
         ],
+        detect_local_mode: Default::default(),
         nodeport_addresses: vec![],
         masquerade_all: false,
         localhost_nodeports: true,

@@ -37,6 +37,7 @@ fn flag_ids_exist_in_the_cli() {
         flag::HEALTHZ_BIND_ADDRESS,
         flag::METRICS_BIND_ADDRESS,
         flag::CLUSTER_CIDR,
+        flag::DETECT_LOCAL_MODE,
         flag::NODEPORT_ADDRESSES,
         flag::KUBECONFIG,
         flag::SYNC_PERIOD,
@@ -178,4 +179,33 @@ fn flags_alone_are_validated_as_a_file_is() {
         validate(&args).is_ok(),
         "a zero minSyncPeriod is kube-proxy's 'no minimum'"
     );
+}
+
+/// `detectLocalMode` from the file, or `--detect-local-mode` given explicitly (which wins, with a
+/// note, as the other flags do).
+#[test]
+fn detect_local_mode_from_the_file_or_the_flag() {
+    use crate::node::DetectLocalMode;
+    let file = load("detectLocalMode: NodeCIDR\n").config;
+    let (mut args, explicit) = cli(&[]);
+    merge(&file, &mut args, &explicit).unwrap();
+    assert_eq!(args.node.detect_local_mode, DetectLocalMode::NodeCidr);
+    assert_eq!(
+        args.node.settings().unwrap().detect_local_mode,
+        DetectLocalMode::NodeCidr
+    );
+    let (mut args, explicit) = cli(&["--detect-local-mode", "ClusterCIDR"]);
+    let notes = merge(&file, &mut args, &explicit).unwrap();
+    assert_eq!(args.node.detect_local_mode, DetectLocalMode::ClusterCidr);
+    assert_eq!(
+        notes,
+        [
+            "--detect-local-mode=ClusterCIDR overrides detectLocalMode=NodeCIDR from the config file (kube-proxy would ignore the flag)"
+        ]
+    );
+    let err = Cli::command()
+        .try_get_matches_from(["lb-agent", "--detect-local-mode", "BridgeInterface"])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not supported"), "{err}");
 }

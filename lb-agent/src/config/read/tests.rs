@@ -205,11 +205,20 @@ fn masquerade_all_section_follows_mode() {
 
 #[test]
 fn detect_local_mode() {
+    use crate::node::DetectLocalMode;
     assert!(load("detectLocalMode: \"\"\n").warnings.is_empty());
-    for mode in ["NodeCIDR", "BridgeInterface", "InterfaceNamePrefix"] {
+    assert_eq!(
+        load("detectLocalMode: NodeCIDR\n").config.detect_local_mode,
+        Some(DetectLocalMode::NodeCidr)
+    );
+    assert_eq!(
+        load("detectLocalMode: ClusterCIDR\n").config.detect_local_mode,
+        Some(DetectLocalMode::ClusterCidr)
+    );
+    for mode in ["BridgeInterface", "InterfaceNamePrefix"] {
         let err = load_err(&format!("detectLocalMode: {mode}\n")).to_string();
         assert!(
-            err.starts_with("detectLocalMode:") && err.contains("only ClusterCIDR"),
+            err.starts_with("detectLocalMode:") && err.contains("not supported"),
             "{err}"
         );
     }

@@ -16,6 +16,8 @@ fn rendered_config_round_trips() {
         "primary,10.0.0.0/8",
         "--bind-address",
         "192.168.1.5",
+        "--detect-local-mode",
+        "NodeCIDR",
     ]);
     merge(&file, &mut args, &explicit).unwrap();
     let yaml = render_config(&args, Some(&file));
@@ -29,6 +31,7 @@ fn rendered_config_round_trips() {
     assert_eq!(c.hostname_override.as_deref(), Some("from-file"));
     assert_eq!(c.bind_address, Some(Ipv4Addr::new(192, 168, 1, 5).into()));
     assert_eq!(c.cluster_cidrs, Some(vec!["10.244.0.0/16".to_string()]));
+    assert_eq!(c.detect_local_mode, Some(crate::node::DetectLocalMode::NodeCidr));
     assert_eq!(
         c.nodeport_addresses,
         Some(vec!["primary".to_string(), "10.0.0.0/8".to_string()])
