@@ -236,3 +236,121 @@ fn suggestions() {
     assert_eq!(levenshtein("kitten", "sitting"), 3);
     assert_eq!(levenshtein("", "abc"), 3);
 }
+
+/// The honoured leaves of `TOP`, as dotted paths.
+fn honoured(fields: &[(&str, Known)], prefix: &str, out: &mut Vec<String>) {
+    for (name, known) in fields {
+        let path = if prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{prefix}.{name}")
+        };
+        match known {
+            Leaf(reason) if *reason == HONOURED => out.push(path),
+            Object(inner) => honoured(inner, &path, out),
+            _ => {}
+        }
+    }
+}
+
+/// Issue 24: a field the table marks honoured changes what the agent does. Each one, set in a file
+/// to a value other than its default (beside what it depends on, in `baseline`), gives other
+/// effective settings after the merge into default flags than `baseline` alone; a field marked
+/// honoured without a case here fails. The settings' effects downstream are the other tests'
+/// (the client's bucket in `watch::rate`, masquerading in the tc fixtures, listeners in
+/// security.rs, ...).
+#[test]
+fn every_honoured_field_changes_the_effective_settings() {
+    use crate::config::{merge, test_support::cli};
+    // (field, baseline, file): the file is the baseline plus the field.
+    let cases: &[(&str, &str, &str)] = &[
+        (
+            "clientConnection.kubeconfig",
+            "",
+            "clientConnection: {kubeconfig: /k}\n",
+        ),
+        ("clientConnection.qps", "", "clientConnection: {qps: 50}\n"),
+        ("clientConnection.burst", "", "clientConnection: {burst: 100}\n"),
+        ("logging.format", "", "logging: {format: json}\n"),
+        ("hostnameOverride", "", "hostnameOverride: other\n"),
+        ("bindAddress", "", "bindAddress: 192.168.1.5\n"),
+        ("healthzBindAddress", "", "healthzBindAddress: 0.0.0.0:20256\n"),
+        ("metricsBindAddress", "", "metricsBindAddress: 127.0.0.1:20249\n"),
+        // The mode picks the section the sync periods and masqueradeAll are read from.
+        (
+            "mode",
+            "ipvs: {syncPeriod: 5s}\n",
+            "mode: ipvs\nipvs: {syncPeriod: 5s}\n",
+        ),
+        ("iptables.masqueradeAll", "", "iptables: {masqueradeAll: true}\n"),
+        (
+            "iptables.localhostNodePorts",
+            "",
+            "iptables: {localhostNodePorts: false}\n",
+        ),
+        ("iptables.syncPeriod", "", "iptables: {syncPeriod: 5s}\n"),
+        ("iptables.minSyncPeriod", "", "iptables: {minSyncPeriod: 5s}\n"),
+        (
+            "ipvs.syncPeriod",
+            "mode: ipvs\n",
+            "mode: ipvs\nipvs: {syncPeriod: 5s}\n",
+        ),
+        (
+            "ipvs.minSyncPeriod",
+            "mode: ipvs\n",
+            "mode: ipvs\nipvs: {minSyncPeriod: 5s}\n",
+        ),
+        (
+            "nftables.masqueradeAll",
+            "mode: nftables\n",
+            "mode: nftables\nnftables: {masqueradeAll: true}\n",
+        ),
+        (
+            "nftables.syncPeriod",
+            "mode: nftables\n",
+            "mode: nftables\nnftables: {syncPeriod: 5s}\n",
+        ),
+        (
+            "nftables.minSyncPeriod",
+            "mode: nftables\n",
+            "mode: nftables\nnftables: {minSyncPeriod: 5s}\n",
+        ),
+        ("detectLocalMode", "", "detectLocalMode: NodeCIDR\n"),
+        (
+            "detectLocal.clusterCIDRs",
+            "",
+            "detectLocal: {clusterCIDRs: [10.244.0.0/16]}\n",
+        ),
+        ("clusterCIDR", "", "clusterCIDR: 10.244.0.0/16\n"),
+        ("nodePortAddresses", "", "nodePortAddresses: [primary]\n"),
+        ("syncPeriod", "", "syncPeriod: 5s\n"),
+        ("minSyncPeriod", "", "minSyncPeriod: 5s\n"),
+        ("linux.masqueradeAll", "", "linux: {masqueradeAll: true}\n"),
+    ];
+    // Checked, not settings: a file with another apiVersion or kind is refused (read tests).
+    let checked_only = ["apiVersion", "kind"];
+    let mut marked = Vec::new();
+    honoured(TOP, "", &mut marked);
+    let missing: Vec<&String> = marked
+        .iter()
+        .filter(|f| !checked_only.contains(&f.as_str()) && !cases.iter().any(|(c, _, _)| c == *f))
+        .collect();
+    assert!(missing.is_empty(), "honoured fields without a case: {missing:?}");
+
+    let effective = |body: &str| {
+        let (mut args, explicit) = cli(&[]);
+        merge(&load(body).config, &mut args, &explicit).unwrap_or_else(|e| panic!("{e}\n{body}"));
+        format!("{args:?}")
+    };
+    for (field, baseline, file) in cases {
+        assert!(
+            marked.iter().any(|m| m == field),
+            "{field} is not marked honoured"
+        );
+        assert_ne!(
+            effective(baseline),
+            effective(file),
+            "{field}: setting it changes nothing the agent uses"
+        );
+    }
+}
