@@ -1,6 +1,7 @@
 //! Test harness shared by the privileged tests, the end-to-end tests, the sandbox and the
 //! benchmarks. Every kernel object a test creates is owned by an RAII guard that removes it on
-//! drop, also when the test panics:
+//! drop, also when the test panics; and when a signal (SIGINT, SIGTERM, SIGHUP) ends the process,
+//! which runs no guard, `sweep::remove_own_objects_on_signals` removes them by their names:
 //!
 //! - `netns`: network namespaces, veth pairs, addresses and routes (iproute2);
 //! - `cgroup`: a cgroup v2 subtree under the detected cgroup2 mount (never the root cgroup);
@@ -45,6 +46,8 @@ pub fn require_root() {
         if !removed.is_empty() {
             eprintln!("removed the leftovers of runs that died: {}", removed.join(", "));
         }
+        // And what this process makes goes with it when a signal ends it.
+        sweep::remove_own_objects_on_signals();
     });
 }
 

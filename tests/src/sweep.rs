@@ -34,8 +34,8 @@ fn live_pids() -> std::collections::BTreeSet<u32> {
 }
 
 /// Processes of a control plane (their command line names `<tmp>/lb-control-plane-*`) whose
-/// parent is gone (re-parented to pid 1), with that directory.
-fn orphaned_control_planes() -> Vec<(i32, std::path::PathBuf)> {
+/// parent is `parent` (1: their test died and they were re-parented), with that directory.
+fn control_planes_of(parent: i32) -> Vec<(i32, std::path::PathBuf)> {
     let marker = std::env::temp_dir().join("lb-control-plane-");
     let marker = marker.to_string_lossy().into_owned();
     let mut found = Vec::new();
@@ -53,7 +53,7 @@ fn orphaned_control_planes() -> Vec<(i32, std::path::PathBuf)> {
         let ppid = stat
             .rsplit_once(')')
             .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok());
-        if ppid != Some(1) {
+        if ppid != Some(parent) {
             continue;
         }
         // The directory is the marker plus tempfile's alphanumeric suffix.
@@ -72,7 +72,81 @@ pub fn leftovers_of_dead_runs() -> Vec<String> {
     // Asked of each object once it is listed, never of a list of processes read before: a run
     // that started in between (its objects made after that list) would be taken for dead and its
     // namespaces deleted under it.
-    let dead = |name: &str| pid_of(name).is_some_and(|pid| !live_pids().contains(&pid));
+    sweep(|pid| !live_pids().contains(&pid), control_planes_of(1))
+}
+
+/// Removes everything this process made (a signal is ending it: no guard will run).
+pub fn own_objects() -> Vec<String> {
+    let me = std::process::id();
+    sweep(|pid| pid == me % 100_000, control_planes_of(me as i32))
+}
+
+/// On SIGINT, SIGTERM or SIGHUP (Ctrl-C, a runner's timeout, a closed terminal), removes what this
+/// process made, then exits as the signal would have (128 + its number): a signal ends a process
+/// without running its guards. Installed once, by [`crate::require_root`], for the signals the
+/// program has not taken itself.
+pub fn remove_own_objects_on_signals() {
+    use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
+    use std::os::fd::{AsRawFd, IntoRawFd};
+
+    static WRITE_END: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+    extern "C" fn on_signal(sig: libc::c_int) {
+        let fd = WRITE_END.load(std::sync::atomic::Ordering::SeqCst);
+        let byte = sig as u8;
+        // SAFETY: write is async-signal-safe; the byte lives for the call.
+        unsafe { libc::write(fd, (&byte as *const u8).cast(), 1) };
+    }
+    let Ok((read_end, write_end)) = nix::unistd::pipe() else {
+        return;
+    };
+    WRITE_END.store(write_end.into_raw_fd(), std::sync::atomic::Ordering::SeqCst);
+    let spawned = std::thread::Builder::new()
+        .name("signal-sweep".into())
+        .spawn(move || {
+            let mut byte = [0u8; 1];
+            // SAFETY: reading into a live one-byte buffer from the pipe this thread owns.
+            let n = unsafe { libc::read(read_end.as_raw_fd(), byte.as_mut_ptr().cast(), 1) };
+            if n != 1 {
+                return;
+            }
+            let sig = i32::from(byte[0]);
+            let removed = own_objects();
+            eprintln!(
+                "signal {sig}: removed what this test process made ({}); exiting",
+                if removed.is_empty() {
+                    "nothing".to_string()
+                } else {
+                    removed.join(", ")
+                }
+            );
+            // SAFETY: ends the process without unwinding other threads, as the signal would have.
+            unsafe { libc::_exit(128 + sig) };
+        });
+    if spawned.is_err() {
+        return;
+    }
+    let action = SigAction::new(
+        SigHandler::Handler(on_signal),
+        SaFlags::SA_RESTART,
+        SigSet::empty(),
+    );
+    for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        // SAFETY: the handler only writes one byte to a pipe, which is async-signal-safe; a
+        // program with its own handler (the sandbox tears down in order) gets it back.
+        unsafe {
+            if let Ok(old) = sigaction(signal, &action)
+                && !matches!(old.handler(), SigHandler::SigDfl)
+            {
+                let _ = sigaction(signal, &old);
+            }
+        }
+    }
+}
+
+/// Removes the objects named with a pid for which `owned` holds, and the control planes in
+/// `control_planes`; returns what it removed.
+fn sweep(owned: impl Fn(u32) -> bool, control_planes: Vec<(i32, std::path::PathBuf)>) -> Vec<String> {
+    let dead = |name: &str| pid_of(name).is_some_and(&owned);
     // Only the prefixes this crate gives namespaces (`lb...` for the tests, `bc`/`bn`/`bs` for
     // the benchmark's client, node and server): a namespace of someone else's is never ours.
     let ours = |name: &str| {
@@ -81,9 +155,9 @@ pub fn leftovers_of_dead_runs() -> Vec<String> {
     };
     let mut removed = Vec::new();
 
-    // Control planes whose test died (`crate::control_plane`): etcd, kube-apiserver and the
-    // controllers outlive a killed test as orphans; their data directory goes with them.
-    for (pid, dir) in orphaned_control_planes() {
+    // Control planes (`crate::control_plane`): etcd, kube-apiserver and the controllers outlive a
+    // killed test as orphans; their data directory goes with them.
+    for (pid, dir) in control_planes {
         // SAFETY: kill has no memory effects.
         unsafe { libc::kill(pid, libc::SIGKILL) };
         removed.push(format!("control-plane process {pid}"));

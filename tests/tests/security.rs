@@ -172,6 +172,20 @@ fn pins(dir: &Path) -> BTreeSet<PathBuf> {
     out
 }
 
+/// The agent (as root) in `ns` and `cgroup`, pinned under `bpf_root`, programmed from the
+/// manifests in `manifests`; returned once its programs are attached.
+fn start_agent(ns: &NetNs, cgroup: &Cgroup, bpf_root: PathBuf, manifests: &Path) -> Agent {
+    Agent::start(AgentOptions {
+        netns: ns,
+        cgroup,
+        bpf_root,
+        node_name: NODE.into(),
+        manifests: Some(manifests.to_path_buf()),
+        kubeconfig: None,
+        extra_args: vec![],
+    })
+}
+
 /// An agent (as root) in its own node namespace, bpffs and cgroup, programmed from manifests.
 struct Node {
     agent: Option<Agent>,
@@ -190,15 +204,7 @@ impl Node {
         let ns = NetNs::new("lbsec");
         let manifests = manifests();
         let bpf_root = bpf_root_in(bpffs.path());
-        let agent = Agent::start(AgentOptions {
-            netns: &ns,
-            cgroup: &cgroup,
-            bpf_root: bpf_root.clone(),
-            node_name: NODE.into(),
-            manifests: Some(manifests.path().to_path_buf()),
-            kubeconfig: None,
-            extra_args: vec![],
-        });
+        let agent = start_agent(&ns, &cgroup, bpf_root.clone(), manifests.path());
         Node {
             agent: Some(agent),
             bpf_root,
@@ -451,15 +457,7 @@ fn the_agent_mounts_bpffs_at_its_root_never_over_an_ancestor() {
     let cgroup = Cgroup::new("lbmnt");
     let ns = NetNs::new("lbmnt");
     let manifests = manifests();
-    let agent = Agent::start(AgentOptions {
-        netns: &ns,
-        cgroup: &cgroup,
-        bpf_root: root.clone(),
-        node_name: NODE.into(),
-        manifests: Some(manifests.path().to_path_buf()),
-        kubeconfig: None,
-        extra_args: vec![],
-    });
+    let agent = start_agent(&ns, &cgroup, root.clone(), manifests.path());
     let mounted_at_root = is_bpffs(&root);
     let ancestor_untouched = !is_bpffs(parent.path()) && parent.path().join("keep").exists();
     let log = agent.log();
@@ -896,15 +894,7 @@ fn a_failed_start_leaves_the_node_as_it_was() {
     // A node a previous agent programmed and left serving.
     let bpffs = BpfFs::new();
     let root = bpf_root_in(bpffs.path());
-    let previous = Agent::start(AgentOptions {
-        netns: &ns,
-        cgroup: &cgroup,
-        bpf_root: root.clone(),
-        node_name: NODE.into(),
-        manifests: Some(manifests.path().to_path_buf()),
-        kubeconfig: None,
-        extra_args: vec![],
-    });
+    let previous = start_agent(&ns, &cgroup, root.clone(), manifests.path());
     previous.stop();
     let programmed = pin_state(&root);
     assert!(
@@ -947,15 +937,7 @@ fn a_held_listen_port_is_taken_once_freed() {
         &["0.0.0.0:10256", "127.0.0.1:10249", &node_port],
         &[],
     );
-    let agent = Agent::start(AgentOptions {
-        netns: &ns,
-        cgroup: &cgroup,
-        bpf_root: bpf_root_in(bpffs.path()),
-        node_name: NODE.into(),
-        manifests: Some(manifests.path().to_path_buf()),
-        kubeconfig: None,
-        extra_args: vec![],
-    });
+    let agent = start_agent(&ns, &cgroup, bpf_root_in(bpffs.path()), manifests.path());
     agent.wait_for_line("healthz server on", Duration::from_secs(10));
     agent.wait_for_line("metrics server on", Duration::from_secs(10));
     drop(holder);
@@ -1019,4 +1001,102 @@ fn stats_counts_the_prefilter_bits_the_maps_hold() {
             assert!(bits > 0, "the Service's frontends hold bits");
         }
     }
+}
+
+/// Test hygiene: a test process ended by SIGTERM, SIGHUP or SIGINT (a runner's timeout, a closed
+/// terminal, Ctrl-C) removes its namespaces, cgroups and bpffs mounts, and stops what runs in
+/// them, before it exits, though no guard runs (`sweep::remove_own_objects_on_signals`). Runs
+/// this binary's helper `held_objects_until_a_signal` and signals it once its objects exist.
+#[test]
+fn a_test_ended_by_a_signal_leaves_nothing_behind() {
+    require_root();
+    use std::io::BufRead;
+    for sig in [libc::SIGTERM, libc::SIGHUP, libc::SIGINT] {
+        let mut child = Command::new(std::env::current_exe().expect("this test binary"))
+            .args([
+                "held_objects_until_a_signal",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn the helper");
+        let mut lines = std::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let ready = lines
+            .by_ref()
+            .map_while(Result::ok)
+            .any(|l| l.contains("holding"));
+        let tag = format!("{}x", child.id() % 100_000);
+        let ours = |text: String| -> Vec<String> {
+            text.lines()
+                .filter(|l| l.contains(&tag))
+                .map(String::from)
+                .collect()
+        };
+        let objects = || {
+            let netns = ours(
+                String::from_utf8_lossy(
+                    &Command::new("ip")
+                        .args(["netns", "list"])
+                        .output()
+                        .unwrap()
+                        .stdout,
+                )
+                .into(),
+            );
+            let mounts = ours(std::fs::read_to_string("/proc/self/mounts").unwrap_or_default());
+            let cgroups = ours(
+                std::fs::read_dir(lb_tests::cgroup::cgroup2_mount().join("lb-tests"))
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+            );
+            [netns, mounts, cgroups]
+        };
+        let before = objects();
+        // SAFETY: kill has no memory effects.
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("the helper did not exit within 30 s of signal {sig}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut stderr = String::new();
+        let _ = std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut stderr);
+        let after = objects();
+        assert!(ready, "the helper never held its objects: {stderr}");
+        assert!(
+            before.iter().all(|o| !o.is_empty()),
+            "signal {sig}: objects held before: {before:?}"
+        );
+        assert!(
+            after.iter().all(Vec::is_empty),
+            "signal {sig}: left behind: {after:?}\n{stderr}"
+        );
+        assert_eq!(status.code(), Some(128 + sig), "signal {sig}: {stderr}");
+    }
+}
+
+#[test]
+#[ignore = "a helper of a_test_ended_by_a_signal_leaves_nothing_behind"]
+fn held_objects_until_a_signal() {
+    require_root();
+    let ns = NetNs::new("lbsig");
+    let cgroup = Cgroup::new("lbsig");
+    let _bpffs = BpfFs::new();
+    let _sleeper = Proc::spawn(Place::new(&ns, &cgroup), "sleep", &["120"]);
+    println!("holding");
+    std::thread::sleep(Duration::from_secs(120));
 }
