@@ -240,6 +240,8 @@ pub fn run_all(filter: Option<&str>, with_e2e: bool, with_guest: bool) -> Result
 /// from its figures.
 pub fn run_soak(duration: std::time::Duration, step_secs: u64) -> Result<()> {
     let started = Instant::now();
+    // The commit the soak runs, taken now: the tree may change during an hour's run.
+    let (sha, _) = crate::util::provenance();
     require_root()?;
     setup::all()?;
     ebpf::build()?;
@@ -270,7 +272,7 @@ pub fn run_soak(duration: std::time::Duration, step_secs: u64) -> Result<()> {
     )? && summary.failed == 0
         && summary.passed == 1;
     if figures.exists() {
-        crate::report::write_soak(&figures)?;
+        crate::report::write_soak(&figures, &sha)?;
     }
     print_summary(&summary, started, ok);
     if !ok {
