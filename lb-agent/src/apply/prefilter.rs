@@ -306,23 +306,25 @@ pub struct Referenced {
     pub began: Option<Instant>,
 }
 
-/// A prefilter map's words: one syscall for the whole array where the kernel can (5.6+), else
-/// one per word (16,384).
-fn read_words(map: &Array<MapData, u64>, fd: &impl AsRawFd) -> Vec<u64> {
-    super::kernel::lookup_array_batch(fd.as_raw_fd(), WORDS)
-        .unwrap_or_else(|| (0..WORDS).map(|i| map.get(&i, 0).unwrap_or(0)).collect())
+/// A prefilter map as an array, with a second descriptor for batch calls, and its words: one
+/// syscall for the whole array where the kernel can (5.6+), else one per word (16,384).
+fn open_words(map: Map) -> Result<(FamilyMap, Vec<u64>), aya::maps::MapError> {
+    let batch_fd = match &map {
+        Map::Array(data) => data.fd().as_fd().try_clone_to_owned()?,
+        _ => return Err(aya::maps::MapError::IoError(io::Error::other("not an array"))),
+    };
+    let map: Array<MapData, u64> = map.try_into()?;
+    let words = super::kernel::lookup_array_batch(batch_fd.as_raw_fd(), WORDS)
+        .unwrap_or_else(|| (0..WORDS).map(|i| map.get(&i, 0).unwrap_or(0)).collect());
+    Ok((FamilyMap { map, batch_fd }, words))
 }
 
 /// The bits set in each family's prefilter map (IPv4, IPv6), read without taking them over (the
 /// CLI's view of a running agent's maps).
 pub fn bits_set_in(maps: [Map; 2]) -> Result<[u32; 2], aya::maps::MapError> {
     let count = |map: Map| -> Result<u32, aya::maps::MapError> {
-        let fd = match &map {
-            Map::Array(data) => data.fd().as_fd().try_clone_to_owned()?,
-            _ => return Err(aya::maps::MapError::IoError(io::Error::other("not an array"))),
-        };
-        let map: Array<MapData, u64> = map.try_into()?;
-        Ok(read_words(&map, &fd).iter().map(|w| w.count_ones()).sum())
+        let (_, words) = open_words(map)?;
+        Ok(words.iter().map(|w| w.count_ones()).sum())
     };
     let [v4, v6] = maps;
     Ok([count(v4)?, count(v6)?])
@@ -335,13 +337,8 @@ impl Prefilter {
         let (bits, maps) = match maps {
             Some([v4, v6]) => {
                 let open = |map: Map| -> Result<(FamilyMap, Bits), aya::maps::MapError> {
-                    let batch_fd = match &map {
-                        Map::Array(data) => data.fd().as_fd().try_clone_to_owned()?,
-                        _ => return Err(aya::maps::MapError::IoError(io::Error::other("not an array"))),
-                    };
-                    let map: Array<MapData, u64> = map.try_into()?;
-                    let words = read_words(&map, &batch_fd);
-                    Ok((FamilyMap { map, batch_fd }, Bits::new(words, now)))
+                    let (map, words) = open_words(map)?;
+                    Ok((map, Bits::new(words, now)))
                 };
                 let (m4, b4) = open(v4)?;
                 let (m6, b6) = open(v6)?;
