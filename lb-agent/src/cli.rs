@@ -293,6 +293,10 @@ pub struct BpfArgs {
     /// How long a TCP flow closed by both sides (or reset) keeps its conntrack entries.
     #[arg(long, value_parser = parse_duration, default_value = "10s")]
     pub bpf_ct_timeout_regular_tcp_fin: Duration,
+    /// How long a TCP flow whose client never went past its SYN (a spoofed SYN's, in a flood)
+    /// keeps its conntrack entries and its masquerade port.
+    #[arg(long, value_parser = parse_duration, default_value = "60s")]
+    pub bpf_ct_timeout_regular_tcp_syn: Duration,
     /// How long an idle UDP flow keeps its conntrack entries (and its backend).
     #[arg(long, value_parser = parse_duration, default_value = "60s")]
     pub bpf_ct_timeout_regular_any: Duration,
@@ -320,6 +324,7 @@ impl BpfArgs {
     pub fn conntrack_timeouts(&self) -> crate::datapath::conntrack::GcTimeouts {
         crate::datapath::conntrack::GcTimeouts {
             tcp_fin_timeout: self.bpf_ct_timeout_regular_tcp_fin,
+            tcp_syn_timeout: self.bpf_ct_timeout_regular_tcp_syn,
             udp_timeout: self.bpf_ct_timeout_regular_any,
             ..Default::default()
         }

@@ -21,7 +21,7 @@
 //! | `lb_datapath_events_total` | counter | `event` | [`Metrics::set_datapath_events`] (absolute totals) |
 //! | `lb_map_write_errors_total` | counter | `map` | [`Metrics::map_write_errors`] |
 //! | `lb_services_skipped` | gauge | `reason` | [`Metrics::set_services_skipped`] |
-//! | `lb_conntrack_gc_deleted_total` | counter | `reason` = `closed`/`idle`/`orphan` | [`Metrics::conntrack_gc_deleted`] |
+//! | `lb_conntrack_gc_deleted_total` | counter | `reason` = `closed`/`handshake`/`idle`/`orphan` | [`Metrics::conntrack_gc_deleted`] |
 //! | `lb_tc_prefilter_bits` | gauge | `ip_family` = `IPv4`/`IPv6` | [`Metrics::set_prefilter_bits`] (after each conntrack GC pass) |
 //!
 //! Not exported: the iptables/ipvs/nftables-specific metrics (`..._iptables_restore_failures_total`,

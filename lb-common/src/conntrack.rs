@@ -50,6 +50,16 @@ pub mod flags {
     /// The close marks: a flow with RESET, or with FIN_FORWARD and FIN_REPLY, has ended, and the
     /// agent's conntrack GC frees its entries (and its masquerade port) after a grace period.
     pub const CLOSE_MARKS: u16 = FIN_FORWARD | FIN_REPLY | RESET;
+    /// The client went past the TCP handshake: a packet of its without SYN or RST passed this
+    /// (forward) entry. netfilter's ASSURED: a flow without it after `SYN_REUSE_NS` is one whose
+    /// handshake never completed (a spoofed SYN's, in a flood), whose masquerade port a new flow
+    /// may take when every port it tries is held, and which the conntrack GC frees after
+    /// `--bpf-ct-timeout-regular-tcp-syn`.
+    pub const ESTABLISHED: u16 = 1 << 7;
+    /// Written on every entry of a flow by programs that mark `ESTABLISHED`. A flow without it
+    /// was created by an earlier release's programs, which never mark it: it is never taken for
+    /// one whose handshake did not complete.
+    pub const HANDSHAKE_TRACKED: u16 = 1 << 8;
 }
 
 #[repr(C)]

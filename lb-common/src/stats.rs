@@ -89,6 +89,10 @@ counters! {
     /// tc: a flow to masquerade, but the node has no address of the flow's family to masquerade
     /// with (an IPv6 NodePort reached on a node without an IPv6 node IP, say); dropped.
     TcNoMasqueradeAddress => "tc_no_masquerade_address",
+    /// tc: every masquerade port a new flow tried was held, and it took one back from a flow done
+    /// with it (a TCP handshake not completed within a second, a spoofed SYN's; a UDP flow silent
+    /// both ways for 2 s), as netfilter's early drop does with unassured connections.
+    TcSnatPortReclaimed => "tc_snat_port_reclaimed",
 }
 
 /// Number of counters (`lb_stats` max_entries).

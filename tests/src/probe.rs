@@ -79,15 +79,20 @@ pub fn udp(place: Place<'_>, to: &str, count: u32, connected: bool) -> Vec<Value
     json_lines(&run_in(place, probe(), &args))
 }
 
-/// Starts `lb-probe hold`: one long-lived TCP connection exchanging a message every interval.
+/// Starts `lb-probe hold`: one long-lived TCP connection exchanging a message every 50 ms.
 pub fn hold(place: Place<'_>, to: &str, seconds: u64) -> Proc {
+    hold_every(place, to, seconds, 50)
+}
+
+/// `lb-probe hold` exchanging a message every `interval_ms` (a mostly idle connection when long).
+pub fn hold_every(place: Place<'_>, to: &str, seconds: u64, interval_ms: u64) -> Proc {
     let mut cmd = std::process::Command::new(probe());
     cmd.args([
         "hold",
         "--connect",
         to,
         "--interval-ms",
-        "50",
+        &interval_ms.to_string(),
         "--seconds",
         &seconds.to_string(),
     ])

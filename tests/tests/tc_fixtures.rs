@@ -1385,6 +1385,86 @@ fn closed_masqueraded_flows_give_their_ports_back_through_the_conntrack_gc() {
     }
 }
 
+/// Regression (issue 18's flood): spoofed SYNs to a NodePort held every masquerade port towards
+/// the backend with flows whose handshake never completed, and every legitimate new connection
+/// was dropped until the GC's timeouts. A new flow that finds every port it tries held now takes
+/// one back from a TCP flow whose client never went past its SYN for a second, or from a UDP
+/// flow silent both ways for 2 s (netfilter's early drop of unassured connections); never from
+/// an established connection or a UDP flow still talking.
+#[test]
+fn a_flood_of_unfinished_handshakes_gives_its_masquerade_ports_back() {
+    use lb_agent::apply::MapOps;
+    use std::time::Duration;
+
+    for f in FAMILIES {
+        let mut s = scratch(true);
+        let mut cfg = s.maps().config.get(&0, 0).expect("config");
+        cfg.snat_port_min = 20_000;
+        cfg.snat_port_max = 20_001;
+        s.maps_mut().put_config(&cfg).expect("config");
+        let reclaimed = |s: &ScratchDatapath| counter(s, Counter::TcSnatPortReclaimed);
+
+        // A flow's first packet (a SYN, or a datagram); its masquerade port, or None if dropped.
+        let open = |s: &mut ScratchDatapath, first: &Spec| -> Option<u16> {
+            let dnat = ingress(s, &first.build());
+            if dnat.action == SHOT {
+                return None;
+            }
+            Some(summary(&egress(s, &dnat.packet).packet).sport)
+        };
+        let syn = |cport: u16| tcp(f, CLIENT, cport, NODE_IP, 30080);
+        let a = open(&mut s, &syn(41000)).expect("A");
+        let b = open(&mut s, &syn(41001)).expect("B");
+        // A's client completes its handshake (its ACK, with data); B's never answers.
+        let ack = ingress(&mut s, &syn(41000).data(b"GET /").build());
+        assert_eq!(ack.action, OK);
+        assert_eq!(
+            open(&mut s, &syn(41002)),
+            None,
+            "{f:?}: handshakes under a second keep their ports"
+        );
+        assert_eq!(reclaimed(&s), 0);
+        std::thread::sleep(Duration::from_millis(1_100));
+        assert_eq!(
+            open(&mut s, &syn(41002)),
+            Some(b),
+            "{f:?}: B's unfinished handshake gave its port back"
+        );
+        assert_eq!(reclaimed(&s), 1);
+        assert_eq!(
+            open(&mut s, &syn(41003)),
+            None,
+            "{f:?}: A is established, C is young"
+        );
+        // A still flows through its port.
+        let more = ingress(&mut s, &syn(41000).data(b"more").build());
+        assert_eq!(summary(&egress(&mut s, &more.packet).packet).sport, a);
+
+        // UDP: two flows hold the two ports; after 2 s one has spoken again, the other is silent.
+        let dgram = |cport: u16| udp(f, CLIENT, cport, "10.96.0.16", 53);
+        let u = open(&mut s, &dgram(42000)).expect("U");
+        let v = open(&mut s, &dgram(42001)).expect("V");
+        assert_eq!(open(&mut s, &dgram(42002)), None, "{f:?}: both UDP ports held");
+        std::thread::sleep(Duration::from_millis(2_100));
+        assert_eq!(
+            open(&mut s, &dgram(42000)),
+            Some(u),
+            "{f:?}: U speaks again on its port"
+        );
+        assert_eq!(
+            open(&mut s, &dgram(42002)),
+            Some(v),
+            "{f:?}: silent V gave its port back"
+        );
+        assert_eq!(reclaimed(&s), 2);
+        assert_eq!(
+            open(&mut s, &dgram(42003)),
+            None,
+            "{f:?}: U is talking, W is young"
+        );
+    }
+}
+
 /// The kernel maps write runs of service and backend entries with BPF_MAP_UPDATE_BATCH, one run
 /// per family; a run that does not fit stops exactly where the kernel refused, counted from the
 /// start of the whole batch, so the writer's mirror stays true.

@@ -265,7 +265,12 @@ pub fn write_reliability() -> Result<()> {
     if files.is_empty() {
         return Ok(());
     }
-    files.sort();
+    // By scenario number, then name: 10-flood after 9-kubelet-*, 1b after 1.
+    files.sort_by_key(|p| {
+        let stem = p.file_stem().unwrap_or_default().to_string_lossy().to_string();
+        let digits = stem.chars().take_while(char::is_ascii_digit).count();
+        (stem[..digits].parse::<u32>().unwrap_or(u32::MAX), stem[digits..].to_string())
+    });
     let mut scenarios = Vec::new();
     for file in &files {
         let v: Value = serde_json::from_str(&fs::read_to_string(file)?)

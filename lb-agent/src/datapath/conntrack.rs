@@ -12,13 +12,19 @@
 //! time in `last_seen_ns`) and keep `last_seen_ns` fresh for UDP. A pass here groups the entries
 //! by flow (all entries of a flow share `created_ns`) and deletes:
 //! - a TCP flow reset, or closed by both sides, `tcp_fin_timeout` ago;
+//! - a TCP flow whose handshake never completed (no `ESTABLISHED`: the client never sent a
+//!   packet past its SYN) `tcp_syn_timeout` after it began: a spoofed SYN's, in a flood, which
+//!   would otherwise hold its masquerade port and its entries until LRU eviction (netfilter
+//!   frees these after 60-120 s: `nf_conntrack_tcp_timeout_syn_recv`, `_syn_sent`; Cilium's
+//!   `--bpf-ct-timeout-regular-tcp-syn` is 60 s);
 //! - a UDP flow idle for `udp_timeout`;
 //! - an entry no forward entry claims (its flow was replaced by a new connection on the same
 //!   client tuple, or LRU-evicted) once `orphan_grace` old (a flow being created right now has
 //!   its companions in place a moment before its forward entry).
 //!
-//! TCP flows never closed (a peer that vanished) stay until LRU eviction: the programs do not
-//! write per packet, so there is no idle clock for TCP.
+//! Established TCP flows never closed (a peer that vanished) stay until LRU eviction: the programs
+//! do not write per packet, so there is no idle clock for TCP. Flows created by an earlier
+//! release's programs (no `HANDSHAKE_TRACKED`) are never taken for unfinished handshakes.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -37,6 +43,7 @@ use lb_common::{
 #[derive(Clone, Copy, Debug)]
 pub struct GcTimeouts {
     pub tcp_fin_timeout: Duration,
+    pub tcp_syn_timeout: Duration,
     pub udp_timeout: Duration,
     pub orphan_grace: Duration,
 }
@@ -45,6 +52,7 @@ impl Default for GcTimeouts {
     fn default() -> Self {
         Self {
             tcp_fin_timeout: Duration::from_secs(10),
+            tcp_syn_timeout: Duration::from_secs(60),
             udp_timeout: Duration::from_secs(60),
             orphan_grace: Duration::from_secs(30),
         }
@@ -55,6 +63,8 @@ impl Default for GcTimeouts {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Reason {
     Closed,
+    /// A TCP handshake that never completed.
+    Unanswered,
     Idle,
     Orphan,
 }
@@ -63,6 +73,7 @@ impl Reason {
     pub fn label(self) -> &'static str {
         match self {
             Reason::Closed => "closed",
+            Reason::Unanswered => "handshake",
             Reason::Idle => "idle",
             Reason::Orphan => "orphan",
         }
@@ -151,6 +162,8 @@ fn companions<F: Family>(
 /// Where a TCP flow is in its close, from the close marks of all its entries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FlowState {
+    /// A TCP flow whose client has not gone past its SYN yet.
+    Handshake,
     Open,
     /// A FIN one way.
     Closing,
@@ -180,6 +193,7 @@ impl FlowState {
 
     pub fn label(self) -> &'static str {
         match self {
+            FlowState::Handshake => "handshake",
             FlowState::Open => "open",
             FlowState::Closing => "closing",
             FlowState::Closed => "closed",
@@ -197,7 +211,15 @@ pub fn flow_state<F: Family>(
     let marks = companions(fwd_key, fwd, entries)
         .iter()
         .fold(fwd.flags, |m, k| m | entries[k].flags);
-    FlowState::from_marks(marks)
+    match FlowState::from_marks(marks) {
+        FlowState::Open
+            if fwd_key.proto == lb_common::proto::TCP
+                && marks & (flags::HANDSHAKE_TRACKED | flags::ESTABLISHED) == flags::HANDSHAKE_TRACKED =>
+        {
+            FlowState::Handshake
+        }
+        state => state,
+    }
 }
 
 pub fn is_forward<F: Family>(key: &CtKey<F>, value: &CtValue<F>) -> bool {
@@ -227,7 +249,16 @@ pub fn plan<F: Family>(
                     .map(|(_, v)| v.last_seen_ns)
                     .max()
                     .unwrap_or(0);
-                (closed && older_than(closed_at, t.tcp_fin_timeout)).then_some(Reason::Closed)
+                let handshake_only = marks
+                    & (flags::HANDSHAKE_TRACKED | flags::ESTABLISHED | flags::CLOSE_MARKS)
+                    == flags::HANDSHAKE_TRACKED;
+                if closed && older_than(closed_at, t.tcp_fin_timeout) {
+                    Some(Reason::Closed)
+                } else if handshake_only && older_than(fwd.created_ns, t.tcp_syn_timeout) {
+                    Some(Reason::Unanswered)
+                } else {
+                    None
+                }
             }
             lb_common::proto::UDP => {
                 let seen = members().map(|(_, v)| v.last_seen_ns).max().unwrap_or(0);

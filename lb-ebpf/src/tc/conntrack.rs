@@ -37,8 +37,9 @@ const TCP_ACK: u8 = 0x10;
 /// How often a UDP reply refreshes its entry's `last_seen_ns` (the GC's idle clock).
 const UDP_REPLY_REFRESH_NS: u64 = 1_000_000_000;
 /// A SYN on a tracked TCP tuple older than this starts a new connection (a port reused after
-/// close); a younger one is a retransmission and keeps its backend.
-const SYN_REUSE_NS: u64 = 1_000_000_000;
+/// close); a younger one is a retransmission and keeps its backend. Also the age after which a
+/// flow whose handshake has not completed may lose its masquerade port (`snat::reclaim_port`).
+pub(super) const SYN_REUSE_NS: u64 = 1_000_000_000;
 
 #[inline(always)]
 pub(super) fn now_ns() -> u64 {
@@ -87,6 +88,7 @@ pub(super) fn l4_ingress<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
         };
         if keep {
             note_close(ptr, pkt, ct::FIN_FORWARD);
+            note_established(ptr, entry.flags, pkt);
             return apply(ctx, pkt, false, entry.nat_addr, entry.nat_port);
         }
     }
@@ -145,6 +147,19 @@ fn note_close<F: Family>(ptr: *mut CtValue<F>, pkt: &Packet<F>, fin: u16) {
             (*ptr).flags |= mark;
             (*ptr).last_seen_ns = now_ns();
         }
+    }
+}
+
+/// The client's first TCP packet past the handshake (no SYN, no RST) marks its forward entry
+/// `ESTABLISHED`: one map write per flow, none for other packets.
+#[inline(always)]
+fn note_established<F: Family>(ptr: *mut CtValue<F>, flags: u16, pkt: &Packet<F>) {
+    if pkt.flow.proto == proto::TCP
+        && pkt.tcp_flags & (TCP_SYN | TCP_RST) == 0
+        && flags & ct::ESTABLISHED == 0
+    {
+        // SAFETY: as in `note_close`.
+        unsafe { (*ptr).flags |= ct::ESTABLISHED };
     }
 }
 

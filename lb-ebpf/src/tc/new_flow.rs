@@ -23,7 +23,7 @@ use super::{
     nat::apply,
     parse::Packet,
     reject::{self, REJECT},
-    snat::reserve_snat_port,
+    snat::{reclaim_port_for, reserve_snat_port},
 };
 use crate::{
     lb::{self, Frontend},
@@ -45,12 +45,32 @@ fn trace(ctx: &mut TcContext, slot: usize, value: u32) {
 #[inline(always)]
 pub(super) fn new_flow<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
     let mut choice = Choice::default();
-    match choose::<F>(ctx, pkt, &mut choice) {
-        CHOSEN => track::<F>(ctx, pkt, &choice),
+    let verdict = match choose::<F>(ctx, pkt, &mut choice) {
+        CHOSEN => match track::<F>(ctx, pkt, &choice) {
+            // Every masquerade port tried is held: take one back if a flow is done with one,
+            // and try again with it.
+            NO_FREE_PORT => {
+                choice.snat_port = reclaim_port_for::<F>(choice.backend_id, pkt.flow.proto);
+                match choice.snat_port {
+                    0 => NO_FREE_PORT,
+                    _ => track::<F>(ctx, pkt, &choice),
+                }
+            }
+            verdict => verdict,
+        },
         REJECT => reject::reject::<F>(ctx, pkt.l4, &pkt.flow.saddr),
         verdict => verdict,
+    };
+    if verdict == NO_FREE_PORT {
+        count(Counter::TcSnatPortsExhausted);
+        return TC_ACT_SHOT;
     }
+    verdict
 }
+
+/// What `track` returns when no masquerade port was free (nothing written yet): `new_flow`
+/// looks for one to take back, and drops the packet if there is none.
+const NO_FREE_PORT: i32 = i32::MIN + 3;
 
 /// What `choose` returns when it filled in a [`Choice`].
 const CHOSEN: i32 = i32::MIN + 2;
@@ -66,6 +86,8 @@ pub(super) struct Choice {
     scope: u8,
     /// The source is a pod per the family's local-traffic detector.
     from_pod: bool,
+    /// A masquerade port taken back for this flow, tried first (0: none).
+    snat_port: u16,
 }
 
 /// The frontend of a new flow and its backend: [`CHOSEN`] with `choice` filled in, [`REJECT`], or
@@ -120,6 +142,7 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
         frontend_flags: frontend.flags,
         scope: svc_key.scope,
         from_pod,
+        snat_port: 0,
     };
     CHOSEN
 }
@@ -157,7 +180,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
         last_seen_ns: now,
         nat_addr: flow.daddr,
         nat_port: flow.dport,
-        flags: ct::REPLY,
+        flags: ct::REPLY | ct::HANDSHAKE_TRACKED,
         rev_nat_id: choice.rev_nat_id,
         backend_id,
         _pad: Default::default(),
@@ -202,13 +225,10 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
         // The un-SNAT entry (backend -> node IP:port) holds the port: client as the NAT target.
         entry.nat_addr = flow.saddr;
         entry.nat_port = flow.sport;
-        entry.flags = ct::REPLY | ct::SNAT;
-        match reserve_snat_port::<F>(cfg, &mut key, &entry) {
+        entry.flags = ct::REPLY | ct::SNAT | ct::HANDSHAKE_TRACKED;
+        match reserve_snat_port::<F>(cfg, &mut key, &entry, choice.snat_port) {
             Some(port) => Some(port),
-            None => {
-                count(Counter::TcSnatPortsExhausted);
-                return TC_ACT_SHOT;
-            }
+            None => return NO_FREE_PORT,
         }
     } else {
         None
@@ -231,7 +251,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
         Some(port) => {
             entry.nat_addr = family.snat_addr;
             entry.nat_port = port;
-            entry.flags = ct::SNAT;
+            entry.flags = ct::SNAT | ct::HANDSHAKE_TRACKED;
             if F::conntrack().insert(&key, &entry, 0).is_err() {
                 count(Counter::TcCtInsertFailed);
                 return TC_ACT_SHOT;
@@ -239,7 +259,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
             count(Counter::TcMasqueraded);
         }
     }
-    entry.flags = if masquerade { ct::SNAT } else { 0 };
+    entry.flags = ct::HANDSHAKE_TRACKED | if masquerade { ct::SNAT } else { 0 };
     if backend.addr == flow.saddr {
         entry.flags |= ct::HAIRPIN;
     }

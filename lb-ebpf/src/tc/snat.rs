@@ -1,25 +1,40 @@
-//! Masquerade port reservation: a free node IP port for a flow's SNAT, held by its un-SNAT entry.
+//! Masquerade port reservation: a free node IP port for a flow's SNAT, held by its un-SNAT entry,
+//! or under exhaustion one taken back from a flow done with it (a TCP handshake never completed,
+//! a silent UDP flow).
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_get_prandom_u32};
 use lb_common::{
     config::DatapathConfig,
-    conntrack::{CtKey, CtValue, dir},
+    conntrack::{CtKey, CtValue, dir, flags as ct},
+    proto,
+    stats::Counter,
 };
 
-use super::ip::Ip;
+use super::{
+    conntrack::{SYN_REUSE_NS, now_ns},
+    ip::Ip,
+};
+use crate::{lb, stats::count};
 
-/// Masquerade port attempts before giving up on a destination.
+/// Masquerade port attempts before giving up (and looking for one to take back).
 const SNAT_ATTEMPTS: u32 = 8;
+/// Further ports tried for one whose flow is done with it: under a flood at the rate the ports
+/// turn over, most holders are too young to qualify, so one in a few does.
+const RECLAIM_ATTEMPTS: u32 = 24;
+/// How long a UDP flow must be silent both ways before a new flow may take its port.
+const UDP_RECLAIM_IDLE_NS: u64 = 2_000_000_000;
 
 /// Reserves a masquerade port for the flow whose reply tuple (backend -> client, at egress) is
 /// `key`: its un-SNAT entry `unsnat` (backend -> node IP:port, to the client) is inserted with
-/// BPF_NOEXIST, so a port in use for this backend is never handed out twice. `key` becomes the
-/// un-SNAT entry's key (the caller's buffer, for the stack's sake).
+/// BPF_NOEXIST, so a port in use for this backend is never handed out twice. `hint` (a port
+/// [`reclaim_port_for`] freed, or 0) is tried first. `key` becomes the un-SNAT entry's key (the
+/// caller's buffer, for the stack's sake).
 #[inline(always)]
 pub(super) fn reserve_snat_port<F: Ip>(
     cfg: &DatapathConfig,
     key: &mut CtKey<F>,
     unsnat: &CtValue<F>,
+    hint: u16,
 ) -> Option<u16> {
     let snat_addr = &F::settings(cfg).snat_addr;
     if cfg.snat_port_max < cfg.snat_port_min {
@@ -29,6 +44,12 @@ pub(super) fn reserve_snat_port<F: Ip>(
     let start = unsafe { bpf_get_prandom_u32() };
     key.daddr = *snat_addr;
     key.dir = dir::INGRESS;
+    if hint != 0 {
+        key.dport = hint;
+        if F::conntrack().insert(key, unsnat, BPF_NOEXIST as u64).is_ok() {
+            return Some(hint);
+        }
+    }
     for attempt in 0..SNAT_ATTEMPTS {
         key.dport = cfg.snat_port_min + (start.wrapping_add(attempt.wrapping_mul(7919)) % range) as u16;
         if F::conntrack().insert(key, unsnat, BPF_NOEXIST as u64).is_ok() {
@@ -36,4 +57,114 @@ pub(super) fn reserve_snat_port<F: Ip>(
         }
     }
     None
+}
+
+/// When every port `reserve_snat_port` tried for a flow to backend `backend_id` was held (the
+/// range exhausted, most likely by a flood): looks at up to `RECLAIM_ATTEMPTS` further ports
+/// towards that backend for one whose flow is done with it ([`reclaim_port`]) and returns it,
+/// free, for the caller to try first. Called beside `track`, not below it: the stack below
+/// `track` has no room for another frame with an IPv6 key (Linux 5.10 rounds every frame up to
+/// 32 bytes and allows 512 for the whole chain).
+#[inline(never)]
+pub(super) fn reclaim_port_for<F: Ip>(backend_id: u32, proto: u8) -> u16 {
+    let cfg = lb::datapath_config();
+    let Some(backend) = lb::lookup_backend::<F>(backend_id) else {
+        return 0;
+    };
+    if cfg.snat_port_max < cfg.snat_port_min {
+        return 0;
+    }
+    let range = (cfg.snat_port_max - cfg.snat_port_min) as u32 + 1;
+    let start = unsafe { bpf_get_prandom_u32() };
+    let mut key = CtKey::<F> {
+        saddr: backend.addr,
+        daddr: F::settings(cfg).snat_addr,
+        sport: backend.port,
+        dport: 0,
+        proto,
+        dir: dir::INGRESS,
+        _pad: [0; 2],
+    };
+    for attempt in 0..RECLAIM_ATTEMPTS {
+        key.dport = cfg.snat_port_min + (start.wrapping_add(attempt.wrapping_mul(7919)) % range) as u16;
+        if reclaim_port::<F>(&key) {
+            count(Counter::TcSnatPortReclaimed);
+            return key.dport;
+        }
+    }
+    0
+}
+
+/// Frees the masquerade port held by the un-SNAT entry at `unsnat_key` if no live flow needs it:
+/// - a TCP flow at least `SYN_REUSE_NS` old whose handshake never completed (no `ESTABLISHED` on
+///   its forward entry: a spoofed SYN's, in a flood);
+/// - a UDP flow silent both ways for `UDP_RECLAIM_IDLE_NS` (a flood's datagram and its answer);
+/// - a flow whose forward entry is gone (an orphan the GC would free), as old.
+///
+/// netfilter's early drop makes room the same way, by dropping unassured connections: without
+/// it, a flood to a NodePort holds every port of the range towards each backend until the GC's
+/// timeouts, and every legitimate new connection is dropped meanwhile. The holder's forward and
+/// SNAT entries go too, so that a late packet of it starts a flow of its own instead of sending
+/// through the port again. True when the entry is gone.
+#[inline(never)]
+fn reclaim_port<F: Ip>(unsnat_key: &CtKey<F>) -> bool {
+    let map = F::conntrack();
+    let Some(held) = map.get_ptr(unsnat_key) else {
+        return true;
+    };
+    // The un-SNAT entry's target is the client; its frontend is the flow's rev-NAT id. The key
+    // is built in place from the entry (no copies: an IPv6 key is 40 bytes of a frame that sits
+    // at the bottom of the deepest call chain).
+    let (created_ns, last_reply_ns, rev_nat_id) =
+        unsafe { ((*held).created_ns, (*held).last_seen_ns, (*held).rev_nat_id) };
+    let now = now_ns();
+    let udp = unsnat_key.proto == proto::UDP;
+    // A UDP reply refreshes `last_seen_ns` at most once a second: twice that is a second's
+    // silence at least.
+    let quiet = |since: u64| now.saturating_sub(since) >= UDP_RECLAIM_IDLE_NS;
+    if udp && !quiet(last_reply_ns) || !udp && now.saturating_sub(created_ns) < SYN_REUSE_NS {
+        return false;
+    }
+    let mut key = CtKey::<F> {
+        saddr: unsafe { (*held).nat_addr },
+        daddr: unsnat_key.saddr,
+        sport: unsafe { (*held).nat_port },
+        dport: unsnat_key.sport,
+        proto: unsnat_key.proto,
+        dir: dir::INGRESS,
+        _pad: [0; 2],
+    };
+    if let Some(frontend) = F::revnat().get_ptr(&rev_nat_id) {
+        unsafe {
+            key.daddr = (*frontend).addr;
+            key.dport = (*frontend).port;
+        }
+        if let Some(fwd) = map.get_ptr(&key) {
+            let (fwd_created, fwd_seen, flags) =
+                unsafe { ((*fwd).created_ns, (*fwd).last_seen_ns, (*fwd).flags) };
+            if fwd_created == created_ns {
+                let live = if udp {
+                    !quiet(fwd_seen)
+                } else {
+                    flags & (ct::ESTABLISHED | ct::CLOSE_MARKS) != 0 || flags & ct::HANDSHAKE_TRACKED == 0
+                };
+                if live {
+                    return false;
+                }
+                let _ = map.remove(&key);
+            }
+        }
+    }
+    // Its SNAT entry: client -> backend, at egress.
+    key.daddr = unsnat_key.saddr;
+    key.dport = unsnat_key.sport;
+    key.dir = dir::EGRESS;
+    if map
+        .get_ptr(&key)
+        .is_some_and(|snat| unsafe { (*snat).created_ns } == created_ns)
+    {
+        let _ = map.remove(&key);
+    }
+    let _ = map.remove(unsnat_key);
+    true
 }

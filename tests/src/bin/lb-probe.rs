@@ -8,6 +8,8 @@
 //! - `tcp`: connects N times, reporting the peer (getpeername) and the server's answer, or errno.
 //! - `udp`: sends N datagrams (connected or not), reporting the reply's source address.
 //! - `hold`: keeps one TCP connection and exchanges a message every interval.
+//! - `flood`: raw TCP SYNs or UDP datagrams from random (spoofed) sources to one address, bounded
+//!   in count and time, for the reliability scenario of a flood from outside.
 
 use std::{
     io::{BufRead, BufReader, Read, Write},
@@ -87,6 +89,28 @@ enum Cmd {
         path: String,
         #[arg(long, default_value_t = 3000)]
         timeout_ms: u64,
+    },
+    /// Sends `count` TCP SYNs or UDP datagrams, each from a random address of `sources` and a
+    /// random port, to `to` through a raw socket, as fast as it can (or at `pps`) and for at most
+    /// `seconds`; prints {"sent", "failed", "elapsed_ms", "pps"} at the end. Run it only in a
+    /// network namespace of the test's own: the packets go wherever its routes say.
+    Flood {
+        #[arg(long)]
+        to: std::net::SocketAddrV4,
+        /// tcp (SYNs) or udp.
+        #[arg(long, default_value = "tcp")]
+        proto: String,
+        #[arg(long, default_value = "198.18.0.0/15")]
+        sources: ipnet::Ipv4Net,
+        #[arg(long, default_value_t = 100_000)]
+        count: u64,
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+        /// Packets per second; 0 sends as fast as the socket takes them.
+        #[arg(long, default_value_t = 0)]
+        pps: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
     },
     Hold {
         #[arg(long)]
@@ -515,5 +539,162 @@ fn main() {
             interval_ms,
             seconds,
         } => hold(connect, Duration::from_millis(interval_ms), seconds),
+        Cmd::Flood {
+            to,
+            proto,
+            sources,
+            count,
+            seconds,
+            pps,
+            seed,
+        } => {
+            let udp = match proto.as_str() {
+                "tcp" => false,
+                "udp" => true,
+                other => panic!("flood --proto {other}: tcp or udp"),
+            };
+            println!(
+                "{}",
+                flood(to, udp, sources, count, Duration::from_secs(seconds), pps, seed)
+            );
+        }
+    }
+}
+
+/// The internet checksum of `chunks` (one's complement sum of 16-bit words).
+fn checksum(chunks: &[&[u8]]) -> u16 {
+    let mut sum = 0u32;
+    for chunk in chunks {
+        for word in chunk.chunks(2) {
+            sum += u16::from_be_bytes([word[0], *word.get(1).unwrap_or(&0)]) as u32;
+        }
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// An IPv4 packet with a TCP SYN or a UDP datagram (8 bytes of payload) from `src`. The kernel
+/// fills in the IP header's total length, id and checksum (raw socket, IPPROTO_RAW).
+fn flood_packet(src: std::net::SocketAddrV4, dst: std::net::SocketAddrV4, udp: bool, seq: u32) -> Vec<u8> {
+    let l4: Vec<u8> = if udp {
+        let mut h = Vec::with_capacity(16);
+        h.extend(src.port().to_be_bytes());
+        h.extend(dst.port().to_be_bytes());
+        h.extend(16u16.to_be_bytes());
+        h.extend([0, 0]);
+        h.extend(b"flood!\n\0");
+        h
+    } else {
+        let mut h = Vec::with_capacity(20);
+        h.extend(src.port().to_be_bytes());
+        h.extend(dst.port().to_be_bytes());
+        h.extend(seq.to_be_bytes());
+        h.extend(0u32.to_be_bytes());
+        h.extend([5 << 4, 0x02]); // data offset 5 words; SYN
+        h.extend(64240u16.to_be_bytes());
+        h.extend([0, 0, 0, 0]); // checksum, urgent pointer
+        h
+    };
+    let proto = if udp { libc::IPPROTO_UDP } else { libc::IPPROTO_TCP } as u8;
+    let pseudo = [
+        &src.ip().octets()[..],
+        &dst.ip().octets()[..],
+        &[0, proto],
+        &(l4.len() as u16).to_be_bytes(),
+    ];
+    let sum = checksum(&[pseudo[0], pseudo[1], pseudo[2], pseudo[3], &l4]);
+    let mut l4 = l4;
+    let at = if udp { 6 } else { 16 };
+    l4[at..at + 2].copy_from_slice(&sum.to_be_bytes());
+    let mut packet = vec![0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, proto, 0, 0];
+    packet.extend(src.ip().octets());
+    packet.extend(dst.ip().octets());
+    packet.extend(l4);
+    packet
+}
+
+fn flood(
+    to: std::net::SocketAddrV4,
+    udp: bool,
+    sources: ipnet::Ipv4Net,
+    count: u64,
+    limit: Duration,
+    pps: u64,
+    seed: u64,
+) -> serde_json::Value {
+    use rand::{RngExt, SeedableRng, rngs::StdRng};
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+    assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
+    let dest = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*to.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (base, hosts) = (u32::from(sources.network()), 1u64 << (32 - sources.prefix_len()));
+    let start = Instant::now();
+    let (mut sent, mut failed) = (0u64, 0u64);
+    while sent + failed < count && start.elapsed() < limit {
+        // Paced when `pps` is set (None for 0: as fast as the socket takes them).
+        if let Some(due_ns) = ((sent + failed) * 1_000_000_000).checked_div(pps)
+            && let Some(wait) = Duration::from_nanos(due_ns).checked_sub(start.elapsed())
+        {
+            thread::sleep(wait);
+        }
+        let ip = std::net::Ipv4Addr::from(base + rng.random_range(0..hosts) as u32);
+        let src = std::net::SocketAddrV4::new(ip, rng.random_range(1024..=65535));
+        let packet = flood_packet(src, to, udp, rng.random());
+        let n = unsafe {
+            libc::sendto(
+                fd,
+                packet.as_ptr().cast(),
+                packet.len(),
+                0,
+                (&dest as *const libc::sockaddr_in).cast(),
+                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            )
+        };
+        if n == packet.len() as isize {
+            sent += 1;
+        } else {
+            failed += 1;
+        }
+    }
+    unsafe { libc::close(fd) };
+    let elapsed = start.elapsed();
+    json!({
+        "sent": sent,
+        "failed": failed,
+        "elapsed_ms": elapsed.as_millis() as u64,
+        "pps": (sent as f64 / elapsed.as_secs_f64().max(1e-9)) as u64,
+    })
+}
+
+#[cfg(test)]
+mod flood_tests {
+    use super::*;
+
+    /// A checksum over the packet with its checksum field filled in sums to zero.
+    #[test]
+    fn flood_packets_carry_valid_checksums() {
+        let src = "198.18.3.4:40000".parse().unwrap();
+        let dst = "192.168.50.11:30090".parse().unwrap();
+        for udp in [false, true] {
+            let p = flood_packet(src, dst, udp, 7);
+            let l4 = &p[20..];
+            let proto = [0, p[9]];
+            let len = (l4.len() as u16).to_be_bytes();
+            assert_eq!(
+                checksum(&[&p[12..16], &p[16..20], &proto, &len, l4]),
+                0,
+                "udp={udp}"
+            );
+            assert_eq!(u16::from_be_bytes([l4[2], l4[3]]), 30090);
+        }
     }
 }

@@ -202,3 +202,58 @@ fn ipv6_flows_are_collected_alike() {
     assert!(open.iter().all(|k| !doomed.iter().any(|(d, _)| d == k)));
     assert_eq!(flow_state(&closed[0], &m[&closed[0]], &m), FlowState::Closed);
 }
+
+/// A masqueraded TCP flow as the programs that track handshakes write it.
+fn tracked(m: &mut HashMap<Ct4Key, Ct4Value>, cport: u16, snat_port: u16, at: u64) -> [Ct4Key; 3] {
+    let keys = masqueraded(m, proto::TCP, cport, snat_port, at);
+    for k in &keys {
+        m.get_mut(k).unwrap().flags |= flags::HANDSHAKE_TRACKED;
+    }
+    keys
+}
+
+#[test]
+fn a_handshake_that_never_completed_goes_after_the_syn_timeout() {
+    let mut m = HashMap::new();
+    let flow = tracked(&mut m, 41000, 20001, 100 * S);
+    assert_eq!(flow_state(&flow[0], &m[&flow[0]], &m), FlowState::Handshake);
+    assert!(doomed_keys(&m, 159 * S).is_empty(), "59 s old: kept");
+    let gone = doomed_keys(&m, 160 * S);
+    let expect: HashSet<_> = flow.into_iter().map(|k| (k, Reason::Unanswered)).collect();
+    assert_eq!(gone, expect, "60 s old, unanswered: the whole flow and its port");
+}
+
+#[test]
+fn an_established_flow_is_never_taken_for_an_unfinished_handshake() {
+    let mut m = HashMap::new();
+    let [fwd, ..] = tracked(&mut m, 41000, 20001, 100 * S);
+    m.get_mut(&fwd).unwrap().flags |= flags::ESTABLISHED;
+    assert_eq!(flow_state(&fwd, &m[&fwd], &m), FlowState::Open);
+    assert!(
+        doomed_keys(&m, 100_000 * S).is_empty(),
+        "established TCP has no idle clock"
+    );
+}
+
+#[test]
+fn flows_of_programs_that_do_not_track_handshakes_are_kept() {
+    // An earlier release's programs never mark ESTABLISHED: their flows look unanswered.
+    let mut m = HashMap::new();
+    let [fwd, ..] = masqueraded(&mut m, proto::TCP, 41000, 20001, 100 * S);
+    assert_eq!(flow_state(&fwd, &m[&fwd], &m), FlowState::Open);
+    assert!(doomed_keys(&m, 100_000 * S).is_empty());
+}
+
+#[test]
+fn udp_flows_go_by_their_idle_clock_only() {
+    let mut m = HashMap::new();
+    let keys = masqueraded(&mut m, proto::UDP, 41000, 20001, 100 * S);
+    for k in &keys {
+        m.get_mut(k).unwrap().flags |= flags::HANDSHAKE_TRACKED;
+    }
+    mark(&mut m, &keys[0], 0, 150 * S);
+    assert_eq!(flow_state(&keys[0], &m[&keys[0]], &m), FlowState::Open);
+    assert!(doomed_keys(&m, 200 * S).is_empty(), "idle 50 s: kept");
+    let gone = doomed_keys(&m, 210 * S);
+    assert_eq!(gone, keys.into_iter().map(|k| (k, Reason::Idle)).collect());
+}
