@@ -263,6 +263,13 @@ impl<M: MapOps> Applier<M> {
         new_backend_ids
     }
 
+    /// Returns reverse-NAT ids allocated for a Service that was not written.
+    fn free_rev_ids(&mut self, ids: impl IntoIterator<Item = (IpFamily, u32)>) {
+        for (family, id) in ids {
+            self.rev_ids.get_mut(family).free(id);
+        }
+    }
+
     /// Writes one Service's frontends (`group`), all or none: their entries are built and checked
     /// to fit the maps first; a Service that does not fit is skipped (reported, retried by the
     /// next apply) and keeps what it had.
@@ -278,9 +285,7 @@ impl<M: MapOps> Applier<M> {
         let writes = match built.and_then(|built| self.plan_writes(built)) {
             Ok(writes) => writes,
             Err(reason) => {
-                for (family, id) in new_rev_ids {
-                    self.rev_ids.get_mut(family).free(id);
-                }
+                self.free_rev_ids(new_rev_ids);
                 report.skipped.push((service, reason));
                 self.retry.extend(group.iter().map(|(f, _)| **f));
                 return;
@@ -305,6 +310,9 @@ impl<M: MapOps> Applier<M> {
             })
             .collect();
         if !self.put_backends(&backends, report) {
+            // Nothing of this Service was written: its new ids go back, or every retry of a
+            // failing write would take more until none were left.
+            self.free_rev_ids(new_rev_ids);
             report.skipped.push((service, "writing a backend failed".into()));
             self.retry.extend(group.iter().map(|(f, _)| **f));
             return;

@@ -38,6 +38,8 @@ pub struct FakeMaps {
     /// Refuse new service-map keys beyond this many entries of one family (E2BIG), like a full
     /// kernel map (each family has its own).
     pub services_capacity: Option<usize>,
+    /// Refuse every backend write (EIO), like a map the kernel will not update.
+    pub backends_fail: bool,
 }
 
 fn full(map: &'static str) -> MapError {
@@ -116,6 +118,13 @@ impl MapOps for FakeMaps {
     }
 
     fn put_backend(&mut self, id: u32, value: &BackendEntry) -> Result<(), MapError> {
+        if self.backends_fail {
+            return Err(MapError::new(
+                "lb4_backends",
+                "update",
+                std::io::Error::from_raw_os_error(libc::EIO),
+            ));
+        }
         self.log.push(Op::PutBackend(id, *value));
         self.state.backends.insert(id, *value);
         Ok(())

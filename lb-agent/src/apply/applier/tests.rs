@@ -326,6 +326,29 @@ fn a_service_that_does_not_fit_is_skipped_whole_and_appears_once_room_is_made() 
     a.maps().check_consistent().unwrap();
 }
 
+/// Regression: a Service whose backend write failed kept the reverse-NAT ids allocated for it,
+/// and each retry took more, until no id was left for any new Service.
+#[test]
+fn a_failed_backend_write_gives_the_services_ids_back() {
+    let caps = Capacities {
+        revnat: 4,
+        ..Capacities::default()
+    };
+    let mut a = Applier::new(FakeMaps::new(), caps);
+    a.maps_mut().backends_fail = true;
+    let web = desired(&[(10, "web", &[1, 2])]);
+    for _ in 0..10 {
+        let r = a.apply(&web);
+        assert_eq!(r.skipped.len(), 1, "{r:?}");
+        assert!(a.rev_nat_id(&fe(10)).is_none());
+    }
+    a.maps_mut().backends_fail = false;
+    let r = a.apply(&desired(&[(10, "web", &[1, 2]), (11, "api", &[3])]));
+    assert!(r.is_clean(), "ids are left for both: {r:?}");
+    assert!(a.rev_nat_id(&fe(10)).is_some() && a.rev_nat_id(&fe(11)).is_some());
+    a.maps().check_consistent().unwrap();
+}
+
 #[test]
 fn affinity_members_and_source_ranges_follow_the_plan() {
     let mut d = desired(&[(10, "web", &[1, 2])]);
