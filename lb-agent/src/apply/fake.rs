@@ -40,6 +40,8 @@ pub struct FakeMaps {
     pub services_capacity: Option<usize>,
     /// Refuse every backend write (EIO), like a map the kernel will not update.
     pub backends_fail: bool,
+    /// Refuse every service-map deletion (EIO).
+    pub service_deletes_fail: bool,
 }
 
 fn full(map: &'static str) -> MapError {
@@ -112,6 +114,13 @@ impl MapOps for FakeMaps {
     }
 
     fn delete_service(&mut self, key: &ServiceMapKey) -> Result<(), MapError> {
+        if self.service_deletes_fail {
+            return Err(MapError::new(
+                "lb4_services",
+                "delete",
+                std::io::Error::from_raw_os_error(libc::EIO),
+            ));
+        }
         self.log.push(Op::DeleteService(*key));
         self.state.services.remove(key);
         Ok(())

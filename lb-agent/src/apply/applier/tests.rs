@@ -18,7 +18,7 @@ use crate::{
         fake::{FakeMaps, Op},
     },
     model::{Protocol, ServicePortName},
-    plan::{FrontendKind, ScopePlan},
+    plan::{Changes, FrontendKind, ScopePlan},
 };
 
 fn name(svc: &str) -> ServicePortName {
@@ -346,6 +346,33 @@ fn a_failed_backend_write_gives_the_services_ids_back() {
     let r = a.apply(&desired(&[(10, "web", &[1, 2]), (11, "api", &[3])]));
     assert!(r.is_clean(), "ids are left for both: {r:?}");
     assert!(a.rev_nat_id(&fe(10)).is_some() && a.rev_nat_id(&fe(11)).is_some());
+    a.maps().check_consistent().unwrap();
+}
+
+/// Regression: a frontend whose deletion failed stayed in the maps (and kept its reverse-NAT id)
+/// until the next full apply: an incremental apply never named it again.
+#[test]
+fn a_failed_frontend_removal_is_retried_by_the_next_incremental_apply() {
+    let mut a = applier();
+    let r = a.apply(&desired(&[(10, "web", &[1, 2])]));
+    assert!(r.is_clean(), "{r:?}");
+    a.maps_mut().service_deletes_fail = true;
+    let removed = Changes {
+        frontends: [fe(10)].into_iter().collect(),
+        backends: [be(1), be(2)].into_iter().collect(),
+    };
+    let r = a.apply_changes(&desired(&[]), &removed);
+    assert!(!r.errors.is_empty(), "the deletion failed: {r:?}");
+    assert!(a.rev_nat_id(&fe(10)).is_some(), "kept for the retry");
+    a.maps_mut().service_deletes_fail = false;
+    let r = a.apply_changes(&desired(&[]), &Changes::default());
+    assert!(r.errors.is_empty(), "{r:?}");
+    assert!(a.rev_nat_id(&fe(10)).is_none(), "removed by the retry");
+    assert!(
+        a.maps().state.services.is_empty(),
+        "{:?}",
+        a.maps().state.services
+    );
     a.maps().check_consistent().unwrap();
 }
 

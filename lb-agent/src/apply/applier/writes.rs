@@ -233,9 +233,11 @@ impl<M: MapOps> Applier<M> {
                 .free(current.rev_nat_id),
             Err(e) => {
                 report.errors.push(format!("removing {frontend}: {e}"));
-                // Keep what is left so the next apply retries the deletion.
+                // Keep what is left, and retry the deletion at the next apply (an incremental
+                // one too: nothing else would name this frontend again).
                 self.count_frontend(&current, 1);
                 self.frontends.insert(*frontend, current);
+                self.retry.insert(*frontend);
             }
         }
     }
