@@ -41,11 +41,22 @@ pub struct Agent {
     exited: Arc<std::sync::atomic::AtomicBool>,
 }
 
+/// How long an agent may take to load, program and attach its data path: 30 s, or 120 s in an
+/// emulated guest of `cargo xtask kernel-test` (`LB_TEST_EMULATED`), where the verifier alone
+/// takes about 25 s on Linux 5.10.
+pub fn start_timeout() -> Duration {
+    if std::env::var_os("LB_TEST_EMULATED").is_some() {
+        Duration::from_secs(120)
+    } else {
+        Duration::from_secs(30)
+    }
+}
+
 impl Agent {
     /// Starts the agent and waits for its first sync.
     pub fn start(opts: AgentOptions<'_>) -> Agent {
         let agent = Agent::spawn(opts);
-        agent.wait_for_line(ATTACHED, Duration::from_secs(30));
+        agent.wait_for_line(ATTACHED, start_timeout());
         agent
     }
 

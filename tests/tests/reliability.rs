@@ -20,10 +20,10 @@
 //! 6. map pressure: a full map skips whole Services (Event, metric) and they appear once there is
 //!    room again;
 //! 10. a flood of spoofed TCP SYNs and UDP datagrams from outside to NodePorts (bounded, only to
-//!    the test's namespaces): established connections (active and idle) and legitimate new ones
-//!    before, during and after it, with the data path's counters and state, for lb-agent at its
-//!    default sizes, lb-agent with a conntrack map the flood fills, and kube-proxy (iptables,
-//!    nf_conntrack) on the same node with the same flood.
+//!     the test's namespaces): established connections (active and idle) and legitimate new ones
+//!     before, during and after it, with the data path's counters and state, for lb-agent at its
+//!     default sizes, lb-agent with a conntrack map the flood fills, and kube-proxy (iptables,
+//!     nf_conntrack) on the same node with the same flood.
 //!
 //! Scenarios 1, 2 and 4 run on a dual-stack node (`topo::Node::dual_stack`) with dual-stack
 //! Services, and carry IPv6 load beside the IPv4 load, through the same paths (socket path from
@@ -162,7 +162,7 @@ struct Site {
     _servers: Vec<Proc>,
     client: (NetNs, Ipv4Addr),
     node: TopoNode,
-    _lan: Lan,
+    lan: Lan,
     cgroup: Cgroup,
     bpffs: BpfFs,
 }
@@ -215,7 +215,7 @@ impl Site {
             _servers: servers,
             client,
             node,
-            _lan: lan,
+            lan,
             cgroup,
             bpffs,
         }
@@ -246,6 +246,20 @@ impl Site {
 
     fn bpf_root(&self) -> PathBuf {
         bpf_root_in(self.bpffs.path())
+    }
+
+    /// `lb-agent cleanup`: the node as before any agent (links, programs and pins gone).
+    fn cleanup(&self) {
+        let out = Command::new(workspace_bin("lb-agent"))
+            .args(["cleanup", "--bpf-root"])
+            .arg(self.bpf_root())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "cleanup: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     /// The agent with the node's pod CIDRs (one per family of the node).
@@ -2206,16 +2220,7 @@ fn kill_9_while_programming_never_leaves_a_service_half_programmed() {
 
     // 1. Cold starts on a fresh node (nothing served yet: no load).
     for _ in 0..kills {
-        let out = Command::new(workspace_bin("lb-agent"))
-            .args(["cleanup", "--bpf-root"])
-            .arg(site.bpf_root())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "cleanup: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        site.cleanup();
         let (delay, log) = spawn_and_kill(&[], cold, &mut rng);
         check("cold start", delay, &log, &site);
     }
@@ -2850,7 +2855,7 @@ fn flood_from_outside_keeps_established_flows() {
     lb_tests::report::started("10-flood", "A flood of spoofed SYNs and UDP from outside");
     let s = ApiSite::new(3);
     let pods: Vec<String> = (0..3).map(|i| s.site.pod_ip(i)).collect();
-    let (attacker, attacker_ip) = external_client(&s.site._lan, 2);
+    let (attacker, attacker_ip) = external_client(&s.site.lan, 2);
     s.site
         .node
         .ns
@@ -2895,16 +2900,7 @@ fn flood_from_outside_keeps_established_flows() {
         figures["extra flags"] = json!(flags);
         ours.push(figures);
         drop(agent);
-        let out = Command::new(workspace_bin("lb-agent"))
-            .args(["cleanup", "--bpf-root"])
-            .arg(s.site.bpf_root())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "cleanup: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        s.site.cleanup();
     }
 
     let mut kube_proxy_cmd = Command::new(&s.cp.binaries().kube_proxy);

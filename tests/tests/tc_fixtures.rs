@@ -1296,22 +1296,28 @@ fn neighbour_discovery_and_other_icmpv6_pass_untouched() {
     assert_eq!(counter(&s, Counter::TcIcmpErrorTranslated), 0);
 }
 
+/// A scratch data path whose masquerade range is two ports (20000 and 20001), to exhaust.
+fn scratch_with_two_snat_ports() -> ScratchDatapath {
+    use lb_agent::apply::MapOps;
+    let mut s = scratch(true);
+    let mut cfg = s.maps().config.get(&0, 0).expect("config");
+    cfg.snat_port_min = 20_000;
+    cfg.snat_port_max = 20_001;
+    s.maps_mut().put_config(&cfg).expect("config");
+    s
+}
+
 /// Regression: the entries of closed connections held their masquerade ports until LRU eviction
 /// (only once the whole map was full), so after as many connections as the SNAT range has ports
 /// every new NodePort connection to that backend was dropped. The programs now mark FIN and RST,
 /// and the agent's conntrack GC frees ended flows, in both families' maps.
 #[test]
 fn closed_masqueraded_flows_give_their_ports_back_through_the_conntrack_gc() {
-    use lb_agent::{apply::MapOps, datapath::conntrack};
+    use lb_agent::datapath::conntrack;
     use packet::Close;
 
     for f in FAMILIES {
-        let mut s = scratch(true);
-        // A masquerade range of two ports.
-        let mut cfg = s.maps().config.get(&0, 0).expect("config");
-        cfg.snat_port_min = 20_000;
-        cfg.snat_port_max = 20_001;
-        s.maps_mut().put_config(&cfg).expect("config");
+        let mut s = scratch_with_two_snat_ports();
         let mut ct = s.datapath.take_conntrack().expect("conntrack maps");
         const BACKEND: &str = "10.244.2.7";
 
@@ -1393,15 +1399,10 @@ fn closed_masqueraded_flows_give_their_ports_back_through_the_conntrack_gc() {
 /// an established connection or a UDP flow still talking.
 #[test]
 fn a_flood_of_unfinished_handshakes_gives_its_masquerade_ports_back() {
-    use lb_agent::apply::MapOps;
     use std::time::Duration;
 
     for f in FAMILIES {
-        let mut s = scratch(true);
-        let mut cfg = s.maps().config.get(&0, 0).expect("config");
-        cfg.snat_port_min = 20_000;
-        cfg.snat_port_max = 20_001;
-        s.maps_mut().put_config(&cfg).expect("config");
+        let mut s = scratch_with_two_snat_ports();
         let reclaimed = |s: &ScratchDatapath| counter(s, Counter::TcSnatPortReclaimed);
 
         // A flow's first packet (a SYN, or a datagram); its masquerade port, or None if dropped.

@@ -269,7 +269,10 @@ pub fn write_reliability() -> Result<()> {
     files.sort_by_key(|p| {
         let stem = p.file_stem().unwrap_or_default().to_string_lossy().to_string();
         let digits = stem.chars().take_while(char::is_ascii_digit).count();
-        (stem[..digits].parse::<u32>().unwrap_or(u32::MAX), stem[digits..].to_string())
+        (
+            stem[..digits].parse::<u32>().unwrap_or(u32::MAX),
+            stem[digits..].to_string(),
+        )
     });
     let mut scenarios = Vec::new();
     for file in &files {

@@ -196,6 +196,10 @@ fn run_kernels(opts: &Options) -> Result<Vec<KernelOutcome>> {
     // The restart and upgrade scenarios run a real control plane, as on the host.
     let mut env = test_env(true)?;
     env.push(("HOME", std::env::var("HOME").unwrap_or_else(|_| "/root".into())));
+    if !kvm {
+        // Timeouts sized for a real CPU stretch in an emulated guest (tests/src/agent.rs).
+        env.push(("LB_TEST_EMULATED", "1".into()));
+    }
     env.push(("PATH", std::env::var("PATH").unwrap_or_default()));
     build_agent()?;
     ebpf::build_variant()?;
