@@ -98,7 +98,7 @@ pub fn run_ci_subset(summary: &mut Summary) -> Result<bool> {
         cpus: 2,
         memory: "4G".into(),
         accel: "auto".into(),
-        timeout_minutes: 30,
+        timeout_minutes: 50,
         list: false,
         ci: true,
     };
