@@ -424,10 +424,15 @@ struct Holds(Vec<Proc>);
 
 impl Holds {
     fn open(place: Place<'_>, to: &str, n: usize, seconds: u64) -> Holds {
+        Holds::open_every(place, to, n, seconds, 50)
+    }
+
+    /// `n` connections exchanging a message every `interval_ms`.
+    fn open_every(place: Place<'_>, to: &str, n: usize, seconds: u64, interval_ms: u64) -> Holds {
         Holds(
             (0..n)
                 .map(|_| {
-                    let mut h = probe::hold(place, to, seconds);
+                    let mut h = probe::hold_every(place, to, seconds, interval_ms);
                     h.wait_for_line(Duration::from_secs(5), |l| l.contains("\"seq\""));
                     h
                 })
@@ -2760,14 +2765,12 @@ fn flood_phase(site: &Site, attacker: &NetNs, proxy: &dyn FloodedProxy) -> Value
     let hold_for = CALM_SECONDS + FLOOD_SECONDS + RECOVERY_SECONDS + 2;
     let active = Established::open(&[(site.external(), nodeport.clone())], 6, hold_for);
     let idle = Established {
-        holds: vec![Holds(
-            (0..6)
-                .map(|_| {
-                    let mut h = probe::hold_every(site.external(), &nodeport, hold_for, IDLE_INTERVAL_MS);
-                    h.wait_for_line(Duration::from_secs(5), |l| l.contains("\"seq\""));
-                    h
-                })
-                .collect(),
+        holds: vec![Holds::open_every(
+            site.external(),
+            &nodeport,
+            6,
+            hold_for,
+            IDLE_INTERVAL_MS,
         )],
         connections: 6,
     };
