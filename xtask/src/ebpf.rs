@@ -47,6 +47,9 @@ fn build_into(dir: &str, extra_flags: &[&str], object: &std::path::Path) -> Resu
         "--cfg=bpf_target_arch=\"x86_64\"",
         "-Cdebuginfo=2",
         "-Clink-arg=--btf",
+        // Global functions (verified once each, on their own) must stay global: bpf-linker
+        // internalizes every symbol it is not told to export.
+        "-Clink-arg=--export=lb_reclaim_port4,lb_reclaim_port6",
     ];
     flags.extend_from_slice(extra_flags);
     let rustflags = flags.join("\x1f");

@@ -63,6 +63,9 @@ pub(super) trait Ip: FamilyMaps {
         icmp: usize,
         addr: Self::Addr,
     ) -> Result<(), ()>;
+
+    /// `snat::reclaim_port_for`, through this family's global function.
+    fn reclaim_port_for(backend_id: u32, proto: u8) -> u16;
 }
 
 /// One's-complement sum of big-endian 16-bit words.

@@ -242,6 +242,11 @@ impl Ip for V4 {
             .map_err(|_| ())?;
         ctx.store(ETH_HLEN + IP_DADDR, &addr, 0).map_err(|_| ())
     }
+
+    #[inline(always)]
+    fn reclaim_port_for(backend_id: u32, proto: u8) -> u16 {
+        super::snat::lb_reclaim_port4(backend_id, proto as u32) as u16
+    }
 }
 
 /// Builds the port unreachable in place, quoting the first `Q` bytes of the IP packet.

@@ -235,6 +235,11 @@ impl Ip for V6 {
         pseudo_header_changed(ctx, icmp + ICMP_CHECK, csum_diff(&outer.daddr, &addr), 0)?;
         ctx.store(ETH_HLEN + IP6_DADDR, &addr, 0).map_err(|_| ())
     }
+
+    #[inline(always)]
+    fn reclaim_port_for(backend_id: u32, proto: u8) -> u16 {
+        super::snat::lb_reclaim_port6(backend_id, proto as u32) as u16
+    }
 }
 
 /// An ICMPv6 port unreachable quoting `Q` bytes, laid out as it goes on the wire.
