@@ -384,6 +384,32 @@ pub fn ensure_upstream_e2e(cache: &Path) -> Result<UpstreamE2eBins> {
     })
 }
 
+/// Builds cilium-agent (the benchmark's Cilium peer, xtask/go/cilium) into `bin_dir` when missing
+/// or stale (once: about 20 minutes on two cores) and returns its path; `go_module_dir` is
+/// then where Go keeps the Cilium module (its BPF sources and CRDs).
+pub fn ensure_cilium_agent(cache: &Path, bin_dir: &Path) -> Result<(PathBuf, PathBuf)> {
+    let version = crate::cilium::VERSION;
+    let bare = version.trim_start_matches('v');
+    let component = Component {
+        name: "cilium",
+        version,
+        build_dir: cache.join(format!("cilium-{version}/build")),
+        programs: vec![("github.com/cilium/cilium/daemon", "cilium-agent")],
+        test_program: None,
+        extra_files: &[],
+        // What Cilium's Makefile.defs sets (the release, as `cilium-agent --version` prints it).
+        ldflags: format!("-s -w -X 'github.com/cilium/cilium/pkg/version.ciliumVersion={bare} go-module'"),
+        version_text: format!("cilium-agent {bare}"),
+    };
+    build_stale(cache, std::slice::from_ref(&component), bin_dir)?;
+    let mut list = Command::new(find_go()?);
+    list.args(["list", "-m", "-f", "{{.Dir}}", "github.com/cilium/cilium"])
+        .current_dir(&component.build_dir);
+    go_env(&mut list);
+    let module_dir = PathBuf::from(util::output(&mut list)?.trim());
+    Ok((bin_dir.join("cilium-agent"), module_dir))
+}
+
 /// Builds every component whose binaries or stamp are not current, under one lock.
 fn build_stale(cache: &Path, components: &[Component], bin_dir: &Path) -> Result<()> {
     if all_current(components, bin_dir)? {
@@ -408,6 +434,7 @@ fn build_stale(cache: &Path, components: &[Component], bin_dir: &Path) -> Result
             "k8s" => "about 15 minutes",
             "e2e" => "about 8 minutes",
             "coredns" => "about 3 minutes",
+            "cilium" => "about 20 minutes",
             _ => "about 1 minute",
         };
         step(&format!(

@@ -18,6 +18,7 @@
 //! - `e2e-upstream` the upstream Kubernetes Service e2e specs on a two-node cluster where
 //!   lb-agent is the only Service proxy (writes docs/conformance.md).
 
+mod cilium;
 mod ebpf;
 mod image;
 mod k8s;
@@ -71,13 +72,17 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Run the benchmarks and regenerate docs/benchmarks.md.
+    /// Run the benchmarks and regenerate docs/benchmarks.md. Cilium is one of the peers: its
+    /// bundle is built first (`cilium`; about 20 minutes once), unless LB_BENCH_NO_CILIUM is set.
     Bench {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
     /// Build or locate the cached etcd and Kubernetes binaries (control plane, kubelet, kube-proxy).
     K8sBins,
+    /// Build or locate the Cilium bundle the benchmark runs as a peer (cilium-agent from its Go
+    /// module, its BPF sources and CRDs, clang 19 from Debian); prints its directory.
+    Cilium,
     /// Fetch (or find cached) the node's containerd, runc and CNI plugins from Debian's packages.
     NodeParts,
     /// Build the lb-agent, lb-probe, pause and kube-proxy images as OCI archives (for `ctr images import`)
@@ -145,8 +150,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             no_guest,
         } => test::run_all(filter.as_deref(), !no_e2e, !no_guest),
         Command::E2e { filter } => test::run_e2e(filter.as_deref()),
-        Command::Sandbox { args } => test::run_tool("lb-sandbox", &args),
-        Command::Bench { args } => test::run_tool("lb-bench", &args),
+        Command::Sandbox { args } => test::run_tool("lb-sandbox", &args, false),
+        Command::Bench { args } => {
+            let cilium = std::env::var_os("LB_BENCH_NO_CILIUM").is_none();
+            test::run_tool("lb-bench", &args, cilium)
+        }
         Command::Report => report::write_reliability(),
         Command::Soak { duration, step } => test::run_soak(duration, step),
         Command::KernelTest(opts) => kernel::run_matrix(&opts),
@@ -159,6 +167,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::K8sBins => {
             let bins = k8s::ensure(&util::cache_dir())?;
             println!("{}", bins.dir.display());
+            Ok(())
+        }
+        Command::Cilium => {
+            println!("{}", cilium::ensure(&util::cache_dir())?.display());
             Ok(())
         }
         Command::NodeParts => {

@@ -14,7 +14,7 @@ use std::{
     process::Command,
 };
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 
 use crate::{
     kernel::PrivateApt,
@@ -68,13 +68,7 @@ pub fn ensure(cache: &Path) -> Result<PathBuf> {
     if complete && fs::read_to_string(&stamp).ok().as_deref() == Some(wanted.as_str()) {
         return Ok(dir);
     }
-    for tool in ["apt-get", "dpkg-deb"] {
-        if !util::have(tool) {
-            bail!("{tool} is needed to fetch containerd, runc and the CNI plugins from Debian");
-        }
-    }
-    let apt = PrivateApt::new(cache)?;
-    apt.update()?;
+    let apt = PrivateApt::for_download(cache, "containerd, runc and the CNI plugins")?;
     let _ = fs::remove_file(&stamp);
     let work = dir.join(".download");
     let _ = fs::remove_dir_all(&work);

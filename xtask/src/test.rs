@@ -313,8 +313,13 @@ pub(crate) fn build_agent() -> Result<()> {
 }
 
 /// Builds and runs one of the harness programs of `tests/` (the sandbox, the benchmarks).
-pub fn run_tool(bin: &str, args: &[String]) -> Result<()> {
-    let (tool, envs) = build_tool(bin)?;
+/// `cilium`: also build the Cilium bundle and name it to the tool (`LB_CILIUM_DIR`).
+pub fn run_tool(bin: &str, args: &[String], cilium: bool) -> Result<()> {
+    let (tool, mut envs) = build_tool(bin)?;
+    if cilium {
+        let dir = crate::cilium::ensure(&crate::util::cache_dir())?;
+        envs.push(("LB_CILIUM_DIR", dir.display().to_string()));
+    }
     let mut cmd = Command::new(tool);
     cmd.args(args).envs(envs);
     let status = cmd.status()?;

@@ -20,7 +20,7 @@ use std::{
 
 use k8s_openapi::{
     api::{
-        core::v1::{Namespace, Node, NodeAddress, NodeStatus, Service},
+        core::v1::{Namespace, Node, NodeAddress, NodeSpec, NodeStatus, Service},
         discovery::v1::EndpointSlice,
     },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
@@ -229,6 +229,14 @@ impl Cluster {
                     )])),
                     ..Default::default()
                 },
+                // What a controller-manager allocating node CIDRs would give it: Cilium's
+                // Kubernetes IPAM takes its router addresses from here (the other proxies
+                // are given --cluster-cidr and never read it).
+                spec: Some(NodeSpec {
+                    pod_cidr: Some(topo::NODE_POD_CIDRS[0].into()),
+                    pod_cidrs: Some(topo::NODE_POD_CIDRS.map(String::from).to_vec()),
+                    ..Default::default()
+                }),
                 ..Default::default()
             };
             retry("create node", 409, || nodes.create(&pp, &node)).await;

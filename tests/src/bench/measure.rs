@@ -242,22 +242,32 @@ fn memory(peer: &Peer, n: u32, when: &str) -> Option<Memory> {
         hwm_kib,
         ..Default::default()
     };
-    if peer.config.is_agent() {
+    if peer.config.is_bpf() {
         m.maps = agent_maps(peer.pid()?);
-        if let Some(metrics) = peer.metrics() {
-            for (k, v) in &metrics.0 {
-                if let Some(rest) = k.strip_prefix("lb_map_entries{map=\"") {
-                    m.map_entries.insert(rest.trim_end_matches("\"}").to_string(), *v);
-                }
+    }
+    if peer.config.is_agent()
+        && let Some(metrics) = peer.metrics()
+    {
+        for (k, v) in &metrics.0 {
+            if let Some(rest) = k.strip_prefix("lb_map_entries{map=\"") {
+                m.map_entries.insert(rest.trim_end_matches("\"}").to_string(), *v);
             }
         }
     }
     Some(m)
 }
 
+/// (count, seconds) of the program's syncs: kube-proxy's histogram (which the agent keeps), or
+/// Cilium's load-balancer reconciliation rounds.
 fn sync_hist(peer: &Peer) -> (f64, f64) {
     peer.metrics()
-        .map(|m| m.histogram("kubeproxy_sync_proxy_rules_duration_seconds"))
+        .map(|m| {
+            if peer.config.is_cilium() {
+                super::cilium::syncs(&m)
+            } else {
+                m.histogram("kubeproxy_sync_proxy_rules_duration_seconds")
+            }
+        })
         .unwrap_or((0.0, 0.0))
 }
 
@@ -288,7 +298,7 @@ pub fn latency_level(
     };
     let mut peers = Vec::new();
     let mut mem = Vec::new();
-    for config in Config::ALL {
+    for &config in &ctx.opts.configs {
         check_interrupted();
         if skip.contains(&config) {
             continue;
@@ -332,8 +342,11 @@ pub fn latency_level(
             fmt_s(cold.last_s),
             if config.is_agent() {
                 format!(", agent syncs (ms): {:?}", cold.agent_sync_ms)
-            } else if config.is_kube_proxy() {
-                format!(", kube-proxy syncs: {sync_count} taking {sync_sum_s:.3}s in total")
+            } else if config.is_kube_proxy() || config.is_cilium() {
+                format!(
+                    ", {} syncs: {sync_count} taking {sync_sum_s:.3}s in total",
+                    config.program()
+                )
             } else {
                 String::new()
             }
@@ -357,8 +370,10 @@ pub fn latency_level(
             peer.stop();
             continue;
         }
+        // Memory once per program: the socket configuration's run stands for both.
         if config != Config::Direct
             && config != Config::LbTc
+            && config != Config::CiliumTc
             && let Some(m) = memory(&peer, n, cold_start_when(family))
         {
             mem.push(m);
@@ -464,7 +479,11 @@ pub fn programming(
         peer.wait_first_sync(Duration::from_secs(120)),
         "{} did not sync within 120 s (metrics: {}):\n{}",
         config.label(),
-        peer.metric_names("sync_proxy_rules"),
+        peer.metric_names(if config.is_cilium() {
+            "reconciler"
+        } else {
+            "sync_proxy_rules"
+        }),
         peer.log_text()
     );
     peer.settle(Duration::from_millis(1500), Duration::from_secs(60));

@@ -18,6 +18,7 @@
 //! the API, and the IPv4 ones exactly as in an IPv4-only run.
 
 pub mod api;
+pub mod cilium;
 pub mod crr;
 pub mod measure;
 pub mod peers;
@@ -69,6 +70,8 @@ pub struct Options {
     pub tc_only: bool,
     /// Where every proxy's log is saved (target/bench/logs).
     pub log_dir: PathBuf,
+    /// The configurations run: every one by default, Cilium's when its bundle is built.
+    pub configs: Vec<Config>,
 }
 
 impl Options {
@@ -98,7 +101,19 @@ impl Options {
             skip_tc: false,
             tc_only: false,
             log_dir: workspace_root().join("target/bench/logs"),
+            configs: Config::ALL
+                .into_iter()
+                .filter(|c| !c.is_cilium() || cilium::bundle().is_some())
+                .collect(),
         }
+    }
+
+    /// The programs whose programming is measured, among the configurations run.
+    pub fn proxies(&self) -> Vec<Config> {
+        Config::PROXIES
+            .into_iter()
+            .filter(|c| self.configs.contains(c))
+            .collect()
     }
 }
 
@@ -176,7 +191,7 @@ pub fn run(opts: &Options, command: String) -> Results {
     let mut r = Results {
         quick: opts.quick,
         command,
-        machine: report::machine(&bins, &agent_bin(), &root),
+        machine: report::machine(&bins, &agent_bin(), &root, opts.backends_capacity),
         rounds: opts.rounds,
         conns: opts.conns,
         warmup: opts.warmup,
@@ -231,7 +246,8 @@ pub fn run(opts: &Options, command: String) -> Results {
     for &n in &opts.levels {
         check_interrupted();
         if opts.programming.contains(&n) {
-            for (k, config) in Config::PROXIES.into_iter().enumerate() {
+            let proxies = opts.proxies();
+            for (k, &config) in proxies.iter().enumerate() {
                 check_interrupted();
                 if ctx.cluster.present > 0 {
                     step(&format!(
@@ -250,7 +266,7 @@ pub fn run(opts: &Options, command: String) -> Results {
                         ""
                     },
                     k + 1,
-                    Config::PROXIES.len()
+                    proxies.len()
                 ));
                 let (p, c, m) = measure::programming(&mut ctx, config, n, reps);
                 for (what, missing) in [
@@ -285,7 +301,8 @@ pub fn run(opts: &Options, command: String) -> Results {
             ctx.cluster.grow_to(n);
         }
         step(&format!(
-            "connect latency with {n} Services: starting the five configurations"
+            "connect latency with {n} Services: starting the {} configurations",
+            opts.configs.len()
         ));
         let (level, mem) = measure::latency_level(&mut ctx, n, Family::V4, &[]);
         level_problems(&mut r, &level, Family::V4, opts);

@@ -1,5 +1,7 @@
 //! The configurations compared, each run on its own fresh topology: nothing (the floor), the real
-//! kube-proxy in iptables and in nftables mode, and lb-agent (socket path and tc path).
+//! kube-proxy in iptables and in nftables mode, lb-agent (socket path and tc path) and the real
+//! cilium-agent as a kube-proxy replacement (socket LB and its tc path), when its bundle is
+//! built (`LB_CILIUM_DIR`, see [`cilium`]).
 
 use std::{
     collections::BTreeMap,
@@ -20,7 +22,7 @@ use nix::mount::{MntFlags, MsFlags, mount, umount2};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    api,
+    api, cilium,
     crr::now_ns,
     topo::{self, Topo},
 };
@@ -32,18 +34,27 @@ pub enum Config {
     Nftables,
     LbSocket,
     LbTc,
+    CiliumSocket,
+    CiliumTc,
 }
 
 impl Config {
-    pub const ALL: [Config; 5] = [
+    pub const ALL: [Config; 7] = [
         Config::Direct,
         Config::Iptables,
         Config::Nftables,
         Config::LbSocket,
         Config::LbTc,
+        Config::CiliumSocket,
+        Config::CiliumTc,
     ];
     /// The programs that program something (measured for programming time and memory).
-    pub const PROXIES: [Config; 3] = [Config::LbSocket, Config::Iptables, Config::Nftables];
+    pub const PROXIES: [Config; 4] = [
+        Config::LbSocket,
+        Config::Iptables,
+        Config::Nftables,
+        Config::CiliumSocket,
+    ];
 
     pub fn label(self) -> &'static str {
         match self {
@@ -52,7 +63,26 @@ impl Config {
             Config::Nftables => "kube-proxy nftables",
             Config::LbSocket => "lb socket",
             Config::LbTc => "lb tc",
+            Config::CiliumSocket => "cilium socket",
+            Config::CiliumTc => "cilium tc",
         }
+    }
+
+    /// The name `--configs` takes.
+    pub fn arg(self) -> &'static str {
+        match self {
+            Config::Direct => "direct",
+            Config::Iptables => "iptables",
+            Config::Nftables => "nftables",
+            Config::LbSocket => "lb-socket",
+            Config::LbTc => "lb-tc",
+            Config::CiliumSocket => "cilium-socket",
+            Config::CiliumTc => "cilium-tc",
+        }
+    }
+
+    pub fn from_arg(arg: &str) -> Option<Config> {
+        Config::ALL.into_iter().find(|c| c.arg() == arg)
     }
 
     /// The program's name in the programming/memory tables.
@@ -62,11 +92,26 @@ impl Config {
             Config::Iptables => "kube-proxy iptables",
             Config::Nftables => "kube-proxy nftables",
             Config::LbSocket | Config::LbTc => "lb-agent",
+            Config::CiliumSocket | Config::CiliumTc => "cilium-agent",
         }
     }
 
     pub fn is_agent(self) -> bool {
         matches!(self, Config::LbSocket | Config::LbTc)
+    }
+
+    pub fn is_cilium(self) -> bool {
+        matches!(self, Config::CiliumSocket | Config::CiliumTc)
+    }
+
+    /// A socket path: the client runs in the cgroup the proxy's socket programs hold.
+    pub fn is_socket(self) -> bool {
+        matches!(self, Config::LbSocket | Config::CiliumSocket)
+    }
+
+    /// Runs a BPF data path (an lb-agent or a cilium-agent): gets a cgroup and a bpffs.
+    pub fn is_bpf(self) -> bool {
+        self.is_agent() || self.is_cilium()
     }
 
     pub fn is_kube_proxy(self) -> bool {
@@ -144,6 +189,8 @@ pub struct Peer {
     proc: Option<Proc>,
     pub cgroup: Option<Cgroup>,
     _bpf: Option<BpfMount>,
+    /// cilium-agent's state and run directories.
+    _state: Option<tempfile::TempDir>,
     pub topo: Topo,
     log: Log,
     pub launched_ns: u64,
@@ -184,8 +231,9 @@ impl Peer {
         Peer {
             config,
             proc: None,
-            cgroup: config.is_agent().then(|| Cgroup::new("lbb")),
+            cgroup: config.is_bpf().then(|| Cgroup::new("lbb")),
             _bpf: None,
+            _state: None,
             topo: Topo::new(api_addr),
             log: Arc::new(Mutex::new(Vec::new())),
             launched_ns: 0,
@@ -194,8 +242,8 @@ impl Peer {
 
     /// Where the measuring client runs: in the agent's cgroup for the socket path only.
     pub fn client(&self) -> Place<'_> {
-        match (self.config, &self.cgroup) {
-            (Config::LbSocket, Some(cg)) => Place::new(&self.topo.client, cg),
+        match &self.cgroup {
+            Some(cg) if self.config.is_socket() => Place::new(&self.topo.client, cg),
             _ => Place::netns(&self.topo.client),
         }
     }
@@ -231,6 +279,18 @@ impl Peer {
                 self._bpf = Some(bpf);
                 cmd
             }
+            Config::CiliumSocket | Config::CiliumTc => {
+                let bpf = BpfMount::new();
+                let cgroup = self.cgroup.as_ref().expect("cilium cgroup").path();
+                let state = tempfile::Builder::new()
+                    .prefix("lb-bench-cilium-")
+                    .tempdir()
+                    .expect("cilium state directory");
+                let cmd = cilium::command(kubeconfig, &bpf.dir, cgroup, state.path(), backends_capacity);
+                self._bpf = Some(bpf);
+                self._state = Some(state);
+                cmd
+            }
         };
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -240,6 +300,7 @@ impl Peer {
         let tag = match self.config {
             Config::Iptables => "kube-proxy-ipt",
             Config::Nftables => "kube-proxy-nft",
+            Config::CiliumSocket | Config::CiliumTc => "cilium",
             _ => "lb-agent",
         };
         collect(
@@ -273,14 +334,14 @@ impl Peer {
             .join("\n")
     }
 
-    /// The proxy's /metrics (kube-proxy's names; the agent keeps them).
+    /// The proxy's /metrics (kube-proxy's names; the agent keeps them; Cilium's own).
     pub fn metrics(&self) -> Option<Metrics> {
-        if self.config == Config::Direct {
-            return None;
-        }
-        self.topo
-            .http_get("127.0.0.1:10249", "/metrics")
-            .map(|t| Metrics::parse(&t))
+        let addr = match self.config {
+            Config::Direct => return None,
+            Config::CiliumSocket | Config::CiliumTc => cilium::METRICS_ADDR,
+            _ => "127.0.0.1:10249",
+        };
+        self.topo.http_get(addr, "/metrics").map(|t| Metrics::parse(&t))
     }
 
     /// kube-proxy's /configz (the effective configuration), for the record.
@@ -292,6 +353,9 @@ impl Peer {
     /// metric names, and counts a sync that changed nothing too, which it does not log). Without
     /// an answer from /metrics: the agent's "data path programmed" lines, or 0.
     pub fn syncs(&self) -> u64 {
+        if self.config.is_cilium() {
+            return self.metrics().map_or(0, |m| cilium::syncs(&m).0 as u64);
+        }
         let count = self
             .metrics()
             .and_then(|m| m.get("kubeproxy_sync_proxy_rules_duration_seconds_count"));

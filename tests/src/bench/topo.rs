@@ -51,6 +51,9 @@ pub const CLUSTER_CIDR: &str = "10.128.0.0/9";
 /// fd00:10:240::/64 and the endpoints' fd00:10:200::/64, and not the Service range.
 pub const CLUSTER_CIDR6: &str = "fd00:10:200::/40";
 pub const BACKEND_PORT: u16 = 8080;
+/// The Node's pod CIDRs (IPv4 first): inside the cluster CIDRs, apart from every address the
+/// topology routes (Cilium puts its router addresses here).
+pub const NODE_POD_CIDRS: [&str; 2] = ["10.200.0.0/24", "fd00:10:201::/64"];
 /// The API server's Service CIDRs (the ClusterIPs).
 pub const SERVICE_RANGE: &str = lb_tests::control_plane::SERVICE_CIDR;
 pub const SERVICE_RANGE6: &str = lb_tests::control_plane::SERVICE_CIDR6;

@@ -59,6 +59,10 @@ struct Cli {
     /// Only the BPF_PROG_TEST_RUN measurements (development).
     #[arg(long, conflicts_with_all = ["skip_tc", "latency_only"])]
     tc_only: bool,
+    /// Only these configurations (development): direct, iptables, nftables, lb-socket, lb-tc,
+    /// cilium-socket, cilium-tc. Default: all (Cilium's when `LB_CILIUM_DIR` names its bundle).
+    #[arg(long, value_delimiter = ',')]
+    configs: Vec<String>,
     /// Do not rewrite docs/benchmarks.md and docs/bench/*.png.
     #[arg(long)]
     no_docs: bool,
@@ -157,6 +161,16 @@ fn main() {
         opts.cold_timeout = std::time::Duration::from_secs(t);
     }
     opts.write_docs = !cli.no_docs;
+    if !cli.configs.is_empty() {
+        opts.configs = cli
+            .configs
+            .iter()
+            .map(|c| {
+                bench::peers::Config::from_arg(c)
+                    .unwrap_or_else(|| panic!("--configs: unknown configuration {c:?}"))
+            })
+            .collect();
+    }
     let command = format!(
         "cargo xtask bench{}",
         std::env::args()

@@ -71,6 +71,19 @@ impl PrivateApt {
         Ok(PrivateApt { dir, _lock: lock })
     }
 
+    /// The private apt with fresh lists, for downloading `what` (said when apt-get or dpkg-deb,
+    /// which extracts the packages, is missing).
+    pub(crate) fn for_download(cache: &Path, what: &str) -> Result<PrivateApt> {
+        for tool in ["apt-get", "dpkg-deb"] {
+            if !crate::util::have(tool) {
+                bail!("{tool} is needed to fetch {what} from Debian");
+            }
+        }
+        let apt = PrivateApt::new(cache)?;
+        apt.update()?;
+        Ok(apt)
+    }
+
     /// The `.deb` of `package` that `apt-get download` left in `dir`.
     pub(crate) fn downloaded(dir: &Path, package: &str) -> Result<PathBuf> {
         fs::read_dir(dir)

@@ -59,7 +59,7 @@ pub fn markdown(r: &Results) -> String {
     let m = &r.machine;
     let _ = writeln!(
         s,
-        "# Benchmarks: lb-agent side by side with kube-proxy and the no-balancer floor\n"
+        "# Benchmarks: lb-agent side by side with kube-proxy, Cilium and the no-balancer floor\n"
     );
     let _ = writeln!(
         s,
@@ -81,6 +81,12 @@ pub fn markdown(r: &Results) -> String {
         ("iptables", m.iptables.clone()),
         ("nft", m.nft.clone()),
         ("lb-agent", format!("{} (git {})", m.lb_agent, m.git)),
+        (
+            "cilium-agent",
+            m.cilium
+                .clone()
+                .unwrap_or_else(|| "not run (no Cilium bundle: `cargo xtask cilium`)".into()),
+        ),
         (
             "run",
             format!(
@@ -105,6 +111,18 @@ pub fn markdown(r: &Results) -> String {
         peers::kube_proxy_flags("MODE")[1..].join(" "),
         peers::agent_flags(r.backends_capacity).join(" ")
     );
+    if !m.cilium_flags.is_empty() {
+        let _ = writeln!(
+            s,
+            "- cilium-agent: `{}`; its paths (`--k8s-kubeconfig-path`, `--bpf-root` on a private \
+             bpffs, `--cgroup-root` on its test cgroup, `--state-dir`, `--lib-dir` with the \
+             release's BPF sources, `--socket-path`) and `K8S_NODE_NAME`; everything else at its \
+             defaults (its BPF programs compiled at start by clang 19). Its CRDs, from the same \
+             release, are applied to the API server first (its operator does that in a cluster; \
+             with `--ipam=kubernetes` the agent needs no operator otherwise).\n",
+            m.cilium_flags.join(" ")
+        );
+    }
 
     // Targets first: what a reader wants to know.
     s.push_str("## Targets\n\n");
@@ -143,7 +161,7 @@ pub fn markdown(r: &Results) -> String {
         for &family in &families {
             // The floor of the same family.
             let floor = r.p50_in(family, n, Config::Direct);
-            for c in Config::ALL {
+            for c in r.measured_configs() {
                 let lat = |f: fn(&CrrResult) -> f64| r.lat_in(family, n, c, f);
                 let runs = lat(|x| x.p50_us);
                 if runs.is_empty() {
@@ -193,9 +211,14 @@ pub fn markdown(r: &Results) -> String {
         s.push_str("---|");
     }
     s.push('\n');
+    let measured = r.measured_configs();
     for &family in &families {
-        for ours in [Config::LbSocket, Config::LbTc] {
-            for peer in [Config::Direct, Config::Iptables, Config::Nftables] {
+        for (ours, cilium) in [
+            (Config::LbSocket, Config::CiliumSocket),
+            (Config::LbTc, Config::CiliumTc),
+        ] {
+            let peers = [Config::Direct, Config::Iptables, Config::Nftables, cilium];
+            for peer in peers.into_iter().filter(|p| measured.contains(p)) {
                 let _ = write!(s, "| {} ÷ {} | {} | ", ours.label(), peer.label(), family.name());
                 for &n in &levels {
                     let q = |c: Config, f: fn(&CrrResult) -> f64| median(&r.lat_in(family, n, c, f));
@@ -228,7 +251,7 @@ pub fn markdown(r: &Results) -> String {
             s.push_str("---|");
         }
         s.push('\n');
-        for c in Config::ALL {
+        for c in r.measured_configs() {
             let _ = write!(s, "| {} | ", c.label());
             for &n in &levels {
                 let q = |family: Family, f: fn(&CrrResult) -> f64| median(&r.lat_in(family, n, c, f));
@@ -258,7 +281,7 @@ pub fn markdown(r: &Results) -> String {
     }
     s.push_str("---|\n");
     for &family in &families {
-        for c in Config::ALL {
+        for c in r.measured_configs() {
             let _ = write!(s, "| {} | {} | ", c.label(), family.name());
             let vals: Vec<Option<f64>> = levels.iter().map(|&n| r.p50_in(family, n, c)).collect();
             for v in &vals {
@@ -576,7 +599,7 @@ pub fn markdown(r: &Results) -> String {
             mm.when,
             mib(mm.rss_kib as f64),
             mib(mm.hwm_kib as f64),
-            if c.is_agent() {
+            if c.is_bpf() {
                 format!("{:.1}", maps as f64 / 1048576.0)
             } else {
                 "–".into()
@@ -623,7 +646,7 @@ pub fn markdown(r: &Results) -> String {
         {
             let dn = f64::from(max_n - min_n);
             let drss = (b.rss_kib as f64 - a.rss_kib as f64) * 1024.0 / dn;
-            let kernel = if c.is_agent() {
+            let kernel = if c.is_bpf() {
                 let total = |m: &Memory| m.maps.iter().map(|x| x.memlock).sum::<u64>() as f64;
                 let dk = (total(b) - total(a)) / dn;
                 format!(

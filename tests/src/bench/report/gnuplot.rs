@@ -26,7 +26,7 @@ pub fn plots(r: &Results, out_dir: &Path, work: &Path) -> Result<(), String> {
     let families = r.latency_families();
     let series: Vec<(Family, Config)> = families
         .iter()
-        .flat_map(|&f| Config::ALL.map(|c| (f, c)))
+        .flat_map(|&f| r.measured_configs().into_iter().map(move |c| (f, c)))
         .collect();
     let mut lat = String::new();
     for &(f, c) in &series {
@@ -40,9 +40,9 @@ pub fn plots(r: &Results, out_dir: &Path, work: &Path) -> Result<(), String> {
     }
     let lat_file = work.join("latency.dat");
     fs::write(&lat_file, lat).map_err(|e| e.to_string())?;
-    // With both families the key (ten entries) goes below the panels.
+    // With both families the key (up to fourteen entries) goes below the panels.
     let (height, key) = if families.len() > 1 {
-        (620, "set key below maxrows 5\nset bmargin 9")
+        (640, "set key below maxrows 7\nset bmargin 11")
     } else {
         (480, "set key top left")
     };

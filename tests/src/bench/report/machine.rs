@@ -18,6 +18,12 @@ pub struct Machine {
     pub iptables: String,
     pub nft: String,
     pub lb_agent: String,
+    /// `cilium-agent --version`, when Cilium was one of the peers.
+    #[serde(default)]
+    pub cilium: Option<String>,
+    /// The flags cilium-agent ran with (besides its paths), for the document.
+    #[serde(default)]
+    pub cilium_flags: Vec<String>,
     pub git: String,
     pub date: String,
 }
@@ -39,7 +45,12 @@ fn first_line(cmd: &str, args: &[&str]) -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-pub fn machine(bins: &lb_tests::control_plane::Binaries, agent: &Path, root: &Path) -> Machine {
+pub fn machine(
+    bins: &lb_tests::control_plane::Binaries,
+    agent: &Path,
+    root: &Path,
+    backends_capacity: u32,
+) -> Machine {
     let cpuinfo = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let meminfo = fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let os = fs::read_to_string("/etc/os-release")
@@ -98,6 +109,15 @@ pub fn machine(bins: &lb_tests::control_plane::Binaries, agent: &Path, root: &Pa
         iptables: first_line("iptables", &["--version"]),
         nft: first_line("nft", &["--version"]),
         lb_agent: first_line(&agent.display().to_string(), &["--version"]),
+        cilium: crate::bench::cilium::bundle().map(|dir| {
+            first_line(
+                &dir.join("bin/cilium-agent").display().to_string(),
+                &["--version"],
+            )
+        }),
+        cilium_flags: crate::bench::cilium::bundle()
+            .map(|_| crate::bench::cilium::flags(backends_capacity))
+            .unwrap_or_default(),
         git: format!("{sha}{}", if dirty { " with uncommitted changes" } else { "" }),
         date: first_line("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
     }

@@ -39,6 +39,13 @@ the proxies run as has both InternalIPs (10.240.0.1, fd00:10:240::1). Configurat
    are attached too, and see the packets as non-service traffic).
 5. **lb tc**: lb-agent in the node namespace; the client is outside its cgroup, so the SYN is
    translated by the tc program on the node's client-facing veth, and replies on the way back.
+6. **cilium socket** / 7. **cilium tc**: the real cilium-agent (built from Cilium's Go module,
+   its programs compiled at start by clang 19) as a kube-proxy replacement in the node namespace,
+   on the same devices, with its own test cgroup as `--cgroup-root`: the client in that cgroup
+   (Cilium's socket LB, `cil_sock4_connect`) or outside it (the SYN is translated by Cilium's
+   `bpf_host` program on the node's client-facing veth; `--bpf-lb-external-clusterip` makes it
+   serve ClusterIPs from outside the node, as lb tc does). Run when its bundle is built
+   (`cargo xtask bench` builds it first).
 
 The client (a Rust port of the reference's `crr.c`, in lb-bench) makes sequential connections, each
 to a uniformly random Service, and closes each with RST (SO_LINGER 0); the time of the blocking

@@ -43,6 +43,19 @@ pub struct Results {
 }
 
 impl Results {
+    /// The configurations with connect-latency rounds in this run, in the document's order.
+    pub fn measured_configs(&self) -> Vec<Config> {
+        Config::ALL
+            .into_iter()
+            .filter(|c| {
+                self.latency
+                    .iter()
+                    .chain(&self.latency6)
+                    .any(|l| l.runs.contains_key(c))
+            })
+            .collect()
+    }
+
     /// `self` completed by a later run (e.g. `--latency-only --levels 10000`): its measurements
     /// are added, replacing those of `self` for the same N (and program); its problems are
     /// appended; the machine and settings of the first run are kept.

@@ -21,7 +21,7 @@ pub fn summary(r: &Results) -> String {
     for &n in &levels {
         let _ = writeln!(s, "N = {n}");
         for family in r.latency_families() {
-            for c in Config::ALL {
+            for c in r.measured_configs() {
                 let q = |f: fn(&crate::bench::crr::CrrResult) -> f64| {
                     median(&r.lat_in(family, n, c, f)).map(num).unwrap_or_default()
                 };
