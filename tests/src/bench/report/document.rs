@@ -475,6 +475,16 @@ pub fn markdown(r: &Results) -> String {
         }
     }
 
+    if r.changes.iter().any(|c| c.config.is_some_and(Config::is_cilium)) {
+        s.push_str(
+            "\ncilium-agent runs at its defaults here, and by default its Kubernetes reflector \
+             collects Service and EndpointSlice events for up to 500 ms before it writes them to \
+             its load-balancing tables (`--lb-reflector-wait-time`, a hidden flag; \
+             `pkg/loadbalancer/config.go` in Cilium v1.20): a throughput choice, which its change \
+             latency shows.\n",
+        );
+    }
+
     // Change latency split at the API server's watch event, per kind of call.
     if r.changes.iter().any(|c| !c.by_kind.is_empty()) {
         s.push_str(
