@@ -1012,7 +1012,8 @@ fn a_test_ended_by_a_signal_leaves_nothing_behind() {
     require_root();
     use std::io::BufRead;
     for sig in [libc::SIGTERM, libc::SIGHUP, libc::SIGINT] {
-        let mut child = Command::new(std::env::current_exe().expect("this test binary"))
+        let mut helper = Command::new(std::env::current_exe().expect("this test binary"));
+        helper
             .args([
                 "held_objects_until_a_signal",
                 "--exact",
@@ -1021,9 +1022,20 @@ fn a_test_ended_by_a_signal_leaves_nothing_behind() {
             ])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn the helper");
+            .stderr(Stdio::piped());
+        // The helper starts with the default dispositions, as a test under a terminal does: a
+        // run under nohup (SIGHUP ignored) would hand it an ignored SIGHUP, which the harness
+        // rightly keeps ignoring.
+        // SAFETY: signal() is async-signal-safe, as pre_exec requires.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut helper, || {
+                for s in [libc::SIGTERM, libc::SIGHUP, libc::SIGINT] {
+                    libc::signal(s, libc::SIG_DFL);
+                }
+                Ok(())
+            });
+        }
+        let mut child = helper.spawn().expect("spawn the helper");
         let mut lines = std::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
         let ready = lines
             .by_ref()
