@@ -283,9 +283,14 @@ pub struct BpfArgs {
     /// Capacity of the session-affinity map (LRU).
     #[arg(long, default_value_t = lb_common::catalog::capacity::AFFINITY)]
     pub bpf_lb_affinity_map_max: u32,
-    /// Capacity of the tc path's connection-tracking map (LRU; two to four entries per flow).
+    /// Capacity of the tc path's connection-tracking map of established flows (LRU; two or three
+    /// entries per flow).
     #[arg(long, default_value_t = lb_common::catalog::capacity::CONNTRACK)]
     pub bpf_ct_map_max: u32,
+    /// Capacity of the tc path's connection-tracking map of flows in their handshake (LRU): a
+    /// flood of unanswered SYNs or one-datagram UDP fills only this one.
+    #[arg(long, default_value_t = lb_common::catalog::capacity::CONNTRACK_NEW)]
+    pub bpf_ct_new_map_max: u32,
     /// How often the conntrack GC frees the tc path's entries of ended flows (and their
     /// masquerade ports); 0 turns it off.
     #[arg(long, value_parser = parse_duration, default_value = "10s")]
@@ -338,6 +343,7 @@ impl BpfArgs {
             sock_revnat: self.bpf_sock_rev_map_max,
             affinity: self.bpf_lb_affinity_map_max,
             conntrack: self.bpf_ct_map_max,
+            conntrack_new: self.bpf_ct_new_map_max,
             ..Capacities::default()
         }
     }

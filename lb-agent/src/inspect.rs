@@ -185,8 +185,8 @@ where
     SockRevNatKey<F>: Pod,
     SockRevNatValue<F>: Pod,
 {
-    if let Ok(Some(ct)) = open_hash::<CtKey<F>, CtValue<F>>(paths, F::MAPS.conntrack) {
-        for (k, v) in ct.iter().flatten() {
+    if let Ok(entries) = conntrack_entries::<F>(paths) {
+        for (k, v) in entries {
             if crate::datapath::conntrack::is_forward(&k, &v) {
                 *flows.entry(v.rev_nat_id).or_default() += 1;
             }
@@ -527,18 +527,34 @@ type Tuple<F> = (
     u8,
 );
 
-/// One family's tc flows, from its conntrack map.
+/// One family's conntrack entries: the established flows' map, then the new flows' (an entry in
+/// both is the established one's, as the programs read it).
+fn conntrack_entries<F>(paths: &PinPaths) -> Result<Vec<(CtKey<F>, CtValue<F>)>>
+where
+    F: FamilyMaps,
+    CtKey<F>: Pod,
+    CtValue<F>: Pod,
+{
+    let mut entries = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for name in [F::MAPS.conntrack, F::MAPS.conntrack_new] {
+        // An agent of an earlier release pinned no new-flow map.
+        if let Some(ct) = open_hash::<CtKey<F>, CtValue<F>>(paths, name)? {
+            entries.extend(ct.iter().flatten().filter(|(k, _)| seen.insert(*k)));
+        }
+    }
+    Ok(entries)
+}
+
+/// One family's tc flows, from its conntrack maps.
 fn flow_rows<F>(paths: &PinPaths, snap: &Snapshot, now: u64) -> Result<Vec<FlowRow>>
 where
     F: KernelFamily + FamilyMaps,
     CtKey<F>: Pod,
     CtValue<F>: Pod,
 {
-    let Some(ct) = open_hash::<CtKey<F>, CtValue<F>>(paths, F::MAPS.conntrack)? else {
-        return Ok(Vec::new());
-    };
-    // A list for the rows' order (the map's), a table for finding each flow's other entries.
-    let entries: Vec<(CtKey<F>, CtValue<F>)> = ct.iter().flatten().collect();
+    // A list for the rows' order (the maps'), a table for finding each flow's other entries.
+    let entries = conntrack_entries::<F>(paths)?;
     let by_key: std::collections::HashMap<CtKey<F>, CtValue<F>> = entries.iter().copied().collect();
     let at = |addr: &F::Addr, port: u16| socket(F::ip_addr(addr), port);
     // Masquerade addresses of each flow, from its SNAT entry (client -> backend): keyed by that
@@ -697,6 +713,7 @@ pub fn kernel(args: &KernelArgs) -> Result<()> {
             affinity_match: 1024,
             source_ranges: 1024,
             conntrack: 1024,
+            conntrack_new: 1024,
         };
         let object = crate::datapath::object_bytes(args.bpf_object.as_deref())?;
         match Datapath::load_unpinned(&caps, &object).and_then(|mut dp| dp.verify_programs()) {

@@ -27,6 +27,7 @@ pub const SOCK_REVNAT_SK6: &str = "lb6_sock_rev_sk";
 pub const AFFINITY6: &str = "lb6_affinity";
 pub const SOURCE_RANGES6: &str = "lb6_src_range";
 pub const CONNTRACK6: &str = "lb6_ct";
+pub const CONNTRACK_NEW6: &str = "lb6_ct_new";
 /// Service identity by reverse-NAT id: `u32` -> `SvcName`, for operators (CLI, bpftool); the
 /// programs never read it.
 pub const SVC_NAMES: &str = "lb_svc_names";
@@ -44,6 +45,9 @@ pub const AFFINITY_MATCH: &str = "lb_aff_match";
 pub const SOURCE_RANGES: &str = "lb4_src_range";
 /// Connection tracking and NAT of the tc path (LRU): `Ct4Key` -> `Ct4Value`.
 pub const CONNTRACK: &str = "lb4_ct";
+/// The tc path's flows not yet established (LRU), same layout as `lb4_ct`: a new flow's entries
+/// until its client goes past the handshake (`crate::conntrack`, "two tables").
+pub const CONNTRACK_NEW: &str = "lb4_ct_new";
 /// The tc programs' prefilter (`crate::prefilter`), an array of `prefilter::WORDS` 64-bit words:
 /// `u32` -> `u64`. Written by the agent.
 pub const PREFILTER: &str = "lb4_prefilter";
@@ -72,6 +76,7 @@ pub const ALL: &[&str] = &[
     AFFINITY_MATCH,
     SOURCE_RANGES,
     CONNTRACK,
+    CONNTRACK_NEW,
     PREFILTER,
     CONFIG,
     STATS,
@@ -84,6 +89,7 @@ pub const ALL: &[&str] = &[
     AFFINITY6,
     SOURCE_RANGES6,
     CONNTRACK6,
+    CONNTRACK_NEW6,
     PREFILTER6,
 ];
 
@@ -108,6 +114,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (AFFINITY_MATCH, 1),
     (SOURCE_RANGES, 1),
     (CONNTRACK, 1),
+    (CONNTRACK_NEW, 1),
     (PREFILTER, 1),
     (CONFIG, 2),
     (STATS, 1),
@@ -120,6 +127,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (AFFINITY6, 1),
     (SOURCE_RANGES6, 1),
     (CONNTRACK6, 1),
+    (CONNTRACK_NEW6, 1),
     (PREFILTER6, 1),
 ];
 
@@ -158,6 +166,7 @@ pub struct FamilyMapNames {
     pub affinity: &'static str,
     pub source_ranges: &'static str,
     pub conntrack: &'static str,
+    pub conntrack_new: &'static str,
     pub prefilter: &'static str,
 }
 
@@ -176,6 +185,7 @@ impl FamilyMaps for V4 {
         affinity: AFFINITY,
         source_ranges: SOURCE_RANGES,
         conntrack: CONNTRACK,
+        conntrack_new: CONNTRACK_NEW,
         prefilter: PREFILTER,
     };
 }
@@ -190,6 +200,7 @@ impl FamilyMaps for V6 {
         affinity: AFFINITY6,
         source_ranges: SOURCE_RANGES6,
         conntrack: CONNTRACK6,
+        conntrack_new: CONNTRACK_NEW6,
         prefilter: PREFILTER6,
     };
 }
@@ -207,8 +218,10 @@ pub mod capacity {
     pub const AFFINITY: u32 = 65_536;
     pub const AFFINITY_MATCH: u32 = 262_144;
     pub const SOURCE_RANGES: u32 = 16_384;
-    /// Four entries per masqueraded flow, two per other flow.
+    /// Established flows: three entries per masqueraded flow, two per other flow.
     pub const CONNTRACK: u32 = 262_144;
+    /// Flows in their handshake: a few seconds of new flows at a high rate, or of a flood.
+    pub const CONNTRACK_NEW: u32 = 65_536;
 }
 
 /// The most frontends (reverse-NAT ids) a family may have: ids of both families
@@ -229,6 +242,7 @@ pub struct Capacities {
     pub affinity_match: u32,
     pub source_ranges: u32,
     pub conntrack: u32,
+    pub conntrack_new: u32,
 }
 
 impl Capacities {
@@ -242,6 +256,7 @@ impl Capacities {
         affinity_match: capacity::AFFINITY_MATCH,
         source_ranges: capacity::SOURCE_RANGES,
         conntrack: capacity::CONNTRACK,
+        conntrack_new: capacity::CONNTRACK_NEW,
     };
 }
 

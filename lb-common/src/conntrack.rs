@@ -1,4 +1,4 @@
-//! Connection tracking of the tc path (`lb4_ct`, `lb6_ct`, LRU): a NAT table. Each entry rewrites one
+//! Connection tracking of the tc path (`lb4_ct`, `lb6_ct`, `lb4_ct_new`, `lb6_ct_new`, LRU): a NAT table. Each entry rewrites one
 //! direction of one flow, keyed by the packet's tuple as the program sees it:
 //!
 //! | entry (dir)  | key                     | rewrites                         | written at        |
@@ -13,6 +13,12 @@
 //! un-DNAT), like netfilter's PREROUTING and POSTROUTING, and the kernel routes in between.
 //! The un-SNAT entry is also the SNAT port reservation: it is inserted with BPF_NOEXIST, so two
 //! flows can never share a post-SNAT tuple.
+//!
+//! Two tables of this layout per family: `lb4_ct_new` holds a new flow's entries until its client
+//! goes past the handshake (a TCP packet without SYN or RST, a second UDP datagram), then they
+//! move to `lb4_ct`; lookups read `lb4_ct` first. A flood that never completes a handshake fills
+//! and evicts only `lb4_ct_new`, so established flows keep their entries (nf_conntrack's
+//! protection of ASSURED connections); see docs/architecture.md, "Two tables".
 //!
 //! All entries of one flow carry the same `created_ns`, which is how the agent's conntrack GC
 //! (`lb-agent/src/datapath/conntrack.rs`) tells a flow's entries from those of a later flow on the

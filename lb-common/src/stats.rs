@@ -93,6 +93,10 @@ counters! {
     /// with it (a TCP handshake not completed within a second, a spoofed SYN's; a UDP flow silent
     /// both ways for 2 s), as netfilter's early drop does with unassured connections.
     TcSnatPortReclaimed => "tc_snat_port_reclaimed",
+    /// tc: a new flow's client went past the handshake (a TCP packet without SYN or RST, a second
+    /// UDP datagram), and its entries moved from the new-flow table (`lb4_ct_new`) to the
+    /// established one (`lb4_ct`), out of a flood's reach.
+    TcFlowEstablished => "tc_flow_established",
 }
 
 /// Number of counters (`lb_stats` max_entries).

@@ -19,9 +19,9 @@ use lb_common::{
 };
 
 use crate::maps::{
-    AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, CONNTRACK4, CONNTRACK6, PREFILTER4, PREFILTER6, REVNAT4,
-    REVNAT6, SERVICES4, SERVICES6, SOCK_REVNAT_SK4, SOCK_REVNAT_SK6, SOCK_REVNAT4, SOCK_REVNAT6,
-    SOURCE_RANGES4, SOURCE_RANGES6,
+    AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, CONNTRACK_NEW4, CONNTRACK_NEW6, CONNTRACK4, CONNTRACK6,
+    PREFILTER4, PREFILTER6, REVNAT4, REVNAT6, SERVICES4, SERVICES6, SOCK_REVNAT_SK4, SOCK_REVNAT_SK6,
+    SOCK_REVNAT4, SOCK_REVNAT6, SOURCE_RANGES4, SOURCE_RANGES6,
 };
 
 pub const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -53,13 +53,15 @@ pub trait FamilyMaps: FamilySettings + AffinityClient {
     fn affinity() -> &'static AffinityMap<Self>;
     fn source_ranges() -> &'static SourceRangesMap<Self>;
     fn conntrack() -> &'static ConntrackMap<Self>;
+    /// The conntrack table of flows not yet established (`lb4_ct_new`).
+    fn conntrack_new() -> &'static ConntrackMap<Self>;
     fn prefilter() -> &'static PrefilterMap;
 }
 
 macro_rules! family_maps {
     ($family:ty, $services:ident, $backends:ident, $revnat:ident, $sock_revnat:ident,
      $sock_revnat_sk:ident, $affinity:ident, $source_ranges:ident, $conntrack:ident,
-     $prefilter:ident) => {
+     $conntrack_new:ident, $prefilter:ident) => {
         #[inline(always)]
         fn services() -> &'static ServicesMap<$family> {
             &$services
@@ -93,6 +95,10 @@ macro_rules! family_maps {
             &$conntrack
         }
         #[inline(always)]
+        fn conntrack_new() -> &'static ConntrackMap<$family> {
+            &$conntrack_new
+        }
+        #[inline(always)]
         fn prefilter() -> &'static PrefilterMap {
             &$prefilter
         }
@@ -110,6 +116,7 @@ impl FamilyMaps for V4 {
         AFFINITY4,
         SOURCE_RANGES4,
         CONNTRACK4,
+        CONNTRACK_NEW4,
         PREFILTER4
     );
 }
@@ -125,6 +132,7 @@ impl FamilyMaps for V6 {
         AFFINITY6,
         SOURCE_RANGES6,
         CONNTRACK6,
+        CONNTRACK_NEW6,
         PREFILTER6
     );
 }

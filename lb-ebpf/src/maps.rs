@@ -95,6 +95,15 @@ pub static CONNTRACK4: ConntrackMap<V4> = ConntrackMap::new();
 #[btf_map(name = "lb6_ct")]
 pub static CONNTRACK6: ConntrackMap<V6> = ConntrackMap::new();
 
+/// The same table for flows not yet established (`lb_common::conntrack`, "two tables"): a new
+/// flow's entries are written here and move to `lb4_ct` when its client goes past the handshake,
+/// so that a flood of unanswered SYNs or one-datagram UDP evicts only its own kind. Writers: tc
+/// ingress, the agent's conntrack GC. Readers: tc ingress and egress, after `lb4_ct`.
+#[btf_map(name = "lb4_ct_new")]
+pub static CONNTRACK_NEW4: ConntrackMap<V4> = ConntrackMap::new();
+#[btf_map(name = "lb6_ct_new")]
+pub static CONNTRACK_NEW6: ConntrackMap<V6> = ConntrackMap::new();
+
 /// The tc programs' prefilter (`lb_common::prefilter`): bit `b` is bit `b % 64` of word `b / 64`.
 /// Writer: agent. Readers: tc ingress and egress.
 #[btf_map(name = "lb4_prefilter")]

@@ -18,6 +18,7 @@ fn small() -> Capacities {
         affinity_match: 64,
         source_ranges: 64,
         conntrack: 64,
+        conntrack_new: 64,
     }
 }
 

@@ -1466,6 +1466,108 @@ fn a_flood_of_unfinished_handshakes_gives_its_masquerade_ports_back() {
     }
 }
 
+/// Issue 18's flood, second half: a flood that fills the conntrack table made LRU eviction take
+/// established connections that had been idle for a few seconds (6 of 6 in scenario 10-flood at
+/// `--bpf-ct-map-max 65536`), where nf_conntrack never early-drops an assured connection. A new
+/// flow's entries now live in a table of their own (`lb4_ct_new`) until its client goes past the
+/// handshake (a TCP packet without SYN, a second UDP datagram), then move to `lb4_ct`: a flood of
+/// SYNs or one-datagram UDP that never completes evicts only its own kind.
+#[test]
+fn a_flood_evicts_only_flows_that_never_got_past_their_handshake() {
+    use lb_common::catalog::Capacities;
+    const BACKEND: &str = "10.244.2.7";
+    const NEW_FLOW_CAPACITY: u32 = 256;
+    const FLOOD: u32 = 2_000;
+
+    for f in FAMILIES {
+        let node_ips: Vec<IpAddr> = FAMILIES.iter().map(|f| f.ip(NODE_IP)).collect();
+        let caps = Capacities {
+            conntrack_new: NEW_FLOW_CAPACITY,
+            ..lb_agent::trace::SCRATCH_CAPACITIES
+        };
+        let mut s = ScratchDatapath::with_capacities(&state(), settings(true), &node_ips, OBJECT, caps)
+            .expect("scratch data path");
+        let ct = s.datapath.take_conntrack().expect("conntrack maps");
+        // Entries of this family in the established table and in the new-flow table.
+        let occupancy = || match f {
+            Family::V4 => (ct.v4.keys().count(), ct.new_v4.keys().count()),
+            Family::V6 => (ct.v6.keys().count(), ct.new_v6.keys().count()),
+        };
+        let established = |s: &ScratchDatapath| counter(s, Counter::TcFlowEstablished);
+
+        // A: a NodePort connection, masqueraded, through its handshake.
+        let syn = ingress(&mut s, &tcp(f, CLIENT, 41000, NODE_IP, 30080).build());
+        assert_eq!(summary(&syn.packet).dst, f.ip(BACKEND));
+        let port = summary(&egress(&mut s, &syn.packet).packet).sport;
+        assert_eq!(occupancy(), (0, 3), "{f:?}: a SYN's flow is new");
+        let syn_ack = ingress(&mut s, &tcp(f, BACKEND, 8080, NODE_IP, port).data(b"").build());
+        assert_eq!(
+            summary(&syn_ack.packet).dst,
+            f.ip(CLIENT),
+            "{f:?}: un-SNAT from the new table"
+        );
+        assert_eq!(
+            occupancy(),
+            (0, 3),
+            "{f:?}: the backend's answer does not establish"
+        );
+        let ack = ingress(
+            &mut s,
+            &tcp(f, CLIENT, 41000, NODE_IP, 30080).data(b"GET /").build(),
+        );
+        assert_eq!(summary(&ack.packet).dst, f.ip(BACKEND));
+        assert_eq!(summary(&egress(&mut s, &ack.packet).packet).sport, port);
+        assert_eq!(
+            occupancy(),
+            (3, 0),
+            "{f:?}: the client's ACK moved all three entries"
+        );
+        assert_eq!(established(&s), 1);
+
+        // The flood: spoofed SYNs from FLOOD sources, eight times what the new-flow table holds.
+        let new_flows = counter(&s, Counter::TcNewFlow);
+        for i in 0..FLOOD {
+            let src = format!("198.18.{}.{}", i / 250, i % 250 + 1);
+            let out = ingress(&mut s, &tcp(f, &src, 40000, NODE_IP, 30080).build());
+            assert_eq!(out.action, OK, "{f:?}: flood SYN {i}");
+        }
+        assert_eq!(counter(&s, Counter::TcNewFlow) - new_flows, u64::from(FLOOD));
+        let (kept, new) = occupancy();
+        assert_eq!(
+            kept, 3,
+            "{f:?}: the flood wrote nothing into the established table"
+        );
+        assert!(new <= NEW_FLOW_CAPACITY as usize, "{f:?}: {new}");
+
+        // A, idle through the flood, goes on: same backend, same masquerade port, replies back.
+        let new_flows = counter(&s, Counter::TcNewFlow);
+        let more = ingress(
+            &mut s,
+            &tcp(f, CLIENT, 41000, NODE_IP, 30080).data(b"more").build(),
+        );
+        assert_eq!(summary(&more.packet).dst, f.ip(BACKEND));
+        assert_eq!(summary(&egress(&mut s, &more.packet).packet).sport, port);
+        let reply = ingress(&mut s, &tcp(f, BACKEND, 8080, NODE_IP, port).data(b"200").build());
+        assert_eq!(summary(&reply.packet).dst, f.ip(CLIENT));
+        assert_eq!(
+            counter(&s, Counter::TcNewFlow),
+            new_flows,
+            "{f:?}: A is not a new flow"
+        );
+
+        // UDP: one datagram stays new; the client's second one establishes the flow.
+        let dgram = || udp(f, CLIENT, 42000, "10.96.0.16", 53).build();
+        let first = ingress(&mut s, &dgram());
+        egress(&mut s, &first.packet);
+        assert_eq!(occupancy().0, 3, "{f:?}: one datagram is a new flow");
+        let second = ingress(&mut s, &dgram());
+        assert_eq!(summary(&second.packet).dst, summary(&first.packet).dst);
+        assert_eq!(established(&s), 2);
+        let (kept, _) = occupancy();
+        assert!(kept > 3, "{f:?}: the UDP flow's entries moved ({kept})");
+    }
+}
+
 /// The kernel maps write runs of service and backend entries with BPF_MAP_UPDATE_BATCH, one run
 /// per family; a run that does not fit stops exactly where the kernel refused, counted from the
 /// start of the whole batch, so the writer's mirror stays true.

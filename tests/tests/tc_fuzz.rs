@@ -1460,12 +1460,14 @@ where
         .collect()
 }
 
-/// Every entry of both families' conntrack maps: the `lb4_ct` and `lb6_ct` of this scratch data
-/// path.
+/// Every entry of both families' conntrack maps, established and new flows': the `lb4_ct`,
+/// `lb6_ct`, `lb4_ct_new` and `lb6_ct_new` of this scratch data path.
 fn conntrack_of(s: &mut ScratchDatapath) -> Vec<CtEntry> {
     let maps = s.datapath.take_conntrack().expect("the conntrack maps");
     let mut entries = ct_entries(&maps.v4, |a| Ipv4Addr::from(a).into());
     entries.extend(ct_entries(&maps.v6, |a| Ipv6Addr::from(a).into()));
+    entries.extend(ct_entries(&maps.new_v4, |a| Ipv4Addr::from(a).into()));
+    entries.extend(ct_entries(&maps.new_v6, |a| Ipv6Addr::from(a).into()));
     entries
 }
 

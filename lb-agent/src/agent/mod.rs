@@ -353,7 +353,7 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         spawn_conntrack_gc(
             conntrack,
             prefilter,
-            caps.conntrack,
+            caps,
             args.bpf.conntrack_gc_interval,
             args.bpf.conntrack_timeouts(),
             metrics.clone(),
@@ -424,7 +424,7 @@ async fn first_sync(agent: &RefCell<Agent>, retry: Duration, shutdown: &Cancella
 fn spawn_conntrack_gc(
     mut maps: crate::datapath::conntrack::ConntrackMaps,
     prefilter: crate::apply::prefilter::Prefilter,
-    capacity: u32,
+    capacity: lb_common::catalog::Capacities,
     interval: Duration,
     timeouts: crate::datapath::conntrack::GcTimeouts,
     metrics: Metrics,
@@ -446,11 +446,20 @@ fn spawn_conntrack_gc(
                         for (reason, n) in &report.deleted {
                             metrics.conntrack_gc_deleted(reason.label(), *n);
                         }
-                        for (family, left) in crate::family::IpFamily::ALL.iter().zip(report.left) {
+                        for (family, (left, left_new)) in crate::family::IpFamily::ALL
+                            .iter()
+                            .zip(report.left.into_iter().zip(report.left_new))
+                        {
+                            let maps = family.maps();
                             metrics.set_map_occupancy(
-                                family.maps().conntrack,
+                                maps.conntrack,
                                 left as u64,
-                                u64::from(capacity),
+                                u64::from(capacity.conntrack),
+                            );
+                            metrics.set_map_occupancy(
+                                maps.conntrack_new,
+                                left_new as u64,
+                                u64::from(capacity.conntrack_new),
                             );
                         }
                         // The bits only ended flows and removed Services needed go now.

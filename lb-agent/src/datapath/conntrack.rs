@@ -1,5 +1,7 @@
 //! Conntrack GC: frees the tc path's NAT entries (`lb4_ct`, `lb6_ct`: the same code over
-//! `F: Family`) of flows that ended, and with them their masquerade ports.
+//! `F: Family`; and the new flows' tables `lb4_ct_new`, `lb6_ct_new`, each collected on its own,
+//! since a flow's entries are all in one table) of flows that ended, and with them their
+//! masquerade ports.
 //!
 //! The conntrack maps are LRU maps, but LRU eviction starts only when the map is full, and a masqueraded
 //! flow reserves its port with its un-SNAT entry: left alone, the entries of closed connections
@@ -294,6 +296,8 @@ pub struct GcReport {
     pub scanned: usize,
     /// Entries left after the pass, IPv4 then IPv6 (the maps' occupancy, `lb_map_entries`).
     pub left: [usize; 2],
+    /// The same for the new-flow maps (`lb4_ct_new`, `lb6_ct_new`).
+    pub left_new: [usize; 2],
     /// Deleted entries by reason.
     pub deleted: Vec<(Reason, u64)>,
     pub took: Duration,
@@ -304,6 +308,10 @@ impl GcReport {
     pub fn merge(&mut self, other: GcReport) {
         self.scanned += other.scanned;
         self.left = [self.left[0] + other.left[0], self.left[1] + other.left[1]];
+        self.left_new = [
+            self.left_new[0] + other.left_new[0],
+            self.left_new[1] + other.left_new[1],
+        ];
         self.took += other.took;
         for (reason, n) in other.deleted {
             match self.deleted.iter_mut().find(|(r, _)| *r == reason) {
@@ -372,13 +380,18 @@ where
         left,
         deleted: deleted.into_iter().collect(),
         took: started.elapsed(),
+        ..Default::default()
     })
 }
 
-/// Both families' conntrack maps, taken out of the loaded object for the GC.
+/// Both families' conntrack maps, taken out of the loaded object for the GC: the established
+/// flows' and the new flows' (`lb_common::conntrack`, "two tables"). A flow's entries are in one
+/// of the two, so each is collected on its own.
 pub struct ConntrackMaps {
     pub v4: aya::maps::HashMap<MapData, CtKey<V4>, CtValue<V4>>,
     pub v6: aya::maps::HashMap<MapData, CtKey<V6>, CtValue<V6>>,
+    pub new_v4: aya::maps::HashMap<MapData, CtKey<V4>, CtValue<V4>>,
+    pub new_v6: aya::maps::HashMap<MapData, CtKey<V6>, CtValue<V6>>,
 }
 
 impl ConntrackMaps {
@@ -397,6 +410,13 @@ impl ConntrackMaps {
         referenced.began = Some(Instant::now());
         let mut report = collect(&mut self.v4, now_ns, t, &mut referenced.v4)?;
         report.merge(collect(&mut self.v6, now_ns, t, &mut referenced.v6)?);
+        for mut new in [
+            collect(&mut self.new_v4, now_ns, t, &mut referenced.v4)?,
+            collect(&mut self.new_v6, now_ns, t, &mut referenced.v6)?,
+        ] {
+            new.left_new = std::mem::take(&mut new.left);
+            report.merge(new);
+        }
         Ok(report)
     }
 
@@ -411,6 +431,12 @@ impl ConntrackMaps {
             v4.insert(lb_common::prefilter::conntrack_bit(k, v));
         })?;
         read_entries(&self.v6, |k, v| {
+            v6.insert(lb_common::prefilter::conntrack_bit(k, v));
+        })?;
+        read_entries(&self.new_v4, |k, v| {
+            v4.insert(lb_common::prefilter::conntrack_bit(k, v));
+        })?;
+        read_entries(&self.new_v6, |k, v| {
             v6.insert(lb_common::prefilter::conntrack_bit(k, v));
         })?;
         Ok(referenced)

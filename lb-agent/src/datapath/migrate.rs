@@ -94,12 +94,13 @@ fn family_expected<F: FamilyMaps>(name: &str, caps: &Capacities) -> Option<Expec
         )
     } else if name == maps.source_ranges {
         sizes(4 + size_of::<SrcRange<F>>(), 1, Some(caps.source_ranges))
-    } else if name == maps.conntrack {
-        sizes(
-            size_of::<CtKey<F>>(),
-            size_of::<CtValue<F>>(),
-            Some(caps.conntrack),
-        )
+    } else if name == maps.conntrack || name == maps.conntrack_new {
+        let capacity = if name == maps.conntrack {
+            caps.conntrack
+        } else {
+            caps.conntrack_new
+        };
+        sizes(size_of::<CtKey<F>>(), size_of::<CtValue<F>>(), Some(capacity))
     } else if name == maps.prefilter {
         sizes(4, 8, Some(lb_common::prefilter::WORDS))
     } else {
@@ -311,7 +312,7 @@ where
         copy_hash::<SockRevNatKey<F>, SockRevNatValue<F>>(from, to, true)
     } else if name == maps.affinity {
         copy_hash::<AffinityKey<F>, AffinityValue>(from, to, true)
-    } else if name == maps.conntrack {
+    } else if name == maps.conntrack || name == maps.conntrack_new {
         copy_hash::<CtKey<F>, CtValue<F>>(from, to, true)
     } else if name == maps.source_ranges {
         copy_lpm::<SrcRange<F>, u8>(from, to)

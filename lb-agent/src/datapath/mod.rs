@@ -276,6 +276,7 @@ impl Datapath {
             sock_revnat: 4096,
             affinity: 4096,
             conntrack: 4096,
+            conntrack_new: 4096,
         };
         // An agent of an earlier release pinned no prefilter (nor set the flag): never pin one here.
         let pins: Vec<(&'static str, PathBuf)> = shared
@@ -312,7 +313,8 @@ impl Datapath {
                 .map_max_entries(maps.sock_revnat, caps.sock_revnat)
                 .map_max_entries(maps.affinity, caps.affinity)
                 .map_max_entries(maps.source_ranges, caps.source_ranges)
-                .map_max_entries(maps.conntrack, caps.conntrack);
+                .map_max_entries(maps.conntrack, caps.conntrack)
+                .map_max_entries(maps.conntrack_new, caps.conntrack_new);
         }
         // Reverse-NAT ids of both families (`apply::ids::family_ranges`).
         loader
@@ -381,6 +383,8 @@ impl Datapath {
         Ok(conntrack::ConntrackMaps {
             v4: take(catalog::CONNTRACK)?.try_into()?,
             v6: take(catalog::CONNTRACK6)?.try_into()?,
+            new_v4: take(catalog::CONNTRACK_NEW)?.try_into()?,
+            new_v6: take(catalog::CONNTRACK_NEW6)?.try_into()?,
         })
     }
 

@@ -29,7 +29,7 @@ use serde::Serialize;
 
 mod scratch;
 
-pub use scratch::ScratchDatapath;
+pub use scratch::{SCRATCH_CAPACITIES, ScratchDatapath};
 
 use crate::{
     apply::{KernelMaps, ServiceMapKey},

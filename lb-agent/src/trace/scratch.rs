@@ -30,6 +30,7 @@ pub const SCRATCH_CAPACITIES: Capacities = Capacities {
     affinity_match: 16_384,
     source_ranges: 4096,
     conntrack: 65_536,
+    conntrack_new: 16_384,
 };
 
 /// The loaded programs and their maps, programmed as a node with `node_ips` on its interfaces

@@ -8,7 +8,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use lb_common::{
-    conntrack::{CtValue, dir, flags as ct},
+    conntrack::{CtKey, CtValue, dir, flags as ct},
     family::Family,
     proto,
     revnat::RevNatValue,
@@ -56,43 +56,142 @@ pub(super) fn now_ns() -> u64 {
 /// add up.
 pub(super) const NEW_FLOW: i32 = i32::MIN + 1;
 
-/// A TCP or UDP packet at ingress: a tracked flow's, else [`NEW_FLOW`]. A step of
-/// [`super::Steps`]: for IPv6 a frame of its own, so that the program's frame holds little more
-/// than the parsed packet and each path beside this one has nearly the whole stack to itself.
+/// What `l4_ingress` returns for the packet that establishes a new flow: the programs call
+/// [`establish`] with it, beside this path as with `new_flow`.
+pub(super) const ESTABLISH: i32 = i32::MIN + 4;
+
+/// A flow's entry at `key`, from either table: the established flows' first (the packets of
+/// almost every lookup that hits), then the new flows'.
+#[inline(always)]
+pub(super) fn lookup<F: Ip>(key: &CtKey<F>) -> Option<*mut CtValue<F>> {
+    F::conntrack()
+        .get_ptr_mut(key)
+        .or_else(|| F::conntrack_new().get_ptr_mut(key))
+}
+
+/// A TCP or UDP packet at ingress: a tracked flow's, else [`NEW_FLOW`]; [`ESTABLISH`] for the
+/// client's packet that moves a new flow to the established table. A step of [`super::Steps`]:
+/// for IPv6 a frame of its own, so that the program's frame holds little more than the parsed
+/// packet and each path beside this one has nearly the whole stack to itself.
 #[inline(always)]
 pub(super) fn l4_ingress<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
     let key = pkt.flow.key(dir::INGRESS);
-    if let Some(ptr) = F::conntrack().get_ptr_mut(&key) {
-        let entry = unsafe { *ptr };
-        if entry.flags & ct::REPLY != 0 {
-            // A reply to a masqueraded flow: back to the client, and egress restores the frontend.
-            note_reply(ptr, pkt);
-            ctx.set_mark(MARK_MAGIC | (entry.rev_nat_id & MARK_ID));
-            return apply(ctx, pkt, false, entry.nat_addr, entry.nat_port);
-        }
-        let keep = if pkt.flow.proto == proto::TCP {
-            // A fresh SYN on an old tuple is a new connection; everything else keeps its backend.
-            pkt.tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN
-                || now_ns().saturating_sub(entry.created_ns) < SYN_REUSE_NS
-        } else {
-            // UDP has no connection end: a flow whose backend is gone moves to a live one (the
-            // stale-UDP-conntrack problem of kube-proxy).
-            let alive = lb::lookup_backend::<F>(entry.backend_id)
-                .is_some_and(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
-            if alive {
-                unsafe { (*ptr).last_seen_ns = now_ns() };
-            } else {
-                count(Counter::TcStaleUdpMoved);
-            }
-            alive
-        };
-        if keep {
-            note_close(ptr, pkt, ct::FIN_FORWARD);
-            note_established(ptr, entry.flags, pkt);
-            return apply(ctx, pkt, false, entry.nat_addr, entry.nat_port);
-        }
+    let (ptr, established) = match F::conntrack().get_ptr_mut(&key) {
+        Some(ptr) => (ptr, true),
+        None => match F::conntrack_new().get_ptr_mut(&key) {
+            Some(ptr) => (ptr, false),
+            None => return NEW_FLOW,
+        },
+    };
+    let entry = unsafe { *ptr };
+    if entry.flags & ct::REPLY != 0 {
+        // A reply to a masqueraded flow: back to the client, and egress restores the frontend.
+        note_reply(ptr, pkt);
+        ctx.set_mark(MARK_MAGIC | (entry.rev_nat_id & MARK_ID));
+        return apply(ctx, pkt, false, entry.nat_addr, entry.nat_port);
     }
-    NEW_FLOW
+    let tcp = pkt.flow.proto == proto::TCP;
+    let keep = if tcp {
+        // A fresh SYN on an old tuple is a new connection; everything else keeps its backend.
+        pkt.tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN
+            || now_ns().saturating_sub(entry.created_ns) < SYN_REUSE_NS
+    } else {
+        // UDP has no connection end: a flow whose backend is gone moves to a live one (the
+        // stale-UDP-conntrack problem of kube-proxy).
+        let alive = lb::lookup_backend::<F>(entry.backend_id)
+            .is_some_and(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
+        if alive {
+            unsafe { (*ptr).last_seen_ns = now_ns() };
+        } else {
+            count(Counter::TcStaleUdpMoved);
+        }
+        alive
+    };
+    if !keep {
+        if established {
+            // The new flow's entries go to the new-flow table, looked up after this one: the old
+            // forward entry would hide them.
+            let _ = F::conntrack().remove(&key);
+        }
+        return NEW_FLOW;
+    }
+    // The client past the TCP handshake (no SYN, no RST), or a second UDP datagram: established.
+    if !established && (!tcp || pkt.tcp_flags & (TCP_SYN | TCP_RST) == 0) {
+        return ESTABLISH;
+    }
+    note_close(ptr, pkt, ct::FIN_FORWARD);
+    note_established(ptr, entry.flags, pkt);
+    apply(ctx, pkt, false, entry.nat_addr, entry.nat_port)
+}
+
+/// The client's packet that establishes a new flow (`l4_ingress` said [`ESTABLISH`]): the flow's
+/// entries move from the new-flow table to the established one, its companions first and the
+/// forward entry last, each inserted before it is deleted, so that every lookup finds each entry
+/// in one table or the other throughout; then the packet is translated as any of the flow's.
+/// [`NEW_FLOW`] if the entry went meanwhile (evicted by a flood).
+#[inline(never)]
+pub(super) fn establish<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
+    let flow = &pkt.flow;
+    let mut key = flow.key(dir::INGRESS);
+    let Some(ptr) = F::conntrack_new().get_ptr_mut(&key) else {
+        return NEW_FLOW;
+    };
+    let (backend, backend_port, flags) = unsafe { ((*ptr).nat_addr, (*ptr).nat_port, (*ptr).flags) };
+    // Its SNAT entry (client -> backend, at egress), or its un-DNAT entry (backend -> client).
+    key.daddr = backend;
+    key.dport = backend_port;
+    key.dir = dir::EGRESS;
+    if flags & ct::SNAT != 0 {
+        let held = move_entry::<F>(&key);
+        // Its un-SNAT entry: backend -> node IP:port, at ingress.
+        if let Some((snat_addr, snat_port)) = held {
+            key = CtKey {
+                saddr: backend,
+                daddr: snat_addr,
+                sport: backend_port,
+                dport: snat_port,
+                proto: flow.proto,
+                dir: dir::INGRESS,
+                _pad: [0; 2],
+            };
+            move_entry::<F>(&key);
+        }
+    } else {
+        key = CtKey {
+            saddr: backend,
+            daddr: flow.saddr,
+            sport: backend_port,
+            dport: flow.sport,
+            proto: flow.proto,
+            dir: dir::EGRESS,
+            _pad: [0; 2],
+        };
+        move_entry::<F>(&key);
+    }
+    key = flow.key(dir::INGRESS);
+    let Some(ptr) = F::conntrack_new().get_ptr_mut(&key) else {
+        return NEW_FLOW;
+    };
+    note_close(ptr, pkt, ct::FIN_FORWARD);
+    note_established(ptr, flags, pkt);
+    if F::conntrack().insert(&key, unsafe { &*ptr }, 0).is_ok() {
+        let _ = F::conntrack_new().remove(&key);
+        count(Counter::TcFlowEstablished);
+    }
+    apply(ctx, pkt, false, backend, backend_port)
+}
+
+/// Moves the entry at `key` from the new-flow table to the established one (left where it is if
+/// the established table refuses it). Its `(nat_addr, nat_port)`, if it was there.
+#[inline(always)]
+fn move_entry<F: Ip>(key: &CtKey<F>) -> Option<(F::Addr, u16)> {
+    let ptr = F::conntrack_new().get_ptr(key)?;
+    // SAFETY: `ptr` points into a map value just looked up; the kernel copies it on insert.
+    let nat = unsafe { ((*ptr).nat_addr, (*ptr).nat_port) };
+    if F::conntrack().insert(key, unsafe { &*ptr }, 0).is_ok() {
+        let _ = F::conntrack_new().remove(key);
+    }
+    Some(nat)
 }
 
 /// A TCP/UDP packet at egress: a reply ingress un-SNATed (`mark`, when `ours`) gets its frontend
@@ -115,7 +214,7 @@ pub(super) fn established_egress<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, ma
             None => count(Counter::TcForeignMark),
         }
     }
-    match F::conntrack().get_ptr_mut(&flow.key(dir::EGRESS)) {
+    match lookup::<F>(&flow.key(dir::EGRESS)) {
         Some(ptr) => {
             let entry = unsafe { *ptr };
             if entry.flags & ct::REPLY != 0 {
@@ -203,9 +302,7 @@ pub(super) fn marked_reply<F: Ip>(
         dport: frontend.port,
         proto,
     };
-    let entry = F::conntrack()
-        .get_ptr(&forward.key(dir::INGRESS))
-        .map(|p| unsafe { *p })?;
+    let entry = lookup::<F>(&forward.key(dir::INGRESS)).map(|p| unsafe { *p })?;
     let ours = entry.flags & ct::REPLY == 0
         && entry.rev_nat_id & MARK_ID == id
         && entry.nat_addr == backend.0

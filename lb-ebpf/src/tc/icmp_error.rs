@@ -14,7 +14,7 @@ use lb_common::{
 };
 
 use super::{
-    conntrack::{MARK_ID, MARK_MAGIC, marked_reply},
+    conntrack::{MARK_ID, MARK_MAGIC, lookup, marked_reply},
     ip::Ip,
     parse::{Flow, ICMP_CHECK, L4_DPORT, L4_SPORT, port_changed},
 };
@@ -106,10 +106,7 @@ pub(super) fn icmp_error_ingress<F: Ip>(ctx: &mut TcContext, icmp: usize, outer:
     // the other way round, as for a packet coming back.
     let reversed = q.flow.reversed();
     // Read in place (rare path; the frame is what is scarce).
-    let Some(entry) = F::conntrack()
-        .get_ptr(&reversed.key(dir::INGRESS))
-        .map(|p| unsafe { &*p })
-    else {
+    let Some(entry) = lookup::<F>(&reversed.key(dir::INGRESS)).map(|p| unsafe { &*p }) else {
         return TC_ACT_OK;
     };
     let result = if entry.flags & ct::REPLY != 0 {
@@ -129,10 +126,7 @@ pub(super) fn icmp_error_ingress<F: Ip>(ctx: &mut TcContext, icmp: usize, outer:
                 dport: entry.nat_port,
                 proto: q.flow.proto,
             };
-            result = match F::conntrack()
-                .get_ptr(&fwd.key(dir::EGRESS))
-                .map(|p| unsafe { &*p })
-            {
+            result = match lookup::<F>(&fwd.key(dir::EGRESS)).map(|p| unsafe { &*p }) {
                 Some(snat) => {
                     let q2 = Quoted {
                         flow: Flow {
@@ -190,8 +184,7 @@ pub(super) fn icmp_error_egress<F: Ip>(ctx: &mut TcContext, icmp: usize, mark: u
         None => {
             // Quote: client -> backend. The client called the frontend.
             let reply = q.flow.reversed();
-            F::conntrack()
-                .get_ptr(&reply.key(dir::EGRESS))
+            lookup::<F>(&reply.key(dir::EGRESS))
                 .map(|p| unsafe { *p })
                 .filter(|e| e.flags & ct::REPLY != 0)
                 .map(|e| (e.nat_addr, e.nat_port))

@@ -33,7 +33,7 @@
 //! - `parse`: the packet (`Flow`, `Packet`, `Parsed`) and bounds-checked access to it;
 //! - `prefilter`: whether a packet may concern the programs at all (one bit of an array);
 //! - `conntrack`: packets of tracked flows at ingress and egress, close and liveness notes, the
-//!   un-SNAT mark;
+//!   un-SNAT mark, and the move of a flow from the new-flow table to the established one;
 //! - `new_flow`: a new flow, from the frontend lookup to its conntrack entries;
 //! - `snat`: masquerade port reservation;
 //! - `nat`: address and port rewriting with checksum updates;
@@ -118,10 +118,16 @@ fn ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
             }
             TC_ACT_OK
         }
-        Parsed::L4(pkt) => match F::l4_ingress(ctx, &pkt) {
-            conntrack::NEW_FLOW => new_flow::new_flow::<F>(ctx, &pkt),
-            verdict => verdict,
-        },
+        Parsed::L4(pkt) => {
+            let mut verdict = F::l4_ingress(ctx, &pkt);
+            if verdict == conntrack::ESTABLISH {
+                verdict = conntrack::establish::<F>(ctx, &pkt);
+            }
+            match verdict {
+                conntrack::NEW_FLOW => new_flow::new_flow::<F>(ctx, &pkt),
+                verdict => verdict,
+            }
+        }
     }
 }
 

@@ -18,7 +18,7 @@ use lb_common::{
 };
 
 use super::{
-    conntrack::now_ns,
+    conntrack::{lookup, now_ns},
     ip::Ip,
     nat::apply,
     parse::Packet,
@@ -199,21 +199,25 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
         // Replies (backend -> client) get the frontend back as their source on the way out. If a
         // live flow already owns that tuple (the same client port to two frontends with a shared
         // backend), masquerade this one so both stay unambiguous.
-        match F::conntrack().insert(&key, &entry, BPF_NOEXIST as u64) {
-            Ok(()) => {}
-            Err(e) if e as i64 == -EEXIST => {
-                let same = F::conntrack().get_ptr(&key).is_some_and(|old| unsafe {
-                    (*old).nat_addr == flow.daddr && (*old).nat_port == flow.dport
-                });
-                if same {
-                    let _ = F::conntrack().insert(&key, &entry, 0);
-                } else {
-                    masquerade = true;
+        // A new flow's entries go to the new-flow table; the tuple is taken if either table
+        // holds it.
+        let inserted = F::conntrack().get_ptr(&key).is_none()
+            && match F::conntrack_new().insert(&key, &entry, BPF_NOEXIST as u64) {
+                Ok(()) => true,
+                Err(e) if e as i64 == -EEXIST => false,
+                Err(_) => {
+                    count(Counter::TcCtInsertFailed);
+                    return TC_ACT_SHOT;
                 }
-            }
-            Err(_) => {
-                count(Counter::TcCtInsertFailed);
-                return TC_ACT_SHOT;
+            };
+        if !inserted {
+            // Gone meanwhile counts as free.
+            let same = lookup::<F>(&key)
+                .is_none_or(|old| unsafe { (*old).nat_addr == flow.daddr && (*old).nat_port == flow.dport });
+            if same {
+                let _ = F::conntrack_new().insert(&key, &entry, 0);
+            } else {
+                masquerade = true;
             }
         }
     }
@@ -247,12 +251,15 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
             // masquerade this flow too and its replies would go back as the wrong frontend.
             // Egress cannot tell two such flows apart, so the newest owns the tuple.
             let _ = F::conntrack().remove(&key);
+            let _ = F::conntrack_new().remove(&key);
         }
         Some(port) => {
             entry.nat_addr = family.snat_addr;
             entry.nat_port = port;
             entry.flags = ct::SNAT | ct::HANDSHAKE_TRACKED;
-            if F::conntrack().insert(&key, &entry, 0).is_err() {
+            // Likewise: an SNAT entry there would be found before this one.
+            let _ = F::conntrack().remove(&key);
+            if F::conntrack_new().insert(&key, &entry, 0).is_err() {
                 count(Counter::TcCtInsertFailed);
                 return TC_ACT_SHOT;
             }
@@ -265,7 +272,10 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
     }
     entry.nat_addr = backend.addr;
     entry.nat_port = backend.port;
-    if F::conntrack().insert(&flow.key(dir::INGRESS), &entry, 0).is_err() {
+    if F::conntrack_new()
+        .insert(&flow.key(dir::INGRESS), &entry, 0)
+        .is_err()
+    {
         count(Counter::TcCtInsertFailed);
         return TC_ACT_SHOT;
     }

@@ -42,17 +42,24 @@ pub(super) fn reserve_snat_port<F: Ip>(
     key.dir = dir::INGRESS;
     if hint != 0 {
         key.dport = hint;
-        if F::conntrack().insert(key, unsnat, BPF_NOEXIST as u64).is_ok() {
+        if reserve::<F>(key, unsnat) {
             return Some(hint);
         }
     }
     for attempt in 0..SNAT_ATTEMPTS {
         key.dport = ports.nth(attempt);
-        if F::conntrack().insert(key, unsnat, BPF_NOEXIST as u64).is_ok() {
+        if reserve::<F>(key, unsnat) {
             return Some(key.dport);
         }
     }
     None
+}
+
+/// Inserts a new flow's un-SNAT entry into the new-flow table if neither table holds its port.
+#[inline(always)]
+fn reserve<F: Ip>(key: &CtKey<F>, unsnat: &CtValue<F>) -> bool {
+    F::conntrack().get_ptr(key).is_none()
+        && F::conntrack_new().insert(key, unsnat, BPF_NOEXIST as u64).is_ok()
 }
 
 /// When every port `reserve_snat_port` tried for a flow to backend `backend_id` was held (the
@@ -152,9 +159,13 @@ impl PortSequence {
 /// through the port again. True when the entry is gone.
 #[inline(never)]
 fn reclaim_port<F: Ip>(unsnat_key: &CtKey<F>) -> bool {
-    let map = F::conntrack();
-    let Some(held) = map.get_ptr(unsnat_key) else {
-        return true;
+    // A flow's entries are all in one table (established or new), the un-SNAT entry's.
+    let (map, held) = match F::conntrack().get_ptr(unsnat_key) {
+        Some(held) => (F::conntrack(), held),
+        None => match F::conntrack_new().get_ptr(unsnat_key) {
+            Some(held) => (F::conntrack_new(), held),
+            None => return true,
+        },
     };
     // The un-SNAT entry's target is the client; its frontend is the flow's rev-NAT id. The key
     // is built in place from the entry (no copies: an IPv6 key is 40 bytes of a frame that sits

@@ -111,6 +111,7 @@ fn scratch(n: u32, family: Family) -> Result<ScratchDatapath> {
         affinity_match: 16_384,
         source_ranges: 4096,
         conntrack: 262_144,
+        conntrack_new: lb_common::catalog::capacity::CONNTRACK_NEW,
     };
     let settings = NodeSettings {
         node_name: api::NODE.into(),
