@@ -2528,6 +2528,7 @@ fn soak() {
                     "lb4_backends": entries("lb4_backends"),
                     "lb4_revnat": entries("lb4_revnat"),
                     "lb4_ct": entries("lb4_ct"),
+                    "lb4_ct_new": entries("lb4_ct_new"),
                     "lb_aff_match": entries("lb_aff_match"),
                     "gc_deleted_total": gc as u64,
                 }));
@@ -2568,6 +2569,7 @@ fn soak() {
         "last_agent_rss_kib": grew("rss_kib"),
         "last_agent_fds": grew("fds"),
         "last_agent_lb4_ct": grew("lb4_ct"),
+        "last_agent_lb4_ct_new": grew("lb4_ct_new"),
         "samples": samples,
     });
     let dir = workspace_bin("lb-agent").ancestors().nth(2).unwrap().join("soak");

@@ -437,5 +437,20 @@ fn by_service<'a>(
     out
 }
 
+impl<M> Applier<M> {
+    /// The size of every collection the writer keeps between syncs (see `Planner::residue`).
+    #[cfg(test)]
+    pub(crate) fn residue(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            ("applier frontends", self.frontends.len()),
+            ("applier backends", self.backends.len()),
+            ("applier backend ids", self.backend_addrs.len()),
+            ("applier backend refs", self.backend_refs.len()),
+            ("applier maybe unused", self.maybe_unused.len()),
+            ("applier retry", self.retry.len()),
+        ]
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -355,5 +355,22 @@ impl Planner {
     }
 }
 
+impl Planner {
+    /// The size of every collection the planner keeps between syncs, for the churn test that
+    /// proves none keeps what a deleted Service left.
+    #[cfg(test)]
+    pub(crate) fn residue(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            ("planner units", self.units.len()),
+            ("planner claimants", self.claimants.len()),
+            ("planner used", self.used.len()),
+            ("planner votes", self.votes.len()),
+            ("planner conflicts", self.conflicts.len()),
+            ("desired frontends", self.desired.frontends.len()),
+            ("desired backends", self.desired.backends.len()),
+        ]
+    }
+}
+
 #[cfg(test)]
 mod tests;
