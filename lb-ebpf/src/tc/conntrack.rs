@@ -196,8 +196,15 @@ fn move_entry<F: Ip>(key: &CtKey<F>) -> Option<(F::Addr, u16)> {
 
 /// A TCP/UDP packet at egress: a reply ingress un-SNATed (`mark`, when `ours`) gets its frontend
 /// back as the source; a packet on a tracked egress entry is SNATed or reverse-DNATed.
+/// `from_backend`: the prefilter says the source may be a backend's.
 #[inline(always)]
-pub(super) fn established_egress<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, mark: u32, ours: bool) -> i32 {
+pub(super) fn established_egress<F: Ip>(
+    ctx: &mut TcContext,
+    pkt: &Packet<F>,
+    mark: u32,
+    ours: bool,
+    from_backend: bool,
+) -> i32 {
     let flow = pkt.flow;
     if ours {
         match marked_reply::<F>(
@@ -214,7 +221,21 @@ pub(super) fn established_egress<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, ma
             None => count(Counter::TcForeignMark),
         }
     }
-    match lookup::<F>(&flow.key(dir::EGRESS)) {
+    let key = flow.key(dir::EGRESS);
+    // Of a TCP flow in its handshake (the new-flow table), the client's packets cross egress only
+    // as SYNs: its first packet past the SYN moves the flow at ingress. The backend's may be
+    // anything (a Fast Open server sends data before the client's ACK). So a TCP packet without
+    // SYN or RST that misses the established table is looked up in the new-flow one only if it
+    // may come from a backend: the socket path's connections (client -> backend, which pass the
+    // prefilter by their destination) skip the second lookup.
+    let tracked = F::conntrack().get_ptr_mut(&key).or_else(|| {
+        if flow.proto != proto::TCP || pkt.tcp_flags & (TCP_SYN | TCP_RST) != 0 || from_backend {
+            F::conntrack_new().get_ptr_mut(&key)
+        } else {
+            None
+        }
+    });
+    match tracked {
         Some(ptr) => {
             let entry = unsafe { *ptr };
             if entry.flags & ct::REPLY != 0 {

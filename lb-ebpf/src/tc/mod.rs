@@ -147,15 +147,13 @@ fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
     let mark = unsafe { (*skb(ctx)).mark };
     let ours = mark & MARK_MASK == MARK_MAGIC;
     match F::parse(ctx) {
-        Parsed::L4(pkt)
-            if pkt.flow.proto != proto::SCTP
-                && (ours
-                    || prefilter::egress::<F>(
-                        (&pkt.flow.saddr, pkt.flow.sport),
-                        (&pkt.flow.daddr, pkt.flow.dport),
-                    )) =>
-        {
-            conntrack::established_egress::<F>(ctx, &pkt, mark, ours)
+        Parsed::L4(pkt) if pkt.flow.proto != proto::SCTP => {
+            let from_backend = prefilter::egress_end::<F>((&pkt.flow.saddr, pkt.flow.sport));
+            if ours || from_backend || prefilter::egress_end::<F>((&pkt.flow.daddr, pkt.flow.dport)) {
+                conntrack::established_egress::<F>(ctx, &pkt, mark, ours, from_backend)
+            } else {
+                TC_ACT_OK
+            }
         }
         Parsed::Icmp(icmp, _) => icmp_error::icmp_error_egress::<F>(ctx, icmp, mark, ours),
         _ => TC_ACT_OK,

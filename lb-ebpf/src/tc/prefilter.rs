@@ -25,11 +25,9 @@ pub(super) fn ingress<F: FamilyMaps>(daddr: &F::Addr) -> bool {
     !active() || is_set::<F>(prefilter::ingress_bit::<F>(daddr))
 }
 
-/// A packet at egress from `src` to `dst` ((address, port) each) may be on a tracked flow: one of
-/// them is a backend's.
+/// Whether `end` ((address, port), the source or the destination of a packet at egress) may be a
+/// backend's: a packet on a tracked flow has one end that is.
 #[inline(always)]
-pub(super) fn egress<F: FamilyMaps>(src: (&F::Addr, u16), dst: (&F::Addr, u16)) -> bool {
-    !active()
-        || is_set::<F>(prefilter::egress_bit::<F>(src.0, src.1))
-        || is_set::<F>(prefilter::egress_bit::<F>(dst.0, dst.1))
+pub(super) fn egress_end<F: FamilyMaps>(end: (&F::Addr, u16)) -> bool {
+    !active() || is_set::<F>(prefilter::egress_bit::<F>(end.0, end.1))
 }
