@@ -1568,6 +1568,41 @@ fn a_flood_evicts_only_flows_that_never_got_past_their_handshake() {
     }
 }
 
+/// A frontend whose write failed (its map full) holds no prefilter bit: the writer never deletes
+/// what it did not write, so a bit held for it would never be released.
+#[test]
+fn a_batch_that_stops_early_holds_no_prefilter_bit_for_what_it_never_wrote() {
+    use lb_agent::apply::{MapOps, ServiceMapKey, prefilter::Owner};
+    use lb_common::{catalog::Capacities, service::SvcValue};
+    require_root();
+    let caps = Capacities {
+        services: 2,
+        ..Capacities::default()
+    };
+    let mut dp = lb_agent::datapath::Datapath::load_unpinned(&caps, OBJECT).expect("load");
+    let mut maps = dp.take_maps().expect("maps");
+    let key = |last: u8| {
+        ServiceMapKey::new(
+            IpAddr::V4(Ipv4Addr::new(10, 96, 0, last)),
+            80,
+            lb_common::proto::TCP,
+            0,
+            0,
+        )
+    };
+    let entries: Vec<(ServiceMapKey, SvcValue)> = (1..=3).map(|i| (key(i), SvcValue::default())).collect();
+    let err = maps
+        .put_services(&entries)
+        .expect_err("three frontends in a map of two");
+    assert_eq!(err.done, 2, "{err:?}");
+    let holds = |last: u8| {
+        maps.prefilter
+            .holds(&Owner::frontend(&key(last)).expect("slot 0").0)
+    };
+    assert!(holds(1) && holds(2), "written frontends hold their bits");
+    assert!(!holds(3), "the frontend that was never written holds nothing");
+}
+
 /// The kernel maps write runs of service and backend entries with BPF_MAP_UPDATE_BATCH, one run
 /// per family; a run that does not fit stops exactly where the kernel refused, counted from the
 /// start of the whole batch, so the writer's mirror stays true.

@@ -544,7 +544,7 @@ impl KernelMaps {
                 held.push((Owner::Masquerade(family), f, bit));
             }
         }
-        self.prefilter.hold_all(held)
+        self.prefilter.hold_all(held).map(drop)
     }
 }
 
@@ -555,7 +555,8 @@ fn frontend_bits(entries: &[(ServiceMapKey, SvcValue)]) -> Vec<(Owner, IpFamily,
 
 impl MapOps for KernelMaps {
     fn put_services(&mut self, entries: &[(ServiceMapKey, SvcValue)]) -> Result<(), BatchError> {
-        self.prefilter
+        let fresh = self
+            .prefilter
             .hold_all(frontend_bits(entries))
             .map_err(|error| BatchError { done: 0, error })?;
         let (v4, v6, supported) = (&mut self.v4, &mut self.v6, &mut self.batch_supported);
@@ -567,10 +568,16 @@ impl MapOps for KernelMaps {
                 IpFamily::V6 => v6.put_services(supported, run),
             },
         )
+        .inspect_err(|e| {
+            let unwritten = entries.get(e.done..).unwrap_or_default();
+            self.prefilter
+                .release_unwritten(&fresh, frontend_bits(unwritten).into_iter().map(|(o, _, _)| o));
+        })
     }
 
     fn put_backends(&mut self, entries: &[(u32, BackendEntry)]) -> Result<(), BatchError> {
-        self.prefilter
+        let fresh = self
+            .prefilter
             .hold_all(entries.iter().map(|(id, v)| Owner::backend(*id, v)))
             .map_err(|error| BatchError { done: 0, error })?;
         let (v4, v6, supported) = (&mut self.v4, &mut self.v6, &mut self.batch_supported);
@@ -582,6 +589,11 @@ impl MapOps for KernelMaps {
                 IpFamily::V6 => v6.put_backends(supported, run),
             },
         )
+        .inspect_err(|e| {
+            let unwritten = entries.get(e.done..).unwrap_or_default();
+            self.prefilter
+                .release_unwritten(&fresh, unwritten.iter().map(|(id, v)| Owner::backend(*id, v).0));
+        })
     }
 
     fn put_service(&mut self, key: &ServiceMapKey, value: &SvcValue) -> Result<(), MapError> {
@@ -669,7 +681,7 @@ impl MapOps for KernelMaps {
     fn adopted(&mut self, snapshot: &Snapshot) -> Result<(), MapError> {
         let frontends = snapshot.services.keys().filter_map(Owner::frontend);
         let backends = snapshot.backends.iter().map(|(id, v)| Owner::backend(*id, v));
-        self.prefilter.hold_all(frontends.chain(backends))
+        self.prefilter.hold_all(frontends.chain(backends)).map(drop)
     }
 
     fn snapshot(&self) -> Result<Snapshot, MapError> {

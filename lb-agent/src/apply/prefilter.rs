@@ -259,16 +259,21 @@ impl Inner {
         .map_err(|e| e.error)
     }
 
-    /// Holds each owner's bit (an owner whose bit changed releases its old one afterwards).
-    fn hold_all(&mut self, items: impl IntoIterator<Item = (Owner, IpFamily, u32)>) -> Result<(), MapError> {
+    /// Holds each owner's bit (an owner whose bit changed releases its old one afterwards); the
+    /// owners that held nothing before.
+    fn hold_all(
+        &mut self,
+        items: impl IntoIterator<Item = (Owner, IpFamily, u32)>,
+    ) -> Result<Vec<Owner>, MapError> {
         let now = Instant::now();
         let mut changed: [Vec<(u32, u64)>; 2] = Default::default();
         let mut superseded = Vec::new();
+        let mut fresh = Vec::new();
         for (owner, family, bit) in items {
             match self.owners.insert(owner, (family, bit)) {
                 Some(old) if old == (family, bit) => continue,
                 Some(old) => superseded.push(old),
-                None => {}
+                None => fresh.push(owner),
             }
             if let Some(word) = self.bits[index(family)].hold(bit) {
                 changed[index(family)].push(word);
@@ -283,7 +288,7 @@ impl Inner {
         for (family, bit) in superseded {
             self.bits[index(family)].release(bit, now);
         }
-        Ok(())
+        Ok(fresh)
     }
 
     fn release(&mut self, owner: &Owner) {
@@ -360,9 +365,35 @@ impl Prefilter {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Holds the bits of `items` (before the entries naming them are written).
-    pub fn hold_all(&self, items: impl IntoIterator<Item = (Owner, IpFamily, u32)>) -> Result<(), MapError> {
+    /// Holds the bits of `items` (before the entries naming them are written); the owners that
+    /// held nothing before, for [`Self::release_unwritten`].
+    pub fn hold_all(
+        &self,
+        items: impl IntoIterator<Item = (Owner, IpFamily, u32)>,
+    ) -> Result<Vec<Owner>, MapError> {
         self.lock().hold_all(items)
+    }
+
+    /// After a batch write that stopped early: of the owners `fresh` (what [`Self::hold_all`]
+    /// returned for it), those in `unwritten` held their bits for entries that never reached the
+    /// map, and no delete will ever release them (the writer deletes what it wrote). Owners that
+    /// held their bit before the batch keep it: their entry is still in the map.
+    pub fn release_unwritten(&self, fresh: &[Owner], unwritten: impl IntoIterator<Item = Owner>) {
+        if fresh.is_empty() {
+            return;
+        }
+        let fresh: HashSet<&Owner> = fresh.iter().collect();
+        let mut inner = self.lock();
+        for owner in unwritten {
+            if fresh.contains(&owner) {
+                inner.release(&owner);
+            }
+        }
+    }
+
+    /// Whether `owner` holds a bit.
+    pub fn holds(&self, owner: &Owner) -> bool {
+        self.lock().owners.contains_key(owner)
     }
 
     /// `owner` no longer needs its bit (after its entry is gone).
@@ -516,6 +547,35 @@ mod tests {
         assert!(bits.is_set(bit_a) && bits.is_set(bit_b));
         assert!(!bits.holds.contains_key(&bit_a) && bits.holds[&bit_b] == 1);
         assert!(bits.released.contains_key(&bit_a));
+    }
+
+    /// A batch write that stopped early left the owners of the entries it never wrote holding
+    /// their bits for good: the writer only deletes what it wrote, so nothing released them.
+    #[test]
+    fn owners_of_entries_a_failed_batch_never_wrote_give_their_bits_back() {
+        let p = Prefilter::new(None).unwrap();
+        let a = BackendEntry {
+            addr: IpAddr::V4(Ipv4Addr::new(10, 244, 1, 5)),
+            port: 8080,
+            proto: 6,
+            flags: 0,
+        };
+        let b = BackendEntry { port: 9090, ..a };
+        let (owner_a, owner_b) = (Owner::backend(7, &a).0, Owner::backend(8, &b).0);
+        p.hold_all([Owner::backend(7, &a)]).unwrap();
+        let fresh = p
+            .hold_all([Owner::backend(7, &a), Owner::backend(8, &b)])
+            .unwrap();
+        assert_eq!(fresh, vec![owner_b], "7 held its bit before this batch");
+        // The batch wrote neither: 7's entry from before is still in the map, 8's never was.
+        p.release_unwritten(&fresh, [owner_a, owner_b]);
+        assert!(p.holds(&owner_a));
+        assert!(!p.holds(&owner_b));
+        let (_, _, bit_b) = Owner::backend(8, &b);
+        assert!(
+            p.lock().bits[0].released.contains_key(&bit_b),
+            "cleared after the grace"
+        );
     }
 
     #[test]
