@@ -3015,7 +3015,7 @@ fn flood_from_outside_keeps_established_flows() {
             .sum()
     };
     let figures = json!({
-        "scenario": "A flood of spoofed TCP SYNs and UDP from outside to NodePorts (lb-agent at its default sizes; then with a conntrack map the flood fills; then kube-proxy iptables on nf_conntrack)",
+        "scenario": "A flood of spoofed TCP SYNs and UDP from outside to NodePorts (lb-agent at its default sizes; then with conntrack tables the flood fills; then kube-proxy iptables on nf_conntrack)",
         "attempted": attempted,
         "failed": failed,
         "established": {"broken": established("broken"), "moved_backend": established("moved_backend")},
