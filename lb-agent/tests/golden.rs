@@ -27,7 +27,7 @@ use lb_agent::{
     cli::Cli,
     inspect::{backends_text, services_text},
     node::{LocalNetwork, NodeSettings},
-    watch::{ClusterState, ServiceKey, manifests, slice_service},
+    watch::{ClusterState, ServiceKey, manifests},
 };
 use lb_common::catalog::Capacities;
 
@@ -162,16 +162,7 @@ fn incremental(case: &Case, state: &ClusterState) -> String {
         .chain(state.slices_by_service().into_keys())
         .collect();
     for key in &keys {
-        let (_, report) = p.program_changed([key], |k| {
-            let service = state.services.get(k).cloned();
-            let of_service = state
-                .slices
-                .iter()
-                .filter(|((ns, _), sl)| slice_service(ns, sl).as_ref() == Some(k))
-                .map(|(_, sl)| sl.clone())
-                .collect();
-            (service, of_service)
-        });
+        let (_, report) = p.program_changed([key], |k| state.service_inputs(k));
         assert!(
             report.errors.is_empty(),
             "{}: {:?}",

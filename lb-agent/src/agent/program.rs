@@ -243,26 +243,14 @@ mod tests {
         for i in 0..300 {
             let with = load(&format!("{steady}{}", churned(i)));
             let dirty: Vec<ServiceKey> = with.services.keys().cloned().collect();
-            let inputs = |s: &ClusterState| {
-                let s = s.clone();
-                move |key: &ServiceKey| {
-                    let slices = s
-                        .slices
-                        .iter()
-                        .filter(|((ns, _), sl)| crate::watch::slice_service(ns, sl).as_ref() == Some(key))
-                        .map(|(_, sl)| sl.clone())
-                        .collect();
-                    (s.services.get(key).cloned(), slices)
-                }
-            };
             assert!(p.is_current(&view));
-            let (outcome, report) = p.program_changed(&dirty, inputs(&with));
+            let (outcome, report) = p.program_changed(&dirty, |key| with.service_inputs(key));
             assert!(
                 report.errors.is_empty() && report.skipped.is_empty(),
                 "{report:?}"
             );
             created_frontends += outcome.changes.frontends.len();
-            let (_, report) = p.program_changed(&dirty, inputs(&base));
+            let (_, report) = p.program_changed(&dirty, |key| base.service_inputs(key));
             assert!(report.errors.is_empty(), "{report:?}");
             assert_eq!(residue(&p), at_rest, "after cycle {i}");
         }

@@ -528,16 +528,21 @@ mod tests {
         assert!(!b.is_set(1) && b.is_set(2));
     }
 
-    #[test]
-    fn an_owner_moving_to_another_tuple_holds_the_new_bit_and_releases_the_old() {
-        let p = Prefilter::new(None).unwrap();
+    /// One backend address on two ports.
+    fn two_tuples_of_one_backend() -> (BackendEntry, BackendEntry) {
         let a = BackendEntry {
             addr: IpAddr::V4(Ipv4Addr::new(10, 244, 1, 5)),
             port: 8080,
             proto: 6,
             flags: 0,
         };
-        let b = BackendEntry { port: 9090, ..a };
+        (a, BackendEntry { port: 9090, ..a })
+    }
+
+    #[test]
+    fn an_owner_moving_to_another_tuple_holds_the_new_bit_and_releases_the_old() {
+        let p = Prefilter::new(None).unwrap();
+        let (a, b) = two_tuples_of_one_backend();
         p.hold_all([Owner::backend(7, &a)]).unwrap();
         p.hold_all([Owner::backend(7, &b)]).unwrap();
         let (_, _, bit_a) = Owner::backend(7, &a);
@@ -554,13 +559,7 @@ mod tests {
     #[test]
     fn owners_of_entries_a_failed_batch_never_wrote_give_their_bits_back() {
         let p = Prefilter::new(None).unwrap();
-        let a = BackendEntry {
-            addr: IpAddr::V4(Ipv4Addr::new(10, 244, 1, 5)),
-            port: 8080,
-            proto: 6,
-            flags: 0,
-        };
-        let b = BackendEntry { port: 9090, ..a };
+        let (a, b) = two_tuples_of_one_backend();
         let (owner_a, owner_b) = (Owner::backend(7, &a).0, Owner::backend(8, &b).0);
         p.hold_all([Owner::backend(7, &a)]).unwrap();
         let fresh = p

@@ -578,13 +578,7 @@ fn dirty_services(prev: &ClusterState, next: &ClusterState) -> BTreeSet<(String,
 }
 
 fn inputs_of(state: &ClusterState, key: &(String, String)) -> ServiceInputs {
-    let slices = state
-        .slices
-        .iter()
-        .filter(|((ns, _), slice)| crate::watch::slice_service(ns, slice).as_ref() == Some(key))
-        .map(|(_, slice)| slice.clone())
-        .collect();
-    (state.services.get(key).cloned(), slices)
+    state.service_inputs(key)
 }
 
 fn check_synchronizer(

@@ -427,18 +427,16 @@ impl ConntrackMaps {
             ..Default::default()
         };
         let Referenced { v4, v6, .. } = &mut referenced;
-        read_entries(&self.v4, |k, v| {
-            v4.insert(lb_common::prefilter::conntrack_bit(k, v));
-        })?;
-        read_entries(&self.v6, |k, v| {
-            v6.insert(lb_common::prefilter::conntrack_bit(k, v));
-        })?;
-        read_entries(&self.new_v4, |k, v| {
-            v4.insert(lb_common::prefilter::conntrack_bit(k, v));
-        })?;
-        read_entries(&self.new_v6, |k, v| {
-            v6.insert(lb_common::prefilter::conntrack_bit(k, v));
-        })?;
+        for map in [&self.v4, &self.new_v4] {
+            read_entries(map, |k, v| {
+                v4.insert(lb_common::prefilter::conntrack_bit(k, v));
+            })?;
+        }
+        for map in [&self.v6, &self.new_v6] {
+            read_entries(map, |k, v| {
+                v6.insert(lb_common::prefilter::conntrack_bit(k, v));
+            })?;
+        }
         Ok(referenced)
     }
 }

@@ -95,6 +95,17 @@ impl ClusterState {
         }
         out
     }
+
+    /// One Service's objects as the watch would give them (`kube::KubeState::service_inputs`).
+    pub fn service_inputs(&self, key: &ServiceKey) -> ServiceInputs {
+        let slices = self
+            .slices
+            .iter()
+            .filter(|((ns, _), slice)| slice_service(ns, slice).as_ref() == Some(key))
+            .map(|(_, slice)| slice.clone())
+            .collect();
+        (self.services.get(key).cloned(), slices)
+    }
 }
 
 /// A Service's (namespace, name).

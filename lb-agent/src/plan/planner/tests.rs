@@ -29,15 +29,7 @@ fn node() -> NodeInfo {
 }
 
 fn inputs(s: &ClusterState) -> impl Fn(&ServiceKey) -> ServiceInputs + '_ {
-    |key| {
-        let slices = s
-            .slices
-            .iter()
-            .filter(|((ns, _), sl)| crate::watch::slice_service(ns, sl).as_ref() == Some(key))
-            .map(|(_, sl)| sl.clone())
-            .collect();
-        (s.services.get(key).cloned(), slices)
-    }
+    |key| s.service_inputs(key)
 }
 
 fn key(name: &str) -> ServiceKey {
