@@ -115,6 +115,10 @@ pub struct TraceArgs {
     /// `--manifests`, what the agent would find on the node.
     #[arg(long = "node-ip", value_delimiter = ',')]
     pub node_ips: Vec<IpAddr>,
+    /// The interface the packet comes in by (tc path): with --detect-local-mode BridgeInterface
+    /// or InterfaceNamePrefix, what makes it a pod's.
+    #[arg(long)]
+    pub in_interface: Option<String>,
     #[command(flatten)]
     pub node: NodeArgs,
     #[command(flatten)]
@@ -145,10 +149,18 @@ pub struct NodeArgs {
     #[arg(long, value_delimiter = ',')]
     pub cluster_cidr: Vec<String>,
     /// What tells pod traffic apart (kube-proxy's --detect-local-mode): ClusterCIDR (the
-    /// --cluster-cidr ranges) or NodeCIDR (this node's spec.podCIDRs, so another node's pods
-    /// count as off the node). BridgeInterface and InterfaceNamePrefix are not supported yet.
+    /// --cluster-cidr ranges), NodeCIDR (this node's spec.podCIDRs, so another node's pods
+    /// count as off the node), BridgeInterface (packets that came in by --pod-bridge-interface
+    /// or one of its ports) or InterfaceNamePrefix (by an interface named
+    /// --pod-interface-name-prefix*).
     #[arg(long, value_parser = clap::builder::ValueParser::new(str::parse::<DetectLocalMode>), default_value = "ClusterCIDR")]
     pub detect_local_mode: DetectLocalMode,
+    /// The pods' bridge, with --detect-local-mode=BridgeInterface.
+    #[arg(long, default_value = "")]
+    pub pod_bridge_interface: String,
+    /// The prefix of the pods' interface names, with --detect-local-mode=InterfaceNamePrefix.
+    #[arg(long, default_value = "")]
+    pub pod_interface_name_prefix: String,
     /// Addresses NodePorts are served on: CIDRs and/or `primary`, `localhost`, `all`
     /// (default: every local address, as kube-proxy's iptables mode).
     #[arg(long, value_delimiter = ',')]
@@ -192,6 +204,20 @@ impl NodeArgs {
             .filter(|s| !s.trim().is_empty())
             .map(|s| s.parse::<NodePortAddress>().map_err(anyhow::Error::msg))
             .collect::<anyhow::Result<Vec<_>>>()?;
+        // kube-proxy's validation: the mode's interface must be named.
+        match args.detect_local_mode {
+            DetectLocalMode::BridgeInterface if args.pod_bridge_interface.trim().is_empty() => {
+                anyhow::bail!(
+                    "--detect-local-mode=BridgeInterface needs --pod-bridge-interface (detectLocal.bridgeInterface)"
+                )
+            }
+            DetectLocalMode::InterfaceNamePrefix if args.pod_interface_name_prefix.trim().is_empty() => {
+                anyhow::bail!(
+                    "--detect-local-mode=InterfaceNamePrefix needs --pod-interface-name-prefix (detectLocal.interfaceNamePrefix)"
+                )
+            }
+            _ => {}
+        }
         Ok(NodeSettings {
             node_name: args
                 .hostname_override
@@ -201,6 +227,8 @@ impl NodeArgs {
                 .to_lowercase(),
             cluster_cidrs,
             detect_local_mode: args.detect_local_mode,
+            pod_bridge_interface: args.pod_bridge_interface.trim().to_string(),
+            pod_interface_name_prefix: args.pod_interface_name_prefix.trim().to_string(),
             nodeport_addresses,
             masquerade_all: args.masquerade_all,
             localhost_nodeports: args.iptables_localhost_nodeports,

@@ -77,6 +77,7 @@ fn read_case(dir: &Path) -> Case {
         local: LocalNetwork {
             addresses,
             ipv6_disabled,
+            links: Vec::new(),
         },
     }
 }

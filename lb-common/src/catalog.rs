@@ -54,6 +54,9 @@ pub const PREFILTER: &str = "lb4_prefilter";
 pub const PREFILTER6: &str = "lb6_prefilter";
 /// Datapath configuration, one entry: `u32` 0 -> `DatapathConfig`. Written by the agent.
 pub const CONFIG: &str = "lb_config";
+/// The node's pod interfaces under `--detect-local-mode` BridgeInterface or InterfaceNamePrefix
+/// (kube-proxy's `-i` detectors): ifindex `u32` -> `u8` 1. Written by the agent at every sync.
+pub const POD_INTERFACES: &str = "lb_pod_ifaces";
 /// Per-CPU counters: `u32` (a `stats::Counter`) -> `u64`. Written by the programs.
 pub const STATS: &str = "lb_stats";
 /// Per-CPU token bucket for the ICMP answers of rejected flows: `u32` 0 -> `RateBucket`. Written by
@@ -79,6 +82,7 @@ pub const ALL: &[&str] = &[
     CONNTRACK_NEW,
     PREFILTER,
     CONFIG,
+    POD_INTERFACES,
     STATS,
     REJECT_LIMIT,
     SERVICES6,
@@ -117,6 +121,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (CONNTRACK_NEW, 1),
     (PREFILTER, 1),
     (CONFIG, 2),
+    (POD_INTERFACES, 1),
     (STATS, 1),
     (REJECT_LIMIT, 1),
     (SERVICES6, 1),
@@ -222,6 +227,8 @@ pub mod capacity {
     pub const CONNTRACK: u32 = 262_144;
     /// Flows in their handshake: a few seconds of new flows at a high rate, or of a flood.
     pub const CONNTRACK_NEW: u32 = 65_536;
+    /// Pod interfaces of one node (a bridge and its ports, or every pod veth): fixed.
+    pub const POD_INTERFACES: u32 = 16_384;
 }
 
 /// The most frontends (reverse-NAT ids) a family may have: ids of both families

@@ -14,6 +14,10 @@ pub mod flags {
     /// whose bit is clear without looking further. Until the agent sets it, they look at every
     /// packet.
     pub const PREFILTER: u32 = 1 << 1;
+    /// The local-traffic detector is the interface a packet came in by (`--detect-local-mode`
+    /// BridgeInterface or InterfaceNamePrefix, both families): a packet is a pod's when its
+    /// ingress ifindex is in `lb_pod_ifaces`; the cluster CIDRs are then unused.
+    pub const DETECT_LOCAL_BY_INTERFACE: u32 = 1 << 2;
 }
 
 /// Up to this many `--cluster-cidr` entries of one family (kube-proxy takes one per family).

@@ -98,6 +98,8 @@ pub mod tc {
     pub const SKB_CB_OFFSET: usize = 48;
     /// Offset of `mark` in `struct __sk_buff`.
     pub const SKB_MARK_OFFSET: usize = 8;
+    /// Offset of `ingress_ifindex` in `struct __sk_buff` (BPF_PROG_TEST_RUN takes it from 5.15).
+    pub const SKB_INGRESS_IFINDEX_OFFSET: usize = 36;
     /// A `struct __sk_buff` is smaller than this; BPF_PROG_TEST_RUN accepts a larger, zero-padded
     /// context.
     pub const SKB_CTX_LEN: usize = 256;

@@ -115,6 +115,16 @@ pub static PREFILTER6: PrefilterMap = PrefilterMap::new();
 #[btf_map(name = "lb_config")]
 pub static CONFIG: Array<DatapathConfig, 1, RDONLY_PROG> = Array::new();
 
+/// The node's pod interfaces (ifindex -> 1) when the local-traffic detector is the ingress
+/// interface (`flags::DETECT_LOCAL_BY_INTERFACE`). Writer: agent. Reader: tc ingress (new flows).
+#[btf_map(name = "lb_pod_ifaces")]
+pub static POD_INTERFACES: HashMap<
+    u32,
+    u8,
+    { capacity::POD_INTERFACES as usize },
+    { NO_PREALLOC | RDONLY_PROG },
+> = HashMap::new();
+
 /// Per-CPU event counters, indexed by `lb_common::stats::Counter`.
 #[btf_map(name = "lb_stats")]
 pub static STATS: PerCpuArray<u64, { stats::COUNT as usize }> = PerCpuArray::new();

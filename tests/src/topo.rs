@@ -152,10 +152,28 @@ impl Node {
 
     /// Adds pod number `n` (address 10.244.<node>.<n>, n >= 2).
     pub fn add_pod(&mut self, n: u8) -> &Pod {
+        self.add_pod_wired(n, "vp", None)
+    }
+
+    /// Adds a bridge for pods, named `prefix`..., up and holding the gateway address (IPv4
+    /// only); returns its name. Pods join it with [`Self::add_pod_wired`].
+    pub fn add_bridge(&self, prefix: &str) -> String {
+        assert!(!self.dual_stack, "bridged pods are IPv4 only here");
+        let bridge = unique_name(prefix);
+        self.ns.ip(&["link", "add", &bridge, "type", "bridge"]);
+        self.ns.ip(&["link", "set", &bridge, "up"]);
+        let gw = self.gateway().to_string();
+        self.ns.ip(&["addr", "add", &format!("{gw}/32"), "dev", &bridge]);
+        bridge
+    }
+
+    /// Adds pod `n` whose node-side veth is named `dev_prefix`..., as a port of `bridge` (from
+    /// [`Self::add_bridge`]) when given, else routed to on its own veth.
+    pub fn add_pod_wired(&mut self, n: u8, dev_prefix: &str, bridge: Option<&str>) -> &Pod {
         assert!(n >= 2, "10.244.x.1 is the gateway");
         let ns = NetNs::new("lbpod");
         let ip = Ipv4Addr::new(10, 244, self.index, n);
-        let host_dev = unique_name("vp");
+        let host_dev = unique_name(dev_prefix);
         self.ns.ip(&[
             "link",
             "add",
@@ -169,11 +187,17 @@ impl Node {
             ns.name(),
         ]);
         let gw = self.gateway().to_string();
-        self.ns
-            .ip(&["addr", "add", &format!("{gw}/32"), "dev", &host_dev]);
-        self.ns.ip(&["link", "set", &host_dev, "up"]);
-        self.ns
-            .ip(&["route", "add", &format!("{ip}/32"), "dev", &host_dev]);
+        if let Some(bridge) = bridge {
+            self.ns.ip(&["link", "set", &host_dev, "master", bridge]);
+            self.ns.ip(&["link", "set", &host_dev, "up"]);
+            self.ns.ip(&["route", "add", &format!("{ip}/32"), "dev", bridge]);
+        } else {
+            self.ns
+                .ip(&["addr", "add", &format!("{gw}/32"), "dev", &host_dev]);
+            self.ns.ip(&["link", "set", &host_dev, "up"]);
+            self.ns
+                .ip(&["route", "add", &format!("{ip}/32"), "dev", &host_dev]);
+        }
         ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"]);
         ns.ip(&["link", "set", "eth0", "up"]);
         ns.ip(&[

@@ -141,6 +141,8 @@ fn settings(cluster_cidr: bool) -> NodeSettings {
             vec![]
         },
         detect_local_mode: Default::default(),
+        pod_bridge_interface: String::new(),
+        pod_interface_name_prefix: String::new(),
         nodeport_addresses: vec![],
         masquerade_all: false,
         localhost_nodeports: true,
@@ -834,6 +836,113 @@ fn node_cidr_mode_masquerades_other_nodes_pods_to_a_cluster_ip() {
             ),
             other_pod,
             "{f:?}: ClusterCIDR mode"
+        );
+    }
+}
+
+/// `--detect-local-mode` BridgeInterface and InterfaceNamePrefix (kube-proxy's `-i cbr0` and
+/// `-i veth+`): what makes a packet a pod's is the interface it came in by, whatever its source
+/// address. A packet to a cluster IP from a pod interface keeps its source; one from the uplink is
+/// masqueraded, even from a pod-range address. The bridge's ports count as the bridge (a pod's
+/// packet meets tc on its port first). Kernels before 5.15 cannot set the ingress interface of a
+/// test run; tc_topology's flows cover them.
+#[test]
+fn interface_modes_tell_pods_by_the_interface_they_came_in_by() {
+    use lb_agent::node::{DetectLocalMode, Link};
+
+    let link = |name: &str, index: u32, controller: Option<u32>| Link {
+        name: name.into(),
+        index,
+        controller,
+    };
+    let links = vec![
+        link("eth0", 2, None),
+        link("cbr0", 3, None),
+        link("vethbr1", 4, Some(3)),
+        link("lbpod1", 7, None),
+    ];
+    let scratch = |mode: DetectLocalMode| {
+        require_root();
+        let mut settings = settings(true);
+        settings.detect_local_mode = mode;
+        settings.pod_bridge_interface = "cbr0".into();
+        settings.pod_interface_name_prefix = "lbpod".into();
+        let node_ips: Vec<IpAddr> = FAMILIES.iter().map(|f| f.ip(NODE_IP)).collect();
+        let mut s = ScratchDatapath::new(&state(), settings, &node_ips, OBJECT).expect("scratch data path");
+        s.links = links.clone();
+        s.program(&state()).expect("programming the pod interfaces");
+        s
+    };
+    let mut sport = 44300;
+    let mut source_after = |s: &mut ScratchDatapath, f: Family, src: &str, ifindex: u32| {
+        sport += 1;
+        let syn = tcp(f, src, sport, "10.96.0.10", 80).build();
+        let dnat = s
+            .datapath
+            .test_run_tc_from("lb_tc_ingress", &syn, ifindex)
+            .map(|run| run.packet)
+            .map_err(|e| e.to_string());
+        dnat.map(|dnat| summary(&egress(s, &dnat).packet).src)
+    };
+    let mut bridge = scratch(DetectLocalMode::BridgeInterface);
+    // Kernels before 5.15 refuse a test run's ingress interface (EINVAL).
+    if let Err(e) = source_after(&mut bridge, Family::V4, CLIENT, 4) {
+        let old = lb_agent::datapath::features::current()
+            .ok()
+            .and_then(|k| k.version)
+            .is_some_and(|v| v < aya::util::KernelVersion::new(5, 15, 0));
+        assert!(old, "a test run from interface 4: {e}");
+        eprintln!("skipped: this kernel's BPF_PROG_TEST_RUN cannot set ingress_ifindex (5.15+): {e}");
+        return;
+    }
+    let mut prefix = scratch(DetectLocalMode::InterfaceNamePrefix);
+    for f in FAMILIES {
+        let (client, pod_range, node) = (f.ip(CLIENT), f.ip("10.244.1.9"), f.ip(NODE_IP));
+        let mut seen = |s: &mut ScratchDatapath, src: &str, ifindex: u32| {
+            source_after(s, f, src, ifindex).expect("test run")
+        };
+        assert_eq!(
+            seen(&mut bridge, CLIENT, 4),
+            client,
+            "{f:?}: by a port of the bridge"
+        );
+        assert_eq!(seen(&mut bridge, CLIENT, 3), client, "{f:?}: by the bridge");
+        assert_eq!(seen(&mut bridge, CLIENT, 2), node, "{f:?}: by the uplink");
+        assert_eq!(
+            seen(&mut bridge, "10.244.1.9", 2),
+            node,
+            "{f:?}: a pod address by the uplink"
+        );
+        assert_eq!(
+            seen(&mut bridge, CLIENT, 7),
+            node,
+            "{f:?}: lbpod1 is no pod's in bridge mode"
+        );
+        assert_eq!(seen(&mut prefix, CLIENT, 7), client, "{f:?}: by lbpod1");
+        assert_eq!(
+            seen(&mut prefix, "10.244.1.9", 7),
+            pod_range,
+            "{f:?}: a pod by lbpod1"
+        );
+        assert_eq!(
+            seen(&mut prefix, CLIENT, 4),
+            node,
+            "{f:?}: vethbr1 is no pod's in prefix mode"
+        );
+        assert_eq!(
+            seen(&mut prefix, "10.244.1.9", 2),
+            node,
+            "{f:?}: a pod address by the uplink"
+        );
+    }
+    // Links that went away leave the map at the next sync: lbpod1 is then the uplink's kind.
+    prefix.links = vec![link("eth0", 2, None)];
+    prefix.program(&state()).expect("programming");
+    for f in FAMILIES {
+        assert_eq!(
+            source_after(&mut prefix, f, CLIENT, 7).expect("test run"),
+            f.ip(NODE_IP),
+            "{f:?}: lbpod1 is gone"
         );
     }
 }

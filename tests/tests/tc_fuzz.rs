@@ -199,6 +199,8 @@ fn settings() -> NodeSettings {
         node_name: "node-a".into(),
         cluster_cidrs: FAMILIES.map(|f| f.net("10.244.0.0/16").parse().unwrap()).to_vec(),
         detect_local_mode: Default::default(),
+        pod_bridge_interface: String::new(),
+        pod_interface_name_prefix: String::new(),
         nodeport_addresses: vec![],
         masquerade_all: false,
         localhost_nodeports: true,

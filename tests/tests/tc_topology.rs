@@ -296,6 +296,78 @@ fn pods_through_tc_cluster_ip_and_hairpin() {
     assert_eq!(r["ok"], true, "{r}");
 }
 
+/// `--detect-local-mode` InterfaceNamePrefix and BridgeInterface (kube-proxy's `-i veth+` and
+/// `-i cbr0`), as flows through node 1's tc: a pod whose packets come in by a pod interface keeps
+/// its address on the way to a cluster IP; one in the pod range behind any other interface is
+/// masqueraded (ClusterCIDR mode, with 10.244.0.0/16, would keep both). In bridge mode the
+/// pod's packet meets tc on its bridge port.
+#[test]
+fn interface_detectors_tell_pods_by_the_interface_they_come_in_by() {
+    let mut c = cluster();
+    let node1 = c.nodes[0].ip.unwrap().to_string();
+    c.stop_agent(0);
+    // 10.244.1.2 is behind vp* (the topology's pod veths); 10.244.1.3 behind xp*; 10.244.1.4
+    // a port of a bridge.
+    c.nodes[0].add_pod_wired(3, "xp", None);
+    let bridge = c.nodes[0].add_bridge("lbbr");
+    c.nodes[0].add_pod_wired(4, "vb", Some(&bridge));
+    let source_seen = |c: &Cluster, pod: usize| {
+        let place = Place::netns(&c.nodes[0].pods[pod].ns);
+        let results = probe::tcp(place, "10.96.0.20:80", 2);
+        ok(&results)
+            .iter()
+            .map(|r| {
+                assert_eq!(probe::server_of(r), Some("10.244.2.2"), "{r}");
+                assert_eq!(r["peer"], "10.96.0.20:80", "{r}");
+                host_of(&r["reply"]["client"])
+            })
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    let seen = |addr: &str| std::collections::BTreeSet::from([addr.to_string()]);
+
+    c.start_agent(
+        0,
+        &[
+            "--detect-local-mode",
+            "InterfaceNamePrefix",
+            "--pod-interface-name-prefix",
+            "vp",
+        ],
+    );
+    assert_eq!(source_seen(&c, 0), seen("10.244.1.2"), "by vp*: a pod's");
+    assert_eq!(source_seen(&c, 1), seen(&node1), "by xp*: not a pod's");
+    assert_eq!(source_seen(&c, 2), seen(&node1), "by the bridge: not a pod's");
+
+    c.stop_agent(0);
+    c.start_agent(
+        0,
+        &[
+            "--detect-local-mode",
+            "BridgeInterface",
+            "--pod-bridge-interface",
+            &bridge,
+        ],
+    );
+    assert_eq!(
+        source_seen(&c, 2),
+        seen("10.244.1.4"),
+        "by the bridge's port: a pod's"
+    );
+    assert_eq!(source_seen(&c, 0), seen(&node1), "by vp*: not the bridge");
+    assert_eq!(source_seen(&c, 1), seen(&node1), "by xp*: not the bridge");
+
+    // A pod that joins the bridge while the agent runs counts from the next sync on.
+    c.nodes[0].add_pod_wired(5, "vb", Some(&bridge));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while source_seen(&c, 3) != seen("10.244.1.5") {
+        assert!(
+            Instant::now() < deadline,
+            "the new bridge port is still not a pod interface after 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 /// One tc filter on a node's interface, from `tc filter show`.
 #[derive(Debug, PartialEq)]
 struct Filter {

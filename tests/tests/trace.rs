@@ -277,6 +277,73 @@ fn cluster_ip() {
     );
 }
 
+/// `--detect-local-mode InterfaceNamePrefix` (kube-proxy's `-i lo+` here: the one link every
+/// namespace has): `--in-interface` says which interface the traced packet comes in by, and a
+/// pod interface's packet is not masqueraded whatever its source, any other one is.
+#[test]
+fn the_interface_detectors_decide_by_in_interface() {
+    let d = manifests();
+    let both = ["10.244.1.5:8080", "10.244.2.5:8080"];
+    let traced = |src: &str, in_interface: Option<&str>| {
+        let mut cmd = Command::new(workspace_bin("lb-agent"));
+        cmd.arg("trace").arg("--manifests").arg(d.path());
+        cmd.args([
+            "--node-ip",
+            NODE_IP,
+            "--hostname-override",
+            "node-a",
+            "--src",
+            src,
+        ]);
+        cmd.args(["--dst", "10.96.0.10", "--dport", "80", "-o", "json"]);
+        cmd.args([
+            "--detect-local-mode",
+            "InterfaceNamePrefix",
+            "--pod-interface-name-prefix",
+            "lo",
+        ]);
+        cmd.args(["--cluster-cidr", CLUSTER_CIDRS]);
+        if let Some(name) = in_interface {
+            cmd.args(["--in-interface", name]);
+        }
+        cmd.output().expect("run lb-agent trace")
+    };
+    require_root();
+    let out = traced("172.16.0.9", Some("lo"));
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let old = lb_agent::datapath::features::current()
+            .ok()
+            .and_then(|k| k.version)
+            .is_some_and(|v| v < aya::util::KernelVersion::new(5, 15, 0));
+        assert!(
+            old && err.contains("5.15"),
+            "lb-agent trace --in-interface lo failed: {err}"
+        );
+        eprintln!("skipped: this kernel's BPF_PROG_TEST_RUN cannot set ingress_ifindex (5.15+): {err}");
+        return;
+    }
+    let json = |out: std::process::Output| -> Value {
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("JSON")
+    };
+    // By a pod interface: kept, even from outside the cluster CIDR (the CIDR is not the detector).
+    assert_eq!(json(out), expect("dnat", &both, false, "tc"));
+    // By no interface given (or any other): masqueraded, even from inside the cluster CIDR.
+    assert_eq!(
+        json(traced("172.16.0.9", None)),
+        expect("dnat", &both, true, "tc")
+    );
+    assert_eq!(
+        json(traced("10.244.3.3", None)),
+        expect("dnat", &both, true, "tc")
+    );
+    // An interface that is not there is an error, not a guess.
+    let out = traced("10.244.3.3", Some("lbnosuchif0"));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--in-interface lbnosuchif0"));
+}
+
 #[test]
 fn node_port_and_external_ip() {
     let d = manifests();

@@ -120,7 +120,7 @@ where
     };
     // `[::]` on a node without IPv6: every IPv4 address instead (what Go does with `:port`).
     if addr.ip() == std::net::IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
-        && crate::node::local_network().is_ok_and(|l| l.ipv6_disabled)
+        && crate::node::local_network(false).is_ok_and(|l| l.ipv6_disabled)
     {
         addr.set_ip(std::net::Ipv4Addr::UNSPECIFIED.into());
     }
@@ -282,6 +282,18 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
             )
         }
     };
+
+    // Links that come and go (pod veths, bridge ports) are seen at the next sync: sync on each
+    // change, so tc attachments and the interface detector's pod interfaces follow them.
+    if !args.bpf.no_tc || settings.interface_detector().is_some() {
+        let (run, shutdown) = (handle.clone(), shutdown.clone());
+        if let Err(e) = crate::node::interfaces::watch_links(move || {
+            run.run();
+            !shutdown.is_cancelled()
+        }) {
+            tracing::warn!("cannot watch the links ({e}): they are rescanned at every sync only");
+        }
+    }
 
     let devices = (!args.bpf.no_tc).then(|| {
         args.bpf

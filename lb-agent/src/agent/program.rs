@@ -25,6 +25,8 @@ pub struct Programmer<M> {
     planner: Planner,
     applier: Applier<M>,
     config_written: Option<DatapathConfig>,
+    /// The pod interfaces last written to `lb_pod_ifaces`.
+    pod_interfaces_written: Option<std::collections::BTreeSet<u32>>,
 }
 
 impl<M: MapOps> Programmer<M> {
@@ -41,6 +43,7 @@ impl<M: MapOps> Programmer<M> {
             planner: Planner::new(),
             applier,
             config_written: None,
+            pod_interfaces_written: None,
         }
     }
 
@@ -85,8 +88,20 @@ impl<M: MapOps> Programmer<M> {
             .datapath_config(view, self.host_netns_cookie, self.sock_hostns_only)
     }
 
-    /// Writes the `lb_config` entry for `view` when it differs from the last one written.
+    /// Writes the `lb_config` entry for `view` when it differs from the last one written, after
+    /// the pod interfaces the interface detector it may turn on reads.
     pub fn write_config(&mut self, view: &NodeView) -> Result<(), MapError> {
+        let pod_interfaces = view.pod_interfaces.clone().unwrap_or_default();
+        if self.pod_interfaces_written.as_ref() != Some(&pod_interfaces) {
+            // Not fatal to the sync (retried at the next one): a packet from a pod interface the
+            // map lacks counts as off the node, as before the interface appeared.
+            match self.applier.maps_mut().put_pod_interfaces(&pod_interfaces) {
+                Ok(()) => self.pod_interfaces_written = Some(pod_interfaces),
+                Err(e) => tracing::error!(
+                    "{e}: packets from the pod interfaces it lacks are taken as off the node (masqueraded to cluster IPs)"
+                ),
+            }
+        }
         let config = self.datapath_config(view);
         if self.config_written != Some(config) {
             self.applier.maps_mut().put_config(&config)?;
@@ -202,6 +217,72 @@ mod tests {
         r
     }
 
+    /// The interface detector's pod interfaces are written before the `lb_config` entry that
+    /// turns the detector on, and again only when they change; a full `lb_pod_ifaces` does not
+    /// stop the config (nor the sync): it is retried at the next one.
+    #[test]
+    fn pod_interfaces_go_before_the_config_and_a_full_map_stops_nothing() {
+        use crate::{
+            apply::fake::Op,
+            node::{DetectLocalMode, Link},
+        };
+        let settings = NodeSettings {
+            node_name: "node-a".into(),
+            cluster_cidrs: vec![],
+            detect_local_mode: DetectLocalMode::InterfaceNamePrefix,
+            pod_bridge_interface: String::new(),
+            pod_interface_name_prefix: "veth".into(),
+            nodeport_addresses: vec![],
+            masquerade_all: false,
+            localhost_nodeports: true,
+            bind_address: None,
+        };
+        let local = |names: &[&str]| LocalNetwork {
+            addresses: vec!["192.168.50.11".parse::<IpAddr>().unwrap()],
+            ipv6_disabled: true,
+            links: names
+                .iter()
+                .enumerate()
+                .map(|(i, n)| Link {
+                    name: n.to_string(),
+                    index: i as u32 + 2,
+                    controller: None,
+                })
+                .collect(),
+        };
+        let mut p = Programmer::new(
+            settings,
+            1,
+            false,
+            Applier::new(FakeMaps::new(), Capacities::default()),
+        );
+        let view = p.view(None, &local(&["eth0", "veth1", "veth2"]));
+        p.write_config(&view).unwrap();
+        assert_eq!(p.maps().log, [Op::PutPodInterfaces, Op::PutConfig]);
+        assert_eq!(p.maps().pod_interfaces, [3, 4].into());
+        let flags = p.maps().config.unwrap().flags;
+        assert_eq!(
+            flags & lb_common::config::flags::DETECT_LOCAL_BY_INTERFACE,
+            lb_common::config::flags::DETECT_LOCAL_BY_INTERFACE
+        );
+        // Unchanged: nothing written.
+        p.write_config(&view).unwrap();
+        assert_eq!(p.maps().log.len(), 2);
+        // A pod left: the map follows.
+        p.write_config(&p.view(None, &local(&["eth0", "veth1"]))).unwrap();
+        assert_eq!(p.maps().pod_interfaces, [3].into());
+        // A full map: the config is still written, and the interfaces are tried again next time.
+        p.maps_mut().pod_interfaces_fail = true;
+        let mut grown = p.view(None, &local(&["eth0", "veth1", "veth2", "veth3"]));
+        grown.masquerade.v4 = Some("192.168.50.12".parse().unwrap());
+        p.write_config(&grown)
+            .expect("the config despite a full lb_pod_ifaces");
+        assert_eq!(p.maps().config.unwrap().v4.snat_addr, [192, 168, 50, 12]);
+        p.maps_mut().pod_interfaces_fail = false;
+        p.write_config(&grown).unwrap();
+        assert_eq!(p.maps().pod_interfaces, [3, 4, 5].into());
+    }
+
     /// The soak (docs/soak.md) saw the agent's RSS grow slowly while Services were created and
     /// deleted under new names. Whatever that is, it is not state the plan or the writer keep for
     /// a deleted Service: after hundreds of Services of every kind come and go, incrementally as
@@ -212,6 +293,8 @@ mod tests {
             node_name: "node-a".into(),
             cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
             detect_local_mode: Default::default(),
+            pod_bridge_interface: String::new(),
+            pod_interface_name_prefix: String::new(),
             nodeport_addresses: vec![],
             masquerade_all: false,
             localhost_nodeports: true,
@@ -225,6 +308,7 @@ mod tests {
                 "fd00:50::11".parse().unwrap(),
             ],
             ipv6_disabled: false,
+            links: Vec::new(),
         };
         let steady = "apiVersion: v1\nkind: Service\nmetadata: {name: steady, namespace: churn}\nspec: {clusterIP: 10.96.255.1, ports: [{name: p, port: 80, protocol: TCP}]}\n";
         let load = |yaml: &str| {

@@ -136,7 +136,8 @@ impl Agent {
 
     /// This node's view from its Node object and the addresses on its interfaces now.
     fn node_view(&self, node: Option<&Node>) -> Result<NodeView> {
-        let local = node::local_network().context("listing this node's addresses")?;
+        let with_links = self.programmer.settings().interface_detector().is_some();
+        let local = node::local_network(with_links).context("listing this node's addresses and links")?;
         Ok(self.programmer.view(node, &local))
     }
 

@@ -28,12 +28,14 @@ pub enum Op {
     PutSourceRange(SourceRange),
     DeleteSourceRange(SourceRange),
     PutConfig,
+    PutPodInterfaces,
 }
 
 #[derive(Clone, Debug, Default)]
 pub struct FakeMaps {
     pub state: Snapshot,
     pub config: Option<DatapathConfig>,
+    pub pod_interfaces: std::collections::BTreeSet<u32>,
     pub log: Vec<Op>,
     /// Refuse new service-map keys beyond this many entries of one family (E2BIG), like a full
     /// kernel map (each family has its own).
@@ -42,6 +44,8 @@ pub struct FakeMaps {
     pub backends_fail: bool,
     /// Refuse every service-map deletion (EIO).
     pub service_deletes_fail: bool,
+    /// Refuse the pod interfaces (E2BIG, a full `lb_pod_ifaces`).
+    pub pod_interfaces_fail: bool,
 }
 
 fn full(map: &'static str) -> MapError {
@@ -75,7 +79,7 @@ impl FakeMaps {
                 Op::DeleteAffinityMatch(k) => maps.delete_affinity_match(k),
                 Op::PutSourceRange(r) => maps.put_source_range(r),
                 Op::DeleteSourceRange(r) => maps.delete_source_range(r),
-                Op::PutConfig => Ok(()),
+                Op::PutConfig | Op::PutPodInterfaces => Ok(()),
             };
             check(i, &maps);
         }
@@ -199,6 +203,15 @@ impl MapOps for FakeMaps {
     fn put_config(&mut self, config: &DatapathConfig) -> Result<(), MapError> {
         self.log.push(Op::PutConfig);
         self.config = Some(*config);
+        Ok(())
+    }
+
+    fn put_pod_interfaces(&mut self, ifindexes: &std::collections::BTreeSet<u32>) -> Result<(), MapError> {
+        if self.pod_interfaces_fail {
+            return Err(full(catalog::POD_INTERFACES));
+        }
+        self.log.push(Op::PutPodInterfaces);
+        self.pod_interfaces = ifindexes.clone();
         Ok(())
     }
 

@@ -41,6 +41,8 @@ pub struct KernelMaps {
     pub names: HashMap<MapData, u32, SvcName>,
     pub affinity_match: HashMap<MapData, AffinityMatchKey, u8>,
     pub config: Array<MapData, DatapathConfig>,
+    /// `lb_pod_ifaces`; `None` from the pins of a release that had none.
+    pub pod_interfaces: Option<HashMap<MapData, u32, u8>>,
     pub stats: PerCpuArray<MapData, u64>,
     /// The tc programs' prefilter: each write below holds the bits its entry needs first.
     pub prefilter: Prefilter,
@@ -455,6 +457,7 @@ impl KernelMaps {
             names: take_map(ebpf, catalog::SVC_NAMES)?.try_into()?,
             affinity_match: take_map(ebpf, catalog::AFFINITY_MATCH)?.try_into()?,
             config: take_map(ebpf, catalog::CONFIG)?.try_into()?,
+            pod_interfaces: Some(take_map(ebpf, catalog::POD_INTERFACES)?.try_into()?),
             stats: take_map(ebpf, catalog::STATS)?.try_into()?,
             prefilter: Prefilter::new(Some([
                 take_map(ebpf, catalog::PREFILTER)?,
@@ -474,6 +477,10 @@ impl KernelMaps {
             names: Map::HashMap(open(catalog::SVC_NAMES)?).try_into()?,
             affinity_match: Map::HashMap(open(catalog::AFFINITY_MATCH)?).try_into()?,
             config: Map::Array(open(catalog::CONFIG)?).try_into()?,
+            pod_interfaces: open(catalog::POD_INTERFACES)
+                .ok()
+                .map(|m| Map::HashMap(m).try_into())
+                .transpose()?,
             stats: Map::PerCpuArray(open(catalog::STATS)?).try_into()?,
             // Read-only handles (the CLI): the bits are the running agent's to keep.
             prefilter: Prefilter::new(None)?,
@@ -676,6 +683,37 @@ impl MapOps for KernelMaps {
         self.config
             .set(0, &config, 0)
             .map_err(|e| MapError::new(catalog::CONFIG, "update", io_err(e)))
+    }
+
+    fn put_pod_interfaces(&mut self, ifindexes: &std::collections::BTreeSet<u32>) -> Result<(), MapError> {
+        let Some(map) = self.pod_interfaces.as_mut() else {
+            return Err(MapError::new(
+                catalog::POD_INTERFACES,
+                "update",
+                io::Error::from_raw_os_error(libc::ENOENT),
+            ));
+        };
+        let present: Vec<u32> = map
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(|e| MapError::new(catalog::POD_INTERFACES, "dump", io_err(e)))?;
+        // Links that went away first (their room is reused), then every one wanted: a full map
+        // leaves out the ones that do not fit, and says so.
+        let mut first_error = None;
+        for gone in present.iter().filter(|i| !ifindexes.contains(i)) {
+            match map.remove(gone) {
+                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+                Err(e) => {
+                    first_error.get_or_insert(MapError::new(catalog::POD_INTERFACES, "delete", io_err(e)));
+                }
+            }
+        }
+        for ifindex in ifindexes {
+            if let Err(e) = map.insert(ifindex, &1, 0) {
+                first_error.get_or_insert(MapError::new(catalog::POD_INTERFACES, "update", io_err(e)));
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     fn adopted(&mut self, snapshot: &Snapshot) -> Result<(), MapError> {

@@ -124,6 +124,9 @@ pub trait MapOps {
     fn put_source_range(&mut self, range: &SourceRange) -> Result<(), MapError>;
     fn delete_source_range(&mut self, range: &SourceRange) -> Result<(), MapError>;
     fn put_config(&mut self, config: &DatapathConfig) -> Result<(), MapError>;
+    /// Makes `lb_pod_ifaces` hold exactly `ifindexes` (the interface local-traffic detector's
+    /// pod interfaces); written before the `lb_config` entry that turns the detector on.
+    fn put_pod_interfaces(&mut self, ifindexes: &std::collections::BTreeSet<u32>) -> Result<(), MapError>;
     /// The writer adopted `snapshot` (what a previous run wrote) without writing it again.
     fn adopted(&mut self, _snapshot: &Snapshot) -> Result<(), MapError> {
         Ok(())

@@ -136,14 +136,8 @@ pub(super) const TOP: &[(&str, Known)] = &[
     (
         "detectLocal",
         Object(&[
-            (
-                "bridgeInterface",
-                Leaf("only for detectLocalMode BridgeInterface, which lb-agent does not support"),
-            ),
-            (
-                "interfaceNamePrefix",
-                Leaf("only for detectLocalMode InterfaceNamePrefix, which lb-agent does not support"),
-            ),
+            ("bridgeInterface", Leaf(HONOURED)),
+            ("interfaceNamePrefix", Leaf(HONOURED)),
             ("clusterCIDRs", Leaf(HONOURED)),
         ]),
     ),

@@ -213,6 +213,22 @@ pub fn merge_with(
         |v: &crate::node::DetectLocalMode| v.as_str().to_string()
     );
     apply!(
+        flag::POD_BRIDGE_INTERFACE,
+        "detectLocal.bridgeInterface",
+        &file.pod_bridge_interface,
+        args.node.pod_bridge_interface,
+        |v| v,
+        |v: &String| v.clone()
+    );
+    apply!(
+        flag::POD_INTERFACE_NAME_PREFIX,
+        "detectLocal.interfaceNamePrefix",
+        &file.pod_interface_name_prefix,
+        args.node.pod_interface_name_prefix,
+        |v| v,
+        |v: &String| v.clone()
+    );
+    apply!(
         flag::MASQUERADE_ALL,
         "masqueradeAll",
         &file.masquerade_all,

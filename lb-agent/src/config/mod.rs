@@ -15,7 +15,9 @@
 //! | `metricsBindAddress` | `--metrics-bind-address` | `""` = unset; port 10249 appended when missing |
 //! | `clusterCIDR` | `--cluster-cidr` | comma-separated, as kube-proxy |
 //! | `detectLocal.clusterCIDRs` | `--cluster-cidr` | the internal/draft-v1alpha2 layout (a list); wins over `clusterCIDR` |
-//! | `detectLocalMode` | `--detect-local-mode` | `ClusterCIDR` (or unset) or `NodeCIDR` (the Node's `spec.podCIDRs`); `BridgeInterface` and `InterfaceNamePrefix` are an error |
+//! | `detectLocalMode` | `--detect-local-mode` | `ClusterCIDR` (or unset), `NodeCIDR` (the Node's `spec.podCIDRs`), `BridgeInterface` or `InterfaceNamePrefix` |
+//! | `detectLocal.bridgeInterface` | `--pod-bridge-interface` | BridgeInterface mode: the pods' bridge (its ports count as it) |
+//! | `detectLocal.interfaceNamePrefix` | `--pod-interface-name-prefix` | InterfaceNamePrefix mode |
 //! | `nodePortAddresses` | `--nodeport-addresses` | CIDRs and `primary`/`localhost`/`all` |
 //! | `clientConnection.kubeconfig` | `--kubeconfig` | not applied when `--manifests` is given |
 //! | `clientConnection.qps`, `.burst` | `--kube-api-qps`, `--kube-api-burst` | the API client's token bucket (`watch::rate`); `0` = unset |
@@ -104,6 +106,8 @@ pub mod flag {
     pub const METRICS_BIND_ADDRESS: &str = "metrics_bind_address";
     pub const CLUSTER_CIDR: &str = "cluster_cidr";
     pub const DETECT_LOCAL_MODE: &str = "detect_local_mode";
+    pub const POD_BRIDGE_INTERFACE: &str = "pod_bridge_interface";
+    pub const POD_INTERFACE_NAME_PREFIX: &str = "pod_interface_name_prefix";
     pub const NODEPORT_ADDRESSES: &str = "nodeport_addresses";
     pub const KUBECONFIG: &str = "kubeconfig";
     pub const KUBE_API_QPS: &str = "kube_api_qps";
@@ -156,6 +160,8 @@ pub struct ProxyConfig {
     pub metrics_bind_address: Option<String>,
     pub cluster_cidrs: Option<Vec<String>>,
     pub detect_local_mode: Option<crate::node::DetectLocalMode>,
+    pub pod_bridge_interface: Option<String>,
+    pub pod_interface_name_prefix: Option<String>,
     pub nodeport_addresses: Option<Vec<String>>,
     pub kubeconfig: Option<PathBuf>,
     pub qps: Option<f32>,

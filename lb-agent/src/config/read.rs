@@ -235,6 +235,8 @@ fn map_fields(r: &mut Reader<'_>) -> Result<ProxyConfig, ConfigError> {
         .string("detectLocalMode")?
         .map(|m| m.parse().map_err(|e: String| field_error("detectLocalMode", e)))
         .transpose()?;
+    c.pod_bridge_interface = r.string("detectLocal.bridgeInterface")?;
+    c.pod_interface_name_prefix = r.string("detectLocal.interfaceNamePrefix")?;
     let legacy_cidrs = r
         .string("clusterCIDR")?
         .map(|s| {

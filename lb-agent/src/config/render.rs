@@ -45,6 +45,10 @@ pub fn render_config(args: &RunArgs, file: Option<&ProxyConfig>) -> String {
         "clusterCIDR": args.node.cluster_cidr.join(","),
         "configSyncPeriod": duration(file.config_sync_period.unwrap_or(DEFAULT_CONFIG_SYNC_PERIOD)),
         "detectLocalMode": args.node.detect_local_mode.as_str(),
+        "detectLocal": {
+            "bridgeInterface": args.node.pod_bridge_interface,
+            "interfaceNamePrefix": args.node.pod_interface_name_prefix,
+        },
         "featureGates": file.feature_gates,
         "healthzBindAddress": args.healthz_bind_address,
         "hostnameOverride": args.node.hostname_override.clone().unwrap_or_default(),

@@ -260,6 +260,8 @@ impl Datapath {
             catalog::SVC_NAMES,
             catalog::AFFINITY_MATCH,
             catalog::CONFIG,
+            // The interface detector's pod interfaces, beside the config that turns it on.
+            catalog::POD_INTERFACES,
             // The programs trust the pinned config's PREFILTER flag only with the bits beside it.
             catalog::PREFILTER,
             catalog::PREFILTER6,
@@ -282,7 +284,10 @@ impl Datapath {
         let pins: Vec<(&'static str, PathBuf)> = shared
             .iter()
             .map(|n| (*n, paths.map(n)))
-            .filter(|(n, p)| !n.ends_with("_prefilter") || p.try_exists().unwrap_or(false))
+            .filter(|(n, p)| {
+                !(n.ends_with("_prefilter") || *n == catalog::POD_INTERFACES)
+                    || p.try_exists().unwrap_or(false)
+            })
             .collect();
         let mut loader = EbpfLoader::new();
         for (name, path) in &pins {
@@ -594,7 +599,18 @@ impl Datapath {
     /// BPF_PROG_TEST_RUN. With `repeat > 1` every run after the first sees the packet as the
     /// previous run left it.
     pub fn test_run_tc(&mut self, name: &str, packet: &[u8], repeat: u32) -> Result<TcRun, DatapathError> {
-        self.test_run_tc_ctx(name, packet, repeat, 0)
+        self.test_run_tc_ctx(name, packet, repeat, 0, 0)
+    }
+
+    /// Like `test_run_tc`, for a packet that came in by interface `ingress_ifindex` (kernels
+    /// before 5.15 refuse to set it: EINVAL).
+    pub fn test_run_tc_from(
+        &mut self,
+        name: &str,
+        packet: &[u8],
+        ingress_ifindex: u32,
+    ) -> Result<TcRun, DatapathError> {
+        self.test_run_tc_ctx(name, packet, 1, 0, ingress_ifindex)
     }
 
     /// Like `test_run_tc`, for a packet carrying `skb->mark` (egress after an ingress that set it).
@@ -604,7 +620,7 @@ impl Datapath {
         packet: &[u8],
         mark: u32,
     ) -> Result<TcRun, DatapathError> {
-        self.test_run_tc_ctx(name, packet, 1, mark)
+        self.test_run_tc_ctx(name, packet, 1, mark, 0)
     }
 
     fn test_run_tc_ctx(
@@ -613,14 +629,17 @@ impl Datapath {
         packet: &[u8],
         repeat: u32,
         mark: u32,
+        ingress_ifindex: u32,
     ) -> Result<TcRun, DatapathError> {
         use aya::programs::{TestRun, TestRunOptions};
-        use lb_common::trace::tc::{SKB_CB_OFFSET, SKB_CTX_LEN, SKB_MARK_OFFSET};
+        use lb_common::trace::tc::{SKB_CB_OFFSET, SKB_CTX_LEN, SKB_INGRESS_IFINDEX_OFFSET, SKB_MARK_OFFSET};
         let prog: &mut SchedClassifier = program(&mut self.ebpf, name)?;
         // Room for a packet that grows (an ICMP error built from a short packet).
         let mut out = vec![0u8; packet.len() + 256];
         let mut ctx_in = [0u8; SKB_CTX_LEN];
         ctx_in[SKB_MARK_OFFSET..SKB_MARK_OFFSET + 4].copy_from_slice(&mark.to_ne_bytes());
+        ctx_in[SKB_INGRESS_IFINDEX_OFFSET..SKB_INGRESS_IFINDEX_OFFSET + 4]
+            .copy_from_slice(&ingress_ifindex.to_ne_bytes());
         let mut ctx_out = [0u8; SKB_CTX_LEN];
         let opts = TestRunOptions {
             data_in: Some(packet),

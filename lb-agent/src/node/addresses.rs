@@ -116,10 +116,13 @@ fn is_ipv6_link_local(ip: &IpAddr) -> bool {
 pub struct LocalNetwork {
     pub addresses: Vec<IpAddr>,
     pub ipv6_disabled: bool,
+    /// The links (listed only for an interface local-traffic detector, see [`local_network`]).
+    pub links: Vec<super::Link>,
 }
 
-/// This network namespace's addresses and IPv6 state.
-pub fn local_network() -> std::io::Result<LocalNetwork> {
+/// This network namespace's addresses and IPv6 state, and its links when `with_links` (an
+/// interface local-traffic detector needs them; one RTM_GETLINK dump).
+pub fn local_network(with_links: bool) -> std::io::Result<LocalNetwork> {
     let mut addresses = Vec::new();
     for ifaddr in nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)? {
         let Some(addr) = ifaddr.address.as_ref() else {
@@ -136,9 +139,15 @@ pub fn local_network() -> std::io::Result<LocalNetwork> {
     // A kernel without IPv6 has no such file; one with IPv6 turned off says 1.
     let ipv6_disabled =
         std::fs::read_to_string("/proc/sys/net/ipv6/conf/all/disable_ipv6").map_or(true, |v| v.trim() == "1");
+    let links = if with_links {
+        super::interfaces::links()?
+    } else {
+        Vec::new()
+    };
     Ok(LocalNetwork {
         addresses,
         ipv6_disabled,
+        links,
     })
 }
 

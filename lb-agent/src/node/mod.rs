@@ -5,16 +5,21 @@
 //! agent and `lb-agent trace` share.
 //!
 //! - `object`: what is read from the Node object (zone, primary addresses of each family);
-//! - `addresses`: the interface addresses, whether IPv6 is on, and `--nodeport-addresses`.
+//! - `addresses`: the interface addresses, whether IPv6 is on, and `--nodeport-addresses`;
+//! - `interfaces`: the links, and which are pod interfaces (the interface local-traffic detectors).
 
 pub mod addresses;
+pub mod interfaces;
 pub mod object;
+
+use std::collections::BTreeSet;
 
 use std::net::IpAddr;
 
 pub use addresses::{
     LocalNetwork, NodePortAddress, NodePortSelection, local_network, select_nodeport_addresses,
 };
+pub use interfaces::{InterfaceDetector, Link};
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 use lb_common::{
@@ -48,8 +53,9 @@ pub struct NodeContext {
     pub node_ips: Vec<IpAddr>,
     /// `--masquerade-all`.
     pub masquerade_all: bool,
-    /// Which families have a local-traffic detector (`--cluster-cidr` of the family; kube-proxy's
-    /// proxier of a family without one masquerades no cluster-IP traffic).
+    /// Which families have a local-traffic detector (`--cluster-cidr` of the family, or an
+    /// interface detector for both; kube-proxy's proxier of a family without one masquerades no
+    /// cluster-IP traffic).
     pub detect_local: PerFamily<bool>,
     /// Which families the node serves (IPv6 is off on a node whose kernel or sysctls disable it).
     pub serves: PerFamily<bool>,
@@ -65,6 +71,10 @@ pub enum DetectLocalMode {
     /// Sources in this node's pod CIDRs (`spec.podCIDRs` of its Node object): traffic from
     /// another node's pods counts as off the node, as with kube-proxy.
     NodeCidr,
+    /// Packets that came in by the pods' bridge (`--pod-bridge-interface`) or one of its ports.
+    BridgeInterface,
+    /// Packets that came in by an interface named `--pod-interface-name-prefix`*.
+    InterfaceNamePrefix,
 }
 
 impl DetectLocalMode {
@@ -73,6 +83,8 @@ impl DetectLocalMode {
         match self {
             DetectLocalMode::ClusterCidr => "ClusterCIDR",
             DetectLocalMode::NodeCidr => "NodeCIDR",
+            DetectLocalMode::BridgeInterface => "BridgeInterface",
+            DetectLocalMode::InterfaceNamePrefix => "InterfaceNamePrefix",
         }
     }
 }
@@ -84,13 +96,10 @@ impl std::str::FromStr for DetectLocalMode {
         match s {
             "" | "ClusterCIDR" => Ok(DetectLocalMode::ClusterCidr),
             "NodeCIDR" => Ok(DetectLocalMode::NodeCidr),
-            "BridgeInterface" | "InterfaceNamePrefix" => Err(format!(
-                "{s} is not supported by lb-agent yet: ClusterCIDR (--cluster-cidr) or NodeCIDR (the Node's \
-                 spec.podCIDRs) tell pod traffic apart in the eBPF data path"
-            )),
+            "BridgeInterface" => Ok(DetectLocalMode::BridgeInterface),
+            "InterfaceNamePrefix" => Ok(DetectLocalMode::InterfaceNamePrefix),
             other => Err(format!(
-                "unknown mode {other:?} (kube-proxy knows ClusterCIDR, NodeCIDR, BridgeInterface, \
-                 InterfaceNamePrefix; lb-agent supports ClusterCIDR and NodeCIDR)"
+                "unknown mode {other:?} (ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix)"
             )),
         }
     }
@@ -104,6 +113,10 @@ pub struct NodeSettings {
     pub cluster_cidrs: Vec<IpNet>,
     /// `--detect-local-mode`.
     pub detect_local_mode: DetectLocalMode,
+    /// `--pod-bridge-interface` (BridgeInterface mode).
+    pub pod_bridge_interface: String,
+    /// `--pod-interface-name-prefix` (InterfaceNamePrefix mode).
+    pub pod_interface_name_prefix: String,
     pub nodeport_addresses: Vec<NodePortAddress>,
     pub masquerade_all: bool,
     pub localhost_nodeports: bool,
@@ -124,6 +137,9 @@ pub struct NodeView {
     /// `--cluster-cidr`, or the Node's pod CIDRs in NodeCIDR mode (none of a family until the
     /// Node has one).
     pub local_cidrs: Vec<IpNet>,
+    /// The interface detector's pod interfaces (ifindexes, `lb_pod_ifaces`); `None` when the
+    /// detector is by source address.
+    pub pod_interfaces: Option<BTreeSet<u32>>,
 }
 
 impl NodeSettings {
@@ -145,7 +161,9 @@ impl NodeSettings {
         let mut local_cidrs = match self.detect_local_mode {
             DetectLocalMode::ClusterCidr => self.cluster_cidrs.clone(),
             DetectLocalMode::NodeCidr => object::pod_cidrs(node),
+            DetectLocalMode::BridgeInterface | DetectLocalMode::InterfaceNamePrefix => Vec::new(),
         };
+        let pod_interfaces = self.interface_detector().map(|d| d.pod_interfaces(&local.links));
         for family in IpFamily::ALL {
             let mut n = 0;
             local_cidrs.retain(|c| {
@@ -169,13 +187,28 @@ impl NodeSettings {
                 localhost_nodeports: selection.loopback && self.localhost_nodeports,
                 node_ips: primary,
                 masquerade_all: self.masquerade_all,
+                // kube-proxy gives both families the one interface detector.
                 detect_local: PerFamily::from_fn(|family| {
-                    local_cidrs.iter().any(|c| IpFamily::of_net(c) == family)
+                    pod_interfaces.is_some() || local_cidrs.iter().any(|c| IpFamily::of_net(c) == family)
                 }),
                 serves,
             },
             masquerade,
             local_cidrs,
+            pod_interfaces,
+        }
+    }
+
+    /// The interface local-traffic detector of the mode, if it is one.
+    pub fn interface_detector(&self) -> Option<InterfaceDetector> {
+        match self.detect_local_mode {
+            DetectLocalMode::BridgeInterface => {
+                Some(InterfaceDetector::Bridge(self.pod_bridge_interface.clone()))
+            }
+            DetectLocalMode::InterfaceNamePrefix => Some(InterfaceDetector::NamePrefix(
+                self.pod_interface_name_prefix.clone(),
+            )),
+            DetectLocalMode::ClusterCidr | DetectLocalMode::NodeCidr => None,
         }
     }
 
@@ -195,6 +228,9 @@ impl NodeSettings {
         };
         if sock_hostns_only {
             cfg.flags |= dpconfig::flags::SOCK_HOSTNS_ONLY;
+        }
+        if view.pod_interfaces.is_some() {
+            cfg.flags |= dpconfig::flags::DETECT_LOCAL_BY_INTERFACE;
         }
         self.family_config::<V4>(view, V4::settings_mut(&mut cfg));
         self.family_config::<V6>(view, V6::settings_mut(&mut cfg));

@@ -23,6 +23,8 @@ fn settings(nodeport_addresses: &[&str], bind_address: Option<&str>) -> NodeSett
         node_name: "node-a".into(),
         cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
         detect_local_mode: Default::default(),
+        pod_bridge_interface: String::new(),
+        pod_interface_name_prefix: String::new(),
         nodeport_addresses: nodeport_addresses.iter().map(|s| s.parse().unwrap()).collect(),
         masquerade_all: false,
         localhost_nodeports: true,
@@ -64,6 +66,7 @@ fn network(addresses: &[&str], ipv6_disabled: bool) -> LocalNetwork {
     LocalNetwork {
         addresses: addresses.iter().map(|s| ip(s)).collect(),
         ipv6_disabled,
+        links: Vec::new(),
     }
 }
 
@@ -435,14 +438,84 @@ fn node_cidr_mode_detects_the_nodes_pod_cidrs() {
     assert_eq!(v.local_cidrs.len(), MAX_CLUSTER_CIDRS);
 }
 
+/// BridgeInterface and InterfaceNamePrefix (kube-proxy's `-i` detectors): one detector for both
+/// families, no CIDR, the pod interfaces listed for `lb_pod_ifaces` and the flag that turns the
+/// programs to them; a bridge that does not exist (yet) makes no interface a pod's.
+#[test]
+fn interface_detectors_list_pod_interfaces_for_both_families() {
+    let links = vec![
+        Link {
+            name: "eth0".into(),
+            index: 2,
+            controller: None,
+        },
+        Link {
+            name: "cbr0".into(),
+            index: 3,
+            controller: None,
+        },
+        Link {
+            name: "veth1".into(),
+            index: 4,
+            controller: Some(3),
+        },
+        Link {
+            name: "veth2".into(),
+            index: 5,
+            controller: None,
+        },
+    ];
+    let local = LocalNetwork { links, ..local() };
+    let n = node(&[("InternalIP", "192.168.1.10")]);
+    for (mode, bridge, prefix, want) in [
+        (DetectLocalMode::BridgeInterface, "cbr0", "", vec![3, 4]),
+        (DetectLocalMode::BridgeInterface, "cni0", "", vec![]),
+        (DetectLocalMode::InterfaceNamePrefix, "", "veth", vec![4, 5]),
+    ] {
+        let s = NodeSettings {
+            detect_local_mode: mode,
+            pod_bridge_interface: bridge.into(),
+            pod_interface_name_prefix: prefix.into(),
+            ..settings(&[], None)
+        };
+        let v = s.view(Some(&n), &local);
+        assert_eq!(
+            v.pod_interfaces,
+            Some(want.into_iter().collect()),
+            "{mode:?} {bridge}{prefix}"
+        );
+        assert!(
+            v.local_cidrs.is_empty(),
+            "--cluster-cidr is not the detector in {mode:?}"
+        );
+        assert_eq!(v.context.detect_local, PerFamily { v4: true, v6: true });
+        let cfg = s.datapath_config(&v, 42, false);
+        assert_eq!(cfg.flags, dpconfig::flags::DETECT_LOCAL_BY_INTERFACE);
+        assert_eq!((cfg.v4.cluster_cidr_count, cfg.v6.cluster_cidr_count), (0, 0));
+    }
+    // The address detectors list no interface and leave the flag off.
+    let v = settings(&[], None).view(Some(&n), &local);
+    assert_eq!(v.pod_interfaces, None);
+    assert_eq!(settings(&[], None).datapath_config(&v, 42, false).flags, 0);
+}
+
 #[test]
 fn detect_local_mode_parses_kube_proxys_names() {
     assert_eq!("ClusterCIDR".parse(), Ok(DetectLocalMode::ClusterCidr));
     assert_eq!("".parse(), Ok(DetectLocalMode::ClusterCidr));
     assert_eq!("NodeCIDR".parse(), Ok(DetectLocalMode::NodeCidr));
-    for mode in ["BridgeInterface", "InterfaceNamePrefix"] {
-        let err = mode.parse::<DetectLocalMode>().unwrap_err();
-        assert!(err.contains("not supported") && err.contains(mode), "{err}");
+    assert_eq!("BridgeInterface".parse(), Ok(DetectLocalMode::BridgeInterface));
+    assert_eq!(
+        "InterfaceNamePrefix".parse(),
+        Ok(DetectLocalMode::InterfaceNamePrefix)
+    );
+    for mode in [
+        DetectLocalMode::ClusterCidr,
+        DetectLocalMode::NodeCidr,
+        DetectLocalMode::BridgeInterface,
+        DetectLocalMode::InterfaceNamePrefix,
+    ] {
+        assert_eq!(mode.as_str().parse(), Ok(mode));
     }
     assert!(
         "nodecidr"

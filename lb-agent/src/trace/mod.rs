@@ -72,6 +72,9 @@ pub struct TraceRequest {
     pub dst: IpAddr,
     pub dport: u16,
     pub protocol: Protocol,
+    /// The ifindex of the interface the packet comes in by (tc path; 0: none given), which the
+    /// interface local-traffic detectors decide by.
+    pub ingress_ifindex: u32,
 }
 
 impl TraceRequest {
@@ -301,7 +304,12 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
         ));
     }
     let packet = first_packet(req, 40_000);
-    let run = dp.test_run_tc(datapath::tc::TC_PROGRAMS[0].0, &packet, 1)?;
+    let run = if req.ingress_ifindex == 0 {
+        dp.test_run_tc(datapath::tc::TC_PROGRAMS[0].0, &packet, 1)?
+    } else {
+        dp.test_run_tc_from(datapath::tc::TC_PROGRAMS[0].0, &packet, req.ingress_ifindex)
+            .context("running the packet from --in-interface (a kernel before 5.15 cannot set it)")?
+    };
     let decision = run.cb[trace_cb::CB_VERDICT];
     let scope = (run.cb[trace_cb::CB_SCOPE_FLAGS] & 0xff) as u8;
     let masquerade =
@@ -396,6 +404,11 @@ pub fn run(args: &TraceArgs) -> Result<()> {
         dst: args.dst,
         dport: args.dport,
         protocol,
+        ingress_ifindex: match &args.in_interface {
+            Some(name) => nix::net::if_::if_nametoindex(name.as_str())
+                .with_context(|| format!("--in-interface {name}: no such interface here"))?,
+            None => 0,
+        },
     };
     let object = datapath::object_bytes(None)?;
     // The node the trace stands for has the `--node-ip` addresses on its interfaces and the
@@ -407,12 +420,19 @@ pub fn run(args: &TraceArgs) -> Result<()> {
             for problem in &loaded.problems {
                 eprintln!("warning: {problem}");
             }
+            let detector = settings.interface_detector();
             let mut scratch = ScratchDatapath::new(&loaded.state, settings, &args.node_ips, &object)?;
+            // The interface detectors decide by this node's links, as the agent's would.
+            if detector.is_some() {
+                scratch.links = crate::node::interfaces::links().context("listing this node's links")?;
+                scratch.program(&loaded.state)?;
+            }
             let cookie = scratch.host_cookie();
             let ScratchDatapath {
                 datapath,
                 programmer,
                 node_ips,
+                ..
             } = &mut scratch;
             trace(datapath, programmer.maps(), cookie, node_ips, &req)?
         }
@@ -438,7 +458,7 @@ fn trace_live(
     let mut dp = Datapath::load_for_trace(&paths, object).context("loading the programs for tracing")?;
     let mut node_ips = node_ips.to_vec();
     if node_ips.is_empty() {
-        node_ips = crate::node::local_network()
+        node_ips = crate::node::local_network(false)
             .map(|local| local.addresses)
             .unwrap_or_default()
             .into_iter()

@@ -12,7 +12,7 @@ use crate::{
     apply::{Applier, KernelMaps},
     datapath::Datapath,
     model::Problem,
-    node::{LocalNetwork, NodeSettings},
+    node::{Link, LocalNetwork, NodeSettings},
     watch::ClusterState,
 };
 
@@ -41,6 +41,9 @@ pub struct ScratchDatapath {
     /// The node's interface addresses (loopback aside): what it programs NodePorts on, and what
     /// `trace` takes as "starts on this node".
     pub node_ips: Vec<IpAddr>,
+    /// The node's links, for an interface local-traffic detector (none unless a caller sets
+    /// them: a packet then came in by no pod interface).
+    pub links: Vec<Link>,
 }
 
 impl ScratchDatapath {
@@ -71,6 +74,7 @@ impl ScratchDatapath {
             datapath,
             programmer: Programmer::new(settings, SCRATCH_HOST_COOKIE, false, Applier::new(maps, caps)),
             node_ips: node_ips.to_vec(),
+            links: Vec::new(),
         };
         scratch.program(state)?;
         Ok(scratch)
@@ -84,6 +88,7 @@ impl ScratchDatapath {
         let local = LocalNetwork {
             addresses,
             ipv6_disabled: false,
+            links: self.links.clone(),
         };
         let view = self.programmer.view(state.node.as_deref(), &local);
         self.programmer.write_config(&view)?;

@@ -5,12 +5,14 @@
 //! of stack a call chain may use (an IPv6 flow's conntrack key and entry alone take 88).
 
 use aya_ebpf::{
-    bindings::{BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
+    EbpfContext,
+    bindings::{__sk_buff, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
     helpers::bpf_get_prandom_u32,
     programs::TcContext,
 };
 use lb_common::{
     affinity::kind,
+    config::flags as config_flags,
     conntrack::{CtKey, CtValue, dir, flags as ct},
     service::flags,
     stats::Counter,
@@ -27,6 +29,7 @@ use super::{
 };
 use crate::{
     lb::{self, Frontend},
+    maps::POD_INTERFACES,
     stats::count,
 };
 
@@ -95,11 +98,15 @@ pub(super) struct Choice {
 #[inline(never)]
 fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i32 {
     let flow = &pkt.flow;
-    let family = F::settings(lb::datapath_config());
-    // kube-proxy's local-traffic detector (per family): pods (sources in the cluster CIDR)
-    // short-circuit a Local-policy external frontend to the cluster-wide endpoints, and are not
-    // masqueraded when they reach a cluster IP.
-    let from_pod = family.is_pod_address(&flow.saddr) == Some(true);
+    let cfg = lb::datapath_config();
+    // kube-proxy's local-traffic detector: pods (sources in the family's cluster CIDRs, or packets
+    // that came in by a pod interface) short-circuit a Local-policy external frontend to the
+    // cluster-wide endpoints, and are not masqueraded when they reach a cluster IP.
+    let from_pod = if cfg.flags & config_flags::DETECT_LOCAL_BY_INTERFACE != 0 {
+        came_in_by_pod_interface(ctx)
+    } else {
+        F::settings(cfg).is_pod_address(&flow.saddr) == Some(true)
+    };
     let (svc_key, frontend) = match lb::lookup_frontend::<F>(&flow.daddr, flow.dport, flow.proto, from_pod) {
         Frontend::None => return TC_ACT_OK,
         Frontend::Incomplete => {
@@ -145,6 +152,17 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
         snat_port: 0,
     };
     CHOSEN
+}
+
+/// kube-proxy's `-i <bridge>` / `-i <prefix>+` detectors: the interface the packet came in by is
+/// one of the agent's `lb_pod_ifaces` (the skb's ingress ifindex; at tc ingress, the interface
+/// the program is attached to).
+#[inline(always)]
+fn came_in_by_pod_interface(ctx: &TcContext) -> bool {
+    // SAFETY: the context's skb pointer is valid for the program's run.
+    let skb = ctx.as_ptr().cast::<__sk_buff>();
+    let ifindex = unsafe { (*skb).ingress_ifindex };
+    POD_INTERFACES.get_ptr(&ifindex).is_some()
 }
 
 /// The chosen backend's flow: the masquerade decision, its conntrack entries, and DNAT.

@@ -124,6 +124,8 @@ fn scratch(n: u32, family: Family) -> Result<ScratchDatapath> {
             topo::CLUSTER_CIDR6.parse().expect("cidr"),
         ],
         detect_local_mode: Default::default(),
+        pod_bridge_interface: String::new(),
+        pod_interface_name_prefix: String::new(),
         nodeport_addresses: vec![],
         masquerade_all: false,
         localhost_nodeports: true,

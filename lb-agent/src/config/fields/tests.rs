@@ -32,8 +32,6 @@ oomScoreAdj: -999
 enableProfiling: true
 hostnameOveride: typo
 totallyMadeUp: 1
-detectLocal:
-  bridgeInterface: cbr0
 "#,
     );
     let w = warning(&loaded, "iptables.masqueradeBit");
@@ -53,11 +51,6 @@ detectLocal:
     assert!(dsr.value_is_empty && dsr.message.contains("Windows only"));
     assert_eq!(warning(&loaded, "oomScoreAdj").kind, WarningKind::NotUsed);
     assert_eq!(warning(&loaded, "enableProfiling").kind, WarningKind::NotUsed);
-    assert!(
-        warning(&loaded, "detectLocal.bridgeInterface")
-            .message
-            .contains("BridgeInterface")
-    );
 
     let typo = warning(&loaded, "hostnameOveride");
     assert_eq!(typo.kind, WarningKind::Unknown);
@@ -188,8 +181,6 @@ fn kubeadm_config_map() {
             "conntrack.tcpEstablishedTimeout",
             "conntrack.udpStreamTimeout",
             "conntrack.udpTimeout",
-            "detectLocal.bridgeInterface",
-            "detectLocal.interfaceNamePrefix",
             "enableProfiling",
             "iptables.masqueradeBit",
             "ipvs.excludeCIDRs",
@@ -320,6 +311,16 @@ fn every_honoured_field_changes_the_effective_settings() {
             "detectLocal.clusterCIDRs",
             "",
             "detectLocal: {clusterCIDRs: [10.244.0.0/16]}\n",
+        ),
+        (
+            "detectLocal.bridgeInterface",
+            "",
+            "detectLocal: {bridgeInterface: cbr0}\n",
+        ),
+        (
+            "detectLocal.interfaceNamePrefix",
+            "",
+            "detectLocal: {interfaceNamePrefix: veth}\n",
         ),
         ("clusterCIDR", "", "clusterCIDR: 10.244.0.0/16\n"),
         ("nodePortAddresses", "", "nodePortAddresses: [primary]\n"),

@@ -204,8 +204,44 @@ fn detect_local_mode_from_the_file_or_the_flag() {
         ]
     );
     let err = Cli::command()
-        .try_get_matches_from(["lb-agent", "--detect-local-mode", "BridgeInterface"])
+        .try_get_matches_from(["lb-agent", "--detect-local-mode", "bridge"])
         .unwrap_err()
         .to_string();
-    assert!(err.contains("not supported"), "{err}");
+    assert!(err.contains("unknown mode"), "{err}");
+}
+
+/// The interface modes take their interface from the file's `detectLocal` or the flag, and
+/// refuse to start without one (kube-proxy's validation).
+#[test]
+fn interface_modes_need_their_interface() {
+    let file = load("detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: cbr0}\n").config;
+    let (mut args, explicit) = cli(&[]);
+    merge(&file, &mut args, &explicit).unwrap();
+    let settings = args.node.settings().unwrap();
+    assert_eq!(
+        settings.detect_local_mode,
+        crate::node::DetectLocalMode::BridgeInterface
+    );
+    assert_eq!(
+        settings.interface_detector(),
+        Some(crate::node::InterfaceDetector::Bridge("cbr0".into()))
+    );
+    let (args, _) = cli(&[
+        "--detect-local-mode",
+        "InterfaceNamePrefix",
+        "--pod-interface-name-prefix",
+        "veth",
+    ]);
+    assert_eq!(
+        args.node.settings().unwrap().interface_detector(),
+        Some(crate::node::InterfaceDetector::NamePrefix("veth".into()))
+    );
+    for (mode, flag) in [
+        ("BridgeInterface", "--pod-bridge-interface"),
+        ("InterfaceNamePrefix", "--pod-interface-name-prefix"),
+    ] {
+        let (args, _) = cli(&["--detect-local-mode", mode]);
+        let err = args.node.settings().unwrap_err().to_string();
+        assert!(err.contains(flag), "{err}");
+    }
 }

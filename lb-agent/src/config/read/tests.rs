@@ -215,13 +215,20 @@ fn detect_local_mode() {
         load("detectLocalMode: ClusterCIDR\n").config.detect_local_mode,
         Some(DetectLocalMode::ClusterCidr)
     );
-    for mode in ["BridgeInterface", "InterfaceNamePrefix"] {
-        let err = load_err(&format!("detectLocalMode: {mode}\n")).to_string();
-        assert!(
-            err.starts_with("detectLocalMode:") && err.contains("not supported"),
-            "{err}"
-        );
-    }
+    let bridge = load("detectLocalMode: BridgeInterface\ndetectLocal:\n  bridgeInterface: cbr0\n");
+    assert!(bridge.warnings.is_empty(), "{:?}", bridge.warnings);
+    assert_eq!(
+        bridge.config.detect_local_mode,
+        Some(DetectLocalMode::BridgeInterface)
+    );
+    assert_eq!(bridge.config.pod_bridge_interface.as_deref(), Some("cbr0"));
+    let prefix = load("detectLocalMode: InterfaceNamePrefix\ndetectLocal:\n  interfaceNamePrefix: veth\n");
+    assert!(prefix.warnings.is_empty(), "{:?}", prefix.warnings);
+    assert_eq!(
+        prefix.config.detect_local_mode,
+        Some(DetectLocalMode::InterfaceNamePrefix)
+    );
+    assert_eq!(prefix.config.pod_interface_name_prefix.as_deref(), Some("veth"));
     assert!(
         load_err("detectLocalMode: Magic\n")
             .to_string()

@@ -1,0 +1,246 @@
+//! The node's links as kube-proxy's interface detectors see them (`--detect-local-mode`
+//! BridgeInterface and InterfaceNamePrefix): each link's name, index and bridge, from one
+//! RTM_GETLINK dump of this network namespace, and which of them are pod interfaces.
+
+use std::{collections::BTreeSet, io};
+
+use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload};
+use netlink_packet_route::{
+    RouteNetlinkMessage,
+    link::{LinkAttribute, LinkMessage},
+};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+
+/// One link of this network namespace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Link {
+    pub name: String,
+    pub index: u32,
+    /// The ifindex of the bridge (or bond) the link is a port of.
+    pub controller: Option<u32>,
+}
+
+/// kube-proxy's interface local-traffic detectors: what makes a packet a pod's by the interface
+/// it came in by (iptables `-i`, nftables `iif`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum InterfaceDetector {
+    /// `--pod-bridge-interface`: the pods' bridge. Its ports count too: a pod's packet reaches
+    /// tc on its port before the bridge passes it up, where iptables (br_netfilter) sees it
+    /// coming in by the bridge.
+    Bridge(String),
+    /// `--pod-interface-name-prefix`: every interface whose name starts with it (`-i veth+`).
+    NamePrefix(String),
+}
+
+impl InterfaceDetector {
+    /// The ifindexes of the pod interfaces among `links`.
+    pub fn pod_interfaces(&self, links: &[Link]) -> BTreeSet<u32> {
+        match self {
+            InterfaceDetector::Bridge(bridge) => {
+                let Some(bridge) = links.iter().find(|l| &l.name == bridge) else {
+                    return BTreeSet::new();
+                };
+                links
+                    .iter()
+                    .filter(|l| l.index == bridge.index || l.controller == Some(bridge.index))
+                    .map(|l| l.index)
+                    .collect()
+            }
+            InterfaceDetector::NamePrefix(prefix) => links
+                .iter()
+                .filter(|l| l.name.starts_with(prefix.as_str()))
+                .map(|l| l.index)
+                .collect(),
+        }
+    }
+}
+
+/// Every link of this network namespace (RTM_GETLINK dump).
+pub fn links() -> io::Result<Vec<Link>> {
+    let mut socket = Socket::new(NETLINK_ROUTE)?;
+    socket.bind_auto()?;
+    socket.connect(&SocketAddr::new(0, 0))?;
+    let mut request = NetlinkMessage::new(
+        NetlinkHeader::default(),
+        NetlinkPayload::from(RouteNetlinkMessage::GetLink(LinkMessage::default())),
+    );
+    request.header.flags = NLM_F_DUMP | NLM_F_REQUEST;
+    request.header.sequence_number = 1;
+    request.finalize();
+    let mut buf = vec![0; request.buffer_len()];
+    request.serialize(&mut buf);
+    socket.send(&buf, 0)?;
+
+    let invalid =
+        |e: &dyn std::fmt::Display| io::Error::new(io::ErrorKind::InvalidData, format!("RTM_GETLINK: {e}"));
+    let mut links = Vec::new();
+    // A dump's datagrams are at most a page or two each (NLMSG_GOODSIZE).
+    let mut datagram = vec![0u8; 64 * 1024];
+    loop {
+        let size = socket.recv(&mut &mut datagram[..], 0)?;
+        let mut offset = 0;
+        while offset < size {
+            let message: NetlinkMessage<RouteNetlinkMessage> =
+                NetlinkMessage::deserialize(&datagram[offset..size]).map_err(|e| invalid(&e))?;
+            match message.payload {
+                NetlinkPayload::Done(_) => return Ok(links),
+                NetlinkPayload::Error(e) => {
+                    return Err(e.code.map_or_else(
+                        || invalid(&"error without a code"),
+                        |code| io::Error::from_raw_os_error(-code.get()),
+                    ));
+                }
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(link)) => {
+                    let mut name = None;
+                    let mut controller = None;
+                    for attribute in link.attributes {
+                        match attribute {
+                            LinkAttribute::IfName(n) => name = Some(n),
+                            LinkAttribute::Controller(index) => controller = Some(index),
+                            _ => {}
+                        }
+                    }
+                    if let Some(name) = name {
+                        links.push(Link {
+                            name,
+                            index: link.header.index,
+                            controller,
+                        });
+                    }
+                }
+                _ => {}
+            }
+            if message.header.length == 0 {
+                break;
+            }
+            offset += message.header.length as usize;
+        }
+    }
+}
+
+/// Calls `on_change` after every link event of this network namespace (a link added, removed,
+/// or moved to or from a bridge), from a thread of its own, until `on_change` returns false or
+/// the socket fails. The agent syncs on it: pod interfaces and tc attachments follow the links
+/// within the minimum sync period, not the sync period.
+pub fn watch_links(
+    mut on_change: impl FnMut() -> bool + Send + 'static,
+) -> io::Result<std::thread::JoinHandle<()>> {
+    let mut socket = Socket::new(NETLINK_ROUTE)?;
+    socket.bind(&SocketAddr::new(0, libc::RTMGRP_LINK as u32))?;
+    std::thread::Builder::new()
+        .name("link-watch".into())
+        .spawn(move || {
+            let mut datagram = vec![0u8; 64 * 1024];
+            loop {
+                match socket.recv(&mut &mut datagram[..], 0) {
+                    Ok(_) => {
+                        if !on_change() {
+                            return;
+                        }
+                    }
+                    // The kernel dropped events (ENOBUFS): a sync looks at every link anyway.
+                    Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
+                        if !on_change() {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            "watching the links stopped: {e}; they are rescanned at every sync only"
+                        );
+                        return;
+                    }
+                }
+            }
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn link(name: &str, index: u32, controller: Option<u32>) -> Link {
+        Link {
+            name: name.into(),
+            index,
+            controller,
+        }
+    }
+
+    #[test]
+    fn a_bridge_and_its_ports_are_pod_interfaces() {
+        let links = [
+            link("eth0", 2, None),
+            link("cbr0", 3, None),
+            link("veth1", 4, Some(3)),
+            link("veth2", 5, Some(3)),
+            link("veth3", 6, Some(9)),
+            link("cbr0x", 7, None),
+        ];
+        let bridge = InterfaceDetector::Bridge("cbr0".into());
+        assert_eq!(bridge.pod_interfaces(&links), BTreeSet::from([3, 4, 5]));
+        // No such bridge (yet): nothing is a pod's.
+        assert!(
+            InterfaceDetector::Bridge("cni0".into())
+                .pod_interfaces(&links)
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_prefix_matches_as_iptables_plus_does() {
+        let links = [
+            link("eth0", 2, None),
+            link("veth", 3, None),
+            link("vethab12", 4, None),
+            link("vxlan0", 5, None),
+            link("cali1234", 6, None),
+        ];
+        assert_eq!(
+            InterfaceDetector::NamePrefix("veth".into()).pod_interfaces(&links),
+            BTreeSet::from([3, 4])
+        );
+        assert_eq!(
+            InterfaceDetector::NamePrefix("cali".into()).pod_interfaces(&links),
+            BTreeSet::from([6])
+        );
+    }
+
+    /// A link added in a network namespace of the test's own wakes the watcher there (root only:
+    /// the thread unshares its network namespace, which `ip` inherits).
+    #[test]
+    fn a_new_link_wakes_the_watcher() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root for a network namespace of its own");
+            return;
+        }
+        let woken = std::thread::spawn(|| {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
+            let (tx, rx) = std::sync::mpsc::channel();
+            watch_links(move || tx.send(()).is_ok()).expect("watching");
+            let status = std::process::Command::new("ip")
+                .args([
+                    "link", "add", "lbwatch0", "type", "veth", "peer", "name", "lbwatch1",
+                ])
+                .status()
+                .expect("ip link add");
+            assert!(status.success());
+            let woken = rx.recv_timeout(std::time::Duration::from_secs(5)).is_ok();
+            let dump = links().expect("dump");
+            (woken, dump)
+        })
+        .join()
+        .expect("the namespace's thread");
+        assert!(woken.0, "no link event within 5 s");
+        assert!(woken.1.iter().any(|l| l.name == "lbwatch0"), "{:?}", woken.1);
+    }
+
+    /// The dump itself, in this process's network namespace: loopback is always there.
+    #[test]
+    fn the_dump_lists_loopback() {
+        let links = links().expect("RTM_GETLINK dump");
+        let lo = links.iter().find(|l| l.name == "lo").expect("lo in the dump");
+        assert_eq!(lo.index, 1);
+        assert_eq!(lo.controller, None);
+    }
+}
