@@ -440,16 +440,20 @@ impl Holds {
         )
     }
 
-    /// (exchanges, broken connections, connections that changed backend).
-    fn verdict(mut self) -> (usize, usize, usize) {
+    /// (exchanges, broken connections, connections that changed backend, how each broke: the
+    /// probe's failure line).
+    fn verdict(mut self) -> (usize, usize, usize, Vec<Value>) {
         let (mut exchanges, mut broken, mut moved) = (0, 0, 0);
+        let mut failures = Vec::new();
         for h in &mut self.0 {
             h.wait_for_line(Duration::from_secs(120), |l| {
                 l.contains("\"done\"") || l.contains("\"ok\":false")
             });
             let lines = h.stdout_lines();
-            if lines.iter().any(|l| l.contains("\"ok\":false")) {
+            if let Some(failure) = lines.iter().find(|l| l.contains("\"ok\":false")) {
                 broken += 1;
+                failures
+                    .push(serde_json::from_str(failure).unwrap_or_else(|_| Value::from(failure.as_str())));
             }
             let servers: BTreeSet<String> = lines
                 .iter()
@@ -465,7 +469,7 @@ impl Holds {
                 moved += 1;
             }
         }
-        (exchanges, broken, moved)
+        (exchanges, broken, moved, failures)
     }
 }
 
@@ -481,6 +485,8 @@ struct HeldVerdict {
     broken: usize,
     moved: usize,
     connections: usize,
+    /// The probe's line for each broken connection (error, errno, seq, at_us).
+    failures: Vec<Value>,
 }
 
 impl Established {
@@ -501,12 +507,14 @@ impl Established {
             broken: 0,
             moved: 0,
             connections: self.connections,
+            failures: Vec::new(),
         };
         for h in self.holds {
-            let (e, b, m) = h.verdict();
+            let (e, b, m, f) = h.verdict();
             v.exchanges += e;
             v.broken += b;
             v.moved += m;
+            v.failures.extend(f);
         }
         v
     }
@@ -514,7 +522,11 @@ impl Established {
 
 impl HeldVerdict {
     fn json(&self) -> Value {
-        json!({"connections": self.connections, "exchanges": self.exchanges, "broken": self.broken, "moved_backend": self.moved})
+        let mut v = json!({"connections": self.connections, "exchanges": self.exchanges, "broken": self.broken, "moved_backend": self.moved});
+        if !self.failures.is_empty() {
+            v["failures"] = self.failures.clone().into();
+        }
+        v
     }
 }
 
@@ -2846,6 +2858,7 @@ fn flood_phase(site: &Site, attacker: &NetNs, proxy: &dyn FloodedProxy) -> Value
     json!({
         "flood": flood,
         "flood_seconds": (flood_to - flood_from) as f64 / 1e6,
+        "flood_from_us": flood_from,
         "established, active (a message every 50 ms)": active.verdict().json(),
         "established, idle (a message every 4 s)": idle.verdict().json(),
         "new connections": windows,
@@ -2953,9 +2966,27 @@ fn flood_from_outside_keeps_established_flows() {
         (SMALL_TABLES_RUN, &ours[1]),
         ("kube-proxy iptables", &theirs),
     ];
+    // How each broke, against the flood's start: a read timeout (errno 11: no reply for 2 s) is
+    // a lost packet or an overloaded node; a reset or a close is state the flood took.
     let held = |v: &Value, kind: &str| -> String {
         let h = &v[format!("established, {kind}")];
-        format!("{} of {} broken", h["broken"], h["connections"])
+        let from = v["flood_from_us"].as_u64().unwrap_or(0) as f64;
+        let how: Vec<String> = h["failures"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|f| {
+                let at = f["at_us"].as_u64().map_or(String::new(), |at| {
+                    format!(" at {:+.1} s", (at as f64 - from) / 1e6)
+                });
+                format!("{}{at}", f["error"].as_str().unwrap_or("?"))
+            })
+            .collect();
+        let mut text = format!("{} of {} broken", h["broken"], h["connections"]);
+        if !how.is_empty() {
+            text.push_str(&format!(" ({})", how.join("; ")));
+        }
+        text
     };
     let phases: Vec<Value> = runs
         .iter()

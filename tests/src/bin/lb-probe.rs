@@ -375,6 +375,13 @@ fn udp_exchange(sock: &UdpSocket, to: SocketAddr) -> serde_json::Value {
     }
 }
 
+/// Now, in microseconds since the Unix epoch (0 if the clock is before it).
+fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
 fn hold(to: SocketAddr, interval: Duration, seconds: u64) {
     let mut stream = match TcpStream::connect_timeout(&to, Duration::from_secs(2)) {
         Ok(s) => s,
@@ -402,14 +409,18 @@ fn hold(to: SocketAddr, interval: Duration, seconds: u64) {
                 let peer = stream.peer_addr().map(|a| a.to_string()).ok();
                 println!("{}", json!({"ok": true, "seq": n, "reply": reply, "peer": peer}));
             }
+            // When it broke (unix µs), to set beside what else happened then.
             Ok(_) => {
-                println!("{}", json!({"ok": false, "seq": n, "error": "closed"}));
+                println!(
+                    "{}",
+                    json!({"ok": false, "seq": n, "error": "closed", "at_us": unix_us()})
+                );
                 return;
             }
             Err(e) => {
                 println!(
                     "{}",
-                    json!({"ok": false, "seq": n, "error": e.to_string(), "errno": errno_of(&e)})
+                    json!({"ok": false, "seq": n, "error": e.to_string(), "errno": errno_of(&e), "at_us": unix_us()})
                 );
                 return;
             }
@@ -493,10 +504,7 @@ fn main() {
                 sock
             });
             loop {
-                let started_us = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_micros() as u64)
-                    .unwrap_or(0);
+                let started_us = unix_us();
                 let mut result = match kind.as_str() {
                     "tcp" => tcp_once(to, 0, timeout),
                     "udp" => match &flow {
@@ -521,10 +529,7 @@ fn main() {
                 // When the attempt started and how long it took, so that a checker can bound
                 // when the kernel made its choice (between the two) without trusting the
                 // scheduler.
-                let done_us = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_micros() as u64)
-                    .unwrap_or(0);
+                let done_us = unix_us();
                 result["t_us"] = json!(started_us);
                 result["elapsed_us"] = json!(done_us.saturating_sub(started_us));
                 println!("{result}");
