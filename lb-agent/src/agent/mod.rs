@@ -216,6 +216,7 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         node = %settings.node_name,
         bpf_root = %paths.root.display(),
         cgroup = %cgroup_root.display(),
+        detect_local = %settings.detector_description(),
         ipv4_frontends = applier.occupancy().revnat.v4,
         ipv6_frontends = applier.occupancy().revnat.v6,
         "data path loaded (adopted {} frontend(s) from the pinned maps)",

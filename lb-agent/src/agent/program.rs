@@ -96,7 +96,12 @@ impl<M: MapOps> Programmer<M> {
             // Not fatal to the sync (retried at the next one): a packet from a pod interface the
             // map lacks counts as off the node, as before the interface appeared.
             match self.applier.maps_mut().put_pod_interfaces(&pod_interfaces) {
-                Ok(()) => self.pod_interfaces_written = Some(pod_interfaces),
+                Ok(()) => {
+                    if view.pod_interfaces.is_some() {
+                        tracing::info!(ifindexes = ?pod_interfaces, "pod interfaces (the local-traffic detector's): {}", pod_interfaces.len());
+                    }
+                    self.pod_interfaces_written = Some(pod_interfaces);
+                }
                 Err(e) => tracing::error!(
                     "{e}: packets from the pod interfaces it lacks are taken as off the node (masqueraded to cluster IPs)"
                 ),

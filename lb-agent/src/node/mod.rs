@@ -199,6 +199,30 @@ impl NodeSettings {
         }
     }
 
+    /// The local-traffic detector in a few words, for the start-up log.
+    pub fn detector_description(&self) -> String {
+        match self.detect_local_mode {
+            DetectLocalMode::ClusterCidr if self.cluster_cidrs.is_empty() => {
+                "none (no --cluster-cidr: cluster IP traffic is not masqueraded)".into()
+            }
+            DetectLocalMode::ClusterCidr => format!(
+                "ClusterCIDR {}",
+                self.cluster_cidrs
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+            DetectLocalMode::NodeCidr => "NodeCIDR (the Node's spec.podCIDRs)".into(),
+            DetectLocalMode::BridgeInterface => {
+                format!("BridgeInterface {} and its ports", self.pod_bridge_interface)
+            }
+            DetectLocalMode::InterfaceNamePrefix => {
+                format!("InterfaceNamePrefix {}*", self.pod_interface_name_prefix)
+            }
+        }
+    }
+
     /// The interface local-traffic detector of the mode, if it is one.
     pub fn interface_detector(&self) -> Option<InterfaceDetector> {
         match self.detect_local_mode {
