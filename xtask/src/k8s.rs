@@ -130,7 +130,8 @@ impl Component {
     /// What the stamp must say for the binaries to be reused: version, Go files, recipe.
     fn wanted_stamp(&self) -> Result<String> {
         let dir = self.committed_dir();
-        let mut hash = Fnv64::new();
+        use std::hash::Hasher;
+        let mut hash = fnv::FnvHasher::default();
         for file in self.go_files() {
             let path = dir.join(file);
             let bytes = fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
@@ -510,33 +511,15 @@ fn lock(path: &Path) -> Result<File> {
     crate::util::lock_exclusive(path, "another build of the control-plane binaries")
 }
 
-/// 64-bit FNV-1a: a stable content hash (std's hasher may change between Rust releases).
-struct Fnv64(u64);
-
-impl Fnv64 {
-    fn new() -> Self {
-        Self(0xcbf2_9ce4_8422_2325)
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 ^= u64::from(*b);
-            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// The stamps' hash is FNV-1a 64 (stamps written before the `fnv` crate stay valid).
     #[test]
     fn fnv_matches_reference_vectors() {
-        let mut h = Fnv64::new();
+        use std::hash::Hasher;
+        let mut h = fnv::FnvHasher::default();
         assert_eq!(h.finish(), 0xcbf2_9ce4_8422_2325);
         h.write(b"a");
         assert_eq!(h.finish(), 0xaf63_dc4c_8601_ec8c);

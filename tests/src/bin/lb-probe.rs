@@ -151,11 +151,12 @@ fn bind_or_ipv4<T>(addr: SocketAddr, bind: impl Fn(SocketAddr) -> std::io::Resul
     }
 }
 
-/// FNV-1a, to check bulk payloads end to end without a crypto dependency.
+/// FNV-1a 64, to check bulk payloads end to end without a crypto dependency.
 fn fnv1a(data: &[u8]) -> u64 {
-    data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
+    h.write(data);
+    h.finish()
 }
 
 fn serve_tcp_conn(mut stream: TcpStream, name: String) {
