@@ -2385,6 +2385,9 @@ fn metric_values(site: &Site) -> BTreeMap<String, f64> {
 /// kill -9. The last 30% of the run keeps one agent, so its memory and descriptors over that
 /// stretch show any growth. Every 30 s: the agent's RSS and descriptors, each map's entries, the
 /// conntrack GC's deletions. Nothing may fail; nothing may grow without bound.
+///
+/// `LB_SOAK_ACTIONS` (comma-separated names from the cycle) runs only those actions, in the
+/// cycle's order, to tell which one a growth follows.
 #[test]
 #[ignore = "the soak runs for an hour: cargo xtask soak --duration 1h"]
 fn soak() {
@@ -2440,6 +2443,21 @@ fn soak() {
         "Services created and deleted",
         "agent kill -9",
     ];
+    let cycle: Vec<&str> = match std::env::var("LB_SOAK_ACTIONS") {
+        Ok(list) => {
+            let wanted: Vec<&str> = list.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
+            for a in &wanted {
+                assert!(
+                    CYCLE.contains(a),
+                    "LB_SOAK_ACTIONS: no action {a:?} (the cycle: {CYCLE:?})"
+                );
+            }
+            CYCLE.iter().copied().filter(|k| wanted.contains(k)).collect()
+        }
+        Err(_) => CYCLE.to_vec(),
+    };
+    assert!(!cycle.is_empty(), "LB_SOAK_ACTIONS names no action");
+    eprintln!("soak: actions {cycle:?}");
     let mut done: BTreeMap<&str, u64> = BTreeMap::new();
     let mut created: std::collections::VecDeque<usize> = Default::default();
     let mut next_created = 0usize;
@@ -2451,13 +2469,16 @@ fn soak() {
     let mut last_lifetime_start: Option<usize> = None;
     let mut action = 0usize;
     while started.elapsed() < duration {
-        let kind = CYCLE[action % CYCLE.len()];
+        let kind = cycle[action % cycle.len()];
         action += 1;
-        let restarts_agent = kind.starts_with("agent");
-        if restarts_agent && started.elapsed() >= last_lifetime_from {
-            continue;
-        }
+        // The last stretch keeps one agent: its restarts become steps that only hold the load.
+        let kind = if kind.starts_with("agent") && started.elapsed() >= last_lifetime_from {
+            "hold"
+        } else {
+            kind
+        };
         match kind {
+            "hold" => {}
             "endpoint churn" => {
                 for i in 0..CHURNED {
                     s.put_slice(churned_slice(i, &mut rng));
@@ -2517,7 +2538,9 @@ fn soak() {
             }
             other => unreachable!("{other}"),
         }
-        *done.entry(kind).or_default() += 1;
+        if kind != "hold" {
+            *done.entry(kind).or_default() += 1;
+        }
         let until = Instant::now() + step;
         while Instant::now() < until && started.elapsed() < duration {
             if Instant::now() >= next_sample {
