@@ -356,16 +356,42 @@ fn interface_detectors_tell_pods_by_the_interface_they_come_in_by() {
     assert_eq!(source_seen(&c, 0), seen(&node1), "by vp*: not the bridge");
     assert_eq!(source_seen(&c, 1), seen(&node1), "by xp*: not the bridge");
 
-    // A pod that joins the bridge while the agent runs counts from the next sync on.
+    // A pod that joins the bridge while the agent runs: the link watch syncs, its port joins
+    // `lb_pod_ifaces` (the bridge and its two ports, as /metrics tells an operator) and gets the
+    // tc programs, and its packets, met there first, keep their source.
     c.nodes[0].add_pod_wired(5, "vb", Some(&bridge));
+    let pod_interfaces = |c: &Cluster| {
+        let metrics = probe::http_get(Place::netns(&c.nodes[0].ns), "127.0.0.1:10249", "/metrics");
+        metrics["body"]
+            .as_str()
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("lb_map_entries{map=\"lb_pod_ifaces\"} "))
+            .map(str::to_string)
+    };
     let deadline = Instant::now() + Duration::from_secs(30);
-    while source_seen(&c, 3) != seen("10.244.1.5") {
+    while pod_interfaces(&c).as_deref() != Some("3") {
         assert!(
             Instant::now() < deadline,
-            "the new bridge port is still not a pod interface after 30 s"
+            "lb_pod_ifaces holds {:?} entries 30 s after a port joined the bridge; the agent wrote: {}",
+            pod_interfaces(&c),
+            c.agents[0]
+                .as_ref()
+                .map(|a| a
+                    .log()
+                    .lines()
+                    .filter(|l| l.contains("pod interfaces"))
+                    .collect::<Vec<_>>()
+                    .join("\n"))
+                .unwrap_or_default()
         );
-        std::thread::sleep(Duration::from_millis(500));
+        std::thread::sleep(Duration::from_millis(200));
     }
+    assert_eq!(
+        source_seen(&c, 3),
+        seen("10.244.1.5"),
+        "by the new port of the bridge"
+    );
 }
 
 /// One tc filter on a node's interface, from `tc filter show`.

@@ -68,6 +68,11 @@ impl<M: MapOps> Programmer<M> {
         self.applier.maps_mut()
     }
 
+    /// How many pod interfaces `lb_pod_ifaces` holds (as last written).
+    pub fn pod_interfaces(&self) -> usize {
+        self.pod_interfaces_written.as_ref().map_or(0, |p| p.len())
+    }
+
     pub fn capacities(&self) -> Capacities {
         self.applier.capacities()
     }

@@ -300,6 +300,13 @@ impl Agent {
             u64::from(occ.affinity_match),
             u64::from(caps.affinity_match),
         );
+        if self.programmer.settings().interface_detector().is_some() {
+            m.set_map_occupancy(
+                catalog::POD_INTERFACES,
+                self.programmer.pod_interfaces() as u64,
+                u64::from(catalog::capacity::POD_INTERFACES),
+            );
+        }
         let events: Vec<(&str, u64)> = Counter::ALL
             .iter()
             .map(|c| (c.name(), self.programmer.maps().counter(*c as u32)))
