@@ -81,11 +81,13 @@ pub fn udp(place: Place<'_>, to: &str, count: u32, connected: bool) -> Vec<Value
 
 /// Starts `lb-probe hold`: one long-lived TCP connection exchanging a message every 50 ms.
 pub fn hold(place: Place<'_>, to: &str, seconds: u64) -> Proc {
-    hold_every(place, to, seconds, 50)
+    hold_every(place, to, seconds, 50, 2000)
 }
 
 /// `lb-probe hold` exchanging a message every `interval_ms` (a mostly idle connection when long).
-pub fn hold_every(place: Place<'_>, to: &str, seconds: u64, interval_ms: u64) -> Proc {
+/// `read_timeout_ms`: how long one exchange may wait for its reply before the connection counts
+/// as broken.
+pub fn hold_every(place: Place<'_>, to: &str, seconds: u64, interval_ms: u64, read_timeout_ms: u64) -> Proc {
     let mut cmd = std::process::Command::new(probe());
     cmd.args([
         "hold",
@@ -95,6 +97,8 @@ pub fn hold_every(place: Place<'_>, to: &str, seconds: u64, interval_ms: u64) ->
         &interval_ms.to_string(),
         "--seconds",
         &seconds.to_string(),
+        "--read-timeout-ms",
+        &read_timeout_ms.to_string(),
     ])
     .stdin(Stdio::null())
     .stdout(Stdio::piped());

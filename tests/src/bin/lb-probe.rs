@@ -119,6 +119,10 @@ enum Cmd {
         interval_ms: u64,
         #[arg(long, default_value_t = 10)]
         seconds: u64,
+        /// How long an exchange may wait for its reply before the connection counts as broken
+        /// (TCP retransmits meanwhile).
+        #[arg(long, default_value_t = 2000)]
+        read_timeout_ms: u64,
     },
 }
 
@@ -383,7 +387,7 @@ fn unix_us() -> u64 {
         .map_or(0, |d| d.as_micros() as u64)
 }
 
-fn hold(to: SocketAddr, interval: Duration, seconds: u64) {
+fn hold(to: SocketAddr, interval: Duration, seconds: u64, read_timeout: Duration) {
     let mut stream = match TcpStream::connect_timeout(&to, Duration::from_secs(2)) {
         Ok(s) => s,
         Err(e) => {
@@ -394,12 +398,13 @@ fn hold(to: SocketAddr, interval: Duration, seconds: u64) {
             return;
         }
     };
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = stream.set_read_timeout(Some(read_timeout));
     let mut reader = BufReader::new(stream.try_clone().expect("clone"));
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let mut n = 0u64;
     while Instant::now() < deadline {
         let mut line = String::new();
+        let sent = Instant::now();
         let result = stream
             .write_all(b"ping\n")
             .and_then(|()| reader.read_line(&mut line));
@@ -408,7 +413,11 @@ fn hold(to: SocketAddr, interval: Duration, seconds: u64) {
                 let reply: serde_json::Value = serde_json::from_str(line.trim()).unwrap_or(json!(null));
                 // getpeername at every exchange: the Service address for the connection's life.
                 let peer = stream.peer_addr().map(|a| a.to_string()).ok();
-                println!("{}", json!({"ok": true, "seq": n, "reply": reply, "peer": peer}));
+                let rtt_us = sent.elapsed().as_micros() as u64;
+                println!(
+                    "{}",
+                    json!({"ok": true, "seq": n, "reply": reply, "peer": peer, "rtt_us": rtt_us})
+                );
             }
             // When it broke (unix µs), to set beside what else happened then.
             Ok(_) => {
@@ -544,7 +553,13 @@ fn main() {
             connect,
             interval_ms,
             seconds,
-        } => hold(connect, Duration::from_millis(interval_ms), seconds),
+            read_timeout_ms,
+        } => hold(
+            connect,
+            Duration::from_millis(interval_ms),
+            seconds,
+            Duration::from_millis(read_timeout_ms),
+        ),
         Cmd::Flood {
             to,
             proto,
