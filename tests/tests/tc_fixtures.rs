@@ -868,10 +868,8 @@ fn interface_modes_tell_pods_by_the_interface_they_came_in_by() {
         settings.pod_bridge_interface = "cbr0".into();
         settings.pod_interface_name_prefix = "lbpod".into();
         let node_ips: Vec<IpAddr> = FAMILIES.iter().map(|f| f.ip(NODE_IP)).collect();
-        let mut s = ScratchDatapath::new(&state(), settings, &node_ips, OBJECT).expect("scratch data path");
-        s.links = links.clone();
-        s.program(&state()).expect("programming the pod interfaces");
-        s
+        ScratchDatapath::with_links(&state(), settings, &node_ips, links.clone(), OBJECT)
+            .expect("scratch data path")
     };
     let mut sport = 44300;
     let mut source_after = |s: &mut ScratchDatapath, f: Family, src: &str, ifindex: u32| {
@@ -887,10 +885,7 @@ fn interface_modes_tell_pods_by_the_interface_they_came_in_by() {
     let mut bridge = scratch(DetectLocalMode::BridgeInterface);
     // Kernels before 5.15 refuse a test run's ingress interface (EINVAL).
     if let Err(e) = source_after(&mut bridge, Family::V4, CLIENT, 4) {
-        let old = lb_agent::datapath::features::current()
-            .ok()
-            .and_then(|k| k.version)
-            .is_some_and(|v| v < aya::util::KernelVersion::new(5, 15, 0));
+        let old = lb_agent::datapath::features::current().is_ok_and(|k| k.older_than(5, 15));
         assert!(old, "a test run from interface 4: {e}");
         eprintln!("skipped: this kernel's BPF_PROG_TEST_RUN cannot set ingress_ifindex (5.15+): {e}");
         return;

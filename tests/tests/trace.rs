@@ -153,7 +153,7 @@ fn trace(
     protocol: &str,
     cluster_cidr: bool,
 ) -> Value {
-    let out = trace_command(dir, src, dst, dport, protocol, cluster_cidr, "json");
+    let out = trace_command(dir, src, dst, dport, protocol, cluster_cidr, "json", &[]);
     assert!(
         out.status.success(),
         "lb-agent trace failed: {}",
@@ -163,7 +163,9 @@ fn trace(
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
 
-/// `lb-agent trace --manifests` on the trace node (both its addresses given with `--node-ip`).
+/// `lb-agent trace --manifests` on the trace node (both its addresses given with `--node-ip`),
+/// with `extra` flags.
+#[allow(clippy::too_many_arguments)]
 fn trace_command(
     dir: &tempfile::TempDir,
     src: &str,
@@ -172,6 +174,7 @@ fn trace_command(
     protocol: &str,
     cluster_cidr: bool,
     output: &str,
+    extra: &[&str],
 ) -> std::process::Output {
     require_root();
     let mut cmd = Command::new(workspace_bin("lb-agent"));
@@ -197,12 +200,13 @@ fn trace_command(
     if cluster_cidr {
         cmd.args(["--cluster-cidr", CLUSTER_CIDRS]);
     }
+    cmd.args(extra);
     cmd.output().expect("run lb-agent trace")
 }
 
 /// The table `lb-agent trace` prints.
 fn trace_table(dir: &tempfile::TempDir, src: &str, dst: &str, dport: u16, protocol: &str) -> String {
-    let out = trace_command(dir, src, dst, dport, protocol, true, "table");
+    let out = trace_command(dir, src, dst, dport, protocol, true, "table", &[]);
     assert!(
         out.status.success(),
         "lb-agent trace failed: {}",
@@ -213,7 +217,7 @@ fn trace_table(dir: &tempfile::TempDir, src: &str, dst: &str, dport: u16, protoc
 
 /// Why `lb-agent trace` refused the request (it must).
 fn trace_refused(dir: &tempfile::TempDir, src: &str, dst: &str, dport: u16) -> String {
-    let out = trace_command(dir, src, dst, dport, "tcp", true, "json");
+    let out = trace_command(dir, src, dst, dport, "tcp", true, "json", &[]);
     assert!(
         !out.status.success(),
         "lb-agent trace --src {src} --dst {dst} answered: {}",
@@ -285,37 +289,21 @@ fn the_interface_detectors_decide_by_in_interface() {
     let d = manifests();
     let both = ["10.244.1.5:8080", "10.244.2.5:8080"];
     let traced = |src: &str, in_interface: Option<&str>| {
-        let mut cmd = Command::new(workspace_bin("lb-agent"));
-        cmd.arg("trace").arg("--manifests").arg(d.path());
-        cmd.args([
-            "--node-ip",
-            NODE_IP,
-            "--hostname-override",
-            "node-a",
-            "--src",
-            src,
-        ]);
-        cmd.args(["--dst", "10.96.0.10", "--dport", "80", "-o", "json"]);
-        cmd.args([
+        let mut extra = vec![
             "--detect-local-mode",
             "InterfaceNamePrefix",
             "--pod-interface-name-prefix",
             "lo",
-        ]);
-        cmd.args(["--cluster-cidr", CLUSTER_CIDRS]);
+        ];
         if let Some(name) = in_interface {
-            cmd.args(["--in-interface", name]);
+            extra.extend(["--in-interface", name]);
         }
-        cmd.output().expect("run lb-agent trace")
+        trace_command(&d, src, "10.96.0.10", 80, "tcp", true, "json", &extra)
     };
-    require_root();
     let out = traced("172.16.0.9", Some("lo"));
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
-        let old = lb_agent::datapath::features::current()
-            .ok()
-            .and_then(|k| k.version)
-            .is_some_and(|v| v < aya::util::KernelVersion::new(5, 15, 0));
+        let old = lb_agent::datapath::features::current().is_ok_and(|k| k.older_than(5, 15));
         assert!(
             old && err.contains("5.15"),
             "lb-agent trace --in-interface lo failed: {err}"

@@ -192,13 +192,16 @@ impl KernelFeatures {
         })
     }
 
+    /// Whether the kernel's version is known and before `major.minor`.
+    pub fn older_than(&self, major: u8, minor: u8) -> bool {
+        self.version
+            .is_some_and(|v| v < KernelVersion::new(major, minor, 0))
+    }
+
     /// Refuses a kernel the data path cannot run on.
     pub fn check(&self) -> Result<(), Unsupported> {
         let (major, minor) = MINIMUM_KERNEL;
-        if self
-            .version
-            .is_some_and(|v| v < KernelVersion::new(major, minor, 0))
-        {
+        if self.older_than(major, minor) {
             return Err(Unsupported::TooOld {
                 release: self.release.clone(),
             });

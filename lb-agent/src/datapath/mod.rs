@@ -280,14 +280,13 @@ impl Datapath {
             conntrack: 4096,
             conntrack_new: 4096,
         };
-        // An agent of an earlier release pinned no prefilter (nor set the flag): never pin one here.
+        // Maps an agent of an earlier release did not pin (nor set their flags for): shared when
+        // pinned, never pinned here.
+        let newer = [catalog::PREFILTER, catalog::PREFILTER6, catalog::POD_INTERFACES];
         let pins: Vec<(&'static str, PathBuf)> = shared
             .iter()
             .map(|n| (*n, paths.map(n)))
-            .filter(|(n, p)| {
-                !(n.ends_with("_prefilter") || *n == catalog::POD_INTERFACES)
-                    || p.try_exists().unwrap_or(false)
-            })
+            .filter(|(n, p)| !newer.contains(n) || p.try_exists().unwrap_or(false))
             .collect();
         let mut loader = EbpfLoader::new();
         for (name, path) in &pins {

@@ -133,23 +133,18 @@ pub fn watch_links(
             let mut datagram = vec![0u8; 64 * 1024];
             loop {
                 match socket.recv(&mut &mut datagram[..], 0) {
-                    Ok(_) => {
-                        if !on_change() {
-                            return;
-                        }
-                    }
-                    // The kernel dropped events (ENOBUFS): a sync looks at every link anyway.
-                    Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
-                        if !on_change() {
-                            return;
-                        }
-                    }
+                    // ENOBUFS: the kernel dropped events; a sync looks at every link anyway.
+                    Ok(_) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {}
                     Err(e) => {
                         tracing::warn!(
                             "watching the links stopped: {e}; they are rescanned at every sync only"
                         );
                         return;
                     }
+                }
+                if !on_change() {
+                    return;
                 }
             }
         })

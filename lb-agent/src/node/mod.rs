@@ -12,9 +12,7 @@ pub mod addresses;
 pub mod interfaces;
 pub mod object;
 
-use std::collections::BTreeSet;
-
-use std::net::IpAddr;
+use std::{collections::BTreeSet, net::IpAddr};
 
 pub use addresses::{
     LocalNetwork, NodePortAddress, NodePortSelection, local_network, select_nodeport_addresses,

@@ -304,12 +304,13 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
         ));
     }
     let packet = first_packet(req, 40_000);
-    let run = if req.ingress_ifindex == 0 {
-        dp.test_run_tc(datapath::tc::TC_PROGRAMS[0].0, &packet, 1)?
-    } else {
-        dp.test_run_tc_from(datapath::tc::TC_PROGRAMS[0].0, &packet, req.ingress_ifindex)
-            .context("running the packet from --in-interface (a kernel before 5.15 cannot set it)")?
-    };
+    // An ingress interface of 0 is none, as without --in-interface.
+    let run = dp
+        .test_run_tc_from(datapath::tc::TC_PROGRAMS[0].0, &packet, req.ingress_ifindex)
+        .with_context(|| match req.ingress_ifindex {
+            0 => "running the packet through the tc ingress program".to_string(),
+            _ => "running the packet from --in-interface (a kernel before 5.15 cannot set it)".into(),
+        })?;
     let decision = run.cb[trace_cb::CB_VERDICT];
     let scope = (run.cb[trace_cb::CB_SCOPE_FLAGS] & 0xff) as u8;
     let masquerade =
@@ -420,13 +421,13 @@ pub fn run(args: &TraceArgs) -> Result<()> {
             for problem in &loaded.problems {
                 eprintln!("warning: {problem}");
             }
-            let detector = settings.interface_detector();
-            let mut scratch = ScratchDatapath::new(&loaded.state, settings, &args.node_ips, &object)?;
             // The interface detectors decide by this node's links, as the agent's would.
-            if detector.is_some() {
-                scratch.links = crate::node::interfaces::links().context("listing this node's links")?;
-                scratch.program(&loaded.state)?;
-            }
+            let links = match settings.interface_detector() {
+                Some(_) => crate::node::interfaces::links().context("listing this node's links")?,
+                None => Vec::new(),
+            };
+            let mut scratch =
+                ScratchDatapath::with_links(&loaded.state, settings, &args.node_ips, links, &object)?;
             let cookie = scratch.host_cookie();
             let ScratchDatapath {
                 datapath,

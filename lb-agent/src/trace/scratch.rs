@@ -41,8 +41,8 @@ pub struct ScratchDatapath {
     /// The node's interface addresses (loopback aside): what it programs NodePorts on, and what
     /// `trace` takes as "starts on this node".
     pub node_ips: Vec<IpAddr>,
-    /// The node's links, for an interface local-traffic detector (none unless a caller sets
-    /// them: a packet then came in by no pod interface).
+    /// The node's links, for an interface local-traffic detector (none unless given: a packet
+    /// then came in by no pod interface).
     pub links: Vec<Link>,
 }
 
@@ -57,11 +57,34 @@ impl ScratchDatapath {
         Self::with_capacities(state, settings, node_ips, object, SCRATCH_CAPACITIES)
     }
 
+    /// [`Self::new`] on a node with these links (what the interface local-traffic detectors
+    /// decide by).
+    pub fn with_links(
+        state: &ClusterState,
+        settings: NodeSettings,
+        node_ips: &[IpAddr],
+        links: Vec<Link>,
+        object: &[u8],
+    ) -> Result<Self> {
+        Self::build(state, settings, node_ips, links, object, SCRATCH_CAPACITIES)
+    }
+
     /// [`Self::new`] with maps of other sizes.
     pub fn with_capacities(
         state: &ClusterState,
         settings: NodeSettings,
         node_ips: &[IpAddr],
+        object: &[u8],
+        caps: Capacities,
+    ) -> Result<Self> {
+        Self::build(state, settings, node_ips, Vec::new(), object, caps)
+    }
+
+    fn build(
+        state: &ClusterState,
+        settings: NodeSettings,
+        node_ips: &[IpAddr],
+        links: Vec<Link>,
         object: &[u8],
         caps: Capacities,
     ) -> Result<Self> {
@@ -74,7 +97,7 @@ impl ScratchDatapath {
             datapath,
             programmer: Programmer::new(settings, SCRATCH_HOST_COOKIE, false, Applier::new(maps, caps)),
             node_ips: node_ips.to_vec(),
-            links: Vec::new(),
+            links,
         };
         scratch.program(state)?;
         Ok(scratch)
