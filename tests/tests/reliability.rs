@@ -448,51 +448,47 @@ impl Holds {
         )
     }
 
-    /// (exchanges, broken connections, connections that changed backend, how each broke: the
-    /// probe's failure line, the longest exchange in µs).
-    fn verdict(mut self) -> (usize, usize, usize, Vec<Value>, u64) {
-        let (mut exchanges, mut broken, mut moved) = (0, 0, 0);
-        let mut failures = Vec::new();
-        let mut longest_us = 0;
+    /// Waits for each connection's end and adds it to `v`.
+    fn record(mut self, v: &mut HeldVerdict) {
         for h in &mut self.0 {
             h.wait_for_line(Duration::from_secs(120), |l| {
                 l.contains("\"done\"") || l.contains("\"ok\":false")
             });
             let lines = h.stdout_lines();
+            v.connections += 1;
             if let Some(failure) = lines.iter().find(|l| l.contains("\"ok\":false")) {
-                broken += 1;
-                failures
+                v.broken += 1;
+                v.failures
                     .push(serde_json::from_str(failure).unwrap_or_else(|_| Value::from(failure.as_str())));
             }
-            let servers: BTreeSet<String> = lines
+            let exchanges: Vec<Value> = lines
                 .iter()
-                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-                .filter_map(|v| {
-                    v.pointer("/reply/server")
-                        .and_then(Value::as_str)
-                        .map(str::to_string)
-                })
+                .filter(|l| l.contains("\"seq\""))
+                .filter_map(|l| serde_json::from_str(l).ok())
                 .collect();
-            exchanges += lines.iter().filter(|l| l.contains("\"seq\"")).count();
-            longest_us = lines
+            v.exchanges += lines.iter().filter(|l| l.contains("\"seq\"")).count();
+            v.longest_us = exchanges
                 .iter()
-                .filter_map(|l| serde_json::from_str::<Value>(l).ok()?["rtt_us"].as_u64())
-                .fold(longest_us, u64::max);
+                .filter_map(|e| e["rtt_us"].as_u64())
+                .fold(v.longest_us, u64::max);
+            let servers: BTreeSet<&str> = exchanges
+                .iter()
+                .filter_map(|e| e.pointer("/reply/server").and_then(Value::as_str))
+                .collect();
             if servers.len() > 1 {
-                moved += 1;
+                v.moved += 1;
             }
         }
-        (exchanges, broken, moved, failures, longest_us)
     }
 }
 
 /// Established connections of one family, by path.
 struct Established {
     holds: Vec<Holds>,
-    connections: usize,
 }
 
 /// The verdict on a family's established connections.
+#[derive(Default)]
 struct HeldVerdict {
     exchanges: usize,
     broken: usize,
@@ -512,26 +508,13 @@ impl Established {
                 .iter()
                 .map(|(place, dest)| Holds::open(*place, dest, n, seconds))
                 .collect(),
-            connections: n * to.len(),
         }
     }
 
     fn verdict(self) -> HeldVerdict {
-        let mut v = HeldVerdict {
-            exchanges: 0,
-            broken: 0,
-            moved: 0,
-            connections: self.connections,
-            failures: Vec::new(),
-            longest_us: 0,
-        };
+        let mut v = HeldVerdict::default();
         for h in self.holds {
-            let (e, b, m, f, longest) = h.verdict();
-            v.exchanges += e;
-            v.broken += b;
-            v.moved += m;
-            v.failures.extend(f);
-            v.longest_us = v.longest_us.max(longest);
+            h.record(&mut v);
         }
         v
     }
@@ -2840,7 +2823,6 @@ fn flood_phase(site: &Site, attacker: &NetNs, proxy: &dyn FloodedProxy) -> Value
             interval_ms,
             FLOOD_READ_TIMEOUT_MS,
         )],
-        connections: 6,
     };
     let (active, idle) = (held(50), held(IDLE_INTERVAL_MS));
     let loads = flood_loads(site);
@@ -3014,8 +2996,9 @@ fn flood_from_outside_keeps_established_flows() {
         (SMALL_TABLES_RUN, &ours[1]),
         ("kube-proxy iptables", &theirs),
     ];
-    // How each broke, against the flood's start: a read timeout (errno 11: no reply for 2 s) is
-    // a lost packet or an overloaded node; a reset or a close is state the flood took.
+    // How each broke, against the flood's start: a read timeout (errno 11: no reply within
+    // FLOOD_READ_TIMEOUT_MS) is lost packets or an overloaded node; a reset or a close is state
+    // the flood took.
     let held = |v: &Value, kind: &str| -> String {
         let h = &v[format!("established, {kind}")];
         let longest = format!("; longest exchange {} ms", h["longest_exchange_ms"]);
