@@ -18,7 +18,7 @@
 //! (`KubeProxyConfiguration`) and `cli` (flags). The operator commands: `inspect`, `trace` (which
 //! programs a private data path through the agent's own code) and `cleanup`. Below everything:
 //! `time` (the kernel's clocks), `family` (IPv4 and IPv6 as values and as
-//! types) and `error`.
+//! types), `netlink` (one request and its answers) and `error`.
 
 pub mod agent;
 pub mod apply;
@@ -34,6 +34,7 @@ pub mod health;
 pub mod inspect;
 pub mod metrics;
 pub mod model;
+pub mod netlink;
 pub mod node;
 pub mod plan;
 #[cfg(test)]

@@ -22,6 +22,7 @@
 //! | `lb_map_write_errors_total` | counter | `map` | [`Metrics::map_write_errors`] |
 //! | `lb_services_skipped` | gauge | `reason` | [`Metrics::set_services_skipped`] |
 //! | `lb_conntrack_gc_deleted_total` | counter | `reason` = `closed`/`handshake`/`idle`/`orphan` | [`Metrics::conntrack_gc_deleted`] |
+//! | `lb_sockets_terminated_total` | counter | | [`Metrics::sockets_terminated`] (`datapath::sockets`) |
 //! | `lb_tc_prefilter_bits` | gauge | `ip_family` = `IPv4`/`IPv6` | [`Metrics::set_prefilter_bits`] (after each conntrack GC pass) |
 //!
 //! Not exported: the iptables/ipvs/nftables-specific metrics (`..._iptables_restore_failures_total`,
@@ -180,6 +181,7 @@ struct Inner {
     map_write_errors: Family<MapLabels, Counter>,
     services_skipped: Family<ReasonLabels, Gauge>,
     conntrack_gc_deleted: Family<ReasonLabels, Counter>,
+    sockets_terminated: Counter,
     prefilter_bits: Family<FamilyLabels, Gauge>,
     /// The label values currently in `services_skipped`.
     skipped_reasons: Mutex<BTreeSet<String>>,
@@ -234,6 +236,7 @@ impl Metrics {
         let map_write_errors = Family::<MapLabels, Counter>::default();
         let services_skipped = Family::<ReasonLabels, Gauge>::default();
         let conntrack_gc_deleted = Family::<ReasonLabels, Counter>::default();
+        let sockets_terminated = Counter::default();
         let prefilter_bits = Family::<FamilyLabels, Gauge>::default();
 
         // Names and help texts as in pkg/proxy/metrics/metrics.go. Counters are registered without
@@ -316,6 +319,11 @@ impl Metrics {
             conntrack_gc_deleted.clone(),
         );
         registry.register(
+            "lb_sockets_terminated",
+            "Connected UDP sockets of local clients aborted because their backend was removed",
+            sockets_terminated.clone(),
+        );
+        registry.register(
             "lb_tc_prefilter_bits",
             "Bits set in the tc prefilter, of 2^20 per family (the fraction of packets the tc \
              programs do not translate that still take the full path)",
@@ -351,6 +359,7 @@ impl Metrics {
                 map_write_errors,
                 services_skipped,
                 conntrack_gc_deleted,
+                sockets_terminated,
                 prefilter_bits,
                 skipped_reasons: Mutex::default(),
             }),
@@ -463,6 +472,11 @@ impl Metrics {
                 reason: reason.to_string(),
             })
             .inc_by(n);
+    }
+
+    /// `n` connected UDP sockets to removed backends were aborted.
+    pub fn sockets_terminated(&self, n: u64) {
+        self.inner.sockets_terminated.inc_by(n);
     }
 
     /// Bits set in `family`'s tc prefilter (`IPv4`, `IPv6`).

@@ -106,6 +106,31 @@ pub fn hold_every(place: Place<'_>, to: &str, seconds: u64, interval_ms: u64, re
     Proc::spawn_command(cmd)
 }
 
+/// Starts `lb-probe resolve`: a resolver's loop on one long-lived connected UDP socket, a query
+/// every 50 ms for `seconds` (a new socket after any error but a timeout).
+pub fn resolve(place: Place<'_>, to: &str, seconds: u64) -> Proc {
+    let mut cmd = std::process::Command::new(probe());
+    cmd.args(["resolve", "--to", to, "--seconds", &seconds.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped());
+    place.apply(&mut cmd);
+    Proc::spawn_command(cmd)
+}
+
+/// Waits (up to `timeout`) for an `lb-probe resolve` to end: its last line (`{"done", "queries",
+/// "sockets"}`) and one line per query.
+pub fn resolved(resolver: &mut Proc, timeout: std::time::Duration) -> (Value, Vec<Value>) {
+    let done = resolver.wait_for_line(timeout, |l| l.contains("\"done\""));
+    let done: Value = serde_json::from_str(&done).expect("a JSON line");
+    let queries = resolver
+        .stdout_lines()
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v.get("seq").is_some())
+        .collect();
+    (done, queries)
+}
+
 /// The server name in a successful result.
 pub fn server_of(result: &Value) -> Option<&str> {
     result.pointer("/reply/server").and_then(Value::as_str)

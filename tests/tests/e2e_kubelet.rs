@@ -45,7 +45,13 @@ const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 11);
 const CLIENT_IP: &str = "192.168.50.100";
 const POD_CIDR: &str = "10.244.1.0/24";
 /// The DaemonSet's capabilities (manifests/README.md), by their bit in /proc/<pid>/status.
-const CAPABILITIES: [(&str, u32); 3] = [("NET_ADMIN", 12), ("PERFMON", 38), ("BPF", 39)];
+const CAPABILITIES: [(&str, u32); 5] = [
+    ("NET_ADMIN", 12),
+    ("SYS_PTRACE", 19),
+    ("SYS_ADMIN", 21),
+    ("PERFMON", 38),
+    ("BPF", 39),
+];
 /// The request interval of every load.
 const LOAD_INTERVAL_MS: u64 = 20;
 const WAIT: Duration = Duration::from_secs(120);

@@ -49,7 +49,7 @@ const AGENT: &str = "system:serviceaccount:kube-system:lb-agent";
 /// The node name the DaemonSet's `$(NODE_NAME)` stands for in these checks.
 const NODE: &str = "node-a";
 /// The capabilities the DaemonSet documents (README.md), exactly.
-const CAPABILITIES: [&str; 3] = ["BPF", "NET_ADMIN", "PERFMON"];
+const CAPABILITIES: [&str; 5] = ["BPF", "NET_ADMIN", "PERFMON", "SYS_ADMIN", "SYS_PTRACE"];
 const HEALTHZ_PORT: i32 = 10256;
 
 fn manifests() -> PathBuf {
@@ -628,6 +628,8 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
     let spec = &daemon_set.spec;
     assert_eq!(daemon_set.metadata.namespace.as_deref(), Some("kube-system"));
     assert_eq!(pod.host_network, Some(true));
+    // The pods' processes, for socket termination (datapath/sockets.rs).
+    assert_eq!(pod.host_pid, Some(true));
     assert_eq!(pod.dns_policy.as_deref(), Some("Default"));
     assert_eq!(pod.priority_class_name.as_deref(), Some("system-node-critical"));
     assert_eq!(pod.service_account_name.as_deref(), Some("lb-agent"));

@@ -240,6 +240,11 @@ impl Site {
         Place::new(&self.node.ns, &self.cgroup)
     }
 
+    /// A process of pod `i` (its namespace, in the test cgroup as a pod's processes are).
+    fn pod(&self, i: usize) -> Place<'_> {
+        Place::new(&self.node.pods[i].ns, &self.cgroup)
+    }
+
     fn external(&self) -> Place<'_> {
         Place::netns(&self.client.0)
     }
@@ -1525,6 +1530,21 @@ impl ApiSite {
         let obj: EndpointSlice = serde_json::from_value(v).unwrap();
         self.put(obj);
     }
+
+    /// The dual-stack `web` Service with pods 0 and 1 as its endpoints (a slice per family),
+    /// once served from the node in both families.
+    fn serve_web_from_pods_0_and_1(&self) {
+        self.put_service(web_service(&IpFamily::ALL));
+        for family in IpFamily::ALL {
+            self.put_slice(web_slice(&self.site, "web", family, &[0, 1]));
+        }
+        for family in IpFamily::ALL {
+            let pods: Vec<String> = (0..2).map(|i| self.site.pod_addr(i, family)).collect();
+            converge(&format!("{family} serving"), Duration::from_secs(15), || {
+                serves(self.site.host(), &at(web_ip(family), 80), &pods)
+            });
+        }
+    }
 }
 
 fn converge(what: &str, timeout: Duration, mut check: impl FnMut() -> bool) -> Duration {
@@ -1806,13 +1826,7 @@ fn endpoint_churn_never_sends_new_connections_to_removed_endpoints() {
             t
         })
     };
-    s.put_service(web_service(&IpFamily::ALL));
-    set(&[0, 1]);
-    for family in IpFamily::ALL {
-        converge(&format!("{family} serving"), Duration::from_secs(15), || {
-            serves(s.site.host(), &at(web_ip(family), 80), &pods(family)[..2])
-        });
-    }
+    s.serve_web_from_pods_0_and_1();
 
     // Watch the applied backend sets of both families through the pinned maps (every ~1 ms).
     // The watcher may be descheduled for a while on a busy machine, so each change is kept with
@@ -1938,6 +1952,148 @@ fn endpoint_churn_never_sends_new_connections_to_removed_endpoints() {
             "{family}: a tc UDP flow never keeps a removed backend"
         );
     }
+}
+
+/// A CoreDNS rollout, as resolvers with long-lived connected UDP sockets see it: the two backends
+/// of the Service's UDP port (53) are replaced one after the other while resolvers on two pods and
+/// on the node query it every 50 ms over each family. The agent aborts the sockets connected to a
+/// removed backend (`datapath/sockets.rs`); each resolver reconnects at its next query. The old
+/// backends keep answering here, so a socket that was left alone would show.
+#[test]
+fn dns_rollout_moves_resolvers_with_connected_sockets_to_the_new_backends() {
+    let _one = serial();
+    let s = ApiSite::dual_stack(6);
+    let agent = s.agent(&[]);
+    if agent.log().contains("connected UDP sockets are not terminated") {
+        eprintln!("skipped: this kernel cannot destroy sockets (the agent says so at start-up)");
+        return;
+    }
+    let pods = |family: IpFamily| -> Vec<String> { (0..6).map(|i| s.site.pod_addr(i, family)).collect() };
+    let set = |members: &[usize]| -> u64 {
+        let t = now_us();
+        for family in IpFamily::ALL {
+            s.put_slice(web_slice(&s.site, "web", family, members));
+        }
+        t
+    };
+    s.serve_web_from_pods_0_and_1();
+    // Resolvers on pods 4 and 5 and on the node, over each family.
+    let places = [
+        ("pod 4", s.site.pod(4)),
+        ("pod 5", s.site.pod(5)),
+        ("node", s.site.host()),
+    ];
+    let mut resolvers: Vec<(IpFamily, &str, Proc)> = Vec::new();
+    for family in IpFamily::ALL {
+        for (name, place) in &places {
+            let p = probe::resolve(*place, &at(web_ip(family), 53), 14);
+            resolvers.push((family, name, p));
+        }
+    }
+    for (family, name, r) in &mut resolvers {
+        r.wait_for_line(Duration::from_secs(5), |l| l.contains("\"ok\":true"));
+        let _ = (family, name);
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    // The rollout: pod 0 replaced by pod 2, then pod 1 by pod 3, 4 s apart.
+    let first = set(&[2, 1]);
+    std::thread::sleep(Duration::from_secs(4));
+    let second = set(&[2, 3]);
+    let removed_at = |pod: usize| if pod == 0 { first } else { second };
+    let mut figures: BTreeMap<IpFamily, Value> = BTreeMap::new();
+    let mut problems = Vec::new();
+    for family in IpFamily::ALL {
+        let (mut queries, mut failed, mut aborted, mut stale) = (0u64, 0u64, 0u64, 0u64);
+        let mut rows = Vec::new();
+        for (_, name, r) in resolvers.iter_mut().filter(|(f, _, _)| *f == family) {
+            let (done, lines) = probe::resolved(r, Duration::from_secs(30));
+            // From the first answer on (a pod's IPv6 address may be tentative before it).
+            let from = lines.iter().position(|v| v["ok"] == true).unwrap_or(lines.len());
+            let lines = &lines[from..];
+            let failures: Vec<&Value> = lines.iter().filter(|v| v["ok"] != true).collect();
+            // An answer from a removed backend more than a second after its removal was written
+            // (the agent applies it within its minimum sync period, then aborts the sockets).
+            let stale_answers = lines
+                .iter()
+                .filter(|v| {
+                    let by = probe::server_of(v).unwrap_or_default();
+                    let t = v["t_us"].as_u64().unwrap_or(0);
+                    [0usize, 1]
+                        .iter()
+                        .any(|p| by == pods(family)[*p] && t > removed_at(*p) + 1_000_000)
+                })
+                .count() as u64;
+            let sockets = done["sockets"].as_u64().unwrap_or(0);
+            let last = lines
+                .iter()
+                .rev()
+                .find_map(|v| probe::server_of(v))
+                .unwrap_or_default()
+                .to_string();
+            if !pods(family)[2..4].contains(&last) {
+                problems.push(format!("{family} {name}: last answered by {last}"));
+            }
+            for f in &failures {
+                let errno = f["errno"].as_i64().unwrap_or(0);
+                if errno != i64::from(libc::ECONNABORTED) && errno != i64::from(libc::EDESTADDRREQ) {
+                    problems.push(format!(
+                        "{family} {name}: a query failed otherwise than by the abort: {f}"
+                    ));
+                }
+            }
+            if failures.len() as u64 > sockets.saturating_sub(1) {
+                problems.push(format!(
+                    "{family} {name}: {} queries failed for {} socket(s) aborted",
+                    failures.len(),
+                    sockets.saturating_sub(1)
+                ));
+            }
+            queries += lines.len() as u64;
+            failed += failures.len() as u64;
+            aborted += sockets.saturating_sub(1);
+            stale += stale_answers;
+            rows.push(json!({
+                "resolver": name,
+                "queries": lines.len(),
+                "failed": failures.len(),
+                "sockets aborted": sockets.saturating_sub(1),
+                "answers from a removed backend (> 1 s after its removal)": stale_answers,
+                "last answered by": last,
+            }));
+        }
+        if stale > 0 {
+            problems.push(format!("{family}: {stale} answers from removed backends"));
+        }
+        figures.insert(
+            family,
+            json!({
+                "attempted": queries,
+                "failed": failed,
+                "sockets aborted": aborted,
+                "answers from a removed backend": stale,
+                "resolvers": rows,
+            }),
+        );
+    }
+    let terminated = metric_values(&s.site)
+        .get("lb_sockets_terminated_total")
+        .copied()
+        .unwrap_or(0.0);
+    let mut v4 = figures.remove(&IpFamily::V4).unwrap();
+    v4["lb_sockets_terminated_total (both families)"] = json!(terminated);
+    v4["note"] = json!(
+        "a failed query is the aborted socket's error, returned at once (EDESTADDRREQ on the next send, \
+         ECONNABORTED on a receive in flight); the resolver's next query, on a new socket, is answered"
+    );
+    record(
+        "4b-dns-rollout",
+        per_family(
+            "DNS rollout: the two backends of a UDP Service replaced one after the other, 4 s apart, under resolvers with long-lived connected UDP sockets (two pods and the node, each family)",
+            v4,
+            figures.remove(&IpFamily::V6).unwrap(),
+        ),
+    );
+    assert!(problems.is_empty(), "{problems:#?}");
 }
 
 #[test]

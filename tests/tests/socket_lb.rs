@@ -577,6 +577,72 @@ fn removed_endpoints_get_no_new_connections_while_established_ones_keep_working(
     }
 }
 
+/// A resolver on one long-lived connected UDP socket (a pod's, to the Service's cluster IP) keeps
+/// getting answers when its backend is replaced: when the backend leaves, the agent aborts the
+/// socket (SOCK_DESTROY in the pod's namespace), the resolver sees ECONNABORTED and connects a new
+/// socket, which the socket programs send to the new backend. The old backend still answers
+/// here, so a socket left alone would keep asking it.
+#[test]
+fn a_connected_udp_socket_is_aborted_when_its_backend_is_replaced() {
+    connected_udp_socket_is_aborted_when_its_backend_is_replaced_in(IpFamily::V4);
+}
+
+#[test]
+fn ipv6_a_connected_udp_socket_is_aborted_when_its_backend_is_replaced() {
+    connected_udp_socket_is_aborted_when_its_backend_is_replaced_in(IpFamily::V6);
+}
+
+fn connected_udp_socket_is_aborted_when_its_backend_is_replaced_in(family: IpFamily) {
+    let mut f = Fixture::for_family(family, 3);
+    f.write(&[web_of(family).build()], &[f.web_slice_of(family, &[1])]);
+    f.start_agent(&[]);
+    let agent_log = f.agent.as_ref().expect("the agent").log();
+    if agent_log.contains("connected UDP sockets are not terminated") {
+        eprintln!("skipped: this kernel cannot destroy sockets (the agent says so at start-up)");
+        return;
+    }
+    let (old, new) = (f.pod_ip(1), f.pod_ip(2));
+    let mut resolver = probe::resolve(f.pod(0), &at(in_family(family, "10.96.0.20"), 53), 6);
+    let first = resolver.wait_for_line(std::time::Duration::from_secs(5), |l| l.contains("\"ok\":true"));
+    let first: Value = serde_json::from_str(&first).expect("a JSON line");
+    assert_eq!(probe::server_of(&first), Some(old.as_str()), "{first}");
+
+    // The backend is replaced: pod 1 leaves the Service, pod 2 joins it.
+    f.write(&[web_of(family).build()], &[f.web_slice_of(family, &[2])]);
+    let (done, queries) = probe::resolved(&mut resolver, std::time::Duration::from_secs(15));
+    let answered_by: Vec<&str> = queries.iter().filter_map(probe::server_of).collect();
+    let switched = answered_by
+        .iter()
+        .position(|s| *s == new)
+        .unwrap_or_else(|| panic!("the new backend never answered: {answered_by:?}"));
+    assert!(
+        answered_by[..switched].iter().all(|s| *s == old)
+            && answered_by[switched..].iter().all(|s| *s == new),
+        "answers from the old backend, then from the new one only: {answered_by:?}"
+    );
+    // One socket aborted, one connected after it; of the queries after the first answer (an
+    // IPv6 pod's address may still be tentative before it), at most one failed, at once: the
+    // aborted socket's error (ECONNABORTED on a receive in flight, EDESTADDRREQ on the next send:
+    // the socket lost its destination).
+    assert_eq!(done["sockets"], 2, "{done}");
+    let first_seq = first["seq"].as_u64().unwrap_or_default();
+    let lost: Vec<&Value> = queries
+        .iter()
+        .filter(|q| q["ok"] != true && q["seq"].as_u64() > Some(first_seq))
+        .collect();
+    assert!(lost.len() <= 1, "lost queries: {lost:?}");
+    assert!(
+        lost.iter()
+            .all(|q| q["errno"] == libc::ECONNABORTED || q["errno"] == libc::EDESTADDRREQ),
+        "the socket was aborted: {lost:?}"
+    );
+    let log = f.agent.as_ref().expect("the agent").log();
+    assert!(
+        log.contains("aborted 1 connected UDP socket(s) to removed backends"),
+        "the agent says what it did: {log}"
+    );
+}
+
 /// Regression: a long-lived connection's reverse-NAT entry lived in the LRU `lb4_sock_revnat`,
 /// so once other sockets had churned it out, getpeername showed the backend. Connected sockets now
 /// keep it in their own storage (`lb4_sock_rev_sk`); here the LRU map holds 16 entries and 300

@@ -26,27 +26,64 @@ pub(crate) struct Summary {
     pub filtered: u64,
     pub binaries: u64,
     pub failing_binaries: Vec<String>,
+    /// Each failing test's name and why it failed (its panic and what follows, cut short): the
+    /// harness prints them mid-output, where a long run's tail (all CI shows) no longer reaches.
+    pub failure_reasons: Vec<(String, Vec<String>)>,
+    /// The failing test whose captured output is being read (`---- NAME stdout ----` onwards).
+    reading_failure: Option<(String, Vec<String>)>,
 }
+
+/// How many lines of a failing test's panic the summary repeats.
+const REASON_LINES: usize = 40;
 
 impl Summary {
     pub fn add_line(&mut self, line: &str) {
+        self.read_failure(line);
         let Some(rest) = line.strip_prefix("test result: ") else {
             return;
         };
         self.binaries += 1;
+        // "FAILED. 1 passed", " 2 failed", " 4 filtered out", ...: a count, then what it counts.
         for part in rest.split(';') {
-            let mut words = part.split_whitespace().rev();
-            let (Some(what), Some(n)) = (words.next(), words.next()) else {
+            let mut words = part.split_whitespace().skip_while(|w| w.parse::<u64>().is_err());
+            let (Some(n), Some(what)) = (words.next(), words.next()) else {
                 continue;
             };
-            let n: u64 = n.trim_end_matches('.').parse().unwrap_or(0);
+            let n: u64 = n.parse().unwrap_or(0);
             match what {
                 "passed" => self.passed += n,
                 "failed" => self.failed += n,
                 "ignored" => self.ignored += n,
-                "out" => self.filtered += n,
+                "filtered" => self.filtered += n,
                 _ => {}
             }
+        }
+    }
+
+    /// Follows the harness's `failures:` section: each `---- NAME stdout ----` block up to the
+    /// next one, the list of names, or the result line; keeps its panic onwards.
+    fn read_failure(&mut self, line: &str) {
+        let ends = line.starts_with("---- ") || line == "failures:" || line.starts_with("test result: ");
+        if ends && let Some((name, lines)) = self.reading_failure.take() {
+            let from = lines.iter().position(|l| l.contains("panicked at")).unwrap_or(
+                // No panic (a test harness error, a killed child): the block's last lines.
+                lines.len().saturating_sub(REASON_LINES),
+            );
+            let reason: Vec<String> = lines[from..]
+                .iter()
+                .filter(|l| !l.starts_with("note: run with `RUST_BACKTRACE=1`"))
+                .take(REASON_LINES)
+                .cloned()
+                .collect();
+            self.failure_reasons.push((name, reason));
+        }
+        if let Some(name) = line
+            .strip_prefix("---- ")
+            .and_then(|r| r.strip_suffix(" stdout ----"))
+        {
+            self.reading_failure = Some((name.to_string(), Vec::new()));
+        } else if let Some((_, lines)) = &mut self.reading_failure {
+            lines.push(line.to_string());
         }
     }
 }
@@ -144,6 +181,15 @@ fn cargo_test_with(
 }
 
 fn print_summary(summary: &Summary, started: Instant, ok: bool) {
+    if !summary.failure_reasons.is_empty() {
+        eprintln!("why the failing tests failed (in full above, with their output):");
+        for (name, reason) in &summary.failure_reasons {
+            eprintln!("---- {name}");
+            for l in reason {
+                eprintln!("    {l}");
+            }
+        }
+    }
     if !summary.failing_binaries.is_empty() {
         eprintln!("failing test binaries:");
         for b in &summary.failing_binaries {
@@ -225,7 +271,10 @@ pub fn run_all(filter: Option<&str>, with_e2e: bool, with_guest: bool) -> Result
         ok &= crate::kernel::run_ci_subset(&mut summary)?;
     }
     ok &= summary.failed == 0;
-    if let Err(e) = crate::report::write_reliability() {
+    // A filtered run has some scenarios' figures only: the doc stays as the last whole run wrote it.
+    if filter.is_none()
+        && let Err(e) = crate::report::write_reliability()
+    {
         eprintln!("docs/reliability.md not regenerated: {e:#}");
     }
     print_summary(&summary, started, ok);
@@ -371,4 +420,68 @@ pub fn build_tool(bin: &str) -> Result<(std::path::PathBuf, Vec<(&'static str, S
         crate::util::workspace_root().join("target/release").join(bin),
         envs,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_summary_keeps_each_failing_tests_panic_and_the_totals() {
+        let output = "\
+running 3 tests
+test a ... FAILED
+test b ... FAILED
+test c ... ok
+
+failures:
+
+---- a stdout ----
+created 200000 endpoints in 200 slices in 6.6s
+thread 'a' panicked at tests/tests/x.rs:10:5:
+2 problem(s):
+the first
+note: run with `RUST_BACKTRACE=1` environment variable to display a backtrace
+
+---- b stdout ----
+thread 'b' panicked at tests/tests/x.rs:20:5:
+assertion failed
+
+failures:
+    a
+    b
+
+test result: FAILED. 1 passed; 2 failed; 0 ignored; 0 measured; 4 filtered out; finished in 1.00s
+";
+        let mut summary = Summary::default();
+        output.lines().for_each(|l| summary.add_line(l));
+        assert_eq!((summary.passed, summary.failed, summary.filtered), (1, 2, 4));
+        let reasons: Vec<(&str, Vec<&str>)> = summary
+            .failure_reasons
+            .iter()
+            .map(|(n, r)| (n.as_str(), r.iter().map(String::as_str).collect()))
+            .collect();
+        assert_eq!(
+            reasons,
+            [
+                (
+                    "a",
+                    vec![
+                        "thread 'a' panicked at tests/tests/x.rs:10:5:",
+                        "2 problem(s):",
+                        "the first",
+                        ""
+                    ]
+                ),
+                (
+                    "b",
+                    vec![
+                        "thread 'b' panicked at tests/tests/x.rs:20:5:",
+                        "assertion failed",
+                        ""
+                    ]
+                ),
+            ]
+        );
+    }
 }

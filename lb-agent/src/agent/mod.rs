@@ -74,6 +74,37 @@ pub(crate) enum Source {
 }
 
 /// Builds a client from `--kubeconfig` (or the in-cluster/default configuration) and `--master`.
+/// Socket termination (`datapath::sockets`), with a start-up line either way.
+fn start_socket_termination(
+    cgroup_root: &std::path::Path,
+    host_only: bool,
+    metrics: &Metrics,
+) -> Option<datapath::sockets::SocketTerminator> {
+    match datapath::sockets::SocketTerminator::start(cgroup_root.to_path_buf(), host_only, metrics.clone()) {
+        Ok(t) => {
+            match t.scope() {
+                datapath::sockets::Scope::Pods => tracing::info!(
+                    cgroup = %cgroup_root.display(),
+                    "connected UDP sockets to removed backends are aborted (netlink SOCK_DESTROY in \
+                     the network namespaces of the processes in the cgroup)"
+                ),
+                datapath::sockets::Scope::NodeOnly(why) => tracing::warn!(
+                    "connected UDP sockets to removed backends are aborted in the node's network \
+                     namespace only: {why}"
+                ),
+            }
+            Some(t)
+        }
+        Err(e) => {
+            tracing::warn!(
+                "connected UDP sockets are not terminated when their backend is removed: {e}; such a \
+                 socket keeps its removed backend until its application reconnects"
+            );
+            None
+        }
+    }
+}
+
 async fn kube_client(args: &RunArgs) -> Result<kube::Client> {
     let mut config = match &args.kubeconfig {
         Some(path) => {
@@ -296,6 +327,7 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         }
     }
 
+    let sockets = start_socket_termination(&cgroup_root, args.bpf.bpf_lb_sock_hostns_only, &metrics);
     let devices = (!args.bpf.no_tc).then(|| {
         args.bpf
             .devices
@@ -307,6 +339,7 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         datapath: dp,
         cgroup_root,
         cgroup_attached: false,
+        sockets,
         programmer: Programmer::new(
             settings.clone(),
             host_cookie,

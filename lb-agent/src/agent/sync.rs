@@ -34,6 +34,8 @@ pub(super) struct Agent {
     /// The cgroup the socket programs attach to, once the first sync has filled the maps.
     pub cgroup_root: PathBuf,
     pub cgroup_attached: bool,
+    /// Aborts local sockets connected to removed backends (None: the kernel cannot).
+    pub sockets: Option<crate::datapath::sockets::SocketTerminator>,
     /// Steps 0 to 4, kept between syncs (one changed Service costs one Service's work).
     pub programmer: Programmer<KernelMaps>,
     pub devices: Option<Vec<tc::DevicePattern>>,
@@ -76,6 +78,7 @@ impl Agent {
         let (outcome, report) = self.program(full, loaded, &pending, &view);
         // The data path is as planned from here on; what follows is bookkeeping.
         let programmed = started.elapsed();
+        self.terminate_sockets(&report);
         if full {
             release_freed_memory();
         }
@@ -97,6 +100,21 @@ impl Agent {
             anyhow::bail!("{} map update(s) failed; retrying", report.errors.len());
         }
         Ok(())
+    }
+
+    /// Connected UDP sockets to the backends this sync deleted are aborted (from a thread of their
+    /// own): their applications reconnect, through the socket programs, to a live backend.
+    fn terminate_sockets(&self, report: &ApplyReport) {
+        if let Some(sockets) = &self.sockets {
+            sockets.terminate(
+                report
+                    .removed_backends
+                    .iter()
+                    .filter(|b| b.proto == crate::model::Protocol::Udp)
+                    .map(|b| std::net::SocketAddr::new(b.addr, b.port))
+                    .collect(),
+            );
+        }
     }
 
     /// The watch's pending changes and its Node, or the manifests folder loaded anew (whose bad

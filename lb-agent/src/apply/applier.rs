@@ -51,6 +51,9 @@ pub struct ApplyReport {
     pub withdrawn: Vec<(ServicePortName, Frontend)>,
     /// Map operations that failed unexpectedly.
     pub errors: Vec<String>,
+    /// Backends deleted because no frontend uses them any more (their connected sockets are
+    /// terminated, `datapath::sockets`).
+    pub removed_backends: Vec<BackendAddr>,
 }
 
 impl ApplyReport {
@@ -390,6 +393,7 @@ impl<M: MapOps> Applier<M> {
             match self.maps.delete_backend(family, id) {
                 Ok(()) => {
                     report.deletes += 1;
+                    report.removed_backends.push(addr);
                     self.backends.remove(&addr);
                     self.backend_addrs.remove(&id);
                     self.backend_ids.get_mut(family).free(id);

@@ -12,6 +12,7 @@ pub mod conntrack;
 pub mod features;
 pub mod journal;
 pub mod migrate;
+pub mod sockets;
 pub mod tc;
 
 use std::{

@@ -4,7 +4,7 @@
 
 use std::{collections::BTreeSet, io};
 
-use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload};
+use netlink_packet_core::NLM_F_DUMP;
 use netlink_packet_route::{
     RouteNetlinkMessage,
     link::{LinkAttribute, LinkMessage},
@@ -60,62 +60,31 @@ pub fn links() -> io::Result<Vec<Link>> {
     let mut socket = Socket::new(NETLINK_ROUTE)?;
     socket.bind_auto()?;
     socket.connect(&SocketAddr::new(0, 0))?;
-    let mut request = NetlinkMessage::new(
-        NetlinkHeader::default(),
-        NetlinkPayload::from(RouteNetlinkMessage::GetLink(LinkMessage::default())),
-    );
-    request.header.flags = NLM_F_DUMP | NLM_F_REQUEST;
-    request.header.sequence_number = 1;
-    request.finalize();
-    let mut buf = vec![0; request.buffer_len()];
-    request.serialize(&mut buf);
-    socket.send(&buf, 0)?;
-
-    let invalid =
-        |e: &dyn std::fmt::Display| io::Error::new(io::ErrorKind::InvalidData, format!("RTM_GETLINK: {e}"));
     let mut links = Vec::new();
-    // A dump's datagrams are at most a page or two each (NLMSG_GOODSIZE).
-    let mut datagram = vec![0u8; 64 * 1024];
-    loop {
-        let size = socket.recv(&mut &mut datagram[..], 0)?;
-        let mut offset = 0;
-        while offset < size {
-            let message: NetlinkMessage<RouteNetlinkMessage> =
-                NetlinkMessage::deserialize(&datagram[offset..size]).map_err(|e| invalid(&e))?;
-            match message.payload {
-                NetlinkPayload::Done(_) => return Ok(links),
-                NetlinkPayload::Error(e) => {
-                    return Err(e.code.map_or_else(
-                        || invalid(&"error without a code"),
-                        |code| io::Error::from_raw_os_error(-code.get()),
-                    ));
-                }
-                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(link)) => {
-                    let mut name = None;
-                    let mut controller = None;
-                    for attribute in link.attributes {
-                        match attribute {
-                            LinkAttribute::IfName(n) => name = Some(n),
-                            LinkAttribute::Controller(index) => controller = Some(index),
-                            _ => {}
-                        }
-                    }
-                    if let Some(name) = name {
-                        links.push(Link {
-                            name,
-                            index: link.header.index,
-                            controller,
-                        });
-                    }
-                }
+    let request = RouteNetlinkMessage::GetLink(LinkMessage::default());
+    crate::netlink::request(&socket, request, NLM_F_DUMP, |answer| {
+        let RouteNetlinkMessage::NewLink(link) = answer else {
+            return;
+        };
+        let mut name = None;
+        let mut controller = None;
+        for attribute in link.attributes {
+            match attribute {
+                LinkAttribute::IfName(n) => name = Some(n),
+                LinkAttribute::Controller(index) => controller = Some(index),
                 _ => {}
             }
-            if message.header.length == 0 {
-                break;
-            }
-            offset += message.header.length as usize;
         }
-    }
+        if let Some(name) = name {
+            links.push(Link {
+                name,
+                index: link.header.index,
+                controller,
+            });
+        }
+    })
+    .map_err(|e| io::Error::new(e.kind(), format!("RTM_GETLINK: {e}")))?;
+    Ok(links)
 }
 
 /// Calls `on_change` after every link event of this network namespace (a link added, removed,

@@ -112,6 +112,21 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+    /// A resolver's loop on one long-lived connected UDP socket: a query every interval for
+    /// `seconds`, one JSON line each ({"seq", "ok", "reply", "socket", "error", "errno"};
+    /// `socket` counts the sockets used so far). A query without an answer in time is lost and
+    /// the socket kept; any other error (ECONNABORTED when the agent aborts the socket) makes it
+    /// open and connect a new one, as resolvers with long-lived sockets do.
+    Resolve {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value_t = 50)]
+        interval_ms: u64,
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+        #[arg(long, default_value_t = 500)]
+        timeout_ms: u64,
+    },
     Hold {
         #[arg(long)]
         connect: SocketAddr,
@@ -380,6 +395,55 @@ fn udp_exchange(sock: &UdpSocket, to: SocketAddr) -> serde_json::Value {
     }
 }
 
+fn resolve(to: SocketAddr, interval: Duration, seconds: Duration, timeout: Duration) {
+    let connect = || -> std::io::Result<UdpSocket> {
+        let sock = udp_socket_for(to);
+        sock.set_read_timeout(Some(timeout))?;
+        sock.connect(to)?;
+        Ok(sock)
+    };
+    let started = std::time::Instant::now();
+    let (mut sock, mut sockets) = (None, 0u32);
+    let mut seq = 0u64;
+    while started.elapsed() < seconds {
+        seq += 1;
+        if sock.is_none() {
+            sock = connect().ok();
+            sockets += 1;
+        }
+        let result = match &sock {
+            None => json!({"ok": false, "error": "cannot connect a socket", "errno": 0}),
+            Some(s) => {
+                let mut buf = [0u8; 4096];
+                match s.send(seq.to_string().as_bytes()).and_then(|_| s.recv(&mut buf)) {
+                    Ok(n) => {
+                        let reply: serde_json::Value =
+                            serde_json::from_slice(&buf[..n]).unwrap_or(json!(null));
+                        json!({"ok": true, "reply": reply})
+                    }
+                    Err(e) => {
+                        let timed_out = matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        );
+                        if !timed_out {
+                            sock = None;
+                        }
+                        json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)})
+                    }
+                }
+            }
+        };
+        let mut line = result;
+        line["seq"] = json!(seq);
+        line["socket"] = json!(sockets);
+        line["t_us"] = json!(unix_us());
+        println!("{line}");
+        std::thread::sleep(interval);
+    }
+    println!("{}", json!({"done": true, "queries": seq, "sockets": sockets}));
+}
+
 /// Now, in microseconds since the Unix epoch (0 if the clock is before it).
 fn unix_us() -> u64 {
     std::time::SystemTime::now()
@@ -549,6 +613,17 @@ fn main() {
         Cmd::Http { to, path, timeout_ms } => {
             println!("{}", http_get(to, &path, Duration::from_millis(timeout_ms)))
         }
+        Cmd::Resolve {
+            to,
+            interval_ms,
+            seconds,
+            timeout_ms,
+        } => resolve(
+            to,
+            Duration::from_millis(interval_ms),
+            Duration::from_secs(seconds),
+            Duration::from_millis(timeout_ms),
+        ),
         Cmd::Hold {
             connect,
             interval_ms,

@@ -197,6 +197,11 @@ fn removing_a_service_hides_its_frontend_first_and_frees_backends() {
         1,
         "the backend shared with api stays"
     );
+    assert_eq!(
+        r.removed_backends,
+        vec![be(1)],
+        "the deleted backend is reported (its connected sockets are terminated)"
+    );
     a.maps().check_consistent().unwrap();
 }
 
