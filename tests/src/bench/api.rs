@@ -268,6 +268,30 @@ impl Cluster {
         }
     }
 
+    /// The north-south throughput's NodePort Service and its slice (`throughput`).
+    pub fn create_nodeport(&self, node_port: u16) {
+        let (svc, sl) = super::throughput::nodeport_objects(node_port);
+        let (svcs, slices, pp) = (self.services(), self.slices(), PostParams::default());
+        self.rt.block_on(async {
+            retry("create the NodePort service", 409, || svcs.create(&pp, &svc)).await;
+            retry("create the NodePort slice", 409, || slices.create(&pp, &sl)).await;
+        });
+    }
+
+    pub fn delete_nodeport(&self) {
+        let (svcs, slices, dp) = (self.services(), self.slices(), DeleteParams::default());
+        self.rt.block_on(async {
+            retry("delete the NodePort slice", 404, || {
+                slices.delete("nodeport-1", &dp)
+            })
+            .await;
+            retry("delete the NodePort service", 404, || {
+                svcs.delete("nodeport", &dp)
+            })
+            .await;
+        });
+    }
+
     fn services(&self) -> Api<Service> {
         Api::namespaced(self.client.clone(), NS)
     }

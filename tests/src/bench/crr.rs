@@ -293,7 +293,7 @@ pub fn probe_main(args: &[String]) {
 }
 
 /// A command re-executing this binary with a hidden subcommand.
-fn self_command(place: Place<'_>, args: &[String]) -> Command {
+pub fn self_command(place: Place<'_>, args: &[String]) -> Command {
     let mut cmd = Command::new(std::env::current_exe().expect("current_exe"));
     cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped());
     place.apply(&mut cmd);

@@ -31,7 +31,7 @@ pub struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn launch(&self, peer: &mut Peer) {
+    pub(crate) fn launch(&self, peer: &mut Peer) {
         peer.launch(&self.kubeconfig, &self.kube_proxy, self.opts.backends_capacity);
     }
 

@@ -6,7 +6,8 @@
 //! - `crr`: the connect-latency client, the accept-and-close server and the change probe (child
 //!   processes of lb-bench, so they can live in a namespace and a cgroup);
 //! - `api`: the Service set, through the real API server;
-//! - `peers`: the five configurations (floor, kube-proxy iptables/nftables, lb socket/tc);
+//! - `peers`: the configurations (floor, kube-proxy iptables on either backend and nftables, lb
+//!   socket/tc, Cilium);
 //! - `measure`: connect latency, programming time, change latency and memory;
 //! - `tcrun`: tc cost per packet with BPF_PROG_TEST_RUN;
 //! - `report`: docs/benchmarks.md, the plots, the terminal summary.
@@ -24,6 +25,7 @@ pub mod measure;
 pub mod peers;
 pub mod report;
 pub mod tcrun;
+pub mod throughput;
 pub mod topo;
 
 use std::{
@@ -72,6 +74,9 @@ pub struct Options {
     pub log_dir: PathBuf,
     /// The configurations run: every one by default, Cilium's when its bundle is built.
     pub configs: Vec<Config>,
+    /// Rounds of the north-south throughput (0: not measured) and each run's length.
+    pub throughput_rounds: usize,
+    pub throughput_seconds: u64,
 }
 
 impl Options {
@@ -104,7 +109,10 @@ impl Options {
             configs: Config::ALL
                 .into_iter()
                 .filter(|c| !c.is_cilium() || cilium::bundle().is_some())
+                .filter(|c| *c != Config::IptablesLegacy || peers::legacy_iptables_dir().is_some())
                 .collect(),
+            throughput_rounds: if quick { 2 } else { 3 },
+            throughput_seconds: if quick { 5 } else { 10 },
         }
     }
 
@@ -161,7 +169,7 @@ pub fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
-fn step(what: &str) {
+pub(crate) fn step(what: &str) {
     eprintln!("\n==> {what}");
 }
 
@@ -346,6 +354,13 @@ pub fn run(opts: &Options, command: String) -> Results {
             step(&format!("deleting the {n} IPv6 Services"));
             ctx.cluster.shrink_in(Family::V6, 0);
         }
+    }
+    if opts.throughput_rounds > 0 && !throughput::configs(&opts.configs).is_empty() {
+        check_interrupted();
+        let (runs, problems) = throughput::measure(&mut ctx, opts.throughput_rounds, opts.throughput_seconds);
+        r.throughput = runs;
+        r.problems.extend(problems);
+        save(&r, &out_json);
     }
     drop(ctx);
     drop(cluster);

@@ -31,6 +31,9 @@ use super::{
 pub enum Config {
     Direct,
     Iptables,
+    /// kube-proxy in iptables mode on the legacy (x_tables) backend: `iptables` and friends are
+    /// the `*-legacy` binaries (a PATH of symlinks, [`legacy_iptables_dir`]).
+    IptablesLegacy,
     Nftables,
     LbSocket,
     LbTc,
@@ -39,9 +42,10 @@ pub enum Config {
 }
 
 impl Config {
-    pub const ALL: [Config; 7] = [
+    pub const ALL: [Config; 8] = [
         Config::Direct,
         Config::Iptables,
+        Config::IptablesLegacy,
         Config::Nftables,
         Config::LbSocket,
         Config::LbTc,
@@ -49,9 +53,10 @@ impl Config {
         Config::CiliumTc,
     ];
     /// The programs that program something (measured for programming time and memory).
-    pub const PROXIES: [Config; 4] = [
+    pub const PROXIES: [Config; 5] = [
         Config::LbSocket,
         Config::Iptables,
+        Config::IptablesLegacy,
         Config::Nftables,
         Config::CiliumSocket,
     ];
@@ -60,6 +65,7 @@ impl Config {
         match self {
             Config::Direct => "direct (floor)",
             Config::Iptables => "kube-proxy iptables",
+            Config::IptablesLegacy => "kube-proxy iptables-legacy",
             Config::Nftables => "kube-proxy nftables",
             Config::LbSocket => "lb socket",
             Config::LbTc => "lb tc",
@@ -73,6 +79,7 @@ impl Config {
         match self {
             Config::Direct => "direct",
             Config::Iptables => "iptables",
+            Config::IptablesLegacy => "iptables-legacy",
             Config::Nftables => "nftables",
             Config::LbSocket => "lb-socket",
             Config::LbTc => "lb-tc",
@@ -90,6 +97,7 @@ impl Config {
         match self {
             Config::Direct => "-",
             Config::Iptables => "kube-proxy iptables",
+            Config::IptablesLegacy => "kube-proxy iptables-legacy",
             Config::Nftables => "kube-proxy nftables",
             Config::LbSocket | Config::LbTc => "lb-agent",
             Config::CiliumSocket | Config::CiliumTc => "cilium-agent",
@@ -115,8 +123,34 @@ impl Config {
     }
 
     pub fn is_kube_proxy(self) -> bool {
-        matches!(self, Config::Iptables | Config::Nftables)
+        matches!(self, Config::Iptables | Config::IptablesLegacy | Config::Nftables)
     }
+}
+
+/// A directory whose `iptables`, `iptables-save`, `iptables-restore` and their `ip6tables`
+/// twins are the legacy (x_tables) binaries, to put first in kube-proxy's PATH (as the
+/// kube-proxy image's iptables-wrapper does on a node whose rules are legacy); None when the
+/// machine has no `iptables-legacy`. The machine's own `iptables` is iptables-nft here, whose
+/// `iptables-restore` of 10,000 Services' rules takes longer than the run allows.
+pub fn legacy_iptables_dir() -> Option<PathBuf> {
+    let sbin = ["/usr/sbin", "/sbin", "/usr/bin"]
+        .into_iter()
+        .map(Path::new)
+        .find(|d| d.join("iptables-legacy").exists())?;
+    let dir = super::workspace_root().join("target/bench/iptables-legacy");
+    fs::create_dir_all(&dir).ok()?;
+    for family in ["iptables", "ip6tables"] {
+        for suffix in ["", "-save", "-restore"] {
+            let link = dir.join(format!("{family}{suffix}"));
+            let target = sbin.join(format!("{family}-legacy{suffix}"));
+            if !target.exists() {
+                return None;
+            }
+            let _ = fs::remove_file(&link);
+            std::os::unix::fs::symlink(&target, &link).ok()?;
+        }
+    }
+    Some(dir)
 }
 
 /// Flags every peer ran with (besides kubeconfig, node name, cgroup and bpffs paths), for the doc.
@@ -253,15 +287,21 @@ impl Peer {
         self.launched_ns = now_ns();
         let mut cmd = match self.config {
             Config::Direct => return,
-            Config::Iptables | Config::Nftables => {
-                let mode = if self.config == Config::Iptables {
-                    "iptables"
-                } else {
+            Config::Iptables | Config::IptablesLegacy | Config::Nftables => {
+                let mode = if self.config == Config::Nftables {
                     "nftables"
+                } else {
+                    "iptables"
                 };
                 let mut cmd = Command::new(kube_proxy);
                 cmd.arg(format!("--kubeconfig={}", kubeconfig.display()))
                     .args(kube_proxy_flags(mode));
+                if self.config == Config::IptablesLegacy {
+                    let dir = legacy_iptables_dir()
+                        .expect("iptables-legacy (the configuration is run only where it is)");
+                    let path = std::env::var("PATH").unwrap_or_default();
+                    cmd.env("PATH", format!("{}:{path}", dir.display()));
+                }
                 cmd
             }
             Config::LbSocket | Config::LbTc => {
@@ -299,6 +339,7 @@ impl Peer {
         let mut proc = Proc::spawn_command(cmd);
         let tag = match self.config {
             Config::Iptables => "kube-proxy-ipt",
+            Config::IptablesLegacy => "kube-proxy-ipt-legacy",
             Config::Nftables => "kube-proxy-nft",
             Config::CiliumSocket | Config::CiliumTc => "cilium",
             _ => "lb-agent",

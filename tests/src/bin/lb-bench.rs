@@ -53,6 +53,9 @@ struct Cli {
     /// Skip the BPF_PROG_TEST_RUN measurements.
     #[arg(long)]
     skip_tc: bool,
+    /// Skip the north-south throughput (NodePort from outside the node).
+    #[arg(long)]
+    skip_throughput: bool,
     /// IPv4 only: no connect-latency rounds or tc cost over IPv6.
     #[arg(long)]
     no_ipv6: bool,
@@ -109,6 +112,7 @@ fn main() {
         Some("crr") => return bench::crr::crr_main(&args[2..]),
         Some("serve") => return bench::crr::serve_main(&args[2..]),
         Some("probe") => return bench::crr::probe_main(&args[2..]),
+        Some("load") => return bench::throughput::load_main(&args[2..]),
         Some("cluster") => return hold_cluster(&args[2..]),
         _ => {}
     }
@@ -156,6 +160,10 @@ fn main() {
     if cli.latency_only {
         opts.programming.clear();
         opts.skip_tc = true;
+        opts.throughput_rounds = 0;
+    }
+    if cli.skip_throughput {
+        opts.throughput_rounds = 0;
     }
     if let Some(t) = cli.cold_timeout {
         opts.cold_timeout = std::time::Duration::from_secs(t);

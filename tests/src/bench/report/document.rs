@@ -79,6 +79,7 @@ pub fn markdown(r: &Results) -> String {
         ("kube-apiserver", m.kube_apiserver.clone()),
         ("etcd", m.etcd.clone()),
         ("iptables", m.iptables.clone()),
+        ("iptables-legacy", m.iptables_legacy.clone()),
         ("nft", m.nft.clone()),
         ("lb-agent", format!("{} (git {})", m.lb_agent, m.git)),
         (
@@ -217,7 +218,13 @@ pub fn markdown(r: &Results) -> String {
             (Config::LbSocket, Config::CiliumSocket),
             (Config::LbTc, Config::CiliumTc),
         ] {
-            let peers = [Config::Direct, Config::Iptables, Config::Nftables, cilium];
+            let peers = [
+                Config::Direct,
+                Config::Iptables,
+                Config::IptablesLegacy,
+                Config::Nftables,
+                cilium,
+            ];
             for peer in peers.into_iter().filter(|p| measured.contains(p)) {
                 let _ = write!(s, "| {} ÷ {} | {} | ", ours.label(), peer.label(), family.name());
                 for &n in &levels {
@@ -687,6 +694,8 @@ pub fn markdown(r: &Results) -> String {
         }
     }
 
+    throughput_section(&mut s, r);
+
     if !r.problems.is_empty() {
         s.push_str("\n## Problems met during this run\n\n");
         for p in &r.problems {
@@ -695,4 +704,75 @@ pub fn markdown(r: &Results) -> String {
     }
     s.push_str(CAVEATS);
     s
+}
+
+/// (5) North-south throughput: per configuration, the median over rounds (min–max).
+fn throughput_section(s: &mut String, r: &Results) {
+    if r.throughput.is_empty() {
+        return;
+    }
+    let first = &r.throughput[0];
+    let _ = writeln!(
+        s,
+        "\n## 5. North-south throughput (NodePort from outside the node)\n\n{}\n\n\
+         {} parallel connections from the client namespace to the node's NodePort \
+         ({}:{}; the floor connects to one endpoint directly, through the node's routing), each \
+         connection closed with RST; after a second of warm-up, {:.0} s are measured per \
+         configuration and round; {} rounds in alternating order. A slow connection took over a \
+         second (a SYN retransmitted after a queue overflowed: the floor has them too). CPU per connection: the machine's (both cores, busy = \
+         all but idle and iowait; the client and the server's share is the same in every \
+         configuration), its softirq part (where the packets are handled), and the proxy \
+         process's own. Each cell is the median over rounds, with the min–max in parentheses.\n",
+        super::prose::THROUGHPUT,
+        first.threads,
+        crate::bench::topo::NODE_IP,
+        crate::bench::throughput::NODE_PORT,
+        first.seconds,
+        r.throughput.iter().map(|t| t.round).max().unwrap_or(0) + 1,
+    );
+    let _ = writeln!(
+        s,
+        "| configuration | conn/s | CPU µs per connection | softirq µs per connection | the proxy's CPU µs per connection | slow (> 1 s) | errors |\n|---|---|---|---|---|---|---|"
+    );
+    let cell = |v: Vec<f64>, digits: usize| -> String {
+        let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        match median(&v) {
+            Some(m) => format!("{m:.digits$} ({lo:.digits$}–{hi:.digits$})"),
+            None => "–".into(),
+        }
+    };
+    let mut per_s = Vec::new();
+    for c in Config::ALL {
+        let runs: Vec<_> = r.throughput.iter().filter(|t| t.config == c).collect();
+        if runs.is_empty() {
+            continue;
+        }
+        per_s.push((c, median(&runs.iter().map(|t| t.per_s()).collect::<Vec<_>>())));
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            c.label(),
+            cell(runs.iter().map(|t| t.per_s()).collect(), 0),
+            cell(runs.iter().map(|t| t.us_per_conn(t.busy_ns)).collect(), 1),
+            cell(runs.iter().map(|t| t.us_per_conn(t.softirq_ns)).collect(), 1),
+            cell(runs.iter().map(|t| t.us_per_conn(t.proxy_ns)).collect(), 2),
+            runs.iter().map(|t| t.slow).sum::<u64>(),
+            runs.iter().map(|t| t.errors).sum::<u64>(),
+        );
+    }
+    if let Some((_, Some(ours))) = per_s.iter().find(|(c, _)| *c == Config::LbTc) {
+        let ratios: Vec<String> = per_s
+            .iter()
+            .filter(|(c, _)| *c != Config::LbTc && *c != Config::Direct)
+            .filter_map(|(c, v)| v.map(|v| format!("{} ×{:.2}", c.label(), ours / v)))
+            .collect();
+        if !ratios.is_empty() {
+            let _ = writeln!(
+                s,
+                "\nlb tc's connections per second against each peer's (median): {}.",
+                ratios.join(", ")
+            );
+        }
+    }
 }

@@ -16,6 +16,9 @@ pub struct Machine {
     pub kube_apiserver: String,
     pub etcd: String,
     pub iptables: String,
+    /// `iptables-legacy --version`, when the machine has it.
+    #[serde(default)]
+    pub iptables_legacy: String,
     pub nft: String,
     pub lb_agent: String,
     /// `cilium-agent --version`, when Cilium was one of the peers.
@@ -107,6 +110,7 @@ pub fn machine(
         kube_apiserver: first_line(&bins.kube_apiserver.display().to_string(), &["--version"]),
         etcd: first_line(&bins.etcd.display().to_string(), &["--version"]),
         iptables: first_line("iptables", &["--version"]),
+        iptables_legacy: first_line("iptables-legacy", &["--version"]),
         nft: first_line("nft", &["--version"]),
         lb_agent: first_line(&agent.display().to_string(), &["--version"]),
         cilium: crate::bench::cilium::bundle().map(|dir| {

@@ -34,6 +34,10 @@ the proxies run as has both InternalIPs (10.240.0.1, fd00:10:240::1). Configurat
 
 1. **direct (floor)**: the client connects to a random endpoint of a random Service; no proxy.
 2. **kube-proxy iptables** / 3. **kube-proxy nftables**: the real kube-proxy in the node namespace.
+   **kube-proxy iptables** runs the machine's `iptables` (iptables-nft, the nf_tables backend);
+   **kube-proxy iptables-legacy** the same kube-proxy with the legacy x_tables binaries first in
+   its PATH, as the kube-proxy image's iptables-wrapper picks on a node whose rules are legacy.
+   Both backends are in production use; their `iptables-restore` scales differently.
 4. **lb socket**: lb-agent in the node namespace; the client runs in the agent's `--cgroup-root`,
    so `connect()` is translated at the socket (connect4, or connect6 over IPv6; the tc programs
    are attached too, and see the packets as non-service traffic).
@@ -108,3 +112,10 @@ pub(super) const CAVEATS: &str = r#"
   cores), which dominates at 10,000 Services; the programs' own sync durations are shown beside.
 - IPVS cannot be measured on this kernel (`CONFIG_IP_VS` is not set).
 "#;
+
+/// How the north-south throughput is set up (section 5).
+pub(super) const THROUGHPUT: &str = "One NodePort Service (`bench/nodeport`, port 80 -> 8080, \
+nodePort 30080, externalTrafficPolicy Cluster, 10 endpoints) is the only Service in the API \
+while this runs; every configuration is started afresh on a fresh topology and measured once it \
+serves the NodePort. The client is outside the cluster CIDRs, so every proxy masquerades \
+(kube-proxy's KUBE-MARK-MASQ for external traffic; lb tc's SNAT on the backend-facing egress).";

@@ -37,6 +37,10 @@ pub struct Results {
     pub programming: Vec<Programming>,
     pub changes: Vec<ChangeLatency>,
     pub memory: Vec<Memory>,
+    /// North-south throughput (NodePort from outside the node), every round of every
+    /// configuration.
+    #[serde(default)]
+    pub throughput: Vec<crate::bench::throughput::ThroughputRun>,
     /// Problems met during the run (a step that failed, a probe that timed out).
     pub problems: Vec<String>,
     pub duration_s: f64,
@@ -92,6 +96,9 @@ impl Results {
                 .any(|x| (x.config, x.n, &x.when) == (m.config, m.n, &m.when))
         });
         self.memory.extend(later.memory);
+        if !later.throughput.is_empty() {
+            self.throughput = later.throughput;
+        }
         self.problems.extend(later.problems);
         self.duration_s += later.duration_s;
         self

@@ -96,6 +96,22 @@ pub fn summary(r: &Results) -> String {
             mib(m.maps.iter().map(|x| x.memlock).sum::<u64>() as f64 / 1024.0)
         );
     }
+    if !r.throughput.is_empty() {
+        let _ = writeln!(s, "==== north-south throughput (NodePort), every round ====");
+        for t in &r.throughput {
+            let _ = writeln!(
+                s,
+                "  {:<26} round {}  {:>7.0} conn/s  CPU {:>5.1} µs/conn (softirq {:>5.1})  slow {}  errors {}",
+                t.config.label(),
+                t.round + 1,
+                t.per_s(),
+                t.us_per_conn(t.busy_ns),
+                t.us_per_conn(t.softirq_ns),
+                t.slow,
+                t.errors
+            );
+        }
+    }
     s.push_str("==== targets ====\n");
     s.push_str(&targets(r));
     s
