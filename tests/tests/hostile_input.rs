@@ -1377,10 +1377,22 @@ fn hostile_services_and_slices_are_reported_and_skipped_under_load() {
         events_seen += usize::from(!v.event.is_null());
         table.insert(base + i, table_row(row, "accepted", "API", v, &mut failures));
     }
-    let huge_events = cluster.events("huge");
-    let huge_event = huge_events
-        .iter()
-        .find(|(reason, msg, _)| reason == REASON && msg.contains("more than the"));
+    // Events are posted after the sync that found the problem, through the client's rate
+    // limit (kube-proxy's qps 5, burst 10) behind the accepted rows' Events: wait for it.
+    let huge_event_of = |events: &[(String, String, i64)]| {
+        events
+            .iter()
+            .find(|(reason, msg, _)| reason == REASON && msg.contains("more than the"))
+            .cloned()
+    };
+    let mut huge_events = cluster.events("huge");
+    let event_deadline = Instant::now() + Duration::from_secs(30);
+    while huge_event_of(&huge_events).is_none() && Instant::now() < event_deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        huge_events = cluster.events("huge");
+    }
+    let huge_event = huge_event_of(&huge_events);
+    let huge_event = huge_event.as_ref();
     let huge_frontends = site.frontends().get("huge").cloned().unwrap_or_default();
     let backends_in_maps = site.inspect("backends").len();
     let huge_log = plain_log(&agent);
