@@ -385,6 +385,9 @@ pub fn latency_level(
             level.configz.insert(p.config, c);
         }
     }
+    // Every configuration is started: let the start-up work (syncs, Cilium's compiles, the API
+    // server's own work after the Services were created) die down before the first round.
+    super::throughput::wait_for_quiet_machine(Duration::from_secs(60));
     for round in 0..ctx.opts.rounds {
         check_interrupted();
         if let Some(load) = std::fs::read_to_string("/proc/loadavg")

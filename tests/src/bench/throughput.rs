@@ -190,6 +190,27 @@ fn machine_cpu_ns() -> (u64, u64) {
     (ticks_to_ns(busy), ticks_to_ns(field(6)))
 }
 
+/// Waits (at most `limit`) until the machine's cores are busy less than 15% of two consecutive
+/// seconds, so that a measurement does not start on the tail of other work; says how it went.
+pub fn wait_for_quiet_machine(limit: Duration) {
+    let started = std::time::Instant::now();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let (mut quiet_seconds, mut busy) = (0, 0.0);
+    while started.elapsed() < limit && quiet_seconds < 2 {
+        let (a, _) = machine_cpu_ns();
+        std::thread::sleep(Duration::from_secs(1));
+        let (b, _) = machine_cpu_ns();
+        busy = b.saturating_sub(a) as f64 / 1e9 / cores;
+        quiet_seconds = if busy < 0.15 { quiet_seconds + 1 } else { 0 };
+    }
+    eprintln!(
+        "  the machine is {} after {:.0} s (cores {:.0}% busy in the last second)",
+        if quiet_seconds >= 2 { "quiet" } else { "still busy" },
+        started.elapsed().as_secs_f64(),
+        busy * 100.0
+    );
+}
+
 /// A process's CPU time (utime + stime, /proc/PID/stat fields 14 and 15), in ns.
 fn process_cpu_ns(pid: u32) -> u64 {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -293,6 +314,7 @@ fn measure_one(
             ctx.opts.cold_timeout
         ));
     }
+    wait_for_quiet_machine(Duration::from_secs(30));
     let mut args = vec![
         "load".to_string(),
         to.to_string(),

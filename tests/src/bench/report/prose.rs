@@ -54,7 +54,10 @@ the proxies run as has both InternalIPs (10.240.0.1, fd00:10:240::1). Configurat
 The client (a Rust port of the reference's `crr.c`, in lb-bench) makes sequential connections, each
 to a uniformly random Service, and closes each with RST (SO_LINGER 0); the time of the blocking
 `connect()` is recorded. It is pinned to CPU 1 and the server to CPU 0. Every round runs every
-configuration once, in alternating order (forward, then backward: ABCDE EDCBA ...).
+configuration once, in alternating order (forward, then backward: ABCDE EDCBA ...). Every
+configuration of an N is started before its first round, and the rounds begin once the cores
+are less than 15% busy for two seconds in a row (at most a minute later): the proxies' start-up
+work and the API server's own after the Services were created do not fall into the rounds.
 "#;
 
 pub(super) const TC_METHOD: &str = r#"The real programs run with BPF_PROG_TEST_RUN against private maps that the agent's own pipeline
