@@ -9,6 +9,15 @@ use netlink_packet_core::{
 };
 use netlink_sys::Socket;
 
+/// A socket of netlink family `protocol` (`netlink_sys::protocols::*`), connected to the kernel,
+/// in the calling thread's network namespace.
+pub fn socket(protocol: isize) -> io::Result<Socket> {
+    let mut socket = Socket::new(protocol)?;
+    socket.bind_auto()?;
+    socket.connect(&netlink_sys::SocketAddr::new(0, 0))?;
+    Ok(socket)
+}
+
 /// Sends `payload` with `flags` (besides NLM_F_REQUEST) on `socket` (connected to the kernel) and
 /// gives each answer to `on_answer`, until the dump's end or the acknowledgement. A netlink error
 /// (a negative errno in NLMSG_ERROR) is returned as that errno.

@@ -236,13 +236,14 @@ fn namespaces_of(cgroup_root: &Path) -> io::Result<Vec<(u64, PathBuf)>> {
 /// of `backends`; (local address, backend) of each. An IPv4 backend is also the destination of
 /// dual-stack sockets connected to its IPv4-mapped address.
 fn abort_connected_udp(backends: &BTreeSet<SocketAddr>) -> io::Result<Vec<(SocketAddr, SocketAddr)>> {
-    let socket = sock_diag()?;
+    let socket = crate::netlink::socket(NETLINK_SOCK_DIAG)?;
     let mut aborted = Vec::new();
-    let families = [
-        (AF_INET, backends.iter().any(SocketAddr::is_ipv4)),
-        (AF_INET6, true),
-    ];
-    for (family, _) in families.iter().filter(|(_, wanted)| *wanted) {
+    let families: &[u8] = if backends.iter().any(SocketAddr::is_ipv4) {
+        &[AF_INET, AF_INET6]
+    } else {
+        &[AF_INET6]
+    };
+    for family in families {
         let mut targets = Vec::new();
         let dump = SockDiagMessage::InetRequest(udp_request(*family, any_socket(*family)));
         crate::netlink::request(&socket, dump, NLM_F_DUMP, |answer: SockDiagMessage| {
@@ -266,13 +267,6 @@ fn abort_connected_udp(backends: &BTreeSet<SocketAddr>) -> io::Result<Vec<(Socke
         }
     }
     Ok(aborted)
-}
-
-fn sock_diag() -> io::Result<Socket> {
-    let mut socket = Socket::new(NETLINK_SOCK_DIAG)?;
-    socket.bind_auto()?;
-    socket.connect(&netlink_sys::SocketAddr::new(0, 0))?;
-    Ok(socket)
 }
 
 /// Connected UDP sockets (state TCP_ESTABLISHED) of `family` matching `id`.
@@ -315,7 +309,7 @@ fn probe() -> io::Result<()> {
     id.destination_port = 9;
     // No cookie: every byte 0xff.
     id.cookie = [0xff; 8];
-    destroy(&sock_diag()?, AF_INET, id)?;
+    destroy(&crate::netlink::socket(NETLINK_SOCK_DIAG)?, AF_INET, id)?;
     match own.take_error()? {
         Some(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => Ok(()),
         other => Err(io::Error::other(format!(

@@ -57,9 +57,7 @@ impl InterfaceDetector {
 
 /// Every link of this network namespace (RTM_GETLINK dump).
 pub fn links() -> io::Result<Vec<Link>> {
-    let mut socket = Socket::new(NETLINK_ROUTE)?;
-    socket.bind_auto()?;
-    socket.connect(&SocketAddr::new(0, 0))?;
+    let socket = crate::netlink::socket(NETLINK_ROUTE)?;
     let mut links = Vec::new();
     let request = RouteNetlinkMessage::GetLink(LinkMessage::default());
     crate::netlink::request(&socket, request, NLM_F_DUMP, |answer| {

@@ -53,19 +53,28 @@ pub const CONFIGS: [Config; 6] = [
     Config::CiliumTc,
 ];
 
-/// What one configuration did in one round.
+/// What one configuration did in one round: the load's figures, with which configuration,
+/// round and concurrency they are of.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ThroughputRun {
     pub config: Config,
     pub round: usize,
     pub threads: usize,
-    pub seconds: f64,
+    #[serde(flatten)]
+    pub load: LoadResult,
+}
+
+/// What `lb-bench load` prints: what the measured window saw (after the warm-up).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct LoadResult {
     pub connections: u64,
-    /// Connections that took over a second (a SYN retransmitted).
+    /// Connections whose connect() took over a second (a SYN retransmitted: a queue overflowed
+    /// somewhere), counted in `connections` too.
     #[serde(default)]
     pub slow: u64,
     pub errors: u64,
-    /// CPU time of every core but idle and iowait, over the load, in ns.
+    pub seconds: f64,
+    /// CPU time of every core but idle and iowait, over the window, in ns.
     pub busy_ns: u64,
     /// Of which softirq.
     pub softirq_ns: u64,
@@ -75,7 +84,7 @@ pub struct ThroughputRun {
     pub first_error: Option<String>,
 }
 
-impl ThroughputRun {
+impl LoadResult {
     pub fn per_s(&self) -> f64 {
         self.connections as f64 / self.seconds
     }
@@ -84,21 +93,6 @@ impl ThroughputRun {
     pub fn us_per_conn(&self, ns: u64) -> f64 {
         ns as f64 / self.connections.max(1) as f64 / 1e3
     }
-}
-
-/// What `lb-bench load` prints: what the measured window saw (after the warm-up).
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct LoadResult {
-    pub connections: u64,
-    /// Connections whose connect() took over a second (a SYN retransmitted: a queue overflowed
-    /// somewhere), counted in `connections` too.
-    pub slow: u64,
-    pub errors: u64,
-    pub seconds: f64,
-    pub busy_ns: u64,
-    pub softirq_ns: u64,
-    pub proxy_ns: u64,
-    pub first_error: Option<String>,
 }
 
 /// `lb-bench load TO THREADS WARMUP_S SECONDS [PROXY_PID]` (see the module doc): the threads run
@@ -258,23 +252,24 @@ pub fn measure(ctx: &mut Ctx<'_>, rounds: usize, seconds: u64) -> (Vec<Throughpu
             };
             match measure_one(ctx, config, to, round, seconds) {
                 Ok(run) => {
+                    let load = &run.load;
                     eprintln!(
                         "  {:<26} {:.0} conn/s, {:.1} µs CPU per connection ({:.1} softirq, {:.2} the proxy's), {} slow, {} errors",
                         config.label(),
-                        run.per_s(),
-                        run.us_per_conn(run.busy_ns),
-                        run.us_per_conn(run.softirq_ns),
-                        run.us_per_conn(run.proxy_ns),
-                        run.slow,
-                        run.errors
+                        load.per_s(),
+                        load.us_per_conn(load.busy_ns),
+                        load.us_per_conn(load.softirq_ns),
+                        load.us_per_conn(load.proxy_ns),
+                        load.slow,
+                        load.errors
                     );
-                    if run.errors > 0 && config != Config::Direct {
+                    if load.errors > 0 && config != Config::Direct {
                         problems.push(format!(
                             "{}: {} failed NodePort connections in round {} (first: {})",
                             config.label(),
-                            run.errors,
+                            load.errors,
                             round + 1,
-                            run.first_error.clone().unwrap_or_default()
+                            load.first_error.clone().unwrap_or_default()
                         ));
                     }
                     runs.push(run);
@@ -334,14 +329,7 @@ fn measure_one(
         config,
         round,
         threads: THREADS,
-        seconds: load.seconds,
-        connections: load.connections,
-        slow: load.slow,
-        errors: load.errors,
-        busy_ns: load.busy_ns,
-        softirq_ns: load.softirq_ns,
-        proxy_ns: load.proxy_ns,
-        first_error: load.first_error,
+        load,
     })
 }
 

@@ -411,7 +411,7 @@ fn resolve(to: SocketAddr, interval: Duration, seconds: Duration, timeout: Durat
             sock = connect().ok();
             sockets += 1;
         }
-        let result = match &sock {
+        let mut line = match &sock {
             None => json!({"ok": false, "error": "cannot connect a socket", "errno": 0}),
             Some(s) => {
                 let mut buf = [0u8; 4096];
@@ -434,7 +434,6 @@ fn resolve(to: SocketAddr, interval: Duration, seconds: Duration, timeout: Durat
                 }
             }
         };
-        let mut line = result;
         line["seq"] = json!(seq);
         line["socket"] = json!(sockets);
         line["t_us"] = json!(unix_us());

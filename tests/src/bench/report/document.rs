@@ -727,7 +727,7 @@ fn throughput_section(s: &mut String, r: &Results) {
         first.threads,
         crate::bench::topo::NODE_IP,
         crate::bench::throughput::NODE_PORT,
-        first.seconds,
+        first.load.seconds,
         r.throughput.iter().map(|t| t.round).max().unwrap_or(0) + 1,
     );
     let _ = writeln!(
@@ -748,17 +748,31 @@ fn throughput_section(s: &mut String, r: &Results) {
         if runs.is_empty() {
             continue;
         }
-        per_s.push((c, median(&runs.iter().map(|t| t.per_s()).collect::<Vec<_>>())));
+        per_s.push((
+            c,
+            median(&runs.iter().map(|t| t.load.per_s()).collect::<Vec<_>>()),
+        ));
         let _ = writeln!(
             s,
             "| {} | {} | {} | {} | {} | {} | {} |",
             c.label(),
-            cell(runs.iter().map(|t| t.per_s()).collect(), 0),
-            cell(runs.iter().map(|t| t.us_per_conn(t.busy_ns)).collect(), 1),
-            cell(runs.iter().map(|t| t.us_per_conn(t.softirq_ns)).collect(), 1),
-            cell(runs.iter().map(|t| t.us_per_conn(t.proxy_ns)).collect(), 2),
-            runs.iter().map(|t| t.slow).sum::<u64>(),
-            runs.iter().map(|t| t.errors).sum::<u64>(),
+            cell(runs.iter().map(|t| t.load.per_s()).collect(), 0),
+            cell(
+                runs.iter().map(|t| t.load.us_per_conn(t.load.busy_ns)).collect(),
+                1
+            ),
+            cell(
+                runs.iter()
+                    .map(|t| t.load.us_per_conn(t.load.softirq_ns))
+                    .collect(),
+                1
+            ),
+            cell(
+                runs.iter().map(|t| t.load.us_per_conn(t.load.proxy_ns)).collect(),
+                2
+            ),
+            runs.iter().map(|t| t.load.slow).sum::<u64>(),
+            runs.iter().map(|t| t.load.errors).sum::<u64>(),
         );
     }
     if let Some((_, Some(ours))) = per_s.iter().find(|(c, _)| *c == Config::LbTc) {

@@ -104,11 +104,11 @@ pub fn summary(r: &Results) -> String {
                 "  {:<26} round {}  {:>7.0} conn/s  CPU {:>5.1} µs/conn (softirq {:>5.1})  slow {}  errors {}",
                 t.config.label(),
                 t.round + 1,
-                t.per_s(),
-                t.us_per_conn(t.busy_ns),
-                t.us_per_conn(t.softirq_ns),
-                t.slow,
-                t.errors
+                t.load.per_s(),
+                t.load.us_per_conn(t.load.busy_ns),
+                t.load.us_per_conn(t.load.softirq_ns),
+                t.load.slow,
+                t.load.errors
             );
         }
     }
