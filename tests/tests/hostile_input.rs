@@ -1675,10 +1675,18 @@ fn hostile_services_and_slices_are_reported_and_skipped_under_load() {
         failures.len(),
         failures.join("\n")
     );
+    // The failures first (CI shows a failure's first lines), then each load's whole row.
+    let first_failures: Vec<String> = per_load
+        .iter()
+        .filter_map(|l| l.get("failures"))
+        .flat_map(|f| f.as_array().cloned().unwrap_or_default())
+        .map(|f| f.as_str().unwrap_or_default().to_string())
+        .collect();
     assert_eq!(
         failed,
         0,
-        "the good Service never fails a request: {}\ndata path events: {events:#}",
+        "the good Service never fails a request: {failed} of {attempted} failed, first at\n{}\n{}\ndata path events: {events:#}",
+        first_failures.join("\n"),
         serde_json::to_string_pretty(&per_load).unwrap_or_default()
     );
     assert_eq!(rows_failed, 0, "rows failed: {rows:#?}");

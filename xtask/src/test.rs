@@ -33,8 +33,10 @@ pub(crate) struct Summary {
     reading_failure: Option<(String, Vec<String>)>,
 }
 
-/// How many lines of a failing test's panic the summary repeats.
-const REASON_LINES: usize = 40;
+/// How many lines of a failing test's panic the summary repeats, and how much of each: CI shows
+/// only the last lines of a run, where these go.
+const REASON_LINES: usize = 12;
+const REASON_LINE_CHARS: usize = 400;
 
 impl Summary {
     pub fn add_line(&mut self, line: &str) {
@@ -69,11 +71,17 @@ impl Summary {
                 // No panic (a test harness error, a killed child): the block's last lines.
                 lines.len().saturating_sub(REASON_LINES),
             );
+            // The panic's message ends at a blank line or where a dropped fixture starts dumping
+            // its logs ("control plane at ... (dropped while panicking):").
             let reason: Vec<String> = lines[from..]
                 .iter()
+                .take_while(|l| !l.is_empty() && !l.contains("(dropped while panicking)"))
                 .filter(|l| !l.starts_with("note: run with `RUST_BACKTRACE=1`"))
                 .take(REASON_LINES)
-                .cloned()
+                .map(|l| match l.char_indices().nth(REASON_LINE_CHARS) {
+                    Some((cut, _)) => format!("{}…", &l[..cut]),
+                    None => l.clone(),
+                })
                 .collect();
             self.failure_reasons.push((name, reason));
         }
@@ -181,15 +189,6 @@ fn cargo_test_with(
 }
 
 fn print_summary(summary: &Summary, started: Instant, ok: bool) {
-    if !summary.failure_reasons.is_empty() {
-        eprintln!("why the failing tests failed (in full above, with their output):");
-        for (name, reason) in &summary.failure_reasons {
-            eprintln!("---- {name}");
-            for l in reason {
-                eprintln!("    {l}");
-            }
-        }
-    }
     if !summary.failing_binaries.is_empty() {
         eprintln!("failing test binaries:");
         for b in &summary.failing_binaries {
@@ -206,6 +205,16 @@ fn print_summary(summary: &Summary, started: Instant, ok: bool) {
         summary.binaries,
         started.elapsed().as_secs_f64()
     );
+    // Last, so that the tail of the output (all CI shows) says why.
+    if !summary.failure_reasons.is_empty() {
+        eprintln!("why the failing tests failed (in full above, with their output):");
+        for (name, reason) in &summary.failure_reasons {
+            eprintln!("---- {name}");
+            for l in reason {
+                eprintln!("    {l}");
+            }
+        }
+    }
 }
 
 /// Environment for the test binaries: where the control-plane binaries are, and no backtraces
@@ -446,6 +455,8 @@ note: run with `RUST_BACKTRACE=1` environment variable to display a backtrace
 ---- b stdout ----
 thread 'b' panicked at tests/tests/x.rs:20:5:
 assertion failed
+control plane at /tmp/x (dropped while panicking):
+    I1127 06:16:26.590681   31007 controller.go:667] quota admission added evaluator
 
 failures:
     a
@@ -470,7 +481,6 @@ test result: FAILED. 1 passed; 2 failed; 0 ignored; 0 measured; 4 filtered out; 
                         "thread 'a' panicked at tests/tests/x.rs:10:5:",
                         "2 problem(s):",
                         "the first",
-                        ""
                     ]
                 ),
                 (
@@ -478,7 +488,6 @@ test result: FAILED. 1 passed; 2 failed; 0 ignored; 0 measured; 4 filtered out; 
                     vec![
                         "thread 'b' panicked at tests/tests/x.rs:20:5:",
                         "assertion failed",
-                        ""
                     ]
                 ),
             ]
