@@ -2876,6 +2876,11 @@ trait FloodedProxy {
     fn state(&self) -> Value;
     /// Its drop and eviction counters now (what they count differs by proxy; diffs are reported).
     fn counters(&self) -> BTreeMap<String, u64>;
+    /// The flow state it holds now for the client's connection `client` (address:port), to
+    /// explain a broken one; null where it has none to show.
+    fn flow_entries(&self, _client: &str) -> Value {
+        Value::Null
+    }
 }
 
 /// lb-agent's view: the entries of `lb4_ct` and `lb4_affinity`, and its data-path counters.
@@ -2904,6 +2909,56 @@ impl FloodedProxy for AgentFlooded<'_> {
             "new-flow conntrack entries": hash_entries::<lb_common::conntrack::Ct4Key, lb_common::conntrack::Ct4Value>(&pin(catalog::CONNTRACK_NEW)),
             "affinity entries": hash_entries::<lb_common::affinity::AffinityKey<lb_common::family::V4>, lb_common::affinity::AffinityValue>(&pin(catalog::AFFINITY)),
         })
+    }
+
+    /// Every entry of both conntrack tables with the client's address and port on either side
+    /// of its key or as its NAT target: a flow is whole when its forward, SNAT and un-SNAT
+    /// entries are all in one table.
+    fn flow_entries(&self, client: &str) -> Value {
+        let Ok(client) = client.parse::<std::net::SocketAddrV4>() else {
+            return Value::Null;
+        };
+        // Keys hold addresses as on the wire, ports in host order.
+        let (addr, port) = (client.ip().octets(), client.port());
+        let mut found = Vec::new();
+        for table in [catalog::CONNTRACK, catalog::CONNTRACK_NEW] {
+            let pin = self
+                .site
+                .bpf_root()
+                .join("maps")
+                .join(catalog::pin_name(table).to_string());
+            let Ok(data) = aya::maps::MapData::from_pin(&pin) else {
+                continue;
+            };
+            let Ok(hash) = aya::maps::HashMap::<
+                _,
+                lb_common::conntrack::Ct4Key,
+                lb_common::conntrack::Ct4Value,
+            >::try_from(aya::maps::Map::LruHashMap(data)) else {
+                continue;
+            };
+            // The programs' clock (CLOCK_MONOTONIC, as bpf_ktime_get_ns).
+            let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+                .map_or(0, |t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64);
+            for (k, v) in hash.iter().filter_map(Result::ok) {
+                let mentions = |a: [u8; 4], p: u16| a == addr && p == port;
+                if mentions(k.saddr, k.sport)
+                    || mentions(k.daddr, k.dport)
+                    || mentions(v.nat_addr, v.nat_port)
+                {
+                    let sock = |a: [u8; 4], p: u16| format!("{}:{p}", std::net::Ipv4Addr::from(a));
+                    found.push(json!({
+                        "table": table,
+                        "key": format!("{} -> {} proto {} dir {}", sock(k.saddr, k.sport), sock(k.daddr, k.dport), k.proto, k.dir),
+                        "nat": sock(v.nat_addr, v.nat_port),
+                        "flags": format!("{:#06x}", v.flags),
+                        "age_s": now.saturating_sub(v.created_ns) as f64 / 1e9,
+                        "created_ns": v.created_ns,
+                    }));
+                }
+            }
+        }
+        found.into()
     }
 
     fn counters(&self) -> BTreeMap<String, u64> {
@@ -3017,6 +3072,17 @@ fn flood_phase(site: &Site, attacker: &NetNs, proxy: &dyn FloodedProxy) -> Value
     let state_after = proxy.state();
     let counters_after = proxy.counters();
 
+    // The broken connections' flow state, before the GC frees it.
+    let verdicts = [active.verdict(), idle.verdict()].map(|v| {
+        let mut v = v.json();
+        for failure in v["failures"].as_array_mut().into_iter().flatten() {
+            if let Some(local) = failure["local"].as_str().map(str::to_string) {
+                failure["entries"] = proxy.flow_entries(&local);
+            }
+        }
+        v
+    });
+    let [active, idle] = verdicts;
     let tally = stop_loads(loads);
     let diff = |a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>| -> Value {
         b.iter()
@@ -3045,8 +3111,8 @@ fn flood_phase(site: &Site, attacker: &NetNs, proxy: &dyn FloodedProxy) -> Value
         "flood": flood,
         "flood_seconds": (flood_to - flood_from) as f64 / 1e6,
         "flood_from_us": flood_from,
-        "established, active (a message every 50 ms)": active.verdict().json(),
-        "established, idle (a message every 4 s)": idle.verdict().json(),
+        "established, active (a message every 50 ms)": active,
+        "established, idle (a message every 4 s)": idle,
         "new connections": windows,
         "sticky client's backends": sticky_backends,
         "state at the flood's end": state_at_flood_end,
@@ -3269,10 +3335,35 @@ fn flood_from_outside_keeps_established_flows() {
     // limit, before the failure's kind was recorded.
     for kind in ["active (a message every 50 ms)", "idle (a message every 4 s)"] {
         let held = &default_run[format!("established, {kind}")];
+        // How each broke first, one line per failure and per conntrack entry of its flow (CI
+        // shows a failure's first lines), then everything.
+        let from = default_run["flood_from_us"].as_u64().unwrap_or(0) as f64;
+        let how: Vec<String> = held["failures"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|f| {
+                let at = f["at_us"]
+                    .as_u64()
+                    .map_or(f64::NAN, |at| (at as f64 - from) / 1e6);
+                let head = format!(
+                    "{} from {} at {at:+.1} s after the flood began; TCP {}",
+                    f["error"], f["local"], f["tcp_info"]
+                );
+                std::iter::once(head).chain(
+                    f["entries"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|e| format!("  {e}")),
+                )
+            })
+            .collect();
         assert_eq!(
             (held["broken"].as_u64(), held["moved_backend"].as_u64()),
             (Some(0), Some(0)),
-            "{kind} established connections survive the flood at the default sizes: {figures:#}"
+            "{kind} established connections survive the flood at the default sizes:\n{}\n{figures:#}",
+            how.join("\n")
         );
     }
     for phase in &ours {
