@@ -28,6 +28,7 @@ pub const AFFINITY6: &str = "lb6_affinity";
 pub const SOURCE_RANGES6: &str = "lb6_src_range";
 pub const CONNTRACK6: &str = "lb6_ct";
 pub const CONNTRACK_NEW6: &str = "lb6_ct_new";
+pub const FRAGMENTS6: &str = "lb6_frags";
 /// Service identity by reverse-NAT id: `u32` -> `SvcName`, for operators (CLI, bpftool); the
 /// programs never read it.
 pub const SVC_NAMES: &str = "lb_svc_names";
@@ -48,6 +49,9 @@ pub const CONNTRACK: &str = "lb4_ct";
 /// The tc path's flows not yet established (LRU), same layout as `lb4_ct`: a new flow's entries
 /// until its client goes past the handshake (`crate::conntrack`, "two tables").
 pub const CONNTRACK_NEW: &str = "lb4_ct_new";
+/// The ports of fragmented datagrams, from their first fragment (LRU, `crate::fragment`):
+/// `Frag4Key` -> `FragPorts`. Written by the tc programs.
+pub const FRAGMENTS: &str = "lb4_frags";
 /// The tc programs' prefilter (`crate::prefilter`), an array of `prefilter::WORDS` 64-bit words:
 /// `u32` -> `u64`. Written by the agent.
 pub const PREFILTER: &str = "lb4_prefilter";
@@ -80,6 +84,7 @@ pub const ALL: &[&str] = &[
     SOURCE_RANGES,
     CONNTRACK,
     CONNTRACK_NEW,
+    FRAGMENTS,
     PREFILTER,
     CONFIG,
     POD_INTERFACES,
@@ -94,6 +99,7 @@ pub const ALL: &[&str] = &[
     SOURCE_RANGES6,
     CONNTRACK6,
     CONNTRACK_NEW6,
+    FRAGMENTS6,
     PREFILTER6,
 ];
 
@@ -119,6 +125,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (SOURCE_RANGES, 1),
     (CONNTRACK, 1),
     (CONNTRACK_NEW, 1),
+    (FRAGMENTS, 1),
     (PREFILTER, 1),
     (CONFIG, 2),
     (POD_INTERFACES, 1),
@@ -133,6 +140,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (SOURCE_RANGES6, 1),
     (CONNTRACK6, 1),
     (CONNTRACK_NEW6, 1),
+    (FRAGMENTS6, 1),
     (PREFILTER6, 1),
 ];
 
@@ -172,6 +180,7 @@ pub struct FamilyMapNames {
     pub source_ranges: &'static str,
     pub conntrack: &'static str,
     pub conntrack_new: &'static str,
+    pub fragments: &'static str,
     pub prefilter: &'static str,
 }
 
@@ -191,6 +200,7 @@ impl FamilyMaps for V4 {
         source_ranges: SOURCE_RANGES,
         conntrack: CONNTRACK,
         conntrack_new: CONNTRACK_NEW,
+        fragments: FRAGMENTS,
         prefilter: PREFILTER,
     };
 }
@@ -206,6 +216,7 @@ impl FamilyMaps for V6 {
         source_ranges: SOURCE_RANGES6,
         conntrack: CONNTRACK6,
         conntrack_new: CONNTRACK_NEW6,
+        fragments: FRAGMENTS6,
         prefilter: PREFILTER6,
     };
 }
@@ -227,6 +238,9 @@ pub mod capacity {
     pub const CONNTRACK: u32 = 262_144;
     /// Flows in their handshake: a few seconds of new flows at a high rate, or of a flood.
     pub const CONNTRACK_NEW: u32 = 65_536;
+    /// Fragmented datagrams in flight (their first fragment seen, a later one not yet): fixed,
+    /// as Cilium's `--bpf-fragments-map-max` default.
+    pub const FRAGMENTS: u32 = 8_192;
     /// Pod interfaces of one node (a bridge and its ports, or every pod veth): fixed.
     pub const POD_INTERFACES: u32 = 16_384;
 }

@@ -20,6 +20,7 @@ pub mod config;
 pub mod conntrack;
 pub mod family;
 pub mod features;
+pub mod fragment;
 pub mod prefilter;
 pub mod ratelimit;
 pub mod revnat;

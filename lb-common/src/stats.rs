@@ -61,7 +61,8 @@ counters! {
     TcCtInsertFailed => "tc_ct_insert_failed",
     /// tc: no free masquerade port for the destination; the packet was dropped.
     TcSnatPortsExhausted => "tc_snat_ports_exhausted",
-    /// tc: an IP fragment; passed untouched (fragments are not translated).
+    /// tc: an IP fragment left untranslated: a later fragment whose first fragment was not seen
+    /// (reordered, or lost), or a fragment of a protocol other than TCP and UDP; passed untouched.
     TcFragment => "tc_fragment",
     /// tc: a packet too short for its headers; passed untouched.
     TcTruncated => "tc_truncated",
@@ -97,6 +98,9 @@ counters! {
     /// UDP datagram), and its entries moved from the new-flow table (`lb4_ct_new`) to the
     /// established one (`lb4_ct`), out of a flood's reach.
     TcFlowEstablished => "tc_flow_established",
+    /// tc (ingress and egress): a later fragment of a TCP or UDP datagram got its ports from the
+    /// datagram's first fragment (`lb_common::fragment`) and went the way the first one did.
+    TcFragmentFollowed => "tc_fragment_followed",
 }
 
 /// Number of counters (`lb_stats` max_entries).

@@ -13,6 +13,7 @@ use lb_common::{
     config::FamilySettings,
     conntrack::{CtKey, CtValue},
     family::{V4, V6},
+    fragment::{FragKey, FragPorts},
     prefilter,
     revnat::{RevNatValue, SockRevNatKey, SockRevNatSk, SockRevNatValue},
     service::{SrcRange, SvcKey, SvcValue},
@@ -20,8 +21,8 @@ use lb_common::{
 
 use crate::maps::{
     AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, CONNTRACK_NEW4, CONNTRACK_NEW6, CONNTRACK4, CONNTRACK6,
-    PREFILTER4, PREFILTER6, REVNAT4, REVNAT6, SERVICES4, SERVICES6, SOCK_REVNAT_SK4, SOCK_REVNAT_SK6,
-    SOCK_REVNAT4, SOCK_REVNAT6, SOURCE_RANGES4, SOURCE_RANGES6,
+    FRAGMENTS4, FRAGMENTS6, PREFILTER4, PREFILTER6, REVNAT4, REVNAT6, SERVICES4, SERVICES6, SOCK_REVNAT_SK4,
+    SOCK_REVNAT_SK6, SOCK_REVNAT4, SOCK_REVNAT6, SOURCE_RANGES4, SOURCE_RANGES6,
 };
 
 pub const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -41,6 +42,7 @@ pub type AffinityMap<F> = LruHashMap<AffinityKey<F>, AffinityValue, { capacity::
 pub type SourceRangesMap<F> =
     LpmTrie<SrcRange<F>, u8, { capacity::SOURCE_RANGES as usize }, { NO_PREALLOC | RDONLY_PROG }>;
 pub type ConntrackMap<F> = LruHashMap<CtKey<F>, CtValue<F>, { capacity::CONNTRACK as usize }>;
+pub type FragmentsMap<F> = LruHashMap<FragKey<F>, FragPorts, { capacity::FRAGMENTS as usize }>;
 pub type PrefilterMap = Array<u64, { prefilter::WORDS as usize }, RDONLY_PROG>;
 
 /// The maps of one family.
@@ -55,13 +57,15 @@ pub trait FamilyMaps: FamilySettings + AffinityClient {
     fn conntrack() -> &'static ConntrackMap<Self>;
     /// The conntrack table of flows not yet established (`lb4_ct_new`).
     fn conntrack_new() -> &'static ConntrackMap<Self>;
+    /// The ports of fragmented datagrams (`lb4_frags`).
+    fn fragments() -> &'static FragmentsMap<Self>;
     fn prefilter() -> &'static PrefilterMap;
 }
 
 macro_rules! family_maps {
     ($family:ty, $services:ident, $backends:ident, $revnat:ident, $sock_revnat:ident,
      $sock_revnat_sk:ident, $affinity:ident, $source_ranges:ident, $conntrack:ident,
-     $conntrack_new:ident, $prefilter:ident) => {
+     $conntrack_new:ident, $fragments:ident, $prefilter:ident) => {
         #[inline(always)]
         fn services() -> &'static ServicesMap<$family> {
             &$services
@@ -99,6 +103,10 @@ macro_rules! family_maps {
             &$conntrack_new
         }
         #[inline(always)]
+        fn fragments() -> &'static FragmentsMap<$family> {
+            &$fragments
+        }
+        #[inline(always)]
         fn prefilter() -> &'static PrefilterMap {
             &$prefilter
         }
@@ -117,6 +125,7 @@ impl FamilyMaps for V4 {
         SOURCE_RANGES4,
         CONNTRACK4,
         CONNTRACK_NEW4,
+        FRAGMENTS4,
         PREFILTER4
     );
 }
@@ -133,6 +142,7 @@ impl FamilyMaps for V6 {
         SOURCE_RANGES6,
         CONNTRACK6,
         CONNTRACK_NEW6,
+        FRAGMENTS6,
         PREFILTER6
     );
 }

@@ -22,8 +22,8 @@ use lb_common::{
 };
 
 use crate::family::{
-    AffinityMap, BackendsMap, ConntrackMap, NO_PREALLOC, PrefilterMap, RDONLY_PROG, RevNatMap, ServicesMap,
-    SockRevNatMap, SockRevNatSkMap, SourceRangesMap,
+    AffinityMap, BackendsMap, ConntrackMap, FragmentsMap, NO_PREALLOC, PrefilterMap, RDONLY_PROG, RevNatMap,
+    ServicesMap, SockRevNatMap, SockRevNatSkMap, SourceRangesMap,
 };
 
 /// Frontends and backend slots. Key: frontend (address, port, protocol, scope, slot). Value: slot 0
@@ -103,6 +103,14 @@ pub static CONNTRACK6: ConntrackMap<V6> = ConntrackMap::new();
 pub static CONNTRACK_NEW4: ConntrackMap<V4> = ConntrackMap::new();
 #[btf_map(name = "lb6_ct_new")]
 pub static CONNTRACK_NEW6: ConntrackMap<V6> = ConntrackMap::new();
+
+/// The ports of fragmented datagrams (`lb_common::fragment`), from their first fragment, for the
+/// later ones. Writers and readers: tc ingress and egress. LRU: a datagram's fragments arrive
+/// within moments of each other.
+#[btf_map(name = "lb4_frags")]
+pub static FRAGMENTS4: FragmentsMap<V4> = FragmentsMap::new();
+#[btf_map(name = "lb6_frags")]
+pub static FRAGMENTS6: FragmentsMap<V6> = FragmentsMap::new();
 
 /// The tc programs' prefilter (`lb_common::prefilter`): bit `b` is bit `b % 64` of word `b / 64`.
 /// Writer: agent. Readers: tc ingress and egress.

@@ -79,6 +79,17 @@ pub fn udp(place: Place<'_>, to: &str, count: u32, connected: bool) -> Vec<Value
     json_lines(&run_in(place, probe(), &args))
 }
 
+/// One UDP datagram of `payload` bytes (a pattern) and its answer, as large: past the MTU both go
+/// in IP fragments. `intact` in the result: the server got every byte, and the answer came whole.
+pub fn udp_payload(place: Place<'_>, to: &str, payload: usize) -> Value {
+    let payload = payload.to_string();
+    let args = ["udp", "--to", to, "--payload", &payload, "--timeout-ms", "2000"];
+    json_lines(&run_in(place, probe(), &args))
+        .into_iter()
+        .next()
+        .unwrap_or(Value::Null)
+}
+
 /// Starts `lb-probe hold`: one long-lived TCP connection exchanging a message every 50 ms.
 pub fn hold(place: Place<'_>, to: &str, seconds: u64) -> Proc {
     hold_every(place, to, seconds, 50, 2000)

@@ -961,7 +961,7 @@ fn non_service_traffic_passes_untouched() {
 }
 
 #[test]
-fn truncated_and_fragmented_packets_pass_untouched() {
+fn truncated_packets_pass_untouched() {
     let mut s = scratch(true);
     for f in FAMILIES {
         let full = tcp(f, CLIENT, 45100, "10.96.0.10", 80).build();
@@ -990,31 +990,150 @@ fn truncated_and_fragmented_packets_pass_untouched() {
             cut.len() as u64,
             "{f:?}: counted at ingress"
         );
-        // The first fragment (its ports are there, its length is not the datagram's) and a later
-        // one: never translated, counted.
-        let fragments = counter(&s, Counter::TcFragment);
-        let frags = [
-            Fragment {
-                offset: 0,
-                more: true,
-            },
-            Fragment {
-                offset: 185,
-                more: false,
-            },
-        ];
-        for frag in frags {
-            let mut spec = udp(f, CLIENT, 45101, "10.96.0.16", 53);
-            spec.fragment = Some(frag);
-            let p = spec.build();
-            let out = ingress(&mut s, &p);
-            assert_eq!(
-                (out.action, out.packet),
-                (OK, p),
-                "{f:?} {frag:?}: fragments are never translated"
-            );
+    }
+}
+
+/// `spec` as a fragment: the first (offset 0, more to come) or a later one (its bytes past the
+/// IP headers are payload: the builder's L4 header there is data the programs must not touch).
+fn fragment_of(mut spec: Spec, first: bool) -> Vec<u8> {
+    spec.fragment = Some(Fragment {
+        offset: if first { 0 } else { 185 },
+        more: first,
+    });
+    spec.build()
+}
+
+/// A later fragment translated: its addresses (and the IPv4 header checksum), nothing past the IP
+/// headers. `patched` with the packet's own ports rewrites the addresses alone.
+fn readdressed(f: Family, pkt: &[u8], src: Option<&str>, dst: Option<&str>) -> Vec<u8> {
+    let l4 = packet::layout(pkt).expect("an IP packet").l4;
+    let port = |at: usize| u16::from_be_bytes([pkt[at], pkt[at + 1]]);
+    quote_nat(f, pkt, src.map(|a| (a, port(l4))), dst.map(|a| (a, port(l4 + 2))))
+}
+
+/// Byte-for-byte, for later fragments (no L4 header to verify; `readdressed` computed the IPv4
+/// header checksum).
+fn assert_fragment(actual: &[u8], expected: &[u8], what: impl std::fmt::Display) {
+    if let Some(i) = (0..actual.len().max(expected.len())).find(|i| actual.get(*i) != expected.get(*i)) {
+        panic!("{what}: byte {i} differs\n  got      {actual:02x?}\n  expected {expected:02x?}");
+    }
+}
+
+/// Issue 21: only a datagram's first fragment carries its ports. The first fragment is
+/// translated as any packet, the later ones the same way at L3, through the ports the first one
+/// noted; in both directions, masqueraded or not. A later fragment whose first was not seen
+/// passes untranslated, counted.
+#[test]
+fn fragments_follow_their_first_fragment() {
+    let mut s = scratch(true);
+    for f in FAMILIES {
+        let followed = counter(&s, Counter::TcFragmentFollowed);
+        let untracked = counter(&s, Counter::TcFragment);
+
+        // UDP from a pod to a ClusterIP (not masqueraded), and the reply.
+        let dgram = udp(f, "10.244.2.20", 45600, "10.96.0.16", 53).data(&[0x5a; 64]);
+        let first = fragment_of(dgram.clone(), true);
+        assert_bytes(
+            &ingress(&mut s, &first).packet,
+            &nat(f, &first, None, Some(("10.244.1.5", 5353))),
+            format!("{f:?} UDP first fragment: DNAT"),
+        );
+        let later = fragment_of(dgram, false);
+        assert_fragment(
+            &ingress(&mut s, &later).packet,
+            &readdressed(f, &later, None, Some("10.244.1.5")),
+            format!("{f:?} UDP later fragment: DNAT of its address"),
+        );
+        let reply = udp(f, "10.244.1.5", 5353, "10.244.2.20", 45600).data(&[0xa5; 64]);
+        let first = fragment_of(reply.clone(), true);
+        assert_bytes(
+            &egress(&mut s, &first).packet,
+            &nat(f, &first, Some(("10.96.0.16", 53)), None),
+            format!("{f:?} UDP reply's first fragment: reverse NAT"),
+        );
+        let later = fragment_of(reply, false);
+        assert_fragment(
+            &egress(&mut s, &later).packet,
+            &readdressed(f, &later, Some("10.96.0.16"), None),
+            format!("{f:?} UDP reply's later fragment: reverse NAT of its address"),
+        );
+
+        // TCP from outside to a NodePort (masqueraded): the handshake whole, then a segment in
+        // fragments, and the reply's.
+        let syn = tcp(f, CLIENT, 45601, NODE_IP, 30080).build();
+        let dnat = ingress(&mut s, &syn).packet;
+        let port = summary(&egress(&mut s, &dnat).packet).sport;
+        let data = tcp(f, CLIENT, 45601, NODE_IP, 30080).data(&[0x33; 64]);
+        let first = fragment_of(data.clone(), true);
+        let dnat = ingress(&mut s, &first).packet;
+        assert_bytes(
+            &dnat,
+            &nat(f, &first, None, Some(("10.244.2.7", 8080))),
+            format!("{f:?} TCP first fragment: DNAT"),
+        );
+        assert_bytes(
+            &egress(&mut s, &dnat).packet,
+            &nat(f, &dnat, Some((NODE_IP, port)), None),
+            format!("{f:?} TCP first fragment: SNAT"),
+        );
+        let later = fragment_of(data, false);
+        let dnat = ingress(&mut s, &later).packet;
+        assert_fragment(
+            &dnat,
+            &readdressed(f, &later, None, Some("10.244.2.7")),
+            format!("{f:?} TCP later fragment: DNAT of its address"),
+        );
+        assert_fragment(
+            &egress(&mut s, &dnat).packet,
+            &readdressed(f, &dnat, Some(NODE_IP), None),
+            format!("{f:?} TCP later fragment: SNAT of its address"),
+        );
+        let reply = tcp(f, "10.244.2.7", 8080, NODE_IP, port).data(&[0x44; 64]);
+        for first in [true, false] {
+            let frag = fragment_of(reply.clone(), first);
+            let unsnat = ingress(&mut s, &frag);
+            assert_ne!(unsnat.mark, 0, "{f:?}: un-SNATed, marked for egress");
+            let out = egress_marked(&mut s, &unsnat.packet, unsnat.mark);
+            if first {
+                assert_bytes(
+                    &unsnat.packet,
+                    &nat(f, &frag, None, Some((CLIENT, 45601))),
+                    format!("{f:?} TCP reply's first fragment: un-SNAT"),
+                );
+                assert_bytes(
+                    &out.packet,
+                    &nat(f, &unsnat.packet, Some((NODE_IP, 30080)), None),
+                    format!("{f:?} TCP reply's first fragment: reverse NAT"),
+                );
+            } else {
+                assert_fragment(
+                    &unsnat.packet,
+                    &readdressed(f, &frag, None, Some(CLIENT)),
+                    format!("{f:?} TCP reply's later fragment: un-SNAT of its address"),
+                );
+                // The node's address both ways: the NodePort is on the node's address.
+                assert_fragment(
+                    &out.packet,
+                    &readdressed(f, &unsnat.packet, Some(NODE_IP), None),
+                    format!("{f:?} TCP reply's later fragment: reverse NAT of its address"),
+                );
+            }
         }
-        assert_eq!(counter(&s, Counter::TcFragment) - fragments, 2, "{f:?}");
+        // ingress and egress each followed the UDP pair's, the segment's and the reply's.
+        assert_eq!(counter(&s, Counter::TcFragmentFollowed) - followed, 6, "{f:?}");
+        assert_eq!(counter(&s, Counter::TcFragment), untracked, "{f:?}");
+
+        // A later fragment whose first one never came (the builder gives every packet one IP id:
+        // another source makes it another datagram): untouched, counted.
+        let mut stray = udp(f, "10.244.2.21", 45602, "10.96.0.16", 53).data(&[1; 64]);
+        stray.fragment = Some(Fragment {
+            offset: 185,
+            more: false,
+        });
+        let stray = stray.build();
+        let out = ingress(&mut s, &stray);
+        assert_eq!((out.action, out.packet), (OK, stray), "{f:?}: a stray fragment");
+        assert_eq!(counter(&s, Counter::TcFragment) - untracked, 1, "{f:?}");
     }
 }
 

@@ -18,7 +18,7 @@ use lb_tests::{
     probe,
     process::{Place, Proc},
     require_root,
-    topo::{Lan, Node, external_client},
+    topo::{Lan, Node, external_client, ipv6_twin},
 };
 use serde_json::Value;
 
@@ -267,6 +267,112 @@ fn external_traffic_through_the_tc_path() {
         );
         std::thread::sleep(Duration::from_millis(250));
     }
+}
+
+/// Issue 21: a UDP datagram larger than the MTU travels in IP fragments, and only the first
+/// carries the ports. From a client outside a dual-stack node, 4,000-byte datagrams over the LAN's
+/// 1,500-byte MTU to a NodePort and to a cluster IP routed to the node, in both families: the
+/// backend receives each whole (its checksum matches) and its answer, as large, comes back whole.
+#[test]
+fn fragmented_udp_datagrams_reach_the_backend_whole_in_both_families() {
+    require_root();
+    let bpffs = BpfFs::new();
+    let lan = Lan::new();
+    let mut node = Node::dual_stack(1);
+    let node_ip = node.attach_lan(&lan);
+    node.add_pod(2);
+    let (client, client_ip) = external_client(&lan, 1);
+    let client6 = format!("{}/64", ipv6_twin(client_ip));
+    client.ip(&["-6", "addr", "add", &client6, "dev", "eth0", "nodad"]);
+    // Cluster IPs reach the node from outside as through a router's static route.
+    client.ip(&["route", "add", "10.96.0.0/16", "via", &node_ip.to_string()]);
+    let node_ip6 = ipv6_twin(node_ip).to_string();
+    client.ip(&["-6", "route", "add", "fd00:10:96::/64", "via", &node_ip6]);
+    let pod = &node.pods[0];
+    let pod_ip6 = pod.ip6.expect("a dual-stack pod").to_string();
+    let _servers = [
+        probe::server(Place::netns(&pod.ns), &pod.ip.to_string(), &[], &["0.0.0.0:5353"]),
+        probe::server(
+            Place::netns(&pod.ns),
+            &pod_ip6,
+            &[],
+            &[&format!("[{pod_ip6}]:5353")],
+        ),
+    ];
+    let manifests = tempfile::tempdir().unwrap();
+    let pod_ip = pod.ip.to_string();
+    write_manifests(
+        manifests.path(),
+        "dns.yaml",
+        &[service("demo", "dns")
+            .cluster_ips(&["10.96.0.53", "fd00:10:96::53"])
+            .port("dns", "UDP", 53, 5353)
+            .node_port(30053)
+            .build()],
+        &[
+            slice("demo", "dns", "dns-1")
+                .endpoint(&pod_ip, "node-1", State::Ready)
+                .port("dns", "UDP", 5353)
+                .build(),
+            slice("demo", "dns", "dns-1-ipv6")
+                .endpoint(&pod_ip6, "node-1", State::Ready)
+                .port("dns", "UDP", 5353)
+                .build(),
+        ],
+    );
+    let cgroup = Cgroup::new("lbtopo");
+    let bpf_root = bpf_root_in(bpffs.path());
+    let _agent = Agent::start(AgentOptions {
+        netns: &node.ns,
+        cgroup: &cgroup,
+        bpf_root: bpf_root.clone(),
+        node_name: "node-1".into(),
+        manifests: Some(manifests.path().to_path_buf()),
+        kubeconfig: None,
+        extra_args: ["--cluster-cidr", "10.244.0.0/16,fd00:10:244::/48"]
+            .map(String::from)
+            .to_vec(),
+    });
+    let place = Place::netns(&client);
+    let destinations = [
+        format!("{node_ip}:30053"),
+        "10.96.0.53:53".to_string(),
+        format!("[{node_ip6}]:30053"),
+        "[fd00:10:96::53]:53".to_string(),
+    ];
+    // Served at all (small datagrams) before the large ones.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !destinations
+        .iter()
+        .all(|to| probe::udp(place, to, 1, false)[0]["ok"] == true)
+    {
+        assert!(Instant::now() < deadline, "the Service is not served within 20 s");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let followed_before = stat(&bpf_root, "tc_fragment_followed");
+    for to in &destinations {
+        for _ in 0..3 {
+            let r = probe::udp_payload(place, to, 4000);
+            assert_eq!(
+                (&r["ok"], &r["intact"], &r["sent_bytes"]),
+                (&Value::Bool(true), &Value::Bool(true), &Value::from(4000)),
+                "{to}: a 4,000-byte datagram and its answer, whole: {r}"
+            );
+        }
+    }
+    // Each datagram is 3 fragments each way (1,500-byte MTU): ingress and egress followed the
+    // later ones of every request and answer.
+    let followed = stat(&bpf_root, "tc_fragment_followed") - followed_before;
+    assert!(
+        followed >= 4 * 3 * 2 * 2,
+        "later fragments followed through their first: {followed}"
+    );
+}
+
+/// A data-path counter of `lb-agent stats -o json`.
+fn stat(bpf_root: &std::path::Path, name: &str) -> u64 {
+    let stats = inspect(bpf_root, "stats").unwrap_or_else(|e| panic!("{e}"));
+    stats[name].as_u64().unwrap_or(0)
 }
 
 #[test]

@@ -102,6 +102,12 @@ fn family_expected<F: FamilyMaps>(name: &str, caps: &Capacities) -> Option<Expec
             caps.conntrack_new
         };
         sizes(size_of::<CtKey<F>>(), size_of::<CtValue<F>>(), Some(capacity))
+    } else if name == maps.fragments {
+        sizes(
+            size_of::<lb_common::fragment::FragKey<F>>(),
+            size_of::<lb_common::fragment::FragPorts>(),
+            Some(lb_common::catalog::capacity::FRAGMENTS),
+        )
     } else if name == maps.prefilter {
         sizes(4, 8, Some(lb_common::prefilter::WORDS))
     } else {

@@ -1,5 +1,5 @@
 //! IPv4 and ICMPv4 on the tc path ([`Ip`] for `V4`): the header layout and offsets, options,
-//! fragments, the header checksum (which IPv6 does not have), ICMPv4's port unreachable and
+//! fragments (first or later, `super::fragment`), the header checksum (which IPv6 does not have), ICMPv4's port unreachable and
 //! error types, and which sources may get an ICMP error.
 
 use aya_ebpf::{
@@ -15,6 +15,7 @@ use lb_common::{
 use network_types::ip::Ipv4Hdr;
 
 use super::{
+    fragment,
     icmp_error::Quoted,
     ip::{Ip, csum_add_bytes, csum_fold},
     parse::{
@@ -32,6 +33,8 @@ const VIHL_NO_OPTIONS: u8 = 0x45;
 const HLEN: usize = Ipv4Hdr::LEN;
 /// More-fragments flag and fragment offset, in the header's flags/offset field.
 const FRAG_MASK: u16 = 0x3fff;
+/// The fragment offset alone.
+const FRAG_OFFSET: u16 = 0x1fff;
 /// Offsets inside the IPv4 header.
 const IP_CHECK: usize = 10;
 const IP_SADDR: usize = 12;
@@ -67,10 +70,6 @@ impl Ip for V4 {
         if ihl < HLEN {
             return Parsed::Truncated;
         }
-        // More-fragments set, or a non-zero offset: no (or not this packet's) L4 header.
-        if u16::from_be_bytes(ip.frags) & FRAG_MASK != 0 {
-            return Parsed::Fragment;
-        }
         let flow = Flow {
             saddr: ip.src_addr,
             daddr: ip.dst_addr,
@@ -78,7 +77,17 @@ impl Ip for V4 {
             dport: 0,
             proto: ip.proto,
         };
-        parse_l4::<V4>(ctx, ETH_HLEN + ihl, flow, proto::ICMP)
+        let frags = u16::from_be_bytes(ip.frags);
+        if frags & FRAG_MASK == 0 {
+            return parse_l4::<V4>(ctx, ETH_HLEN + ihl, flow, proto::ICMP);
+        }
+        // A fragment: more-fragments set, or a non-zero offset.
+        let id = u16::from_be_bytes(ip.id) as u32;
+        if frags & FRAG_OFFSET == 0 {
+            fragment::first(parse_l4::<V4>(ctx, ETH_HLEN + ihl, flow, proto::ICMP), id)
+        } else {
+            fragment::later(flow, ETH_HLEN + ihl, id)
+        }
     }
 
     #[inline(always)]
@@ -90,14 +99,16 @@ impl Ip for V4 {
             u32::from_ne_bytes(old_addr) as u64,
             u32::from_ne_bytes(addr) as u64,
         );
+        // A later fragment has no L4 header: its addresses only (the IP header checksum).
+        let l4_too = !pkt.later_fragment;
         // The L4 checksum always goes through the helper: only the kernel knows how it holds it
         // (the full sum, or the pseudo-header sum of an offloaded packet) and keeps skb->csum
         // right.
-        if old_addr != addr {
+        if l4_too && old_addr != addr {
             ctx.l4_csum_replace(csum_off, from, to, BPF_F_PSEUDO_HDR as u64 | mangled | 4)
                 .map_err(|_| ())?;
         }
-        if old_port != port {
+        if l4_too && old_port != port {
             port_changed(ctx, csum_off, mangled, old_port, port)?;
         }
         if pkt.l4 == ETH_HLEN + HLEN {
@@ -129,7 +140,7 @@ impl Ip for V4 {
                     *check_at = csum_fold(sum).to_be_bytes();
                     *(headers.add(ip_off) as *mut [u8; 4]) = addr;
                 }
-                if old_port != port {
+                if l4_too && old_port != port {
                     *(headers.add(port_at) as *mut [u8; 2]) = port.to_be_bytes();
                 }
             }
@@ -140,7 +151,7 @@ impl Ip for V4 {
                 .map_err(|_| ())?;
             ctx.store(ip_off, &addr, 0).map_err(|_| ())?;
         }
-        if old_port != port {
+        if l4_too && old_port != port {
             ctx.store(port_off, &port.to_be_bytes(), 0).map_err(|_| ())?;
         }
         Ok(())

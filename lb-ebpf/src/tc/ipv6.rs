@@ -1,6 +1,6 @@
 //! IPv6 and ICMPv6 on the tc path ([`Ip`] for `V6`): the fixed header, extension headers
 //! (hop-by-hop, routing, destination options, authentication walked over; a fragment header
-//! makes the packet a fragment), no header checksum (an address change shows only in the L4 and
+//! makes the packet a fragment, first or later: `super::fragment`), no header checksum (an address change shows only in the L4 and
 //! ICMPv6 checksums, through their pseudo-header), ICMPv6's port unreachable and error types
 //! (Packet Too Big included: IPv6 routers never fragment, so PMTU discovery depends on it), and
 //! which sources may get an ICMPv6 error. Neighbour discovery and router advertisements are
@@ -19,6 +19,7 @@ use lb_common::{
 };
 
 use super::{
+    fragment,
     icmp_error::Quoted,
     ip::{Ip, csum_add_bytes, csum_add_range, csum_fold},
     parse::{ETH_HLEN, Flow, ICMP_CHECK, ICMP_HLEN, Packet, Parsed, parse_l4, port_changed, ptr_at, skb},
@@ -45,6 +46,8 @@ const MAX_EXT_HEADERS: usize = 4;
 /// The fragment offset and more-fragments bits of a fragment header (RFC 8200 4.5); a fragment
 /// header with neither is an atomic fragment (RFC 6946), a whole packet.
 const FRAG_OFFSET_AND_MORE: u16 = 0xfff9;
+/// The fragment offset alone.
+const FRAG_OFFSET: u16 = 0xfff8;
 
 /// ICMPv6 types and codes (RFC 4443).
 const ICMP6_DEST_UNREACH: u8 = 1;
@@ -108,6 +111,7 @@ impl Ip for V6 {
         };
         let mut off = ETH_HLEN + HLEN;
         let mut walked = 0;
+        let mut fragment_id = None;
         while walked < MAX_EXT_HEADERS {
             match next {
                 HOPOPTS | ROUTING | DSTOPTS | MOBILITY => {
@@ -125,20 +129,36 @@ impl Ip for V6 {
                     off += (h[1] as usize + 2) * 4;
                 }
                 FRAGMENT => {
-                    let Ok(h) = ctx.load::<[u8; 4]>(off) else {
+                    let Ok(h) = ctx.load::<[u8; 8]>(off) else {
                         return Parsed::Truncated;
                     };
-                    if u16::from_be_bytes([h[2], h[3]]) & FRAG_OFFSET_AND_MORE != 0 {
-                        return Parsed::Fragment;
-                    }
                     next = h[0];
                     off += 8;
+                    let field = u16::from_be_bytes([h[2], h[3]]);
+                    if field & FRAG_OFFSET_AND_MORE != 0 {
+                        // A fragment of a larger datagram; its id is the header's last 4 bytes.
+                        // What follows a first fragment's header is parsed as any packet's (only
+                        // TCP and UDP directly after it are followed).
+                        let id = u32::from_be_bytes([h[4], h[5], h[6], h[7]]);
+                        if field & FRAG_OFFSET != 0 {
+                            let flow = Flow {
+                                saddr,
+                                daddr,
+                                sport: 0,
+                                dport: 0,
+                                proto: next,
+                            };
+                            return fragment::later(flow, off, id);
+                        }
+                        fragment_id = Some(id);
+                        break;
+                    }
                 }
                 _ => break,
             }
             walked += 1;
         }
-        if matches!(next, HOPOPTS | ROUTING | DSTOPTS | MOBILITY | AUTH | FRAGMENT) {
+        if fragment_id.is_none() && matches!(next, HOPOPTS | ROUTING | DSTOPTS | MOBILITY | AUTH | FRAGMENT) {
             // More extension headers than a Service's traffic carries: left alone.
             return Parsed::Skip;
         }
@@ -149,7 +169,10 @@ impl Ip for V6 {
             dport: 0,
             proto: next,
         };
-        parse_l4::<V6>(ctx, off, flow, proto::ICMPV6)
+        match fragment_id {
+            None => parse_l4::<V6>(ctx, off, flow, proto::ICMPV6),
+            Some(id) => fragment::first(parse_l4::<V6>(ctx, off, flow, proto::ICMPV6), id),
+        }
     }
 
     /// Only the L4 checksum covers the addresses (through its pseudo-header).
@@ -158,6 +181,17 @@ impl Ip for V6 {
         let (old_addr, old_port, port_off) = pkt.endpoint(source);
         let ip_off = ETH_HLEN + if source { Self::SADDR } else { Self::DADDR };
         let (csum_off, mangled) = pkt.l4_csum();
+        if pkt.later_fragment {
+            // No L4 header, and no IP header checksum: the address alone, and skb->csum of a
+            // CHECKSUM_COMPLETE packet follows it (nothing cancels the change out here).
+            if old_addr != addr {
+                let diff = csum_diff(&old_addr, &addr);
+                ctx.store(ip_off, &addr, 0).map_err(|_| ())?;
+                // SAFETY: as in `pseudo_header_changed`.
+                unsafe { bpf_csum_update(ctx.as_ptr() as *mut _, diff as u32) };
+            }
+            return Ok(());
+        }
         if old_addr != addr {
             pseudo_header_changed(ctx, csum_off, csum_diff(&old_addr, &addr), mangled)?;
             ctx.store(ip_off, &addr, 0).map_err(|_| ())?;

@@ -19,10 +19,11 @@
 //! ICMP port unreachable (kube-proxy's REJECT); a Local policy without local endpoints and a source
 //! outside loadBalancerSourceRanges are dropped.
 //!
-//! Anything that cannot be translated safely passes untouched and is counted: truncated packets,
-//! fragments (IPv4 fragments, IPv6 packets with a fragment header that is not atomic), SCTP (its
-//! CRC32c checksum cannot be updated incrementally), other protocols; also IPv6 packets with more
-//! than four extension headers (not counted).
+//! IP fragments of TCP and UDP datagrams are translated: the first one as any packet, the later
+//! ones with the first one's ports (`fragment`). Anything that cannot be translated safely passes
+//! untouched and is counted: truncated packets, fragments whose first fragment was not seen (or
+//! of other protocols), SCTP (its CRC32c checksum cannot be updated incrementally), other
+//! protocols; also IPv6 packets with more than four extension headers (not counted).
 //!
 //! Both families go through one code path, written over `F: Ip` and monomorphised for `V4` and
 //! `V6` inside each program; the Ethernet type picks the instance. One job per file; this one
@@ -31,6 +32,7 @@
 //! - `ipv4`, `ipv6`: each family's headers, checksums, ICMP types, port unreachable and which
 //!   sources may get an ICMP error (IPv6: extension headers, no header checksum, Packet Too Big);
 //! - `parse`: the packet (`Flow`, `Packet`, `Parsed`) and bounds-checked access to it;
+//! - `fragment`: the ports of a fragmented datagram, from its first fragment to the later ones;
 //! - `prefilter`: whether a packet may concern the programs at all (one bit of an array);
 //! - `conntrack`: packets of tracked flows at ingress and egress, close and liveness notes, the
 //!   un-SNAT mark, and the move of a flow from the new-flow table to the established one;
@@ -46,6 +48,7 @@
 //! change stack slots and block layout. Compare the object's program sections before and after.
 
 mod conntrack;
+mod fragment;
 mod icmp_error;
 mod ip;
 mod ipv4;

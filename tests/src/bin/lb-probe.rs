@@ -62,6 +62,11 @@ enum Cmd {
         connected: bool,
         #[arg(long, default_value_t = 1000)]
         timeout_ms: u64,
+        /// Bytes of payload (a pattern) instead of `hello`. The server answers a datagram with at
+        /// least as many bytes, and says how many it got and their checksum: past the MTU, the
+        /// datagram travels in IP fragments both ways.
+        #[arg(long, default_value_t = 0)]
+        payload: usize,
     },
     /// Endless load for the sandbox: one request every interval, one JSON line each, as `tcp`,
     /// `udp` or `http` print them.
@@ -272,11 +277,18 @@ fn serve(tcp: Vec<SocketAddr>, udp: Vec<SocketAddr>, name: Option<String>) {
         handles.push(thread::spawn(move || {
             let mut buf = [0u8; 65536];
             loop {
-                let Ok((_, peer)) = sock.recv_from(&mut buf) else {
+                let Ok((n, peer)) = sock.recv_from(&mut buf) else {
                     continue;
                 };
                 let local = sock.local_addr().expect("local addr");
-                let _ = sock.send_to(answer(&name, local, peer, json!(null)).as_bytes(), peer);
+                let got = json!({"bytes": n, "fnv1a": format!("{:016x}", fnv1a(&buf[..n]))});
+                // As large as the request (JSON ends at its closing brace; spaces pad it), so a
+                // large request gets a reply in fragments too.
+                let mut reply = answer(&name, local, peer, got).into_bytes();
+                if reply.len() < n {
+                    reply.resize(n, b' ');
+                }
+                let _ = sock.send_to(&reply, peer);
             }
         }));
     }
@@ -354,13 +366,18 @@ fn udp_socket_for(to: SocketAddr) -> UdpSocket {
     UdpSocket::bind(any).unwrap_or_else(|e| panic!("bind udp {any}: {e}"))
 }
 
-fn udp_once(to: SocketAddr, connected: bool, timeout: Duration) -> serde_json::Value {
+fn udp_once(to: SocketAddr, connected: bool, timeout: Duration, payload: usize) -> serde_json::Value {
     let sock = udp_socket_for(to);
     let _ = sock.set_read_timeout(Some(timeout));
-    let sent = if connected {
-        sock.connect(to).and_then(|()| sock.send(b"hello"))
+    let data: Vec<u8> = if payload == 0 {
+        b"hello".to_vec()
     } else {
-        sock.send_to(b"hello", to)
+        (0..payload).map(|i| (i * 7 + i / 251) as u8).collect()
+    };
+    let sent = if connected {
+        sock.connect(to).and_then(|()| sock.send(&data))
+    } else {
+        sock.send_to(&data, to)
     };
     if let Err(e) = sent {
         return json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)});
@@ -370,11 +387,15 @@ fn udp_once(to: SocketAddr, connected: bool, timeout: Duration) -> serde_json::V
     } else {
         None
     };
-    let mut buf = [0u8; 4096];
+    let mut buf = vec![0u8; 65536];
     match sock.recv_from(&mut buf) {
         Ok((n, from)) => {
             let reply: serde_json::Value = serde_json::from_slice(&buf[..n]).unwrap_or(json!(null));
-            json!({"ok": true, "from": from.to_string(), "peer": peer, "reply": reply})
+            // The server got the datagram whole, and its answer came back whole (as long).
+            let intact = reply["extra"]["bytes"] == data.len()
+                && reply["extra"]["fnv1a"] == format!("{:016x}", fnv1a(&data))
+                && n >= data.len();
+            json!({"ok": true, "from": from.to_string(), "peer": peer, "reply": reply, "sent_bytes": data.len(), "received_bytes": n, "intact": intact})
         }
         Err(e) => json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e), "peer": peer}),
     }
@@ -491,9 +512,12 @@ fn hold(to: SocketAddr, interval: Duration, seconds: u64, read_timeout: Duration
                 return;
             }
             Err(e) => {
+                // The client's port names the connection's conntrack entries; the kernel's view
+                // says which side went silent (retransmissions unanswered, or nothing sent).
+                let local = stream.local_addr().map(|a| a.to_string()).ok();
                 println!(
                     "{}",
-                    json!({"ok": false, "seq": n, "error": e.to_string(), "errno": errno_of(&e), "at_us": unix_us()})
+                    json!({"ok": false, "seq": n, "error": e.to_string(), "errno": errno_of(&e), "at_us": unix_us(), "local": local, "tcp_info": tcp_info(&stream)})
                 );
                 return;
             }
@@ -502,6 +526,37 @@ fn hold(to: SocketAddr, interval: Duration, seconds: u64, read_timeout: Duration
         thread::sleep(interval);
     }
     println!("{}", json!({"done": true, "exchanges": n}));
+}
+
+/// A TCP socket's state as the kernel sees it (`TCP_INFO`): what a stalled connection's
+/// retransmissions and timers were doing.
+fn tcp_info(stream: &TcpStream) -> serde_json::Value {
+    use std::os::fd::AsRawFd;
+    // SAFETY: tcp_info is plain data; getsockopt writes at most `len` bytes into it.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&raw mut info).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return json!(null);
+    }
+    json!({
+        "state": info.tcpi_state,
+        "retransmits": info.tcpi_retransmits,
+        "total_retrans": info.tcpi_total_retrans,
+        "unacked": info.tcpi_unacked,
+        "rto_us": info.tcpi_rto,
+        "last_data_sent_ms": info.tcpi_last_data_sent,
+        "last_data_recv_ms": info.tcpi_last_data_recv,
+        "last_ack_recv_ms": info.tcpi_last_ack_recv,
+    })
 }
 
 fn http_get(to: SocketAddr, path: &str, timeout: Duration) -> serde_json::Value {
@@ -558,9 +613,13 @@ fn main() {
             count,
             connected,
             timeout_ms,
+            payload,
         } => {
             for _ in 0..count {
-                println!("{}", udp_once(to, connected, Duration::from_millis(timeout_ms)));
+                println!(
+                    "{}",
+                    udp_once(to, connected, Duration::from_millis(timeout_ms), payload)
+                );
             }
         }
         Cmd::Load {
@@ -582,7 +641,7 @@ fn main() {
                     "tcp" => tcp_once(to, 0, timeout),
                     "udp" => match &flow {
                         Some(sock) => udp_exchange(sock, to),
-                        None => udp_once(to, false, timeout),
+                        None => udp_once(to, false, timeout, 0),
                     },
                     _ => {
                         // An HTTP GET whose JSON body says who answered and whom it saw.
