@@ -3122,6 +3122,33 @@ fn flood_phase(site: &Site, attacker: &NetNs, proxy: &dyn FloodedProxy) -> Value
     })
 }
 
+/// Each broken connection of a flood run's `kind` of held connections: how and when (against the
+/// flood's start), then what the client's kernel (TCP_INFO) and the proxy's conntrack tables
+/// showed of it, one line each.
+fn broken_connections(run: &Value, kind: &str) -> Vec<(String, Vec<String>)> {
+    let from = run["flood_from_us"].as_u64().unwrap_or(0) as f64;
+    run[format!("established, {kind}")]["failures"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|f| {
+            let at = f["at_us"].as_u64().map_or(String::new(), |at| {
+                format!(" at {:+.1} s", (at as f64 - from) / 1e6)
+            });
+            let how = format!("{}{at}", f["error"].as_str().unwrap_or("?"));
+            let mut detail = vec![format!("  from {}; TCP {}", f["local"], f["tcp_info"])];
+            detail.extend(
+                f["entries"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|e| format!("  {e}")),
+            );
+            (how, detail)
+        })
+        .collect()
+}
+
 /// The second lb-agent run of the flood: conntrack tables the flood fills.
 const SMALL_TABLES: [&str; 4] = ["--bpf-ct-map-max", "65536", "--bpf-ct-new-map-max", "16384"];
 const SMALL_NEW_FLOW_TABLE: u64 = 16_384;
@@ -3224,17 +3251,9 @@ fn flood_from_outside_keeps_established_flows() {
     let held = |v: &Value, kind: &str| -> String {
         let h = &v[format!("established, {kind}")];
         let longest = format!("; longest exchange {} ms", h["longest_exchange_ms"]);
-        let from = v["flood_from_us"].as_u64().unwrap_or(0) as f64;
-        let how: Vec<String> = h["failures"]
-            .as_array()
+        let how: Vec<String> = broken_connections(v, kind)
             .into_iter()
-            .flatten()
-            .map(|f| {
-                let at = f["at_us"].as_u64().map_or(String::new(), |at| {
-                    format!(" at {:+.1} s", (at as f64 - from) / 1e6)
-                });
-                format!("{}{at}", f["error"].as_str().unwrap_or("?"))
-            })
+            .map(|(how, _)| how)
             .collect();
         let mut text = format!("{} of {} broken", h["broken"], h["connections"]);
         if !how.is_empty() {
@@ -3335,29 +3354,11 @@ fn flood_from_outside_keeps_established_flows() {
     // limit, before the failure's kind was recorded.
     for kind in ["active (a message every 50 ms)", "idle (a message every 4 s)"] {
         let held = &default_run[format!("established, {kind}")];
-        // How each broke first, one line per failure and per conntrack entry of its flow (CI
-        // shows a failure's first lines), then everything.
-        let from = default_run["flood_from_us"].as_u64().unwrap_or(0) as f64;
-        let how: Vec<String> = held["failures"]
-            .as_array()
+        // How each broke first, then what the client's kernel and the conntrack tables showed of
+        // it (CI shows a failure's first lines), then everything.
+        let how: Vec<String> = broken_connections(default_run, kind)
             .into_iter()
-            .flatten()
-            .flat_map(|f| {
-                let at = f["at_us"]
-                    .as_u64()
-                    .map_or(f64::NAN, |at| (at as f64 - from) / 1e6);
-                let head = format!(
-                    "{} from {} at {at:+.1} s after the flood began; TCP {}",
-                    f["error"], f["local"], f["tcp_info"]
-                );
-                std::iter::once(head).chain(
-                    f["entries"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .map(|e| format!("  {e}")),
-                )
-            })
+            .flat_map(|(how, detail)| std::iter::once(how).chain(detail))
             .collect();
         assert_eq!(
             (held["broken"].as_u64(), held["moved_backend"].as_u64()),

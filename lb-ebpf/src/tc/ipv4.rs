@@ -70,13 +70,7 @@ impl Ip for V4 {
         if ihl < HLEN {
             return Parsed::Truncated;
         }
-        let flow = Flow {
-            saddr: ip.src_addr,
-            daddr: ip.dst_addr,
-            sport: 0,
-            dport: 0,
-            proto: ip.proto,
-        };
+        let flow = Flow::without_ports(ip.src_addr, ip.dst_addr, ip.proto);
         let frags = u16::from_be_bytes(ip.frags);
         if frags & FRAG_MASK == 0 {
             return parse_l4::<V4>(ctx, ETH_HLEN + ihl, flow, proto::ICMP);

@@ -141,14 +141,7 @@ impl Ip for V6 {
                         // TCP and UDP directly after it are followed).
                         let id = u32::from_be_bytes([h[4], h[5], h[6], h[7]]);
                         if field & FRAG_OFFSET != 0 {
-                            let flow = Flow {
-                                saddr,
-                                daddr,
-                                sport: 0,
-                                dport: 0,
-                                proto: next,
-                            };
-                            return fragment::later(flow, off, id);
+                            return fragment::later(Flow::without_ports(saddr, daddr, next), off, id);
                         }
                         fragment_id = Some(id);
                         break;
@@ -162,13 +155,7 @@ impl Ip for V6 {
             // More extension headers than a Service's traffic carries: left alone.
             return Parsed::Skip;
         }
-        let flow = Flow {
-            saddr,
-            daddr,
-            sport: 0,
-            dport: 0,
-            proto: next,
-        };
+        let flow = Flow::without_ports(saddr, daddr, next);
         match fragment_id {
             None => parse_l4::<V6>(ctx, off, flow, proto::ICMPV6),
             Some(id) => fragment::first(parse_l4::<V6>(ctx, off, flow, proto::ICMPV6), id),

@@ -34,6 +34,18 @@ pub(super) struct Flow<F: Family> {
 }
 
 impl<F: Family> Flow<F> {
+    /// A flow of `proto` between two addresses, its ports not read yet.
+    #[inline(always)]
+    pub(super) fn without_ports(saddr: F::Addr, daddr: F::Addr, proto: u8) -> Flow<F> {
+        Flow {
+            saddr,
+            daddr,
+            sport: 0,
+            dport: 0,
+            proto,
+        }
+    }
+
     #[inline(always)]
     pub(super) fn key(&self, direction: u8) -> CtKey<F> {
         CtKey {
