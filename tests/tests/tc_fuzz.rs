@@ -369,9 +369,17 @@ enum Parsed {
     /// Not IPv4 or IPv6, or more IPv6 extension headers than the programs walk.
     NotIp,
     Truncated,
+    /// A fragment the programs leave alone: of another protocol than TCP and UDP, or a later one
+    /// whose first fragment was not seen.
     Fragment,
-    /// TCP, UDP or SCTP, and the offset of the L4 header.
+    /// TCP, UDP or SCTP, and the offset of the L4 header (a first fragment too, TCP or UDP).
     L4(Tuple, usize),
+    /// A later fragment of a TCP or UDP datagram (no L4 header; the ports are not known to
+    /// `parse`): its tuple without ports, its IP id.
+    LaterUnresolved(Tuple, u32),
+    /// A later fragment whose first fragment was seen: the tuple with the first one's ports. The
+    /// programs translate it at L3 only.
+    Later(Tuple),
     /// ICMP or ICMPv6: outer addresses, the offset of the ICMP header, and the quoted packet of an
     /// error the programs read (the types that quote a packet, quoting TCP/UDP right after a
     /// fixed header: 20 bytes in IPv4, 40 and no extension headers in IPv6), with its offset.
@@ -412,6 +420,7 @@ fn parse(p: &[u8]) -> Parsed {
     if p.len() < 14 + hlen {
         return Parsed::Truncated;
     }
+    let mut first_fragment = false;
     let (l4, proto) = match family {
         Family::V4 => {
             if p[14] >> 4 != 4 {
@@ -421,8 +430,13 @@ fn parse(p: &[u8]) -> Parsed {
             if ihl < 20 {
                 return Parsed::Truncated;
             }
-            if be16(p, 20) & 0x3fff != 0 {
-                return Parsed::Fragment;
+            let frags = be16(p, 20);
+            if frags & 0x3fff != 0 {
+                // A fragment: the first one (offset 0) is parsed on; a later one has no ports.
+                if frags & 0x1fff != 0 {
+                    return later_fragment(p, Family::V4, p[23], u32::from(be16(p, 18)));
+                }
+                first_fragment = true;
             }
             (14 + ihl, p[23])
         }
@@ -446,19 +460,26 @@ fn parse(p: &[u8]) -> Parsed {
                         next = following;
                     }
                     FRAGMENT => {
-                        if p.len() < off + 4 {
+                        if p.len() < off + 8 {
                             return Parsed::Truncated;
                         }
-                        if be16(p, off + 2) & 0xfff9 != 0 {
-                            return Parsed::Fragment;
-                        }
+                        let field = be16(p, off + 2);
                         next = p[off];
                         off += 8;
+                        if field & 0xfff9 != 0 {
+                            if field & 0xfff8 != 0 {
+                                let id = u32::from_be_bytes([p[off - 4], p[off - 3], p[off - 2], p[off - 1]]);
+                                return later_fragment(p, Family::V6, next, id);
+                            }
+                            // A first fragment: what follows its header is parsed as is.
+                            first_fragment = true;
+                            break;
+                        }
                     }
                     _ => break,
                 }
             }
-            if matches!(next, HOPOPTS | ROUTING | DSTOPTS | 135 | AUTH | FRAGMENT) {
+            if !first_fragment && matches!(next, HOPOPTS | ROUTING | DSTOPTS | 135 | AUTH | FRAGMENT) {
                 return Parsed::NotIp;
             }
             (off, next)
@@ -472,6 +493,10 @@ fn parse(p: &[u8]) -> Parsed {
         dport: 0,
         proto,
     };
+    if first_fragment && !matches!(proto, TCP | UDP) {
+        // SCTP, ICMP or other first fragments: left alone, as the later ones.
+        return Parsed::Fragment;
+    }
     match proto {
         TCP | UDP | SCTP => {
             let need = if proto == TCP { 20 } else { 8 };
@@ -521,10 +546,65 @@ fn parse(p: &[u8]) -> Parsed {
     }
 }
 
+/// A later fragment of family `family` (`proto` from its IP header or fragment header).
+fn later_fragment(p: &[u8], family: Family, proto: u8, id: u32) -> Parsed {
+    if !matches!(proto, TCP | UDP) {
+        return Parsed::Fragment;
+    }
+    let (src_at, dst_at, _) = addr_fields(family, 14);
+    let t = Tuple {
+        src: addr_at(p, src_at, family),
+        dst: addr_at(p, dst_at, family),
+        sport: 0,
+        dport: 0,
+        proto,
+    };
+    Parsed::LaterUnresolved(t, id)
+}
+
+/// What identifies a fragmented datagram (`lb_common::fragment::FragKey`): addresses, protocol,
+/// IP id.
+type FragKey = (IpAddr, IpAddr, u8, u32);
+
+/// The IP id of a first fragment (`parse` said L4), if it is one.
+fn first_fragment_id(p: &[u8]) -> Option<u32> {
+    match be16(p, 12) {
+        0x0800 => {
+            let frags = be16(p, 20);
+            (frags & 0x3fff != 0 && frags & 0x1fff == 0).then(|| u32::from(be16(p, 18)))
+        }
+        0x86dd => {
+            let (mut next, mut off) = (p[20], 14 + 40);
+            for _ in 0..4 {
+                match next {
+                    HOPOPTS | ROUTING | DSTOPTS | 135 | AUTH => {
+                        let (following, len) = (p[off], usize::from(p[off + 1]));
+                        off += if next == AUTH {
+                            (len + 2) * 4
+                        } else {
+                            (len + 1) * 8
+                        };
+                        next = following;
+                    }
+                    FRAGMENT => {
+                        return (be16(p, off + 2) & 0xfff9 != 0)
+                            .then(|| u32::from_be_bytes([p[off + 4], p[off + 5], p[off + 6], p[off + 7]]));
+                    }
+                    _ => return None,
+                }
+            }
+            None
+        }
+        _ => None,
+    }
+}
+
 /// The family of a parsed TCP/UDP/ICMP packet.
 fn family_of(parsed: &Parsed) -> Option<Family> {
     match parsed {
-        Parsed::L4(t, _) | Parsed::Icmp(t, _, _) => Some(t.family()),
+        Parsed::L4(t, _) | Parsed::Icmp(t, _, _) | Parsed::Later(t) | Parsed::LaterUnresolved(t, _) => {
+            Some(t.family())
+        }
         _ => None,
     }
 }
@@ -550,6 +630,8 @@ struct Stats {
     checksum_checked: usize,
     conntrack: BTreeMap<&'static str, usize>,
     sentinels: usize,
+    /// First fragments noted, later ones followed (their first seen) and left alone (not seen).
+    fragments: BTreeMap<&'static str, usize>,
 }
 
 impl Stats {
@@ -571,6 +653,7 @@ impl Stats {
         self.checksum_checked += other.checksum_checked;
         add(&mut self.conntrack, other.conntrack);
         self.sentinels += other.sentinels;
+        add(&mut self.fragments, other.fragments);
     }
 
     fn modified(&mut self, what: &str, family: Family) {
@@ -600,6 +683,14 @@ fn mutable_offsets(hook: Hook, parsed: &Parsed) -> BTreeSet<usize> {
                 range(*l4, 2);
             }
             range(l4 + if t.proto == TCP { 16 } else { 6 }, 2);
+        }
+        Parsed::Later(t) => {
+            // No L4 header: the address of the hook's side, and the IPv4 header checksum.
+            let (src, dst, len) = addr_fields(t.family(), ETH_HLEN);
+            if t.family() == Family::V4 {
+                range(24, 2);
+            }
+            range(if hook == Hook::Ingress { dst } else { src }, len);
         }
         Parsed::Icmp(outer, l4, Some((_, q))) => {
             let family = outer.family();
@@ -632,10 +723,10 @@ fn mutable_offsets(hook: Hook, parsed: &Parsed) -> BTreeSet<usize> {
 fn candidate(w: &World, hook: Hook, parsed: &Parsed, mark: u32) -> bool {
     match (hook, parsed) {
         (_, Parsed::L4(t, _)) if t.proto == SCTP => false,
-        (Hook::Ingress, Parsed::L4(t, _)) => {
+        (Hook::Ingress, Parsed::L4(t, _) | Parsed::Later(t)) => {
             w.frontends.contains_key(&(t.dst, t.dport, t.proto)) || t.dst == w.snat(t.family())
         }
-        (Hook::Egress, Parsed::L4(t, _)) => {
+        (Hook::Egress, Parsed::L4(t, _) | Parsed::Later(t)) => {
             w.valid_mark(mark, t.family())
                 || w.backend_addrs.contains(&t.src)
                 || w.backend_addrs.contains(&t.dst)
@@ -700,6 +791,11 @@ struct Fuzzer {
     seen: Vec<Vec<u8>>,
     /// (source address, source port) of every TCP/UDP packet run so far.
     sources: BTreeSet<(IpAddr, u16)>,
+    /// The ports the programs noted from first fragments (`lb4_frags`, `lb6_frags`), by datagram:
+    /// both programs note every first fragment of a TCP or UDP datagram they parse.
+    fragments: BTreeMap<FragKey, (u16, u16)>,
+    /// The last first fragment generated, for a later fragment of its datagram.
+    last_first_fragment: Option<packet::Spec>,
 }
 
 impl Fuzzer {
@@ -745,7 +841,25 @@ impl Fuzzer {
             "egress"
         };
         *self.stats.by_action.entry((hook_name, run.action)).or_default() += 1;
-        let parsed = parse(input);
+        let mut parsed = parse(input);
+        match parsed {
+            Parsed::L4(t, _) if matches!(t.proto, TCP | UDP) => {
+                if let Some(id) = first_fragment_id(input) {
+                    self.fragments
+                        .insert((t.src, t.dst, t.proto, id), (t.sport, t.dport));
+                    *self.stats.fragments.entry("first").or_default() += 1;
+                }
+            }
+            Parsed::LaterUnresolved(t, id) => {
+                let (resolved, kind) = match self.fragments.get(&(t.src, t.dst, t.proto, id)) {
+                    Some(&(sport, dport)) => (Parsed::Later(Tuple { sport, dport, ..t }), "later, followed"),
+                    None => (Parsed::Fragment, "later, first not seen"),
+                };
+                parsed = resolved;
+                *self.stats.fragments.entry(kind).or_default() += 1;
+            }
+            _ => {}
+        }
         let family = family_of(&parsed);
         *self
             .stats
@@ -905,6 +1019,39 @@ impl Fuzzer {
                 }
                 "egress ICMP error"
             }
+            (Hook::Ingress, Parsed::Later(t), _) => {
+                let f = t.family();
+                let (_, dst_at, _) = addr_fields(f, ETH_HLEN);
+                let to = addr_at(&run.packet, dst_at, f);
+                if let Some(fe) = w.frontends.get(&(t.dst, t.dport, t.proto)) {
+                    if !fe.scope_for(&w.cfg, t.src).backends.iter().any(|b| b.0 == to) {
+                        fail(
+                            "DNAT of a later fragment to an address that is no backend of this frontend's scope",
+                        );
+                    }
+                    "ingress DNAT (later fragment)"
+                } else if t.dst == w.snat(f) && w.in_snat_range(t.dport) && w.backend_addrs.contains(&t.src) {
+                    if !w.valid_mark(run.mark, f) {
+                        fail("un-SNAT of a later fragment without the mark for egress");
+                    }
+                    "ingress un-SNAT (later fragment)"
+                } else {
+                    fail(
+                        "ingress rewrote a later fragment that is neither a frontend's nor a masquerade reply",
+                    );
+                }
+            }
+            (Hook::Egress, Parsed::Later(t), _) => {
+                let f = t.family();
+                let (src_at, _, _) = addr_fields(f, ETH_HLEN);
+                let from = addr_at(&run.packet, src_at, f);
+                if from != w.snat(f) && !w.frontend_addrs.contains(&from) {
+                    fail(
+                        "egress rewrote a later fragment's source to neither the masquerade address nor a frontend",
+                    );
+                }
+                "egress (later fragment)"
+            }
             _ => fail("a modified packet no longer parses as it did"),
         };
         let f = family.expect("a translated packet has a family");
@@ -962,6 +1109,18 @@ impl Fuzzer {
     /// A well-formed TCP or UDP packet between addresses of interest, with IPv4 options or IPv6
     /// extension headers now and then, and fragments (IPv6: atomic ones too).
     fn valid_packet(&mut self, family: Family) -> Vec<u8> {
+        // Now and then the rest of the last first fragment's datagram: the same addresses,
+        // protocol and IP id (the builder gives every packet one), a later offset.
+        if self.rng.random_bool(0.5)
+            && let Some(mut spec) = self.last_first_fragment.take()
+        {
+            spec.more_fragments = false;
+            spec.fragment = Some(Fragment {
+                offset: self.rng.random_range(1..8192),
+                more: self.rng.random(),
+            });
+            return spec.build();
+        }
         let (src, dst) = (
             self.some_addr(family).to_string(),
             self.some_addr(family).to_string(),
@@ -988,7 +1147,16 @@ impl Fuzzer {
                         })
                         .collect();
                 }
-                spec.more_fragments = self.rng.random_bool(0.05);
+                match self.rng.random_range(0..40) {
+                    0 | 1 => spec.more_fragments = true,
+                    2 => {
+                        spec.fragment = Some(Fragment {
+                            offset: self.rng.random_range(1..8192),
+                            more: self.rng.random(),
+                        })
+                    }
+                    _ => {}
+                }
             }
             Family::V6 => {
                 if self.rng.random_bool(0.2) {
@@ -1025,6 +1193,10 @@ impl Fuzzer {
             }
         }
         spec.ttl = self.rng.random();
+        let first = spec.more_fragments || spec.fragment.is_some_and(|f| f.offset == 0 && f.more);
+        if first {
+            self.last_first_fragment = Some(spec.clone());
+        }
         spec.build()
     }
 
@@ -1302,6 +1474,48 @@ impl Fuzzer {
             );
         }
         self.seen.push(r4.packet.clone());
+        // A datagram of the flow in two fragments each way: the first is translated as any packet,
+        // the later one follows it at L3 (its addresses; it has no ports to rewrite).
+        let fragment = |src: IpAddr, sp: u16, dst: IpAddr, dp: u16, first: bool| {
+            let mut spec = if proto == TCP {
+                packet::tcp(&src.to_string(), sp, &dst.to_string(), dp).data(&[0x77; 48])
+            } else {
+                packet::udp(&src.to_string(), sp, &dst.to_string(), dp).data(&[0x77; 48])
+            };
+            spec.fragment = Some(Fragment {
+                offset: if first { 0 } else { 7 },
+                more: first,
+            });
+            spec.build()
+        };
+        let addrs = |p: &[u8]| packet::layout(p).map(|l| (l.src, l.dst));
+        // Not for a hairpin: the builder gives every packet one IP id, and with the client its own
+        // backend both directions carry the same addresses after translation, so the request's
+        // and the reply's datagrams would be one to the programs (real senders' ids differ).
+        let hairpin = o1.dst == client;
+        for first in [true, false].into_iter().filter(|_| !hairpin) {
+            let out = fragment(client, sport, fe_addr, fe_port, first);
+            let f1 = self.run(Hook::Ingress, &out, 0)?;
+            let f2 = self.run(Hook::Egress, &f1.packet, 0)?;
+            if (f1.action, f2.action) != (OK, OK)
+                || addrs(&f1.packet) != Some((client, o1.dst))
+                || addrs(&f2.packet) != Some((o2.src, o1.dst))
+            {
+                flow_fail(
+                    &format!("a fragment of the flow (first: {first}) not translated as its packets"),
+                    &f2.packet,
+                );
+            }
+            let back = fragment(o1.dst, o1.dport, o2.src, o2.sport, first);
+            let f3 = self.run(Hook::Ingress, &back, 0)?;
+            let f4 = self.run(Hook::Egress, &f3.packet, f3.mark)?;
+            if (f3.action, f4.action) != (OK, OK) || addrs(&f4.packet) != Some((fe_addr, client)) {
+                flow_fail(
+                    &format!("a fragment of the reply (first: {first}) not translated as its packets"),
+                    &f4.packet,
+                );
+            }
+        }
         // ICMP errors about the flow, quoting as routers do (IPv6: the whole packet).
         let quote_of = |p: &[u8]| -> Vec<u8> {
             let end = match family {
@@ -1563,6 +1777,8 @@ fn fuzz(seed: u64, packets: usize) -> Stats {
         stats: Stats::default(),
         seen: Vec::new(),
         sources: BTreeSet::new(),
+        fragments: BTreeMap::new(),
+        last_first_fragment: None,
     };
 
     // Flows set up before the fuzz, from a client the fuzz never uses, checked after it.
@@ -1728,6 +1944,7 @@ fn random_and_mutated_packets_through_ingress_and_egress() {
             "flows_walked": {"total": stats.walks, "translated": stats.walks_translated, "masqueraded": stats.walks_masqueraded, "refused": stats.walks_refused},
             "conntrack_entries_verified": stats.conntrack.values().sum::<usize>(),
             "conntrack": stats.conntrack,
+            "fragments": stats.fragments,
             "established_flows_checked_after": stats.sentinels,
             "service_maps_unchanged": true,
             "mistranslations": 0,
@@ -1737,7 +1954,7 @@ fn random_and_mutated_packets_through_ingress_and_egress() {
     eprintln!(
         "tc fuzz: {} test runs in {elapsed:.2?} ({} refused with EINVAL); by family {:?}; verdicts {:?}; \
          modified {:?}; {} checksum checks; {} flows walked ({} translated, {} masqueraded, {} refused); \
-         conntrack {:?}",
+         conntrack {:?}; fragments {:?}",
         stats.runs,
         stats.einval,
         stats.by_family,
@@ -1749,6 +1966,7 @@ fn random_and_mutated_packets_through_ingress_and_egress() {
         stats.walks_masqueraded,
         stats.walks_refused,
         stats.conntrack,
+        stats.fragments,
     );
 }
 
