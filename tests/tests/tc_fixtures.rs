@@ -1011,6 +1011,45 @@ fn readdressed(f: Family, pkt: &[u8], src: Option<&str>, dst: Option<&str>) -> V
     quote_nat(f, pkt, src.map(|a| (a, port(l4))), dst.map(|a| (a, port(l4 + 2))))
 }
 
+/// A later fragment cut to `keep` bytes of payload past its IP headers, its lengths (and the IPv4
+/// header checksum) made right.
+fn shrunk_to(pkt: &[u8], keep: usize) -> Vec<u8> {
+    let l = packet::layout(pkt).expect("an IP packet");
+    let mut out = pkt[..l.l4 + keep].to_vec();
+    match l.family {
+        Family::V4 => {
+            let total = (out.len() - ETH_HLEN) as u16;
+            out[ETH_HLEN + 2..ETH_HLEN + 4].copy_from_slice(&total.to_be_bytes());
+            out[ETH_HLEN + 10..ETH_HLEN + 12].fill(0);
+            let c = packet::checksum(&out[ETH_HLEN..l.l4], 0);
+            out[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&c.to_be_bytes());
+        }
+        Family::V6 => {
+            let payload = (out.len() - ETH_HLEN - 40) as u16;
+            out[ETH_HLEN + 4..ETH_HLEN + 6].copy_from_slice(&payload.to_be_bytes());
+        }
+    }
+    out
+}
+
+/// `pkt` (a later fragment too short for ports) with its destination address `dst` of family
+/// `f`, and the IPv4 header checksum.
+fn readdressed_ip_only(f: Family, pkt: &[u8], dst: &str) -> Vec<u8> {
+    let l = packet::layout(pkt).expect("an IP packet");
+    let mut out = pkt.to_vec();
+    let (_, dst_at) = l.addr_offsets();
+    match f.ip(dst) {
+        IpAddr::V4(a) => out[dst_at..dst_at + 4].copy_from_slice(&a.octets()),
+        IpAddr::V6(a) => out[dst_at..dst_at + 16].copy_from_slice(&a.octets()),
+    }
+    if f == Family::V4 {
+        out[ETH_HLEN + 10..ETH_HLEN + 12].fill(0);
+        let c = packet::checksum(&out[ETH_HLEN..l.l4], 0);
+        out[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&c.to_be_bytes());
+    }
+    out
+}
+
 /// Byte-for-byte, for later fragments (no L4 header to verify; `readdressed` computed the IPv4
 /// header checksum).
 fn assert_fragment(actual: &[u8], expected: &[u8], what: impl std::fmt::Display) {
@@ -1122,6 +1161,17 @@ fn fragments_follow_their_first_fragment() {
         // ingress and egress each followed the UDP pair's, the segment's and the reply's.
         assert_eq!(counter(&s, Counter::TcFragmentFollowed) - followed, 6, "{f:?}");
         assert_eq!(counter(&s, Counter::TcFragment), untracked, "{f:?}");
+
+        // A datagram's last fragment may carry a single byte: translated all the same.
+        let tiny = shrunk_to(
+            &fragment_of(udp(f, "10.244.2.20", 45600, "10.96.0.16", 53), false),
+            1,
+        );
+        assert_fragment(
+            &ingress(&mut s, &tiny).packet,
+            &readdressed_ip_only(f, &tiny, "10.244.1.5"),
+            format!("{f:?} a one-byte last fragment: DNAT of its address"),
+        );
 
         // A later fragment whose first one never came (the builder gives every packet one IP id:
         // another source makes it another datagram): untouched, counted.

@@ -105,10 +105,12 @@ impl Ip for V4 {
         if l4_too && old_port != port {
             port_changed(ctx, csum_off, mangled, old_port, port)?;
         }
-        if pkt.l4 == ETH_HLEN + HLEN {
+        if l4_too && pkt.l4 == ETH_HLEN + HLEN {
             // No IP options (the common case): the address, the IP header checksum (plain
             // software, never offloaded) and the port are written in place, which saves three
             // helper calls a packet. Taken after the helpers, which invalidate packet pointers.
+            // Not for a later fragment: its payload may be shorter than the 4 bytes of ports
+            // this pointer covers (a datagram's last fragment can carry one byte).
             //
             // One pointer to the headers and offsets that are constants here (`source` is a
             // constant at every call site), never derived from `pkt.l4`: given an offset computed
