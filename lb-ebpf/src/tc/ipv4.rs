@@ -136,7 +136,7 @@ impl Ip for V4 {
                     *check_at = csum_fold(sum).to_be_bytes();
                     *(headers.add(ip_off) as *mut [u8; 4]) = addr;
                 }
-                if l4_too && old_port != port {
+                if old_port != port {
                     *(headers.add(port_at) as *mut [u8; 2]) = port.to_be_bytes();
                 }
             }
