@@ -80,11 +80,6 @@ pub(super) fn l4_ingress<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
         Some(ptr) => (ptr, true),
         None => match F::conntrack_new().get_ptr_mut(&key) {
             Some(ptr) => (ptr, false),
-            // A later fragment never starts a flow: its first fragment did, or nothing does.
-            None if pkt.later_fragment => {
-                count(Counter::TcFragment);
-                return TC_ACT_OK;
-            }
             None => return NEW_FLOW,
         },
     };
@@ -93,11 +88,6 @@ pub(super) fn l4_ingress<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
         // A reply to a masqueraded flow: back to the client, and egress restores the frontend.
         note_reply(ptr, pkt);
         ctx.set_mark(MARK_MAGIC | (entry.rev_nat_id & MARK_ID));
-        return apply(ctx, pkt, false, entry.nat_addr, entry.nat_port);
-    }
-    if pkt.later_fragment {
-        // The rest of a datagram whose first fragment this entry translated: the same way, and
-        // it neither starts a connection nor establishes one.
         return apply(ctx, pkt, false, entry.nat_addr, entry.nat_port);
     }
     let tcp = pkt.flow.proto == proto::TCP;

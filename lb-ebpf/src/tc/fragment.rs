@@ -1,19 +1,26 @@
 //! IP fragments (`lb_common::fragment`): the first fragment of a TCP or UDP datagram carries its
 //! ports and is translated as any packet; it notes the ports in `lb4_frags` under what every
 //! fragment of the datagram repeats (addresses, protocol, IP id). A later fragment reads them
-//! back and goes the same way through conntrack, rewritten at L3 only: it has no L4 header, and
-//! the first fragment's L4 checksum, which covers the whole datagram, already took every change.
-//! Each program notes what it sees, so egress finds a datagram under its translated addresses.
+//! back and is rewritten as its flow's conntrack entries rewrote the first, at L3 only: it has
+//! no L4 header, and the first fragment's L4 checksum, which covers the whole datagram, already
+//! took every change. Each program notes what it sees, so egress finds a datagram under its
+//! translated addresses.
 
+use aya_ebpf::{
+    bindings::{TC_ACT_OK, TC_ACT_SHOT},
+    programs::TcContext,
+};
 use lb_common::{
+    conntrack::{dir, flags as ct},
     fragment::{FragKey, FragPorts},
     proto,
     stats::Counter,
 };
 
 use super::{
+    conntrack::{self, MARK_ID, MARK_MAGIC},
     ip::Ip,
-    parse::{Flow, Packet, Parsed},
+    parse::{Flow, Parsed},
 };
 use crate::stats::count;
 
@@ -37,10 +44,10 @@ pub(super) fn first<F: Ip>(parsed: Parsed<F>, id: u32) -> Parsed<F> {
     }
 }
 
-/// A later fragment of a datagram (`flow` without ports; `l4` where its payload starts): a
-/// packet with the first fragment's ports, or [`Parsed::Fragment`] when it was not seen.
+/// A later fragment of a datagram (`flow` without ports): [`Parsed::Later`] with the first
+/// fragment's ports, or [`Parsed::Fragment`] when it was not seen.
 #[inline(always)]
-pub(super) fn later<F: Ip>(mut flow: Flow<F>, l4: usize, id: u32) -> Parsed<F> {
+pub(super) fn later<F: Ip>(mut flow: Flow<F>, id: u32) -> Parsed<F> {
     if flow.proto != proto::TCP && flow.proto != proto::UDP {
         return Parsed::Fragment;
     }
@@ -53,12 +60,69 @@ pub(super) fn later<F: Ip>(mut flow: Flow<F>, l4: usize, id: u32) -> Parsed<F> {
         flow.dport = (*ports).dport;
     }
     count(Counter::TcFragmentFollowed);
-    Parsed::L4(Packet {
-        l4,
-        flow,
-        tcp_flags: 0,
-        later_fragment: true,
-    })
+    Parsed::Later(flow)
+}
+
+/// A later fragment at ingress: its destination rewritten as its flow's entry (forward DNAT or
+/// un-SNAT, in either table) rewrote the first fragment's, the un-SNAT mark included. Without
+/// an entry it passes, counted: a later fragment never starts a flow, nor establishes one.
+///
+/// Its own BPF function, beside the packets' path rather than through it: a later fragment
+/// taken through `l4_ingress` and `new_flow` made the verifier walk that whole path again for
+/// it (the tc ingress program's verification grew by half, to 874k steps of the 1M limit).
+#[inline(never)]
+pub(super) fn ingress<F: Ip>(ctx: &mut TcContext, flow: &Flow<F>) -> i32 {
+    let Some(entry) = conntrack::lookup::<F>(&flow.key(dir::INGRESS)) else {
+        count(Counter::TcFragment);
+        return TC_ACT_OK;
+    };
+    // SAFETY: a map value just looked up.
+    let (nat_addr, flags, rev_nat_id) = unsafe { ((*entry).nat_addr, (*entry).flags, (*entry).rev_nat_id) };
+    if flags & ct::REPLY != 0 {
+        ctx.set_mark(MARK_MAGIC | (rev_nat_id & MARK_ID));
+    }
+    readdress::<F>(ctx, false, flow.daddr, nat_addr)
+}
+
+/// A later fragment at egress: a reply ingress un-SNATed (the mark) gets its frontend back as
+/// its source; a fragment of a flow with an egress entry (SNAT, un-DNAT) is rewritten as its
+/// first fragment was.
+#[inline(never)]
+pub(super) fn egress<F: Ip>(ctx: &mut TcContext, flow: &Flow<F>, mark: u32, ours: bool) -> i32 {
+    if ours {
+        match conntrack::marked_reply::<F>(
+            mark,
+            (flow.daddr, flow.dport),
+            (flow.saddr, flow.sport),
+            flow.proto,
+        ) {
+            Some(frontend) => {
+                ctx.set_mark(0);
+                return readdress::<F>(ctx, true, flow.saddr, frontend.addr);
+            }
+            None => count(Counter::TcForeignMark),
+        }
+    }
+    match conntrack::lookup::<F>(&flow.key(dir::EGRESS)) {
+        // SAFETY: a map value just looked up.
+        Some(entry) => readdress::<F>(ctx, true, flow.saddr, unsafe { (*entry).nat_addr }),
+        None => TC_ACT_OK,
+    }
+}
+
+/// The source (or destination) address rewritten from `old` to `new`, as a verdict.
+#[inline(always)]
+fn readdress<F: Ip>(ctx: &TcContext, source: bool, old: F::Addr, new: F::Addr) -> i32 {
+    if old == new {
+        return TC_ACT_OK;
+    }
+    match F::rewrite_l3(ctx, source, old, new) {
+        Ok(()) => TC_ACT_OK,
+        Err(()) => {
+            count(Counter::TcRewriteFailed);
+            TC_ACT_SHOT
+        }
+    }
 }
 
 #[inline(always)]

@@ -32,6 +32,10 @@ pub(super) trait Ip: FamilyMaps {
         port: u16,
     ) -> Result<(), ()>;
 
+    /// Rewrites the destination (`source == false`) or source address of a later fragment (no
+    /// L4 header), with the IP header checksum where the family has one.
+    fn rewrite_l3(ctx: &TcContext, source: bool, old_addr: Self::Addr, addr: Self::Addr) -> Result<(), ()>;
+
     /// Whether an ICMP error may be sent to `addr`.
     fn answerable(addr: &Self::Addr) -> bool;
 

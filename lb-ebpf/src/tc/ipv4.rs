@@ -80,7 +80,7 @@ impl Ip for V4 {
         if frags & FRAG_OFFSET == 0 {
             fragment::first(parse_l4::<V4>(ctx, ETH_HLEN + ihl, flow, proto::ICMP), id)
         } else {
-            fragment::later(flow, ETH_HLEN + ihl, id)
+            fragment::later(flow, id)
         }
     }
 
@@ -93,24 +93,20 @@ impl Ip for V4 {
             u32::from_ne_bytes(old_addr) as u64,
             u32::from_ne_bytes(addr) as u64,
         );
-        // A later fragment has no L4 header: its addresses only (the IP header checksum).
-        let l4_too = !pkt.later_fragment;
         // The L4 checksum always goes through the helper: only the kernel knows how it holds it
         // (the full sum, or the pseudo-header sum of an offloaded packet) and keeps skb->csum
         // right.
-        if l4_too && old_addr != addr {
+        if old_addr != addr {
             ctx.l4_csum_replace(csum_off, from, to, BPF_F_PSEUDO_HDR as u64 | mangled | 4)
                 .map_err(|_| ())?;
         }
-        if l4_too && old_port != port {
+        if old_port != port {
             port_changed(ctx, csum_off, mangled, old_port, port)?;
         }
-        if l4_too && pkt.l4 == ETH_HLEN + HLEN {
+        if pkt.l4 == ETH_HLEN + HLEN {
             // No IP options (the common case): the address, the IP header checksum (plain
             // software, never offloaded) and the port are written in place, which saves three
             // helper calls a packet. Taken after the helpers, which invalidate packet pointers.
-            // Not for a later fragment: its payload may be shorter than the 4 bytes of ports
-            // this pointer covers (a datagram's last fragment can carry one byte).
             //
             // One pointer to the headers and offsets that are constants here (`source` is a
             // constant at every call site), never derived from `pkt.l4`: given an offset computed
@@ -147,10 +143,24 @@ impl Ip for V4 {
                 .map_err(|_| ())?;
             ctx.store(ip_off, &addr, 0).map_err(|_| ())?;
         }
-        if l4_too && old_port != port {
+        if old_port != port {
             ctx.store(port_off, &port.to_be_bytes(), 0).map_err(|_| ())?;
         }
         Ok(())
+    }
+
+    /// Through the helpers, which take any length: a datagram's last fragment may carry one
+    /// byte past its IP header.
+    #[inline(always)]
+    fn rewrite_l3(ctx: &TcContext, source: bool, old_addr: [u8; 4], addr: [u8; 4]) -> Result<(), ()> {
+        let ip_off = ETH_HLEN + if source { Self::SADDR } else { Self::DADDR };
+        let (from, to) = (
+            u32::from_ne_bytes(old_addr) as u64,
+            u32::from_ne_bytes(addr) as u64,
+        );
+        ctx.l3_csum_replace(ETH_HLEN + IP_CHECK, from, to, 4)
+            .map_err(|_| ())?;
+        ctx.store(ip_off, &addr, 0).map_err(|_| ())
     }
 
     /// RFC 1122 3.2.2: not unspecified (0/8), loopback (127/8), multicast (224/4) or

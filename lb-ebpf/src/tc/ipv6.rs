@@ -141,7 +141,7 @@ impl Ip for V6 {
                         // TCP and UDP directly after it are followed).
                         let id = u32::from_be_bytes([h[4], h[5], h[6], h[7]]);
                         if field & FRAG_OFFSET != 0 {
-                            return fragment::later(Flow::without_ports(saddr, daddr, next), off, id);
+                            return fragment::later(Flow::without_ports(saddr, daddr, next), id);
                         }
                         fragment_id = Some(id);
                         break;
@@ -168,17 +168,6 @@ impl Ip for V6 {
         let (old_addr, old_port, port_off) = pkt.endpoint(source);
         let ip_off = ETH_HLEN + if source { Self::SADDR } else { Self::DADDR };
         let (csum_off, mangled) = pkt.l4_csum();
-        if pkt.later_fragment {
-            // No L4 header, and no IP header checksum: the address alone, and skb->csum of a
-            // CHECKSUM_COMPLETE packet follows it (nothing cancels the change out here).
-            if old_addr != addr {
-                let diff = csum_diff(&old_addr, &addr);
-                ctx.store(ip_off, &addr, 0).map_err(|_| ())?;
-                // SAFETY: as in `pseudo_header_changed`.
-                unsafe { bpf_csum_update(ctx.as_ptr() as *mut _, diff as u32) };
-            }
-            return Ok(());
-        }
         if old_addr != addr {
             pseudo_header_changed(ctx, csum_off, csum_diff(&old_addr, &addr), mangled)?;
             ctx.store(ip_off, &addr, 0).map_err(|_| ())?;
@@ -187,6 +176,18 @@ impl Ip for V6 {
             port_changed(ctx, csum_off, mangled, old_port, port)?;
             ctx.store(port_off, &port.to_be_bytes(), 0).map_err(|_| ())?;
         }
+        Ok(())
+    }
+
+    /// No IP header checksum: the address alone, and `skb->csum` of a CHECKSUM_COMPLETE packet
+    /// follows it (no L4 checksum change cancels it out here).
+    #[inline(always)]
+    fn rewrite_l3(ctx: &TcContext, source: bool, old_addr: In6Addr, addr: In6Addr) -> Result<(), ()> {
+        let ip_off = ETH_HLEN + if source { Self::SADDR } else { Self::DADDR };
+        let diff = csum_diff(&old_addr, &addr);
+        ctx.store(ip_off, &addr, 0).map_err(|_| ())?;
+        // SAFETY: the context's skb; the helper only adjusts skb->csum of CHECKSUM_COMPLETE packets.
+        unsafe { bpf_csum_update(ctx.as_ptr() as *mut _, diff as u32) };
         Ok(())
     }
 

@@ -110,6 +110,8 @@ fn ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
             TC_ACT_OK
         }
         Parsed::Icmp(l4, outer) => icmp_error::icmp_error_ingress::<F>(ctx, l4, &outer),
+        Parsed::Later(flow) if !prefilter::ingress::<F>(&flow.daddr) => TC_ACT_OK,
+        Parsed::Later(flow) => fragment::ingress::<F>(ctx, &flow),
         // Neither a frontend nor a masquerade address: nothing to look up.
         Parsed::L4(pkt) if !prefilter::ingress::<F>(&pkt.flow.daddr) => TC_ACT_OK,
         Parsed::L4(pkt) if pkt.flow.proto == proto::SCTP => {
@@ -154,6 +156,14 @@ fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
             let from_backend = prefilter::egress_end::<F>((&pkt.flow.saddr, pkt.flow.sport));
             if ours || from_backend || prefilter::egress_end::<F>((&pkt.flow.daddr, pkt.flow.dport)) {
                 conntrack::established_egress::<F>(ctx, &pkt, mark, ours, from_backend)
+            } else {
+                TC_ACT_OK
+            }
+        }
+        Parsed::Later(flow) => {
+            let ends = [(&flow.saddr, flow.sport), (&flow.daddr, flow.dport)];
+            if ours || ends.into_iter().any(prefilter::egress_end::<F>) {
+                fragment::egress::<F>(ctx, &flow, mark, ours)
             } else {
                 TC_ACT_OK
             }

@@ -78,9 +78,6 @@ pub(super) struct Packet<F: Family> {
     pub(super) l4: usize,
     pub(super) flow: Flow<F>,
     pub(super) tcp_flags: u8,
-    /// A fragment after the first of its datagram: no L4 header here (`l4` points at payload),
-    /// its ports are the first fragment's (`super::fragment`); only its addresses are rewritten.
-    pub(super) later_fragment: bool,
 }
 
 impl<F: Family> Packet<F> {
@@ -113,9 +110,11 @@ pub(super) enum Parsed<F: Family> {
     Truncated,
     /// A fragment the programs cannot translate (`super::fragment`).
     Fragment,
-    /// TCP, UDP or SCTP (ports only); also a later fragment of a TCP or UDP datagram whose first
-    /// fragment was seen.
+    /// TCP, UDP or SCTP (ports only), a first fragment of a TCP or UDP datagram included.
     L4(Packet<F>),
+    /// A later fragment of a TCP or UDP datagram whose first fragment was seen: its flow, with
+    /// the first one's ports (`super::fragment`). It has no L4 header.
+    Later(Flow<F>),
     /// The family's ICMP: the offset of its header and the outer addresses.
     Icmp(usize, Flow<F>),
 }
@@ -179,7 +178,6 @@ pub(super) fn parse_l4<F: Ip>(ctx: &TcContext, l4: usize, mut flow: Flow<F>, icm
                 l4,
                 flow,
                 tcp_flags: tcp[TCP_FLAGS],
-                later_fragment: false,
             })
         }
         proto::UDP | proto::SCTP => {
@@ -192,7 +190,6 @@ pub(super) fn parse_l4<F: Ip>(ctx: &TcContext, l4: usize, mut flow: Flow<F>, icm
                 l4,
                 flow,
                 tcp_flags: 0,
-                later_fragment: false,
             })
         }
         p if p == icmp_proto => {
