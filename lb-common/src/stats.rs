@@ -84,8 +84,10 @@ counters! {
     /// tc: a flow to a Service without endpoints was dropped unanswered: the ICMP answer rate
     /// (`lb_common::ratelimit`) was exceeded.
     TcRejectRateLimited => "tc_reject_rate_limited",
-    /// tc egress: a packet carried this project's reply mark but was not a reply ingress had
-    /// un-SNATed (another component's mark); left untouched, mark included.
+    /// tc egress: a packet carried this project's reply mark but its flow's forward entry does not
+    /// name it: another component's mark, or a reply ingress un-SNATed whose forward entry went
+    /// meanwhile (LRU eviction takes a new flow's entries one at a time: under a flood, the
+    /// backends' SYN-ACK retransmissions for spoofed SYNs). Left untouched, mark included.
     TcForeignMark => "tc_foreign_mark",
     /// tc: a flow to masquerade, but the node has no address of the flow's family to masquerade
     /// with (an IPv6 NodePort reached on a node without an IPv6 node IP, say); dropped.
