@@ -408,48 +408,55 @@ fn addr_fields(family: Family, ip: usize) -> (usize, usize, usize) {
 
 /// The programs' parser, in the model: `V4::parse` / `V6::parse` and `parse_l4`.
 fn parse(p: &[u8]) -> Parsed {
+    parse_noting_first_fragment(p).0
+}
+
+/// [`parse`], and the IP id of a first fragment it parsed as a packet (the programs note its
+/// ports under it).
+fn parse_noting_first_fragment(p: &[u8]) -> (Parsed, Option<u32>) {
+    let parsed = |p: Parsed| (p, None);
     if p.len() < 14 {
-        return Parsed::Truncated;
+        return parsed(Parsed::Truncated);
     }
     let family = match be16(p, 12) {
         0x0800 => Family::V4,
         0x86dd => Family::V6,
-        _ => return Parsed::NotIp,
+        _ => return parsed(Parsed::NotIp),
     };
     let hlen = family.ip_hlen();
     if p.len() < 14 + hlen {
-        return Parsed::Truncated;
+        return parsed(Parsed::Truncated);
     }
-    let mut first_fragment = false;
+    let mut first_fragment: Option<u32> = None;
     let (l4, proto) = match family {
         Family::V4 => {
             if p[14] >> 4 != 4 {
-                return Parsed::NotIp;
+                return parsed(Parsed::NotIp);
             }
             let ihl = usize::from(p[14] & 0x0f) * 4;
             if ihl < 20 {
-                return Parsed::Truncated;
+                return parsed(Parsed::Truncated);
             }
             let frags = be16(p, 20);
             if frags & 0x3fff != 0 {
                 // A fragment: the first one (offset 0) is parsed on; a later one has no ports.
                 if frags & 0x1fff != 0 {
-                    return later_fragment(p, Family::V4, p[23], u32::from(be16(p, 18)));
+                    return parsed(later_fragment(p, Family::V4, p[23], u32::from(be16(p, 18))));
                 }
-                first_fragment = true;
+                first_fragment = Some(u32::from(be16(p, 18)));
             }
             (14 + ihl, p[23])
         }
         Family::V6 => {
             if p[14] >> 4 != 6 {
-                return Parsed::NotIp;
+                return parsed(Parsed::NotIp);
             }
             let (mut next, mut off) = (p[20], 14 + 40);
             for _ in 0..4 {
                 match next {
                     HOPOPTS | ROUTING | DSTOPTS | 135 | AUTH => {
                         if p.len() < off + 2 {
-                            return Parsed::Truncated;
+                            return parsed(Parsed::Truncated);
                         }
                         let (following, len) = (p[off], usize::from(p[off + 1]));
                         off += if next == AUTH {
@@ -461,26 +468,27 @@ fn parse(p: &[u8]) -> Parsed {
                     }
                     FRAGMENT => {
                         if p.len() < off + 8 {
-                            return Parsed::Truncated;
+                            return parsed(Parsed::Truncated);
                         }
                         let field = be16(p, off + 2);
                         next = p[off];
                         off += 8;
                         if field & 0xfff9 != 0 {
+                            let id = u32::from_be_bytes([p[off - 4], p[off - 3], p[off - 2], p[off - 1]]);
                             if field & 0xfff8 != 0 {
-                                let id = u32::from_be_bytes([p[off - 4], p[off - 3], p[off - 2], p[off - 1]]);
-                                return later_fragment(p, Family::V6, next, id);
+                                return parsed(later_fragment(p, Family::V6, next, id));
                             }
                             // A first fragment: what follows its header is parsed as is.
-                            first_fragment = true;
+                            first_fragment = Some(id);
                             break;
                         }
                     }
                     _ => break,
                 }
             }
-            if !first_fragment && matches!(next, HOPOPTS | ROUTING | DSTOPTS | 135 | AUTH | FRAGMENT) {
-                return Parsed::NotIp;
+            if first_fragment.is_none() && matches!(next, HOPOPTS | ROUTING | DSTOPTS | 135 | AUTH | FRAGMENT)
+            {
+                return parsed(Parsed::NotIp);
             }
             (off, next)
         }
@@ -493,23 +501,23 @@ fn parse(p: &[u8]) -> Parsed {
         dport: 0,
         proto,
     };
-    if first_fragment && !matches!(proto, TCP | UDP) {
+    if first_fragment.is_some() && !matches!(proto, TCP | UDP) {
         // SCTP, ICMP or other first fragments: left alone, as the later ones.
-        return Parsed::Fragment;
+        return parsed(Parsed::Fragment);
     }
     match proto {
         TCP | UDP | SCTP => {
             let need = if proto == TCP { 20 } else { 8 };
             if p.len() < l4 + need {
-                return Parsed::Truncated;
+                return parsed(Parsed::Truncated);
             }
             t.sport = be16(p, l4);
             t.dport = be16(p, l4 + 2);
-            Parsed::L4(t, l4)
+            (Parsed::L4(t, l4), first_fragment)
         }
         p4 if p4 == family.icmp_proto() => {
             if p.len() < l4 + 8 {
-                return Parsed::Truncated;
+                return parsed(Parsed::Truncated);
             }
             let q = l4 + 8;
             let quote = match family {
@@ -540,9 +548,9 @@ fn parse(p: &[u8]) -> Parsed {
                     q,
                 )
             });
-            Parsed::Icmp(t, l4, quote)
+            parsed(Parsed::Icmp(t, l4, quote))
         }
-        _ => Parsed::Other,
+        _ => parsed(Parsed::Other),
     }
 }
 
@@ -565,39 +573,6 @@ fn later_fragment(p: &[u8], family: Family, proto: u8, id: u32) -> Parsed {
 /// What identifies a fragmented datagram (`lb_common::fragment::FragKey`): addresses, protocol,
 /// IP id.
 type FragKey = (IpAddr, IpAddr, u8, u32);
-
-/// The IP id of a first fragment (`parse` said L4), if it is one.
-fn first_fragment_id(p: &[u8]) -> Option<u32> {
-    match be16(p, 12) {
-        0x0800 => {
-            let frags = be16(p, 20);
-            (frags & 0x3fff != 0 && frags & 0x1fff == 0).then(|| u32::from(be16(p, 18)))
-        }
-        0x86dd => {
-            let (mut next, mut off) = (p[20], 14 + 40);
-            for _ in 0..4 {
-                match next {
-                    HOPOPTS | ROUTING | DSTOPTS | 135 | AUTH => {
-                        let (following, len) = (p[off], usize::from(p[off + 1]));
-                        off += if next == AUTH {
-                            (len + 2) * 4
-                        } else {
-                            (len + 1) * 8
-                        };
-                        next = following;
-                    }
-                    FRAGMENT => {
-                        return (be16(p, off + 2) & 0xfff9 != 0)
-                            .then(|| u32::from_be_bytes([p[off + 4], p[off + 5], p[off + 6], p[off + 7]]));
-                    }
-                    _ => return None,
-                }
-            }
-            None
-        }
-        _ => None,
-    }
-}
 
 /// The family of a parsed TCP/UDP/ICMP packet.
 fn family_of(parsed: &Parsed) -> Option<Family> {
@@ -841,10 +816,10 @@ impl Fuzzer {
             "egress"
         };
         *self.stats.by_action.entry((hook_name, run.action)).or_default() += 1;
-        let mut parsed = parse(input);
+        let (mut parsed, first_fragment) = parse_noting_first_fragment(input);
         match parsed {
             Parsed::L4(t, _) if matches!(t.proto, TCP | UDP) => {
-                if let Some(id) = first_fragment_id(input) {
+                if let Some(id) = first_fragment {
                     self.fragments
                         .insert((t.src, t.dst, t.proto, id), (t.sport, t.dport));
                     *self.stats.fragments.entry("first").or_default() += 1;
