@@ -1,6 +1,6 @@
 //! IPv4 and ICMPv4 on the tc path ([`Ip`] for `V4`): the header layout and offsets, options,
-//! fragments (first or later, `super::fragment`), the header checksum (which IPv6 does not have), ICMPv4's port unreachable and
-//! error types, and which sources may get an ICMP error.
+//! fragments (first or later, `super::fragment`), the header checksum (which IPv6 does not
+//! have), ICMPv4's port unreachable and error types, and which sources may get an ICMP error.
 
 use aya_ebpf::{
     bindings::{BPF_F_PSEUDO_HDR, TC_ACT_SHOT},

@@ -333,7 +333,7 @@ fn tcp_once(to: SocketAddr, payload: usize, timeout: Duration) -> serde_json::Va
     let mut sum = None;
     let sent = stream.write_all(request.as_bytes()).and_then(|()| {
         if payload > 0 {
-            let data: Vec<u8> = (0..payload).map(|i| (i * 7 + i / 251) as u8).collect();
+            let data = bulk_pattern(payload);
             sum = Some(format!("{:016x}", fnv1a(&data)));
             stream.write_all(&data)?;
         }
@@ -366,13 +366,18 @@ fn udp_socket_for(to: SocketAddr) -> UdpSocket {
     UdpSocket::bind(any).unwrap_or_else(|e| panic!("bind udp {any}: {e}"))
 }
 
+/// `n` bytes that are not a repeat of a short cycle (a byte lost or swapped changes the checksum).
+fn bulk_pattern(n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i * 7 + i / 251) as u8).collect()
+}
+
 fn udp_once(to: SocketAddr, connected: bool, timeout: Duration, payload: usize) -> serde_json::Value {
     let sock = udp_socket_for(to);
     let _ = sock.set_read_timeout(Some(timeout));
     let data: Vec<u8> = if payload == 0 {
         b"hello".to_vec()
     } else {
-        (0..payload).map(|i| (i * 7 + i / 251) as u8).collect()
+        bulk_pattern(payload)
     };
     let sent = if connected {
         sock.connect(to).and_then(|()| sock.send(&data))
