@@ -172,6 +172,12 @@ pub struct NodeArgs {
     /// object's addresses are used otherwise). `0.0.0.0` and `::` mean unset.
     #[arg(long)]
     pub bind_address: Option<IpAddr>,
+    /// The Service CIDRs (comma-separated, as the API server's flag of that name), for
+    /// kube-proxy's cluster-ips-check: a new flow to an address inside them that no Service holds
+    /// is dropped (a cluster IP on a port no Service has is rejected in any case). Used where the
+    /// API server has no ServiceCIDR objects (networking.k8s.io/v1), whose CIDRs win otherwise.
+    #[arg(long, value_delimiter = ',')]
+    pub service_cluster_ip_range: Vec<String>,
     /// Serve NodePorts on 127.0.0.1 when --nodeport-addresses includes loopback (kube-proxy's
     /// --iptables-localhost-nodeports; no route_localnet needed here).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -179,6 +185,20 @@ pub struct NodeArgs {
 }
 
 impl NodeArgs {
+    /// `--service-cluster-ip-range`, parsed.
+    pub fn service_cidrs(&self) -> anyhow::Result<Vec<ipnet::IpNet>> {
+        self.service_cluster_ip_range
+            .iter()
+            .filter(|c| !c.trim().is_empty())
+            .map(|c| {
+                c.trim()
+                    .parse::<ipnet::IpNet>()
+                    .map(|n| n.trunc())
+                    .map_err(|e| anyhow::anyhow!("--service-cluster-ip-range {c:?}: {e}"))
+            })
+            .collect()
+    }
+
     /// The node's settings from these flags (the agent's and `trace`'s alike).
     pub fn settings(&self) -> anyhow::Result<NodeSettings> {
         let args = self;

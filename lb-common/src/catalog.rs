@@ -29,6 +29,8 @@ pub const SOURCE_RANGES6: &str = "lb6_src_range";
 pub const CONNTRACK6: &str = "lb6_ct";
 pub const CONNTRACK_NEW6: &str = "lb6_ct_new";
 pub const FRAGMENTS6: &str = "lb6_frags";
+pub const CLUSTER_IPS6: &str = "lb6_cluster_ips";
+pub const SERVICE_RANGES6: &str = "lb6_svc_ranges";
 /// Service identity by reverse-NAT id: `u32` -> `SvcName`, for operators (CLI, bpftool); the
 /// programs never read it.
 pub const SVC_NAMES: &str = "lb_svc_names";
@@ -52,6 +54,12 @@ pub const CONNTRACK_NEW: &str = "lb4_ct_new";
 /// The ports of fragmented datagrams, from their first fragment (LRU, `crate::fragment`):
 /// `Frag4Key` -> `FragPorts`. Written by the tc programs.
 pub const FRAGMENTS: &str = "lb4_frags";
+/// kube-proxy's cluster-ips-check (LPM trie, `crate::cluster_ip`): each cluster IP (host prefix)
+/// and Service CIDR -> `cluster_ip::action`. Written by the agent.
+pub const CLUSTER_IPS: &str = "lb4_cluster_ips";
+/// The few prefixes covering every entry of `lb4_cluster_ips` (array, one
+/// `cluster_ip::ServiceRanges`), checked before the trie. Written by the agent.
+pub const SERVICE_RANGES: &str = "lb4_svc_ranges";
 /// The tc programs' prefilter (`crate::prefilter`), an array of `prefilter::WORDS` 64-bit words:
 /// `u32` -> `u64`. Written by the agent.
 pub const PREFILTER: &str = "lb4_prefilter";
@@ -85,6 +93,8 @@ pub const ALL: &[&str] = &[
     CONNTRACK,
     CONNTRACK_NEW,
     FRAGMENTS,
+    CLUSTER_IPS,
+    SERVICE_RANGES,
     PREFILTER,
     CONFIG,
     POD_INTERFACES,
@@ -100,6 +110,8 @@ pub const ALL: &[&str] = &[
     CONNTRACK6,
     CONNTRACK_NEW6,
     FRAGMENTS6,
+    CLUSTER_IPS6,
+    SERVICE_RANGES6,
     PREFILTER6,
 ];
 
@@ -126,6 +138,8 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (CONNTRACK, 1),
     (CONNTRACK_NEW, 1),
     (FRAGMENTS, 1),
+    (CLUSTER_IPS, 1),
+    (SERVICE_RANGES, 1),
     (PREFILTER, 1),
     (CONFIG, 2),
     (POD_INTERFACES, 1),
@@ -141,6 +155,8 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (CONNTRACK6, 1),
     (CONNTRACK_NEW6, 1),
     (FRAGMENTS6, 1),
+    (CLUSTER_IPS6, 1),
+    (SERVICE_RANGES6, 1),
     (PREFILTER6, 1),
 ];
 
@@ -181,6 +197,8 @@ pub struct FamilyMapNames {
     pub conntrack: &'static str,
     pub conntrack_new: &'static str,
     pub fragments: &'static str,
+    pub cluster_ips: &'static str,
+    pub service_ranges: &'static str,
     pub prefilter: &'static str,
 }
 
@@ -201,6 +219,8 @@ impl FamilyMaps for V4 {
         conntrack: CONNTRACK,
         conntrack_new: CONNTRACK_NEW,
         fragments: FRAGMENTS,
+        cluster_ips: CLUSTER_IPS,
+        service_ranges: SERVICE_RANGES,
         prefilter: PREFILTER,
     };
 }
@@ -217,6 +237,8 @@ impl FamilyMaps for V6 {
         conntrack: CONNTRACK6,
         conntrack_new: CONNTRACK_NEW6,
         fragments: FRAGMENTS6,
+        cluster_ips: CLUSTER_IPS6,
+        service_ranges: SERVICE_RANGES6,
         prefilter: PREFILTER6,
     };
 }
@@ -241,6 +263,9 @@ pub mod capacity {
     /// Fragmented datagrams in flight (their first fragment seen, a later one not yet): fixed,
     /// as Cilium's `--bpf-fragments-map-max` default.
     pub const FRAGMENTS: u32 = 8_192;
+    /// Cluster IPs and Service CIDRs of one family: one per frontend at most, and room for the
+    /// CIDRs (the agent creates it from `Capacities::revnat`).
+    pub const CLUSTER_IPS: u32 = REVNAT + crate::cluster_ip::SERVICE_CIDR_ROOM;
     /// Pod interfaces of one node (a bridge and its ports, or every pod veth): fixed.
     pub const POD_INTERFACES: u32 = 16_384;
 }

@@ -11,7 +11,16 @@ use core::{fmt::Debug, hash::Hash};
 /// One IP family: its address type and the few layout facts that differ between families.
 pub trait Family: Copy + Default + Debug + Eq + Ord + Hash + 'static {
     /// An address, network order, exactly as on the wire.
-    type Addr: Copy + Default + Debug + Eq + Ord + Hash + AsRef<[u8]> + AsMut<[u8]> + crate::prefilter::Fold;
+    type Addr: Copy
+        + Default
+        + Debug
+        + Eq
+        + Ord
+        + Hash
+        + AsRef<[u8]>
+        + AsMut<[u8]>
+        + crate::prefilter::Fold
+        + crate::cluster_ip::MaskedDiff;
     /// The client of an affinity entry: an address (tc path) or a network-namespace cookie
     /// (socket path), whichever is larger.
     type Client: Copy + Default + Debug + Eq + Hash;

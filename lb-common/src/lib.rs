@@ -16,6 +16,7 @@
 pub mod affinity;
 pub mod backend;
 pub mod catalog;
+pub mod cluster_ip;
 pub mod config;
 pub mod conntrack;
 pub mod family;

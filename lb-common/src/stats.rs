@@ -103,6 +103,17 @@ counters! {
     /// tc (ingress and egress): a later fragment of a TCP or UDP datagram got its ports from the
     /// datagram's first fragment (`lb_common::fragment`) and went the way the first one did.
     TcFragmentFollowed => "tc_fragment_followed",
+    /// connect/sendmsg refused (ECONNREFUSED): a cluster IP on a port no Service has (kube-proxy's
+    /// "Reject traffic to invalid ports of ClusterIPs", `lb_common::cluster_ip`).
+    SockClusterIpBadPort => "sock_cluster_ip_bad_port",
+    /// connect/sendmsg refused (EHOSTUNREACH): an address of a Service CIDR no Service holds
+    /// (kube-proxy's "Drop traffic to unallocated ClusterIPs").
+    SockUnallocatedClusterIp => "sock_unallocated_cluster_ip",
+    /// tc: a new flow to a cluster IP on a port no Service has; rejected (ICMP port unreachable,
+    /// within the answers' rate).
+    TcClusterIpBadPort => "tc_cluster_ip_bad_port",
+    /// tc: a new flow to an address of a Service CIDR no Service holds; dropped.
+    TcUnallocatedClusterIp => "tc_unallocated_cluster_ip",
 }
 
 /// Number of counters (`lb_stats` max_entries).

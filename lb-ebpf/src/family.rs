@@ -10,6 +10,7 @@ use lb_common::{
     affinity::{AffinityClient, AffinityKey, AffinityValue},
     backend::BackendValue,
     catalog::capacity,
+    cluster_ip::{ClusterIpKey, ServiceRanges},
     config::FamilySettings,
     conntrack::{CtKey, CtValue},
     family::{V4, V6},
@@ -20,9 +21,10 @@ use lb_common::{
 };
 
 use crate::maps::{
-    AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, CONNTRACK_NEW4, CONNTRACK_NEW6, CONNTRACK4, CONNTRACK6,
-    FRAGMENTS4, FRAGMENTS6, PREFILTER4, PREFILTER6, REVNAT4, REVNAT6, SERVICES4, SERVICES6, SOCK_REVNAT_SK4,
-    SOCK_REVNAT_SK6, SOCK_REVNAT4, SOCK_REVNAT6, SOURCE_RANGES4, SOURCE_RANGES6,
+    AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, CLUSTER_IPS4, CLUSTER_IPS6, CONNTRACK_NEW4, CONNTRACK_NEW6,
+    CONNTRACK4, CONNTRACK6, FRAGMENTS4, FRAGMENTS6, PREFILTER4, PREFILTER6, REVNAT4, REVNAT6,
+    SERVICE_RANGES4, SERVICE_RANGES6, SERVICES4, SERVICES6, SOCK_REVNAT_SK4, SOCK_REVNAT_SK6, SOCK_REVNAT4,
+    SOCK_REVNAT6, SOURCE_RANGES4, SOURCE_RANGES6,
 };
 
 pub const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -44,6 +46,9 @@ pub type SourceRangesMap<F> =
 pub type ConntrackMap<F> = LruHashMap<CtKey<F>, CtValue<F>, { capacity::CONNTRACK as usize }>;
 pub type FragmentsMap<F> = LruHashMap<FragKey<F>, FragPorts, { capacity::FRAGMENTS as usize }>;
 pub type PrefilterMap = Array<u64, { prefilter::WORDS as usize }, RDONLY_PROG>;
+pub type ClusterIpsMap<F> =
+    LpmTrie<ClusterIpKey<F>, u8, { capacity::CLUSTER_IPS as usize }, { NO_PREALLOC | RDONLY_PROG }>;
+pub type ServiceRangesMap<F> = Array<ServiceRanges<F>, 1, RDONLY_PROG>;
 
 /// The maps of one family.
 pub trait FamilyMaps: FamilySettings + AffinityClient {
@@ -60,12 +65,17 @@ pub trait FamilyMaps: FamilySettings + AffinityClient {
     /// The ports of fragmented datagrams (`lb4_frags`).
     fn fragments() -> &'static FragmentsMap<Self>;
     fn prefilter() -> &'static PrefilterMap;
+    /// Cluster IPs and Service CIDRs (`lb4_cluster_ips`, `lb_common::cluster_ip`).
+    fn cluster_ips() -> &'static ClusterIpsMap<Self>;
+    /// The prefixes covering them (`lb4_svc_ranges`).
+    fn service_ranges() -> &'static ServiceRangesMap<Self>;
 }
 
 macro_rules! family_maps {
     ($family:ty, $services:ident, $backends:ident, $revnat:ident, $sock_revnat:ident,
      $sock_revnat_sk:ident, $affinity:ident, $source_ranges:ident, $conntrack:ident,
-     $conntrack_new:ident, $fragments:ident, $prefilter:ident) => {
+     $conntrack_new:ident, $fragments:ident, $prefilter:ident, $cluster_ips:ident,
+     $service_ranges:ident) => {
         #[inline(always)]
         fn services() -> &'static ServicesMap<$family> {
             &$services
@@ -110,6 +120,14 @@ macro_rules! family_maps {
         fn prefilter() -> &'static PrefilterMap {
             &$prefilter
         }
+        #[inline(always)]
+        fn cluster_ips() -> &'static ClusterIpsMap<$family> {
+            &$cluster_ips
+        }
+        #[inline(always)]
+        fn service_ranges() -> &'static ServiceRangesMap<$family> {
+            &$service_ranges
+        }
     };
 }
 
@@ -126,7 +144,9 @@ impl FamilyMaps for V4 {
         CONNTRACK4,
         CONNTRACK_NEW4,
         FRAGMENTS4,
-        PREFILTER4
+        PREFILTER4,
+        CLUSTER_IPS4,
+        SERVICE_RANGES4
     );
 }
 
@@ -143,6 +163,8 @@ impl FamilyMaps for V6 {
         CONNTRACK6,
         CONNTRACK_NEW6,
         FRAGMENTS6,
-        PREFILTER6
+        PREFILTER6,
+        CLUSTER_IPS6,
+        SERVICE_RANGES6
     );
 }

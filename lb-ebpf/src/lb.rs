@@ -4,6 +4,7 @@
 use lb_common::{
     affinity::{AffinityKey, AffinityMatchKey, AffinityValue},
     backend::BackendValue,
+    cluster_ip::ClusterIpKey,
     config::DatapathConfig,
     family::Family,
     select,
@@ -70,6 +71,20 @@ pub fn lookup_frontend<F: FamilyMaps>(addr: &F::Addr, port: u16, proto: u8, inte
         };
     }
     Frontend::Found(key, entry)
+}
+
+/// kube-proxy's cluster-ips-check (`lb_common::cluster_ip`) for a new flow no frontend matched:
+/// `Some(action::REJECT)` to a cluster IP (on a port no Service has), `Some(action::DROP)` to an
+/// address of a Service CIDR that no Service holds, `None` for any other address. Traffic outside
+/// the family's few covering prefixes costs one inlined array read, not a trie walk.
+#[inline(always)]
+pub fn cluster_ip_check<F: FamilyMaps>(daddr: &F::Addr) -> Option<u8> {
+    let ranges = F::service_ranges().get(0)?;
+    if !ranges.may_contain(daddr) {
+        return None;
+    }
+    let key = aya_ebpf::maps::lpm_trie::Key::new(F::BITS as u32, ClusterIpKey::<F> { addr: *daddr });
+    F::cluster_ips().get(&key).copied()
 }
 
 /// Whether loadBalancerSourceRanges admit `src` to `frontend`.

@@ -22,8 +22,8 @@ use lb_common::{
 };
 
 use crate::family::{
-    AffinityMap, BackendsMap, ConntrackMap, FragmentsMap, NO_PREALLOC, PrefilterMap, RDONLY_PROG, RevNatMap,
-    ServicesMap, SockRevNatMap, SockRevNatSkMap, SourceRangesMap,
+    AffinityMap, BackendsMap, ClusterIpsMap, ConntrackMap, FragmentsMap, NO_PREALLOC, PrefilterMap,
+    RDONLY_PROG, RevNatMap, ServiceRangesMap, ServicesMap, SockRevNatMap, SockRevNatSkMap, SourceRangesMap,
 };
 
 /// Frontends and backend slots. Key: frontend (address, port, protocol, scope, slot). Value: slot 0
@@ -111,6 +111,20 @@ pub static CONNTRACK_NEW6: ConntrackMap<V6> = ConntrackMap::new();
 pub static FRAGMENTS4: FragmentsMap<V4> = FragmentsMap::new();
 #[btf_map(name = "lb6_frags")]
 pub static FRAGMENTS6: FragmentsMap<V6> = FragmentsMap::new();
+
+/// kube-proxy's cluster-ips-check (`lb_common::cluster_ip`): cluster IPs (host prefixes) and Service
+/// CIDRs -> reject or drop. Writer: agent. Readers: the socket programs and tc ingress, for traffic
+/// no frontend matched.
+#[btf_map(name = "lb4_cluster_ips")]
+pub static CLUSTER_IPS4: ClusterIpsMap<V4> = ClusterIpsMap::new();
+#[btf_map(name = "lb6_cluster_ips")]
+pub static CLUSTER_IPS6: ClusterIpsMap<V6> = ClusterIpsMap::new();
+
+/// The prefixes covering every entry of `lb4_cluster_ips`, read before it. Writer: agent.
+#[btf_map(name = "lb4_svc_ranges")]
+pub static SERVICE_RANGES4: ServiceRangesMap<V4> = ServiceRangesMap::new();
+#[btf_map(name = "lb6_svc_ranges")]
+pub static SERVICE_RANGES6: ServiceRangesMap<V6> = ServiceRangesMap::new();
 
 /// The tc programs' prefilter (`lb_common::prefilter`): bit `b` is bit `b % 64` of word `b / 64`.
 /// Writer: agent. Readers: tc ingress and egress.

@@ -12,6 +12,8 @@
 //! - `count == 0` refuses the call: ECONNREFUSED for a Service without endpoints (kube-proxy's
 //!   REJECT), EHOSTUNREACH where kube-proxy would DROP (a Local policy without local endpoints;
 //!   a socket cannot lose a packet silently, so it fails fast with an errno callers handle);
+//! - a call no frontend matches gets kube-proxy's cluster-ips-check: to a cluster IP (a port no
+//!   Service has) ECONNREFUSED, to an unallocated address of a Service CIDR EHOSTUNREACH;
 //! - any internal failure (a slot or backend missing during an update) leaves the call untouched
 //!   and is counted: a connect never fails because of us.
 //!
@@ -25,6 +27,7 @@
 
 use lb_common::{
     affinity::kind,
+    cluster_ip::action,
     config::{self, DatapathConfig},
     family::{Family, V4, V6, v4_mapped, v4_unmapped},
     proto,
@@ -179,6 +182,29 @@ fn source_allowed<F: FamilyMaps, C: SockCall<F>>(
     None
 }
 
+/// kube-proxy's cluster-ips-check for a call no frontend matched (`lb_common::cluster_ip`): a
+/// cluster IP on a port no Service has is refused as a Service without endpoints is
+/// (ECONNREFUSED), an unallocated address of a Service CIDR as a drop is (EHOSTUNREACH); any other
+/// call proceeds.
+#[inline(always)]
+fn cluster_ip_check<F: FamilyMaps>(vip: &F::Addr) -> Outcome<F> {
+    let mut outcome = Outcome::pass();
+    match lb::cluster_ip_check::<F>(vip) {
+        Some(action::REJECT) => {
+            count(Counter::SockClusterIpBadPort);
+            outcome.verdict = verdict::REJECT;
+            outcome.errno = ECONNREFUSED;
+        }
+        Some(action::DROP) => {
+            count(Counter::SockUnallocatedClusterIp);
+            outcome.verdict = verdict::DROP;
+            outcome.errno = EHOSTUNREACH;
+        }
+        _ => {}
+    }
+    outcome
+}
+
 /// connect and sendmsg: translate a frontend destination to a backend.
 #[inline(always)]
 pub fn translate_forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C) -> Outcome<F> {
@@ -195,7 +221,7 @@ pub fn translate_forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C) -> Outcome
     let (vip, vport) = (call.addr(), call.port());
     // Socket calls start on this node: the internal scope of a Local-policy frontend applies.
     let (key, frontend) = match lb::lookup_frontend::<F>(&vip, vport, protocol, true) {
-        Frontend::None => return Outcome::pass(),
+        Frontend::None => return cluster_ip_check::<F>(&vip),
         Frontend::Incomplete => {
             count(Counter::SockNoBackend);
             return Outcome::pass();

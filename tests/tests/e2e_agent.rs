@@ -26,6 +26,7 @@ use lb_tests::{
     cgroup::Cgroup,
     control_plane::ControlPlane,
     fixtures::{self, State, service, slice},
+    kernel,
     netns::PortForward,
     probe,
     process::{Place, Proc, workspace_bin},
@@ -35,6 +36,8 @@ use lb_tests::{
 use serde_json::Value;
 
 const NS: &str = "e2e";
+const ECONNREFUSED: i64 = 111;
+const EHOSTUNREACH: i64 = 113;
 const NODE: &str = "node-a";
 /// How long a change may take to reach the data path in these tests (the agent's own numbers are
 /// measured by the benchmarks).
@@ -356,9 +359,16 @@ fn services_and_endpoints_follow_the_api() {
     converge("the new port serves", || {
         reaches(e.host(), "10.96.100.10:81", &[p0.clone(), p1.clone()])
     });
-    converge("the old port is gone", || {
-        probe::tcp(e.host(), "10.96.100.10:80", 1)[0]["ok"] == false
-    });
+    // kube-proxy's cluster-ips-check: the old port is one no Service has, refused at once.
+    let errno = |place: Place<'_>, to: &str| probe::tcp(place, to, 1)[0]["errno"].as_i64();
+    let (refused, unreachable) = (
+        kernel::refused_with(ECONNREFUSED),
+        kernel::refused_with(EHOSTUNREACH),
+    );
+    converge(
+        "the old port is gone (refused, as by kube-proxy's cluster-ips-check)",
+        || errno(e.host(), "10.96.100.10:80") == Some(refused),
+    );
 
     // Scale up, then down.
     e.apply_slice(e.web_slice(&[0, 1, 2], &[], &[]));
@@ -406,10 +416,34 @@ fn services_and_endpoints_follow_the_api() {
         "{services}"
     );
 
-    // Delete: the cluster IP is not translated any more.
+    // Delete: the cluster IP is not translated any more; it is an unallocated address of the API
+    // server's ServiceCIDR (its default object, from --service-cluster-ip-range), which fails
+    // at once.
     e.delete_service("web");
-    converge("a deleted Service is gone", || {
-        probe::tcp(e.host(), "10.96.100.10:81", 1)[0]["ok"] == false
+    converge(
+        "a deleted Service's address is unallocated (EHOSTUNREACH)",
+        || errno(e.host(), "10.96.100.10:81") == Some(unreachable),
+    );
+    assert_eq!(
+        errno(e.pod(1), "10.96.100.10:81"),
+        Some(unreachable),
+        "from a pod too"
+    );
+    // A ServiceCIDR created now is followed: its addresses are unallocated too; deleted, they are
+    // no Service's business any more.
+    let extra = "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: e2e-extra}\nspec: {cidrs: [10.100.0.0/24]}\n";
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("servicecidr.yaml");
+    std::fs::write(&manifest, extra).unwrap();
+    e.cp.kubectl(["apply", "-f", manifest.to_str().unwrap()])
+        .expect("kubectl apply ServiceCIDR");
+    converge("a new ServiceCIDR's addresses are unallocated", || {
+        errno(e.host(), "10.100.0.9:80") == Some(unreachable)
+    });
+    e.cp.kubectl(["delete", "servicecidr", "e2e-extra", "--wait=false"])
+        .expect("kubectl delete ServiceCIDR");
+    converge("a deleted ServiceCIDR is no Service range any more", || {
+        errno(e.host(), "10.100.0.9:80").is_some_and(|n| n != unreachable)
     });
 }
 

@@ -327,6 +327,8 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
         ("watch", "endpointslices.discovery.k8s.io", None),
         ("list", "nodes", None),
         ("watch", "nodes", None),
+        ("list", "servicecidrs.networking.k8s.io", None),
+        ("watch", "servicecidrs.networking.k8s.io", None),
         ("create", "events.events.k8s.io", Some("demo")),
         ("create", "events.events.k8s.io", Some("default")),
     ];
@@ -344,7 +346,7 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
         // system:node-proxier grants these; the agent never makes these calls (rbac.yaml says why).
         ("get", "nodes", None),
         ("list", "endpoints", None),
-        ("list", "servicecidrs.networking.k8s.io", None),
+        ("create", "servicecidrs.networking.k8s.io", None),
         ("create", "events", Some("demo")),
         ("update", "events.events.k8s.io", Some("demo")),
         ("patch", "events.events.k8s.io", Some("demo")),
@@ -444,17 +446,37 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
         .context("GET /version as the agent")?;
     // The agent's CancellationToken, named through inference (tokio-util is not a dependency here).
     let shutdown = Default::default();
+    assert!(
+        KubeSource::lists_service_cidrs(&agent_client).await,
+        "the agent's ServiceAccount must list ServiceCIDR objects"
+    );
     let source = KubeSource::start(
         agent_client.clone(),
         NODE,
+        true,
         Arc::new(|_| {}),
         Clone::clone(&shutdown),
     );
     assert!(
         source.wait_ready(Duration::from_secs(30)).await,
-        "the agent's reflectors did not list Services, EndpointSlices and its Node as the ServiceAccount"
+        "the agent's reflectors did not list Services, EndpointSlices, ServiceCIDRs and its Node as the ServiceAccount"
     );
     let state = source.state();
+    // The API server's default ServiceCIDR object, from its --service-cluster-ip-range.
+    let cidrs: Vec<String> = state
+        .service_cidrs
+        .iter()
+        .flatten()
+        .map(|c| c.to_string())
+        .collect();
+    assert_eq!(
+        cidrs,
+        [
+            lb_tests::control_plane::SERVICE_CIDR,
+            lb_tests::control_plane::SERVICE_CIDR6
+        ],
+        "the Service CIDRs the agent reads as the ServiceAccount"
+    );
     assert_eq!(
         state
             .node

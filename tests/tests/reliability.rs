@@ -1003,8 +1003,8 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
         "lb_svc_names at {IPV4_ONLY_SVC_NAMES_CAPACITY} entries (was {}), entries copied",
         info["max_entries"]
     ));
-    // The IPv6 maps, the tc prefilter, the new-flow conntrack table, the pod interfaces and the
-    // fragments' ports are newer than the IPv4-only release.
+    // The IPv6 maps, the tc prefilter, the new-flow conntrack table, the pod interfaces, the
+    // fragments' ports and the cluster-ips-check are newer than the IPv4-only release.
     for family_map in pins_in(&maps).into_iter().filter(|p| {
         p.starts_with("lb6_")
             || [
@@ -1012,6 +1012,8 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
                 lb_common::catalog::CONNTRACK_NEW,
                 lb_common::catalog::POD_INTERFACES,
                 lb_common::catalog::FRAGMENTS,
+                lb_common::catalog::CLUSTER_IPS,
+                lb_common::catalog::SERVICE_RANGES,
             ]
             .contains(&p.as_str())
     }) {

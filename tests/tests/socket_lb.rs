@@ -426,14 +426,21 @@ fn protocols_must_match() {
         .build();
     f.write(&[svc], &[f.web_slice(&[0])]);
     f.start_agent(&[]);
-    // UDP to the TCP port and TCP to the UDP port are not translated: the virtual IP is not
-    // routable, so they fail without reaching the backend.
+    // UDP to the TCP port and TCP to the UDP port are not translated: to the cluster IP they are
+    // ports no Service has, which kube-proxy's cluster-ips-check rejects (ECONNREFUSED at once).
+    let refused = kernel::refused_with(ECONNREFUSED);
     let r = &probe::udp(f.host(), "10.96.0.20:80", 1, false)[0];
-    assert_eq!(r["ok"], false, "{r}");
-    assert_ne!(r["errno"], ECONNREFUSED);
+    assert_eq!(
+        (r["ok"].clone(), r["errno"].clone()),
+        (Value::from(false), Value::from(refused)),
+        "{r}"
+    );
     let r = &probe::tcp(f.host(), "10.96.0.20:53", 1)[0];
-    assert_eq!(r["ok"], false, "{r}");
-    assert_ne!(r["errno"], ECONNREFUSED);
+    assert_eq!(
+        (r["ok"].clone(), r["errno"].clone()),
+        (Value::from(false), Value::from(refused)),
+        "{r}"
+    );
     // The right protocols are.
     ok(&probe::tcp(f.host(), "10.96.0.20:80", 1));
     ok(&probe::udp(f.host(), "10.96.0.20:53", 1, false));
@@ -732,6 +739,97 @@ fn no_endpoints_rejects_and_local_policy_without_local_endpoints_drops_in(family
     assert_eq!(
         served.into_keys().collect::<Vec<_>>(),
         vec![f.pod_addr(0, family)]
+    );
+}
+
+#[test]
+fn cluster_ip_ports_no_service_has_are_refused_and_unallocated_service_addresses_unreachable() {
+    cluster_ip_checks_in(IpFamily::V4);
+}
+
+#[test]
+fn ipv6_cluster_ip_ports_no_service_has_are_refused_and_unallocated_service_addresses_unreachable() {
+    cluster_ip_checks_in(IpFamily::V6);
+}
+
+/// kube-proxy's cluster-ips-check at the socket: a connect() to a cluster IP on a port no Service
+/// has fails at once with ECONNREFUSED (kube-proxy rejects), one to an address of the Service CIDR
+/// (`--service-cluster-ip-range`: the manifests have no ServiceCIDR object) that no Service holds
+/// with EHOSTUNREACH (kube-proxy drops; a socket fails fast instead of waiting), from the host and
+/// from a pod; an address outside the CIDR is left to routing; a Service created on an
+/// unallocated address serves, and its address is unreachable again once it is deleted.
+fn cluster_ip_checks_in(family: IpFamily) {
+    let mut f = Fixture::for_family(family, 1);
+    f.write(&[web_of(family).build()], &[f.web_slice_of(family, &[0])]);
+    f.start_agent(&["--service-cluster-ip-range=10.96.0.0/16,fd00:10:96::/48"]);
+    let (refused, unreachable) = (
+        kernel::refused_with(ECONNREFUSED),
+        kernel::refused_with(EHOSTUNREACH),
+    );
+    let failed = |r: &Value| (r["ok"].clone(), r["errno"].clone());
+    let vip = in_family(family, "10.96.0.20");
+    let free = in_family(family, "10.96.5.5");
+    for (place, who) in [(f.host(), "host"), (f.pod(0), "pod")] {
+        let r = &probe::tcp(place, &at(vip, 81), 1)[0];
+        assert_eq!(
+            failed(r),
+            (false.into(), refused.into()),
+            "{who}: TCP to a port of the cluster IP no Service has: {r}"
+        );
+        let r = &probe::udp(place, &at(vip, 54), 1, false)[0];
+        assert_eq!(failed(r), (false.into(), refused.into()), "{who}: UDP to it: {r}");
+        let r = &probe::tcp(place, &at(free, 80), 1)[0];
+        assert_eq!(
+            failed(r),
+            (false.into(), unreachable.into()),
+            "{who}: an unallocated address of the Service CIDR: {r}"
+        );
+        let r = &probe::udp(place, &at(free, 53), 1, false)[0];
+        assert_eq!(
+            failed(r),
+            (false.into(), unreachable.into()),
+            "{who}: UDP to it: {r}"
+        );
+    }
+    let events = lb_tests::agent::datapath_events(&bpf_root_in(f.bpffs.path()));
+    assert!(
+        events["sock_cluster_ip_bad_port"].as_u64() >= Some(4)
+            && events["sock_unallocated_cluster_ip"].as_u64() >= Some(4),
+        "counted: {events}"
+    );
+    // Outside the CIDR: not ours to refuse (the address is unrouted here, so it fails otherwise).
+    let r = &probe::tcp(f.host(), &at(in_family(family, "10.97.0.1"), 80), 1)[0];
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(
+        ![refused, unreachable].contains(&r["errno"].as_i64().unwrap_or(0)),
+        "outside the CIDR: {r}"
+    );
+    // A Service takes the free address: it serves; deleted, the address is unallocated again.
+    let taken = service("demo", "taken")
+        .cluster_ips(&[&free.to_string()])
+        .port("http", "TCP", 80, 8080)
+        .build();
+    let taken_slice = slice("demo", "taken", "taken-1")
+        .endpoint(&f.pod_addr(0, family).to_string(), NODE, State::Ready)
+        .port("http", "TCP", 8080)
+        .build();
+    f.write(
+        &[web_of(family).build(), taken],
+        &[f.web_slice_of(family, &[0]), taken_slice],
+    );
+    ok(&probe::tcp(f.host(), &at(free, 80), 2));
+    let r = &probe::tcp(f.host(), &at(free, 81), 1)[0];
+    assert_eq!(
+        failed(r),
+        (false.into(), refused.into()),
+        "the new cluster IP's other ports: {r}"
+    );
+    f.write(&[web_of(family).build()], &[f.web_slice_of(family, &[0])]);
+    let r = &probe::tcp(f.host(), &at(free, 80), 1)[0];
+    assert_eq!(
+        failed(r),
+        (false.into(), unreachable.into()),
+        "the address freed again: {r}"
     );
 }
 

@@ -948,15 +948,86 @@ fn non_service_traffic_passes_untouched() {
     for f in FAMILIES {
         for pkt in [
             tcp(f, CLIENT, 45000, "10.244.1.5", 8080).build(),
-            tcp(f, CLIENT, 45001, "10.96.0.10", 81).build(),
-            udp(f, CLIENT, 45002, "10.96.0.10", 80).build(),
             tcp(f, CLIENT, 45003, NODE_IP, 22).build(),
+            // An external IP on a port no Service has: the cluster-ips-check is the cluster IPs'.
+            tcp(f, CLIENT, 45004, "198.51.100.7", 81).build(),
         ] {
             for run in [ingress(&mut s, &pkt), egress(&mut s, &pkt)] {
                 assert_eq!(run.action, OK);
                 assert_eq!(run.packet, pkt);
             }
         }
+    }
+}
+
+/// kube-proxy's cluster-ips-check (nftables mode): a new flow to a cluster IP on a port no
+/// Service has is rejected (ICMP port unreachable), one to an address of a Service CIDR (here a
+/// ServiceCIDR object among the manifests) that no Service holds is dropped; addresses outside
+/// the CIDRs pass. With the prefilter complete, as in production: the
+/// unallocated addresses have no bit, the covering prefixes send them to the check.
+#[test]
+fn cluster_ip_ports_no_service_has_are_rejected_and_unallocated_service_addresses_dropped() {
+    let mut state = state();
+    let cidrs: Vec<String> = FAMILIES.iter().map(|f| f.net("10.96.0.0/16")).collect();
+    lb_agent::watch::manifests::load_text(
+        &format!(
+            "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: kubernetes}}\nspec: {{cidrs: [{}]}}\n",
+            cidrs.join(", ")
+        ),
+        std::path::Path::new("cidr.yaml"),
+        "node-a",
+        &mut state,
+    )
+    .expect("ServiceCIDR manifest");
+    let mut s = scratch_with(&state, true);
+    for f in FAMILIES {
+        // TCP and UDP to a port 10.96.0.10 (a Service's cluster IP) does not have.
+        for spec in [
+            tcp(f, CLIENT, 45101, "10.96.0.10", 81),
+            udp(f, CLIENT, 45102, "10.96.0.10", 80),
+        ] {
+            let pkt = spec.build();
+            let (before, answers) = (
+                counter(&s, Counter::TcClusterIpBadPort),
+                counter(&s, Counter::TcRejectRateLimited),
+            );
+            let out = ingress(&mut s, &pkt);
+            assert_eq!(out.action, REDIRECT, "{f:?} {:?}: answered", summary(&pkt));
+            assert_same(
+                &out.packet,
+                &expected_port_unreachable(&pkt),
+                format!("{f:?}: port unreachable"),
+            );
+            assert_eq!(counter(&s, Counter::TcClusterIpBadPort), before + 1);
+            assert_eq!(counter(&s, Counter::TcRejectRateLimited), answers);
+        }
+        // An address of the Service CIDR no Service holds: dropped, in both protocols.
+        for spec in [
+            tcp(f, CLIENT, 45103, "10.96.7.7", 80),
+            udp(f, CLIENT, 45104, "10.96.200.1", 53),
+        ] {
+            let pkt = spec.build();
+            let before = counter(&s, Counter::TcUnallocatedClusterIp);
+            let out = ingress(&mut s, &pkt);
+            assert_eq!(out.action, SHOT, "{f:?} {:?}: dropped", summary(&pkt));
+            assert_eq!(counter(&s, Counter::TcUnallocatedClusterIp), before + 1);
+        }
+        // Outside the CIDR, and the Service's own port: untouched by the check.
+        let outside = tcp(f, CLIENT, 45105, "10.97.0.1", 80).build();
+        let run = ingress(&mut s, &outside);
+        assert_eq!(
+            (run.action, &run.packet),
+            (OK, &outside),
+            "{f:?}: outside the CIDR"
+        );
+        let served = tcp(f, CLIENT, 45106, "10.96.0.10", 80).build();
+        let run = ingress(&mut s, &served);
+        assert_eq!(run.action, OK, "{f:?}: the Service's port");
+        assert_eq!(
+            packet::layout(&run.packet).unwrap().dst,
+            f.ip("10.244.1.5"),
+            "{f:?}: translated"
+        );
     }
 }
 

@@ -39,6 +39,7 @@ use lb_agent::{
     watch::ClusterState,
 };
 use lb_common::{
+    cluster_ip,
     config::DatapathConfig,
     conntrack::{CtKey, CtValue, dir, flags as ct},
     family::{Family as AddrFamily, In6Addr},
@@ -191,6 +192,18 @@ fn state() -> ClusterState {
             .endpoint("10.244.1.5", "node-a", State::Ready)
             .port("s", "SCTP", 9999),
     );
+    // The Service CIDRs (kube-proxy's cluster-ips-check drops their unallocated addresses).
+    let cidrs: Vec<String> = FAMILIES.iter().map(|f| f.net("10.96.0.0/16")).collect();
+    lb_agent::watch::manifests::load_text(
+        &format!(
+            "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: kubernetes}}\nspec: {{cidrs: [{}]}}\n",
+            cidrs.join(", ")
+        ),
+        std::path::Path::new("cidr.yaml"),
+        "node-a",
+        &mut s,
+    )
+    .expect("ServiceCIDR manifest");
     s
 }
 
@@ -273,9 +286,21 @@ struct World {
     cfg: DatapathConfig,
     /// The masquerade address of each family.
     snat: [IpAddr; 2],
+    /// kube-proxy's cluster-ips-check as programmed (`lb4_cluster_ips`, `lb6_cluster_ips`).
+    cluster_ips: BTreeMap<ipnet::IpNet, u8>,
 }
 
 impl World {
+    /// The cluster-ips-check's answer for a new flow to `ip` that no frontend has: the action of
+    /// the longest prefix containing it.
+    fn cluster_ip_action(&self, ip: IpAddr) -> Option<u8> {
+        self.cluster_ips
+            .iter()
+            .filter(|(net, _)| net.contains(&ip))
+            .max_by_key(|(net, _)| net.prefix_len())
+            .map(|(_, action)| *action)
+    }
+
     fn read(s: &ScratchDatapath) -> (World, Snapshot) {
         let maps = s.maps();
         let snap = maps.snapshot().expect("snapshot of the scratch maps");
@@ -310,7 +335,19 @@ impl World {
                 },
             );
         }
+        let mut cluster_ips = maps
+            .cluster_ip_checks(lb_agent::family::IpFamily::V4)
+            .expect("lb4_cluster_ips");
+        cluster_ips.extend(
+            maps.cluster_ip_checks(lb_agent::family::IpFamily::V6)
+                .expect("lb6_cluster_ips"),
+        );
+        assert!(
+            cluster_ips.values().any(|a| *a == cluster_ip::action::DROP),
+            "the fuzz's Service CIDRs are programmed"
+        );
         let world = World {
+            cluster_ips,
             by_rev: frontends.iter().map(|(k, f)| (f.rev_nat_id, *k)).collect(),
             frontend_addrs: frontends.keys().map(|k| k.0).collect(),
             backend_addrs: backends_by_id.values().map(|b| b.0).collect(),
@@ -698,7 +735,13 @@ fn mutable_offsets(hook: Hook, parsed: &Parsed) -> BTreeSet<usize> {
 fn candidate(w: &World, hook: Hook, parsed: &Parsed, mark: u32) -> bool {
     match (hook, parsed) {
         (_, Parsed::L4(t, _)) if t.proto == SCTP => false,
-        (Hook::Ingress, Parsed::L4(t, _) | Parsed::Later(t)) => {
+        // A new flow no frontend has may meet the cluster-ips-check.
+        (Hook::Ingress, Parsed::L4(t, _)) => {
+            w.frontends.contains_key(&(t.dst, t.dport, t.proto))
+                || t.dst == w.snat(t.family())
+                || w.cluster_ip_action(t.dst).is_some()
+        }
+        (Hook::Ingress, Parsed::Later(t)) => {
             w.frontends.contains_key(&(t.dst, t.dport, t.proto)) || t.dst == w.snat(t.family())
         }
         (Hook::Egress, Parsed::L4(t, _) | Parsed::Later(t)) => {
@@ -879,12 +922,16 @@ impl Fuzzer {
                 if hook != Hook::Ingress {
                     fail("REDIRECT outside ingress");
                 }
-                let Some(fe) = w.frontends.get(&(t.dst, t.dport, t.proto)) else {
-                    fail("REDIRECT of a packet to no frontend")
-                };
-                let scope = fe.scope_for(&w.cfg, t.src);
-                if !scope.backends.is_empty() || scope.flags & flags::DROP_IF_EMPTY != 0 {
-                    fail("REJECT of a frontend that has backends or drops");
+                match w.frontends.get(&(t.dst, t.dport, t.proto)) {
+                    Some(fe) => {
+                        let scope = fe.scope_for(&w.cfg, t.src);
+                        if !scope.backends.is_empty() || scope.flags & flags::DROP_IF_EMPTY != 0 {
+                            fail("REJECT of a frontend that has backends or drops");
+                        }
+                    }
+                    // A cluster IP on a port no Service has (the cluster-ips-check).
+                    None if w.cluster_ip_action(t.dst) == Some(cluster_ip::action::REJECT) => {}
+                    None => fail("REDIRECT of a packet to no frontend and no cluster IP"),
                 }
                 let f = t.family();
                 let out = &run.packet;
@@ -913,7 +960,15 @@ impl Fuzzer {
                 self.stats.modified("reject", f);
                 return Some(run);
             }
-            SHOT => return Some(run),
+            SHOT => {
+                if let Parsed::L4(t, _) = parsed
+                    && !w.frontends.contains_key(&(t.dst, t.dport, t.proto))
+                    && w.cluster_ip_action(t.dst) == Some(cluster_ip::action::DROP)
+                {
+                    self.stats.modified("drop (cluster-ips-check)", t.family());
+                }
+                return Some(run);
+            }
             _ => {}
         }
         if run.packet.len() != input.len() {
@@ -1051,7 +1106,18 @@ impl Fuzzer {
         };
         let mut pool = of_family(&self.w.frontend_addrs);
         pool.extend(of_family(&self.w.backend_addrs));
-        pool.extend([NODE_IP, CLIENT, "198.51.100.7", "10.244.3.3", "10.244.1.1"].map(|a| family.ip(a)));
+        // 10.96.77.77: an address of the Service CIDR no Service holds.
+        pool.extend(
+            [
+                NODE_IP,
+                CLIENT,
+                "198.51.100.7",
+                "10.244.3.3",
+                "10.244.1.1",
+                "10.96.77.77",
+            ]
+            .map(|a| family.ip(a)),
+        );
         let special: &[&str] = match family {
             Family::V4 => &["127.0.0.1", "0.0.0.0", "255.255.255.255", "224.0.0.5"],
             Family::V6 => &["::1", "::", "ff02::1", "fe80::1", "::ffff:10.96.0.10"],

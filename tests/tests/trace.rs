@@ -270,14 +270,85 @@ fn cluster_ip() {
         trace(&d, NODE_IP, "10.96.0.10", 80, "tcp", true),
         expect("dnat", &both, false, "socket")
     );
-    // A port or protocol the Service does not have: untouched.
+    // A port or protocol the Service does not have: kube-proxy's cluster-ips-check rejects it.
     assert_eq!(
         trace(&d, "10.244.3.3", "10.96.0.10", 81, "tcp", true),
-        expect("pass", &[], false, "tc")
+        expect("reject", &[], false, "tc")
     );
     assert_eq!(
         trace(&d, "10.244.3.3", "10.96.0.10", 80, "udp", true),
+        expect("reject", &[], false, "tc")
+    );
+    assert_eq!(
+        trace(&d, NODE_IP, "10.96.0.10", 81, "tcp", true),
+        expect("reject", &[], false, "socket")
+    );
+    // An address that is no Service's: untouched without Service CIDRs (none among these
+    // manifests, no --service-cluster-ip-range).
+    assert_eq!(
+        trace(&d, "10.244.3.3", "10.96.7.7", 80, "tcp", true),
         expect("pass", &[], false, "tc")
+    );
+}
+
+/// kube-proxy's cluster-ips-check, explained: the table says which check refused a flow; an
+/// unallocated address of `--service-cluster-ip-range` is dropped on both paths, and a ServiceCIDR
+/// object among the manifests wins over the flag, as the API server's objects do.
+#[test]
+fn the_cluster_ips_check_is_named() {
+    let d = manifests();
+    let range = ["--service-cluster-ip-range", "10.96.0.0/16,fd00:10:96::/64"];
+    let json = |src: &str, dst: &str, dir: &tempfile::TempDir| -> Value {
+        let out = trace_command(dir, src, dst, 80, "tcp", true, "json", &range);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    assert_eq!(
+        json("10.244.3.3", "10.96.7.7", &d),
+        expect("drop", &[], false, "tc")
+    );
+    assert_eq!(
+        json(NODE_IP, "10.96.7.7", &d),
+        expect("drop", &[], false, "socket")
+    );
+    assert_eq!(
+        json("fd00:10:244:3::3", "fd00:10:96::77", &d),
+        expect6("drop", &[], false, "tc")
+    );
+    assert_eq!(
+        json("10.244.3.3", "10.97.0.1", &d),
+        expect("pass", &[], false, "tc"),
+        "outside the range"
+    );
+    let table = |src: &str, dst: &str, dport: u16, dir: &tempfile::TempDir| -> String {
+        let out = trace_command(dir, src, dst, dport, "tcp", true, "table", &range);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let text = table("10.244.3.3", "10.96.0.10", 81, &d);
+    assert!(
+        text.contains("a cluster IP on a port no Service has (kube-proxy's cluster-ips-check)"),
+        "{text}"
+    );
+    let text = table(NODE_IP, "10.96.7.7", 80, &d);
+    assert!(
+        text.contains("an address of a Service CIDR that no Service holds") && text.contains("EHOSTUNREACH"),
+        "{text}"
+    );
+    // A ServiceCIDR object among the manifests (10.100.0.0/24) replaces the flag's ranges.
+    std::fs::write(
+        d.path().join("cidr.yaml"),
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.100.0.0/24]}\n",
+    )
+    .unwrap();
+    assert_eq!(
+        json("10.244.3.3", "10.100.0.9", &d),
+        expect("drop", &[], false, "tc")
+    );
+    assert_eq!(
+        json("10.244.3.3", "10.96.7.7", &d),
+        expect("pass", &[], false, "tc"),
+        "the flag's range is not used"
     );
 }
 

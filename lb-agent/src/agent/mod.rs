@@ -191,6 +191,7 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         config::validate(&args)?;
     }
     let settings = args.node.settings()?;
+    let service_cluster_ip_range = args.node.service_cidrs()?;
     // The kernel before anything is loaded or pinned: refuse one the data path cannot run on,
     // and say what changes on one that lacks a feature with a fallback.
     let kernel = datapath::features::current()?;
@@ -301,11 +302,18 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
                 m.sync_queued(SystemTime::now());
                 run.run();
             });
-            let kube = KubeSource::start(client.clone(), &settings.node_name, on_change, shutdown.clone());
+            let service_cidrs = KubeSource::lists_service_cidrs(&client).await;
+            let kube = KubeSource::start(
+                client.clone(),
+                &settings.node_name,
+                service_cidrs,
+                on_change,
+                shutdown.clone(),
+            );
             // Never program an empty cluster over a full one: wait for every initial list.
             while !kube.wait_ready(Duration::from_secs(30)).await {
                 tracing::warn!(
-                    "still waiting for the initial list of Services, EndpointSlices and the Node; the data path keeps its pinned state"
+                    "still waiting for the initial list of Services, EndpointSlices, ServiceCIDRs and the Node; the data path keeps its pinned state"
                 );
             }
             (
@@ -354,6 +362,7 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         source,
         problems: Vec::new(),
         manifest_problems: BTreeSet::new(),
+        service_cluster_ip_range,
     }));
 
     {

@@ -5,13 +5,17 @@
 //! maps through it, so the two agree by construction on every frontend, backend, flag and
 //! masquerade address.
 
+use std::collections::{BTreeMap, BTreeSet};
+
+use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 use lb_common::{catalog::Capacities, config::DatapathConfig};
 
 use crate::{
     apply::{Applier, ApplyReport, MapError, MapOps},
+    family::{IpFamily, PerFamily},
     node::{LocalNetwork, NodeSettings, NodeView},
-    plan::{Outcome, Planner, Totals},
+    plan::{ClusterIpPlan, Frontend, Outcome, Planner, Totals},
     watch::{ClusterState, ServiceInputs, ServiceKey},
 };
 
@@ -27,6 +31,16 @@ pub struct Programmer<M> {
     config_written: Option<DatapathConfig>,
     /// The pod interfaces last written to `lb_pod_ifaces`.
     pod_interfaces_written: Option<std::collections::BTreeSet<u32>>,
+    /// kube-proxy's cluster-ips-check (`plan::ClusterIpPlan`), with the Service CIDRs it is to
+    /// use from the next programming on.
+    cluster_ips: ClusterIpPlan,
+    service_cidrs: Vec<IpNet>,
+    /// The tries as last written, both families (`None`: not read yet, or a write failed; the
+    /// next programming compares the plan with the maps themselves).
+    cluster_ips_written: Option<BTreeMap<IpNet, u8>>,
+    service_ranges_written: PerFamily<Option<Vec<IpNet>>>,
+    /// The last failure reported about them (each is logged once).
+    cluster_ips_error: Option<String>,
 }
 
 impl<M: MapOps> Programmer<M> {
@@ -44,7 +58,23 @@ impl<M: MapOps> Programmer<M> {
             applier,
             config_written: None,
             pod_interfaces_written: None,
+            cluster_ips: ClusterIpPlan::default(),
+            service_cidrs: Vec::new(),
+            cluster_ips_written: None,
+            service_ranges_written: PerFamily::default(),
+            cluster_ips_error: None,
         }
+    }
+
+    /// The Service CIDRs (ServiceCIDR objects, or `--service-cluster-ip-range`) the
+    /// cluster-ips-check uses from the next programming on.
+    pub fn set_service_cidrs(&mut self, cidrs: Vec<IpNet>) {
+        self.service_cidrs = cidrs;
+    }
+
+    /// The cluster-ips-check as planned (what the maps hold once written).
+    pub fn cluster_ips(&self) -> &ClusterIpPlan {
+        &self.cluster_ips
     }
 
     pub fn settings(&self) -> &NodeSettings {
@@ -130,6 +160,7 @@ impl<M: MapOps> Programmer<M> {
     pub fn program_all(&mut self, state: &ClusterState, view: &NodeView) -> (Outcome, ApplyReport) {
         let outcome = self.planner.rebuild(state, &view.info, &view.context);
         let report = self.applier.apply(self.planner.desired());
+        self.program_cluster_ips(None);
         (outcome, report)
     }
 
@@ -144,7 +175,106 @@ impl<M: MapOps> Programmer<M> {
         let report = self
             .applier
             .apply_changes(self.planner.desired(), &outcome.changes);
+        self.program_cluster_ips(Some(&outcome.changes.frontends));
         (outcome, report)
+    }
+
+    /// Brings the cluster-ips-check maps to the plan: every entry after a full programming or a
+    /// change of the Service CIDRs (`changed` = `None`), else the addresses of the frontends a
+    /// change touched. A failure (a full trie, say) is logged once and leaves the traffic it
+    /// concerns unrefused, as before the check existed; the next programming compares anew.
+    fn program_cluster_ips(&mut self, changed: Option<&BTreeSet<Frontend>>) {
+        let desired = self.planner.desired();
+        let touched = match changed {
+            Some(changed) if self.cluster_ips.cidrs() == self.service_cidrs.as_slice() => {
+                Some(self.cluster_ips.update(desired, changed))
+            }
+            _ => {
+                let before = self.cluster_ips.cidrs().to_vec();
+                self.cluster_ips.rebuild(desired, &self.service_cidrs);
+                self.service_cidrs = self.cluster_ips.cidrs().to_vec();
+                if self.service_cidrs != before {
+                    let cidrs: Vec<String> = self.service_cidrs.iter().map(IpNet::to_string).collect();
+                    tracing::info!(
+                        "Service CIDRs (kube-proxy's cluster-ips-check drops new flows to their unallocated addresses): {}",
+                        if cidrs.is_empty() {
+                            "none".to_string()
+                        } else {
+                            cidrs.join(", ")
+                        }
+                    );
+                }
+                None
+            }
+        };
+        if let Err(e) = self.write_cluster_ips(touched) {
+            self.cluster_ips_written = None;
+            self.service_ranges_written = PerFamily::default();
+            let message = e.to_string();
+            if self.cluster_ips_error.as_ref() != Some(&message) {
+                tracing::error!(
+                    "kube-proxy's cluster-ips-check: {message}; traffic to the addresses it concerns is not refused (the next sync tries again)"
+                );
+                self.cluster_ips_error = Some(message);
+            }
+        } else {
+            self.cluster_ips_error = None;
+        }
+    }
+
+    fn write_cluster_ips(&mut self, touched: Option<BTreeSet<IpNet>>) -> Result<(), MapError> {
+        let maps = self.applier.maps_mut();
+        let planned = self.cluster_ips.entries();
+        let (mut written, touched) = match self.cluster_ips_written.take() {
+            Some(written) => (written, touched),
+            None => {
+                let mut present = maps.cluster_ip_checks(IpFamily::V4)?;
+                present.extend(maps.cluster_ip_checks(IpFamily::V6)?);
+                (present, None)
+            }
+        };
+        // The keys that may differ: the touched ones, or every key of either side.
+        let keys: BTreeSet<IpNet> = match touched {
+            Some(touched) => touched,
+            None => planned.keys().chain(written.keys()).copied().collect(),
+        };
+        // New and changed entries first, then the covering prefixes, then what is gone: the
+        // programs never test an address the trie does not answer for yet.
+        let mut result = Ok(());
+        for net in &keys {
+            let Some(want) = planned.get(net).copied() else {
+                continue;
+            };
+            if written.get(net) != Some(&want) {
+                match maps.set_cluster_ip_check(net, Some(want)) {
+                    Ok(()) => {
+                        written.insert(*net, want);
+                    }
+                    Err(e) => result = result.and(Err(e)),
+                }
+            }
+        }
+        for family in [IpFamily::V4, IpFamily::V6] {
+            let ranges = self.cluster_ips.ranges(family);
+            if self.service_ranges_written.get(family).as_ref() != Some(&ranges) {
+                match maps.put_service_ranges(family, &ranges) {
+                    Ok(()) => *self.service_ranges_written.get_mut(family) = Some(ranges),
+                    Err(e) => result = result.and(Err(e)),
+                }
+            }
+        }
+        for net in &keys {
+            if !planned.contains_key(net) && written.contains_key(net) {
+                match maps.set_cluster_ip_check(net, None) {
+                    Ok(()) => {
+                        written.remove(net);
+                    }
+                    Err(e) => result = result.and(Err(e)),
+                }
+            }
+        }
+        self.cluster_ips_written = Some(written);
+        result
     }
 }
 
@@ -223,8 +353,117 @@ mod tests {
             ("map backends", snap.backends.len()),
             ("map revnat", snap.revnat.len()),
             ("map names", snap.names.len()),
+            ("map cluster ips", p.maps().cluster_ip_checks.len()),
+            ("planned cluster ips", p.cluster_ips().entries().len()),
         ]);
         r
+    }
+
+    /// kube-proxy's cluster-ips-check from the plan to the maps: what a previous run left is
+    /// compared and cleaned up; new entries go in before the covering prefixes, which go before
+    /// deletions (the programs never test an address the trie cannot answer for); one Service
+    /// deleted costs one entry; new Service CIDRs replace the old ones.
+    #[test]
+    fn cluster_ip_checks_follow_the_services_and_the_service_cidrs() {
+        use crate::apply::fake::Op;
+        use lb_common::cluster_ip::action::{DROP, REJECT};
+        let settings = NodeSettings {
+            node_name: "node-a".into(),
+            cluster_cidrs: vec![],
+            detect_local_mode: Default::default(),
+            pod_bridge_interface: String::new(),
+            pod_interface_name_prefix: String::new(),
+            nodeport_addresses: vec![],
+            masquerade_all: false,
+            localhost_nodeports: true,
+            bind_address: None,
+        };
+        let net = |s: &str| s.parse::<IpNet>().unwrap();
+        let mut maps = FakeMaps::new();
+        // A previous run's entries: one stale, one still right.
+        maps.cluster_ip_checks.insert(net("10.96.9.9/32"), REJECT);
+        maps.cluster_ip_checks.insert(net("10.96.0.10/32"), REJECT);
+        let mut p = Programmer::new(settings, 1, false, Applier::new(maps, Capacities::default()));
+        let local = LocalNetwork {
+            addresses: vec![
+                "192.168.50.11".parse::<IpAddr>().unwrap(),
+                "fd00:50::11".parse().unwrap(),
+            ],
+            ipv6_disabled: false,
+            links: Vec::new(),
+        };
+        let svc = |name: &str, ip: &str| {
+            format!(
+                "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: t}}\nspec: {{clusterIP: '{ip}', externalIPs: [198.51.100.1], ports: [{{port: 80}}, {{port: 53, protocol: UDP}}]}}\n"
+            )
+        };
+        let load = |yaml: &str| {
+            let mut s = ClusterState::default();
+            load_text(yaml, Path::new("t.yaml"), "node-a", &mut s).expect("valid manifests");
+            s
+        };
+        let all =
+            load(&(svc("web", "10.96.0.10") + &svc("old", "10.96.0.11") + &svc("six", "fd00:10:96::a")));
+        let view = p.view(None, &local);
+        p.set_service_cidrs(vec![net("fd00:10:96::/112"), net("10.96.0.0/16")]);
+        p.maps_mut().log.clear();
+        p.program_all(&all, &view);
+        let checks = |p: &Programmer<FakeMaps>| p.maps().cluster_ip_checks.clone();
+        assert_eq!(
+            checks(&p),
+            [
+                (net("10.96.0.0/16"), DROP),
+                (net("10.96.0.10/32"), REJECT),
+                (net("10.96.0.11/32"), REJECT),
+                (net("fd00:10:96::/112"), DROP),
+                (net("fd00:10:96::a/128"), REJECT),
+            ]
+            .into()
+        );
+        assert_eq!(p.maps().service_ranges.v4, [net("10.96.0.0/16")]);
+        assert_eq!(p.maps().service_ranges.v6, [net("fd00:10:96::/112")]);
+        let order: Vec<&str> = p
+            .maps()
+            .log
+            .iter()
+            .filter_map(|op| match op {
+                Op::SetClusterIpCheck(_, Some(_)) => Some("put"),
+                Op::PutServiceRanges(..) => Some("ranges"),
+                Op::SetClusterIpCheck(_, None) => Some("delete"),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(order, ["put", "put", "put", "put", "ranges", "ranges", "delete"]);
+
+        // `old` deleted: its one entry, nothing else.
+        let without_old = load(&(svc("web", "10.96.0.10") + &svc("six", "fd00:10:96::a")));
+        p.maps_mut().log.clear();
+        p.program_changed(&[("t".to_string(), "old".to_string())], |k| {
+            without_old.service_inputs(k)
+        });
+        let cluster_ops: Vec<&Op> = p
+            .maps()
+            .log
+            .iter()
+            .filter(|op| matches!(op, Op::SetClusterIpCheck(..) | Op::PutServiceRanges(..)))
+            .collect();
+        assert_eq!(cluster_ops, [&Op::SetClusterIpCheck(net("10.96.0.11/32"), None)]);
+
+        // Other Service CIDRs (a sync with nothing else changed): the old CIDR goes, the new one
+        // comes, and the covering prefixes follow.
+        p.set_service_cidrs(vec![net("10.96.0.0/12")]);
+        p.program_changed(&[], |k| without_old.service_inputs(k));
+        assert_eq!(
+            checks(&p),
+            [
+                (net("10.96.0.0/12"), DROP),
+                (net("10.96.0.10/32"), REJECT),
+                (net("fd00:10:96::a/128"), REJECT),
+            ]
+            .into()
+        );
+        assert_eq!(p.maps().service_ranges.v4, [net("10.96.0.0/12")]);
+        assert_eq!(p.maps().service_ranges.v6, [net("fd00:10:96::a/128")]);
     }
 
     /// The interface detector's pod interfaces are written before the `lb_config` entry that

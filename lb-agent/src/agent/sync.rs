@@ -47,6 +47,9 @@ pub(super) struct Agent {
     pub problems: Vec<ProblemEvent>,
     /// Bad files and objects of the manifests folder at the last sync (each is logged once).
     pub manifest_problems: BTreeSet<manifests::Problem>,
+    /// `--service-cluster-ip-range`: the Service CIDRs where the source has no ServiceCIDR
+    /// objects.
+    pub service_cluster_ip_range: Vec<ipnet::IpNet>,
 }
 
 /// What a sync reads from its source.
@@ -56,6 +59,8 @@ struct SourceRead {
     /// The whole state, when the source has no watch (manifests, loaded anew).
     loaded: Option<ClusterState>,
     node: Option<Arc<Node>>,
+    /// The CIDRs of the source's ServiceCIDR objects, if it has any.
+    service_cidrs: Option<Vec<ipnet::IpNet>>,
 }
 
 impl Agent {
@@ -66,7 +71,10 @@ impl Agent {
             pending,
             loaded,
             node,
+            service_cidrs,
         } = self.read_source()?;
+        self.programmer
+            .set_service_cidrs(service_cidrs.unwrap_or_else(|| self.service_cluster_ip_range.clone()));
         if let Some(node) = node.as_deref() {
             self.health.set_node(node);
         }
@@ -125,6 +133,7 @@ impl Agent {
                 pending: kube.take_pending(),
                 loaded: None,
                 node: kube.node(),
+                service_cidrs: kube.service_cidrs(),
             }),
             Source::Manifests(folder) => {
                 let loaded = folder
@@ -146,6 +155,7 @@ impl Agent {
                 Ok(SourceRead {
                     pending: PendingChanges::default(),
                     node: loaded.state.node.clone(),
+                    service_cidrs: loaded.state.service_cidrs.clone(),
                     loaded: Some(loaded.state),
                 })
             }

@@ -29,6 +29,8 @@ pub enum Op {
     DeleteSourceRange(SourceRange),
     PutConfig,
     PutPodInterfaces,
+    SetClusterIpCheck(ipnet::IpNet, Option<u8>),
+    PutServiceRanges(IpFamily, Vec<ipnet::IpNet>),
 }
 
 #[derive(Clone, Debug, Default)]
@@ -36,6 +38,9 @@ pub struct FakeMaps {
     pub state: Snapshot,
     pub config: Option<DatapathConfig>,
     pub pod_interfaces: std::collections::BTreeSet<u32>,
+    /// Both families' cluster-ips-check tries.
+    pub cluster_ip_checks: std::collections::BTreeMap<ipnet::IpNet, u8>,
+    pub service_ranges: crate::family::PerFamily<Vec<ipnet::IpNet>>,
     pub log: Vec<Op>,
     /// Refuse new service-map keys beyond this many entries of one family (E2BIG), like a full
     /// kernel map (each family has its own).
@@ -79,6 +84,8 @@ impl FakeMaps {
                 Op::DeleteAffinityMatch(k) => maps.delete_affinity_match(k),
                 Op::PutSourceRange(r) => maps.put_source_range(r),
                 Op::DeleteSourceRange(r) => maps.delete_source_range(r),
+                Op::SetClusterIpCheck(net, action) => maps.set_cluster_ip_check(net, *action),
+                Op::PutServiceRanges(family, ranges) => maps.put_service_ranges(*family, ranges),
                 Op::PutConfig | Op::PutPodInterfaces => Ok(()),
             };
             check(i, &maps);
@@ -212,6 +219,33 @@ impl MapOps for FakeMaps {
         }
         self.log.push(Op::PutPodInterfaces);
         self.pod_interfaces = ifindexes.clone();
+        Ok(())
+    }
+
+    fn cluster_ip_checks(
+        &self,
+        family: IpFamily,
+    ) -> Result<std::collections::BTreeMap<ipnet::IpNet, u8>, MapError> {
+        Ok(self
+            .cluster_ip_checks
+            .iter()
+            .filter(|(n, _)| IpFamily::of_net(n) == family)
+            .map(|(n, a)| (*n, *a))
+            .collect())
+    }
+
+    fn set_cluster_ip_check(&mut self, net: &ipnet::IpNet, action: Option<u8>) -> Result<(), MapError> {
+        self.log.push(Op::SetClusterIpCheck(*net, action));
+        match action {
+            Some(a) => self.cluster_ip_checks.insert(*net, a),
+            None => self.cluster_ip_checks.remove(net),
+        };
+        Ok(())
+    }
+
+    fn put_service_ranges(&mut self, family: IpFamily, ranges: &[ipnet::IpNet]) -> Result<(), MapError> {
+        self.log.push(Op::PutServiceRanges(family, ranges.to_vec()));
+        *self.service_ranges.get_mut(family) = ranges.to_vec();
         Ok(())
     }
 

@@ -6,6 +6,7 @@
 //! key's address.
 
 use std::{
+    collections::BTreeMap,
     io,
     net::IpAddr,
     os::fd::{AsFd, AsRawFd, OwnedFd, RawFd},
@@ -21,6 +22,7 @@ use lb_common::{
     affinity::AffinityMatchKey,
     backend::BackendValue,
     catalog,
+    cluster_ip::{ClusterIpKey, MAX_SERVICE_RANGES, ServiceRange, ServiceRanges},
     config::DatapathConfig,
     family::{V4, V6},
     revnat::{RevNatValue, SvcName},
@@ -56,6 +58,11 @@ pub struct FamilyMaps<F: KernelFamily> {
     pub backends: HashMap<MapData, u32, BackendValue<F>>,
     pub revnat: HashMap<MapData, u32, RevNatValue<F>>,
     pub source_ranges: LpmTrie<MapData, SrcRange<F>, u8>,
+    /// `lb4_cluster_ips` and `lb4_svc_ranges` (`lb_common::cluster_ip`); `None` from the pins of
+    /// a release that had none.
+    pub cluster_ips: Option<LpmTrie<MapData, ClusterIpKey<F>, u8>>,
+    /// (An array of `ServiceRanges<F>`, typed where it is written: the struct has no `Pod` bound.)
+    pub service_ranges: Option<Map>,
     /// The services and backends maps again, for BPF_MAP_UPDATE_BATCH (aya has no batch calls).
     batch_services: OwnedFd,
     batch_backends: OwnedFd,
@@ -259,6 +266,8 @@ where
     BackendValue<F>: Pod,
     RevNatValue<F>: Pod,
     SrcRange<F>: Pod,
+    ClusterIpKey<F>: Pod,
+    ServiceRanges<F>: Pod,
 {
     fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self, aya::maps::MapError> {
         let services = take_map(ebpf, F::MAPS.services)?;
@@ -270,6 +279,8 @@ where
             backends: backends.try_into()?,
             revnat: take_map(ebpf, F::MAPS.revnat)?.try_into()?,
             source_ranges: take_map(ebpf, F::MAPS.source_ranges)?.try_into()?,
+            cluster_ips: Some(take_map(ebpf, F::MAPS.cluster_ips)?.try_into()?),
+            service_ranges: Some(take_map(ebpf, F::MAPS.service_ranges)?),
         })
     }
 
@@ -285,6 +296,11 @@ where
             backends: backends.try_into()?,
             revnat: Map::HashMap(open(F::MAPS.revnat)?).try_into()?,
             source_ranges: Map::LpmTrie(open(F::MAPS.source_ranges)?).try_into()?,
+            cluster_ips: open(F::MAPS.cluster_ips)
+                .ok()
+                .map(|m| Map::LpmTrie(m).try_into())
+                .transpose()?,
+            service_ranges: open(F::MAPS.service_ranges).ok().map(Map::Array),
         })
     }
 
@@ -384,6 +400,67 @@ where
         let key = Self::source_range_key(range, "delete")?;
         absent_ok(self.source_ranges.remove(&key))
             .map_err(|e| MapError::new(F::MAPS.source_ranges, "delete", e))
+    }
+
+    fn missing(map: &'static str) -> MapError {
+        MapError::new(map, "update", io::Error::from_raw_os_error(libc::ENOENT))
+    }
+
+    fn cluster_ip_checks(&self) -> Result<BTreeMap<IpNet, u8>, MapError> {
+        let map = F::MAPS.cluster_ips;
+        let Some(trie) = &self.cluster_ips else {
+            return Ok(BTreeMap::new());
+        };
+        let mut out = BTreeMap::new();
+        for entry in trie.iter() {
+            let (key, action) = entry.map_err(|e| MapError::new(map, "dump", io_err(e)))?;
+            let bits = key.prefix_len().min(u32::from(F::BITS)) as u8;
+            let net =
+                IpNet::new(F::ip_addr(&key.data().addr), bits).expect("a prefix within the family's bits");
+            out.insert(net, action);
+        }
+        Ok(out)
+    }
+
+    fn set_cluster_ip_check(&mut self, net: &IpNet, action: Option<u8>) -> Result<(), MapError> {
+        let map = F::MAPS.cluster_ips;
+        let op = if action.is_some() { "update" } else { "delete" };
+        let trie = self.cluster_ips.as_mut().ok_or_else(|| Self::missing(map))?;
+        let key = Key::new(
+            u32::from(net.prefix_len()),
+            ClusterIpKey::<F> {
+                addr: addr_of::<F>(&net.network(), map, op)?,
+            },
+        );
+        match action {
+            Some(action) => trie
+                .insert(&key, &action, 0)
+                .map_err(|e| MapError::new(map, op, io_err(e))),
+            None => absent_ok(trie.remove(&key)).map_err(|e| MapError::new(map, op, e)),
+        }
+    }
+
+    fn put_service_ranges(&mut self, ranges: &[IpNet]) -> Result<(), MapError> {
+        let map = F::MAPS.service_ranges;
+        let mut array: Array<&mut MapData, ServiceRanges<F>> = self
+            .service_ranges
+            .as_mut()
+            .ok_or_else(|| Self::missing(map))?
+            .try_into()
+            .map_err(|e| MapError::new(map, "update", io_err(e)))?;
+        let mut value = ServiceRanges::<F>::default();
+        for (slot, net) in value.ranges.iter_mut().zip(ranges) {
+            *slot = ServiceRange {
+                net: addr_of::<F>(&net.network(), map, "update")?,
+                mask: addr_of::<F>(&net.netmask(), map, "update")?,
+                prefix_len: net.prefix_len(),
+                _pad: [0; 3],
+            };
+        }
+        value.count = ranges.len().min(MAX_SERVICE_RANGES) as u8;
+        array
+            .set(0, &value, 0)
+            .map_err(|e| MapError::new(map, "update", io_err(e)))
     }
 
     /// The service entry at `key`, if any (`key` must be of this family).
@@ -683,6 +760,27 @@ impl MapOps for KernelMaps {
         self.config
             .set(0, &config, 0)
             .map_err(|e| MapError::new(catalog::CONFIG, "update", io_err(e)))
+    }
+
+    fn cluster_ip_checks(&self, family: IpFamily) -> Result<BTreeMap<IpNet, u8>, MapError> {
+        match family {
+            IpFamily::V4 => self.v4.cluster_ip_checks(),
+            IpFamily::V6 => self.v6.cluster_ip_checks(),
+        }
+    }
+
+    fn set_cluster_ip_check(&mut self, net: &IpNet, action: Option<u8>) -> Result<(), MapError> {
+        match IpFamily::of_net(net) {
+            IpFamily::V4 => self.v4.set_cluster_ip_check(net, action),
+            IpFamily::V6 => self.v6.set_cluster_ip_check(net, action),
+        }
+    }
+
+    fn put_service_ranges(&mut self, family: IpFamily, ranges: &[IpNet]) -> Result<(), MapError> {
+        match family {
+            IpFamily::V4 => self.v4.put_service_ranges(ranges),
+            IpFamily::V6 => self.v6.put_service_ranges(ranges),
+        }
     }
 
     fn put_pod_interfaces(&mut self, ifindexes: &std::collections::BTreeSet<u32>) -> Result<(), MapError> {

@@ -127,6 +127,14 @@ pub trait MapOps {
     /// Makes `lb_pod_ifaces` hold exactly `ifindexes` (the interface local-traffic detector's
     /// pod interfaces); written before the `lb_config` entry that turns the detector on.
     fn put_pod_interfaces(&mut self, ifindexes: &std::collections::BTreeSet<u32>) -> Result<(), MapError>;
+    /// The family's cluster-ips-check trie (`lb4_cluster_ips`, `lb_common::cluster_ip`) as it
+    /// is: prefix -> action (what a previous run left, read once before the first write).
+    fn cluster_ip_checks(&self, family: IpFamily) -> Result<BTreeMap<ipnet::IpNet, u8>, MapError>;
+    /// Writes (`Some`) or deletes (`None`) the entry of `net` in its family's trie.
+    fn set_cluster_ip_check(&mut self, net: &ipnet::IpNet, action: Option<u8>) -> Result<(), MapError>;
+    /// Makes the family's covering prefixes (`lb4_svc_ranges`) `ranges` (at most
+    /// `cluster_ip::MAX_SERVICE_RANGES`, of the family).
+    fn put_service_ranges(&mut self, family: IpFamily, ranges: &[ipnet::IpNet]) -> Result<(), MapError>;
     /// The writer adopted `snapshot` (what a previous run wrote) without writing it again.
     fn adopted(&mut self, _snapshot: &Snapshot) -> Result<(), MapError> {
         Ok(())

@@ -108,6 +108,17 @@ fn family_expected<F: FamilyMaps>(name: &str, caps: &Capacities) -> Option<Expec
             size_of::<lb_common::fragment::FragPorts>(),
             Some(lb_common::catalog::capacity::FRAGMENTS),
         )
+    } else if name == maps.cluster_ips {
+        sizes(
+            4 + size_of::<lb_common::cluster_ip::ClusterIpKey<F>>(),
+            1,
+            Some(
+                caps.revnat
+                    .saturating_add(lb_common::cluster_ip::SERVICE_CIDR_ROOM),
+            ),
+        )
+    } else if name == maps.service_ranges {
+        sizes(4, size_of::<lb_common::cluster_ip::ServiceRanges<F>>(), Some(1))
     } else if name == maps.prefilter {
         sizes(4, 8, Some(lb_common::prefilter::WORDS))
     } else {
@@ -307,6 +318,7 @@ where
     CtKey<F>: Pod,
     CtValue<F>: Pod,
     SrcRange<F>: Pod,
+    lb_common::cluster_ip::ClusterIpKey<F>: Pod,
 {
     let maps = F::MAPS;
     Some(if name == maps.services {
@@ -323,6 +335,8 @@ where
         copy_hash::<CtKey<F>, CtValue<F>>(from, to, true)
     } else if name == maps.source_ranges {
         copy_lpm::<SrcRange<F>, u8>(from, to)
+    } else if name == maps.cluster_ips {
+        copy_lpm::<lb_common::cluster_ip::ClusterIpKey<F>, u8>(from, to)
     } else {
         return None;
     })

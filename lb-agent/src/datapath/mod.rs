@@ -319,7 +319,12 @@ impl Datapath {
                 .map_max_entries(maps.affinity, caps.affinity)
                 .map_max_entries(maps.source_ranges, caps.source_ranges)
                 .map_max_entries(maps.conntrack, caps.conntrack)
-                .map_max_entries(maps.conntrack_new, caps.conntrack_new);
+                .map_max_entries(maps.conntrack_new, caps.conntrack_new)
+                .map_max_entries(
+                    maps.cluster_ips,
+                    caps.revnat
+                        .saturating_add(lb_common::cluster_ip::SERVICE_CIDR_ROOM),
+                );
         }
         // Reverse-NAT ids of both families (`apply::ids::family_ranges`).
         loader

@@ -8,17 +8,21 @@
 //! - `rules`: kube-proxy's rules, one service port at a time ([`plan_port`]), and putting ports
 //!   together ([`merge`]);
 //! - `service`: one Service's model and plan ([`ServicePlan`]);
+//! - `cluster_ips`: kube-proxy's cluster-ips-check, from the ClusterIP frontends and the Service
+//!   CIDRs ([`ClusterIpPlan`]);
 //! - `planner`: the plan kept between syncs and updated one Service at a time ([`Planner`]),
 //!   with what each update changed ([`Changes`]).
 //!
 //! kube-proxy references are to `pkg/proxy/iptables/proxier.go` (`syncProxyRules`) unless noted.
 
+mod cluster_ips;
 mod planner;
 mod rules;
 mod service;
 
 use std::{collections::BTreeMap, fmt, net::IpAddr, sync::Arc};
 
+pub use cluster_ips::{ClusterIpPlan, covering};
 use ipnet::IpNet;
 use lb_common::service::flags;
 pub use planner::{Changes, Outcome, Planner, Totals};

@@ -234,8 +234,16 @@ fn trace_socket(
         chosen: (out.verdict == verdict::TRANSLATED)
             .then(|| SocketAddr::new(hook_addr(hook_family, out.addr), out.port).to_string()),
         note: match out.verdict {
-            verdict::REJECT => Some("connect() fails with ECONNREFUSED".into()),
-            verdict::DROP => Some("connect() fails with EHOSTUNREACH".into()),
+            verdict::REJECT => Some(refusal(
+                out.rev_nat_id,
+                out.verdict,
+                "connect() fails with ECONNREFUSED",
+            )),
+            verdict::DROP => Some(refusal(
+                out.rev_nat_id,
+                out.verdict,
+                "connect() fails with EHOSTUNREACH",
+            )),
             _ => None,
         },
     };
@@ -249,6 +257,20 @@ fn trace_socket(
         },
         details,
     ))
+}
+
+/// Why a call or packet was refused: a frontend's reason (no endpoints, a Local policy, source
+/// ranges) when one matched (`rev_nat_id` set), else kube-proxy's cluster-ips-check.
+fn refusal(rev_nat_id: u32, decision: u32, outcome: &str) -> String {
+    match (rev_nat_id, decision) {
+        (0, verdict::REJECT) => {
+            format!("a cluster IP on a port no Service has (kube-proxy's cluster-ips-check): {outcome}")
+        }
+        (0, _) => format!(
+            "an address of a Service CIDR that no Service holds (kube-proxy's cluster-ips-check): {outcome}"
+        ),
+        _ => outcome.to_string(),
+    }
 }
 
 /// A synthetic first packet of a flow: a TCP SYN, or a UDP datagram, of the request's family.
@@ -331,8 +353,12 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
             .then(|| backend_name(maps, family, run.cb[trace_cb::CB_BACKEND_ID]))
             .flatten(),
         note: match decision {
-            verdict::REJECT => Some("answered with ICMP port unreachable".into()),
-            verdict::DROP => Some("dropped".into()),
+            verdict::REJECT => Some(refusal(
+                rev_nat_id,
+                decision,
+                "answered with ICMP port unreachable",
+            )),
+            verdict::DROP => Some(refusal(rev_nat_id, decision, "dropped")),
             _ => None,
         },
     };
@@ -417,7 +443,11 @@ pub fn run(args: &TraceArgs) -> Result<()> {
     let settings = args.node.settings()?;
     let (result, details) = match &args.manifests {
         Some(dir) => {
-            let loaded = manifests::load_dir(dir, &settings.node_name)?;
+            let mut loaded = manifests::load_dir(dir, &settings.node_name)?;
+            // ServiceCIDR objects among the manifests win over the flag, as the API server's do.
+            if loaded.state.service_cidrs.is_none() {
+                loaded.state.service_cidrs = Some(args.node.service_cidrs()?);
+            }
             for problem in &loaded.problems {
                 eprintln!("warning: {problem}");
             }

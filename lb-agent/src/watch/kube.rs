@@ -1,5 +1,6 @@
 //! The Kubernetes API as a source: kube-rs reflectors for Services and EndpointSlices (with
-//! kube-proxy's informer label selector) and for this node's Node object.
+//! kube-proxy's informer label selector), for this node's Node object, and for the ServiceCIDR
+//! objects (networking.k8s.io/v1) where the API server has them (kube-proxy's cluster-ips-check).
 //!
 //! Objects are pruned to what the agent reads before the stores keep them (`prune`).
 //!
@@ -15,9 +16,11 @@ use std::{
 };
 
 use futures::TryStreamExt;
+use ipnet::IpNet;
 use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
+    networking::v1::ServiceCIDR,
 };
 use kube::{
     Client, Resource, ResourceExt,
@@ -41,6 +44,7 @@ pub enum ChangeKind {
     Service,
     EndpointSlice,
     Node,
+    ServiceCidr,
 }
 
 /// Changes not yet covered by a sync: the Services to recompute, counts for kube-proxy's
@@ -129,16 +133,48 @@ fn slice_key(slice: &EndpointSlice) -> ServiceKey {
 pub struct KubeSource {
     services: Store<Service>,
     nodes: Store<Node>,
+    /// `None` where the API server has no ServiceCIDR objects (or may not list them).
+    service_cidrs: Option<Store<ServiceCIDR>>,
     tracker: Arc<Mutex<Tracker>>,
     /// Set once the first list of EndpointSlices is stored.
     slices_listed: tokio::sync::watch::Receiver<bool>,
 }
 
 impl KubeSource {
-    /// Starts the watches; `on_change` is called (from the watch tasks) after every change.
+    /// Whether the API server lets this agent list ServiceCIDR objects: `false` where it has
+    /// none (before Kubernetes 1.33 without the MultiCIDRServiceAllocator feature) or where RBAC
+    /// forbids it, each said once; the agent then takes `--service-cluster-ip-range`.
+    pub async fn lists_service_cidrs(client: &Client) -> bool {
+        let api = Api::<ServiceCIDR>::all(client.clone());
+        match api
+            .list_metadata(&kube::api::ListParams::default().limit(1))
+            .await
+        {
+            Ok(_) => true,
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                tracing::info!(
+                    "the API server has no ServiceCIDR objects (networking.k8s.io/v1): the Service CIDRs are --service-cluster-ip-range's"
+                );
+                false
+            }
+            Err(kube::Error::Api(e)) if e.code == 403 => {
+                tracing::warn!(
+                    "listing ServiceCIDR objects is forbidden ({}): the Service CIDRs are --service-cluster-ip-range's; grant list and watch on servicecidrs.networking.k8s.io (see manifests/)",
+                    e.message
+                );
+                false
+            }
+            // The API server unreachable for now: watch, as for every other kind (retried).
+            Err(_) => true,
+        }
+    }
+
+    /// Starts the watches (ServiceCIDR objects too when `service_cidrs`); `on_change` is called
+    /// (from the watch tasks) after every change.
     pub fn start(
         client: Client,
         node_name: &str,
+        service_cidrs: bool,
         on_change: Arc<dyn Fn(ChangeKind) + Send + Sync>,
         shutdown: CancellationToken,
     ) -> Self {
@@ -209,6 +245,27 @@ impl KubeSource {
             shutdown.clone(),
         );
 
+        // The sync compares the CIDRs with the last ones at every sync, as the node facts.
+        let service_cidrs = service_cidrs.then(|| {
+            let (store, writer) = reflector::store::<ServiceCIDR>();
+            let stream = watcher(
+                Api::<ServiceCIDR>::all(client.clone()),
+                watcher::Config::default(),
+            )
+            .default_backoff()
+            .reflect(writer);
+            spawn_watch(
+                "ServiceCIDR",
+                stream,
+                ChangeKind::ServiceCidr,
+                Box::new(|_: &mut Tracker, _: &watcher::Event<ServiceCIDR>| {}),
+                on_change.clone(),
+                tracker.clone(),
+                shutdown.clone(),
+            );
+            store
+        });
+
         let (nodes, writer) = reflector::store::<Node>();
         let by_name = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
         let stream = watcher(Api::<Node>::all(client), by_name)
@@ -230,6 +287,7 @@ impl KubeSource {
         Self {
             services,
             nodes,
+            service_cidrs,
             tracker,
             slices_listed,
         }
@@ -241,6 +299,9 @@ impl KubeSource {
             let _ = self.services.wait_until_ready().await;
             let _ = self.slices_listed.clone().wait_for(|listed| *listed).await;
             let _ = self.nodes.wait_until_ready().await;
+            if let Some(store) = &self.service_cidrs {
+                let _ = store.wait_until_ready().await;
+            }
         };
         tokio::time::timeout(timeout, all).await.is_ok()
     }
@@ -257,6 +318,7 @@ impl KubeSource {
             state.slices.insert(key.clone(), slice.clone());
         }
         state.node = self.nodes.state().into_iter().next();
+        state.service_cidrs = self.service_cidrs();
         state
     }
 
@@ -281,10 +343,34 @@ impl KubeSource {
         self.services.get(&ObjectRef::new(&key.1).within(&key.0))
     }
 
+    /// The Service CIDRs of every ServiceCIDR object (kube-proxy takes them all, ready or not);
+    /// `None` when the API server's are not watched.
+    pub fn service_cidrs(&self) -> Option<Vec<IpNet>> {
+        let store = self.service_cidrs.as_ref()?;
+        Some(service_cidrs_of(store.state().iter().map(|o| o.as_ref())))
+    }
+
     /// This node's Node object, once seen.
     pub fn node(&self) -> Option<Arc<Node>> {
         self.nodes.state().into_iter().next()
     }
+}
+
+/// The CIDRs of ServiceCIDR objects, sorted and without repeats (one the API server should not
+/// have accepted is skipped, with a warning).
+pub fn service_cidrs_of<'a>(objects: impl Iterator<Item = &'a ServiceCIDR>) -> Vec<IpNet> {
+    let mut out = Vec::new();
+    for object in objects {
+        for text in object.spec.iter().flat_map(|s| s.cidrs.iter().flatten()) {
+            match text.parse::<IpNet>() {
+                Ok(net) => out.push(net.trunc()),
+                Err(e) => tracing::warn!(name = %object.name_any(), "ServiceCIDR {text:?} skipped: {e}"),
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
 }
 
 fn trigger_time(slice: &EndpointSlice) -> Option<SystemTime> {

@@ -191,7 +191,7 @@ impl Manifests {
             return;
         }
         let wanted = match kind.as_str() {
-            "Service" | "EndpointSlice" => true,
+            "Service" | "EndpointSlice" | "ServiceCIDR" => true,
             "Node" => name == self.node_name,
             _ => false,
         };
@@ -260,6 +260,13 @@ fn add_object(state: &mut ClusterState, kind: &str, doc: &Value) -> Result<(), (
         "Service" => state.add_service(typed::<Service>(doc)?),
         "EndpointSlice" => state.add_slice(typed::<EndpointSlice>(doc)?),
         "Node" => state.node = Some(std::sync::Arc::new(typed::<Node>(doc)?)),
+        "ServiceCIDR" => {
+            let object = typed::<k8s_openapi::api::networking::v1::ServiceCIDR>(doc)?;
+            let cidrs = state.service_cidrs.get_or_insert_default();
+            cidrs.extend(super::kube::service_cidrs_of(std::iter::once(&object)));
+            cidrs.sort();
+            cidrs.dedup();
+        }
         _ => {}
     }
     Ok(())

@@ -2,7 +2,7 @@
 //! the Kubernetes API (`kube`, reflectors with kube-proxy's label selectors) or from manifest
 //! files (`manifests`, for `trace --manifests` and static runs), kept in the form the model reads
 //! ([`ClusterState`]; EndpointSlices as [`Slice`]; Services and the Node pruned by `prune` to what
-//! the rules read). Also the Kubernetes label and annotation names the agent reads.
+//! the rules read; the Service CIDRs of ServiceCIDR objects). Also the Kubernetes label and annotation names the agent reads.
 
 pub mod kube;
 pub mod manifests;
@@ -48,6 +48,9 @@ pub struct ClusterState {
     pub slices: BTreeMap<(String, String), Arc<Slice>>,
     /// This node, when known.
     pub node: Option<Arc<Node>>,
+    /// The CIDRs of the ServiceCIDR objects; `None` when there are none to read (the API server
+    /// has none, or the manifests hold none): `--service-cluster-ip-range` applies.
+    pub service_cidrs: Option<Vec<ipnet::IpNet>>,
 }
 
 /// The namespace of an object read without one: what `kubectl apply` and the API server give it.

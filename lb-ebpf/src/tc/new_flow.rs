@@ -12,6 +12,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     affinity::kind,
+    cluster_ip::action,
     config::flags as config_flags,
     conntrack::{CtKey, CtValue, dir, flags as ct},
     service::flags,
@@ -62,6 +63,10 @@ pub(super) fn new_flow<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
             verdict => verdict,
         },
         REJECT => reject::reject::<F>(ctx, pkt.l4, &pkt.flow.saddr),
+        NOT_A_FRONTEND => match cluster_ip_check::<F>(ctx, &pkt.flow.daddr) {
+            REJECT => reject::reject::<F>(ctx, pkt.l4, &pkt.flow.saddr),
+            verdict => verdict,
+        },
         verdict => verdict,
     };
     if verdict == NO_FREE_PORT {
@@ -74,6 +79,11 @@ pub(super) fn new_flow<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
 /// What `track` returns when no masquerade port was free (nothing written yet): `new_flow`
 /// looks for one to take back, and drops the packet if there is none.
 const NO_FREE_PORT: i32 = i32::MIN + 3;
+
+/// What `choose` returns when no frontend has the packet's destination: `new_flow` applies the
+/// cluster-ips-check next (a function of its own: inside `choose`, its trie key took the stack
+/// past the 512 bytes a call chain may use).
+const NOT_A_FRONTEND: i32 = i32::MIN + 4;
 
 /// What `choose` returns when it filled in a [`Choice`].
 const CHOSEN: i32 = i32::MIN + 2;
@@ -93,8 +103,28 @@ pub(super) struct Choice {
     snat_port: u16,
 }
 
-/// The frontend of a new flow and its backend: [`CHOSEN`] with `choice` filled in, [`REJECT`], or
-/// another verdict (not a frontend, denied by loadBalancerSourceRanges, no endpoints).
+/// kube-proxy's cluster-ips-check for a new flow no frontend matched (`lb_common::cluster_ip`):
+/// [`REJECT`] to a cluster IP (a port no Service has), a drop to an unallocated address of a
+/// Service CIDR, else the packet passes (it is no Service's).
+#[inline(never)]
+fn cluster_ip_check<F: Ip>(ctx: &mut TcContext, daddr: &F::Addr) -> i32 {
+    match lb::cluster_ip_check::<F>(daddr) {
+        Some(action::REJECT) => {
+            count(Counter::TcClusterIpBadPort);
+            trace(ctx, trace_cb::CB_VERDICT, verdict::REJECT);
+            REJECT
+        }
+        Some(action::DROP) => {
+            count(Counter::TcUnallocatedClusterIp);
+            trace(ctx, trace_cb::CB_VERDICT, verdict::DROP);
+            TC_ACT_SHOT
+        }
+        _ => TC_ACT_OK,
+    }
+}
+
+/// The frontend of a new flow and its backend: [`CHOSEN`] with `choice` filled in, [`REJECT`],
+/// [`NOT_A_FRONTEND`], or another verdict (denied by loadBalancerSourceRanges, no endpoints).
 #[inline(never)]
 fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i32 {
     let flow = &pkt.flow;
@@ -108,7 +138,7 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
         F::settings(cfg).is_pod_address(&flow.saddr) == Some(true)
     };
     let (svc_key, frontend) = match lb::lookup_frontend::<F>(&flow.daddr, flow.dport, flow.proto, from_pod) {
-        Frontend::None => return TC_ACT_OK,
+        Frontend::None => return NOT_A_FRONTEND,
         Frontend::Incomplete => {
             count(Counter::TcNoBackend);
             return TC_ACT_OK;

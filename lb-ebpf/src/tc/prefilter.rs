@@ -18,11 +18,14 @@ fn active() -> bool {
     lb::datapath_config().flags & flags::PREFILTER != 0
 }
 
-/// A packet at ingress to `daddr` may be a frontend's new flow, a tracked flow or a reply to a
-/// masqueraded one.
+/// A packet at ingress to `daddr` may be a frontend's new flow, a tracked flow, a reply to a
+/// masqueraded one, or a flow the cluster-ips-check refuses (an address of a Service CIDR, which
+/// has no bit: `lb_common::cluster_ip`'s covering prefixes say so by arithmetic).
 #[inline(always)]
 pub(super) fn ingress<F: FamilyMaps>(daddr: &F::Addr) -> bool {
-    !active() || is_set::<F>(prefilter::ingress_bit::<F>(daddr))
+    !active()
+        || is_set::<F>(prefilter::ingress_bit::<F>(daddr))
+        || F::service_ranges().get(0).is_some_and(|r| r.may_contain(daddr))
 }
 
 /// Whether `end` ((address, port), the source or the destination of a packet at egress) may be a
