@@ -518,13 +518,14 @@ pub fn conntrack(args: &InspectArgs) -> Result<()> {
     Ok(())
 }
 
-/// A flow tuple: (source, source port, destination, destination port, protocol).
+/// An SNAT entry's tuple: (source, source port, destination, destination port, protocol, tag).
 type Tuple<F> = (
     <F as lb_common::family::Family>::Addr,
     u16,
     <F as lb_common::family::Family>::Addr,
     u16,
     u8,
+    u16,
 );
 
 /// One family's conntrack entries: the established flows' map, then the new flows' (an entry in
@@ -566,7 +567,7 @@ where
         })
         .map(|(k, v)| {
             (
-                (k.saddr, k.sport, k.daddr, k.dport, k.proto),
+                (k.saddr, k.sport, k.daddr, k.dport, k.proto, k.tag),
                 (v.nat_addr, v.nat_port),
             )
         })
@@ -580,7 +581,19 @@ where
             frontend: at(&k.daddr, k.dport),
             backend: at(&v.nat_addr, v.nat_port),
             masquerade: snat
-                .get(&(k.saddr, k.sport, v.nat_addr, v.nat_port, k.proto))
+                .get(&(
+                    k.saddr,
+                    k.sport,
+                    v.nat_addr,
+                    v.nat_port,
+                    k.proto,
+                    // A flow sharing its post-DNAT tuple with another has a tagged SNAT entry.
+                    if v.flags & ctflags::SNAT_TAGGED != 0 {
+                        lb_common::conntrack::snat_tag(v.rev_nat_id)
+                    } else {
+                        0
+                    },
+                ))
                 .map(|(a, p)| at(a, *p)),
             service: snap
                 .names

@@ -14,6 +14,14 @@
 //! The un-SNAT entry is also the SNAT port reservation: it is inserted with BPF_NOEXIST, so two
 //! flows can never share a post-SNAT tuple.
 //!
+//! Two flows can share a post-DNAT tuple, though: a client that uses one source port towards two
+//! frontends with a common backend (its connections to two NodePorts, say) has two flows that
+//! both leave as client -> backend. netfilter tells them apart by their original tuples; egress
+//! sees only the packet. The second flow's SNAT entry then carries a tag (`CtKey::tag`,
+//! [`snat_tag`]), its forward entry says so (`flags::SNAT_TAGGED`), and ingress puts a mark on its
+//! packets for egress ([`FORWARD_MARK`]), which looks the tagged entry up. Every other entry has
+//! tag 0.
+//!
 //! Two tables of this layout per family: `lb4_ct_new` holds a new flow's entries until its client
 //! goes past the handshake (a TCP packet without SYN or RST, a second UDP datagram), then they
 //! move to `lb4_ct`; lookups read `lb4_ct` first. A flood that never completes a handshake fills
@@ -66,6 +74,23 @@ pub mod flags {
     /// was created by an earlier release's programs, which never mark it: it is never taken for
     /// one whose handshake did not complete.
     pub const HANDSHAKE_TRACKED: u16 = 1 << 8;
+    /// The flow is masqueraded and its SNAT entry is keyed with [`super::snat_tag`] of its
+    /// frontend: another live flow holds the untagged post-DNAT tuple. On its forward entry, which
+    /// has ingress mark its packets ([`super::FORWARD_MARK`]) for egress to find the tagged entry.
+    pub const SNAT_TAGGED: u16 = 1 << 9;
+}
+
+/// skb->mark ingress sets on the forward packets of a `SNAT_TAGGED` flow: this magic in the top
+/// 12 bits, the flow's rev_nat_id in the low 20 (as the un-SNAT mark of replies, whose magic is
+/// `0x5EA`). Egress clears it once used.
+pub const FORWARD_MARK: u32 = 0x5EB0_0000;
+
+/// The tag of a `SNAT_TAGGED` flow's SNAT entry: from its frontend's id, never 0 (the untagged
+/// entries' tag). Two frontends whose ids give one tag cannot both tag the same tuple; the second
+/// then takes the untagged entry over, as before tags existed.
+#[inline(always)]
+pub const fn snat_tag(rev_nat_id: u32) -> u16 {
+    (rev_nat_id % 0xFFFF) as u16 + 1
 }
 
 #[repr(C)]
@@ -78,7 +103,8 @@ pub struct CtKey<F: Family> {
     pub proto: u8,
     /// `dir::*`.
     pub dir: u8,
-    pub _pad: [u8; 2],
+    /// 0, but for the SNAT entry of a `flags::SNAT_TAGGED` flow: [`snat_tag`] of its frontend.
+    pub tag: u16,
 }
 
 #[repr(C)]
@@ -113,6 +139,14 @@ mod layout {
     use core::mem::size_of;
 
     use super::*;
+
+    #[test]
+    fn snat_tags_are_never_zero() {
+        for id in [0, 1, 0xFFFE, 0xFFFF, 0x1_0000, 0xF_FFFF, u32::MAX] {
+            assert_ne!(snat_tag(id), 0, "{id:#x}");
+        }
+        assert_ne!(snat_tag(1), snat_tag(2));
+    }
 
     #[test]
     fn sizes() {

@@ -141,7 +141,7 @@ mod tests {
             dport,
             proto: crate::proto::TCP,
             dir: d,
-            _pad: [0; 2],
+            tag: 0,
         };
         let value = |f| CtValue::<V4> {
             flags: f,

@@ -114,6 +114,10 @@ counters! {
     TcClusterIpBadPort => "tc_cluster_ip_bad_port",
     /// tc: a new flow to an address of a Service CIDR no Service holds; dropped.
     TcUnallocatedClusterIp => "tc_unallocated_cluster_ip",
+    /// tc: a masqueraded new flow's post-DNAT tuple (client -> backend) was a live flow's of
+    /// another frontend (the client's port reused towards another frontend with that backend):
+    /// its SNAT entry was tagged and its packets marked (`lb_common::conntrack::snat_tag`).
+    TcSnatTagged => "tc_snat_tagged",
 }
 
 /// Number of counters (`lb_stats` max_entries).

@@ -446,6 +446,94 @@ fn local_policy_keeps_the_client_source_and_uses_local_endpoints_only() {
     }
 }
 
+/// Two flows of one client port through two masquerading NodePorts that share a backend: both
+/// leave as CLIENT:44100 -> 10.244.1.6:8080 after DNAT, which egress alone cannot tell apart.
+/// The second flow's SNAT entry is tagged and its packets marked at ingress, so each flow keeps
+/// its own masquerade port both ways and neither takes the other's (before, the second took the
+/// tuple over and the first connection stalled: the flood scenario of docs/reliability.md
+/// caught it, a "new connections" client reusing an established connection's port).
+#[test]
+fn two_masqueraded_flows_sharing_a_post_dnat_tuple_keep_their_own_ports() {
+    let mut st = state();
+    for (name, node_port) in [("shared", 30090), ("shared2", 30091)] {
+        add(
+            &mut st,
+            service("t", name)
+                .cluster_ip(if node_port == 30090 {
+                    "10.96.0.20"
+                } else {
+                    "10.96.0.21"
+                })
+                .port("http", "TCP", 80, 8080)
+                .node_port(node_port),
+            Some(
+                slice("t", name, &format!("{name}-1"))
+                    .endpoint("10.244.1.6", "node-a", State::Ready)
+                    .port("http", "TCP", 8080),
+            ),
+        );
+    }
+    let mut s = scratch_with(&st, true);
+    for f in FAMILIES {
+        // One packet of `node_port`'s flow through ingress then egress (the mark handed over,
+        // as the kernel carries it on the skb): the masquerade port it left with.
+        let out_of = |s: &mut ScratchDatapath, node_port: u16, data: bool| -> (u16, u32) {
+            let mut spec = tcp(f, CLIENT, 44100, NODE_IP, node_port);
+            if data {
+                spec = spec.data(b"ping");
+            }
+            let pkt = spec.build();
+            let dnat = ingress(s, &pkt);
+            assert_eq!(
+                summary(&dnat.packet).dst,
+                f.ip("10.244.1.6"),
+                "{f:?} :{node_port} DNAT"
+            );
+            let snat = egress_marked(s, &dnat.packet, dnat.mark);
+            assert_eq!(snat.mark, 0, "{f:?}: egress clears the forward mark");
+            let out = summary(&snat.packet);
+            assert_eq!(out.src, f.ip(NODE_IP), "{f:?} :{node_port} masqueraded");
+            (out.sport, dnat.mark)
+        };
+        let (first, unmarked) = out_of(&mut s, 30090, false);
+        assert_eq!(unmarked, 0, "the first flow owns the untagged tuple");
+        let tagged = counter(&s, Counter::TcSnatTagged);
+        let (second, marked) = out_of(&mut s, 30091, false);
+        assert_eq!(counter(&s, Counter::TcSnatTagged), tagged + 1, "{f:?}: counted");
+        assert_ne!(first, second, "{f:?}: each flow its own masquerade port");
+        // Later packets of both, interleaved: each keeps its port.
+        for _ in 0..2 {
+            assert_eq!(
+                out_of(&mut s, 30090, true).0,
+                first,
+                "{f:?}: the first flow's port"
+            );
+            assert_eq!(
+                out_of(&mut s, 30091, true).0,
+                second,
+                "{f:?}: the second flow's port"
+            );
+        }
+        assert_ne!(marked, 0, "{f:?}: the second flow's packets are marked");
+        // Replies to each port go back to the client from the NodePort it called.
+        for (port, node_port) in [(first, 30090), (second, 30091)] {
+            let reply = tcp(f, "10.244.1.6", 8080, NODE_IP, port).data(b"pong").build();
+            let unsnat = ingress(&mut s, &reply);
+            assert_eq!(
+                (summary(&unsnat.packet).dst, summary(&unsnat.packet).dport),
+                (f.ip(CLIENT), 44100),
+                "{f:?}: un-SNAT of port {port}"
+            );
+            let out = egress_marked(&mut s, &unsnat.packet, unsnat.mark);
+            assert_eq!(
+                (summary(&out.packet).src, summary(&out.packet).sport),
+                (f.ip(NODE_IP), node_port),
+                "{f:?}: the reply to port {port} leaves as :{node_port}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_client_port_reused_on_another_frontend_is_not_masqueraded_by_the_old_flow() {
     // Two NodePorts share a backend: 30090 masquerades (Cluster policy), 30081 keeps the client

@@ -61,6 +61,8 @@ const REDIRECT: i32 = 7;
 /// `lb_ebpf::tc::MARK_MAGIC` / `MARK_MASK` / `MARK_ID`: the mark ingress puts on un-SNATed replies.
 const MARK_MAGIC: u32 = 0x5EA0_0000;
 const MARK_MASK: u32 = 0xFFF0_0000;
+/// `lb_common::conntrack::FORWARD_MARK`: the mark ingress puts on a tagged flow's packets.
+const FORWARD_MARK: u32 = lb_common::conntrack::FORWARD_MARK;
 const MARK_ID: u32 = 0x000F_FFFF;
 const EINVAL: i32 = 22;
 
@@ -377,7 +379,7 @@ impl World {
 
     /// The mark names a frontend of `family` (egress of a family reads its own reverse-NAT map).
     fn valid_mark(&self, mark: u32, family: Family) -> bool {
-        mark & MARK_MASK == MARK_MAGIC
+        (mark & MARK_MASK == MARK_MAGIC || mark & MARK_MASK == FORWARD_MARK)
             && self
                 .by_rev
                 .get(&(mark & MARK_ID))
@@ -896,7 +898,10 @@ impl Fuzzer {
         // The mark: egress clears the un-SNAT mark when it uses it and leaves every other mark
         // alone; ingress sets it only for a known frontend of the packet's family.
         match hook {
-            Hook::Egress if run.mark != mark && (run.mark != 0 || mark & MARK_MASK != MARK_MAGIC) => {
+            Hook::Egress
+                if run.mark != mark
+                    && (run.mark != 0 || ![MARK_MAGIC, FORWARD_MARK].contains(&(mark & MARK_MASK))) =>
+            {
                 fail("egress changed the mark")
             }
             Hook::Ingress if run.mark != 0 && !family.is_some_and(|f| w.valid_mark(run.mark, f)) => {
@@ -1684,6 +1689,7 @@ struct CtEntry {
     dport: u16,
     proto: u8,
     dir: u8,
+    tag: u16,
     nat: (IpAddr, u16),
     flags: u16,
     rev_nat_id: u32,
@@ -1708,6 +1714,7 @@ where
                 dport: k.dport,
                 proto: k.proto,
                 dir: k.dir,
+                tag: k.tag,
                 nat: (ip(v.nat_addr), v.nat_port),
                 flags: v.flags,
                 rev_nat_id: v.rev_nat_id,
@@ -1767,7 +1774,15 @@ fn check_conntrack(w: &World, entries: &[CtEntry]) -> BTreeMap<&'static str, usi
                 {
                     fail("SNAT entry");
                 }
-                "snat"
+                if e.tag != 0 {
+                    // The tagged SNAT entry of a flow sharing its post-DNAT tuple.
+                    if e.tag != lb_common::conntrack::snat_tag(e.rev_nat_id) {
+                        fail("SNAT entry tagged with another frontend's tag");
+                    }
+                    "snat (tagged)"
+                } else {
+                    "snat"
+                }
             }
             (dir::INGRESS, true) => {
                 // un-SNAT: backend -> node:port, rewritten to the client.
@@ -1788,6 +1803,9 @@ fn check_conntrack(w: &World, entries: &[CtEntry]) -> BTreeMap<&'static str, usi
             }
             _ => fail("unknown direction"),
         };
+        if e.tag != 0 && kind != "snat (tagged)" {
+            fail("a tag on an entry other than an SNAT entry");
+        }
         *kinds.entry(kind).or_default() += 1;
     }
     kinds

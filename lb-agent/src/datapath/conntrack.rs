@@ -107,7 +107,7 @@ fn tuple_key<F: Family>(
         dport,
         proto,
         dir: d,
-        _pad: [0; 2],
+        tag: 0,
     }
 }
 
@@ -120,8 +120,9 @@ fn companions<F: Family>(
     let same_flow = |k: &CtKey<F>| entries.get(k).is_some_and(|v| v.created_ns == fwd.created_ns);
     let mut out = Vec::with_capacity(2);
     if fwd.flags & flags::SNAT != 0 {
-        // SNAT: client -> backend (egress); un-SNAT: backend -> node IP:port (ingress).
-        let snat_key = tuple_key::<F>(
+        // SNAT: client -> backend (egress; tagged when the flow is); un-SNAT: backend -> node
+        // IP:port (ingress).
+        let mut snat_key = tuple_key::<F>(
             fwd_key.saddr,
             fwd_key.sport,
             fwd.nat_addr,
@@ -129,6 +130,9 @@ fn companions<F: Family>(
             fwd_key.proto,
             dir::EGRESS,
         );
+        if fwd.flags & flags::SNAT_TAGGED != 0 {
+            snat_key.tag = lb_common::conntrack::snat_tag(fwd.rev_nat_id);
+        }
         if same_flow(&snat_key) {
             let snat = entries[&snat_key];
             out.push(snat_key);

@@ -8,7 +8,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use lb_common::{
-    conntrack::{CtKey, CtValue, dir, flags as ct},
+    conntrack::{CtKey, CtValue, FORWARD_MARK, dir, flags as ct, snat_tag},
     family::Family,
     proto,
     revnat::RevNatValue,
@@ -121,7 +121,38 @@ pub(super) fn l4_ingress<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
     }
     note_close(ptr, pkt, ct::FIN_FORWARD);
     note_established(ptr, entry.flags, pkt);
+    mark_forward(ctx, entry.flags, entry.rev_nat_id);
     apply(ctx, pkt, false, entry.nat_addr, entry.nat_port)
+}
+
+/// A `SNAT_TAGGED` flow's packet at ingress carries the forward mark, for egress to find its
+/// tagged SNAT entry ([`tagged_snat`]).
+#[inline(always)]
+pub(super) fn mark_forward(ctx: &mut TcContext, flags: u16, rev_nat_id: u32) {
+    if flags & ct::SNAT_TAGGED != 0 {
+        ctx.set_mark(FORWARD_MARK | (rev_nat_id & MARK_ID));
+    }
+}
+
+/// The tagged SNAT entry of the flow whose forward mark (`mark`) a packet at egress carries,
+/// `key` being the packet's untagged SNAT key (client -> backend; left as it was): the entry of
+/// the frontend the mark names. `None` without such a mark, or when there is no such entry (the
+/// mark is then another component's, counted).
+#[inline(always)]
+pub(super) fn tagged_snat<F: Ip>(mark: u32, key: &mut CtKey<F>) -> Option<*mut CtValue<F>> {
+    if mark & MARK_MASK != FORWARD_MARK {
+        return None;
+    }
+    let id = mark & MARK_ID;
+    key.tag = snat_tag(id);
+    // SAFETY: a map value just looked up.
+    let found = lookup::<F>(key)
+        .filter(|p| unsafe { (**p).rev_nat_id & MARK_ID == id && (**p).flags & ct::REPLY == 0 });
+    key.tag = 0;
+    if found.is_none() {
+        count(Counter::TcForeignMark);
+    }
+    found
 }
 
 /// The client's packet that establishes a new flow (`l4_ingress` said [`ESTABLISH`]): the flow's
@@ -136,11 +167,16 @@ pub(super) fn establish<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
     let Some(ptr) = F::conntrack_new().get_ptr_mut(&key) else {
         return NEW_FLOW;
     };
-    let (backend, backend_port, flags) = unsafe { ((*ptr).nat_addr, (*ptr).nat_port, (*ptr).flags) };
-    // Its SNAT entry (client -> backend, at egress), or its un-DNAT entry (backend -> client).
+    let (backend, backend_port, flags, rev_nat_id) =
+        unsafe { ((*ptr).nat_addr, (*ptr).nat_port, (*ptr).flags, (*ptr).rev_nat_id) };
+    // Its SNAT entry (client -> backend, at egress; tagged if the flow is), or its un-DNAT entry
+    // (backend -> client).
     key.daddr = backend;
     key.dport = backend_port;
     key.dir = dir::EGRESS;
+    if flags & ct::SNAT_TAGGED != 0 {
+        key.tag = snat_tag(rev_nat_id);
+    }
     if flags & ct::SNAT != 0 {
         let held = move_entry::<F>(&key);
         // Its un-SNAT entry: backend -> node IP:port, at ingress.
@@ -152,7 +188,7 @@ pub(super) fn establish<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
                 dport: snat_port,
                 proto: flow.proto,
                 dir: dir::INGRESS,
-                _pad: [0; 2],
+                tag: 0,
             };
             move_entry::<F>(&key);
         }
@@ -164,7 +200,7 @@ pub(super) fn establish<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
             dport: flow.sport,
             proto: flow.proto,
             dir: dir::EGRESS,
-            _pad: [0; 2],
+            tag: 0,
         };
         move_entry::<F>(&key);
     }
@@ -178,6 +214,7 @@ pub(super) fn establish<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
         let _ = F::conntrack_new().remove(&key);
         count(Counter::TcFlowEstablished);
     }
+    mark_forward(ctx, flags, rev_nat_id);
     apply(ctx, pkt, false, backend, backend_port)
 }
 
@@ -221,7 +258,13 @@ pub(super) fn established_egress<F: Ip>(
             None => count(Counter::TcForeignMark),
         }
     }
-    let key = flow.key(dir::EGRESS);
+    let mut key = flow.key(dir::EGRESS);
+    // A tagged flow's packet (its client port is another flow's to the same backend).
+    if let Some(ptr) = tagged_snat::<F>(mark, &mut key) {
+        ctx.set_mark(0);
+        // SAFETY: a map value just looked up.
+        return unsafe { apply(ctx, pkt, true, (*ptr).nat_addr, (*ptr).nat_port) };
+    }
     // Of a TCP flow in its handshake (the new-flow table), the client's packets cross egress only
     // as SYNs: its first packet past the SYN moves the flow at ingress. The backend's may be
     // anything (a Fast Open server sends data before the client's ACK). So a TCP packet without

@@ -80,6 +80,8 @@ pub(super) fn ingress<F: Ip>(ctx: &mut TcContext, flow: &Flow<F>) -> i32 {
     let (nat_addr, flags, rev_nat_id) = unsafe { ((*entry).nat_addr, (*entry).flags, (*entry).rev_nat_id) };
     if flags & ct::REPLY != 0 {
         ctx.set_mark(MARK_MAGIC | (rev_nat_id & MARK_ID));
+    } else {
+        conntrack::mark_forward(ctx, flags, rev_nat_id);
     }
     readdress::<F>(ctx, false, flow.daddr, nat_addr)
 }
@@ -103,7 +105,13 @@ pub(super) fn egress<F: Ip>(ctx: &mut TcContext, flow: &Flow<F>, mark: u32, ours
             None => count(Counter::TcForeignMark),
         }
     }
-    match conntrack::lookup::<F>(&flow.key(dir::EGRESS)) {
+    let mut key = flow.key(dir::EGRESS);
+    if let Some(entry) = conntrack::tagged_snat::<F>(mark, &mut key) {
+        ctx.set_mark(0);
+        // SAFETY: a map value just looked up.
+        return readdress::<F>(ctx, true, flow.saddr, unsafe { (*entry).nat_addr });
+    }
+    match conntrack::lookup::<F>(&key) {
         // SAFETY: a map value just looked up.
         Some(entry) => readdress::<F>(ctx, true, flow.saddr, unsafe { (*entry).nat_addr }),
         None => TC_ACT_OK,

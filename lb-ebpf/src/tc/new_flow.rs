@@ -14,14 +14,14 @@ use lb_common::{
     affinity::kind,
     cluster_ip::action,
     config::flags as config_flags,
-    conntrack::{CtKey, CtValue, dir, flags as ct},
+    conntrack::{CtKey, CtValue, dir, flags as ct, snat_tag},
     service::flags,
     stats::Counter,
     trace::{tc as trace_cb, verdict},
 };
 
 use super::{
-    conntrack::{lookup, now_ns},
+    conntrack::{lookup, mark_forward, now_ns},
     ip::Ip,
     nat::apply,
     parse::Packet,
@@ -241,7 +241,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
         dport: flow.sport,
         proto: flow.proto,
         dir: dir::EGRESS,
-        _pad: [0; 2],
+        tag: 0,
     };
     if !masquerade {
         // Replies (backend -> client) get the frontend back as their source on the way out. If a
@@ -292,6 +292,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
     key.sport = flow.sport;
     key.dport = backend.port;
     key.dir = dir::EGRESS;
+    let mut tagged = false;
     match masquerade_port {
         None => {
             // An earlier masqueraded flow from this client port to this backend through another
@@ -302,6 +303,24 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
             let _ = F::conntrack_new().remove(&key);
         }
         Some(port) => {
+            // A masqueraded flow through another frontend (this client port, this backend) may
+            // hold the tuple's SNAT entry, live: egress cannot tell the two flows' packets apart,
+            // so this one's entry is tagged and its packets marked (`lb_common::conntrack`). An
+            // entry of this frontend is an earlier flow of this very tuple, replaced.
+            let other = |k: &CtKey<F>| {
+                lookup::<F>(k).is_some_and(|old| unsafe { (*old).rev_nat_id != choice.rev_nat_id })
+            };
+            if other(&key) {
+                key.tag = snat_tag(choice.rev_nat_id);
+                // The tag taken too (ids 65,535 apart): the untagged entry is taken over, as
+                // before tags.
+                tagged = !other(&key);
+                if tagged {
+                    count(Counter::TcSnatTagged);
+                } else {
+                    key.tag = 0;
+                }
+            }
             entry.nat_addr = family.snat_addr;
             entry.nat_port = port;
             entry.flags = ct::SNAT | ct::HANDSHAKE_TRACKED;
@@ -315,6 +334,9 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
         }
     }
     entry.flags = ct::HANDSHAKE_TRACKED | if masquerade { ct::SNAT } else { 0 };
+    if tagged {
+        entry.flags |= ct::SNAT_TAGGED;
+    }
     if backend.addr == flow.saddr {
         entry.flags |= ct::HAIRPIN;
     }
@@ -328,6 +350,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
         return TC_ACT_SHOT;
     }
     count(Counter::TcNewFlow);
+    mark_forward(ctx, entry.flags, choice.rev_nat_id);
     trace(ctx, trace_cb::CB_VERDICT, verdict::TRANSLATED);
     trace(ctx, trace_cb::CB_BACKEND_ID, backend_id);
     trace(

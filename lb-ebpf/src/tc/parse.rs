@@ -55,7 +55,7 @@ impl<F: Family> Flow<F> {
             dport: self.dport,
             proto: self.proto,
             dir: direction,
-            _pad: [0; 2],
+            tag: 0,
         }
     }
 

@@ -5,7 +5,7 @@
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_get_prandom_u32};
 use lb_common::{
     config::DatapathConfig,
-    conntrack::{CtKey, CtValue, dir, flags as ct},
+    conntrack::{CtKey, CtValue, dir, flags as ct, snat_tag},
     family::{V4, V6},
     proto,
     stats::Counter,
@@ -106,7 +106,7 @@ fn reclaim_port_in_range<F: Ip>(backend_id: u32, proto: u8) -> u16 {
         dport: 0,
         proto,
         dir: dir::INGRESS,
-        _pad: [0; 2],
+        tag: 0,
     };
     for attempt in 0..RECLAIM_ATTEMPTS {
         key.dport = ports.nth(attempt);
@@ -187,7 +187,7 @@ fn reclaim_port<F: Ip>(unsnat_key: &CtKey<F>) -> bool {
         dport: unsnat_key.sport,
         proto: unsnat_key.proto,
         dir: dir::INGRESS,
-        _pad: [0; 2],
+        tag: 0,
     };
     if let Some(frontend) = F::revnat().get_ptr(&rev_nat_id) {
         unsafe {
@@ -210,15 +210,18 @@ fn reclaim_port<F: Ip>(unsnat_key: &CtKey<F>) -> bool {
             }
         }
     }
-    // Its SNAT entry: client -> backend, at egress.
+    // Its SNAT entry: client -> backend, at egress, untagged or tagged.
     key.daddr = unsnat_key.saddr;
     key.dport = unsnat_key.sport;
     key.dir = dir::EGRESS;
-    if map
-        .get_ptr(&key)
-        .is_some_and(|snat| unsafe { (*snat).created_ns } == created_ns)
-    {
-        let _ = map.remove(&key);
+    for tag in [0, snat_tag(rev_nat_id)] {
+        key.tag = tag;
+        if map
+            .get_ptr(&key)
+            .is_some_and(|snat| unsafe { (*snat).created_ns } == created_ns)
+        {
+            let _ = map.remove(&key);
+        }
     }
     let _ = map.remove(unsnat_key);
     true

@@ -257,3 +257,35 @@ fn udp_flows_go_by_their_idle_clock_only() {
     let gone = doomed_keys(&m, 210 * S);
     assert_eq!(gone, keys.into_iter().map(|k| (k, Reason::Idle)).collect());
 }
+
+/// Two masqueraded flows of one client port through two NodePorts with one backend share the
+/// post-DNAT tuple; the second's SNAT entry is tagged (`flags::SNAT_TAGGED`). Each flow's entries
+/// are its own: the second closing takes its tagged entry and leaves the first whole, and no entry
+/// of either is an orphan.
+#[test]
+fn a_tagged_snat_entry_belongs_to_its_own_flow() {
+    let mut m = HashMap::new();
+    let first = masqueraded(&mut m, proto::TCP, 41000, 20001, 100 * S);
+    let fwd2 = tuple_key::<V4>(CLIENT, 41000, NODE, 30081, proto::TCP, dir::INGRESS);
+    let mut snat2 = tuple_key::<V4>(CLIENT, 41000, BACKEND, 8080, proto::TCP, dir::EGRESS);
+    snat2.tag = lb_common::conntrack::snat_tag(2);
+    let unsnat2 = tuple_key::<V4>(BACKEND, 8080, NODE, 20002, proto::TCP, dir::INGRESS);
+    let second = |nat, flags| Ct4Value {
+        rev_nat_id: 2,
+        ..value(150 * S, nat, flags)
+    };
+    m.insert(fwd2, second((BACKEND, 8080), flags::SNAT | flags::SNAT_TAGGED));
+    m.insert(snat2, second((NODE, 20002), flags::SNAT));
+    m.insert(unsnat2, second((CLIENT, 41000), flags::SNAT | flags::REPLY));
+    assert!(doomed_keys(&m, 1_000 * S).is_empty(), "two open flows, no orphan");
+    mark(&mut m, &fwd2, flags::RESET, 200 * S);
+    let gone = doomed_keys(&m, 300 * S);
+    let expect: HashSet<_> = [fwd2, snat2, unsnat2]
+        .into_iter()
+        .map(|k| (k, Reason::Closed))
+        .collect();
+    assert_eq!(
+        gone, expect,
+        "the second flow goes whole, the first ({first:?}) stays"
+    );
+}
