@@ -301,3 +301,19 @@ pub fn write_manifests(dir: &Path, file: &str, services: &[Service], slices: &[E
     fs::write(&tmp, text).expect("write manifests");
     fs::rename(&tmp, dir.join(file)).expect("rename manifests");
 }
+
+/// Adds a ServiceCIDR object (networking.k8s.io/v1) named `name` with `cidrs` to `state`, as the
+/// watch or the manifests would read it (kube-proxy's cluster-ips-check drops their unallocated
+/// addresses).
+pub fn add_service_cidr(state: &mut lb_agent::watch::ClusterState, name: &str, cidrs: &[String]) {
+    lb_agent::watch::manifests::load_text(
+        &format!(
+            "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: {name}}}\nspec: {{cidrs: [{}]}}\n",
+            cidrs.join(", ")
+        ),
+        Path::new("servicecidr.yaml"),
+        "node-a",
+        state,
+    )
+    .expect("a ServiceCIDR manifest");
+}

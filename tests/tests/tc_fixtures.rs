@@ -134,19 +134,12 @@ fn state() -> ClusterState {
 
 fn settings(cluster_cidr: bool) -> NodeSettings {
     NodeSettings {
-        node_name: "node-a".into(),
         cluster_cidrs: if cluster_cidr {
             FAMILIES.map(|f| f.net("10.244.0.0/16").parse().unwrap()).to_vec()
         } else {
             vec![]
         },
-        detect_local_mode: Default::default(),
-        pod_bridge_interface: String::new(),
-        pod_interface_name_prefix: String::new(),
-        nodeport_addresses: vec![],
-        masquerade_all: false,
-        localhost_nodeports: true,
-        bind_address: None,
+        ..NodeSettings::new("node-a")
     }
 }
 
@@ -1057,16 +1050,7 @@ fn non_service_traffic_passes_untouched() {
 fn cluster_ip_ports_no_service_has_are_rejected_and_unallocated_service_addresses_dropped() {
     let mut state = state();
     let cidrs: Vec<String> = FAMILIES.iter().map(|f| f.net("10.96.0.0/16")).collect();
-    lb_agent::watch::manifests::load_text(
-        &format!(
-            "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: kubernetes}}\nspec: {{cidrs: [{}]}}\n",
-            cidrs.join(", ")
-        ),
-        std::path::Path::new("cidr.yaml"),
-        "node-a",
-        &mut state,
-    )
-    .expect("ServiceCIDR manifest");
+    lb_tests::fixtures::add_service_cidr(&mut state, "kubernetes", &cidrs);
     let mut s = scratch_with(&state, true);
     for f in FAMILIES {
         // TCP and UDP to a port 10.96.0.10 (a Service's cluster IP) does not have.

@@ -196,30 +196,14 @@ fn state() -> ClusterState {
     );
     // The Service CIDRs (kube-proxy's cluster-ips-check drops their unallocated addresses).
     let cidrs: Vec<String> = FAMILIES.iter().map(|f| f.net("10.96.0.0/16")).collect();
-    lb_agent::watch::manifests::load_text(
-        &format!(
-            "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: kubernetes}}\nspec: {{cidrs: [{}]}}\n",
-            cidrs.join(", ")
-        ),
-        std::path::Path::new("cidr.yaml"),
-        "node-a",
-        &mut s,
-    )
-    .expect("ServiceCIDR manifest");
+    lb_tests::fixtures::add_service_cidr(&mut s, "kubernetes", &cidrs);
     s
 }
 
 fn settings() -> NodeSettings {
     NodeSettings {
-        node_name: "node-a".into(),
         cluster_cidrs: FAMILIES.map(|f| f.net("10.244.0.0/16").parse().unwrap()).to_vec(),
-        detect_local_mode: Default::default(),
-        pod_bridge_interface: String::new(),
-        pod_interface_name_prefix: String::new(),
-        nodeport_addresses: vec![],
-        masquerade_all: false,
-        localhost_nodeports: true,
-        bind_address: None,
+        ..NodeSettings::new("node-a")
     }
 }
 

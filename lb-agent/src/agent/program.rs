@@ -367,17 +367,7 @@ mod tests {
     fn cluster_ip_checks_follow_the_services_and_the_service_cidrs() {
         use crate::apply::fake::Op;
         use lb_common::cluster_ip::action::{DROP, REJECT};
-        let settings = NodeSettings {
-            node_name: "node-a".into(),
-            cluster_cidrs: vec![],
-            detect_local_mode: Default::default(),
-            pod_bridge_interface: String::new(),
-            pod_interface_name_prefix: String::new(),
-            nodeport_addresses: vec![],
-            masquerade_all: false,
-            localhost_nodeports: true,
-            bind_address: None,
-        };
+        let settings = NodeSettings::new("node-a");
         let net = |s: &str| s.parse::<IpNet>().unwrap();
         let mut maps = FakeMaps::new();
         // A previous run's entries: one stale, one still right.
@@ -476,15 +466,9 @@ mod tests {
             node::{DetectLocalMode, Link},
         };
         let settings = NodeSettings {
-            node_name: "node-a".into(),
-            cluster_cidrs: vec![],
             detect_local_mode: DetectLocalMode::InterfaceNamePrefix,
-            pod_bridge_interface: String::new(),
             pod_interface_name_prefix: "veth".into(),
-            nodeport_addresses: vec![],
-            masquerade_all: false,
-            localhost_nodeports: true,
-            bind_address: None,
+            ..NodeSettings::new("node-a")
         };
         let local = |names: &[&str]| LocalNetwork {
             addresses: vec!["192.168.50.11".parse::<IpAddr>().unwrap()],
@@ -539,15 +523,8 @@ mod tests {
     #[test]
     fn services_that_come_and_go_leave_nothing_in_the_plan_or_the_maps() {
         let settings = NodeSettings {
-            node_name: "node-a".into(),
             cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
-            detect_local_mode: Default::default(),
-            pod_bridge_interface: String::new(),
-            pod_interface_name_prefix: String::new(),
-            nodeport_addresses: vec![],
-            masquerade_all: false,
-            localhost_nodeports: true,
-            bind_address: None,
+            ..NodeSettings::new("node-a")
         };
         let caps = Capacities::default();
         let mut p = Programmer::new(settings, 1, false, Applier::new(FakeMaps::new(), caps));

@@ -141,6 +141,23 @@ pub struct NodeView {
 }
 
 impl NodeSettings {
+    /// The settings of a node named `node_name` with kube-proxy's defaults for every flag: no
+    /// cluster CIDR, the ClusterCIDR detector, NodePorts on every local address, localhost
+    /// NodePorts, no masquerade-all, no `--bind-address`.
+    pub fn new(node_name: &str) -> Self {
+        NodeSettings {
+            node_name: node_name.into(),
+            cluster_cidrs: Vec::new(),
+            detect_local_mode: DetectLocalMode::default(),
+            pod_bridge_interface: String::new(),
+            pod_interface_name_prefix: String::new(),
+            nodeport_addresses: Vec::new(),
+            masquerade_all: false,
+            localhost_nodeports: true,
+            bind_address: None,
+        }
+    }
+
     /// Derives this node's view from its Node object (when known) and its own network: the
     /// node's primary IPs are the Node object's (kube-proxy `GetNodeHostIPs`), `--bind-address`
     /// overriding the one of its family (kube-proxy `detectNodeIPs`).

@@ -20,15 +20,10 @@ fn ip6(s: &str) -> Ipv6Addr {
 
 fn settings(nodeport_addresses: &[&str], bind_address: Option<&str>) -> NodeSettings {
     NodeSettings {
-        node_name: "node-a".into(),
         cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
-        detect_local_mode: Default::default(),
-        pod_bridge_interface: String::new(),
-        pod_interface_name_prefix: String::new(),
         nodeport_addresses: nodeport_addresses.iter().map(|s| s.parse().unwrap()).collect(),
-        masquerade_all: false,
-        localhost_nodeports: true,
         bind_address: bind_address.map(ip),
+        ..NodeSettings::new("node-a")
     }
 }
 

@@ -118,18 +118,11 @@ fn scratch(n: u32, family: Family) -> Result<ScratchDatapath> {
         conntrack_new: 262_144,
     };
     let settings = NodeSettings {
-        node_name: api::NODE.into(),
         cluster_cidrs: vec![
             topo::CLUSTER_CIDR.parse().expect("cidr"),
             topo::CLUSTER_CIDR6.parse().expect("cidr"),
         ],
-        detect_local_mode: Default::default(),
-        pod_bridge_interface: String::new(),
-        pod_interface_name_prefix: String::new(),
-        nodeport_addresses: vec![],
-        masquerade_all: false,
-        localhost_nodeports: true,
-        bind_address: None,
+        ..NodeSettings::new(api::NODE)
     };
     let node_ips = [topo::NODE_IP, topo::NODE_IP6].map(|ip| ip.parse::<IpAddr>().expect("ip"));
     ScratchDatapath::with_capacities(&state(n, family), settings, &node_ips, OBJECT, caps)
