@@ -25,6 +25,10 @@ pub mod action {
     pub const REJECT: u8 = 1;
     /// Inside a Service CIDR, no Service's ("Drop traffic to unallocated ClusterIPs").
     pub const DROP: u8 = 2;
+    /// A cluster IP of a Service another proxy serves (labelled
+    /// `service.kubernetes.io/service-proxy-name`): left alone. kube-proxy checks after DNAT, so
+    /// that proxy's translation comes first there; the programs check before it.
+    pub const ALLOW: u8 = 3;
 }
 
 /// The trie's key data (after the kernel's prefix length): an address of the family.

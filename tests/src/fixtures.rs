@@ -125,6 +125,16 @@ impl Svc {
         self
     }
 
+    /// A label on the Service (`service.kubernetes.io/service-proxy-name`, say).
+    pub fn label(mut self, key: &str, value: &str) -> Self {
+        self.0
+            .metadata
+            .labels
+            .get_or_insert_default()
+            .insert(key.into(), value.into());
+        self
+    }
+
     pub fn external_traffic_policy(mut self, policy: &str) -> Self {
         self.spec().external_traffic_policy = Some(policy.into());
         self

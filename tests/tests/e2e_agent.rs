@@ -440,6 +440,23 @@ fn services_and_endpoints_follow_the_api() {
     converge("a new ServiceCIDR's addresses are unallocated", || {
         errno(e.host(), "10.100.0.9:80") == Some(unreachable)
     });
+    // A Service another proxy serves (kube-proxy's selector leaves it out): kube-proxy checks after
+    // that proxy's DNAT, so its cluster IP is not refused here either.
+    assert_eq!(
+        errno(e.host(), "10.96.100.77:80"),
+        Some(unreachable),
+        "unallocated yet"
+    );
+    e.apply_service(
+        service(NS, "delegated")
+            .cluster_ip("10.96.100.77")
+            .port("http", "TCP", 80, 8080)
+            .label("service.kubernetes.io/service-proxy-name", "other-proxy")
+            .build(),
+    );
+    converge("another proxy's Service is left to it", || {
+        errno(e.host(), "10.96.100.77:80").is_some_and(|n| n != unreachable)
+    });
     e.cp.kubectl(["delete", "servicecidr", "e2e-extra", "--wait=false"])
         .expect("kubectl delete ServiceCIDR");
     converge("a deleted ServiceCIDR is no Service range any more", || {

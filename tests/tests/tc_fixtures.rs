@@ -1044,13 +1044,23 @@ fn non_service_traffic_passes_untouched() {
 /// kube-proxy's cluster-ips-check (nftables mode): a new flow to a cluster IP on a port no
 /// Service has is rejected (ICMP port unreachable), one to an address of a Service CIDR (here a
 /// ServiceCIDR object among the manifests) that no Service holds is dropped; addresses outside
-/// the CIDRs pass. With the prefilter complete, as in production: the
+/// the CIDRs pass, and so does a Service another proxy serves (labelled
+/// service.kubernetes.io/service-proxy-name). With the prefilter complete, as in production: the
 /// unallocated addresses have no bit, the covering prefixes send them to the check.
 #[test]
 fn cluster_ip_ports_no_service_has_are_rejected_and_unallocated_service_addresses_dropped() {
     let mut state = state();
     let cidrs: Vec<String> = FAMILIES.iter().map(|f| f.net("10.96.0.0/16")).collect();
     lb_tests::fixtures::add_service_cidr(&mut state, "kubernetes", &cidrs);
+    // A Service another proxy serves: kube-proxy checks after that proxy's DNAT; left alone.
+    add(
+        &mut state,
+        service("t", "elsewhere")
+            .cluster_ip("10.96.0.77")
+            .port("http", "TCP", 80, 8080)
+            .label("service.kubernetes.io/service-proxy-name", "other-proxy"),
+        None,
+    );
     let mut s = scratch_with(&state, true);
     for f in FAMILIES {
         // TCP and UDP to a port 10.96.0.10 (a Service's cluster IP) does not have.
@@ -1084,6 +1094,13 @@ fn cluster_ip_ports_no_service_has_are_rejected_and_unallocated_service_addresse
             assert_eq!(out.action, SHOT, "{f:?} {:?}: dropped", summary(&pkt));
             assert_eq!(counter(&s, Counter::TcUnallocatedClusterIp), before + 1);
         }
+        let elsewhere = tcp(f, CLIENT, 45107, "10.96.0.77", 80).build();
+        let run = ingress(&mut s, &elsewhere);
+        assert_eq!(
+            (run.action, &run.packet),
+            (OK, &elsewhere),
+            "{f:?}: another proxy's Service"
+        );
         // Outside the CIDR, and the Service's own port: untouched by the check.
         let outside = tcp(f, CLIENT, 45105, "10.97.0.1", 80).build();
         let run = ingress(&mut s, &outside);

@@ -35,6 +35,8 @@ pub struct Programmer<M> {
     /// use from the next programming on.
     cluster_ips: ClusterIpPlan,
     service_cidrs: Vec<IpNet>,
+    /// The cluster IPs of the Services another proxy serves (exempt from the check).
+    delegated: BTreeSet<std::net::IpAddr>,
     /// The tries as last written, both families (`None`: not read yet, or a write failed; the
     /// next programming compares the plan with the maps themselves).
     cluster_ips_written: Option<BTreeMap<IpNet, u8>>,
@@ -60,16 +62,19 @@ impl<M: MapOps> Programmer<M> {
             pod_interfaces_written: None,
             cluster_ips: ClusterIpPlan::default(),
             service_cidrs: Vec::new(),
+            delegated: BTreeSet::new(),
             cluster_ips_written: None,
             service_ranges_written: PerFamily::default(),
             cluster_ips_error: None,
         }
     }
 
-    /// The Service CIDRs (ServiceCIDR objects, or `--service-cluster-ip-range`) the
-    /// cluster-ips-check uses from the next programming on.
-    pub fn set_service_cidrs(&mut self, cidrs: Vec<IpNet>) {
+    /// The Service CIDRs (ServiceCIDR objects, or `--service-cluster-ip-range`) and the cluster
+    /// IPs of the Services another proxy serves, which the cluster-ips-check uses from the next
+    /// programming on.
+    pub fn set_service_cidrs(&mut self, cidrs: Vec<IpNet>, delegated: BTreeSet<std::net::IpAddr>) {
         self.service_cidrs = cidrs;
+        self.delegated = delegated;
     }
 
     /// The cluster-ips-check as planned (what the maps hold once written).
@@ -186,12 +191,16 @@ impl<M: MapOps> Programmer<M> {
     fn program_cluster_ips(&mut self, changed: Option<&BTreeSet<Frontend>>) {
         let desired = self.planner.desired();
         let touched = match changed {
-            Some(changed) if self.cluster_ips.cidrs() == self.service_cidrs.as_slice() => {
+            Some(changed)
+                if self.cluster_ips.cidrs() == self.service_cidrs.as_slice()
+                    && self.cluster_ips.delegated() == &self.delegated =>
+            {
                 Some(self.cluster_ips.update(desired, changed))
             }
             _ => {
                 let before = self.cluster_ips.cidrs().to_vec();
-                self.cluster_ips.rebuild(desired, &self.service_cidrs);
+                self.cluster_ips
+                    .rebuild(desired, &self.service_cidrs, &self.delegated);
                 self.service_cidrs = self.cluster_ips.cidrs().to_vec();
                 if self.service_cidrs != before {
                     let cidrs: Vec<String> = self.service_cidrs.iter().map(IpNet::to_string).collect();
@@ -395,7 +404,10 @@ mod tests {
         let all =
             load(&(svc("web", "10.96.0.10") + &svc("old", "10.96.0.11") + &svc("six", "fd00:10:96::a")));
         let view = p.view(None, &local);
-        p.set_service_cidrs(vec![net("fd00:10:96::/112"), net("10.96.0.0/16")]);
+        p.set_service_cidrs(
+            vec![net("fd00:10:96::/112"), net("10.96.0.0/16")],
+            BTreeSet::new(),
+        );
         p.maps_mut().log.clear();
         p.program_all(&all, &view);
         let checks = |p: &Programmer<FakeMaps>| p.maps().cluster_ip_checks.clone();
@@ -441,7 +453,7 @@ mod tests {
 
         // Other Service CIDRs (a sync with nothing else changed): the old CIDR goes, the new one
         // comes, and the covering prefixes follow.
-        p.set_service_cidrs(vec![net("10.96.0.0/12")]);
+        p.set_service_cidrs(vec![net("10.96.0.0/12")], BTreeSet::new());
         p.program_changed(&[], |k| without_old.service_inputs(k));
         assert_eq!(
             checks(&p),

@@ -61,6 +61,8 @@ struct SourceRead {
     node: Option<Arc<Node>>,
     /// The CIDRs of the source's ServiceCIDR objects, if it has any.
     service_cidrs: Option<Vec<ipnet::IpNet>>,
+    /// The cluster IPs of the Services another proxy serves.
+    delegated: std::collections::BTreeSet<std::net::IpAddr>,
 }
 
 impl Agent {
@@ -72,9 +74,12 @@ impl Agent {
             loaded,
             node,
             service_cidrs,
+            delegated,
         } = self.read_source()?;
-        self.programmer
-            .set_service_cidrs(service_cidrs.unwrap_or_else(|| self.service_cluster_ip_range.clone()));
+        self.programmer.set_service_cidrs(
+            service_cidrs.unwrap_or_else(|| self.service_cluster_ip_range.clone()),
+            delegated,
+        );
         if let Some(node) = node.as_deref() {
             self.health.set_node(node);
         }
@@ -134,6 +139,7 @@ impl Agent {
                 loaded: None,
                 node: kube.node(),
                 service_cidrs: kube.service_cidrs(),
+                delegated: kube.delegated_cluster_ips(),
             }),
             Source::Manifests(folder) => {
                 let loaded = folder
@@ -156,6 +162,9 @@ impl Agent {
                     pending: PendingChanges::default(),
                     node: loaded.state.node.clone(),
                     service_cidrs: loaded.state.service_cidrs.clone(),
+                    delegated: crate::watch::delegated_cluster_ips(
+                        loaded.state.services.values().map(|s| s.as_ref()),
+                    ),
                     loaded: Some(loaded.state),
                 })
             }

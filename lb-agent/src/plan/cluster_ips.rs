@@ -29,6 +29,8 @@ pub struct ClusterIpPlan {
     /// Cluster IPs in no Service CIDR (a Service left behind by a ServiceCIDR being deleted, or
     /// none known): each must be covered too.
     outside: BTreeSet<IpAddr>,
+    /// The cluster IPs of Services another proxy serves (`action::ALLOW`): left to it.
+    delegated: BTreeSet<IpAddr>,
 }
 
 impl ClusterIpPlan {
@@ -41,13 +43,23 @@ impl ClusterIpPlan {
         &self.entries
     }
 
-    /// Plans every entry anew.
-    pub fn rebuild(&mut self, desired: &DesiredState, cidrs: &[IpNet]) {
+    /// The cluster IPs of Services another proxy serves, as the plan was made with.
+    pub fn delegated(&self) -> &BTreeSet<IpAddr> {
+        &self.delegated
+    }
+
+    /// Plans every entry anew: `delegated` are the cluster IPs of Services another proxy serves
+    /// (labelled service.kubernetes.io/service-proxy-name), which kube-proxy checks only after
+    /// that proxy's DNAT and the programs therefore leave alone (`action::ALLOW`).
+    pub fn rebuild(&mut self, desired: &DesiredState, cidrs: &[IpNet], delegated: &BTreeSet<IpAddr>) {
         let mut cidrs: Vec<IpNet> = cidrs.iter().map(IpNet::trunc).collect();
         cidrs.sort();
         cidrs.dedup();
         self.cidrs = cidrs;
         self.entries = self.cidrs.iter().map(|c| (*c, action::DROP)).collect();
+        self.delegated = delegated.clone();
+        self.entries
+            .extend(delegated.iter().map(|ip| (IpNet::from(*ip), action::ALLOW)));
         self.outside.clear();
         let cluster_ips: BTreeSet<IpAddr> = desired
             .frontends
@@ -85,7 +97,9 @@ impl ClusterIpPlan {
             }
         } else {
             self.outside.remove(&ip);
-            if self.cidrs.contains(&host) {
+            if self.delegated.contains(&ip) {
+                self.entries.insert(host, action::ALLOW);
+            } else if self.cidrs.contains(&host) {
                 self.entries.insert(host, action::DROP);
             } else {
                 self.entries.remove(&host);
@@ -198,7 +212,11 @@ spec: {clusterIP: 'fd00:10:96::a', ipFamilies: [IPv6], ports: [{port: 80}]}
     fn cluster_ips_reject_cidrs_drop_and_external_ips_are_left_alone() {
         let desired = planned(SERVICES);
         let mut plan = ClusterIpPlan::default();
-        plan.rebuild(&desired, &[net("10.96.0.0/16"), net("fd00:10:96::/112")]);
+        plan.rebuild(
+            &desired,
+            &[net("10.96.0.0/16"), net("fd00:10:96::/112")],
+            &BTreeSet::new(),
+        );
         let entries: Vec<(String, u8)> = plan.entries().iter().map(|(n, a)| (n.to_string(), *a)).collect();
         assert_eq!(
             entries,
@@ -223,7 +241,7 @@ spec: {clusterIP: 'fd00:10:96::a', ipFamilies: [IPv6], ports: [{port: 80}]}
     fn without_cidrs_only_cluster_ips_are_checked() {
         let desired = planned(SERVICES);
         let mut plan = ClusterIpPlan::default();
-        plan.rebuild(&desired, &[]);
+        plan.rebuild(&desired, &[], &BTreeSet::new());
         assert!(plan.entries().values().all(|a| *a == action::REJECT));
         assert_eq!(plan.entries().len(), 3);
         assert_eq!(
@@ -239,7 +257,7 @@ spec: {clusterIP: 'fd00:10:96::a', ipFamilies: [IPv6], ports: [{port: 80}]}
         let cidrs = [net("10.96.0.0/16")];
         let before = planned(SERVICES);
         let mut plan = ClusterIpPlan::default();
-        plan.rebuild(&before, &cidrs);
+        plan.rebuild(&before, &cidrs, &BTreeSet::new());
         // `old` deleted, `new` added inside the CIDR.
         let after_yaml = SERVICES.replace(
             "metadata: {name: old, namespace: default}\nspec: {clusterIP: 10.200.0.5",
@@ -256,7 +274,7 @@ spec: {clusterIP: 'fd00:10:96::a', ipFamilies: [IPv6], ports: [{port: 80}]}
         let touched = plan.update(&after, &changed);
         assert_eq!(touched, [net("10.96.0.20/32"), net("10.200.0.5/32")].into());
         let mut rebuilt = ClusterIpPlan::default();
-        rebuilt.rebuild(&after, &cidrs);
+        rebuilt.rebuild(&after, &cidrs, &BTreeSet::new());
         assert_eq!(plan, rebuilt);
         assert_eq!(plan.ranges(IpFamily::V4), [net("10.96.0.0/16")]);
     }
@@ -267,7 +285,7 @@ spec: {clusterIP: 'fd00:10:96::a', ipFamilies: [IPv6], ports: [{port: 80}]}
     fn a_cluster_ip_gone_from_a_host_sized_cidr_is_dropped_again() {
         let desired = planned(SERVICES);
         let mut plan = ClusterIpPlan::default();
-        plan.rebuild(&desired, &[net("10.200.0.5/32")]);
+        plan.rebuild(&desired, &[net("10.200.0.5/32")], &BTreeSet::new());
         assert_eq!(plan.entries()[&net("10.200.0.5/32")], action::REJECT);
         let gone: Vec<Frontend> = desired
             .frontends
@@ -277,6 +295,33 @@ spec: {clusterIP: 'fd00:10:96::a', ipFamilies: [IPv6], ports: [{port: 80}]}
             .collect();
         plan.update(&DesiredState::default(), &gone);
         assert_eq!(plan.entries()[&net("10.200.0.5/32")], action::DROP);
+    }
+
+    /// A Service another proxy serves (labelled service.kubernetes.io/service-proxy-name): the
+    /// plan never sees it (the model skips it), but its cluster IP inside the CIDR is allowed,
+    /// not dropped, and needs no covering prefix of its own; a Service of ours taking such an
+    /// address is rejected on its other ports as any, and allowed again once gone.
+    #[test]
+    fn another_proxys_cluster_ips_are_left_to_it() {
+        let desired = planned(SERVICES);
+        let delegated: BTreeSet<IpAddr> =
+            ["10.96.0.99".parse().unwrap(), "10.250.0.1".parse().unwrap()].into();
+        let mut plan = ClusterIpPlan::default();
+        plan.rebuild(&desired, &[net("10.96.0.0/16")], &delegated);
+        assert_eq!(plan.entries()[&net("10.96.0.99/32")], action::ALLOW);
+        assert_eq!(plan.entries()[&net("10.250.0.1/32")], action::ALLOW);
+        assert_eq!(
+            plan.ranges(IpFamily::V4),
+            [net("10.96.0.0/16"), net("10.200.0.5/32")]
+        );
+        let ip: IpAddr = "10.96.0.99".parse().unwrap();
+        let gone = Frontend {
+            addr: ip,
+            port: 80,
+            proto: Protocol::Tcp,
+        };
+        plan.update(&DesiredState::default(), [&gone]);
+        assert_eq!(plan.entries()[&net("10.96.0.99/32")], action::ALLOW);
     }
 
     #[test]

@@ -115,8 +115,10 @@ impl ScratchDatapath {
         };
         let view = self.programmer.view(state.node.as_deref(), &local);
         self.programmer.write_config(&view)?;
-        self.programmer
-            .set_service_cidrs(state.service_cidrs.clone().unwrap_or_default());
+        self.programmer.set_service_cidrs(
+            state.service_cidrs.clone().unwrap_or_default(),
+            crate::watch::delegated_cluster_ips(state.services.values().map(|s| s.as_ref())),
+        );
         let (_, report) = self.programmer.program_all(state, &view);
         if !report.errors.is_empty() {
             bail!(

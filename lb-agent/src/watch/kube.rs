@@ -135,6 +135,9 @@ pub struct KubeSource {
     nodes: Store<Node>,
     /// `None` where the API server has no ServiceCIDR objects (or may not list them).
     service_cidrs: Option<Store<ServiceCIDR>>,
+    /// The Services another proxy serves (labelled service.kubernetes.io/service-proxy-name),
+    /// for their cluster IPs only (`delegated_cluster_ips`).
+    delegated: Store<Service>,
     tracker: Arc<Mutex<Tracker>>,
     /// Set once the first list of EndpointSlices is stored.
     slices_listed: tokio::sync::watch::Receiver<bool>,
@@ -245,6 +248,26 @@ impl KubeSource {
             shutdown.clone(),
         );
 
+        // The Services kube-proxy's selector leaves out for another proxy: their cluster IPs are
+        // exempt from the cluster-ips-check. Compared at every sync, as the CIDRs are.
+        let (delegated, writer) = reflector::store::<Service>();
+        let stream = watcher(
+            Api::<Service>::all(client.clone()),
+            watcher::Config::default().labels(super::LABEL_SERVICE_PROXY_NAME),
+        )
+        .default_backoff()
+        .modify(super::prune::service)
+        .reflect(writer);
+        spawn_watch(
+            "Service (another proxy's)",
+            stream,
+            ChangeKind::Service,
+            Box::new(|_: &mut Tracker, _: &watcher::Event<Service>| {}),
+            on_change.clone(),
+            tracker.clone(),
+            shutdown.clone(),
+        );
+
         // The sync compares the CIDRs with the last ones at every sync, as the node facts.
         let service_cidrs = service_cidrs.then(|| {
             let (store, writer) = reflector::store::<ServiceCIDR>();
@@ -288,6 +311,7 @@ impl KubeSource {
             services,
             nodes,
             service_cidrs,
+            delegated,
             tracker,
             slices_listed,
         }
@@ -299,6 +323,7 @@ impl KubeSource {
             let _ = self.services.wait_until_ready().await;
             let _ = self.slices_listed.clone().wait_for(|listed| *listed).await;
             let _ = self.nodes.wait_until_ready().await;
+            let _ = self.delegated.wait_until_ready().await;
             if let Some(store) = &self.service_cidrs {
                 let _ = store.wait_until_ready().await;
             }
@@ -348,6 +373,11 @@ impl KubeSource {
     pub fn service_cidrs(&self) -> Option<Vec<IpNet>> {
         let store = self.service_cidrs.as_ref()?;
         Some(service_cidrs_of(store.state().iter().map(|o| o.as_ref())))
+    }
+
+    /// The cluster IPs of the Services another proxy serves.
+    pub fn delegated_cluster_ips(&self) -> std::collections::BTreeSet<std::net::IpAddr> {
+        super::delegated_cluster_ips(self.delegated.state().iter().map(|s| s.as_ref()))
     }
 
     /// This node's Node object, once seen.

@@ -53,6 +53,25 @@ pub struct ClusterState {
     pub service_cidrs: Option<Vec<ipnet::IpNet>>,
 }
 
+/// The cluster IPs of the Services among `services` that another proxy serves (labelled
+/// [`LABEL_SERVICE_PROXY_NAME`]): kube-proxy's cluster-ips-check must not refuse their traffic
+/// (`plan::ClusterIpPlan`).
+pub fn delegated_cluster_ips<'a>(
+    services: impl Iterator<Item = &'a Service>,
+) -> std::collections::BTreeSet<std::net::IpAddr> {
+    services
+        .filter(|s| {
+            s.metadata
+                .labels
+                .as_ref()
+                .is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME))
+        })
+        .filter_map(|s| s.spec.as_ref())
+        .flat_map(|spec| spec.cluster_ips.iter().flatten().chain(spec.cluster_ip.iter()))
+        .filter_map(|ip| ip.parse().ok())
+        .collect()
+}
+
 /// The namespace of an object read without one: what `kubectl apply` and the API server give it.
 pub const DEFAULT_NAMESPACE: &str = "default";
 
