@@ -2134,9 +2134,20 @@ fn full_maps_skip_whole_services_and_recover() {
     let served: Vec<bool> = (0..8)
         .map(|i| probe::tcp(s.site.host(), &format!("10.96.60.{}:80", 10 + i), 1)[0]["ok"] == true)
         .collect();
-    let events =
+    // The MapFull Event is posted after the sync that skipped the Services, by a task of its own
+    // (`events.rs`): it may land after the metric, so it is waited for as the metric was (read
+    // once, it raced the post and lost on a loaded machine).
+    let events_of = |s: &ApiSite| {
         s.cp.kubectl(["get", "events", "-n", "rel", "-o", "json"])
-            .unwrap_or_default();
+            .unwrap_or_default()
+    };
+    let waiting = Instant::now();
+    let mut events = events_of(&s);
+    while !events.contains("MapFull") && waiting.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(200));
+        events = events_of(&s);
+    }
+    let event_after = waiting.elapsed();
     // No Service is half programmed: each is entirely in the maps or not at all.
     let out = Command::new(workspace_bin("lb-agent"))
         .args(["services", "-o", "json", "--bpf-root"])
@@ -2170,6 +2181,7 @@ fn full_maps_skip_whole_services_and_recover() {
             "skipped_while_full": served.iter().filter(|b| !**b).count(),
             "half_programmed": half,
             "event_reported": events.contains("MapFull"),
+            "event_after_metric_s": event_after.as_secs_f64(),
             "metric_reported": true,
             "recovered_after_room_s": recovered.as_secs_f64(),
             "attempted": 0,
@@ -2180,7 +2192,7 @@ fn full_maps_skip_whole_services_and_recover() {
     assert_eq!(half, 0, "no Service is half programmed");
     assert!(
         events.contains("MapFull"),
-        "a MapFull Event names the skipped Services"
+        "a MapFull Event names the skipped Services (none within {event_after:?} of the metric): {events}"
     );
 }
 
