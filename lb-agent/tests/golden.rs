@@ -78,6 +78,7 @@ fn read_case(dir: &Path) -> Case {
             addresses,
             ipv6_disabled,
             links: Vec::new(),
+            interface_addresses: Vec::new(),
         },
     }
 }

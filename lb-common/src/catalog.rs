@@ -69,6 +69,9 @@ pub const CONFIG: &str = "lb_config";
 /// The node's pod interfaces under `--detect-local-mode` BridgeInterface or InterfaceNamePrefix
 /// (kube-proxy's `-i` detectors): ifindex `u32` -> `u8` 1. Written by the agent at every sync.
 pub const POD_INTERFACES: &str = "lb_pod_ifaces";
+/// The masquerade addresses of the node's interfaces (`config::MasqueradeAddrs`): ifindex `u32`
+/// -> both families' candidates, key 0 the fallback. Written by the agent when they change.
+pub const MASQ_ADDRS: &str = "lb_masq_addrs";
 /// Per-CPU counters: `u32` (a `stats::Counter`) -> `u64`. Written by the programs.
 pub const STATS: &str = "lb_stats";
 /// Per-CPU token bucket for the ICMP answers of rejected flows: `u32` 0 -> `RateBucket`. Written by
@@ -98,6 +101,7 @@ pub const ALL: &[&str] = &[
     PREFILTER,
     CONFIG,
     POD_INTERFACES,
+    MASQ_ADDRS,
     STATS,
     REJECT_LIMIT,
     SERVICES6,
@@ -143,6 +147,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (PREFILTER, 1),
     (CONFIG, 2),
     (POD_INTERFACES, 1),
+    (MASQ_ADDRS, 1),
     (STATS, 1),
     (REJECT_LIMIT, 1),
     (SERVICES6, 1),
@@ -268,6 +273,8 @@ pub mod capacity {
     pub const CLUSTER_IPS: u32 = REVNAT + crate::cluster_ip::SERVICE_CIDR_ROOM;
     /// Pod interfaces of one node (a bridge and its ports, or every pod veth): fixed.
     pub const POD_INTERFACES: u32 = 16_384;
+    /// Interfaces with an address (and the fallback entry): fixed, as `POD_INTERFACES`.
+    pub const MASQ_ADDRS: u32 = 16_384;
 }
 
 /// The most frontends (reverse-NAT ids) a family may have: ids of both families

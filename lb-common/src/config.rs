@@ -18,6 +18,11 @@ pub mod flags {
     /// BridgeInterface or InterfaceNamePrefix, both families): a packet is a pod's when its
     /// ingress ifindex is in `lb_pod_ifaces`; the cluster CIDRs are then unused.
     pub const DETECT_LOCAL_BY_INTERFACE: u32 = 1 << 2;
+    /// Some interface has a masquerade address other than its family's `snat_addr`
+    /// (`lb_masq_addrs`): a new flow's route is looked up (`bpf_fib_lookup`) and a masqueraded one
+    /// gets the address of the interface it leaves by, as MASQUERADE does. Without it every
+    /// masqueraded flow gets `snat_addr` and no route is looked up.
+    pub const MASQUERADE_BY_INTERFACE: u32 = 1 << 3;
 }
 
 /// Up to this many `--cluster-cidr` entries of one family (kube-proxy takes one per family).
@@ -125,10 +130,77 @@ impl DatapathConfig {
 pub const SNAT_PORT_MIN: u16 = 20_000;
 pub const SNAT_PORT_MAX: u16 = 29_999;
 
-/// The part of [`DatapathConfig`] that belongs to one family.
+/// Up to this many masquerade candidates per interface and family (`InterfaceAddrs`).
+pub const MAX_INTERFACE_ADDRS: usize = 4;
+
+/// The addresses MASQUERADE may give a flow of one family leaving by one interface, in the
+/// kernel's order: IPv4's primary addresses of universe scope (`inet_select_addr`), IPv6's global
+/// ones that are not tentative, deprecated ones last. A value of `lb_masq_addrs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InterfaceAddrs<F: Family> {
+    /// Number of valid entries in `addrs`; 0: the interface has none of this family.
+    pub count: u8,
+    pub _pad: [u8; 3],
+    pub addrs: [Cidr<F>; MAX_INTERFACE_ADDRS],
+}
+
+impl<F: Family> InterfaceAddrs<F> {
+    pub const EMPTY: Self = InterfaceAddrs {
+        count: 0,
+        _pad: [0; 3],
+        addrs: [Cidr::new(F::UNSPECIFIED, 0); MAX_INTERFACE_ADDRS],
+    };
+
+    /// The slot MASQUERADE takes for a packet whose next hop is `next_hop`: the first address
+    /// whose prefix holds the next hop (`inet_ifa_match`; for IPv6 the longest-matching-prefix
+    /// rule of source selection, RFC 6724 rule 8, where one prefix holds it), else the first.
+    #[inline(always)]
+    pub fn slot_for(&self, next_hop: &F::Addr) -> u8 {
+        let mut i = 0;
+        while i < MAX_INTERFACE_ADDRS {
+            if i < self.count as usize && self.addrs[i].contains(next_hop) {
+                return i as u8;
+            }
+            i += 1;
+        }
+        0
+    }
+
+    /// The address in `slot`, if the interface has one there (else its first, if any).
+    #[inline(always)]
+    pub fn get(&self, slot: u8) -> Option<&F::Addr> {
+        let slot = slot as usize;
+        if slot < MAX_INTERFACE_ADDRS && slot < self.count as usize {
+            Some(&self.addrs[slot].addr)
+        } else if self.count > 0 {
+            Some(&self.addrs[0].addr)
+        } else {
+            None
+        }
+    }
+}
+
+/// One entry of `lb_masq_addrs`: ifindex `u32` -> the interface's masquerade candidates of both
+/// families. Key 0 holds each family's `snat_addr` (the node's primary IP): what a flow gets when
+/// its route is unknown or its interface has no address of the family, as MASQUERADE falls back
+/// to another interface's address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MasqueradeAddrs {
+    pub v4: InterfaceAddrs<V4>,
+    pub v6: InterfaceAddrs<V6>,
+}
+
+/// The key of `lb_masq_addrs`' fallback entry.
+pub const MASQUERADE_FALLBACK: u32 = 0;
+
+/// The part of [`DatapathConfig`] (and of a [`MasqueradeAddrs`]) that belongs to one family.
 pub trait FamilySettings: Family {
     fn settings(cfg: &DatapathConfig) -> &FamilyConfig<Self>;
     fn settings_mut(cfg: &mut DatapathConfig) -> &mut FamilyConfig<Self>;
+    fn interface_addrs(addrs: &MasqueradeAddrs) -> &InterfaceAddrs<Self>;
+    fn interface_addrs_mut(addrs: &mut MasqueradeAddrs) -> &mut InterfaceAddrs<Self>;
 }
 
 impl FamilySettings for V4 {
@@ -138,6 +210,13 @@ impl FamilySettings for V4 {
     }
     fn settings_mut(cfg: &mut DatapathConfig) -> &mut FamilyConfig<V4> {
         &mut cfg.v4
+    }
+    #[inline(always)]
+    fn interface_addrs(addrs: &MasqueradeAddrs) -> &InterfaceAddrs<V4> {
+        &addrs.v4
+    }
+    fn interface_addrs_mut(addrs: &mut MasqueradeAddrs) -> &mut InterfaceAddrs<V4> {
+        &mut addrs.v4
     }
 }
 
@@ -149,9 +228,17 @@ impl FamilySettings for V6 {
     fn settings_mut(cfg: &mut DatapathConfig) -> &mut FamilyConfig<V6> {
         &mut cfg.v6
     }
+    #[inline(always)]
+    fn interface_addrs(addrs: &MasqueradeAddrs) -> &InterfaceAddrs<V6> {
+        &addrs.v6
+    }
+    fn interface_addrs_mut(addrs: &mut MasqueradeAddrs) -> &mut InterfaceAddrs<V6> {
+        &mut addrs.v6
+    }
 }
 
 user_pod!(DatapathConfig);
+user_pod!(MasqueradeAddrs);
 
 #[cfg(test)]
 mod tests {

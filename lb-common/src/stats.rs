@@ -118,6 +118,10 @@ counters! {
     /// another frontend (the client's port reused towards another frontend with that backend):
     /// its SNAT entry was tagged and its packets marked (`lb_common::conntrack::snat_tag`).
     TcSnatTagged => "tc_snat_tagged",
+    /// tc: a new flow's route (`bpf_fib_lookup` towards its backend) was not found (no route,
+    /// unreachable, forwarding off): were it masqueraded, it gets the node's primary IP
+    /// (`lb_masq_addrs` key 0) instead of its interface's address.
+    TcMasqueradeRouteUnknown => "tc_masquerade_route_unknown",
 }
 
 /// Number of counters (`lb_stats` max_entries).

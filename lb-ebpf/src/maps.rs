@@ -13,7 +13,7 @@ use aya_ebpf::{
 use lb_common::{
     affinity::AffinityMatchKey,
     catalog::capacity,
-    config::DatapathConfig,
+    config::{DatapathConfig, MasqueradeAddrs},
     family::{V4, V6},
     features::NetnsProbe,
     ratelimit::RateBucket,
@@ -144,6 +144,17 @@ pub static POD_INTERFACES: HashMap<
     u32,
     u8,
     { capacity::POD_INTERFACES as usize },
+    { NO_PREALLOC | RDONLY_PROG },
+> = HashMap::new();
+
+/// The masquerade addresses of the node's interfaces (ifindex -> both families' candidates; 0:
+/// the node's primary IPs), read when `flags::MASQUERADE_BY_INTERFACE` is set. Writer: agent.
+/// Reader: tc ingress (new flows, `tc/snat.rs`).
+#[btf_map(name = "lb_masq_addrs")]
+pub static MASQ_ADDRS: HashMap<
+    u32,
+    MasqueradeAddrs,
+    { capacity::MASQ_ADDRS as usize },
     { NO_PREALLOC | RDONLY_PROG },
 > = HashMap::new();
 

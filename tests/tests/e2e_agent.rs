@@ -819,9 +819,11 @@ fn dual_stack_services_follow_the_api_on_both_families() {
         });
     }
     // The IPv6 tc flows as `lb-agent conntrack` shows them, held open meanwhile: a pod's, with its
-    // own address, and the external client's, masqueraded to the node's IPv6 address.
+    // own address, and the external client's, masqueraded as MASQUERADE would: with the address
+    // of the interface it leaves by, the backend pod's veth, which carries the pod gateway's.
     let (v4, v6) = (at(cluster_ip(IpFamily::V4), 80), at(cluster_ip(IpFamily::V6), 80));
     let node_port6 = at(node6, 30190);
+    let gateway6 = e.node.gateway_of(IpFamily::V6);
     let pod_flow = held(e.pod_tc(2), &v6, 1);
     let ext_flow = held(external(), &node_port6, 1);
     let flows = lb_tests::agent::inspect(&bpf_root_in(e.bpffs.path()), "conntrack")
@@ -844,9 +846,9 @@ fn dual_stack_services_follow_the_api_on_both_families() {
                 && f["frontend"] == node_port6
                 && f["masquerade"]
                     .as_str()
-                    .is_some_and(|m| m.starts_with(&client_prefix(node6)))
+                    .is_some_and(|m| m.starts_with(&client_prefix(gateway6)))
         }),
-        "the external client's IPv6 NodePort flow, masqueraded to {node6}: {flows}"
+        "the external client's IPv6 NodePort flow, masqueraded to {gateway6}: {flows}"
     );
     held_throughout(pod_flow, "a pod's IPv6 connection through tc");
     held_throughout(ext_flow, "the external client's IPv6 NodePort connection");

@@ -1004,7 +1004,8 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
         info["max_entries"]
     ));
     // The IPv6 maps, the tc prefilter, the new-flow conntrack table, the pod interfaces, the
-    // fragments' ports and the cluster-ips-check are newer than the IPv4-only release.
+    // fragments' ports, the cluster-ips-check and the interfaces' masquerade addresses are newer
+    // than the IPv4-only release.
     for family_map in pins_in(&maps).into_iter().filter(|p| {
         p.starts_with("lb6_")
             || [
@@ -1014,6 +1015,7 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
                 lb_common::catalog::FRAGMENTS,
                 lb_common::catalog::CLUSTER_IPS,
                 lb_common::catalog::SERVICE_RANGES,
+                lb_common::catalog::MASQ_ADDRS,
             ]
             .contains(&p.as_str())
     }) {

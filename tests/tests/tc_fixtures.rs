@@ -356,6 +356,122 @@ fn nodeport_from_outside_is_translated_and_masqueraded_both_ways() {
     }
 }
 
+/// Issue 21: a masqueraded flow gets the address of the interface its backend is routed by, as
+/// MASQUERADE does, not one address for the whole node. In a namespace of its own (the programs'
+/// route lookup is the calling thread's namespace's), interface d0 has the node IP's subnet and
+/// d1 two others; `lb_masq_addrs` holds each one's addresses and the programs are told to look
+/// routes up. A NodePort flow to a backend routed by d1 through a gateway in its first subnet
+/// leaves with d1's first address, one through a gateway in its second subnet with the second
+/// (the address whose subnet holds the next hop); the reply to that address is un-SNATed. A
+/// backend without a route gets the fallback, the node IP, and is counted.
+#[test]
+fn masquerade_takes_the_address_of_the_interface_the_backend_is_routed_by() {
+    use lb_agent::{apply::MapOps, family::PerFamily, node::masquerade};
+    let mut state = state();
+    for (name, port, backend) in [("far", 30090, "10.244.3.9"), ("nowhere", 30091, "10.244.9.9")] {
+        add(
+            &mut state,
+            service("t", name)
+                .cluster_ip(if port == 30090 { "10.96.0.30" } else { "10.96.0.31" })
+                .port("http", "TCP", 80, 8080)
+                .node_port(port),
+            Some(
+                slice("t", name, &format!("{name}-1"))
+                    .endpoint(backend, "node-b", State::Ready)
+                    .port("http", "TCP", 8080),
+            ),
+        );
+    }
+    let mut s = scratch_with(&state, true);
+    let ns = lb_tests::netns::NetNs::new("lbfib");
+    ns.sysctl("net.ipv4.ip_forward=1");
+    ns.sysctl("net.ipv6.conf.all.forwarding=1");
+    let interfaces = [
+        ("d0", &["192.168.50.11/24"][..]),
+        ("d1", &["192.168.60.11/24", "172.16.0.11/16"][..]),
+    ];
+    let mut candidates = std::collections::BTreeMap::new();
+    // Veths to a namespace of their own (a kernel may lack dummy interfaces).
+    let peer = lb_tests::netns::NetNs::new("lbfibp");
+    for (dev, nets) in interfaces {
+        lb_tests::netns::veth(&ns, dev, None, &peer, &format!("{dev}p"), None);
+        for net in nets {
+            for f in FAMILIES {
+                let net = f.net(net);
+                match f {
+                    Family::V4 => ns.ip(&["addr", "add", &net, "dev", dev]),
+                    Family::V6 => ns.ip(&["-6", "addr", "add", &net, "dev", dev, "nodad"]),
+                }
+                let ifindex = ns.run(|| nix::net::if_::if_nametoindex(dev).expect("the interface"));
+                candidates
+                    .entry(ifindex)
+                    .or_insert_with(Vec::new)
+                    .push(net.parse::<ipnet::IpNet>().unwrap());
+            }
+        }
+    }
+    for f in FAMILIES {
+        let six: &[&str] = if f == Family::V6 { &["-6"] } else { &[] };
+        for (to, via) in [("10.244.2.0/24", "192.168.60.1"), ("10.244.3.0/24", "172.16.0.1")] {
+            let (to, via) = (f.net(to), f.addr(via));
+            ns.ip(&[six, &["route", "add", &to, "via", &via]].concat());
+        }
+    }
+    // Each family's part in the kernel's order: IPv4 first here, as `masquerade_candidates` does
+    // per family.
+    let fallback = PerFamily {
+        v4: Some(Family::V4.ip(NODE_IP)),
+        v6: Some(Family::V6.ip(NODE_IP)),
+    };
+    let entries = masquerade::masquerade_entries(&candidates, &fallback);
+    s.maps_mut()
+        .put_masquerade_addrs(&entries)
+        .expect("lb_masq_addrs");
+    let mut cfg = s.maps().config.get(&0, 0).expect("config");
+    cfg.flags |= lb_common::config::flags::MASQUERADE_BY_INTERFACE;
+    s.maps_mut().put_config(&cfg).expect("config");
+
+    ns.run(|| {
+        for f in FAMILIES {
+            for (node_port, sport, backend, masquerade) in [
+                (30080, 42000, "10.244.2.7", "192.168.60.11"),
+                (30090, 42001, "10.244.3.9", "172.16.0.11"),
+                (30091, 42002, "10.244.9.9", NODE_IP),
+            ] {
+                let unknown = counter(&s, Counter::TcMasqueradeRouteUnknown);
+                let syn = tcp(f, CLIENT, sport, NODE_IP, node_port).build();
+                let dnat = ingress(&mut s, &syn);
+                assert_bytes(
+                    &dnat.packet,
+                    &nat(f, &syn, None, Some((backend, 8080))),
+                    format!("{f:?} DNAT to {backend}"),
+                );
+                let snat = egress(&mut s, &dnat.packet);
+                let port = summary(&snat.packet).sport;
+                assert_bytes(
+                    &snat.packet,
+                    &nat(f, &dnat.packet, Some((masquerade, port)), None),
+                    format!("{f:?} to {backend}: masqueraded with {masquerade}"),
+                );
+                let routed = backend != "10.244.9.9";
+                assert_eq!(
+                    counter(&s, Counter::TcMasqueradeRouteUnknown) - unknown,
+                    u64::from(!routed),
+                    "{f:?} to {backend}: tc_masquerade_route_unknown"
+                );
+                // The reply to that address and port is un-SNATed back to the client.
+                let reply = tcp(f, backend, 8080, masquerade, port).data(b"pong").build();
+                let unsnat = ingress(&mut s, &reply);
+                assert_bytes(
+                    &unsnat.packet,
+                    &nat(f, &reply, None, Some((CLIENT, sport))),
+                    format!("{f:?} un-SNAT from {masquerade}"),
+                );
+            }
+        }
+    });
+}
+
 #[test]
 fn a_nodeport_to_a_host_network_endpoint_of_this_node_keeps_the_client_and_reverses_the_reply() {
     // A hostNetwork endpoint of this node has the node's address: DNAT delivers the packet

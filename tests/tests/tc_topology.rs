@@ -185,9 +185,12 @@ fn ok(results: &[Value]) -> &[Value] {
 }
 
 fn host_of(addr: &Value) -> String {
-    addr.as_str()
-        .unwrap_or_default()
-        .rsplit_once(':')
+    host_of_str(addr.as_str().unwrap_or_default())
+}
+
+/// The host part of `host:port` (IPv4).
+fn host_of_str(addr: &str) -> String {
+    addr.rsplit_once(':')
         .map(|(h, _)| h.to_string())
         .unwrap_or_default()
 }
@@ -386,12 +389,13 @@ fn pods_through_tc_cluster_ip_and_hairpin() {
         assert_eq!(r["peer"], "10.96.0.20:80");
     }
     // Hairpin: the pod calls a Service whose only endpoint is itself; it sees the node as the
-    // client, and the reply as coming from the Service.
+    // client (the address of the interface the packet leaves by, as MASQUERADE: its own veth's,
+    // the pod gateway), and the reply as coming from the Service.
     for r in ok(&probe::tcp(pod1, "10.96.0.22:80", 3)) {
         assert_eq!(probe::server_of(r), Some("10.244.1.2"));
         assert_eq!(
             host_of(&r["reply"]["client"]),
-            c.nodes[0].ip.unwrap().to_string(),
+            c.nodes[0].gateway().to_string(),
             "masqueraded hairpin: {r}"
         );
         assert_eq!(r["peer"], "10.96.0.22:80");
@@ -400,6 +404,172 @@ fn pods_through_tc_cluster_ip_and_hairpin() {
     let pod2 = Place::netns(&c.nodes[1].pods[0].ns);
     let r = &probe::tcp(pod2, &format!("{}:30081", c.nodes[0].ip.unwrap()), 1)[0];
     assert_eq!(r["ok"], true, "{r}");
+}
+
+/// Issue 21: a node with two uplinks on different subnets masquerades, as MASQUERADE does, with
+/// the address of the interface a flow leaves by, not one address for the whole node. Node 1 has
+/// eth0 on LAN A (192.168.50.0/24, its node IP) and eth1 on LAN B (192.168.60.0/24), where node 2
+/// is; node 2 knows no route to LAN A, so a flow masqueraded with node 1's node IP could never
+/// be answered. A client on each LAN calls the NodePort on node 1's address on its LAN: the
+/// backend on node 2 sees eth1's address, and the reply reaches the client (which sits on one
+/// LAN only) from the address it called, through the interface it came in by. A NodePort whose
+/// backend is node 1's own pod is masqueraded with the pod veth's address (the pod gateway), as
+/// MASQUERADE's out interface is that veth. An uplink added while the agent runs gets the tc
+/// programs and serves the NodePort within seconds.
+#[test]
+fn a_node_with_two_uplinks_masquerades_through_each_with_its_address() {
+    require_root();
+    let bpffs = BpfFs::new();
+    let (lan_a, lan_b, lan_c) = (Lan::new(), Lan::new(), Lan::new());
+    let mut node1 = Node::new(1);
+    let mut node2 = Node::new(2);
+    lan_a.attach(&node1.ns, "eth0", "192.168.50.11/24");
+    lan_b.attach(&node1.ns, "eth1", "192.168.60.11/24");
+    node1.ip = Some(Ipv4Addr::new(192, 168, 50, 11));
+    lan_b.attach(&node2.ns, "eth0", "192.168.60.12/24");
+    node2.ip = Some(Ipv4Addr::new(192, 168, 60, 12));
+    node1
+        .ns
+        .ip(&["route", "add", "10.244.2.0/24", "via", "192.168.60.12"]);
+    node2
+        .ns
+        .ip(&["route", "add", "10.244.1.0/24", "via", "192.168.60.11"]);
+    node1.add_pod(2);
+    node2.add_pod(2);
+    let _servers: Vec<Proc> = [&node1.pods[0], &node2.pods[0]]
+        .iter()
+        .map(|p| probe::server(Place::netns(&p.ns), &p.ip.to_string(), &["0.0.0.0:8080"], &[]))
+        .collect();
+    let client_on = |lan: &Lan, ip: &str| {
+        let ns = NetNs::new("lbext");
+        lan.attach(&ns, "eth0", &format!("{ip}/24"));
+        ns
+    };
+    let client_a = client_on(&lan_a, "192.168.50.101");
+    let client_b = client_on(&lan_b, "192.168.60.101");
+    let client_c = client_on(&lan_c, "192.168.70.101");
+
+    let manifests = tempfile::tempdir().unwrap();
+    write_manifests(
+        manifests.path(),
+        "cluster.yaml",
+        &[
+            service("demo", "remote")
+                .cluster_ip("10.96.0.20")
+                .port("http", "TCP", 80, 8080)
+                .node_port(30080)
+                .build(),
+            service("demo", "here")
+                .cluster_ip("10.96.0.21")
+                .port("http", "TCP", 80, 8080)
+                .node_port(30081)
+                .build(),
+        ],
+        &[
+            slice("demo", "remote", "remote-1")
+                .endpoint("10.244.2.2", "node-2", State::Ready)
+                .port("http", "TCP", 8080)
+                .build(),
+            slice("demo", "here", "here-1")
+                .endpoint("10.244.1.2", "node-1", State::Ready)
+                .port("http", "TCP", 8080)
+                .build(),
+        ],
+    );
+    let cgroup = Cgroup::new("lbtopo");
+    let bpf_root = bpf_root_in(bpffs.path()).join("node1");
+    let agent = Agent::start(AgentOptions {
+        netns: &node1.ns,
+        cgroup: &cgroup,
+        bpf_root: bpf_root.clone(),
+        node_name: "node-1".into(),
+        manifests: Some(manifests.path().to_path_buf()),
+        kubeconfig: None,
+        extra_args: [
+            "--cluster-cidr",
+            "10.244.0.0/16",
+            "--bind-address",
+            "192.168.50.11",
+        ]
+        .map(String::from)
+        .to_vec(),
+    });
+
+    // Through each uplink to the backend behind eth1: masqueraded with eth1's address.
+    for (client, called) in [(&client_a, "192.168.50.11"), (&client_b, "192.168.60.11")] {
+        for r in ok(&probe::tcp(Place::netns(client), &format!("{called}:30080"), 3)) {
+            assert_eq!(probe::server_of(r), Some("10.244.2.2"), "{r}");
+            assert_eq!(
+                host_of(&r["reply"]["client"]),
+                "192.168.60.11",
+                "the backend sees the address of the interface the flow left by: {r}"
+            );
+            assert_eq!(
+                r["peer"],
+                format!("{called}:30080"),
+                "the reply from the address called: {r}"
+            );
+        }
+    }
+    // The node's own pod: masqueraded with its veth's address, the pod gateway.
+    for (client, called) in [(&client_a, "192.168.50.11"), (&client_b, "192.168.60.11")] {
+        for r in ok(&probe::tcp(Place::netns(client), &format!("{called}:30081"), 2)) {
+            assert_eq!(probe::server_of(r), Some("10.244.1.2"), "{r}");
+            assert_eq!(host_of(&r["reply"]["client"]), "10.244.1.1", "{r}");
+            assert_eq!(r["peer"], format!("{called}:30081"), "{r}");
+        }
+    }
+    let flows = inspect(&bpf_root, "conntrack").unwrap_or_else(|e| panic!("{e}"));
+    let masquerades: std::collections::BTreeSet<String> = flows
+        .as_array()
+        .expect("a JSON array")
+        .iter()
+        .filter_map(|f| f["masquerade"].as_str().map(host_of_str))
+        .collect();
+    assert_eq!(
+        masquerades,
+        ["10.244.1.1", "192.168.60.11"].map(String::from).into(),
+        "`lb-agent conntrack` shows each flow's own masquerade address: {flows:#}"
+    );
+    // `lb-agent trace` on the node, against the live maps, names the address too.
+    let mut trace = std::process::Command::new(lb_tests::process::workspace_bin("lb-agent"));
+    trace
+        .args(["trace", "-o", "json", "--bpf-root"])
+        .arg(&bpf_root)
+        .args([
+            "--node-ip",
+            "192.168.50.11,192.168.60.11",
+            "--src",
+            "192.168.50.101",
+        ])
+        .args(["--dst", "192.168.50.11", "--dport", "30080"]);
+    Place::netns(&node1.ns).apply(&mut trace);
+    let out = trace.output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let traced: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(traced["masquerade_source"], "192.168.60.11", "{traced}");
+
+    // An uplink that appears while the agent runs: the link and address watch syncs, the tc
+    // programs attach to it and the NodePort is served on its address.
+    lan_c.attach(&node1.ns, "eth2", "192.168.70.11/24");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let r = loop {
+        let r = probe::tcp(Place::netns(&client_c), "192.168.70.11:30080", 1).remove(0);
+        if r["ok"] == true {
+            break r;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the NodePort on an uplink added 30 s ago does not answer: {r}\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!(probe::server_of(&r), Some("10.244.2.2"), "{r}");
+    assert_eq!(host_of(&r["reply"]["client"]), "192.168.60.11", "{r}");
+    assert_eq!(r["peer"], "192.168.70.11:30080", "{r}");
+    assert_eq!(stat(&bpf_root, "tc_masquerade_route_unknown"), 0);
+    agent.stop();
 }
 
 /// `--detect-local-mode` InterfaceNamePrefix and BridgeInterface (kube-proxy's `-i veth+` and

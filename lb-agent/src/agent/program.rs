@@ -31,6 +31,8 @@ pub struct Programmer<M> {
     config_written: Option<DatapathConfig>,
     /// The pod interfaces last written to `lb_pod_ifaces`.
     pod_interfaces_written: Option<std::collections::BTreeSet<u32>>,
+    /// The entries last written to `lb_masq_addrs`.
+    masquerade_addrs_written: Option<std::collections::BTreeMap<u32, lb_common::config::MasqueradeAddrs>>,
     /// kube-proxy's cluster-ips-check (`plan::ClusterIpPlan`), with the Service CIDRs it is to
     /// use from the next programming on.
     cluster_ips: ClusterIpPlan,
@@ -60,6 +62,7 @@ impl<M: MapOps> Programmer<M> {
             applier,
             config_written: None,
             pod_interfaces_written: None,
+            masquerade_addrs_written: None,
             cluster_ips: ClusterIpPlan::default(),
             service_cidrs: Vec::new(),
             delegated: BTreeSet::new(),
@@ -108,6 +111,11 @@ impl<M: MapOps> Programmer<M> {
         self.pod_interfaces_written.as_ref().map_or(0, |p| p.len())
     }
 
+    /// How many entries `lb_masq_addrs` holds (as last written; the fallback included).
+    pub fn masquerade_interfaces(&self) -> usize {
+        self.masquerade_addrs_written.as_ref().map_or(0, |m| m.len())
+    }
+
     pub fn capacities(&self) -> Capacities {
         self.applier.capacities()
     }
@@ -144,6 +152,34 @@ impl<M: MapOps> Programmer<M> {
                 }
                 Err(e) => tracing::error!(
                     "{e}: packets from the pod interfaces it lacks are taken as off the node (masqueraded to cluster IPs)"
+                ),
+            }
+        }
+        let masquerade =
+            crate::node::masquerade::masquerade_entries(&view.masquerade_by_interface, &view.masquerade);
+        if self.masquerade_addrs_written.as_ref() != Some(&masquerade) {
+            // Not fatal either: a flow leaving by an interface the map lacks gets the node's
+            // primary IP, as before per-interface addresses.
+            match self.applier.maps_mut().put_masquerade_addrs(&masquerade) {
+                Ok(()) => {
+                    tracing::info!(
+                        "masquerade addresses: {}",
+                        view.masquerade_by_interface
+                            .iter()
+                            .map(|(ifindex, nets)| format!(
+                                "{ifindex}: {}",
+                                nets.iter()
+                                    .map(|n| n.addr().to_string())
+                                    .collect::<Vec<_>>()
+                                    .join(" ")
+                            ))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    );
+                    self.masquerade_addrs_written = Some(masquerade);
+                }
+                Err(e) => tracing::error!(
+                    "{e}: flows leaving by the interfaces it lacks are masqueraded with the node's primary IP"
                 ),
             }
         }
@@ -390,6 +426,7 @@ mod tests {
             ],
             ipv6_disabled: false,
             links: Vec::new(),
+            interface_addresses: Vec::new(),
         };
         let svc = |name: &str, ip: &str| {
             format!(
@@ -494,6 +531,7 @@ mod tests {
                     controller: None,
                 })
                 .collect(),
+            interface_addresses: Vec::new(),
         };
         let mut p = Programmer::new(
             settings,
@@ -503,7 +541,10 @@ mod tests {
         );
         let view = p.view(None, &local(&["eth0", "veth1", "veth2"]));
         p.write_config(&view).unwrap();
-        assert_eq!(p.maps().log, [Op::PutPodInterfaces, Op::PutConfig]);
+        assert_eq!(
+            p.maps().log,
+            [Op::PutPodInterfaces, Op::PutMasqueradeAddrs, Op::PutConfig]
+        );
         assert_eq!(p.maps().pod_interfaces, [3, 4].into());
         let flags = p.maps().config.unwrap().flags;
         assert_eq!(
@@ -512,7 +553,7 @@ mod tests {
         );
         // Unchanged: nothing written.
         p.write_config(&view).unwrap();
-        assert_eq!(p.maps().log.len(), 2);
+        assert_eq!(p.maps().log.len(), 3);
         // A pod left: the map follows.
         p.write_config(&p.view(None, &local(&["eth0", "veth1"]))).unwrap();
         assert_eq!(p.maps().pod_interfaces, [3].into());
@@ -526,6 +567,72 @@ mod tests {
         p.maps_mut().pod_interfaces_fail = false;
         p.write_config(&grown).unwrap();
         assert_eq!(p.maps().pod_interfaces, [3, 4, 5].into());
+    }
+
+    /// A node with two uplinks on different subnets (and a pod gateway address on a veth): each
+    /// interface's MASQUERADE address goes to `lb_masq_addrs` with the node IP as the fallback
+    /// at key 0, before the config whose flag has the programs look routes up; a single-homed
+    /// node leaves the flag off (every flow gets the node IP, no lookup).
+    #[test]
+    fn masquerade_addresses_per_interface_go_before_the_config_that_reads_them() {
+        use crate::{apply::fake::Op, node::masquerade::InterfaceAddress};
+        use lb_common::config::flags::MASQUERADE_BY_INTERFACE;
+        let address = |ifindex: u32, net: &str| InterfaceAddress::universe(ifindex, net.parse().unwrap());
+        let settings = NodeSettings {
+            bind_address: Some("192.168.50.11".parse().unwrap()),
+            ..NodeSettings::new("node-a")
+        };
+        let mut p = Programmer::new(
+            settings,
+            1,
+            false,
+            Applier::new(FakeMaps::new(), Capacities::default()),
+        );
+        let local = |interface_addresses: Vec<InterfaceAddress>| LocalNetwork {
+            addresses: interface_addresses.iter().map(|a| a.net.addr()).collect(),
+            ipv6_disabled: true,
+            links: Vec::new(),
+            interface_addresses,
+        };
+        let single = p.view(None, &local(vec![address(2, "192.168.50.11/24")]));
+        p.write_config(&single).unwrap();
+        assert!(
+            p.maps().log.ends_with(&[Op::PutMasqueradeAddrs, Op::PutConfig]),
+            "{:?}",
+            p.maps().log
+        );
+        let written = p.maps().log.len();
+        assert_eq!(p.maps().config.unwrap().flags & MASQUERADE_BY_INTERFACE, 0);
+        assert_eq!(p.maps().masquerade_addrs[&0].v4.get(0), Some(&[192, 168, 50, 11]));
+
+        let multi = p.view(
+            None,
+            &local(vec![
+                address(2, "192.168.50.11/24"),
+                address(3, "192.168.60.11/24"),
+                address(4, "10.244.1.1/32"),
+            ]),
+        );
+        p.write_config(&multi).unwrap();
+        assert_eq!(
+            p.maps().log[written..],
+            [Op::PutMasqueradeAddrs, Op::PutConfig],
+            "the addresses before the flag"
+        );
+        assert_eq!(
+            p.maps().config.unwrap().flags & MASQUERADE_BY_INTERFACE,
+            MASQUERADE_BY_INTERFACE
+        );
+        let entries = &p.maps().masquerade_addrs;
+        assert_eq!(entries.keys().copied().collect::<Vec<_>>(), [0, 2, 3, 4]);
+        assert_eq!(
+            entries[&0].v4.get(0),
+            Some(&[192, 168, 50, 11]),
+            "the fallback: the node IP"
+        );
+        assert_eq!(entries[&3].v4.get(0), Some(&[192, 168, 60, 11]));
+        assert_eq!(entries[&3].v4.addrs[0].prefix_len, 24);
+        assert_eq!(entries[&4].v4.get(0), Some(&[10, 244, 1, 1]));
     }
 
     /// The soak (docs/soak.md) saw the agent's RSS grow slowly while Services were created and
@@ -547,6 +654,7 @@ mod tests {
             ],
             ipv6_disabled: false,
             links: Vec::new(),
+            interface_addresses: Vec::new(),
         };
         let steady = "apiVersion: v1\nkind: Service\nmetadata: {name: steady, namespace: churn}\nspec: {clusterIP: 10.96.255.1, ports: [{name: p, port: 80, protocol: TCP}]}\n";
         let load = |yaml: &str| {

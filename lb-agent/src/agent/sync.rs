@@ -344,6 +344,11 @@ impl Agent {
                 u64::from(catalog::capacity::POD_INTERFACES),
             );
         }
+        m.set_map_occupancy(
+            catalog::MASQ_ADDRS,
+            self.programmer.masquerade_interfaces() as u64,
+            u64::from(catalog::capacity::MASQ_ADDRS),
+        );
         let events: Vec<(&str, u64)> = Counter::ALL
             .iter()
             .map(|c| (c.name(), self.programmer.maps().counter(*c as u32)))

@@ -29,6 +29,7 @@ pub enum Op {
     DeleteSourceRange(SourceRange),
     PutConfig,
     PutPodInterfaces,
+    PutMasqueradeAddrs,
     SetClusterIpCheck(ipnet::IpNet, Option<u8>),
     PutServiceRanges(IpFamily, Vec<ipnet::IpNet>),
 }
@@ -38,6 +39,7 @@ pub struct FakeMaps {
     pub state: Snapshot,
     pub config: Option<DatapathConfig>,
     pub pod_interfaces: std::collections::BTreeSet<u32>,
+    pub masquerade_addrs: std::collections::BTreeMap<u32, lb_common::config::MasqueradeAddrs>,
     /// Both families' cluster-ips-check tries.
     pub cluster_ip_checks: std::collections::BTreeMap<ipnet::IpNet, u8>,
     pub service_ranges: crate::family::PerFamily<Vec<ipnet::IpNet>>,
@@ -86,7 +88,7 @@ impl FakeMaps {
                 Op::DeleteSourceRange(r) => maps.delete_source_range(r),
                 Op::SetClusterIpCheck(net, action) => maps.set_cluster_ip_check(net, *action),
                 Op::PutServiceRanges(family, ranges) => maps.put_service_ranges(*family, ranges),
-                Op::PutConfig | Op::PutPodInterfaces => Ok(()),
+                Op::PutConfig | Op::PutPodInterfaces | Op::PutMasqueradeAddrs => Ok(()),
             };
             check(i, &maps);
         }
@@ -219,6 +221,15 @@ impl MapOps for FakeMaps {
         }
         self.log.push(Op::PutPodInterfaces);
         self.pod_interfaces = ifindexes.clone();
+        Ok(())
+    }
+
+    fn put_masquerade_addrs(
+        &mut self,
+        entries: &std::collections::BTreeMap<u32, lb_common::config::MasqueradeAddrs>,
+    ) -> Result<(), MapError> {
+        self.log.push(Op::PutMasqueradeAddrs);
+        self.masquerade_addrs = entries.clone();
         Ok(())
     }
 

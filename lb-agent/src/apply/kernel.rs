@@ -6,7 +6,7 @@
 //! key's address.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     io,
     net::IpAddr,
     os::fd::{AsFd, AsRawFd, OwnedFd, RawFd},
@@ -23,7 +23,7 @@ use lb_common::{
     backend::BackendValue,
     catalog,
     cluster_ip::{ClusterIpKey, MAX_SERVICE_RANGES, ServiceRange, ServiceRanges},
-    config::DatapathConfig,
+    config::{DatapathConfig, MasqueradeAddrs},
     family::{V4, V6},
     revnat::{RevNatValue, SvcName},
     service::{SrcRange, SvcKey, SvcValue},
@@ -45,6 +45,8 @@ pub struct KernelMaps {
     pub config: Array<MapData, DatapathConfig>,
     /// `lb_pod_ifaces`; `None` from the pins of a release that had none.
     pub pod_interfaces: Option<HashMap<MapData, u32, u8>>,
+    /// `lb_masq_addrs`; `None` from the pins of a release that had none.
+    pub masquerade_addrs: Option<HashMap<MapData, u32, MasqueradeAddrs>>,
     pub stats: PerCpuArray<MapData, u64>,
     /// The tc programs' prefilter: each write below holds the bits its entry needs first.
     pub prefilter: Prefilter,
@@ -535,6 +537,7 @@ impl KernelMaps {
             affinity_match: take_map(ebpf, catalog::AFFINITY_MATCH)?.try_into()?,
             config: take_map(ebpf, catalog::CONFIG)?.try_into()?,
             pod_interfaces: Some(take_map(ebpf, catalog::POD_INTERFACES)?.try_into()?),
+            masquerade_addrs: Some(take_map(ebpf, catalog::MASQ_ADDRS)?.try_into()?),
             stats: take_map(ebpf, catalog::STATS)?.try_into()?,
             prefilter: Prefilter::new(Some([
                 take_map(ebpf, catalog::PREFILTER)?,
@@ -555,6 +558,10 @@ impl KernelMaps {
             affinity_match: Map::HashMap(open(catalog::AFFINITY_MATCH)?).try_into()?,
             config: Map::Array(open(catalog::CONFIG)?).try_into()?,
             pod_interfaces: open(catalog::POD_INTERFACES)
+                .ok()
+                .map(|m| Map::HashMap(m).try_into())
+                .transpose()?,
+            masquerade_addrs: open(catalog::MASQ_ADDRS)
                 .ok()
                 .map(|m| Map::HashMap(m).try_into())
                 .transpose()?,
@@ -630,6 +637,36 @@ impl KernelMaps {
         }
         self.prefilter.hold_all(held).map(drop)
     }
+}
+
+/// Makes the per-interface map `name` hold exactly `wanted`: the interfaces gone first (their
+/// room is reused), then every one wanted; a full map leaves out the ones that do not fit, and
+/// the first error says so.
+fn replace_entries<V: Pod>(
+    map: &mut HashMap<MapData, u32, V>,
+    name: &'static str,
+    wanted: impl Iterator<Item = (u32, V)>,
+) -> Result<(), MapError> {
+    let wanted: BTreeMap<u32, V> = wanted.collect();
+    let present: Vec<u32> = map
+        .keys()
+        .collect::<Result<_, _>>()
+        .map_err(|e| MapError::new(name, "dump", io_err(e)))?;
+    let mut first_error = None;
+    for gone in present.iter().filter(|i| !wanted.contains_key(i)) {
+        match map.remove(gone) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+            Err(e) => {
+                first_error.get_or_insert(MapError::new(name, "delete", io_err(e)));
+            }
+        }
+    }
+    for (key, value) in &wanted {
+        if let Err(e) = map.insert(key, value, 0) {
+            first_error.get_or_insert(MapError::new(name, "update", io_err(e)));
+        }
+    }
+    first_error.map_or(Ok(()), Err)
 }
 
 /// The prefilter bits of the frontend entries (slot 0) among `entries`.
@@ -783,6 +820,41 @@ impl MapOps for KernelMaps {
         }
     }
 
+    fn put_masquerade_addrs(&mut self, entries: &BTreeMap<u32, MasqueradeAddrs>) -> Result<(), MapError> {
+        let Some(map) = self.masquerade_addrs.as_mut() else {
+            return Err(MapError::new(
+                catalog::MASQ_ADDRS,
+                "update",
+                io::Error::from_raw_os_error(libc::ENOENT),
+            ));
+        };
+        // Replies to every address are un-SNATed at ingress: their bits before the entries.
+        let addresses: BTreeSet<IpAddr> = entries
+            .values()
+            .flat_map(|e| {
+                let v4 = e.v4.addrs[..usize::from(e.v4.count)]
+                    .iter()
+                    .map(|c| V4::ip_addr(&c.addr));
+                let v6 = e.v6.addrs[..usize::from(e.v6.count)]
+                    .iter()
+                    .map(|c| V6::ip_addr(&c.addr));
+                v4.chain(v6).collect::<Vec<_>>()
+            })
+            .collect();
+        let held: Vec<_> = addresses
+            .iter()
+            .map(|ip| {
+                let (family, bit) = super::prefilter::ingress_bit(ip);
+                (Owner::InterfaceAddress(*ip), family, bit)
+            })
+            .collect();
+        self.prefilter.hold_all(held)?;
+        let result = replace_entries(map, catalog::MASQ_ADDRS, entries.iter().map(|(i, e)| (*i, *e)));
+        // The bits of addresses no interface has any more go (after their grace period).
+        self.prefilter.release_all_but(&addresses);
+        result
+    }
+
     fn put_pod_interfaces(&mut self, ifindexes: &std::collections::BTreeSet<u32>) -> Result<(), MapError> {
         let Some(map) = self.pod_interfaces.as_mut() else {
             return Err(MapError::new(
@@ -791,27 +863,7 @@ impl MapOps for KernelMaps {
                 io::Error::from_raw_os_error(libc::ENOENT),
             ));
         };
-        let present: Vec<u32> = map
-            .keys()
-            .collect::<Result<_, _>>()
-            .map_err(|e| MapError::new(catalog::POD_INTERFACES, "dump", io_err(e)))?;
-        // Links that went away first (their room is reused), then every one wanted: a full map
-        // leaves out the ones that do not fit, and says so.
-        let mut first_error = None;
-        for gone in present.iter().filter(|i| !ifindexes.contains(i)) {
-            match map.remove(gone) {
-                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
-                Err(e) => {
-                    first_error.get_or_insert(MapError::new(catalog::POD_INTERFACES, "delete", io_err(e)));
-                }
-            }
-        }
-        for ifindex in ifindexes {
-            if let Err(e) = map.insert(ifindex, &1, 0) {
-                first_error.get_or_insert(MapError::new(catalog::POD_INTERFACES, "update", io_err(e)));
-            }
-        }
-        first_error.map_or(Ok(()), Err)
+        replace_entries(map, catalog::POD_INTERFACES, ifindexes.iter().map(|i| (*i, 1)))
     }
 
     fn adopted(&mut self, snapshot: &Snapshot) -> Result<(), MapError> {

@@ -127,6 +127,13 @@ pub trait MapOps {
     /// Makes `lb_pod_ifaces` hold exactly `ifindexes` (the interface local-traffic detector's
     /// pod interfaces); written before the `lb_config` entry that turns the detector on.
     fn put_pod_interfaces(&mut self, ifindexes: &std::collections::BTreeSet<u32>) -> Result<(), MapError>;
+    /// Makes `lb_masq_addrs` hold exactly `entries` (ifindex -> the interface's masquerade
+    /// addresses, 0 the fallback), and the prefilter hold their addresses' bits (replies to them
+    /// are un-SNATed at ingress); written before the `lb_config` entry whose flag has them read.
+    fn put_masquerade_addrs(
+        &mut self,
+        entries: &BTreeMap<u32, lb_common::config::MasqueradeAddrs>,
+    ) -> Result<(), MapError>;
     /// The family's cluster-ips-check trie (`lb4_cluster_ips`, `lb_common::cluster_ip`) as it
     /// is: prefix -> action (what a previous run left, read once before the first write).
     fn cluster_ip_checks(&self, family: IpFamily) -> Result<BTreeMap<ipnet::IpNet, u8>, MapError>;

@@ -71,6 +71,8 @@ pub enum Owner {
     Backend(IpFamily, u32),
     /// A family's masquerade address (`FamilyConfig::snat_addr`): un-SNAT entries at ingress.
     Masquerade(IpFamily),
+    /// An interface's masquerade address (`lb_masq_addrs`): un-SNAT entries at ingress.
+    InterfaceAddress(std::net::IpAddr),
 }
 
 impl Owner {
@@ -399,6 +401,20 @@ impl Prefilter {
     /// `owner` no longer needs its bit (after its entry is gone).
     pub fn release(&self, owner: &Owner) {
         self.lock().release(owner)
+    }
+
+    /// Releases the bit of every interface masquerade address but those in `keep`.
+    pub fn release_all_but(&self, keep: &std::collections::BTreeSet<std::net::IpAddr>) {
+        let mut inner = self.lock();
+        let gone: Vec<Owner> = inner
+            .owners
+            .keys()
+            .filter(|o| matches!(o, Owner::InterfaceAddress(ip) if !keep.contains(ip)))
+            .copied()
+            .collect();
+        for owner in gone {
+            inner.release(&owner);
+        }
     }
 
     /// Sets the bits the conntrack entries of `referenced` need (start-up: the flows of the

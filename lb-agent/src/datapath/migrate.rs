@@ -62,6 +62,11 @@ fn expected(name: &str, caps: &Capacities) -> Expected {
         catalog::AFFINITY_MATCH => sizes(size_of::<AffinityMatchKey>(), 1, Some(caps.affinity_match)),
         catalog::CONFIG => sizes(4, size_of::<DatapathConfig>(), Some(1)),
         catalog::POD_INTERFACES => sizes(4, 1, Some(lb_common::catalog::capacity::POD_INTERFACES)),
+        catalog::MASQ_ADDRS => sizes(
+            4,
+            size_of::<lb_common::config::MasqueradeAddrs>(),
+            Some(lb_common::catalog::capacity::MASQ_ADDRS),
+        ),
         // Per-CPU values: the kernel reports the per-CPU value size.
         catalog::REJECT_LIMIT => sizes(4, size_of::<lb_common::ratelimit::RateBucket>(), Some(1)),
         // New counters grow the map; counters then restart from zero.

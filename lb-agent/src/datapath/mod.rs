@@ -261,8 +261,10 @@ impl Datapath {
             catalog::SVC_NAMES,
             catalog::AFFINITY_MATCH,
             catalog::CONFIG,
-            // The interface detector's pod interfaces, beside the config that turns it on.
+            // The interface detector's pod interfaces, and the interfaces' masquerade addresses,
+            // beside the config that turns each on.
             catalog::POD_INTERFACES,
+            catalog::MASQ_ADDRS,
             // The programs trust the pinned config's PREFILTER flag only with the bits beside it.
             catalog::PREFILTER,
             catalog::PREFILTER6,
@@ -283,7 +285,12 @@ impl Datapath {
         };
         // Maps an agent of an earlier release did not pin (nor set their flags for): shared when
         // pinned, never pinned here.
-        let newer = [catalog::PREFILTER, catalog::PREFILTER6, catalog::POD_INTERFACES];
+        let newer = [
+            catalog::PREFILTER,
+            catalog::PREFILTER6,
+            catalog::POD_INTERFACES,
+            catalog::MASQ_ADDRS,
+        ];
         let pins: Vec<(&'static str, PathBuf)> = shared
             .iter()
             .map(|n| (*n, paths.map(n)))
@@ -609,6 +616,11 @@ impl Datapath {
 
     /// Like `test_run_tc`, for a packet that came in by interface `ingress_ifindex` (kernels
     /// before 5.15 refuse to set it: EINVAL).
+    /// A map of this load, by name (`trace` reads what its private maps recorded).
+    pub fn map(&self, name: &str) -> Option<&aya::maps::Map> {
+        self.ebpf.map(name)
+    }
+
     pub fn test_run_tc_from(
         &mut self,
         name: &str,

@@ -118,10 +118,13 @@ pub struct LocalNetwork {
     pub ipv6_disabled: bool,
     /// The links (listed only for an interface local-traffic detector, see [`local_network`]).
     pub links: Vec<super::Link>,
+    /// Every interface's addresses with their prefixes and flags (for the masquerade addresses).
+    pub interface_addresses: Vec<super::masquerade::InterfaceAddress>,
 }
 
-/// This network namespace's addresses and IPv6 state, and its links when `with_links` (an
-/// interface local-traffic detector needs them; one RTM_GETLINK dump).
+/// This network namespace's addresses (also per interface: one RTM_GETADDR dump) and IPv6 state,
+/// and its links when `with_links` (an interface local-traffic detector needs them; one
+/// RTM_GETLINK dump).
 pub fn local_network(with_links: bool) -> std::io::Result<LocalNetwork> {
     let mut addresses = Vec::new();
     for ifaddr in nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)? {
@@ -148,6 +151,7 @@ pub fn local_network(with_links: bool) -> std::io::Result<LocalNetwork> {
         addresses,
         ipv6_disabled,
         links,
+        interface_addresses: super::masquerade::interface_addresses()?,
     })
 }
 

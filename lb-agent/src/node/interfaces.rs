@@ -85,15 +85,17 @@ pub fn links() -> io::Result<Vec<Link>> {
     Ok(links)
 }
 
-/// Calls `on_change` after every link event of this network namespace (a link added, removed,
-/// or moved to or from a bridge), from a thread of its own, until `on_change` returns false or
+/// Calls `on_change` after every link or address event of this network namespace (a link added,
+/// removed, or moved to or from a bridge; an address added or removed), from a thread of its own, until `on_change` returns false or
 /// the socket fails. The agent syncs on it: pod interfaces and tc attachments follow the links
 /// within the minimum sync period, not the sync period.
 pub fn watch_links(
     mut on_change: impl FnMut() -> bool + Send + 'static,
 ) -> io::Result<std::thread::JoinHandle<()>> {
     let mut socket = Socket::new(NETLINK_ROUTE)?;
-    socket.bind(&SocketAddr::new(0, libc::RTMGRP_LINK as u32))?;
+    // Address changes too: the masquerade addresses and NodePort addresses follow them.
+    let groups = libc::RTMGRP_LINK | libc::RTMGRP_IPV4_IFADDR | libc::RTMGRP_IPV6_IFADDR;
+    socket.bind(&SocketAddr::new(0, groups as u32))?;
     std::thread::Builder::new()
         .name("link-watch".into())
         .spawn(move || {

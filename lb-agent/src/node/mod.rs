@@ -10,9 +10,13 @@
 
 pub mod addresses;
 pub mod interfaces;
+pub mod masquerade;
 pub mod object;
 
-use std::{collections::BTreeSet, net::IpAddr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
 pub use addresses::{
     LocalNetwork, NodePortAddress, NodePortSelection, local_network, select_nodeport_addresses,
@@ -138,6 +142,10 @@ pub struct NodeView {
     /// The interface detector's pod interfaces (ifindexes, `lb_pod_ifaces`); `None` when the
     /// detector is by source address.
     pub pod_interfaces: Option<BTreeSet<u32>>,
+    /// MASQUERADE's candidates on each interface (`lb_masq_addrs`, `masquerade::masquerade_candidates`):
+    /// a masqueraded flow gets the address of the interface it leaves by, `masquerade` when that
+    /// interface has none of its family.
+    pub masquerade_by_interface: BTreeMap<u32, Vec<IpNet>>,
 }
 
 impl NodeSettings {
@@ -192,6 +200,7 @@ impl NodeSettings {
                 .or_else(|| of_family(&selection.addresses))
                 .filter(|_| *serves.get(family))
         });
+        let masquerade_by_interface = masquerade::masquerade_candidates(&local.interface_addresses, &serves);
         NodeView {
             info: NodeInfo {
                 name: self.node_name.clone(),
@@ -211,6 +220,7 @@ impl NodeSettings {
             masquerade,
             local_cidrs,
             pod_interfaces,
+            masquerade_by_interface,
         }
     }
 
@@ -270,6 +280,9 @@ impl NodeSettings {
         }
         if view.pod_interfaces.is_some() {
             cfg.flags |= dpconfig::flags::DETECT_LOCAL_BY_INTERFACE;
+        }
+        if masquerade::differs_from_fallback(&view.masquerade_by_interface, &view.masquerade) {
+            cfg.flags |= dpconfig::flags::MASQUERADE_BY_INTERFACE;
         }
         self.family_config::<V4>(view, V4::settings_mut(&mut cfg));
         self.family_config::<V6>(view, V6::settings_mut(&mut cfg));

@@ -62,6 +62,7 @@ fn network(addresses: &[&str], ipv6_disabled: bool) -> LocalNetwork {
         addresses: addresses.iter().map(|s| ip(s)).collect(),
         ipv6_disabled,
         links: Vec::new(),
+        interface_addresses: Vec::new(),
     }
 }
 

@@ -49,7 +49,8 @@ pub struct TraceResult {
     pub backends: Vec<String>,
     /// Whether the source is rewritten to a node IP.
     pub masquerade: bool,
-    /// The source address a masqueraded packet leaves with (`lb_config`'s), when `masquerade`.
+    /// The source address a masqueraded packet leaves with (the address of the interface it leaves
+    /// by, as the programs recorded it), when `masquerade`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub masquerade_source: Option<IpAddr>,
     /// "tc" or "socket".
@@ -302,6 +303,34 @@ fn v6(ip: IpAddr) -> Ipv6Addr {
     }
 }
 
+/// The source port of the packet `trace` runs through tc.
+const TRACE_SPORT: u16 = 40_000;
+
+/// The masquerade address the tc programs recorded for the traced flow: the `nat_addr` of its
+/// SNAT entry (client -> backend, at egress) in this load's new-flow table, private to the trace.
+fn recorded_masquerade<F: crate::family::KernelFamily + lb_common::catalog::FamilyMaps>(
+    dp: &Datapath,
+    req: &TraceRequest,
+    sport: u16,
+) -> Option<IpAddr>
+where
+    lb_common::conntrack::CtKey<F>: aya::Pod,
+    lb_common::conntrack::CtValue<F>: aya::Pod,
+{
+    use lb_common::conntrack::{CtKey, CtValue, dir, flags};
+    let map = dp.map(F::MAPS.conntrack_new)?;
+    let table = aya::maps::HashMap::<_, CtKey<F>, CtValue<F>>::try_from(map).ok()?;
+    let client = F::kernel_addr(&req.src)?;
+    table.iter().filter_map(Result::ok).find_map(|(key, value)| {
+        (key.dir == dir::EGRESS
+            && value.flags & flags::SNAT != 0
+            && value.flags & flags::REPLY == 0
+            && key.saddr == client
+            && key.sport == sport)
+            .then(|| F::ip_addr(&value.nat_addr))
+    })
+}
+
 fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<(TraceResult, TraceDetails)> {
     // IPv4-mapped addresses never reach the wire: a dual-stack socket calling one sends IPv4.
     let req = &TraceRequest {
@@ -325,7 +354,7 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
             details,
         ));
     }
-    let packet = first_packet(req, 40_000);
+    let packet = first_packet(req, TRACE_SPORT);
     // An ingress interface of 0 is none, as without --in-interface.
     let run = dp
         .test_run_tc_from(datapath::tc::TC_PROGRAMS[0].0, &packet, req.ingress_ifindex)
@@ -362,14 +391,22 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
             _ => None,
         },
     };
-    // The address the programs masquerade with: `lb_config`'s, exactly as they read it.
+    // The address the programs masquerade with: the one they recorded for this flow (the
+    // interface it leaves by has its own, `lb_masq_addrs`), else `lb_config`'s.
     let masquerade_source = masquerade
-        .then(|| maps.datapath_config())
-        .flatten()
-        .map(|c| match family {
-            IpFamily::V4 => IpAddr::from(c.v4.snat_addr),
-            IpFamily::V6 => IpAddr::from(Ipv6Addr::from(c.v6.snat_addr)),
-        });
+        .then(|| {
+            let recorded = match family {
+                IpFamily::V4 => recorded_masquerade::<lb_common::family::V4>(dp, req, TRACE_SPORT),
+                IpFamily::V6 => recorded_masquerade::<lb_common::family::V6>(dp, req, TRACE_SPORT),
+            };
+            recorded.or_else(|| {
+                maps.datapath_config().map(|c| match family {
+                    IpFamily::V4 => IpAddr::from(c.v4.snat_addr),
+                    IpFamily::V6 => IpAddr::from(Ipv6Addr::from(c.v6.snat_addr)),
+                })
+            })
+        })
+        .flatten();
     Ok((
         TraceResult {
             verdict: verdict_name(decision),

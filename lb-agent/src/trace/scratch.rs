@@ -112,6 +112,9 @@ impl ScratchDatapath {
             addresses,
             ipv6_disabled: false,
             links: self.links.clone(),
+            // No interface addresses: flows are masqueraded with the node IP (`lb_masq_addrs`'
+            // fallback), the programs look no route up.
+            interface_addresses: Vec::new(),
         };
         let view = self.programmer.view(state.node.as_deref(), &local);
         self.programmer.write_config(&view)?;

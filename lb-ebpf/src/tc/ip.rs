@@ -4,7 +4,7 @@
 //! other file of the tc path is written once over `F: Ip`. Also the one's-complement sums both
 //! families' checksums use.
 
-use aya_ebpf::programs::TcContext;
+use aya_ebpf::{bindings::bpf_fib_lookup, programs::TcContext};
 
 use super::{
     icmp_error::Quoted,
@@ -69,7 +69,14 @@ pub(super) trait Ip: FamilyMaps {
     ) -> Result<(), ()>;
 
     /// `snat::reclaim_port_for`, through this family's global function.
-    fn reclaim_port_for(backend_id: u32, proto: u8) -> u16;
+    fn reclaim_port_for(backend_id: u32, proto: u8, masq_route: u32) -> u16;
+
+    /// Sets the family and addresses of a route lookup (`bpf_fib_lookup`) from `saddr` to
+    /// `daddr`.
+    fn fib_addresses(params: &mut bpf_fib_lookup, saddr: &Self::Addr, daddr: &Self::Addr);
+
+    /// The next hop a route lookup left in `params`: the route's gateway, else the destination.
+    fn fib_next_hop(params: &bpf_fib_lookup) -> Self::Addr;
 }
 
 /// One's-complement sum of big-endian 16-bit words.

@@ -3,7 +3,7 @@
 //! have), ICMPv4's port unreachable and error types, and which sources may get an ICMP error.
 
 use aya_ebpf::{
-    bindings::{BPF_F_PSEUDO_HDR, TC_ACT_SHOT},
+    bindings::{BPF_F_PSEUDO_HDR, TC_ACT_SHOT, bpf_fib_lookup},
     helpers::bpf_redirect,
     programs::TcContext,
 };
@@ -261,8 +261,21 @@ impl Ip for V4 {
     }
 
     #[inline(always)]
-    fn reclaim_port_for(backend_id: u32, proto: u8) -> u16 {
-        super::snat::lb_reclaim_port4(backend_id, proto as u32) as u16
+    fn reclaim_port_for(backend_id: u32, proto: u8, masq_route: u32) -> u16 {
+        super::snat::lb_reclaim_port4(backend_id, proto as u32, masq_route) as u16
+    }
+
+    #[inline(always)]
+    fn fib_addresses(params: &mut bpf_fib_lookup, saddr: &[u8; 4], daddr: &[u8; 4]) {
+        params.family = V4::AF as u8;
+        params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(*saddr);
+        params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(*daddr);
+    }
+
+    #[inline(always)]
+    fn fib_next_hop(params: &bpf_fib_lookup) -> [u8; 4] {
+        // SAFETY: a union of plain integers; the IPv4 member is the one an AF_INET lookup sets.
+        unsafe { params.__bindgen_anon_4.ipv4_dst }.to_ne_bytes()
     }
 }
 

@@ -8,7 +8,7 @@
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_F_PSEUDO_HDR, TC_ACT_SHOT},
+    bindings::{BPF_F_PSEUDO_HDR, TC_ACT_SHOT, bpf_fib_lookup},
     helpers::{bpf_csum_diff, bpf_csum_update, bpf_redirect, bpf_skb_load_bytes},
     programs::TcContext,
 };
@@ -259,8 +259,21 @@ impl Ip for V6 {
     }
 
     #[inline(always)]
-    fn reclaim_port_for(backend_id: u32, proto: u8) -> u16 {
-        super::snat::lb_reclaim_port6(backend_id, proto as u32) as u16
+    fn reclaim_port_for(backend_id: u32, proto: u8, masq_route: u32) -> u16 {
+        super::snat::lb_reclaim_port6(backend_id, proto as u32, masq_route) as u16
+    }
+
+    #[inline(always)]
+    fn fib_addresses(params: &mut bpf_fib_lookup, saddr: &In6Addr, daddr: &In6Addr) {
+        params.family = V6::AF as u8;
+        params.__bindgen_anon_3.ipv6_src = saddr.words();
+        params.__bindgen_anon_4.ipv6_dst = daddr.words();
+    }
+
+    #[inline(always)]
+    fn fib_next_hop(params: &bpf_fib_lookup) -> In6Addr {
+        // SAFETY: a union of plain integers; the IPv6 member is the one an AF_INET6 lookup sets.
+        In6Addr::from_words(unsafe { params.__bindgen_anon_4.ipv6_dst })
     }
 }
 

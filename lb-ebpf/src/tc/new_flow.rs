@@ -26,7 +26,7 @@ use super::{
     nat::apply,
     parse::Packet,
     reject::{self, REJECT},
-    snat::{reclaim_port_for, reserve_snat_port},
+    snat::{masquerade_addr, masquerade_route, reclaim_port_for, reserve_snat_port},
 };
 use crate::{
     lb::{self, Frontend},
@@ -54,7 +54,8 @@ pub(super) fn new_flow<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
             // Every masquerade port tried is held: take one back if a flow is done with one,
             // and try again with it.
             NO_FREE_PORT => {
-                choice.snat_port = reclaim_port_for::<F>(choice.backend_id, pkt.flow.proto);
+                choice.snat_port =
+                    reclaim_port_for::<F>(choice.backend_id, pkt.flow.proto, choice.masq_route);
                 match choice.snat_port {
                     0 => NO_FREE_PORT,
                     _ => track::<F>(ctx, pkt, &choice),
@@ -101,6 +102,8 @@ pub(super) struct Choice {
     from_pod: bool,
     /// A masquerade port taken back for this flow, tried first (0: none).
     snat_port: u16,
+    /// Where the flow leaves the node, for its masquerade address (`snat::masquerade_route`).
+    masq_route: u32,
 }
 
 /// kube-proxy's cluster-ips-check for a new flow no frontend matched (`lb_common::cluster_ip`):
@@ -167,12 +170,15 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
 
     let client = F::client_of_addr(&flow.saddr);
     let hash = unsafe { bpf_get_prandom_u32() };
-    let Some((backend_id, _)) =
+    let Some((backend_id, backend)) =
         lb::select_backend::<F>(&svc_key, frontend, || client, kind::ADDR, hash, now_ns)
     else {
         count(Counter::TcNoBackend);
         return TC_ACT_OK;
     };
+    // Looked up for every new flow, masqueraded or not yet: `track` may still decide to
+    // masquerade one whose reply tuple a live flow holds.
+    let masq_route = masquerade_route::<F>(ctx, &flow.saddr, &backend.addr, flow.proto);
     *choice = Choice {
         backend_id,
         rev_nat_id: frontend.rev_nat_id,
@@ -180,6 +186,7 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
         scope: svc_key.scope,
         from_pod,
         snat_port: 0,
+        masq_route,
     };
     CHOSEN
 }
@@ -269,21 +276,25 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
             }
         }
     }
-    let masquerade_port = if masquerade {
-        if family.snat_addr == F::UNSPECIFIED {
+    // The address of the interface the flow leaves by (or the node's primary IP), as MASQUERADE.
+    let snat_addr = masquerade_addr::<F>(choice.masq_route);
+    let masquerade_port = match (masquerade, snat_addr) {
+        (false, _) => None,
+        (true, None) => {
             count(Counter::TcNoMasqueradeAddress);
             return TC_ACT_SHOT;
         }
-        // The un-SNAT entry (backend -> node IP:port) holds the port: client as the NAT target.
-        entry.nat_addr = flow.saddr;
-        entry.nat_port = flow.sport;
-        entry.flags = ct::REPLY | ct::SNAT | ct::HANDSHAKE_TRACKED;
-        match reserve_snat_port::<F>(cfg, &mut key, &entry, choice.snat_port) {
-            Some(port) => Some(port),
-            None => return NO_FREE_PORT,
+        (true, Some(snat_addr)) => {
+            // The un-SNAT entry (backend -> snat_addr:port) holds the port: client as the NAT
+            // target.
+            entry.nat_addr = flow.saddr;
+            entry.nat_port = flow.sport;
+            entry.flags = ct::REPLY | ct::SNAT | ct::HANDSHAKE_TRACKED;
+            match reserve_snat_port::<F>(cfg, &mut key, &entry, snat_addr, choice.snat_port) {
+                Some(port) => Some((snat_addr, port)),
+                None => return NO_FREE_PORT,
+            }
         }
-    } else {
-        None
     };
     // The tuple this flow has on the wire after DNAT; egress masquerades it when it carries an
     // SNAT entry.
@@ -302,7 +313,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
             let _ = F::conntrack().remove(&key);
             let _ = F::conntrack_new().remove(&key);
         }
-        Some(port) => {
+        Some((snat_addr, port)) => {
             // A masqueraded flow through another frontend (this client port, this backend) may
             // hold the tuple's SNAT entry, live: egress cannot tell the two flows' packets apart,
             // so this one's entry is tagged and its packets marked (`lb_common::conntrack`). An
@@ -321,7 +332,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
                     key.tag = 0;
                 }
             }
-            entry.nat_addr = family.snat_addr;
+            entry.nat_addr = *snat_addr;
             entry.nat_port = port;
             entry.flags = ct::SNAT | ct::HANDSHAKE_TRACKED;
             // Likewise: an SNAT entry there would be found before this one.

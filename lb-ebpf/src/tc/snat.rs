@@ -1,10 +1,16 @@
-//! Masquerade port reservation: a free node IP port for a flow's SNAT, held by its un-SNAT entry,
-//! or under exhaustion one taken back from a flow done with it (a TCP handshake never completed,
-//! a silent UDP flow).
+//! Masquerade address and port: the address of the interface a flow leaves by (its route looked up
+//! at its first packet, as MASQUERADE takes the out interface's), and a free port of it for the
+//! flow's SNAT, held by its un-SNAT entry, or under exhaustion one taken back from a flow done with
+//! it (a TCP handshake never completed, a silent UDP flow).
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_get_prandom_u32};
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{__sk_buff, BPF_NOEXIST, bpf_fib_lookup},
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_get_prandom_u32},
+    programs::TcContext,
+};
 use lb_common::{
-    config::DatapathConfig,
+    config::{DatapathConfig, MASQUERADE_FALLBACK, flags as config_flags},
     conntrack::{CtKey, CtValue, dir, flags as ct, snat_tag},
     family::{V4, V6},
     proto,
@@ -15,7 +21,57 @@ use super::{
     conntrack::{SYN_REUSE_NS, now_ns},
     ip::Ip,
 };
-use crate::{lb, stats::count};
+use crate::{lb, maps::MASQ_ADDRS, stats::count};
+
+/// `bpf_fib_lookup` results that name the interface the packet would leave by
+/// (`BPF_FIB_LKUP_RET_SUCCESS`, `_NO_NEIGH`, `_FRAG_NEEDED`).
+const ROUTED: [i64; 3] = [0, 7, 8];
+
+/// The interface a new flow from `saddr` to its backend at `daddr` leaves by, and the slot of the
+/// masquerade address MASQUERADE would give it there (`InterfaceAddrs::slot_for` its next hop):
+/// `(ifindex, slot)`, or `(MASQUERADE_FALLBACK, 0)` when the node's interfaces all masquerade
+/// with the primary IP (no lookup) or the route is unknown. The lookup is the kernel's for the
+/// packet as it will be forwarded: after DNAT, from the interface it came in by.
+#[inline(never)]
+pub(super) fn masquerade_route<F: Ip>(ctx: &TcContext, saddr: &F::Addr, daddr: &F::Addr, proto: u8) -> u32 {
+    if lb::datapath_config().flags & config_flags::MASQUERADE_BY_INTERFACE == 0 {
+        return MASQUERADE_FALLBACK;
+    }
+    // SAFETY: an all-zero `bpf_fib_lookup` is a valid one (integers and unions of integers).
+    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    F::fib_addresses(&mut params, saddr, daddr);
+    params.l4_protocol = proto;
+    // The interface the program runs on: at ingress, the one the packet came in by (and in a
+    // test run, loopback where `ingress_ifindex` is 0).
+    // SAFETY: the context's skb pointer is valid for the program's run.
+    params.ifindex = unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex };
+    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
+    // SAFETY: `params` is a valid lookup of the size given, on this frame.
+    let rc = unsafe { fib_lookup(ctx.as_ptr(), &mut params, size, 0) };
+    if !ROUTED.contains(&rc) {
+        count(Counter::TcMasqueradeRouteUnknown);
+        return MASQUERADE_FALLBACK;
+    }
+    let ifindex = params.ifindex;
+    let slot = match MASQ_ADDRS.get_ptr(&ifindex) {
+        Some(addrs) => F::interface_addrs(unsafe { &*addrs }).slot_for(&F::fib_next_hop(&params)),
+        None => 0,
+    };
+    // The slot (< MAX_INTERFACE_ADDRS) in the low byte: one return register, no pointer argument.
+    ifindex << 8 | slot as u32
+}
+
+/// The masquerade address of a route [`masquerade_route`] returned (`ifindex << 8 | slot`): the
+/// interface's address in that slot, else the fallback entry's (the node's primary IP of the
+/// family); `None` when neither has one. A pointer into `lb_masq_addrs`, whichever entry.
+#[inline(always)]
+pub(super) fn masquerade_addr<F: Ip>(route: u32) -> Option<&'static F::Addr> {
+    let entry = MASQ_ADDRS
+        .get_ptr(&(route >> 8))
+        .filter(|addrs| F::interface_addrs(unsafe { &**addrs }).count > 0)
+        .or_else(|| MASQ_ADDRS.get_ptr(&MASQUERADE_FALLBACK))?;
+    F::interface_addrs(unsafe { &*entry }).get(route as u8)
+}
 
 /// Masquerade port attempts before giving up (and looking for one to take back).
 const SNAT_ATTEMPTS: u32 = 8;
@@ -25,8 +81,8 @@ const RECLAIM_ATTEMPTS: u32 = 24;
 /// How long a UDP flow must be silent both ways before a new flow may take its port.
 const UDP_RECLAIM_IDLE_NS: u64 = 2_000_000_000;
 
-/// Reserves a masquerade port for the flow whose reply tuple (backend -> client, at egress) is
-/// `key`: its un-SNAT entry `unsnat` (backend -> node IP:port, to the client) is inserted with
+/// Reserves a masquerade port of `snat_addr` for the flow whose reply tuple (backend -> client, at
+/// egress) is `key`: its un-SNAT entry `unsnat` (backend -> snat_addr:port, to the client) is inserted with
 /// BPF_NOEXIST, so a port in use for this backend is never handed out twice. `hint` (a port
 /// [`reclaim_port_for`] freed, or 0) is tried first. `key` becomes the un-SNAT entry's key (the
 /// caller's buffer, for the stack's sake).
@@ -35,10 +91,11 @@ pub(super) fn reserve_snat_port<F: Ip>(
     cfg: &DatapathConfig,
     key: &mut CtKey<F>,
     unsnat: &CtValue<F>,
+    snat_addr: &F::Addr,
     hint: u16,
 ) -> Option<u16> {
     let ports = PortSequence::new(cfg)?;
-    key.daddr = F::settings(cfg).snat_addr;
+    key.daddr = *snat_addr;
     key.dir = dir::INGRESS;
     if hint != 0 {
         key.dport = hint;
@@ -74,24 +131,25 @@ fn reserve<F: Ip>(key: &CtKey<F>, unsnat: &CtValue<F>) -> bool {
 /// one, its loop was walked again for every caller state reaching it, which tripled the tc
 /// ingress program's verification on Linux 5.10 and 6.1 (183k to 597k steps on 6.1).
 #[inline(always)]
-pub(super) fn reclaim_port_for<F: Ip>(backend_id: u32, proto: u8) -> u16 {
-    F::reclaim_port_for(backend_id, proto)
+pub(super) fn reclaim_port_for<F: Ip>(backend_id: u32, proto: u8, masq_route: u32) -> u16 {
+    F::reclaim_port_for(backend_id, proto, masq_route)
 }
 
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn lb_reclaim_port4(backend_id: u32, proto: u32) -> u32 {
-    reclaim_port_in_range::<V4>(backend_id, proto as u8) as u32
+pub extern "C" fn lb_reclaim_port4(backend_id: u32, proto: u32, masq_route: u32) -> u32 {
+    reclaim_port_in_range::<V4>(backend_id, proto as u8, masq_route) as u32
 }
 
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn lb_reclaim_port6(backend_id: u32, proto: u32) -> u32 {
-    reclaim_port_in_range::<V6>(backend_id, proto as u8) as u32
+pub extern "C" fn lb_reclaim_port6(backend_id: u32, proto: u32, masq_route: u32) -> u32 {
+    reclaim_port_in_range::<V6>(backend_id, proto as u8, masq_route) as u32
 }
 
+/// The ports of the masquerade address of `masq_route` ([`masquerade_route`]) towards the backend.
 #[inline(always)]
-fn reclaim_port_in_range<F: Ip>(backend_id: u32, proto: u8) -> u16 {
+fn reclaim_port_in_range<F: Ip>(backend_id: u32, proto: u8, masq_route: u32) -> u16 {
     let cfg = lb::datapath_config();
     let Some(backend) = lb::lookup_backend::<F>(backend_id) else {
         return 0;
@@ -99,9 +157,12 @@ fn reclaim_port_in_range<F: Ip>(backend_id: u32, proto: u8) -> u16 {
     let Some(ports) = PortSequence::new(cfg) else {
         return 0;
     };
+    let Some(snat_addr) = masquerade_addr::<F>(masq_route) else {
+        return 0;
+    };
     let mut key = CtKey::<F> {
         saddr: backend.addr,
-        daddr: F::settings(cfg).snat_addr,
+        daddr: *snat_addr,
         sport: backend.port,
         dport: 0,
         proto,

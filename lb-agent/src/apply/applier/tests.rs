@@ -429,7 +429,11 @@ fn assert_consistent_from(before: Snapshot, log: &[Op]) {
             Op::DeleteAffinityMatch(k) => maps.delete_affinity_match(k).unwrap(),
             Op::PutSourceRange(r) => maps.put_source_range(r).unwrap(),
             Op::DeleteSourceRange(r) => maps.delete_source_range(r).unwrap(),
-            Op::PutConfig | Op::PutPodInterfaces | Op::SetClusterIpCheck(..) | Op::PutServiceRanges(..) => {}
+            Op::PutConfig
+            | Op::PutPodInterfaces
+            | Op::PutMasqueradeAddrs
+            | Op::SetClusterIpCheck(..)
+            | Op::PutServiceRanges(..) => {}
         }
         maps.check_consistent()
             .unwrap_or_else(|e| panic!("after {i} {op:?}: {e}"));
