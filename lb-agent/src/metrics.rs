@@ -24,6 +24,8 @@
 //! | `lb_conntrack_gc_deleted_total` | counter | `reason` = `closed`/`handshake`/`idle`/`orphan` | [`Metrics::conntrack_gc_deleted`] |
 //! | `lb_sockets_terminated_total` | counter | | [`Metrics::sockets_terminated`] (`datapath::sockets`) |
 //! | `lb_tc_prefilter_bits` | gauge | `ip_family` = `IPv4`/`IPv6` | [`Metrics::set_prefilter_bits`] (after each conntrack GC pass) |
+//! | `process_resident_memory_bytes` | gauge | | [`ProcessMemory`], at each scrape (`/proc/self/statm`; the name Go's process collector gives it in kube-proxy's output) |
+//! | `lb_agent_heap_bytes` | gauge | `state` = `in_use`/`free`/`mmapped` | [`ProcessMemory`], at each scrape (glibc's `mallinfo2`: what the heap holds for the agent, what it keeps freed, what it mapped apart; a leak grows `in_use`, allocator retention `free`) |
 //!
 //! Not exported: the iptables/ipvs/nftables-specific metrics (`..._iptables_restore_failures_total`,
 //! `..._iptables_total`, `..._nftables_sync_failures_total`, `kubeproxy_conntrack_reconciler_*`, ...),
@@ -157,6 +159,69 @@ impl Collector for DatapathEvents {
             let labels = [("event", event.as_str())];
             let sample = family.encode_family(&labels)?;
             ConstCounter::new(*value).encode(sample)?;
+        }
+        Ok(())
+    }
+}
+
+/// The agent's memory, read at each scrape: its resident set, and how its heap splits between
+/// what the agent holds and what the allocator keeps (the soak tells growth of one from the
+/// other).
+#[derive(Debug, Default)]
+struct ProcessMemory;
+
+impl ProcessMemory {
+    /// Resident bytes (`/proc/self/statm`'s second field, in pages).
+    fn resident_bytes() -> Option<u64> {
+        let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+        let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+        // SAFETY: sysconf reads a constant of the system.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        Some(pages * u64::try_from(page).ok()?)
+    }
+
+    /// The heap's bytes in use, free (kept by the allocator) and mapped apart, from glibc.
+    #[cfg(target_env = "gnu")]
+    fn heap() -> Option<[(&'static str, u64); 3]> {
+        // SAFETY: mallinfo2 only reads the allocator's own statistics.
+        let info = unsafe { libc::mallinfo2() };
+        Some([
+            ("in_use", info.uordblks as u64),
+            ("free", info.fordblks as u64),
+            ("mmapped", info.hblkhd as u64),
+        ])
+    }
+
+    #[cfg(not(target_env = "gnu"))]
+    fn heap() -> Option<[(&'static str, u64); 3]> {
+        None
+    }
+}
+
+impl Collector for ProcessMemory {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use prometheus_client::metrics::gauge::ConstGauge;
+        if let Some(bytes) = Self::resident_bytes() {
+            let metric = encoder.encode_descriptor(
+                "process_resident_memory_bytes",
+                "Resident memory size in bytes.",
+                None,
+                MetricType::Gauge,
+            )?;
+            ConstGauge::new(bytes as i64).encode(metric)?;
+        }
+        if let Some(heap) = Self::heap() {
+            let mut family = encoder.encode_descriptor(
+                "lb_agent_heap_bytes",
+                "The agent's heap (glibc malloc), by state: in use by the agent, free but kept by the allocator, mapped apart",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (state, bytes) in heap {
+                let labels = [("state", state)];
+                let sample = family.encode_family(&labels)?;
+                ConstGauge::new(bytes as i64).encode(sample)?;
+            }
         }
         Ok(())
     }
@@ -303,6 +368,7 @@ impl Metrics {
             map_capacity.clone(),
         );
         registry.register_collector(Box::new(datapath_events.clone()));
+        registry.register_collector(Box::new(ProcessMemory));
         registry.register(
             "lb_map_write_errors",
             "Failed BPF map updates and deletions, by map",

@@ -107,12 +107,10 @@ impl NetNs {
         })
     }
 
-    /// The interface index of `dev` inside this namespace.
+    /// The interface index of `dev` inside this namespace (asked from inside it: `exec` keeps the
+    /// host's /sys, whose `class/net` lists the host's interfaces).
     pub fn ifindex(&self, dev: &str) -> u32 {
-        let text = self.exec_ok("cat", &[&format!("/sys/class/net/{dev}/ifindex")]);
-        text.trim()
-            .parse()
-            .unwrap_or_else(|e| panic!("ifindex of {dev}: {e}: {text:?}"))
+        self.run(|| nix::net::if_::if_nametoindex(dev).unwrap_or_else(|e| panic!("ifindex of {dev}: {e}")))
     }
 }
 

@@ -2641,6 +2641,8 @@ fn soak() {
     let last_lifetime_from = duration.mul_f64(0.7);
     let mut last_lifetime_start: Option<usize> = None;
     let mut action = 0usize;
+    // The actions since the previous sample: a step in the memory figures next to what caused it.
+    let mut since_sample: Vec<&str> = Vec::new();
     while started.elapsed() < duration {
         let kind = cycle[action % cycle.len()];
         action += 1;
@@ -2713,6 +2715,7 @@ fn soak() {
         }
         if kind != "hold" {
             *done.entry(kind).or_default() += 1;
+            since_sample.push(kind);
         }
         let until = Instant::now() + step;
         while Instant::now() < until && started.elapsed() < duration {
@@ -2733,10 +2736,19 @@ fn soak() {
                 if started.elapsed() >= last_lifetime_from && last_lifetime_start.is_none() {
                     last_lifetime_start = Some(samples.len());
                 }
+                // The agent's heap: a leak grows what it holds, allocator retention what it keeps
+                // free (`lb_agent_heap_bytes`).
+                let heap_kib = |state: &str| {
+                    m.get(&format!("lb_agent_heap_bytes{{state=\"{state}\"}}"))
+                        .map(|b| (b / 1024.0) as u64)
+                };
                 samples.push(json!({
                     "t_s": started.elapsed().as_secs(),
                     "agent": generation,
                     "rss_kib": rss_kib,
+                    "heap_in_use_kib": heap_kib("in_use"),
+                    "heap_free_kib": heap_kib("free"),
+                    "actions": std::mem::take(&mut since_sample).join("; "),
                     "fds": fds,
                     "lb4_services": entries("lb4_services"),
                     "lb4_backends": entries("lb4_backends"),
@@ -2781,6 +2793,8 @@ fn soak() {
         "failed": tally.failed,
         "actions": done.iter().map(|(k, n)| json!({"action": k, "times": n})).collect::<Vec<_>>(),
         "last_agent_rss_kib": grew("rss_kib"),
+        "last_agent_heap_in_use_kib": grew("heap_in_use_kib"),
+        "last_agent_heap_free_kib": grew("heap_free_kib"),
         "last_agent_fds": grew("fds"),
         "last_agent_lb4_ct": grew("lb4_ct"),
         "last_agent_lb4_ct_new": grew("lb4_ct_new"),

@@ -402,9 +402,8 @@ fn masquerade_takes_the_address_of_the_interface_the_backend_is_routed_by() {
                     Family::V4 => ns.ip(&["addr", "add", &net, "dev", dev]),
                     Family::V6 => ns.ip(&["-6", "addr", "add", &net, "dev", dev, "nodad"]),
                 }
-                let ifindex = ns.run(|| nix::net::if_::if_nametoindex(dev).expect("the interface"));
                 candidates
-                    .entry(ifindex)
+                    .entry(ns.ifindex(dev))
                     .or_insert_with(Vec::new)
                     .push(net.parse::<ipnet::IpNet>().unwrap());
             }

@@ -74,8 +74,13 @@ impl<M: MapOps> Programmer<M> {
 
     /// The Service CIDRs (ServiceCIDR objects, or `--service-cluster-ip-range`) and the cluster
     /// IPs of the Services another proxy serves, which the cluster-ips-check uses from the next
-    /// programming on.
+    /// programming on. Normalised (host bits cleared, sorted, each once): a CIDR written with
+    /// host bits (`10.96.0.1/12`, which `--service-cluster-ip-range` and a ServiceCIDR may hold)
+    /// is its network, and an unchanged set in another order reprograms nothing.
     pub fn set_service_cidrs(&mut self, cidrs: Vec<IpNet>, delegated: BTreeSet<std::net::IpAddr>) {
+        let mut cidrs: Vec<IpNet> = cidrs.into_iter().map(|c| c.trunc()).collect();
+        cidrs.sort();
+        cidrs.dedup();
         self.service_cidrs = cidrs;
         self.delegated = delegated;
     }
@@ -503,6 +508,20 @@ mod tests {
         );
         assert_eq!(p.maps().service_ranges.v4, [net("10.96.0.0/12")]);
         assert_eq!(p.maps().service_ranges.v6, [net("fd00:10:96::a/128")]);
+
+        // The same CIDR written with host bits, twice: the same check, nothing rewritten.
+        p.set_service_cidrs(vec![net("10.96.0.1/12"), net("10.96.0.0/12")], BTreeSet::new());
+        p.maps_mut().log.clear();
+        p.program_changed(&[], |k| without_old.service_inputs(k));
+        assert!(
+            !p.maps()
+                .log
+                .iter()
+                .any(|op| matches!(op, Op::SetClusterIpCheck(..) | Op::PutServiceRanges(..))),
+            "{:?}",
+            p.maps().log
+        );
+        assert_eq!(checks(&p)[&net("10.96.0.0/12")], DROP);
     }
 
     /// The interface detector's pod interfaces are written before the `lb_config` entry that

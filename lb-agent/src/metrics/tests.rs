@@ -175,6 +175,30 @@ fn fresh_registry_shows_unlabelled_metrics_and_policy_gauges() {
     assert!(!text.contains("lb_datapath_events"));
 }
 
+/// The process's memory, read at the scrape: resident bytes as Go's process collector names them,
+/// and the heap split the soak uses to tell a leak (`in_use` grows) from the allocator keeping
+/// freed memory (`free` grows); memory the test holds shows in `in_use`.
+#[test]
+fn memory_is_read_at_each_scrape() {
+    let m = Metrics::new();
+    let before = m.encode();
+    let rss = sample(&before, "process_resident_memory_bytes").expect("resident memory");
+    assert!(rss > 1e6, "{rss}");
+    assert!(before.contains("# TYPE process_resident_memory_bytes gauge"));
+    let in_use = |text: &str| sample(text, "lb_agent_heap_bytes{state=\"in_use\"}").expect("heap in use");
+    // 16 MiB below glibc's mmap threshold: in 4 KiB pieces, kept and touched.
+    let held: Vec<Vec<u8>> = (0..4096).map(|i| vec![i as u8; 4096]).collect();
+    let after = m.encode();
+    assert!(
+        in_use(&after) >= in_use(&before) + 15.0 * 1024.0 * 1024.0,
+        "{} -> {}",
+        in_use(&before),
+        in_use(&after)
+    );
+    assert!(sample(&after, "lb_agent_heap_bytes{state=\"free\"}").is_some());
+    drop(held);
+}
+
 #[test]
 fn map_metrics() {
     let m = Metrics::new();

@@ -463,3 +463,49 @@ fn spawn_watch<K, S>(
         }
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use axum::http::{Request, Response};
+    use kube::client::Body;
+
+    use super::*;
+
+    /// A client whose API server answers every request with `status` and `body`.
+    fn answering(status: u16, body: serde_json::Value) -> Client {
+        let service = tower::service_fn(move |_: Request<Body>| {
+            let body = body.clone();
+            async move {
+                Ok::<_, std::convert::Infallible>(
+                    Response::builder()
+                        .status(status)
+                        .header("content-type", "application/json")
+                        .body(Body::from(serde_json::to_vec(&body).expect("JSON")))
+                        .expect("a response"),
+                )
+            }
+        });
+        Client::new(service, "default")
+    }
+
+    fn status(code: u16, reason: &str) -> serde_json::Value {
+        serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": format!("servicecidrs.networking.k8s.io is {reason}"), "reason": reason, "code": code,
+        })
+    }
+
+    /// Where the API server has no ServiceCIDR objects (404) or RBAC forbids listing them (403),
+    /// the agent takes `--service-cluster-ip-range`; where it lists them, or cannot be reached for
+    /// now (any other failure: watched and retried like every other kind), it watches them.
+    #[tokio::test]
+    async fn servicecidrs_are_watched_unless_missing_or_forbidden() {
+        assert!(!KubeSource::lists_service_cidrs(&answering(404, status(404, "NotFound"))).await);
+        assert!(!KubeSource::lists_service_cidrs(&answering(403, status(403, "Forbidden"))).await);
+        let list = serde_json::json!({
+            "kind": "PartialObjectMetadataList", "apiVersion": "meta.k8s.io/v1", "metadata": {}, "items": [],
+        });
+        assert!(KubeSource::lists_service_cidrs(&answering(200, list)).await);
+        assert!(KubeSource::lists_service_cidrs(&answering(503, status(503, "ServiceUnavailable"))).await);
+    }
+}
