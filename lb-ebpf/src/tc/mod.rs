@@ -136,6 +136,9 @@ fn ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
     }
 }
 
+/// The loopback interface's index in every network namespace.
+const LOOPBACK_IFINDEX: u32 = 1;
+
 /// The tc egress program.
 #[inline(always)]
 pub fn egress(ctx: &mut TcContext) -> i32 {
@@ -149,20 +152,33 @@ pub fn egress(ctx: &mut TcContext) -> i32 {
 /// Not inlined, as `ingress_of`.
 #[inline(never)]
 fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
-    let mark = unsafe { (*skb(ctx)).mark };
+    // SAFETY: the context's skb pointer is valid for the program's run.
+    let (mark, ingress_ifindex, ifindex) = unsafe {
+        let skb = skb(ctx);
+        ((*skb).mark, (*skb).ingress_ifindex, (*skb).ifindex)
+    };
     let ours = mark & MARK_MASK == MARK_MAGIC;
+    // A packet this node sends (no ingress interface) is never SNATed: SNAT entries are made for
+    // flows that came in at tc ingress and are forwarded. Only its source can make it a tracked
+    // flow's (a reply of a backend of this node), so its destination needs no lookup: the socket
+    // path's connections (node -> backend) skip the conntrack tables. On loopback, where the agent
+    // never attaches and BPF_PROG_TEST_RUN runs every packet, each is looked up as forwarded.
+    let may_be_snat = ingress_ifindex != 0 || ifindex == LOOPBACK_IFINDEX;
     match F::parse(ctx) {
         Parsed::L4(pkt) if pkt.flow.proto != proto::SCTP => {
             let from_backend = prefilter::egress_end::<F>((&pkt.flow.saddr, pkt.flow.sport));
-            if ours || from_backend || prefilter::egress_end::<F>((&pkt.flow.daddr, pkt.flow.dport)) {
+            if ours
+                || from_backend
+                || may_be_snat && prefilter::egress_end::<F>((&pkt.flow.daddr, pkt.flow.dport))
+            {
                 conntrack::established_egress::<F>(ctx, &pkt, mark, ours, from_backend)
             } else {
                 TC_ACT_OK
             }
         }
         Parsed::Later(flow) => {
-            let ends = [(&flow.saddr, flow.sport), (&flow.daddr, flow.dport)];
-            if ours || ends.into_iter().any(prefilter::egress_end::<F>) {
+            let from_backend = prefilter::egress_end::<F>((&flow.saddr, flow.sport));
+            if ours || from_backend || may_be_snat && prefilter::egress_end::<F>((&flow.daddr, flow.dport)) {
                 fragment::egress::<F>(ctx, &flow, mark, ours)
             } else {
                 TC_ACT_OK
