@@ -41,6 +41,10 @@ pub enum Command {
     Affinity(InspectArgs),
     /// Show the data path's event counters, and the bits the tc prefilter has set per family.
     Stats(InspectArgs),
+    /// List this node's interfaces as the tc path sees them: its TCX links, whether it is a pod
+    /// interface (the interface local-traffic detectors), and the addresses masqueraded flows
+    /// leaving by it get.
+    Interfaces(InspectArgs),
     /// Explain what the data path does with one packet (BPF_PROG_TEST_RUN on the real programs).
     Trace(Box<TraceArgs>),
     /// Detach every program and remove every pin the agent created (idempotent).

@@ -1,5 +1,5 @@
 //! Operator commands that read the pinned maps: `lb-agent services`, `backends`, `conntrack`,
-//! `affinity` and `stats`. They work while the agent runs and after it stopped (the maps are
+//! `affinity`, `stats` and `interfaces`. They work while the agent runs and after it stopped (the maps are
 //! pinned), print a table or JSON, show addresses as written (`10.0.0.1:80`, `[fd00::1]:80`),
 //! and join Service names back from the reverse-NAT data. Both families' maps are read, the same
 //! code over `F: KernelFamily`. Also `lb-agent kernel`: what this node's kernel offers the data
@@ -704,6 +704,106 @@ pub fn stats(args: &InspectArgs) -> Result<()> {
                     .collect::<Vec<_>>(),
             )
         ),
+    }
+    Ok(())
+}
+
+/// One interface as the tc path sees it (`lb-agent interfaces`).
+#[derive(Serialize)]
+struct InterfaceRow {
+    interface: String,
+    ifindex: u32,
+    /// The agent's pinned TCX links on it (tc programs attached as clsact filters, on kernels
+    /// without TCX or with `--enable-tcx=false`, have no pins: `tc filter show dev <name> ingress`).
+    tcx_links: bool,
+    /// In `lb_pod_ifaces`: the interface detectors count its packets as pods'.
+    pod_interface: bool,
+    /// What a masqueraded flow leaving by it gets (`lb_masq_addrs`), in the programs' order; the
+    /// node IP of the family where it has none.
+    masquerade: Vec<String>,
+}
+
+/// The addresses of an `lb_masq_addrs` entry, both families.
+fn masquerade_addresses(entry: &lb_common::config::MasqueradeAddrs) -> Vec<String> {
+    let v4 = entry.v4.addrs[..usize::from(entry.v4.count.min(4))]
+        .iter()
+        .map(|c| format!("{}/{}", V4::ip_addr(&c.addr), c.prefix_len));
+    let v6 = entry.v6.addrs[..usize::from(entry.v6.count.min(4))]
+        .iter()
+        .map(|c| format!("{}/{}", V6::ip_addr(&c.addr), c.prefix_len));
+    v4.chain(v6).collect()
+}
+
+/// `lb-agent interfaces`: this network namespace's links (run it where the agent runs: the node's)
+/// joined with the pinned per-interface maps, then the fallback masquerade addresses (key 0).
+pub fn interfaces(args: &InspectArgs) -> Result<()> {
+    use lb_common::config::{MASQUERADE_FALLBACK, MasqueradeAddrs};
+    let paths = PinPaths::new(&args.root.bpf_root);
+    open_pinned_maps(&paths, "start the agent, or pass --bpf-root")?;
+    let masquerade: BTreeMap<u32, MasqueradeAddrs> =
+        open_hash::<u32, MasqueradeAddrs>(&paths, catalog::MASQ_ADDRS)?
+            .map(|m| m.iter().flatten().collect())
+            .unwrap_or_default();
+    let pods: std::collections::BTreeSet<u32> = open_hash::<u32, u8>(&paths, catalog::POD_INTERFACES)?
+        .map(|m| m.keys().flatten().collect())
+        .unwrap_or_default();
+    let tcx = crate::datapath::tc::pinned_devices(&paths);
+    let fallback = masquerade
+        .get(&MASQUERADE_FALLBACK)
+        .map(masquerade_addresses)
+        .unwrap_or_default();
+    let links = crate::node::interfaces::links().map_err(|e| anyhow!("listing this node's links: {e}"))?;
+    let mut rows: Vec<InterfaceRow> = links
+        .iter()
+        .map(|link| InterfaceRow {
+            interface: link.name.clone(),
+            ifindex: link.index,
+            tcx_links: tcx.contains_key(&link.index),
+            pod_interface: pods.contains(&link.index),
+            masquerade: masquerade
+                .get(&link.index)
+                .map(masquerade_addresses)
+                .unwrap_or_default(),
+        })
+        .collect();
+    rows.sort_by_key(|r| r.ifindex);
+    match args.output {
+        OutputFormat::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "interfaces": rows,
+                "masquerade_fallback": fallback,
+            }))?
+        ),
+        OutputFormat::Table => {
+            let yes = |b: bool| if b { "yes" } else { "-" }.to_string();
+            print!(
+                "{}",
+                table(
+                    &["INTERFACE", "IFINDEX", "TCX", "POD", "MASQUERADE"],
+                    &rows
+                        .iter()
+                        .map(|r| {
+                            vec![
+                                r.interface.clone(),
+                                r.ifindex.to_string(),
+                                yes(r.tcx_links),
+                                yes(r.pod_interface),
+                                if r.masquerade.is_empty() {
+                                    "(node IP)".into()
+                                } else {
+                                    r.masquerade.join(" ")
+                                },
+                            ]
+                        })
+                        .collect::<Vec<_>>(),
+                )
+            );
+            println!(
+                "node IP (where an interface has no address of the family): {}",
+                fallback.join(" ")
+            );
+        }
     }
     Ok(())
 }

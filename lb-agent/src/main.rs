@@ -57,6 +57,7 @@ fn main() -> std::process::ExitCode {
             Some(Command::Conntrack(args)) => lb_agent::inspect::conntrack(&args),
             Some(Command::Affinity(args)) => lb_agent::inspect::affinity(&args),
             Some(Command::Stats(args)) => lb_agent::inspect::stats(&args),
+            Some(Command::Interfaces(args)) => lb_agent::inspect::interfaces(&args),
             Some(Command::Trace(args)) => lb_agent::trace::run(&args),
             Some(Command::Kernel(args)) => lb_agent::inspect::kernel(&args),
         }

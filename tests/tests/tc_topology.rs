@@ -548,6 +548,43 @@ fn a_node_with_two_uplinks_masquerades_through_each_with_its_address() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let traced: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(traced["masquerade_source"], "192.168.60.11", "{traced}");
+    // `lb-agent interfaces` on the node: each interface's masquerade addresses, the node IP beside.
+    let mut listing = std::process::Command::new(lb_tests::process::workspace_bin("lb-agent"));
+    listing
+        .args(["interfaces", "-o", "json", "--bpf-root"])
+        .arg(&bpf_root);
+    Place::netns(&node1.ns).apply(&mut listing);
+    let out = listing.output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let listed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let masquerade_of = |name: &str| {
+        listed["interfaces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|i| i["interface"] == name)
+            .map(|i| i["masquerade"].clone())
+    };
+    assert_eq!(
+        masquerade_of("eth0"),
+        Some(serde_json::json!(["192.168.50.11/24"])),
+        "{listed:#}"
+    );
+    assert_eq!(
+        masquerade_of("eth1"),
+        Some(serde_json::json!(["192.168.60.11/24"])),
+        "{listed:#}"
+    );
+    assert_eq!(
+        masquerade_of(&node1.pods[0].host_dev),
+        Some(serde_json::json!(["10.244.1.1/32"])),
+        "{listed:#}"
+    );
+    assert_eq!(
+        listed["masquerade_fallback"],
+        serde_json::json!(["192.168.50.11/32"]),
+        "{listed:#}"
+    );
 
     // An uplink that appears while the agent runs: the link and address watch syncs, the tc
     // programs attach to it and the NodePort is served on its address.
