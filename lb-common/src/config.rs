@@ -2,6 +2,7 @@
 //! writes it at start and whenever a setting changes.
 
 use crate::{
+    cluster_ip::MaskedDiff,
     family::{Family, V4, V6, prefix_contains},
     user_pod,
 };
@@ -142,24 +143,37 @@ pub struct InterfaceAddrs<F: Family> {
     /// Number of valid entries in `addrs`; 0: the interface has none of this family.
     pub count: u8,
     pub _pad: [u8; 3],
-    pub addrs: [Cidr<F>; MAX_INTERFACE_ADDRS],
+    pub addrs: [InterfaceAddr<F>; MAX_INTERFACE_ADDRS],
+}
+
+/// One address of an interface, with its subnet's mask spelled out (matching a next hop is then
+/// arithmetic, `cluster_ip::MaskedDiff`: a byte loop over the prefix length took Linux 5.10's
+/// verifier past its million steps) and its prefix length for people reading the map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InterfaceAddr<F: Family> {
+    pub addr: F::Addr,
+    pub mask: F::Addr,
+    pub prefix_len: u8,
+    pub _pad: [u8; 3],
 }
 
 impl<F: Family> InterfaceAddrs<F> {
-    pub const EMPTY: Self = InterfaceAddrs {
-        count: 0,
-        _pad: [0; 3],
-        addrs: [Cidr::new(F::UNSPECIFIED, 0); MAX_INTERFACE_ADDRS],
-    };
-
     /// The slot MASQUERADE takes for a packet whose next hop is `next_hop`: the first address
-    /// whose prefix holds the next hop (`inet_ifa_match`; for IPv6 the longest-matching-prefix
-    /// rule of source selection, RFC 6724 rule 8, where one prefix holds it), else the first.
+    /// whose subnet holds the next hop (`inet_ifa_match`; for IPv6 the longest-matching-prefix
+    /// rule of source selection, RFC 6724 rule 8, where one prefix holds it), else the first. The
+    /// loop runs `count` times, not a constant four (as `ServiceRanges::may_contain`).
     #[inline(always)]
     pub fn slot_for(&self, next_hop: &F::Addr) -> u8 {
+        let n = if (self.count as usize) < MAX_INTERFACE_ADDRS {
+            self.count as usize
+        } else {
+            MAX_INTERFACE_ADDRS
+        };
         let mut i = 0;
-        while i < MAX_INTERFACE_ADDRS {
-            if i < self.count as usize && self.addrs[i].contains(next_hop) {
+        while i < n {
+            let a = &self.addrs[i];
+            if next_hop.masked_diff(&a.addr, &a.mask) == 0 {
                 return i as u8;
             }
             i += 1;

@@ -9,7 +9,7 @@ use std::{collections::BTreeMap, io, net::IpAddr};
 
 use ipnet::IpNet;
 use lb_common::config::{
-    FamilySettings, InterfaceAddrs, MASQUERADE_FALLBACK, MAX_INTERFACE_ADDRS, MasqueradeAddrs,
+    FamilySettings, InterfaceAddr, InterfaceAddrs, MASQUERADE_FALLBACK, MAX_INTERFACE_ADDRS, MasqueradeAddrs,
 };
 use netlink_packet_core::NLM_F_DUMP;
 use netlink_packet_route::{
@@ -159,8 +159,16 @@ fn fill<F: KernelFamily + FamilySettings>(entry: &mut MasqueradeAddrs, nets: &[I
         let Some(addr) = F::kernel_addr(&net.addr()) else {
             continue;
         };
+        let Some(mask) = F::kernel_addr(&net.netmask()) else {
+            continue;
+        };
         if usize::from(out.count) < MAX_INTERFACE_ADDRS {
-            out.addrs[usize::from(out.count)] = lb_common::config::Cidr::new(addr, net.prefix_len());
+            out.addrs[usize::from(out.count)] = InterfaceAddr {
+                addr,
+                mask,
+                prefix_len: net.prefix_len(),
+                _pad: [0; 3],
+            };
             out.count += 1;
         }
     }

@@ -50,19 +50,27 @@ fn trace(ctx: &mut TcContext, slot: usize, value: u32) {
 pub(super) fn new_flow<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
     let mut choice = Choice::default();
     let verdict = match choose::<F>(ctx, pkt, &mut choice) {
-        CHOSEN => match track::<F>(ctx, pkt, &choice) {
-            // Every masquerade port tried is held: take one back if a flow is done with one,
-            // and try again with it.
-            NO_FREE_PORT => {
-                choice.snat_port =
-                    reclaim_port_for::<F>(choice.backend_id, pkt.flow.proto, choice.masq_route);
-                match choice.snat_port {
-                    0 => NO_FREE_PORT,
-                    _ => track::<F>(ctx, pkt, &choice),
+        CHOSEN => {
+            // Where the flow leaves the node, for its masquerade address: looked up for every new
+            // flow, masqueraded or not yet (`track` may still masquerade one whose reply tuple a
+            // live flow holds). Here rather than in `choose`: the verifier walks the lookup once
+            // per state reaching it, and few reach this point.
+            choice.masq_route =
+                masquerade_route::<F>(ctx, &pkt.flow.saddr, choice.backend_id, pkt.flow.proto);
+            match track::<F>(ctx, pkt, &choice) {
+                // Every masquerade port tried is held: take one back if a flow is done with one,
+                // and try again with it.
+                NO_FREE_PORT => {
+                    choice.snat_port =
+                        reclaim_port_for::<F>(choice.backend_id, pkt.flow.proto, choice.masq_route);
+                    match choice.snat_port {
+                        0 => NO_FREE_PORT,
+                        _ => track::<F>(ctx, pkt, &choice),
+                    }
                 }
+                verdict => verdict,
             }
-            verdict => verdict,
-        },
+        }
         REJECT => reject::reject::<F>(ctx, pkt.l4, &pkt.flow.saddr),
         NOT_A_FRONTEND => match cluster_ip_check::<F>(ctx, &pkt.flow.daddr) {
             REJECT => reject::reject::<F>(ctx, pkt.l4, &pkt.flow.saddr),
@@ -170,15 +178,12 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
 
     let client = F::client_of_addr(&flow.saddr);
     let hash = unsafe { bpf_get_prandom_u32() };
-    let Some((backend_id, backend)) =
+    let Some((backend_id, _)) =
         lb::select_backend::<F>(&svc_key, frontend, || client, kind::ADDR, hash, now_ns)
     else {
         count(Counter::TcNoBackend);
         return TC_ACT_OK;
     };
-    // Looked up for every new flow, masqueraded or not yet: `track` may still decide to
-    // masquerade one whose reply tuple a live flow holds.
-    let masq_route = masquerade_route::<F>(ctx, &flow.saddr, &backend.addr, flow.proto);
     *choice = Choice {
         backend_id,
         rev_nat_id: frontend.rev_nat_id,
@@ -186,7 +191,7 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
         scope: svc_key.scope,
         from_pod,
         snat_port: 0,
-        masq_route,
+        masq_route: 0,
     };
     CHOSEN
 }

@@ -27,19 +27,23 @@ use crate::{lb, maps::MASQ_ADDRS, stats::count};
 /// (`BPF_FIB_LKUP_RET_SUCCESS`, `_NO_NEIGH`, `_FRAG_NEEDED`).
 const ROUTED: [i64; 3] = [0, 7, 8];
 
-/// The interface a new flow from `saddr` to its backend at `daddr` leaves by, and the slot of the
+/// The interface a new flow from `saddr` to its backend `backend_id` leaves by, and the slot of the
 /// masquerade address MASQUERADE would give it there (`InterfaceAddrs::slot_for` its next hop):
 /// `(ifindex, slot)`, or `(MASQUERADE_FALLBACK, 0)` when the node's interfaces all masquerade
 /// with the primary IP (no lookup) or the route is unknown. The lookup is the kernel's for the
 /// packet as it will be forwarded: after DNAT, from the interface it came in by.
 #[inline(never)]
-pub(super) fn masquerade_route<F: Ip>(ctx: &TcContext, saddr: &F::Addr, daddr: &F::Addr, proto: u8) -> u32 {
+pub(super) fn masquerade_route<F: Ip>(ctx: &TcContext, saddr: &F::Addr, backend_id: u32, proto: u8) -> u32 {
     if lb::datapath_config().flags & config_flags::MASQUERADE_BY_INTERFACE == 0 {
         return MASQUERADE_FALLBACK;
     }
+    // Gone since `choose` read it: `track` finds so too.
+    let Some(backend) = lb::lookup_backend::<F>(backend_id) else {
+        return MASQUERADE_FALLBACK;
+    };
     // SAFETY: an all-zero `bpf_fib_lookup` is a valid one (integers and unions of integers).
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
-    F::fib_addresses(&mut params, saddr, daddr);
+    F::fib_addresses(&mut params, saddr, &backend.addr);
     params.l4_protocol = proto;
     // The interface the program runs on: at ingress, the one the packet came in by (and in a
     // test run, loopback where `ingress_ifindex` is 0).
