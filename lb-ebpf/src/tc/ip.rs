@@ -77,6 +77,11 @@ pub(super) trait Ip: FamilyMaps {
 
     /// The next hop a route lookup left in `params`: the route's gateway, else the destination.
     fn fib_next_hop(params: &bpf_fib_lookup) -> Self::Addr;
+
+    /// `*dst = *src` where `src` points into a map: without a call to `memmove`, which LLVM emits
+    /// for a 16-byte copy it cannot prove free of overlap, and whose frame (32 bytes on Linux 5.10,
+    /// however small) the call chain below `new_flow::track` has no room for.
+    fn copy_addr(dst: &mut Self::Addr, src: &Self::Addr);
 }
 
 /// One's-complement sum of big-endian 16-bit words.

@@ -273,6 +273,11 @@ impl Ip for V4 {
     }
 
     #[inline(always)]
+    fn copy_addr(dst: &mut [u8; 4], src: &[u8; 4]) {
+        *dst = *src;
+    }
+
+    #[inline(always)]
     fn fib_next_hop(params: &bpf_fib_lookup) -> [u8; 4] {
         // SAFETY: a union of plain integers; the IPv4 member is the one an AF_INET lookup sets.
         unsafe { params.__bindgen_anon_4.ipv4_dst }.to_ne_bytes()

@@ -271,6 +271,21 @@ impl Ip for V6 {
     }
 
     #[inline(always)]
+    fn copy_addr(dst: &mut In6Addr, src: &In6Addr) {
+        let (to, from) = (
+            dst as *mut In6Addr as *mut u32,
+            src as *const In6Addr as *const u32,
+        );
+        // SAFETY: both point at a 4-byte-aligned 16-byte address; volatile keeps the four word
+        // copies from being merged back into a `memmove`.
+        unsafe {
+            for i in 0..4 {
+                core::ptr::write_volatile(to.add(i), core::ptr::read_volatile(from.add(i)));
+            }
+        }
+    }
+
+    #[inline(always)]
     fn fib_next_hop(params: &bpf_fib_lookup) -> In6Addr {
         // SAFETY: a union of plain integers; the IPv6 member is the one an AF_INET6 lookup sets.
         In6Addr::from_words(unsafe { params.__bindgen_anon_4.ipv6_dst })

@@ -337,7 +337,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
                     key.tag = 0;
                 }
             }
-            entry.nat_addr = *snat_addr;
+            F::copy_addr(&mut entry.nat_addr, snat_addr);
             entry.nat_port = port;
             entry.flags = ct::SNAT | ct::HANDSHAKE_TRACKED;
             // Likewise: an SNAT entry there would be found before this one.

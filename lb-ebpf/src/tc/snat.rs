@@ -99,7 +99,7 @@ pub(super) fn reserve_snat_port<F: Ip>(
     hint: u16,
 ) -> Option<u16> {
     let ports = PortSequence::new(cfg)?;
-    key.daddr = *snat_addr;
+    F::copy_addr(&mut key.daddr, snat_addr);
     key.dir = dir::INGRESS;
     if hint != 0 {
         key.dport = hint;
