@@ -725,10 +725,14 @@ struct InterfaceRow {
 
 /// The addresses of an `lb_masq_addrs` entry, both families.
 fn masquerade_addresses(entry: &lb_common::config::MasqueradeAddrs) -> Vec<String> {
-    let v4 = entry.v4.addrs[..usize::from(entry.v4.count.min(4))]
+    let v4 = entry
+        .v4
+        .valid()
         .iter()
         .map(|c| format!("{}/{}", V4::ip_addr(&c.addr), c.prefix_len));
-    let v6 = entry.v6.addrs[..usize::from(entry.v6.count.min(4))]
+    let v6 = entry
+        .v6
+        .valid()
         .iter()
         .map(|c| format!("{}/{}", V6::ip_addr(&c.addr), c.prefix_len));
     v4.chain(v6).collect()

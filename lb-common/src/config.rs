@@ -181,6 +181,11 @@ impl<F: Family> InterfaceAddrs<F> {
         0
     }
 
+    /// The valid entries (at most [`MAX_INTERFACE_ADDRS`] whatever `count` says).
+    pub fn valid(&self) -> &[InterfaceAddr<F>] {
+        &self.addrs[..usize::from(self.count).min(MAX_INTERFACE_ADDRS)]
+    }
+
     /// The address in `slot`, if the interface has one there (else its first, if any).
     #[inline(always)]
     pub fn get(&self, slot: u8) -> Option<&F::Addr> {

@@ -832,12 +832,8 @@ impl MapOps for KernelMaps {
         let addresses: BTreeSet<IpAddr> = entries
             .values()
             .flat_map(|e| {
-                let v4 = e.v4.addrs[..usize::from(e.v4.count)]
-                    .iter()
-                    .map(|c| V4::ip_addr(&c.addr));
-                let v6 = e.v6.addrs[..usize::from(e.v6.count)]
-                    .iter()
-                    .map(|c| V6::ip_addr(&c.addr));
+                let v4 = e.v4.valid().iter().map(|c| V4::ip_addr(&c.addr));
+                let v6 = e.v6.valid().iter().map(|c| V6::ip_addr(&c.addr));
                 v4.chain(v6).collect::<Vec<_>>()
             })
             .collect();

@@ -160,8 +160,9 @@ fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
     let ours = mark & MARK_MASK == MARK_MAGIC;
     // A packet this node sends (no ingress interface) is never SNATed: SNAT entries are made for
     // flows that came in at tc ingress and are forwarded. Only its source can make it a tracked
-    // flow's (a reply of a backend of this node), so its destination needs no lookup: the socket
-    // path's connections (node -> backend) skip the conntrack tables. On loopback, where the agent
+    // flow's (a reply of a backend of this node), so its destination needs no lookup: connections
+    // of the node's own sockets (host network namespace -> backend) skip the conntrack tables; a
+    // pod's socket-translated connection crosses the node forwarded and is looked up. On loopback, where the agent
     // never attaches and BPF_PROG_TEST_RUN runs every packet, each is looked up as forwarded.
     let may_be_snat = ingress_ifindex != 0 || ifindex == LOOPBACK_IFINDEX;
     match F::parse(ctx) {
