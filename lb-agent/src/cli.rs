@@ -47,6 +47,9 @@ pub enum Command {
     Interfaces(InspectArgs),
     /// Explain what the data path does with one packet (BPF_PROG_TEST_RUN on the real programs).
     Trace(Box<TraceArgs>),
+    /// Stream what the data path does, live: socket translations, the tc path's new flows with
+    /// their NAT and masquerade, rejects and drops with their reason, packets left untranslated.
+    Monitor(MonitorArgs),
     /// Detach every program and remove every pin the agent created (idempotent).
     Cleanup(BpfRootArgs),
     /// Check this node's kernel: the features the data path needs, which it has, and what the
@@ -86,6 +89,47 @@ pub struct InspectArgs {
     /// Output format.
     #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
     pub output: OutputFormat,
+}
+
+/// `lb-agent monitor`.
+#[derive(Args, Debug, Clone)]
+pub struct MonitorArgs {
+    #[command(flatten)]
+    pub root: BpfRootArgs,
+    /// Output format: a line per event, or a JSON object per line.
+    #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+    pub output: OutputFormat,
+    /// Only these event types (comma-separated or repeated; default: all). The programs write
+    /// no other.
+    #[arg(long = "type", value_enum, value_delimiter = ',')]
+    pub types: Vec<MonitorType>,
+    /// Only events of this Service: `namespace/name`, or `namespace/name:port` for one port.
+    #[arg(long)]
+    pub service: Option<String>,
+    /// Only events whose client, destination, backend or masquerade address is this one.
+    #[arg(long)]
+    pub ip: Option<std::net::IpAddr>,
+    /// Only events with this port on either side (client, destination, backend, masquerade).
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Stop after printing this many events.
+    #[arg(long)]
+    pub max_events: Option<u64>,
+}
+
+/// `lb-agent monitor --type`.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MonitorType {
+    /// A socket call sent to a backend.
+    Translate,
+    /// A new flow at tc translated to a backend (and masqueraded, where kube-proxy would).
+    Nat,
+    /// Refused as kube-proxy's REJECT (ECONNREFUSED, or ICMP port unreachable).
+    Reject,
+    /// Dropped: a policy's drop, a full table, no free masquerade port.
+    Drop,
+    /// Let through untranslated though it concerned a frontend.
+    Untranslated,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

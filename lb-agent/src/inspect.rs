@@ -89,7 +89,7 @@ fn socket(addr: IpAddr, port: u16) -> String {
     SocketAddr::new(addr, port).to_string()
 }
 
-fn proto_name(p: u8) -> &'static str {
+pub(crate) fn proto_name(p: u8) -> &'static str {
     match p {
         lb_common::proto::TCP => "TCP",
         lb_common::proto::UDP => "UDP",

@@ -15,8 +15,9 @@
 //! Around the line: `agent` (the agent process: start-up, then a sync per change, driven by
 //! kube-proxy's `bounded_frequency` runner), `health` (`/healthz`, `/livez` and the
 //! health-check NodePorts), `metrics`, `events` (Warning Events for problems), `config`
-//! (`KubeProxyConfiguration`) and `cli` (flags). The operator commands: `inspect`, `trace` (which
-//! programs a private data path through the agent's own code) and `cleanup`. Below everything:
+//! (`KubeProxyConfiguration`) and `cli` (flags). The operator commands: `inspect`, `monitor`
+//! (the programs' events, live), `trace` (which programs a private data path through the agent's
+//! own code) and `cleanup`. Below everything:
 //! `time` (the kernel's clocks), `family` (IPv4 and IPv6 as values and as
 //! types), `netlink` (one request and its answers) and `error`.
 
@@ -34,6 +35,7 @@ pub mod health;
 pub mod inspect;
 pub mod metrics;
 pub mod model;
+pub mod monitor;
 pub mod netlink;
 pub mod node;
 pub mod plan;

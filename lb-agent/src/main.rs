@@ -59,6 +59,7 @@ fn main() -> std::process::ExitCode {
             Some(Command::Stats(args)) => lb_agent::inspect::stats(&args),
             Some(Command::Interfaces(args)) => lb_agent::inspect::interfaces(&args),
             Some(Command::Trace(args)) => lb_agent::trace::run(&args),
+            Some(Command::Monitor(args)) => lb_agent::monitor::run(&args).await,
             Some(Command::Kernel(args)) => lb_agent::inspect::kernel(&args),
         }
     });

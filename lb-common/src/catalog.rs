@@ -72,6 +72,12 @@ pub const POD_INTERFACES: &str = "lb_pod_ifaces";
 /// The masquerade addresses of the node's interfaces (`config::MasqueradeAddrs`): ifindex `u32`
 /// -> both families' candidates, key 0 the fallback. Written by the agent when they change.
 pub const MASQ_ADDRS: &str = "lb_masq_addrs";
+/// What a listening `lb-agent monitor` asks for (`monitor::MonitorControl`): `u32` 0 -> the lease
+/// and the event types. Written by the monitor only; read by the programs where an event could be.
+pub const MONITOR: &str = "lb_monitor";
+/// The programs' events for `lb-agent monitor` (ring buffer of `monitor::MonitorEvent`, written
+/// only while a monitor listens).
+pub const EVENTS: &str = "lb_events";
 /// Per-CPU counters: `u32` (a `stats::Counter`) -> `u64`. Written by the programs.
 pub const STATS: &str = "lb_stats";
 /// Per-CPU token bucket for the ICMP answers of rejected flows: `u32` 0 -> `RateBucket`. Written by
@@ -102,6 +108,8 @@ pub const ALL: &[&str] = &[
     CONFIG,
     POD_INTERFACES,
     MASQ_ADDRS,
+    MONITOR,
+    EVENTS,
     STATS,
     REJECT_LIMIT,
     SERVICES6,
@@ -148,6 +156,8 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (CONFIG, 2),
     (POD_INTERFACES, 1),
     (MASQ_ADDRS, 1),
+    (MONITOR, 1),
+    (EVENTS, 1),
     (STATS, 1),
     (REJECT_LIMIT, 1),
     (SERVICES6, 1),
@@ -275,6 +285,10 @@ pub mod capacity {
     pub const POD_INTERFACES: u32 = 16_384;
     /// Interfaces with an address (and the fallback entry): fixed, as `POD_INTERFACES`.
     pub const MASQ_ADDRS: u32 = 16_384;
+    /// `lb_events`' bytes (a ring buffer's size is a power of two of pages): ~9,000 events of 112
+    /// bytes and their 8-byte headers, a few seconds of a busy node's new flows for a monitor
+    /// that reads every 100 ms at the latest.
+    pub const EVENTS: u32 = 1 << 20;
 }
 
 /// The most frontends (reverse-NAT ids) a family may have: ids of both families

@@ -14,6 +14,20 @@ macro_rules! counters {
             /// Every counter, in index order.
             pub const ALL: &'static [Counter] = &[$(Counter::$variant,)+];
 
+            /// The counter at `index`, if any.
+            #[inline(always)]
+            pub const fn from_index(index: u32) -> Option<Counter> {
+                let mut i = 0;
+                $(
+                    if index == i {
+                        return Some(Counter::$variant);
+                    }
+                    i += 1;
+                )+
+                let _ = i;
+                None
+            }
+
             /// The metric label, snake_case.
             pub const fn name(self) -> &'static str {
                 match self {
@@ -122,6 +136,9 @@ counters! {
     /// unreachable, forwarding off): were it masqueraded, it gets the node's primary IP
     /// (`lb_masq_addrs` key 0) instead of its interface's address.
     TcMasqueradeRouteUnknown => "tc_masquerade_route_unknown",
+    /// An event a listening `lb-agent monitor` wanted found the ring buffer (`lb_events`) full
+    /// and was lost (the monitor reads this counter and reports the losses).
+    MonitorEventsLost => "monitor_events_lost",
 }
 
 /// Number of counters (`lb_stats` max_entries).
@@ -135,6 +152,8 @@ mod tests {
     fn all_is_in_index_order() {
         for (i, c) in Counter::ALL.iter().enumerate() {
             assert_eq!(*c as usize, i, "{}", c.name());
+            assert_eq!(Counter::from_index(i as u32), Some(*c));
         }
+        assert_eq!(Counter::from_index(COUNT), None);
     }
 }

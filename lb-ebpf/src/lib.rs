@@ -8,7 +8,8 @@
 //! - `lb`: service lookup and backend selection, shared by both paths;
 //! - `sock`: cgroup connect/sendmsg/recvmsg/getpeername translation (IPv4-mapped IPv6 included);
 //! - `tc`: per-packet translation (DNAT, masquerade, conntrack, reverse NAT, reject, ICMP).
-//! - `stats`: per-CPU counters, bumped instead of failing a syscall or logging on the hot path.
+//! - `stats`: per-CPU counters, bumped instead of failing a syscall or logging on the hot path;
+//! - `monitor`: the same outcomes as events with their flow, only while `lb-agent monitor` listens.
 //! - `features`: the kernel features the agent found, so one object loads on every supported kernel.
 #![no_std]
 
@@ -16,6 +17,7 @@ pub mod family;
 pub mod features;
 pub mod lb;
 pub mod maps;
+pub mod monitor;
 pub mod sock;
 pub mod stats;
 pub mod tc;

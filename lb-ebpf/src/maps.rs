@@ -7,7 +7,7 @@
 //! `crate::family` (`lb4_services` and `lb6_services` are both a `ServicesMap<F>`).
 
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, PerCpuArray, RingBuf},
     macros::btf_map,
 };
 use lb_common::{
@@ -16,6 +16,7 @@ use lb_common::{
     config::{DatapathConfig, MasqueradeAddrs},
     family::{V4, V6},
     features::NetnsProbe,
+    monitor::{MonitorControl, MonitorEvent},
     ratelimit::RateBucket,
     revnat::SvcName,
     stats,
@@ -157,6 +158,15 @@ pub static MASQ_ADDRS: HashMap<
     { capacity::MASQ_ADDRS as usize },
     { NO_PREALLOC | RDONLY_PROG },
 > = HashMap::new();
+
+/// What a listening `lb-agent monitor` asks for (`lb_common::monitor`), index 0. Writer: the
+/// monitor. Readers: every program, where an event could be written.
+#[btf_map(name = "lb_monitor")]
+pub static MONITOR: Array<MonitorControl, 1, RDONLY_PROG> = Array::new();
+
+/// Events for `lb-agent monitor`, written only while one listens. Writers: the programs.
+#[btf_map(name = "lb_events")]
+pub static EVENTS: RingBuf<MonitorEvent, { capacity::EVENTS as usize }> = RingBuf::new();
 
 /// Per-CPU event counters, indexed by `lb_common::stats::Counter`.
 #[btf_map(name = "lb_stats")]

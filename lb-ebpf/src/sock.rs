@@ -25,6 +25,7 @@
 //! hands an AF_INET6 socket's datagram to a mapped address to the IPv4 stack, which runs
 //! sendmsg4; recvmsg6 and getpeername6 do see the mapped backend and take the IPv4 code back.)
 
+use aya_ebpf::helpers::bpf_ktime_get_boot_ns;
 use lb_common::{
     affinity::kind,
     cluster_ip::action,
@@ -40,6 +41,7 @@ use lb_common::{
 use crate::{
     family::FamilyMaps,
     lb::{self, Frontend},
+    monitor,
     stats::count,
 };
 
@@ -62,6 +64,9 @@ pub trait SockCall<F: Family> {
     /// A random value for slot selection.
     fn random(&self) -> u32;
     fn now_ns(&self) -> u64;
+    /// The calling task's cgroup (v2 id), for `lb-agent monitor`; 0 where there is none (the
+    /// trace harness).
+    fn cgroup_id(&self) -> u64;
     /// Keeps the reverse NAT of a connected socket in the socket's own storage of family `G`;
     /// false where there is none (sendmsg, whose socket may talk to several frontends; the trace
     /// harness), and the LRU map is used instead.
@@ -117,6 +122,10 @@ impl<C: SockCall<V6>> SockCall<V4> for Mapped<C> {
         self.0.now_ns()
     }
     #[inline(always)]
+    fn cgroup_id(&self) -> u64 {
+        self.0.cgroup_id()
+    }
+    #[inline(always)]
     fn set_sk_revnat<G: FamilyMaps>(&mut self, entry: &SockRevNatSk<G>) -> bool {
         self.0.set_sk_revnat(entry)
     }
@@ -144,7 +153,13 @@ pub struct Outcome<F: Family> {
     pub count: u16,
     pub addr: F::Addr,
     pub port: u16,
+    /// The counter the call bumped, as an index (`Counter as u32`), for `lb-agent monitor`;
+    /// [`NOT_COUNTED`] when it bumped none.
+    pub counter: u32,
 }
+
+/// [`Outcome::counter`] of a call that counted nothing.
+pub const NOT_COUNTED: u32 = u32::MAX;
 
 impl<F: Family> Outcome<F> {
     #[inline(always)]
@@ -159,7 +174,15 @@ impl<F: Family> Outcome<F> {
             count: 0,
             addr: F::UNSPECIFIED,
             port: 0,
+            counter: NOT_COUNTED,
         }
+    }
+
+    /// Counts `counter` and remembers it as this outcome's.
+    #[inline(always)]
+    fn count(&mut self, counter: Counter) {
+        count(counter);
+        self.counter = counter as u32;
     }
 }
 
@@ -191,16 +214,42 @@ fn cluster_ip_check<F: FamilyMaps>(vip: &F::Addr) -> Outcome<F> {
     let mut outcome = Outcome::pass();
     match lb::cluster_ip_check::<F>(vip) {
         Some(action::REJECT) => {
-            count(Counter::SockClusterIpBadPort);
+            outcome.count(Counter::SockClusterIpBadPort);
             outcome.verdict = verdict::REJECT;
             outcome.errno = ECONNREFUSED;
         }
         Some(action::DROP) => {
-            count(Counter::SockUnallocatedClusterIp);
+            outcome.count(Counter::SockUnallocatedClusterIp);
             outcome.verdict = verdict::DROP;
             outcome.errno = EHOSTUNREACH;
         }
         _ => {}
+    }
+    outcome
+}
+
+/// connect and sendmsg (`hook`: `lb_common::trace::hook`'s): the translation, and its event
+/// when a monitor listens (`lb_common::monitor`).
+#[inline(always)]
+pub fn forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C, hook: u32) -> Outcome<F> {
+    let (vip, vport) = (call.addr(), call.port());
+    let outcome = translate_forward::<F, C>(call);
+    if outcome.counter != NOT_COUNTED && monitor::wanted(outcome.counter) {
+        monitor::emit(|event| {
+            event.time_ns = unsafe { bpf_ktime_get_boot_ns() };
+            event.cgroup_id = call.cgroup_id();
+            event.counter = outcome.counter;
+            event.hook = hook;
+            event.rev_nat_id = outcome.rev_nat_id;
+            event.backend_id = outcome.backend_id;
+            event.family = F::AF as u8;
+            event.protocol = call.protocol();
+            event.dst_port = vport;
+            event.backend_port = outcome.port;
+            monitor::set_addr::<F>(&mut event.src, &call.src_addr());
+            monitor::set_addr::<F>(&mut event.dst, &vip);
+            monitor::set_addr::<F>(&mut event.backend, &outcome.addr);
+        });
     }
     outcome
 }
@@ -223,8 +272,9 @@ pub fn translate_forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C) -> Outcome
     let (key, frontend) = match lb::lookup_frontend::<F>(&vip, vport, protocol, true) {
         Frontend::None => return cluster_ip_check::<F>(&vip),
         Frontend::Incomplete => {
-            count(Counter::SockNoBackend);
-            return Outcome::pass();
+            let mut outcome = Outcome::pass();
+            outcome.count(Counter::SockNoBackend);
+            return outcome;
         }
         Frontend::Found(key, entry) => (key, entry),
     };
@@ -246,7 +296,7 @@ pub fn translate_forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C) -> Outcome
         match source_allowed::<F, C>(call, cfg, frontend) {
             Some(true) => {}
             Some(false) => {
-                count(Counter::SourceRangeDenied);
+                outcome.count(Counter::SourceRangeDenied);
                 outcome.verdict = verdict::DROP;
                 outcome.errno = EHOSTUNREACH;
                 return outcome;
@@ -257,11 +307,11 @@ pub fn translate_forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C) -> Outcome
 
     if frontend.count == 0 {
         if frontend.has(flags::DROP_IF_EMPTY) {
-            count(Counter::SockDropped);
+            outcome.count(Counter::SockDropped);
             outcome.verdict = verdict::DROP;
             outcome.errno = EHOSTUNREACH;
         } else {
-            count(Counter::SockRejected);
+            outcome.count(Counter::SockRejected);
             outcome.verdict = verdict::REJECT;
             outcome.errno = ECONNREFUSED;
         }
@@ -284,7 +334,7 @@ pub fn translate_forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C) -> Outcome
         || call.now_ns(),
     );
     let Some((backend_id, backend)) = selected else {
-        count(Counter::SockNoBackend);
+        outcome.count(Counter::SockNoBackend);
         return outcome;
     };
 
@@ -320,7 +370,7 @@ pub fn translate_forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C) -> Outcome
     }
 
     call.set_addr(backend.addr, backend.port);
-    count(Counter::SockTranslated);
+    outcome.count(Counter::SockTranslated);
     outcome.verdict = verdict::TRANSLATED;
     outcome.backend_id = backend_id;
     outcome.addr = backend.addr;

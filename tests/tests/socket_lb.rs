@@ -742,6 +742,114 @@ fn no_endpoints_rejects_and_local_policy_without_local_endpoints_drops_in(family
     );
 }
 
+/// Issue 24: `lb-agent monitor` shows the socket programs' decisions as they happen, one JSON
+/// object per event: a connect() translated (its Service, frontend, backend and the caller's
+/// cgroup), one refused because the Service has no endpoints; `--type` leaves the rest out in the
+/// programs. One monitor at a time: a second is refused while the first listens, and the lease
+/// is given back when the first stops.
+#[test]
+fn the_monitor_shows_translations_and_refusals_as_they_happen() {
+    let mut f = Fixture::new(1);
+    let none = service("demo", "none")
+        .cluster_ip("10.96.0.30")
+        .port("http", "TCP", 80, 8080)
+        .build();
+    f.write(&[web().build(), none], &[f.web_slice(&[0])]);
+    f.start_agent(&[]);
+    let root = bpf_root_in(f.bpffs.path());
+    let monitor = |extra: &[&str]| {
+        let mut cmd = Command::new(lb_tests::process::workspace_bin("lb-agent"));
+        cmd.args(["monitor", "-o", "json", "--bpf-root"])
+            .arg(&root)
+            .args(extra)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        Place::netns(&f.node.ns).apply(&mut cmd);
+        cmd
+    };
+    let mut first = Proc::spawn_command(monitor(&["--type", "translate,reject", "--max-events", "3"]));
+    first.wait_for_line(std::time::Duration::from_secs(20), |l| {
+        l.contains(r#""type":"listening""#)
+    });
+
+    let second = monitor(&[]).output().unwrap();
+    assert!(!second.status.success(), "a second monitor runs beside the first");
+    let said = String::from_utf8_lossy(&second.stderr);
+    assert!(said.contains("another lb-agent monitor"), "{said}");
+
+    ok(&probe::tcp(f.host(), "10.96.0.20:80", 1));
+    let r = &probe::tcp(f.host(), "10.96.0.30:80", 1)[0];
+    assert_eq!(r["errno"], kernel::refused_with(ECONNREFUSED), "{r}");
+    ok(&probe::udp(f.host(), "10.96.0.20:53", 1, false));
+    let status = first.wait_timeout(std::time::Duration::from_secs(20));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the monitor stops after --max-events 3: {status:?} {:?}",
+        first.stdout_lines()
+    );
+    let events: Vec<Value> = first
+        .stdout_lines()
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|e: &Value| e["type"] != "listening")
+        .collect();
+    let cgroup = format!(
+        "/{}",
+        f.cgroup
+            .path()
+            .strip_prefix(lb_tests::cgroup::cgroup2_mount())
+            .unwrap()
+            .display()
+    );
+    let pod = f.pod_ip(0);
+    assert_eq!(events.len(), 3, "{events:#?}");
+    let expected = [
+        (
+            "translate",
+            "sock_translated",
+            "TCP",
+            "10.96.0.20:80",
+            Some(format!("{pod}:8080")),
+            "demo/web:http",
+        ),
+        (
+            "reject",
+            "sock_rejected",
+            "TCP",
+            "10.96.0.30:80",
+            None,
+            "demo/none:http",
+        ),
+        (
+            "translate",
+            "sock_translated",
+            "UDP",
+            "10.96.0.20:53",
+            Some(format!("{pod}:5353")),
+            "demo/web:dns",
+        ),
+    ];
+    for (event, (kind, counter, protocol, destination, backend, service)) in events.iter().zip(expected) {
+        assert_eq!(event["type"], kind, "{event}");
+        assert_eq!(event["event"], counter, "{event}");
+        assert_eq!(event["protocol"], protocol, "{event}");
+        assert_eq!(event["destination"], destination, "{event}");
+        assert_eq!(event["backend"].as_str().map(String::from), backend, "{event}");
+        assert_eq!(event["service"], service, "{event}");
+        assert_eq!(event["cgroup"], cgroup, "the caller's cgroup: {event}");
+        assert!(
+            ["connect4", "sendmsg4"].contains(&event["hook"].as_str().unwrap_or_default()),
+            "{event}"
+        );
+    }
+
+    // The first monitor gave its lease back: another may listen now.
+    let mut third = Proc::spawn_command(monitor(&["--max-events", "1"]));
+    third.wait_for_line(std::time::Duration::from_secs(20), |l| {
+        l.contains(r#""type":"listening""#)
+    });
+}
+
 #[test]
 fn cluster_ip_ports_no_service_has_are_refused_and_unallocated_service_addresses_unreachable() {
     cluster_ip_checks_in(IpFamily::V4);

@@ -738,6 +738,160 @@ fn local_policy_without_local_endpoints_drops() {
     }
 }
 
+/// CLOCK_BOOTTIME, the clock of the monitor's lease.
+fn boottime_ns() -> u64 {
+    let ts = nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME).unwrap();
+    ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
+}
+
+/// What `lb-agent monitor` writes into `lb_monitor`: events of `types` for `lease_ns` from now
+/// (none once it has passed).
+fn listen(s: &mut ScratchDatapath, types: u32, lease_ns: i64) {
+    use lb_common::monitor::MonitorControl;
+    let map = s
+        .datapath
+        .map_mut(lb_common::catalog::MONITOR)
+        .expect("lb_monitor");
+    let mut control: aya::maps::Array<&mut aya::maps::MapData, MonitorControl> = map.try_into().unwrap();
+    let until_ns = boottime_ns().saturating_add_signed(lease_ns);
+    control
+        .set(
+            0,
+            &MonitorControl {
+                until_ns,
+                types,
+                pid: 1,
+            },
+            0,
+        )
+        .unwrap();
+}
+
+/// The events the programs wrote since the last call.
+fn events(s: &mut ScratchDatapath) -> Vec<lb_common::monitor::MonitorEvent> {
+    let map = s.datapath.map_mut(lb_common::catalog::EVENTS).expect("lb_events");
+    let mut ring = aya::maps::RingBuf::try_from(map).unwrap();
+    let mut events = Vec::new();
+    while let Some(item) = ring.next() {
+        assert_eq!(item.len(), size_of::<lb_common::monitor::MonitorEvent>());
+        // SAFETY: the programs write whole events.
+        events.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) });
+    }
+    events
+}
+
+/// An event's address of family `f` (the family's bytes first).
+fn event_ip(f: Family, bytes: &[u8; 16]) -> IpAddr {
+    match f {
+        Family::V4 => IpAddr::from([bytes[0], bytes[1], bytes[2], bytes[3]]),
+        Family::V6 => IpAddr::from(*bytes),
+    }
+}
+
+/// Issue 24: while a monitor listens, tc ingress writes an event per new flow's outcome with
+/// the flow (a translated and masqueraded NodePort flow with its backend and masquerade address;
+/// a reject; a Local policy's drop), none for an established flow's packets, none of a type the
+/// monitor did not ask for, and none once its lease has passed or before anyone listened. A full
+/// ring buffer loses events, each counted: events read plus events lost is every event.
+#[test]
+fn a_listening_monitor_gets_each_new_flows_outcome_with_its_flow() {
+    use lb_common::monitor::{hook, types};
+    let mut s = scratch(true);
+    for f in FAMILIES {
+        let af = match f {
+            Family::V4 => libc::AF_INET,
+            Family::V6 => libc::AF_INET6,
+        } as u8;
+        // Nobody listens: nothing is written.
+        let reject = tcp(f, CLIENT, 42600, "10.96.0.14", 80).build();
+        ingress(&mut s, &reject);
+        assert!(events(&mut s).is_empty(), "{f:?}: events without a monitor");
+
+        listen(&mut s, types::ALL, 60_000_000_000);
+        let before = boottime_ns();
+        let syn = tcp(f, CLIENT, 42601, NODE_IP, 30080).build();
+        let dnat = ingress(&mut s, &syn);
+        let masquerade = egress(&mut s, &dnat.packet);
+        let port = summary(&masquerade.packet).sport;
+        ingress(
+            &mut s,
+            &tcp(f, CLIENT, 42601, NODE_IP, 30080).data(b"GET").build(),
+        );
+        ingress(&mut s, &tcp(f, CLIENT, 42602, "10.96.0.14", 80).build());
+        ingress(&mut s, &tcp(f, CLIENT, 42603, NODE_IP, 30082).build());
+        let seen = events(&mut s);
+        assert_eq!(
+            seen.iter()
+                .map(|e| Counter::from_index(e.counter))
+                .collect::<Vec<_>>(),
+            [Counter::TcNewFlow, Counter::TcRejected, Counter::TcDropped].map(Some),
+            "{f:?}: one event per new flow, none for the established packet"
+        );
+        for e in &seen {
+            assert_eq!(
+                (e.hook, e.family, e.protocol),
+                (hook::TC_INGRESS, af, lb_common::proto::TCP),
+                "{f:?}"
+            );
+            assert_eq!(event_ip(f, &e.src), f.ip(CLIENT), "{f:?}");
+            assert!(e.time_ns >= before && e.time_ns <= boottime_ns(), "{f:?}");
+            assert_ne!(e.rev_nat_id, 0, "{f:?}: the frontend's id");
+            assert_eq!(e.cgroup_id, 0);
+        }
+        let new_flow = &seen[0];
+        assert_eq!((new_flow.src_port, new_flow.dst_port), (42601, 30080));
+        assert_eq!(event_ip(f, &new_flow.dst), f.ip(NODE_IP));
+        assert_eq!(
+            (event_ip(f, &new_flow.backend), new_flow.backend_port),
+            (f.ip("10.244.2.7"), 8080),
+            "{f:?}"
+        );
+        assert_eq!(
+            (event_ip(f, &new_flow.nat), new_flow.nat_port),
+            (f.ip(NODE_IP), port),
+            "{f:?}: the masquerade address and the port egress used"
+        );
+        assert_eq!(
+            (seen[1].dst_port, seen[1].backend_port, seen[1].nat_port),
+            (80, 0, 0)
+        );
+        assert_eq!(event_ip(f, &seen[2].dst), f.ip(NODE_IP));
+
+        // Drops only: the reject is not written, the drop is.
+        listen(&mut s, types::DROP, 60_000_000_000);
+        ingress(&mut s, &tcp(f, CLIENT, 42604, "10.96.0.14", 80).build());
+        ingress(&mut s, &tcp(f, CLIENT, 42605, NODE_IP, 30082).build());
+        let seen = events(&mut s);
+        assert_eq!(seen.len(), 1, "{f:?}");
+        assert_eq!(Counter::from_index(seen[0].counter), Some(Counter::TcDropped));
+        assert_eq!(seen[0].src_port, 42605);
+
+        // The lease has passed (a monitor killed without giving it back): nothing is written.
+        listen(&mut s, types::ALL, -1);
+        ingress(&mut s, &tcp(f, CLIENT, 42606, NODE_IP, 30082).build());
+        assert!(events(&mut s).is_empty(), "{f:?}: events after the lease");
+    }
+    assert_eq!(counter(&s, Counter::MonitorEventsLost), 0);
+
+    // Drops leave the packet as it was, so one test run repeats the same event: more than the
+    // ring buffer holds, unread.
+    listen(&mut s, types::DROP, 60_000_000_000);
+    let drop = tcp(Family::V4, CLIENT, 42607, NODE_IP, 30082).build();
+    let repeat = 12_000;
+    s.datapath
+        .test_run_tc("lb_tc_ingress", &drop, repeat)
+        .expect("test run");
+    let read = events(&mut s).len() as u64;
+    let lost = counter(&s, Counter::MonitorEventsLost);
+    assert!(read > 0 && lost > 0, "read {read}, lost {lost}");
+    assert_eq!(
+        read + lost,
+        u64::from(repeat),
+        "every event is read or counted lost"
+    );
+    listen(&mut s, 0, 0);
+}
+
 /// The port unreachable the program answers `pkt` (from `CLIENT_MAC` to `NODE_MAC`) with: from
 /// the address the client called to the client, MAC addresses swapped, quoting the IP header
 /// (IPv4 options or IPv6 extension headers included) and 8 bytes of L4, IPv6 rounding up to 8

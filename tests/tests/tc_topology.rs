@@ -203,6 +203,17 @@ fn external_traffic_through_the_tc_path() {
     let node2 = c.nodes[1].ip.unwrap();
     let node3 = c.nodes[2].ip.unwrap();
 
+    // `lb-agent monitor` on node 1 shows the first of these flows as it happens (issue 24).
+    let mut monitor_cmd = std::process::Command::new(lb_tests::process::workspace_bin("lb-agent"));
+    monitor_cmd
+        .args(["monitor", "-o", "json", "--type", "nat", "--port", "30080", "--max-events", "1"])
+        .arg("--bpf-root")
+        .arg(&c.bpf_roots[0])
+        .stdout(std::process::Stdio::piped());
+    Place::netns(&c.nodes[0].ns).apply(&mut monitor_cmd);
+    let mut monitor = Proc::spawn_command(monitor_cmd);
+    monitor.wait_for_line(Duration::from_secs(20), |l| l.contains(r#""type":"listening""#));
+
     // NodePort on node 1, backend on node 2: masqueraded to node 1's IP, the reply comes from the
     // NodePort the client called.
     for r in ok(&probe::tcp(client, &format!("{node1}:30080"), 5)) {
@@ -214,6 +225,27 @@ fn external_traffic_through_the_tc_path() {
         );
         assert_eq!(r["peer"], format!("{node1}:30080"));
     }
+    assert!(
+        monitor.wait_timeout(Duration::from_secs(20)).is_some_and(|s| s.success()),
+        "the monitor stops after one event: {:?}",
+        monitor.stdout_lines()
+    );
+    let event: Value = serde_json::from_str(&monitor.stdout_lines()[1]).unwrap();
+    assert_eq!(
+        (&event["type"], &event["event"], &event["hook"]),
+        (&Value::from("nat"), &Value::from("tc_new_flow"), &Value::from("tc-ingress")),
+        "{event}"
+    );
+    assert_eq!(host_of(&event["client"]), c.client_ip.to_string(), "{event}");
+    assert_eq!(event["destination"], format!("{node1}:30080"), "{event}");
+    assert_eq!(event["backend"], "10.244.2.2:8080", "{event}");
+    assert_eq!(host_of(&event["masquerade"]), node1.to_string(), "{event}");
+    assert_eq!(event["service"], "demo/web:http", "{event}");
+    assert!(
+        event["interface"].as_str().is_some_and(|i| !i.is_empty() && !i.starts_with("if")),
+        "the interface the packet came in by, by name: {event}"
+    );
+
     // The same NodePort on node 3, which has no pod at all.
     for r in ok(&probe::tcp(client, &format!("{node3}:30080"), 3)) {
         assert_eq!(host_of(&r["reply"]["client"]), node3.to_string(), "{r}");

@@ -614,13 +614,18 @@ impl Datapath {
         self.test_run_tc_ctx(name, packet, repeat, 0, 0)
     }
 
-    /// Like `test_run_tc`, for a packet that came in by interface `ingress_ifindex` (kernels
-    /// before 5.15 refuse to set it: EINVAL).
     /// A map of this load, by name (`trace` reads what its private maps recorded).
     pub fn map(&self, name: &str) -> Option<&aya::maps::Map> {
         self.ebpf.map(name)
     }
 
+    /// A map of this load, by name, to write (tests: `lb_monitor`).
+    pub fn map_mut(&mut self, name: &str) -> Option<&mut aya::maps::Map> {
+        self.ebpf.map_mut(name)
+    }
+
+    /// Like `test_run_tc`, for a packet that came in by interface `ingress_ifindex` (kernels
+    /// before 5.15 refuse to set it: EINVAL).
     pub fn test_run_tc_from(
         &mut self,
         name: &str,

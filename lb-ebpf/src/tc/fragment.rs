@@ -63,6 +63,11 @@ pub(super) fn later<F: Ip>(mut flow: Flow<F>, id: u32) -> Parsed<F> {
     Parsed::Later(flow)
 }
 
+/// What [`ingress`] returns for a later fragment without an entry: `ingress_of` lets it pass
+/// (`TC_ACT_OK`), counts it and reports it to a listening monitor (from its frame, not this
+/// function's).
+pub(super) const UNFOLLOWED: i32 = i32::MIN + 5;
+
 /// A later fragment at ingress: its destination rewritten as its flow's entry (forward DNAT or
 /// un-SNAT, in either table) rewrote the first fragment's, the un-SNAT mark included. Without
 /// an entry it passes, counted: a later fragment never starts a flow, nor establishes one.
@@ -73,8 +78,7 @@ pub(super) fn later<F: Ip>(mut flow: Flow<F>, id: u32) -> Parsed<F> {
 #[inline(never)]
 pub(super) fn ingress<F: Ip>(ctx: &mut TcContext, flow: &Flow<F>) -> i32 {
     let Some(entry) = conntrack::lookup::<F>(&flow.key(dir::INGRESS)) else {
-        count(Counter::TcFragment);
-        return TC_ACT_OK;
+        return UNFOLLOWED;
     };
     // SAFETY: a map value just looked up.
     let (nat_addr, flags, rev_nat_id) = unsafe { ((*entry).nat_addr, (*entry).flags, (*entry).rev_nat_id) };

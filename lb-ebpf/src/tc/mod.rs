@@ -70,10 +70,11 @@ use lb_common::{
 pub use self::conntrack::{MARK_ID, MARK_MAGIC, MARK_MASK};
 use self::{
     ip::Ip,
-    parse::{Packet, Parsed, ether_type, skb},
+    parse::{Flow, Packet, Parsed, ether_type, skb},
 };
 use crate::{
     lb::{self, Frontend},
+    monitor,
     stats::count,
 };
 
@@ -101,17 +102,14 @@ pub fn ingress(ctx: &mut TcContext) -> i32 {
 fn ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
     match F::parse(ctx) {
         Parsed::Skip => TC_ACT_OK,
-        Parsed::Truncated => {
-            count(Counter::TcTruncated);
-            TC_ACT_OK
-        }
-        Parsed::Fragment => {
-            count(Counter::TcFragment);
-            TC_ACT_OK
-        }
+        Parsed::Truncated => untranslated::<F>(ctx, None, Counter::TcTruncated),
+        Parsed::Fragment => untranslated::<F>(ctx, None, Counter::TcFragment),
         Parsed::Icmp(l4, outer) => icmp_error::icmp_error_ingress::<F>(ctx, l4, &outer),
         Parsed::Later(flow) if !prefilter::ingress::<F>(&flow.daddr) => TC_ACT_OK,
-        Parsed::Later(flow) => fragment::ingress::<F>(ctx, &flow),
+        Parsed::Later(flow) => match fragment::ingress::<F>(ctx, &flow) {
+            fragment::UNFOLLOWED => untranslated::<F>(ctx, Some(&flow), Counter::TcFragment),
+            verdict => verdict,
+        },
         // Neither a frontend nor a masquerade address: nothing to look up.
         Parsed::L4(pkt) if !prefilter::ingress::<F>(&pkt.flow.daddr) => TC_ACT_OK,
         Parsed::L4(pkt) if pkt.flow.proto == proto::SCTP => {
@@ -119,7 +117,7 @@ fn ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
                 lb::lookup_frontend::<F>(&pkt.flow.daddr, pkt.flow.dport, proto::SCTP, false),
                 Frontend::None
             ) {
-                count(Counter::TcUnsupportedProtocol);
+                return untranslated::<F>(ctx, Some(&pkt.flow), Counter::TcUnsupportedProtocol);
             }
             TC_ACT_OK
         }
@@ -134,6 +132,17 @@ fn ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
             }
         }
     }
+}
+
+/// A packet that passes untranslated though it may concern a frontend: counted, and reported to
+/// a listening monitor.
+#[inline(always)]
+fn untranslated<F: Ip>(ctx: &TcContext, flow: Option<&Flow<F>>, counter: Counter) -> i32 {
+    count(counter);
+    if monitor::wanted(counter as u32) {
+        new_flow::event::<F>(ctx, flow, None, counter as u32);
+    }
+    TC_ACT_OK
 }
 
 /// The loopback interface's index in every network namespace.

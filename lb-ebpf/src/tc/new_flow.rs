@@ -7,7 +7,7 @@
 use aya_ebpf::{
     EbpfContext,
     bindings::{__sk_buff, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
-    helpers::bpf_get_prandom_u32,
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_boot_ns},
     programs::TcContext,
 };
 use lb_common::{
@@ -15,6 +15,7 @@ use lb_common::{
     cluster_ip::action,
     config::flags as config_flags,
     conntrack::{CtKey, CtValue, dir, flags as ct, snat_tag},
+    monitor::hook,
     service::flags,
     stats::Counter,
     trace::{tc as trace_cb, verdict},
@@ -24,13 +25,14 @@ use super::{
     conntrack::{lookup, mark_forward, now_ns},
     ip::Ip,
     nat::apply,
-    parse::Packet,
+    parse::{Flow, Packet, skb},
     reject::{self, REJECT},
     snat::{masquerade_addr, masquerade_route, reclaim_port_for, reserve_snat_port},
 };
 use crate::{
     lb::{self, Frontend},
     maps::POD_INTERFACES,
+    monitor,
     stats::count,
 };
 
@@ -49,7 +51,17 @@ fn trace(ctx: &mut TcContext, slot: usize, value: u32) {
 #[inline(always)]
 pub(super) fn new_flow<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
     let mut choice = Choice::default();
-    let verdict = match choose::<F>(ctx, pkt, &mut choice) {
+    let verdict = decide::<F>(ctx, pkt, &mut choice);
+    if choice.outcome != NO_OUTCOME && monitor::wanted(choice.outcome as u32) {
+        event::<F>(ctx, Some(&pkt.flow), Some(&choice), choice.outcome as u32);
+    }
+    verdict
+}
+
+/// `new_flow`'s decision, its outcome's counter left in `choice.outcome`.
+#[inline(always)]
+fn decide<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i32 {
+    let verdict = match choose::<F>(ctx, pkt, choice) {
         CHOSEN => {
             // Where the flow leaves the node, for its masquerade address: looked up for every new
             // flow, masqueraded or not yet (`track` may still masquerade one whose reply tuple a
@@ -57,7 +69,7 @@ pub(super) fn new_flow<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
             // per state reaching it, and few reach this point.
             choice.masq_route =
                 masquerade_route::<F>(ctx, &pkt.flow.saddr, choice.backend_id, pkt.flow.proto);
-            match track::<F>(ctx, pkt, &choice) {
+            match track::<F>(ctx, pkt, choice) {
                 // Every masquerade port tried is held: take one back if a flow is done with one,
                 // and try again with it.
                 NO_FREE_PORT => {
@@ -65,7 +77,7 @@ pub(super) fn new_flow<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
                         reclaim_port_for::<F>(choice.backend_id, pkt.flow.proto, choice.masq_route);
                     match choice.snat_port {
                         0 => NO_FREE_PORT,
-                        _ => track::<F>(ctx, pkt, &choice),
+                        _ => track::<F>(ctx, pkt, choice),
                     }
                 }
                 verdict => verdict,
@@ -73,16 +85,64 @@ pub(super) fn new_flow<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
         }
         REJECT => reject::reject::<F>(ctx, pkt.l4, &pkt.flow.saddr),
         NOT_A_FRONTEND => match cluster_ip_check::<F>(ctx, &pkt.flow.daddr) {
-            REJECT => reject::reject::<F>(ctx, pkt.l4, &pkt.flow.saddr),
+            REJECT => {
+                choice.outcome = Counter::TcClusterIpBadPort as u8;
+                reject::reject::<F>(ctx, pkt.l4, &pkt.flow.saddr)
+            }
+            TC_ACT_SHOT => {
+                choice.outcome = Counter::TcUnallocatedClusterIp as u8;
+                TC_ACT_SHOT
+            }
             verdict => verdict,
         },
         verdict => verdict,
     };
     if verdict == NO_FREE_PORT {
         count(Counter::TcSnatPortsExhausted);
+        choice.outcome = Counter::TcSnatPortsExhausted as u8;
         return TC_ACT_SHOT;
     }
     verdict
+}
+
+/// The event of a packet at ingress for `lb-agent monitor`: `outcome` (a counter's index) with
+/// the packet's flow and, for a new flow, its frontend, backend and masquerade. Not inlined: its
+/// frame (the event and the lookups of the backend and the masquerade address) is a sibling of
+/// the new flow's steps in the call chain, under `ingress_of`, not inside them.
+#[inline(never)]
+pub(super) fn event<F: Ip>(ctx: &TcContext, flow: Option<&Flow<F>>, choice: Option<&Choice>, outcome: u32) {
+    // SAFETY: the context's skb pointer is valid for the program's run.
+    let ifindex = unsafe { (*skb(ctx)).ingress_ifindex };
+    monitor::emit(|event| {
+        event.time_ns = unsafe { bpf_ktime_get_boot_ns() };
+        event.counter = outcome;
+        event.hook = hook::TC_INGRESS;
+        event.ifindex = ifindex;
+        event.family = F::AF as u8;
+        if let Some(flow) = flow {
+            event.protocol = flow.proto;
+            monitor::set_addr::<F>(&mut event.src, &flow.saddr);
+            monitor::set_addr::<F>(&mut event.dst, &flow.daddr);
+            event.src_port = flow.sport;
+            event.dst_port = flow.dport;
+        }
+        if let Some(choice) = choice {
+            event.rev_nat_id = choice.rev_nat_id;
+            event.backend_id = choice.backend_id;
+            if outcome == Counter::TcNewFlow as u32 {
+                if let Some(backend) = lb::lookup_backend::<F>(choice.backend_id) {
+                    monitor::set_addr::<F>(&mut event.backend, &backend.addr);
+                    event.backend_port = backend.port;
+                }
+                if choice.snat_port != 0 {
+                    if let Some(addr) = masquerade_addr::<F>(choice.masq_route) {
+                        monitor::set_addr::<F>(&mut event.nat, addr);
+                    }
+                    event.nat_port = choice.snat_port;
+                }
+            }
+        }
+    });
 }
 
 /// What `track` returns when no masquerade port was free (nothing written yet): `new_flow`
@@ -97,8 +157,10 @@ const NOT_A_FRONTEND: i32 = i32::MIN + 4;
 /// What `choose` returns when it filled in a [`Choice`].
 const CHOSEN: i32 = i32::MIN + 2;
 
+/// [`Choice::outcome`] before anything was counted.
+const NO_OUTCOME: u8 = u8::MAX;
+
 /// The backend a new flow goes to, and what `track` needs of its frontend.
-#[derive(Default)]
 pub(super) struct Choice {
     backend_id: u32,
     rev_nat_id: u32,
@@ -108,10 +170,30 @@ pub(super) struct Choice {
     scope: u8,
     /// The source is a pod per the family's local-traffic detector.
     from_pod: bool,
-    /// A masquerade port taken back for this flow, tried first (0: none).
+    /// Before `track`: a masquerade port taken back for this flow, tried first (0: none). After a
+    /// translation: the flow's masquerade port (0: not masqueraded).
     snat_port: u16,
     /// Where the flow leaves the node, for its masquerade address (`snat::masquerade_route`).
     masq_route: u32,
+    /// The counter the steps bumped for this flow, as an index (`Counter as u8`), for
+    /// `lb-agent monitor`; [`NO_OUTCOME`] when none.
+    outcome: u8,
+}
+
+impl Default for Choice {
+    #[inline(always)]
+    fn default() -> Self {
+        Choice {
+            backend_id: 0,
+            rev_nat_id: 0,
+            frontend_flags: 0,
+            scope: 0,
+            from_pod: false,
+            snat_port: 0,
+            masq_route: 0,
+            outcome: NO_OUTCOME,
+        }
+    }
 }
 
 /// kube-proxy's cluster-ips-check for a new flow no frontend matched (`lb_common::cluster_ip`):
@@ -152,26 +234,31 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
         Frontend::None => return NOT_A_FRONTEND,
         Frontend::Incomplete => {
             count(Counter::TcNoBackend);
+            choice.outcome = Counter::TcNoBackend as u8;
             return TC_ACT_OK;
         }
         Frontend::Found(key, entry) => (key, entry),
     };
+    choice.rev_nat_id = frontend.rev_nat_id;
     trace(ctx, trace_cb::CB_REV_NAT_ID, frontend.rev_nat_id);
     trace(ctx, trace_cb::CB_FRONTEND_FLAGS, frontend.flags as u32);
     trace(ctx, trace_cb::CB_SCOPE_FLAGS, svc_key.scope as u32);
 
     if frontend.has(flags::SOURCE_RANGES) && !lb::source_in_ranges::<F>(frontend, &flow.saddr) {
         count(Counter::SourceRangeDenied);
+        choice.outcome = Counter::SourceRangeDenied as u8;
         trace(ctx, trace_cb::CB_VERDICT, verdict::DROP);
         return TC_ACT_SHOT;
     }
     if frontend.count == 0 {
         if frontend.has(flags::DROP_IF_EMPTY) {
             count(Counter::TcDropped);
+            choice.outcome = Counter::TcDropped as u8;
             trace(ctx, trace_cb::CB_VERDICT, verdict::DROP);
             return TC_ACT_SHOT;
         }
         count(Counter::TcRejected);
+        choice.outcome = Counter::TcRejected as u8;
         trace(ctx, trace_cb::CB_VERDICT, verdict::REJECT);
         return REJECT;
     }
@@ -182,6 +269,7 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
         lb::select_backend::<F>(&svc_key, frontend, || client, kind::ADDR, hash, now_ns)
     else {
         count(Counter::TcNoBackend);
+        choice.outcome = Counter::TcNoBackend as u8;
         return TC_ACT_OK;
     };
     *choice = Choice {
@@ -192,6 +280,7 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
         from_pod,
         snat_port: 0,
         masq_route: 0,
+        outcome: NO_OUTCOME,
     };
     CHOSEN
 }
@@ -209,7 +298,7 @@ fn came_in_by_pod_interface(ctx: &TcContext) -> bool {
 
 /// The chosen backend's flow: the masquerade decision, its conntrack entries, and DNAT.
 #[inline(never)]
-fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
+fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i32 {
     let flow = &pkt.flow;
     let cfg = lb::datapath_config();
     let family = F::settings(cfg);
@@ -219,6 +308,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
     // as if there were none.
     let Some(backend) = lb::lookup_backend::<F>(backend_id) else {
         count(Counter::TcNoBackend);
+        choice.outcome = Counter::TcNoBackend as u8;
         return TC_ACT_OK;
     };
     let now = now_ns();
@@ -267,6 +357,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
                 Err(e) if e as i64 == -EEXIST => false,
                 Err(_) => {
                     count(Counter::TcCtInsertFailed);
+                    choice.outcome = Counter::TcCtInsertFailed as u8;
                     return TC_ACT_SHOT;
                 }
             };
@@ -287,6 +378,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
         (false, _) => None,
         (true, None) => {
             count(Counter::TcNoMasqueradeAddress);
+            choice.outcome = Counter::TcNoMasqueradeAddress as u8;
             return TC_ACT_SHOT;
         }
         (true, Some(snat_addr)) => {
@@ -344,6 +436,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
             let _ = F::conntrack().remove(&key);
             if F::conntrack_new().insert(&key, &entry, 0).is_err() {
                 count(Counter::TcCtInsertFailed);
+                choice.outcome = Counter::TcCtInsertFailed as u8;
                 return TC_ACT_SHOT;
             }
             count(Counter::TcMasqueraded);
@@ -363,9 +456,12 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &Choice) -> i32 {
         .is_err()
     {
         count(Counter::TcCtInsertFailed);
+        choice.outcome = Counter::TcCtInsertFailed as u8;
         return TC_ACT_SHOT;
     }
     count(Counter::TcNewFlow);
+    choice.outcome = Counter::TcNewFlow as u8;
+    choice.snat_port = masquerade_port.map_or(0, |(_, port)| port);
     mark_forward(ctx, entry.flags, choice.rev_nat_id);
     trace(ctx, trace_cb::CB_VERDICT, verdict::TRANSLATED);
     trace(ctx, trace_cb::CB_BACKEND_ID, backend_id);
