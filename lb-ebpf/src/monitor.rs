@@ -1,7 +1,7 @@
 //! Events for `lb-agent monitor` (`lb_common::monitor`): a counted outcome with the flow it
 //! happened to, written into `lb_events` only while a monitor listens for its type. The socket
-//! programs build theirs in `main.rs`, the tc ingress program in `tc/new_flow.rs`; both ask
-//! [`wanted`] first, which costs one array lookup when nobody listens.
+//! programs build theirs in `sock.rs::forward`, the tc ingress program in `tc/new_flow.rs::event`;
+//! both ask [`wanted`] first, which costs one array lookup when nobody listens.
 
 use aya_ebpf::helpers::bpf_ktime_get_boot_ns;
 use lb_common::{
