@@ -273,6 +273,8 @@ pub struct Shown {
     pub kind: &'static str,
     /// The counter it also bumped (`lb-agent stats`, `lb_datapath_events_total{event=...}`).
     pub event: &'static str,
+    /// Why, in kube-proxy's terms.
+    pub reason: &'static str,
     /// `connect4`, `sendmsg6`, ... or `tc-ingress`.
     pub hook: &'static str,
     /// tc: the interface the packet came in by.
@@ -356,6 +358,7 @@ impl View {
             time: clock.wall_of(e.time_ns).to_string(),
             kind,
             event: counter.map_or("?", Counter::name),
+            reason: counter.map_or("", reason),
             hook: hook_name(e.hook),
             interface: tc.then(|| self.interface(e.ifindex)),
             cgroup: (!tc && e.cgroup_id != 0).then(|| self.cgroups.path(e.cgroup_id)),
@@ -395,6 +398,30 @@ impl View {
                     .unwrap_or_else(|| format!("if{ifindex}"))
             })
             .clone()
+    }
+}
+
+/// What an event's counter means, in kube-proxy's terms where it has them.
+fn reason(counter: Counter) -> &'static str {
+    use Counter::*;
+    match counter {
+        SockTranslated => "sent to a backend",
+        TcNewFlow => "new flow sent to a backend",
+        SockRejected | TcRejected => "the Service has no endpoints (REJECT)",
+        SockClusterIpBadPort | TcClusterIpBadPort => "a cluster IP on a port no Service has (REJECT)",
+        SockDropped | TcDropped => "the traffic policy is Local and this node has no endpoint (DROP)",
+        SockUnallocatedClusterIp | TcUnallocatedClusterIp => {
+            "an address of a Service CIDR no Service holds (DROP)"
+        }
+        SourceRangeDenied => "the source is outside loadBalancerSourceRanges (DROP)",
+        TcCtInsertFailed => "the conntrack table refused the flow (full)",
+        TcSnatPortsExhausted => "no masquerade port free for this backend",
+        TcNoMasqueradeAddress => "no address of the family to masquerade with",
+        SockNoBackend | TcNoBackend => "the frontend changed while read; passed untranslated",
+        TcFragment => "a fragment whose first fragment was not seen; passed untranslated",
+        TcTruncated => "too short for its headers; passed untranslated",
+        TcUnsupportedProtocol => "SCTP is balanced at the socket only; passed untranslated",
+        _ => "",
     }
 }
 
@@ -526,6 +553,9 @@ fn table_line(s: &Shown) -> String {
     if let Some(cgroup) = &s.cgroup {
         let _ = write!(line, "  cgroup {cgroup}");
     }
+    if s.backend.is_none() && !s.reason.is_empty() {
+        let _ = write!(line, ": {}", s.reason);
+    }
     line
 }
 
@@ -613,6 +643,8 @@ mod tests {
         assert_eq!(shown.client, None);
         assert_eq!(shown.backend, None);
         assert_eq!(shown.cgroup.as_deref(), Some("cgroup id 1"));
+        assert_eq!(shown.reason, "the Service has no endpoints (REJECT)");
+        assert!(table_line(&shown).ends_with(": the Service has no endpoints (REJECT)"));
     }
 
     #[test]
@@ -633,6 +665,13 @@ mod tests {
         assert!(!filter(Some("demo/we"), None, None).matches(&shown));
         assert!(!filter(None, Some("10.244.2.3"), None).matches(&shown));
         assert!(!filter(None, None, Some(81)).matches(&shown));
+    }
+
+    #[test]
+    fn every_event_says_why() {
+        for counter in Counter::ALL.iter().filter(|c| event_type(**c) != 0) {
+            assert!(!reason(*counter).is_empty(), "{}", counter.name());
+        }
     }
 
     #[test]

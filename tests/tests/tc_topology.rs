@@ -206,7 +206,17 @@ fn external_traffic_through_the_tc_path() {
     // `lb-agent monitor` on node 1 shows the first of these flows as it happens (issue 24).
     let mut monitor_cmd = std::process::Command::new(lb_tests::process::workspace_bin("lb-agent"));
     monitor_cmd
-        .args(["monitor", "-o", "json", "--type", "nat", "--port", "30080", "--max-events", "1"])
+        .args([
+            "monitor",
+            "-o",
+            "json",
+            "--type",
+            "nat",
+            "--port",
+            "30080",
+            "--max-events",
+            "1",
+        ])
         .arg("--bpf-root")
         .arg(&c.bpf_roots[0])
         .stdout(std::process::Stdio::piped());
@@ -226,14 +236,20 @@ fn external_traffic_through_the_tc_path() {
         assert_eq!(r["peer"], format!("{node1}:30080"));
     }
     assert!(
-        monitor.wait_timeout(Duration::from_secs(20)).is_some_and(|s| s.success()),
+        monitor
+            .wait_timeout(Duration::from_secs(20))
+            .is_some_and(|s| s.success()),
         "the monitor stops after one event: {:?}",
         monitor.stdout_lines()
     );
     let event: Value = serde_json::from_str(&monitor.stdout_lines()[1]).unwrap();
     assert_eq!(
         (&event["type"], &event["event"], &event["hook"]),
-        (&Value::from("nat"), &Value::from("tc_new_flow"), &Value::from("tc-ingress")),
+        (
+            &Value::from("nat"),
+            &Value::from("tc_new_flow"),
+            &Value::from("tc-ingress")
+        ),
         "{event}"
     );
     assert_eq!(host_of(&event["client"]), c.client_ip.to_string(), "{event}");
@@ -242,7 +258,9 @@ fn external_traffic_through_the_tc_path() {
     assert_eq!(host_of(&event["masquerade"]), node1.to_string(), "{event}");
     assert_eq!(event["service"], "demo/web:http", "{event}");
     assert!(
-        event["interface"].as_str().is_some_and(|i| !i.is_empty() && !i.starts_with("if")),
+        event["interface"]
+            .as_str()
+            .is_some_and(|i| !i.is_empty() && !i.starts_with("if")),
         "the interface the packet came in by, by name: {event}"
     );
 

@@ -80,6 +80,15 @@ first sees the packet the previous run rewrote, so:
 No empty program can be loaded here to subtract a harness baseline; the non-service packet is an
 upper bound of it (the reference measured an empty tc program at 26 ns/run on this VM).
 
+*lb-agent monitor* (issue 24): the programs write an event per new flow only while a monitor
+listens. The rows without a monitor are the idle cost, one lookup of `lb_monitor` per new flow
+(none on an established flow's or a reply's path, which have no event code). The row *new flow,
+lb-agent monitor listening* times the same kind of SYNs with the lease taken and every type
+wanted, each writing its event into the ring buffer (drained between calls, untimed, as a
+monitor keeps up; the run checks that every new flow's event arrived). The socket programs
+cannot run under BPF_PROG_TEST_RUN and their harness (`lb_sock_trace`) writes no events, so
+their listening cost is not in this table; their idle cost is the same one lookup per connect.
+
 "#;
 
 pub(super) const IPV6_METHOD: &str = r#"**Over IPv6.** After the IPv4 rounds at each N, the N IPv4 Services are deleted and N single-stack
