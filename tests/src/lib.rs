@@ -11,7 +11,8 @@
 //! - `topo`: nodes, pods and a LAN in namespaces; `agent`: the real lb-agent run inside them;
 //! - `fixtures`: Service/EndpointSlice builders; `probe`: the `lb-probe` traffic helper;
 //! - `kernel`: what the running kernel changes in what a test may observe;
-//! - `kubelet`: a real node (kubelet, containerd, runc, CNI) in a netns and a mount namespace.
+//! - `kubelet`: a real node (kubelet, containerd, runc, CNI) in a netns and a mount namespace;
+//! - `monitor`: `lb-agent monitor`'s lease and events on a data path loaded with private maps.
 //!
 //! Tests never attach programs to the machine's root cgroup or to interfaces they did not create,
 //! and only send traffic to addresses inside their own namespaces or to loopback.
@@ -24,6 +25,7 @@ pub mod fixtures;
 pub mod kernel;
 pub mod kubelet;
 pub mod load;
+pub mod monitor;
 pub mod netns;
 pub mod packet;
 pub mod probe;

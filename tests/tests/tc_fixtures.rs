@@ -738,46 +738,12 @@ fn local_policy_without_local_endpoints_drops() {
     }
 }
 
-/// CLOCK_BOOTTIME, the clock of the monitor's lease.
-fn boottime_ns() -> u64 {
-    let ts = nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME).unwrap();
-    ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
-}
-
-/// What `lb-agent monitor` writes into `lb_monitor`: events of `types` for `lease_ns` from now
-/// (none once it has passed).
 fn listen(s: &mut ScratchDatapath, types: u32, lease_ns: i64) {
-    use lb_common::monitor::MonitorControl;
-    let map = s
-        .datapath
-        .map_mut(lb_common::catalog::MONITOR)
-        .expect("lb_monitor");
-    let mut control: aya::maps::Array<&mut aya::maps::MapData, MonitorControl> = map.try_into().unwrap();
-    let until_ns = boottime_ns().saturating_add_signed(lease_ns);
-    control
-        .set(
-            0,
-            &MonitorControl {
-                until_ns,
-                types,
-                pid: 1,
-            },
-            0,
-        )
-        .unwrap();
+    lb_tests::monitor::listen(&mut s.datapath, types, lease_ns);
 }
 
-/// The events the programs wrote since the last call.
 fn events(s: &mut ScratchDatapath) -> Vec<lb_common::monitor::MonitorEvent> {
-    let map = s.datapath.map_mut(lb_common::catalog::EVENTS).expect("lb_events");
-    let mut ring = aya::maps::RingBuf::try_from(map).unwrap();
-    let mut events = Vec::new();
-    while let Some(item) = ring.next() {
-        assert_eq!(item.len(), size_of::<lb_common::monitor::MonitorEvent>());
-        // SAFETY: the programs write whole events.
-        events.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) });
-    }
-    events
+    lb_tests::monitor::events(&mut s.datapath)
 }
 
 /// An event's address of family `f` (the family's bytes first).
@@ -808,7 +774,7 @@ fn a_listening_monitor_gets_each_new_flows_outcome_with_its_flow() {
         assert!(events(&mut s).is_empty(), "{f:?}: events without a monitor");
 
         listen(&mut s, types::ALL, 60_000_000_000);
-        let before = boottime_ns();
+        let before = lb_tests::monitor::boottime_ns();
         let syn = tcp(f, CLIENT, 42601, NODE_IP, 30080).build();
         let dnat = ingress(&mut s, &syn);
         let masquerade = egress(&mut s, &dnat.packet);
@@ -834,7 +800,10 @@ fn a_listening_monitor_gets_each_new_flows_outcome_with_its_flow() {
                 "{f:?}"
             );
             assert_eq!(event_ip(f, &e.src), f.ip(CLIENT), "{f:?}");
-            assert!(e.time_ns >= before && e.time_ns <= boottime_ns(), "{f:?}");
+            assert!(
+                e.time_ns >= before && e.time_ns <= lb_tests::monitor::boottime_ns(),
+                "{f:?}"
+            );
             assert_ne!(e.rev_nat_id, 0, "{f:?}: the frontend's id");
             assert_eq!(e.cgroup_id, 0);
         }

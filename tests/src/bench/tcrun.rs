@@ -163,41 +163,6 @@ fn sock_call(addr: IpAddr, port: u16, socket_cookie: u64, random: u32) -> Vec<u8
     packet
 }
 
-/// What `lb-agent monitor` writes into `lb_monitor`: events of `types` for the next hour (0:
-/// nobody listens).
-fn listen(s: &mut ScratchDatapath, types: u32) -> Result<()> {
-    use lb_common::monitor::MonitorControl;
-    let Some(map) = s.datapath.map_mut(lb_common::catalog::MONITOR) else {
-        bail!("the object has no lb_monitor");
-    };
-    let mut control: aya::maps::Array<&mut aya::maps::MapData, MonitorControl> = map.try_into()?;
-    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME)?;
-    let until_ns = (now.tv_sec() as u64 + 3600) * 1_000_000_000;
-    control.set(
-        0,
-        &MonitorControl {
-            until_ns,
-            types,
-            pid: std::process::id(),
-        },
-        0,
-    )?;
-    Ok(())
-}
-
-/// Reads (and drops) the events in `lb_events`; how many.
-fn drain(s: &mut ScratchDatapath) -> Result<usize> {
-    let Some(map) = s.datapath.map_mut(lb_common::catalog::EVENTS) else {
-        bail!("the object has no lb_events");
-    };
-    let mut ring = aya::maps::RingBuf::try_from(map)?;
-    let mut n = 0;
-    while ring.next().is_some() {
-        n += 1;
-    }
-    Ok(n)
-}
-
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -283,7 +248,7 @@ pub fn measure(n: u32, family: Family, batches: usize, calls: usize) -> Result<T
     // The same new flows while `lb-agent monitor` listens: each writes its event (the ring is
     // drained between calls, untimed, as a monitor keeps up). The fixture above is the idle cost
     // (one lookup of `lb_monitor`); this one the cost of an event.
-    listen(&mut s, lb_common::monitor::types::ALL)?;
+    lb_tests::monitor::listen(&mut s.datapath, lb_common::monitor::types::ALL, 3_600_000_000_000);
     // Source ports 31,024 and up: none of the SYNs above (1,025 to 21,024 at the default 20,000
     // calls) nor the flows below (61,000, 62,000).
     let mut v = Vec::with_capacity(calls.min(20_000));
@@ -292,11 +257,11 @@ pub fn measure(n: u32, family: Family, batches: usize, calls: usize) -> Result<T
         let packet = packet::tcp(client, 31_024 + k as u16, &vip((k as u32) % n), 80).build();
         v.push(ns(s.datapath.test_run_tc("lb_tc_ingress", &packet, 1)?.duration));
         if k % 1_000 == 999 {
-            events += drain(&mut s)?;
+            events += lb_tests::monitor::events(&mut s.datapath).len();
         }
     }
-    events += drain(&mut s)?;
-    listen(&mut s, 0)?;
+    events += lb_tests::monitor::events(&mut s.datapath).len();
+    lb_tests::monitor::listen(&mut s.datapath, 0, 0);
     if events != v.len() {
         bail!("a listening monitor got {events} events of {} new flows", v.len());
     }
