@@ -297,6 +297,9 @@ pub struct Shown {
     /// `namespace/name:port` of the frontend's Service.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub service: Option<String>,
+    /// `time`, for the table's shorter form.
+    #[serde(skip)]
+    at: k8s_openapi::jiff::Timestamp,
     #[serde(skip)]
     addrs: Vec<IpAddr>,
     #[serde(skip)]
@@ -354,8 +357,10 @@ impl View {
             .then(|| self.service(e.rev_nat_id, e.protocol))
             .flatten();
         let tc = e.hook == hook::TC_INGRESS;
+        let at = clock.wall_of(e.time_ns);
         Shown {
-            time: clock.wall_of(e.time_ns).to_string(),
+            time: at.to_string(),
+            at,
             kind,
             event: counter.map_or("?", Counter::name),
             reason: counter.map_or("", reason),
@@ -525,8 +530,8 @@ impl Filter {
 
 fn table_header() -> String {
     format!(
-        "{:<24} {:<12} {:<28} {:<12} {:<5} {}",
-        "TIME", "TYPE", "EVENT", "WHERE", "PROTO", "FLOW"
+        "{:<12} {:<12} {:<28} {:<12} {:<5} {}",
+        "TIME (UTC)", "TYPE", "EVENT", "WHERE", "PROTO", "FLOW"
     )
 }
 
@@ -534,8 +539,12 @@ fn table_header() -> String {
 fn table_line(s: &Shown) -> String {
     let place = s.interface.as_deref().unwrap_or(s.hook);
     let mut line = format!(
-        "{:<24} {:<12} {:<28} {:<12} {:<5} ",
-        s.time, s.kind, s.event, place, s.protocol
+        "{:<12} {:<12} {:<28} {:<12} {:<5} ",
+        s.at.strftime("%H:%M:%S%.3f").to_string(),
+        s.kind,
+        s.event,
+        place,
+        s.protocol
     );
     if let Some(client) = &s.client {
         let _ = write!(line, "{client} ");
@@ -612,6 +621,7 @@ mod tests {
         assert_eq!(shown.masquerade.as_deref(), Some("192.168.50.11:21000"));
         assert_eq!(shown.time, clock.wall.to_string());
         let line = table_line(&shown);
+        assert_eq!(line.find(" nat "), Some(12), "{line}");
         assert!(
             line.ends_with("192.168.50.101:40000 -> 192.168.50.11:30080 => 10.244.2.2:8080 (masqueraded as 192.168.50.11:21000)"),
             "{line}"

@@ -2134,15 +2134,19 @@ fn full_maps_skip_whole_services_and_recover() {
     // another agent's tests beside CI's.
     let mut skipped = String::new();
     let waited = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        converge("the map fills and the rest is reported", Duration::from_secs(60), || {
-            let text = metrics(&s);
-            skipped = text
-                .lines()
-                .filter(|l| l.starts_with("lb_services_skipped"))
-                .collect::<Vec<_>>()
-                .join("; ");
-            text.contains("lb_services_skipped{reason=\"map_full\"} 2")
-        })
+        converge(
+            "the map fills and the rest is reported",
+            Duration::from_secs(60),
+            || {
+                let text = metrics(&s);
+                skipped = text
+                    .lines()
+                    .filter(|l| l.starts_with("lb_services_skipped"))
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                text.contains("lb_services_skipped{reason=\"map_full\"} 2")
+            },
+        )
     }));
     assert!(waited.is_ok(), "the last /metrics said: {skipped:?}");
     let served: Vec<bool> = (0..8)
