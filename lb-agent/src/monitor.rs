@@ -38,6 +38,7 @@ use crate::{
     cli::{MonitorArgs, MonitorType, OutputFormat},
     datapath::PinPaths,
     error::Chain,
+    time::boottime_ns,
 };
 
 /// How long the programs keep writing events after the last renewal: a monitor killed without
@@ -171,12 +172,6 @@ fn wanted_types(requested: &[MonitorType]) -> u32 {
             MonitorType::Untranslated => types::UNTRANSLATED,
         }
     })
-}
-
-/// CLOCK_BOOTTIME, the clock of `bpf_ktime_get_boot_ns` (the programs' timestamps and the lease).
-fn boottime_ns() -> u64 {
-    let ts = nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME).expect("CLOCK_BOOTTIME");
-    ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
 }
 
 /// This monitor's hold on `lb_monitor`: the programs write events while it is renewed; dropped

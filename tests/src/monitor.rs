@@ -8,10 +8,7 @@ use lb_common::{
 };
 
 /// CLOCK_BOOTTIME, the clock of the lease and of the events' times.
-pub fn boottime_ns() -> u64 {
-    let ts = nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME).expect("CLOCK_BOOTTIME");
-    ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
-}
+pub use lb_agent::time::boottime_ns;
 
 /// Listens for events of `types` (`lb_common::monitor::types`) for `lease_ns` from now: a
 /// negative lease has already run out, as a killed monitor's has; `types` 0 is nobody listening.
