@@ -38,6 +38,16 @@ impl IpFamily {
         }
     }
 
+    /// An address of this family from the 16 bytes the programs carry one of either family in
+    /// (`SockTraceOut::addr`, `MonitorEvent`'s addresses): the family's bytes first; an
+    /// IPv4-mapped IPv6 address shown as the IPv4 one.
+    pub fn addr_from_bytes(self, bytes: [u8; 16]) -> IpAddr {
+        match self {
+            IpFamily::V4 => IpAddr::from([bytes[0], bytes[1], bytes[2], bytes[3]]),
+            IpFamily::V6 => IpAddr::V6(std::net::Ipv6Addr::from(bytes)).to_canonical(),
+        }
+    }
+
     /// The Kubernetes spelling (`spec.ipFamilies`, `addressType`).
     pub const fn as_str(self) -> &'static str {
         match self {

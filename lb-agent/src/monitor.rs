@@ -12,7 +12,7 @@
 use std::{
     collections::HashMap as StdHashMap,
     fmt::Write as _,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    net::IpAddr,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     time::{Duration, Instant},
@@ -38,6 +38,7 @@ use crate::{
     cli::{MonitorArgs, MonitorType, OutputFormat},
     datapath::PinPaths,
     error::Chain,
+    family::IpFamily,
     time::boottime_ns,
 };
 
@@ -311,18 +312,17 @@ struct View {
 
 impl View {
     fn describe(&mut self, e: &MonitorEvent, clock: &Clock) -> Shown {
-        let counter = Counter::from_index(e.counter);
+        let counter = Counter::ALL.get(e.counter as usize).copied();
         let kind = counter
             .map(event_type)
             .and_then(|t| types::NAMED.iter().find(|(bit, _)| *bit == t))
             .map_or("?", |(_, name)| *name);
-        let addr = |bytes: &[u8; 16]| -> IpAddr {
-            if u32::from(e.family) == AF_INET {
-                IpAddr::V4(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]))
-            } else {
-                IpAddr::V6(Ipv6Addr::from(*bytes))
-            }
+        let family = if u32::from(e.family) == AF_INET {
+            IpFamily::V4
+        } else {
+            IpFamily::V6
         };
+        let addr = |bytes: &[u8; 16]| family.addr_from_bytes(*bytes);
         let endpoint = |ip: IpAddr, port: u16| -> String {
             if port == 0 {
                 ip.to_string()
@@ -638,7 +638,7 @@ mod tests {
             cgroup_id: 1,
             ..Default::default()
         };
-        e.dst = "fd00::10".parse::<Ipv6Addr>().unwrap().octets();
+        e.dst = "fd00::10".parse::<std::net::Ipv6Addr>().unwrap().octets();
         let shown = view().describe(&e, &Clock::now());
         assert_eq!(
             (shown.kind, shown.event, shown.hook),

@@ -14,20 +14,6 @@ macro_rules! counters {
             /// Every counter, in index order.
             pub const ALL: &'static [Counter] = &[$(Counter::$variant,)+];
 
-            /// The counter at `index`, if any.
-            #[inline(always)]
-            pub const fn from_index(index: u32) -> Option<Counter> {
-                let mut i = 0;
-                $(
-                    if index == i {
-                        return Some(Counter::$variant);
-                    }
-                    i += 1;
-                )+
-                let _ = i;
-                None
-            }
-
             /// The metric label, snake_case.
             pub const fn name(self) -> &'static str {
                 match self {
@@ -152,8 +138,6 @@ mod tests {
     fn all_is_in_index_order() {
         for (i, c) in Counter::ALL.iter().enumerate() {
             assert_eq!(*c as usize, i, "{}", c.name());
-            assert_eq!(Counter::from_index(i as u32), Some(*c));
         }
-        assert_eq!(Counter::from_index(COUNT), None);
     }
 }

@@ -5,7 +5,6 @@
 
 use aya_ebpf::helpers::bpf_ktime_get_boot_ns;
 use lb_common::{
-    family::Family,
     monitor::{self, MonitorEvent},
     stats::Counter,
 };
@@ -48,15 +47,4 @@ pub fn emit(fill: impl FnOnce(&mut MonitorEvent)) {
     unsafe { entry.as_mut_ptr().write_bytes(0, 1) };
     fill(unsafe { entry.assume_init_mut() });
     entry.submit(0);
-}
-
-/// Sets an event's address field to `addr` of family `F` (its bytes first, the rest zero).
-#[inline(always)]
-pub fn set_addr<F: Family>(field: &mut [u8; 16], addr: &F::Addr) {
-    let src = addr.as_ref();
-    let mut i = 0;
-    while i < src.len() && i < 16 {
-        field[i] = src[i];
-        i += 1;
-    }
 }

@@ -30,7 +30,7 @@ use lb_common::{
     affinity::kind,
     cluster_ip::action,
     config::{self, DatapathConfig},
-    family::{Family, V4, V6, v4_mapped, v4_unmapped},
+    family::{Family, V4, V6, put_addr, v4_mapped, v4_unmapped},
     proto,
     revnat::{SockRevNatKey, SockRevNatSk, SockRevNatValue},
     service::{SvcValue, flags},
@@ -246,9 +246,9 @@ pub fn forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C, hook: u32) -> Outcom
             event.protocol = call.protocol();
             event.dst_port = vport;
             event.backend_port = outcome.port;
-            monitor::set_addr::<F>(&mut event.src, &call.src_addr());
-            monitor::set_addr::<F>(&mut event.dst, &vip);
-            monitor::set_addr::<F>(&mut event.backend, &outcome.addr);
+            put_addr::<F>(&mut event.src, &call.src_addr());
+            put_addr::<F>(&mut event.dst, &vip);
+            put_addr::<F>(&mut event.backend, &outcome.addr);
         });
     }
     outcome

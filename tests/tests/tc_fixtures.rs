@@ -788,7 +788,7 @@ fn a_listening_monitor_gets_each_new_flows_outcome_with_its_flow() {
         let seen = events(&mut s);
         assert_eq!(
             seen.iter()
-                .map(|e| Counter::from_index(e.counter))
+                .map(|e| Counter::ALL.get(e.counter as usize).copied())
                 .collect::<Vec<_>>(),
             [Counter::TcNewFlow, Counter::TcRejected, Counter::TcDropped].map(Some),
             "{f:?}: one event per new flow, none for the established packet"
@@ -832,7 +832,10 @@ fn a_listening_monitor_gets_each_new_flows_outcome_with_its_flow() {
         ingress(&mut s, &tcp(f, CLIENT, 42605, NODE_IP, 30082).build());
         let seen = events(&mut s);
         assert_eq!(seen.len(), 1, "{f:?}");
-        assert_eq!(Counter::from_index(seen[0].counter), Some(Counter::TcDropped));
+        assert_eq!(
+            Counter::ALL.get(seen[0].counter as usize),
+            Some(&Counter::TcDropped)
+        );
         assert_eq!(seen[0].src_port, 42605);
 
         // The lease has passed (a monitor killed without giving it back): nothing is written.

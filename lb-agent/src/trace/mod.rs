@@ -98,14 +98,6 @@ fn hook_bytes(family: IpFamily, ip: IpAddr) -> [u8; 16] {
     out
 }
 
-/// An address a hook of `family` wrote to `SockTraceOut` (an IPv4-mapped one shown as IPv4).
-fn hook_addr(family: IpFamily, bytes: [u8; 16]) -> IpAddr {
-    match family {
-        IpFamily::V4 => IpAddr::from([bytes[0], bytes[1], bytes[2], bytes[3]]),
-        IpFamily::V6 => IpAddr::V6(Ipv6Addr::from(bytes)).to_canonical(),
-    }
-}
-
 fn verdict_name(v: u32) -> &'static str {
     match v {
         verdict::TRANSLATED => "dnat",
@@ -233,7 +225,7 @@ fn trace_socket(
             .flatten(),
         scope: (out.rev_nat_id != 0).then_some(out.scope),
         chosen: (out.verdict == verdict::TRANSLATED)
-            .then(|| SocketAddr::new(hook_addr(hook_family, out.addr), out.port).to_string()),
+            .then(|| SocketAddr::new(hook_family.addr_from_bytes(out.addr), out.port).to_string()),
         note: match out.verdict {
             verdict::REJECT => Some(refusal(
                 out.rev_nat_id,

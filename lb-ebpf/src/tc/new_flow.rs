@@ -15,6 +15,7 @@ use lb_common::{
     cluster_ip::action,
     config::flags as config_flags,
     conntrack::{CtKey, CtValue, dir, flags as ct, snat_tag},
+    family::put_addr,
     monitor::hook,
     service::flags,
     stats::Counter,
@@ -98,8 +99,7 @@ fn decide<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
         verdict => verdict,
     };
     if verdict == NO_FREE_PORT {
-        count(Counter::TcSnatPortsExhausted);
-        choice.outcome = Counter::TcSnatPortsExhausted as u8;
+        choice.count(Counter::TcSnatPortsExhausted);
         return TC_ACT_SHOT;
     }
     verdict
@@ -121,8 +121,8 @@ pub(super) fn event<F: Ip>(ctx: &TcContext, flow: Option<&Flow<F>>, choice: Opti
         event.family = F::AF as u8;
         if let Some(flow) = flow {
             event.protocol = flow.proto;
-            monitor::set_addr::<F>(&mut event.src, &flow.saddr);
-            monitor::set_addr::<F>(&mut event.dst, &flow.daddr);
+            put_addr::<F>(&mut event.src, &flow.saddr);
+            put_addr::<F>(&mut event.dst, &flow.daddr);
             event.src_port = flow.sport;
             event.dst_port = flow.dport;
         }
@@ -131,12 +131,12 @@ pub(super) fn event<F: Ip>(ctx: &TcContext, flow: Option<&Flow<F>>, choice: Opti
             event.backend_id = choice.backend_id;
             if outcome == Counter::TcNewFlow as u32 {
                 if let Some(backend) = lb::lookup_backend::<F>(choice.backend_id) {
-                    monitor::set_addr::<F>(&mut event.backend, &backend.addr);
+                    put_addr::<F>(&mut event.backend, &backend.addr);
                     event.backend_port = backend.port;
                 }
                 if choice.snat_port != 0 {
                     if let Some(addr) = masquerade_addr::<F>(choice.masq_route) {
-                        monitor::set_addr::<F>(&mut event.nat, addr);
+                        put_addr::<F>(&mut event.nat, addr);
                     }
                     event.nat_port = choice.snat_port;
                 }
@@ -178,6 +178,15 @@ pub(super) struct Choice {
     /// The counter the steps bumped for this flow, as an index (`Counter as u8`), for
     /// `lb-agent monitor`; [`NO_OUTCOME`] when none.
     outcome: u8,
+}
+
+impl Choice {
+    /// Counts `counter` and remembers it as this flow's outcome (as `sock::Outcome::count`).
+    #[inline(always)]
+    fn count(&mut self, counter: Counter) {
+        count(counter);
+        self.outcome = counter as u8;
+    }
 }
 
 impl Default for Choice {
@@ -233,8 +242,7 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
     let (svc_key, frontend) = match lb::lookup_frontend::<F>(&flow.daddr, flow.dport, flow.proto, from_pod) {
         Frontend::None => return NOT_A_FRONTEND,
         Frontend::Incomplete => {
-            count(Counter::TcNoBackend);
-            choice.outcome = Counter::TcNoBackend as u8;
+            choice.count(Counter::TcNoBackend);
             return TC_ACT_OK;
         }
         Frontend::Found(key, entry) => (key, entry),
@@ -245,20 +253,17 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
     trace(ctx, trace_cb::CB_SCOPE_FLAGS, svc_key.scope as u32);
 
     if frontend.has(flags::SOURCE_RANGES) && !lb::source_in_ranges::<F>(frontend, &flow.saddr) {
-        count(Counter::SourceRangeDenied);
-        choice.outcome = Counter::SourceRangeDenied as u8;
+        choice.count(Counter::SourceRangeDenied);
         trace(ctx, trace_cb::CB_VERDICT, verdict::DROP);
         return TC_ACT_SHOT;
     }
     if frontend.count == 0 {
         if frontend.has(flags::DROP_IF_EMPTY) {
-            count(Counter::TcDropped);
-            choice.outcome = Counter::TcDropped as u8;
+            choice.count(Counter::TcDropped);
             trace(ctx, trace_cb::CB_VERDICT, verdict::DROP);
             return TC_ACT_SHOT;
         }
-        count(Counter::TcRejected);
-        choice.outcome = Counter::TcRejected as u8;
+        choice.count(Counter::TcRejected);
         trace(ctx, trace_cb::CB_VERDICT, verdict::REJECT);
         return REJECT;
     }
@@ -268,8 +273,7 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
     let Some((backend_id, _)) =
         lb::select_backend::<F>(&svc_key, frontend, || client, kind::ADDR, hash, now_ns)
     else {
-        count(Counter::TcNoBackend);
-        choice.outcome = Counter::TcNoBackend as u8;
+        choice.count(Counter::TcNoBackend);
         return TC_ACT_OK;
     };
     *choice = Choice {
@@ -307,8 +311,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i3
     // Removed since `choose` read it (the agent deletes a backend after unlinking its slots):
     // as if there were none.
     let Some(backend) = lb::lookup_backend::<F>(backend_id) else {
-        count(Counter::TcNoBackend);
-        choice.outcome = Counter::TcNoBackend as u8;
+        choice.count(Counter::TcNoBackend);
         return TC_ACT_OK;
     };
     let now = now_ns();
@@ -356,8 +359,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i3
                 Ok(()) => true,
                 Err(e) if e as i64 == -EEXIST => false,
                 Err(_) => {
-                    count(Counter::TcCtInsertFailed);
-                    choice.outcome = Counter::TcCtInsertFailed as u8;
+                    choice.count(Counter::TcCtInsertFailed);
                     return TC_ACT_SHOT;
                 }
             };
@@ -377,8 +379,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i3
     let masquerade_port = match (masquerade, snat_addr) {
         (false, _) => None,
         (true, None) => {
-            count(Counter::TcNoMasqueradeAddress);
-            choice.outcome = Counter::TcNoMasqueradeAddress as u8;
+            choice.count(Counter::TcNoMasqueradeAddress);
             return TC_ACT_SHOT;
         }
         (true, Some(snat_addr)) => {
@@ -435,8 +436,7 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i3
             // Likewise: an SNAT entry there would be found before this one.
             let _ = F::conntrack().remove(&key);
             if F::conntrack_new().insert(&key, &entry, 0).is_err() {
-                count(Counter::TcCtInsertFailed);
-                choice.outcome = Counter::TcCtInsertFailed as u8;
+                choice.count(Counter::TcCtInsertFailed);
                 return TC_ACT_SHOT;
             }
             count(Counter::TcMasqueraded);
@@ -455,12 +455,10 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i3
         .insert(&flow.key(dir::INGRESS), &entry, 0)
         .is_err()
     {
-        count(Counter::TcCtInsertFailed);
-        choice.outcome = Counter::TcCtInsertFailed as u8;
+        choice.count(Counter::TcCtInsertFailed);
         return TC_ACT_SHOT;
     }
-    count(Counter::TcNewFlow);
-    choice.outcome = Counter::TcNewFlow as u8;
+    choice.count(Counter::TcNewFlow);
     choice.snat_port = masquerade_port.map_or(0, |(_, port)| port);
     mark_forward(ctx, entry.flags, choice.rev_nat_id);
     trace(ctx, trace_cb::CB_VERDICT, verdict::TRANSLATED);
