@@ -122,6 +122,8 @@ struct BackendView {
     id: u32,
     local: bool,
     terminating: bool,
+    /// At one of the node's own addresses (hostNetwork): tc delivers it locally, unmasqueraded.
+    host: bool,
 }
 
 #[derive(Serialize)]
@@ -155,12 +157,14 @@ fn backend_view(snap: &Snapshot, id: u32) -> BackendView {
             id,
             local: b.flags & bflags::LOCAL != 0,
             terminating: b.flags & bflags::TERMINATING != 0,
+            host: b.flags & bflags::HOST != 0,
         },
         None => BackendView {
             address: format!("(missing backend {id})"),
             id,
             local: false,
             terminating: false,
+            host: false,
         },
     }
 }
@@ -333,11 +337,9 @@ fn services_table(views: &[FrontendView]) -> String {
                             .iter()
                             .map(|b| {
                                 let mut t = b.address.clone();
-                                if b.local {
-                                    t.push_str(" local");
-                                }
-                                if b.terminating {
-                                    t.push_str(" terminating");
+                                for word in backend_state(b.local, b.terminating, b.host) {
+                                    t.push(' ');
+                                    t.push_str(word);
                                 }
                                 t
                             })
@@ -391,6 +393,7 @@ struct BackendRow {
     protocol: &'static str,
     local: bool,
     terminating: bool,
+    host: bool,
     services: Vec<String>,
 }
 
@@ -430,6 +433,7 @@ fn backend_rows(snap: &Snapshot) -> Vec<BackendRow> {
             protocol: proto_name(b.proto),
             local: b.flags & bflags::LOCAL != 0,
             terminating: b.flags & bflags::TERMINATING != 0,
+            host: b.flags & bflags::HOST != 0,
             services: users
                 .remove(id)
                 .map(|s| s.into_iter().collect())
@@ -439,23 +443,30 @@ fn backend_rows(snap: &Snapshot) -> Vec<BackendRow> {
     rows
 }
 
+/// A backend's flags in words.
+fn backend_state(local: bool, terminating: bool, host: bool) -> Vec<&'static str> {
+    [
+        (local, "local"),
+        (terminating, "terminating"),
+        (host, "node address"),
+    ]
+    .into_iter()
+    .filter_map(|(set, word)| set.then_some(word))
+    .collect()
+}
+
 fn backends_table(rows: &[BackendRow]) -> String {
     table(
         &["ID", "BACKEND", "PROTO", "STATE", "SERVICES"],
         &rows
             .iter()
             .map(|r| {
-                let state = match (r.local, r.terminating) {
-                    (true, true) => "local, terminating",
-                    (true, false) => "local",
-                    (false, true) => "terminating",
-                    (false, false) => "-",
-                };
+                let state = backend_state(r.local, r.terminating, r.host).join(", ");
                 vec![
                     r.id.to_string(),
                     r.address.clone(),
                     r.protocol.into(),
-                    state.into(),
+                    if state.is_empty() { "-".into() } else { state },
                     r.services.join(", "),
                 ]
             })

@@ -7,12 +7,17 @@ use crate::{
     user_pod,
 };
 
-/// `BackendValue::flags`: informational for operators; selection is decided by the agent.
+/// `BackendValue::flags`. Selection is decided by the agent: `LOCAL` and `TERMINATING` are
+/// informational for operators; `HOST` is read by tc.
 pub mod flags {
     /// The endpoint runs on this node (EndpointSlice `nodeName` equals the node name).
     pub const LOCAL: u8 = 1 << 0;
     /// Serving but terminating (used only while no endpoint is ready, per KEP-1669).
     pub const TERMINATING: u8 = 1 << 1;
+    /// The address is one of this node's own (a hostNetwork endpoint of this node, at any of its
+    /// interfaces' addresses or its node IPs): tc delivers its flows locally and never
+    /// masquerades them, as kube-proxy's POSTROUTING never sees a locally delivered packet.
+    pub const HOST: u8 = 1 << 2;
 }
 
 #[repr(C)]

@@ -464,8 +464,11 @@ fn pods_through_tc_cluster_ip_and_hairpin() {
 /// backend on node 2 sees eth1's address, and the reply reaches the client (which sits on one
 /// LAN only) from the address it called, through the interface it came in by. A NodePort whose
 /// backend is node 1's own pod is masqueraded with the pod veth's address (the pod gateway), as
-/// MASQUERADE's out interface is that veth. An uplink added while the agent runs gets the tc
-/// programs and serves the NodePort within seconds.
+/// MASQUERADE's out interface is that veth. A NodePort whose backend is a hostNetwork server of
+/// node 1 at eth1's address (not the node IP) is delivered locally and, as with kube-proxy (whose
+/// POSTROUTING never sees a locally delivered packet), not masqueraded: masqueraded with a local
+/// address, its reply would be delivered locally too and never un-SNATed. An uplink added while
+/// the agent runs gets the tc programs and serves the NodePort within seconds.
 #[test]
 fn a_node_with_two_uplinks_masquerades_through_each_with_its_address() {
     require_root();
@@ -489,6 +492,12 @@ fn a_node_with_two_uplinks_masquerades_through_each_with_its_address() {
     let _servers: Vec<Proc> = [&node1.pods[0], &node2.pods[0]]
         .iter()
         .map(|p| probe::server(Place::netns(&p.ns), &p.ip.to_string(), &["0.0.0.0:8080"], &[]))
+        .chain([probe::server(
+            Place::netns(&node1.ns),
+            "node1-host",
+            &["192.168.60.11:8081"],
+            &[],
+        )])
         .collect();
     let client_on = |lan: &Lan, ip: &str| {
         let ns = NetNs::new("lbext");
@@ -514,6 +523,11 @@ fn a_node_with_two_uplinks_masquerades_through_each_with_its_address() {
                 .port("http", "TCP", 80, 8080)
                 .node_port(30081)
                 .build(),
+            service("demo", "hostnet")
+                .cluster_ip("10.96.0.22")
+                .port("http", "TCP", 80, 8081)
+                .node_port(30082)
+                .build(),
         ],
         &[
             slice("demo", "remote", "remote-1")
@@ -523,6 +537,10 @@ fn a_node_with_two_uplinks_masquerades_through_each_with_its_address() {
             slice("demo", "here", "here-1")
                 .endpoint("10.244.1.2", "node-1", State::Ready)
                 .port("http", "TCP", 8080)
+                .build(),
+            slice("demo", "hostnet", "hostnet-1")
+                .endpoint("192.168.60.11", "node-1", State::Ready)
+                .port("http", "TCP", 8081)
                 .build(),
         ],
     );
@@ -569,6 +587,30 @@ fn a_node_with_two_uplinks_masquerades_through_each_with_its_address() {
             assert_eq!(r["peer"], format!("{called}:30081"), "{r}");
         }
     }
+    // A hostNetwork backend at eth1's address: delivered locally with the client's address.
+    for (client, called, from) in [
+        (&client_a, "192.168.50.11", "192.168.50.101"),
+        (&client_b, "192.168.60.11", "192.168.60.101"),
+    ] {
+        for r in ok(&probe::tcp(Place::netns(client), &format!("{called}:30082"), 2)) {
+            assert_eq!(probe::server_of(r), Some("node1-host"), "{r}");
+            assert_eq!(host_of(&r["reply"]["client"]), from, "not masqueraded: {r}");
+            assert_eq!(r["peer"], format!("{called}:30082"), "{r}");
+        }
+    }
+    let listed = inspect(&bpf_root, "backends").unwrap_or_else(|e| panic!("{e}"));
+    let node_address = |addr: &str| {
+        listed
+            .as_array()
+            .and_then(|rows| rows.iter().find(|b| b["address"] == addr))
+            .map(|b| b["host"].clone())
+    };
+    assert_eq!(
+        node_address("192.168.60.11:8081"),
+        Some(true.into()),
+        "{listed:#}"
+    );
+    assert_eq!(node_address("10.244.1.2:8080"), Some(false.into()), "{listed:#}");
     let flows = inspect(&bpf_root, "conntrack").unwrap_or_else(|e| panic!("{e}"));
     let masquerades: std::collections::BTreeSet<String> = flows
         .as_array()

@@ -110,6 +110,25 @@ fn is_ipv6_link_local(ip: &IpAddr) -> bool {
     matches!(ip, IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80)
 }
 
+/// The node's own addresses an endpoint may have (`NodeContext::host_addresses`): its node IPs,
+/// and its interfaces' addresses but loopback and link-local ones; sorted and distinct.
+pub fn host_addresses(addresses: &[IpAddr], node_ips: &[IpAddr]) -> Vec<IpAddr> {
+    let mut out: Vec<IpAddr> = addresses
+        .iter()
+        .chain(node_ips)
+        .copied()
+        .filter(|ip| {
+            !ip.is_loopback()
+                && !ip.is_unspecified()
+                && !is_ipv6_link_local(ip)
+                && !matches!(ip, IpAddr::V4(v4) if v4.is_link_local())
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// What this node's own network says: its interface addresses (both families) and whether it
 /// has IPv6 at all (`net.ipv6.conf.all.disable_ipv6`, or no IPv6 in the kernel).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

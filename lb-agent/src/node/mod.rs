@@ -19,7 +19,8 @@ use std::{
 };
 
 pub use addresses::{
-    LocalNetwork, NodePortAddress, NodePortSelection, local_network, select_nodeport_addresses,
+    LocalNetwork, NodePortAddress, NodePortSelection, host_addresses, local_network,
+    select_nodeport_addresses,
 };
 pub use interfaces::{InterfaceDetector, Link};
 use ipnet::IpNet;
@@ -61,6 +62,11 @@ pub struct NodeContext {
     pub detect_local: PerFamily<bool>,
     /// Which families the node serves (IPv6 is off on a node whose kernel or sysctls disable it).
     pub serves: PerFamily<bool>,
+    /// The node IPs and every address of this node's interfaces but loopback and link-local
+    /// ones, sorted: an endpoint at one of them (hostNetwork) is delivered locally
+    /// (`backend::flags::HOST`). Link-local addresses are left out: each pod veth has its own
+    /// IPv6 one, and every pod's arrival would otherwise change the node facts.
+    pub host_addresses: Vec<IpAddr>,
 }
 
 /// kube-proxy's `--detect-local-mode`: what tells pod traffic from other traffic (the masquerade
@@ -209,13 +215,14 @@ impl NodeSettings {
             context: NodeContext {
                 nodeport_addresses: selection.addresses,
                 localhost_nodeports: selection.loopback && self.localhost_nodeports,
-                node_ips: primary,
                 masquerade_all: self.masquerade_all,
                 // kube-proxy gives both families the one interface detector.
                 detect_local: PerFamily::from_fn(|family| {
                     pod_interfaces.is_some() || local_cidrs.iter().any(|c| IpFamily::of_net(c) == family)
                 }),
                 serves,
+                host_addresses: host_addresses(&local.addresses, &primary),
+                node_ips: primary,
             },
             masquerade,
             local_cidrs,

@@ -520,3 +520,33 @@ fn detect_local_mode_parses_kube_proxys_names() {
             .contains("unknown mode")
     );
 }
+
+/// A hostNetwork endpoint may sit at any of the node's addresses (`backend::flags::HOST`): the
+/// node IPs and every interface's, never loopback or link-local (each pod veth's own IPv6 one
+/// would make every pod's arrival a change of the node facts).
+#[test]
+fn host_addresses_are_the_node_ips_and_interface_addresses_but_loopback_and_link_local() {
+    let mut local = network(&LOCAL_DUAL, false);
+    local.addresses.push(ip("169.254.1.1"));
+    let n = node(&[("InternalIP", "192.168.1.10"), ("InternalIP", "2001:db8::10")]);
+    let v = settings(&[], None).view(Some(&n), &local);
+    assert_eq!(
+        v.context.host_addresses,
+        [
+            "172.16.0.10",
+            "192.168.1.10",
+            "2001:db8::10",
+            "2001:db8:1::10",
+            "fd00:10:244::1"
+        ]
+        .map(ip)
+    );
+    // A node IP no interface holds (`--bind-address` of a NAT'd address) still counts.
+    let v = settings(&[], Some("198.51.100.7")).view(Some(&n), &network(&LOCAL, false));
+    assert!(
+        v.context.host_addresses.contains(&ip("198.51.100.7")),
+        "{:?}",
+        v.context.host_addresses
+    );
+    assert!(!v.context.host_addresses.contains(&ip("127.0.0.1")));
+}

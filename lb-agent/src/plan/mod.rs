@@ -215,8 +215,19 @@ pub fn lost_claim(
 pub struct PortPlan {
     pub claims: Vec<Claim>,
     pub problem: Option<PlanProblem>,
-    /// Every endpoint of the port's cluster and local lists: (backend, local, terminating).
-    pub endpoints: Vec<(BackendAddr, bool, bool)>,
+    /// Every endpoint of the port's cluster and local lists.
+    pub endpoints: Vec<EndpointVote>,
+}
+
+/// What one endpoint says about its backend address (merged across Services, [`BackendVotes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EndpointVote {
+    pub addr: BackendAddr,
+    /// Its `nodeName` is this node.
+    pub local: bool,
+    pub terminating: bool,
+    /// Its address is one of this node's own (`NodeContext::host_addresses`).
+    pub host: bool,
 }
 
 #[cfg(test)]

@@ -229,9 +229,9 @@ impl Planner {
                     Err(i) => claims.insert(i, (claim.kind, claim.plan.clone())),
                 }
             }
-            for (addr, local, terminating) in &port.endpoints {
-                touched.backends.insert(*addr);
-                self.votes.entry(*addr).or_default().add(*local, *terminating, 1);
+            for vote in &port.endpoints {
+                touched.backends.insert(vote.addr);
+                self.votes.entry(vote.addr).or_default().add(vote, 1);
             }
         }
     }
@@ -250,12 +250,12 @@ impl Planner {
                     }
                 }
             }
-            for (addr, local, terminating) in &port.endpoints {
-                touched.backends.insert(*addr);
-                if let Some(votes) = self.votes.get_mut(addr) {
-                    votes.add(*local, *terminating, -1);
+            for vote in &port.endpoints {
+                touched.backends.insert(vote.addr);
+                if let Some(votes) = self.votes.get_mut(&vote.addr) {
+                    votes.add(vote, -1);
                     if votes.endpoints <= 0 {
-                        self.votes.remove(addr);
+                        self.votes.remove(&vote.addr);
                     }
                 }
             }

@@ -58,6 +58,7 @@ pub(crate) fn node_context() -> impl Strategy<Value = NodeContext> {
                 NodeContext {
                     nodeport_addresses,
                     localhost_nodeports,
+                    host_addresses: node_ips.clone(),
                     node_ips,
                     masquerade_all,
                     detect_local: PerFamily { v4, v6 },

@@ -15,8 +15,8 @@ use lb_common::{
 };
 
 use super::{
-    BackendAddr, Claim, DesiredState, Frontend, FrontendKind, FrontendPlan, MAX_BACKENDS_PER_SCOPE,
-    PlanProblem, PortPlan, ScopePlan,
+    BackendAddr, Claim, DesiredState, EndpointVote, Frontend, FrontendKind, FrontendPlan,
+    MAX_BACKENDS_PER_SCOPE, PlanProblem, PortPlan, ScopePlan,
 };
 use crate::{
     family::IpFamily,
@@ -77,7 +77,12 @@ pub fn plan_port(svc: &ServicePortInfo, endpoints: &CategorizedEndpoints, node: 
         .cluster
         .iter()
         .chain(&endpoints.local)
-        .map(|ep| (backend_addr(ep, svc.name.protocol), ep.is_local, ep.terminating))
+        .map(|ep| EndpointVote {
+            addr: backend_addr(ep, svc.name.protocol),
+            local: ep.is_local,
+            terminating: ep.terminating,
+            host: node.host_addresses.contains(&ep.ip),
+        })
         .collect();
     // Kept between syncs for every Service port: no spare capacity.
     claims.shrink_to_fit();
@@ -114,9 +119,9 @@ pub fn merge(ports: &[PortPlan]) -> (DesiredState, Vec<PlanProblem>) {
         .flat_map(|p| p.backends().copied())
         .collect();
     let mut votes: BTreeMap<BackendAddr, BackendVotes> = BTreeMap::new();
-    for (addr, local, terminating) in ports.iter().flat_map(|p| &p.endpoints) {
-        if used.contains(addr) {
-            votes.entry(*addr).or_default().add(*local, *terminating, 1);
+    for vote in ports.iter().flat_map(|p| &p.endpoints) {
+        if used.contains(&vote.addr) {
+            votes.entry(vote.addr).or_default().add(vote, 1);
         }
     }
     desired.backends = votes.into_iter().map(|(addr, v)| (addr, v.flags())).collect();
@@ -124,24 +129,37 @@ pub fn merge(ports: &[PortPlan]) -> (DesiredState, Vec<PlanProblem>) {
 }
 
 /// What the endpoints sharing one backend address say about it: local if any says so,
-/// terminating only if all do (kube-proxy prefers a running copy of a duplicate endpoint).
+/// terminating only if all do (kube-proxy prefers a running copy of a duplicate endpoint); at
+/// one of the node's addresses (the same for all: it is the address's).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BackendVotes {
     pub endpoints: i64,
     pub local: i64,
     pub running: i64,
+    pub host: i64,
 }
 
 impl BackendVotes {
     /// Adds (`sign` 1) or withdraws (`sign` -1) one endpoint's vote.
-    pub fn add(&mut self, local: bool, terminating: bool, sign: i64) {
+    pub fn add(&mut self, vote: &EndpointVote, sign: i64) {
         self.endpoints += sign;
-        self.local += sign * i64::from(local);
-        self.running += sign * i64::from(!terminating);
+        self.local += sign * i64::from(vote.local);
+        self.running += sign * i64::from(!vote.terminating);
+        self.host += sign * i64::from(vote.host);
     }
 
     pub fn flags(&self) -> u8 {
-        backend_flags(self.local > 0, self.running == 0)
+        let mut f = 0;
+        if self.local > 0 {
+            f |= backend::flags::LOCAL;
+        }
+        if self.running == 0 {
+            f |= backend::flags::TERMINATING;
+        }
+        if self.host > 0 {
+            f |= backend::flags::HOST;
+        }
+        f
     }
 }
 
@@ -190,17 +208,6 @@ fn backend_addr(ep: &Endpoint, proto: Protocol) -> BackendAddr {
         port: ep.port,
         proto,
     }
-}
-
-fn backend_flags(local: bool, terminating: bool) -> u8 {
-    let mut f = 0;
-    if local {
-        f |= backend::flags::LOCAL;
-    }
-    if terminating {
-        f |= backend::flags::TERMINATING;
-    }
-    f
 }
 
 fn sorted_backends(eps: &[Endpoint], proto: Protocol) -> Vec<BackendAddr> {

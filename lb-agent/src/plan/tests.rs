@@ -52,6 +52,7 @@ fn ctx() -> NodeContext {
         masquerade_all: false,
         detect_local: PerFamily::default(),
         serves: PerFamily { v4: true, v6: true },
+        host_addresses: vec![ip("192.168.1.10"), ip("192.168.2.10")],
     }
 }
 
@@ -757,4 +758,28 @@ mod from_objects {
             "{messages:?}"
         );
     }
+}
+
+/// A hostNetwork endpoint at one of the node's addresses, the node IP or another interface's,
+/// is flagged `HOST` (tc delivers it locally, unmasqueraded); a pod's address is not, whatever
+/// its node.
+#[test]
+fn endpoints_at_the_nodes_own_addresses_are_flagged_host() {
+    let mut a = svc("alpha");
+    a.cluster_ips = vec![ip("10.96.0.11")];
+    let eps = [
+        ep("192.168.2.10", true),
+        ep("192.168.1.10", true),
+        ep("10.244.1.1", true),
+    ];
+    let (d, _) = plan(&[(a, cat(&eps, &[], true))], &ctx());
+    let flags_of = |addr: &str| d.backends[&backends(&[addr])[0]];
+    let (local, host) = (lb_common::backend::flags::LOCAL, lb_common::backend::flags::HOST);
+    assert_eq!(
+        flags_of("192.168.2.10"),
+        local | host,
+        "another interface's address"
+    );
+    assert_eq!(flags_of("192.168.1.10"), local | host, "the node IP");
+    assert_eq!(flags_of("10.244.1.1"), local, "a pod");
 }

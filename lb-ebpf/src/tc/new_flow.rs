@@ -12,6 +12,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     affinity::kind,
+    backend::flags as backend_flags,
     cluster_ip::action,
     config::flags as config_flags,
     conntrack::{CtKey, CtValue, dir, flags as ct, snat_tag},
@@ -315,11 +316,12 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i3
         return TC_ACT_OK;
     };
     let now = now_ns();
-    // A backend at this node's own address (a hostNetwork endpoint) is delivered locally: the
-    // packet never reaches egress, where masquerading happens. As with kube-proxy, whose
-    // POSTROUTING MASQUERADE never sees a locally delivered packet, it keeps the client's address
-    // and its replies get the frontend back on their way out.
-    let local_backend = backend.addr == family.snat_addr;
+    // A backend at one of this node's own addresses (a hostNetwork endpoint at any interface's
+    // address or the node IP; the agent flags them) is delivered locally: the packet never
+    // reaches egress, where masquerading happens. As with kube-proxy, whose POSTROUTING
+    // MASQUERADE never sees a locally delivered packet, it keeps the client's address and its
+    // replies get the frontend back on their way out.
+    let local_backend = backend.flags & backend_flags::HOST != 0;
     let mut masquerade = !local_backend
         && (has(flags::MASQUERADE)
             || (has(flags::MASQUERADE_OFF_CLUSTER) && !choice.from_pod)

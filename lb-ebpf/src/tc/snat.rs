@@ -10,6 +10,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use lb_common::{
+    backend::flags as backend_flags,
     config::{DatapathConfig, MASQUERADE_FALLBACK, flags as config_flags},
     conntrack::{CtKey, CtValue, dir, flags as ct, snat_tag},
     family::{V4, V6},
@@ -37,10 +38,14 @@ pub(super) fn masquerade_route<F: Ip>(ctx: &TcContext, saddr: &F::Addr, backend_
     if lb::datapath_config().flags & config_flags::MASQUERADE_BY_INTERFACE == 0 {
         return MASQUERADE_FALLBACK;
     }
-    // Gone since `choose` read it: `track` finds so too.
+    // Gone since `choose` read it: `track` finds so too. At a node address: delivered locally,
+    // no route to look up (the lookup would say "not forwarded", counted as an unknown route).
     let Some(backend) = lb::lookup_backend::<F>(backend_id) else {
         return MASQUERADE_FALLBACK;
     };
+    if backend.flags & backend_flags::HOST != 0 {
+        return MASQUERADE_FALLBACK;
+    }
     // SAFETY: an all-zero `bpf_fib_lookup` is a valid one (integers and unions of integers).
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
     F::fib_addresses(&mut params, saddr, &backend.addr);
