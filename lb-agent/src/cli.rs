@@ -402,7 +402,8 @@ pub struct BpfArgs {
     #[arg(long, value_parser = parse_duration, default_value = "60s")]
     pub bpf_ct_timeout_regular_any: Duration,
     /// Interfaces the tc programs attach to: names, or prefixes ending in `+` (default: every
-    /// interface that is up, except loopback; rescanned at every sync).
+    /// interface that is up, except loopback and the ports of a bridge, which the bridge stands
+    /// for unless --bpf-lb-sock-hostns-only; rescanned at every sync).
     #[arg(long, value_delimiter = ',')]
     pub devices: Vec<String>,
     /// Attach the tc programs with TCX links where the kernel has TCX (6.6); false attaches them

@@ -1176,6 +1176,7 @@ fn interface_modes_tell_pods_by_the_interface_they_came_in_by() {
         name: name.into(),
         index,
         controller,
+        bridge_port: controller.is_some(),
     };
     let links = vec![
         link("eth0", 2, None),

@@ -704,8 +704,9 @@ fn a_node_with_two_uplinks_masquerades_through_each_with_its_address() {
 /// `--detect-local-mode` InterfaceNamePrefix and BridgeInterface (kube-proxy's `-i veth+` and
 /// `-i cbr0`), as flows through node 1's tc: a pod whose packets come in by a pod interface keeps
 /// its address on the way to a cluster IP; one in the pod range behind any other interface is
-/// masqueraded (ClusterCIDR mode, with 10.244.0.0/16, would keep both). In bridge mode the
-/// pod's packet meets tc on its bridge port.
+/// masqueraded (ClusterCIDR mode, with 10.244.0.0/16, would keep both). A bridge's ports carry
+/// no programs (issue 21: never pod veths where a bridge can stand for them): the bridged pod's
+/// packet meets tc on the bridge, and a masqueraded NodePort flow to it is un-SNATed there.
 #[test]
 fn interface_detectors_tell_pods_by_the_interface_they_come_in_by() {
     let mut c = cluster();
@@ -743,6 +744,42 @@ fn interface_detectors_tell_pods_by_the_interface_they_come_in_by() {
     assert_eq!(source_seen(&c, 1), seen(&node1), "by xp*: not a pod's");
     assert_eq!(source_seen(&c, 2), seen(&node1), "by the bridge: not a pod's");
 
+    // The bridge carries the programs, its port does not; the ptp veths do (TCX links, or on
+    // kernels without TCX clsact filters).
+    let carries = |c: &Cluster, dev: &str| {
+        all_pinned_links(c, 0).iter().any(|l| {
+            l.split('/')
+                .next()
+                .is_some_and(|d| d.ends_with(&format!("-{dev}")))
+        }) || !filters(&c.nodes[0], dev, "ingress").is_empty()
+    };
+    let port = c.nodes[0].pods[2].host_dev.clone();
+    let ptp = c.nodes[0].pods[0].host_dev.clone();
+    for (dev, expected) in [(&bridge, true), (&port, false), (&ptp, true)] {
+        assert_eq!(carries(&c, dev), expected, "{dev}: {:?}", all_pinned_links(&c, 0));
+    }
+
+    // A NodePort to the bridged pod from outside: masqueraded with the bridge's address (the pod
+    // gateway), whose replies the bridge's ingress un-SNATs.
+    let _bridged_server = probe::server(
+        Place::netns(&c.nodes[0].pods[2].ns),
+        "bridged",
+        &["0.0.0.0:8080"],
+        &[],
+    );
+    write_manifests(
+        c.manifests.path(),
+        "bridged.yaml",
+        &[service("demo", "bridged")
+            .cluster_ip("10.96.0.23")
+            .port("http", "TCP", 80, 8080)
+            .node_port(30083)
+            .build()],
+        &[slice("demo", "bridged", "bridged-1")
+            .endpoint("10.244.1.4", "node-1", State::Ready)
+            .port("http", "TCP", 8080)
+            .build()],
+    );
     c.stop_agent(0);
     c.start_agent(
         0,
@@ -753,11 +790,12 @@ fn interface_detectors_tell_pods_by_the_interface_they_come_in_by() {
             &bridge,
         ],
     );
-    assert_eq!(
-        source_seen(&c, 2),
-        seen("10.244.1.4"),
-        "by the bridge's port: a pod's"
-    );
+    assert_eq!(source_seen(&c, 2), seen("10.244.1.4"), "by the bridge: a pod's");
+    for r in ok(&probe::tcp(Place::netns(&c.client), &format!("{node1}:30083"), 2)) {
+        assert_eq!(probe::server_of(r), Some("bridged"), "{r}");
+        assert_eq!(host_of(&r["reply"]["client"]), "10.244.1.1", "{r}");
+        assert_eq!(r["peer"], format!("{node1}:30083"), "{r}");
+    }
     assert_eq!(source_seen(&c, 0), seen(&node1), "by vp*: not the bridge");
     assert_eq!(source_seen(&c, 1), seen(&node1), "by xp*: not the bridge");
 
@@ -858,6 +896,13 @@ fn our_filters(c: &Cluster, index: usize) -> Vec<Filter> {
 
 /// The TCX links node `index`'s agent pinned for its LAN interface.
 fn pinned_links(c: &Cluster, index: usize) -> Vec<String> {
+    let mut links = all_pinned_links(c, index);
+    links.retain(|l| l.contains("eth0"));
+    links
+}
+
+/// Every TCX link node `index`'s agent pinned, as `<ifindex>-<interface>/<hook>`, sorted.
+fn all_pinned_links(c: &Cluster, index: usize) -> Vec<String> {
     let dir = c.bpf_roots[index].join("links/tc");
     let mut links = Vec::new();
     for device in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
@@ -869,7 +914,6 @@ fn pinned_links(c: &Cluster, index: usize) -> Vec<String> {
             ));
         }
     }
-    links.retain(|l| l.contains("eth0"));
     links.sort();
     links
 }

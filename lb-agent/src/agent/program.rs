@@ -48,6 +48,11 @@ pub struct Programmer<M> {
 }
 
 impl<M: MapOps> Programmer<M> {
+    /// `--bpf-lb-sock-hostns-only`: pods' connections are translated at tc, not at connect().
+    pub fn sock_hostns_only(&self) -> bool {
+        self.sock_hostns_only
+    }
+
     pub fn new(
         settings: NodeSettings,
         host_netns_cookie: u64,
@@ -548,6 +553,7 @@ mod tests {
                     name: n.to_string(),
                     index: i as u32 + 2,
                     controller: None,
+                    bridge_port: false,
                 })
                 .collect(),
             interface_addresses: Vec::new(),

@@ -286,7 +286,22 @@ impl Agent {
                 return;
             }
         };
-        let wanted = tc::select_devices(patterns, &up);
+        // The default selection leaves a bridge's ports to the bridge (`select_devices`), unless
+        // pods' connections are translated at tc (`--bpf-lb-sock-hostns-only`): a reply between
+        // two pods of one bridge is bridged, never routed, and only its ports' tc can reverse a
+        // translation. (kube-proxy meets it with br_netfilter.)
+        let bridge_ports = if patterns.is_empty() && !self.programmer.sock_hostns_only() {
+            match crate::node::interfaces::links() {
+                Ok(links) => links.iter().filter(|l| l.bridge_port).map(|l| l.index).collect(),
+                Err(e) => {
+                    tracing::error!("listing links: {e}");
+                    return;
+                }
+            }
+        } else {
+            BTreeSet::new()
+        };
+        let wanted = tc::select_devices(patterns, &up, &bridge_ports);
         for (name, index) in &wanted {
             if let Err(e) = self.datapath.attach_tc(name, *index) {
                 tracing::error!(device = %name, "attaching the tc programs: {e}");

@@ -4,7 +4,7 @@
 //! detaching from interfaces that went away.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fs,
     path::{Path, PathBuf},
 };
@@ -62,11 +62,26 @@ pub fn interfaces_up() -> std::io::Result<BTreeMap<String, u32>> {
     Ok(up)
 }
 
-/// The interfaces to attach to: those matching `patterns`, or every interface that is up (but
-/// loopback) when there are none.
-pub fn select_devices(patterns: &[DevicePattern], up: &BTreeMap<String, u32>) -> BTreeMap<String, u32> {
+/// The interfaces to attach to: those matching `patterns`; when there are none, every interface
+/// that is up but loopback and the ports of a bridge (`bridge_ports`, ifindexes). A bridge's
+/// ports are left to the bridge: every packet of theirs that is routed (to or from a Service,
+/// replies of masqueraded flows to its pods included) crosses the bridge device's own ingress or
+/// egress, so with a bridge CNI no pod veth carries the programs. A ptp CNI's veths are each
+/// the only interface facing their pod and keep them. (The caller passes no ports when pods'
+/// connections are translated at tc: a reply between two pods of one bridge is bridged.)
+pub fn select_devices(
+    patterns: &[DevicePattern],
+    up: &BTreeMap<String, u32>,
+    bridge_ports: &BTreeSet<u32>,
+) -> BTreeMap<String, u32> {
     up.iter()
-        .filter(|(name, _)| patterns.is_empty() || patterns.iter().any(|p| p.matches(name)))
+        .filter(|(name, index)| {
+            if patterns.is_empty() {
+                !bridge_ports.contains(index)
+            } else {
+                patterns.iter().any(|p| p.matches(name))
+            }
+        })
         .map(|(n, i)| (n.clone(), *i))
         .collect()
 }
@@ -305,10 +320,24 @@ mod tests {
             ("veth1a".to_string(), 5),
             ("cni0".to_string(), 7),
         ]);
-        assert_eq!(select_devices(&[], &up).len(), 3);
+        let none = BTreeSet::new();
+        assert_eq!(select_devices(&[], &up, &none).len(), 3);
+        // veth1a a port of cni0: the bridge carries the programs, not its port...
+        let ports = BTreeSet::from([5]);
+        assert_eq!(
+            select_devices(&[], &up, &ports)
+                .keys()
+                .cloned()
+                .collect::<Vec<_>>(),
+            vec!["cni0", "eth0"]
+        );
+        // ... unless `--devices` names it.
         let patterns = [DevicePattern::parse("eth0"), DevicePattern::parse("veth+")];
         assert_eq!(
-            select_devices(&patterns, &up).keys().cloned().collect::<Vec<_>>(),
+            select_devices(&patterns, &up, &ports)
+                .keys()
+                .cloned()
+                .collect::<Vec<_>>(),
             vec!["eth0", "veth1a"]
         );
         assert!(DevicePattern::parse("lxc*").matches("lxc123"));

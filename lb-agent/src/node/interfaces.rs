@@ -7,7 +7,7 @@ use std::{collections::BTreeSet, io};
 use netlink_packet_core::NLM_F_DUMP;
 use netlink_packet_route::{
     RouteNetlinkMessage,
-    link::{LinkAttribute, LinkMessage},
+    link::{InfoPortKind, LinkAttribute, LinkInfo, LinkMessage},
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
@@ -18,6 +18,8 @@ pub struct Link {
     pub index: u32,
     /// The ifindex of the bridge (or bond) the link is a port of.
     pub controller: Option<u32>,
+    /// The link is a bridge's port (its controller's kind is `bridge`).
+    pub bridge_port: bool,
 }
 
 /// kube-proxy's interface local-traffic detectors: what makes a packet a pod's by the interface
@@ -66,10 +68,16 @@ pub fn links() -> io::Result<Vec<Link>> {
         };
         let mut name = None;
         let mut controller = None;
+        let mut bridge_port = false;
         for attribute in link.attributes {
             match attribute {
                 LinkAttribute::IfName(n) => name = Some(n),
                 LinkAttribute::Controller(index) => controller = Some(index),
+                LinkAttribute::LinkInfo(infos) => {
+                    bridge_port = infos
+                        .iter()
+                        .any(|i| matches!(i, LinkInfo::PortKind(InfoPortKind::Bridge)));
+                }
                 _ => {}
             }
         }
@@ -78,6 +86,7 @@ pub fn links() -> io::Result<Vec<Link>> {
                 name,
                 index: link.header.index,
                 controller,
+                bridge_port,
             });
         }
     })
@@ -128,6 +137,7 @@ mod tests {
             name: name.into(),
             index,
             controller,
+            bridge_port: controller.is_some(),
         }
     }
 
