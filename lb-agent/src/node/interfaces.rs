@@ -209,6 +209,36 @@ mod tests {
         assert!(woken.1.iter().any(|l| l.name == "lbwatch0"), "{:?}", woken.1);
     }
 
+    /// A bridge's port is told from a free link by its controller's kind (root only, in a
+    /// network namespace of the test's own).
+    #[test]
+    fn a_bridges_port_is_known_as_one() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root for a network namespace of its own");
+            return;
+        }
+        let dump = std::thread::spawn(|| {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
+            let ip = |args: &str| {
+                let status = std::process::Command::new("ip")
+                    .args(args.split(' '))
+                    .status()
+                    .expect("ip");
+                assert!(status.success(), "ip {args}");
+            };
+            ip("link add lbbr0 type bridge");
+            ip("link add lbport0 type veth peer name lbfree0");
+            ip("link set lbport0 master lbbr0");
+            links().expect("dump")
+        })
+        .join()
+        .expect("the namespace's thread");
+        let port = |name: &str| dump.iter().find(|l| l.name == name).map(|l| l.bridge_port);
+        assert_eq!(port("lbport0"), Some(true), "{dump:?}");
+        assert_eq!(port("lbfree0"), Some(false), "{dump:?}");
+        assert_eq!(port("lbbr0"), Some(false), "{dump:?}");
+    }
+
     /// The dump itself, in this process's network namespace: loopback is always there.
     #[test]
     fn the_dump_lists_loopback() {
