@@ -420,7 +420,7 @@ fn reason(counter: Counter) -> &'static str {
         SockNoBackend | TcNoBackend => "the frontend changed while read; passed untranslated",
         TcFragment => "a fragment whose first fragment was not seen; passed untranslated",
         TcTruncated => "too short for its headers; passed untranslated",
-        TcUnsupportedProtocol => "SCTP is balanced at the socket only; passed untranslated",
+        TcUnsupportedProtocol => "SCTP is not load-balanced yet; passed untranslated",
         _ => "",
     }
 }

@@ -29,7 +29,7 @@ pub use planner::{Changes, Outcome, Planner, Totals};
 pub use rules::{BackendVotes, merge, plan, plan_port};
 #[cfg(test)]
 pub use service::{Computed, from_scratch};
-pub use service::{HealthCheck, ServicePlan};
+pub use service::{HealthCheck, SCTP_NOT_SERVED, ServicePlan};
 
 use crate::model::{Protocol, ServicePortName};
 

@@ -160,11 +160,31 @@ pub fn trace(
             req.dst
         );
     }
-    if starts_on_node(req, node_ips) {
+    let on_node = starts_on_node(req, node_ips);
+    if req.protocol == Protocol::Sctp {
+        return Ok(sctp_untranslated(if on_node { "socket" } else { "tc" }));
+    }
+    if on_node {
         trace_socket(dp, maps, host_cookie, req)
     } else {
         trace_tc(dp, maps, req)
     }
+}
+
+/// What SCTP to a frontend meets on either path: nothing translates it (issue 17).
+fn sctp_untranslated(path: &'static str) -> (TraceResult, TraceDetails) {
+    let details = TraceDetails {
+        note: Some(crate::plan::SCTP_NOT_SERVED.into()),
+        ..TraceDetails::default()
+    };
+    let result = TraceResult {
+        verdict: "pass",
+        backends: Vec::new(),
+        masquerade: false,
+        masquerade_source: None,
+        path,
+    };
+    (result, details)
 }
 
 fn trace_socket(
@@ -330,22 +350,6 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
         dst: req.dst.to_canonical(),
         ..*req
     };
-    if req.protocol == Protocol::Sctp {
-        let details = TraceDetails {
-            note: Some("SCTP is load-balanced at the socket only; tc passes it untouched".into()),
-            ..TraceDetails::default()
-        };
-        return Ok((
-            TraceResult {
-                verdict: "pass",
-                backends: Vec::new(),
-                masquerade: false,
-                masquerade_source: None,
-                path: "tc",
-            },
-            details,
-        ));
-    }
     let packet = first_packet(req, TRACE_SPORT);
     // An ingress interface of 0 is none, as without --in-interface.
     let run = dp
