@@ -631,11 +631,22 @@ fn connected_udp_socket_is_aborted_when_its_backend_is_replaced_in(family: IpFam
     // IPv6 pod's address may still be tentative before it), at most one failed, at once: the
     // aborted socket's error (ECONNABORTED on a receive in flight, EDESTADDRREQ on the next send:
     // the socket lost its destination).
+    // A query that timed out (the probe waits 500 ms) on a socket whose later queries the new
+    // backend answered was late, not misrouted: a connected socket keeps its destination. Seen
+    // once on a loaded CI machine, the new socket's first query over IPv6.
     assert_eq!(done["sockets"], 2, "{done}");
     let first_seq = first["seq"].as_u64().unwrap_or_default();
+    let late = |q: &Value| {
+        q["errno"] == libc::EAGAIN
+            && queries.iter().any(|r| {
+                r["socket"] == q["socket"]
+                    && r["seq"].as_u64() > q["seq"].as_u64()
+                    && probe::server_of(r) == Some(new.as_str())
+            })
+    };
     let lost: Vec<&Value> = queries
         .iter()
-        .filter(|q| q["ok"] != true && q["seq"].as_u64() > Some(first_seq))
+        .filter(|q| q["ok"] != true && q["seq"].as_u64() > Some(first_seq) && !late(q))
         .collect();
     assert!(lost.len() <= 1, "lost queries: {lost:?}");
     assert!(
