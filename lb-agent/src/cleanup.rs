@@ -20,11 +20,13 @@ fn failed(what: String, error: io::Error) -> anyhow::Error {
 
 pub fn run(bpf_root: &Path) -> Result<()> {
     // On kernels without TCX (or with --enable-tcx=false) the tc programs are clsact filters,
-    // which no pin records once the bpf root is gone: remove them by name on every interface.
-    let filters: usize = crate::datapath::tc::interfaces_up()
+    // which no pin records once the bpf root is gone: remove them by name on every interface
+    // (those that are down too).
+    let filters: usize = crate::node::interfaces::links()
         .unwrap_or_default()
-        .into_values()
-        .map(crate::datapath::tc::detach_clsact)
+        .iter()
+        .filter(|l| !l.loopback)
+        .map(|l| crate::datapath::tc::detach_clsact(l.index))
         .sum();
     // `exists()` would say "no" for a root this user may not even look at.
     match bpf_root.try_exists() {

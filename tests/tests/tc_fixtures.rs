@@ -1177,6 +1177,8 @@ fn interface_modes_tell_pods_by_the_interface_they_came_in_by() {
         index,
         controller,
         bridge_port: controller.is_some(),
+        up: true,
+        loopback: false,
     };
     let links = vec![
         link("eth0", 2, None),

@@ -554,6 +554,8 @@ mod tests {
                     index: i as u32 + 2,
                     controller: None,
                     bridge_port: false,
+                    up: true,
+                    loopback: false,
                 })
                 .collect(),
             interface_addresses: Vec::new(),

@@ -50,6 +50,9 @@ pub(super) struct Agent {
     /// `--service-cluster-ip-range`: the Service CIDRs where the source has no ServiceCIDR
     /// objects.
     pub service_cluster_ip_range: Vec<ipnet::IpNet>,
+    /// The node's links at the last sync (`node::local_network`): the tc attachment's
+    /// interfaces.
+    pub links: Vec<node::Link>,
 }
 
 /// What a sync reads from its source.
@@ -171,11 +174,13 @@ impl Agent {
         }
     }
 
-    /// This node's view from its Node object and the addresses on its interfaces now.
-    fn node_view(&self, node: Option<&Node>) -> Result<NodeView> {
-        let with_links = self.programmer.settings().interface_detector().is_some();
-        let local = node::local_network(with_links).context("listing this node's addresses and links")?;
-        Ok(self.programmer.view(node, &local))
+    /// This node's view from its Node object and its interfaces and their addresses now (the
+    /// links are kept for the tc attachment).
+    fn node_view(&mut self, node: Option<&Node>) -> Result<NodeView> {
+        let local = node::local_network().context("listing this node's addresses and links")?;
+        let view = self.programmer.view(node, &local);
+        self.links = local.links;
+        Ok(view)
     }
 
     /// Re-plans and writes: every Service (`full`; the state is dropped before returning, so a
@@ -276,28 +281,20 @@ impl Agent {
     }
 
     /// Attaches the tc programs to the selected interfaces that are up, and detaches them from
-    /// interfaces that went away (rescanned at every sync: pod veths come and go).
+    /// interfaces that went away (the sync's links: pod veths come and go).
     fn attach_tc(&mut self) {
         let Some(patterns) = &self.devices else { return };
-        let up = match tc::interfaces_up() {
-            Ok(up) => up,
-            Err(e) => {
-                tracing::error!("listing interfaces: {e}");
-                return;
-            }
-        };
+        let up = tc::interfaces_up(&self.links);
         // The default selection leaves a bridge's ports to the bridge (`select_devices`), unless
         // pods' connections are translated at tc (`--bpf-lb-sock-hostns-only`): a reply between
         // two pods of one bridge is bridged, never routed, and only its ports' tc can reverse a
         // translation. (kube-proxy meets it with br_netfilter.)
         let bridge_ports = if patterns.is_empty() && !self.programmer.sock_hostns_only() {
-            match crate::node::interfaces::links() {
-                Ok(links) => links.iter().filter(|l| l.bridge_port).map(|l| l.index).collect(),
-                Err(e) => {
-                    tracing::error!("listing links: {e}");
-                    return;
-                }
-            }
+            self.links
+                .iter()
+                .filter(|l| l.bridge_port)
+                .map(|l| l.index)
+                .collect()
         } else {
             BTreeSet::new()
         };
@@ -307,7 +304,7 @@ impl Agent {
                 tracing::error!(device = %name, "attaching the tc programs: {e}");
             }
         }
-        for gone in self.datapath.detach_tc_except(&wanted) {
+        for gone in self.datapath.detach_tc_except(&wanted, &self.links) {
             tracing::info!(device = %gone, "detached the tc programs");
         }
     }

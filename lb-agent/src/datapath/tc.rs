@@ -16,6 +16,7 @@ use aya::programs::{
 };
 
 use super::{Datapath, DatapathError, PinPaths, program, program_error};
+use crate::node::Link;
 
 /// The tc programs and their hooks.
 pub const TC_PROGRAMS: [(&str, TcAttachType, &str); 2] = [
@@ -47,19 +48,14 @@ impl DevicePattern {
     }
 }
 
-/// The interfaces of this network namespace that are up: name -> ifindex.
-pub fn interfaces_up() -> std::io::Result<BTreeMap<String, u32>> {
-    use nix::net::if_::InterfaceFlags;
-    let mut up = BTreeMap::new();
-    for ifaddr in nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)? {
-        if ifaddr.flags.contains(InterfaceFlags::IFF_UP)
-            && !ifaddr.flags.contains(InterfaceFlags::IFF_LOOPBACK)
-            && let Ok(index) = nix::net::if_::if_nametoindex(ifaddr.interface_name.as_str())
-        {
-            up.insert(ifaddr.interface_name.clone(), index);
-        }
-    }
-    Ok(up)
+/// The links (of the sync's RTM_GETLINK dump, `node::local_network`) that are up, but
+/// loopback: name -> ifindex.
+pub fn interfaces_up(links: &[Link]) -> BTreeMap<String, u32> {
+    links
+        .iter()
+        .filter(|l| l.up && !l.loopback)
+        .map(|l| (l.name.clone(), l.index))
+        .collect()
 }
 
 /// The interfaces to attach to: those matching `patterns`; when there are none, every interface
@@ -174,9 +170,9 @@ impl Datapath {
         Ok(())
     }
 
-    /// Detaches the tc programs from interfaces no longer wanted (or gone): removing a pinned TCX
-    /// link detaches its program.
-    pub fn detach_tc_except(&mut self, keep: &BTreeMap<String, u32>) -> Vec<String> {
+    /// Detaches the tc programs from interfaces no longer wanted (or gone; `links` are those
+    /// there now): removing a pinned TCX link detaches its program.
+    pub fn detach_tc_except(&mut self, keep: &BTreeMap<String, u32>, links: &[Link]) -> Vec<String> {
         let Ok(paths) = self.pinned_paths() else {
             return Vec::new();
         };
@@ -184,16 +180,15 @@ impl Datapath {
         let mut removed = Vec::new();
         let keep_ids: std::collections::BTreeSet<u32> = keep.values().copied().collect();
         self.tc_attached.retain(|i| keep_ids.contains(i));
-        let up = interfaces_up().unwrap_or_default();
         for (ifindex, dir) in pinned_devices(&paths) {
             if wanted.contains(&dir) {
                 continue;
             }
             // Clsact filters are not pinned: the directory records them. Detach them while the
             // interface (the one the directory names, not a newer one with its index) is there.
-            let same_interface = up
+            let same_interface = links
                 .iter()
-                .any(|(name, index)| *index == ifindex && device_dir(&paths, *index, name) == dir);
+                .any(|l| l.index == ifindex && device_dir(&paths, l.index, &l.name) == dir);
             if same_interface {
                 detach_clsact(ifindex);
             }
@@ -312,6 +307,28 @@ pub fn detach_clsact(ifindex: u32) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_interfaces_up_are_the_links_up_but_loopback() {
+        let link = |name: &str, index: u32, up: bool, loopback: bool| Link {
+            name: name.into(),
+            index,
+            controller: None,
+            bridge_port: false,
+            up,
+            loopback,
+        };
+        let links = [
+            link("lo", 1, true, true),
+            link("eth0", 2, true, false),
+            link("eth1", 3, false, false),
+            link("veth1a", 5, true, false),
+        ];
+        assert_eq!(
+            interfaces_up(&links),
+            BTreeMap::from([("eth0".to_string(), 2), ("veth1a".to_string(), 5)])
+        );
+    }
 
     #[test]
     fn device_patterns() {

@@ -135,42 +135,27 @@ pub fn host_addresses(addresses: &[IpAddr], node_ips: &[IpAddr]) -> Vec<IpAddr> 
 pub struct LocalNetwork {
     pub addresses: Vec<IpAddr>,
     pub ipv6_disabled: bool,
-    /// The links (listed only for an interface local-traffic detector, see [`local_network`]).
+    /// Every link: the interface detectors' pod interfaces and the tc attachment read them.
     pub links: Vec<super::Link>,
     /// Every interface's addresses with their prefixes and flags (for the masquerade addresses).
     pub interface_addresses: Vec<super::masquerade::InterfaceAddress>,
 }
 
-/// This network namespace's addresses (also per interface: one RTM_GETADDR dump) and IPv6 state,
-/// and its links when `with_links` (an interface local-traffic detector needs them; one
-/// RTM_GETLINK dump).
-pub fn local_network(with_links: bool) -> std::io::Result<LocalNetwork> {
-    let mut addresses = Vec::new();
-    for ifaddr in nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)? {
-        let Some(addr) = ifaddr.address.as_ref() else {
-            continue;
-        };
-        if let Some(v4) = addr.as_sockaddr_in() {
-            addresses.push(IpAddr::V4(v4.ip()));
-        } else if let Some(v6) = addr.as_sockaddr_in6() {
-            addresses.push(IpAddr::V6(v6.ip()));
-        }
-    }
+/// This network namespace's addresses (per interface, from one RTM_GETADDR dump), its links
+/// (one RTM_GETLINK dump) and its IPv6 state: what a sync reads of the node's own network.
+pub fn local_network() -> std::io::Result<LocalNetwork> {
+    let interface_addresses = super::masquerade::interface_addresses()?;
+    let mut addresses: Vec<IpAddr> = interface_addresses.iter().map(|a| a.net.addr()).collect();
     addresses.sort();
     addresses.dedup();
     // A kernel without IPv6 has no such file; one with IPv6 turned off says 1.
     let ipv6_disabled =
         std::fs::read_to_string("/proc/sys/net/ipv6/conf/all/disable_ipv6").map_or(true, |v| v.trim() == "1");
-    let links = if with_links {
-        super::interfaces::links()?
-    } else {
-        Vec::new()
-    };
     Ok(LocalNetwork {
         addresses,
         ipv6_disabled,
-        links,
-        interface_addresses: super::masquerade::interface_addresses()?,
+        links: super::interfaces::links()?,
+        interface_addresses,
     })
 }
 

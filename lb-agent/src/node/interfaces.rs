@@ -1,13 +1,14 @@
-//! The node's links as kube-proxy's interface detectors see them (`--detect-local-mode`
-//! BridgeInterface and InterfaceNamePrefix): each link's name, index and bridge, from one
-//! RTM_GETLINK dump of this network namespace, and which of them are pod interfaces.
+//! The node's links, from one RTM_GETLINK dump of this network namespace per sync: each link's
+//! name, index, state and bridge, as kube-proxy's interface detectors (`--detect-local-mode`
+//! BridgeInterface and InterfaceNamePrefix: which links are pod interfaces) and the tc
+//! attachment (which links carry the programs) see them.
 
 use std::{collections::BTreeSet, io};
 
 use netlink_packet_core::NLM_F_DUMP;
 use netlink_packet_route::{
     RouteNetlinkMessage,
-    link::{InfoPortKind, LinkAttribute, LinkInfo, LinkMessage},
+    link::{InfoPortKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage},
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
@@ -20,6 +21,10 @@ pub struct Link {
     pub controller: Option<u32>,
     /// The link is a bridge's port (its controller's kind is `bridge`).
     pub bridge_port: bool,
+    /// Administratively up (`IFF_UP`).
+    pub up: bool,
+    /// The loopback device (`IFF_LOOPBACK`).
+    pub loopback: bool,
 }
 
 /// kube-proxy's interface local-traffic detectors: what makes a packet a pod's by the interface
@@ -69,6 +74,7 @@ pub fn links() -> io::Result<Vec<Link>> {
         let mut name = None;
         let mut controller = None;
         let mut bridge_port = false;
+        let flags = link.header.flags;
         for attribute in link.attributes {
             match attribute {
                 LinkAttribute::IfName(n) => name = Some(n),
@@ -87,6 +93,8 @@ pub fn links() -> io::Result<Vec<Link>> {
                 index: link.header.index,
                 controller,
                 bridge_port,
+                up: flags.contains(LinkFlags::Up),
+                loopback: flags.contains(LinkFlags::Loopback),
             });
         }
     })
@@ -138,6 +146,8 @@ mod tests {
             index,
             controller,
             bridge_port: controller.is_some(),
+            up: true,
+            loopback: false,
         }
     }
 
@@ -246,5 +256,10 @@ mod tests {
         let lo = links.iter().find(|l| l.name == "lo").expect("lo in the dump");
         assert_eq!(lo.index, 1);
         assert_eq!(lo.controller, None);
+        assert!(lo.loopback && lo.up, "{lo:?}");
+        assert!(
+            links.iter().filter(|l| l.name != "lo").all(|l| !l.loopback),
+            "{links:?}"
+        );
     }
 }

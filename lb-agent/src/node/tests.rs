@@ -445,24 +445,32 @@ fn interface_detectors_list_pod_interfaces_for_both_families() {
             index: 2,
             controller: None,
             bridge_port: false,
+            up: true,
+            loopback: false,
         },
         Link {
             name: "cbr0".into(),
             index: 3,
             controller: None,
             bridge_port: false,
+            up: true,
+            loopback: false,
         },
         Link {
             name: "veth1".into(),
             index: 4,
             controller: Some(3),
             bridge_port: true,
+            up: true,
+            loopback: false,
         },
         Link {
             name: "veth2".into(),
             index: 5,
             controller: None,
             bridge_port: false,
+            up: true,
+            loopback: false,
         },
     ];
     let local = LocalNetwork { links, ..local() };

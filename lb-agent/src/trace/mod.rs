@@ -522,7 +522,7 @@ fn trace_live(
     let mut dp = Datapath::load_for_trace(&paths, object).context("loading the programs for tracing")?;
     let mut node_ips = node_ips.to_vec();
     if node_ips.is_empty() {
-        node_ips = crate::node::local_network(false)
+        node_ips = crate::node::local_network()
             .map(|local| local.addresses)
             .unwrap_or_default()
             .into_iter()
