@@ -306,7 +306,6 @@ fn came_in_by_pod_interface(ctx: &TcContext) -> bool {
 fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i32 {
     let flow = &pkt.flow;
     let cfg = lb::datapath_config();
-    let family = F::settings(cfg);
     let has = |flag: u16| choice.frontend_flags & flag != 0;
     let backend_id = choice.backend_id;
     // Removed since `choose` read it (the agent deletes a backend after unlinking its slots):
