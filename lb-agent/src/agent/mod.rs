@@ -151,7 +151,7 @@ where
     };
     // `[::]` on a node without IPv6: every IPv4 address instead (what Go does with `:port`).
     if addr.ip() == std::net::IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
-        && crate::node::local_network().is_ok_and(|l| l.ipv6_disabled)
+        && crate::node::addresses::ipv6_disabled()
     {
         addr.set_ip(std::net::Ipv4Addr::UNSPECIFIED.into());
     }

@@ -141,6 +141,12 @@ pub struct LocalNetwork {
     pub interface_addresses: Vec<super::masquerade::InterfaceAddress>,
 }
 
+/// Whether this network namespace has no IPv6: a kernel without IPv6 has no such file; one with
+/// IPv6 turned off says 1.
+pub fn ipv6_disabled() -> bool {
+    std::fs::read_to_string("/proc/sys/net/ipv6/conf/all/disable_ipv6").map_or(true, |v| v.trim() == "1")
+}
+
 /// This network namespace's addresses (per interface, from one RTM_GETADDR dump), its links
 /// (one RTM_GETLINK dump) and its IPv6 state: what a sync reads of the node's own network.
 pub fn local_network() -> std::io::Result<LocalNetwork> {
@@ -148,12 +154,9 @@ pub fn local_network() -> std::io::Result<LocalNetwork> {
     let mut addresses: Vec<IpAddr> = interface_addresses.iter().map(|a| a.net.addr()).collect();
     addresses.sort();
     addresses.dedup();
-    // A kernel without IPv6 has no such file; one with IPv6 turned off says 1.
-    let ipv6_disabled =
-        std::fs::read_to_string("/proc/sys/net/ipv6/conf/all/disable_ipv6").map_or(true, |v| v.trim() == "1");
     Ok(LocalNetwork {
         addresses,
-        ipv6_disabled,
+        ipv6_disabled: ipv6_disabled(),
         links: super::interfaces::links()?,
         interface_addresses,
     })
