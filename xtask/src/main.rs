@@ -118,6 +118,9 @@ enum Command {
         results: std::path::PathBuf,
         #[arg(long)]
         filter: Option<String>,
+        /// NAME=TEST,TEST: run only these tests of binary NAME (exact names).
+        #[arg(long)]
+        only: Vec<String>,
         /// NAME=PATH of each test binary.
         binaries: Vec<String>,
     },
@@ -162,8 +165,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::KernelGuest {
             results,
             filter,
+            only,
             binaries,
-        } => kernel::guest(&results, filter.as_deref(), &binaries),
+        } => kernel::guest(&results, filter.as_deref(), &only, &binaries),
         Command::K8sBins => {
             let bins = k8s::ensure(&util::cache_dir())?;
             println!("{}", bins.dir.display());

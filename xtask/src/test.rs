@@ -188,7 +188,7 @@ fn cargo_test_with(
     Ok(child.wait()?.success())
 }
 
-fn print_summary(summary: &Summary, started: Instant, ok: bool) {
+pub(crate) fn print_summary(summary: &Summary, started: Instant, ok: bool) {
     if !summary.failing_binaries.is_empty() {
         eprintln!("failing test binaries:");
         for b in &summary.failing_binaries {
@@ -273,9 +273,16 @@ pub fn run_all(filter: Option<&str>, with_e2e: bool, with_guest: bool) -> Result
     ok &= cargo_test(&args, filter, &envs, &mut summary)?;
     if with_guest && filter.is_none() {
         step(&format!(
-            "the fixtures and netns tests on Linux {} in a guest ({})",
+            "the verifier, fixtures and netns tests on Linux {} in a guest ({})",
             crate::kernel::CI_KERNEL,
-            crate::kernel::CI_BINARIES.join(", ")
+            crate::kernel::CI_TESTS
+                .iter()
+                .map(|(b, tests)| match tests.len() {
+                    0 => b.to_string(),
+                    n => format!("{n} of {b}"),
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
         ));
         ok &= crate::kernel::run_ci_subset(&mut summary)?;
     }

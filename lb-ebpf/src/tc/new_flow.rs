@@ -321,11 +321,14 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i3
     // MASQUERADE never sees a locally delivered packet, it keeps the client's address and its
     // replies get the frontend back on their way out.
     let local_backend = backend.flags & backend_flags::HOST != 0;
-    let mut masquerade = !local_backend
-        && (has(flags::MASQUERADE)
-            || (has(flags::MASQUERADE_OFF_CLUSTER) && !choice.from_pod)
-            // Hairpin: the reply must come back through this node to be translated.
-            || backend.addr == flow.saddr);
+    // Hairpin: the reply must come back through this node to be translated.
+    let wanted = has(flags::MASQUERADE)
+        || (has(flags::MASQUERADE_OFF_CLUSTER) && !choice.from_pod)
+        || backend.addr == flow.saddr;
+    // `&` rather than `&&`: one branch fewer for the verifier to walk every state of the rest of
+    // `track` through (Linux 6.1: 823,898 -> 758,224 steps for lb_tc_ingress). Making the three
+    // tests above branch-free too saves more steps but spills past the 512-byte stack.
+    let mut masquerade = wanted & !local_backend;
 
     // One entry and one key, rewritten for each of the flow's entries in turn: an IPv6 flow's
     // entries are 48 and 40 bytes, and copies of each would overflow the stack frame.

@@ -39,8 +39,10 @@ fn binary_result(name: &str, log: &str, exit: Option<i32>, seconds: f64) -> Valu
 
 /// `cargo xtask kernel-guest`: runs inside the guest (or on the host for `--kernel host`). Runs
 /// each binary with its output in `<results>/<name>.log`, writes `<results>/<name>.json` when it
-/// ends, the kernel's features to `features.json`, and `done` last.
-pub fn guest(results: &Path, filter: Option<&str>, binaries: &[String]) -> Result<()> {
+/// ends, the kernel's features to `features.json`, and `done` last. A binary named in `only`
+/// (`NAME=TEST,TEST`) runs just those tests, by exact name; the others run whole, or what
+/// `filter` matches.
+pub fn guest(results: &Path, filter: Option<&str>, only: &[String], binaries: &[String]) -> Result<()> {
     let root = workspace_root();
     fs::create_dir_all(results)?;
     let features = Command::new(root.join("target/debug/lb-agent"))
@@ -61,7 +63,11 @@ pub fn guest(results: &Path, filter: Option<&str>, binaries: &[String]) -> Resul
         let log = fs::File::create(&log_path)?;
         let started = Instant::now();
         let mut cmd = Command::new(path);
-        cmd.args(filter)
+        match only.iter().find_map(|o| o.strip_prefix(name)?.strip_prefix('=')) {
+            Some(tests) => cmd.arg("--exact").args(tests.split(',')),
+            None => cmd.args(filter),
+        };
+        cmd
             // As `cargo test` runs them: from the package's directory.
             .current_dir(root.join("tests"))
             .stdin(Stdio::null())

@@ -204,6 +204,10 @@ pub(super) fn run_kernel(
         guest_args.push("--filter".into());
         guest_args.push(f.clone());
     }
+    for (binary, tests) in &opts.only {
+        guest_args.push("--only".into());
+        guest_args.push(format!("{binary}={}", tests.join(",")));
+    }
     guest_args.extend(specs);
     println!("==> Linux {}: guest {guest}", kernel.label());
 
