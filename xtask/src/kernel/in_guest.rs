@@ -14,8 +14,10 @@ use serde_json::{Value, json};
 
 use crate::{test::Summary, util::workspace_root};
 
-/// One test binary's result, as the runner (in a guest or here) records it.
-fn binary_result(name: &str, log: &str, exit: Option<i32>, seconds: f64) -> Value {
+/// One test binary's result, as the runner (in a guest or here) records it. `named`: how many
+/// tests it was told to run by exact name; running another number of them (a test renamed or
+/// gone) fails it, rather than passing on fewer tests than asked for.
+fn binary_result(name: &str, log: &str, exit: Option<i32>, seconds: f64, named: Option<usize>) -> Value {
     let mut summary = Summary::default();
     for line in log.lines() {
         summary.add_line(line);
@@ -24,7 +26,11 @@ fn binary_result(name: &str, log: &str, exit: Option<i32>, seconds: f64) -> Valu
         .lines()
         .filter_map(|l| l.strip_prefix("test ")?.strip_suffix(" ... FAILED"))
         .collect();
-    let ok = exit == Some(0) && summary.failed == 0 && summary.binaries > 0;
+    let ran = summary.passed + summary.failed;
+    let missing = named
+        .filter(|&n| ran != n as u64)
+        .map(|n| format!("ran {ran} of the {n} tests named (a test renamed or gone?)"));
+    let ok = exit == Some(0) && summary.failed == 0 && summary.binaries > 0 && missing.is_none();
     json!({
         "binary": name,
         "ok": ok,
@@ -34,6 +40,7 @@ fn binary_result(name: &str, log: &str, exit: Option<i32>, seconds: f64) -> Valu
         "failed": summary.failed,
         "ignored": summary.ignored,
         "failures": failures,
+        "missing": missing,
     })
 }
 
@@ -63,7 +70,8 @@ pub fn guest(results: &Path, filter: Option<&str>, only: &[String], binaries: &[
         let log = fs::File::create(&log_path)?;
         let started = Instant::now();
         let mut cmd = Command::new(path);
-        match only.iter().find_map(|o| o.strip_prefix(name)?.strip_prefix('=')) {
+        let named = only.iter().find_map(|o| o.strip_prefix(name)?.strip_prefix('='));
+        match named {
             Some(tests) => cmd.arg("--exact").args(tests.split(',')),
             None => cmd.args(filter),
         };
@@ -81,7 +89,8 @@ pub fn guest(results: &Path, filter: Option<&str>, only: &[String], binaries: &[
             }
         };
         let text = fs::read_to_string(&log_path).unwrap_or_default();
-        let result = binary_result(name, &text, exit, started.elapsed().as_secs_f64());
+        let named = named.map(|tests| tests.split(',').count());
+        let result = binary_result(name, &text, exit, started.elapsed().as_secs_f64(), named);
         fs::write(
             results.join(format!("{name}.json")),
             serde_json::to_string_pretty(&result)?,
@@ -99,7 +108,7 @@ mod tests {
     #[test]
     fn results_are_read_from_the_test_output() {
         let log = "running 2 tests\ntest a ... ok\ntest b ... FAILED\n\nfailures:\n\ntest result: FAILED. 1 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1.00s\n";
-        let r = binary_result("socket_lb", log, Some(101), 1.5);
+        let r = binary_result("socket_lb", log, Some(101), 1.5, None);
         assert_eq!(r["ok"], false);
         assert_eq!(r["passed"], 1);
         assert_eq!(r["failures"], json!(["b"]));
@@ -108,10 +117,29 @@ mod tests {
             "test result: ok. 3 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.1s\n",
             Some(0),
             0.1,
+            None,
         );
         assert_eq!(good["ok"], true);
         // A binary that crashed before printing a result is a failure, whatever its exit.
-        assert_eq!(binary_result("x", "", Some(0), 0.0)["ok"], false);
+        assert_eq!(binary_result("x", "", Some(0), 0.0, None)["ok"], false);
         assert!(result_line("6.1.0-56-amd64", &r).contains("failed: b"));
+        // Told to run 4 tests by name, it ran 3: one of the names matches no test any more.
+        let short = binary_result(
+            "x",
+            "test result: ok. 3 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.1s\n",
+            Some(0),
+            0.1,
+            Some(4),
+        );
+        assert_eq!(short["ok"], false);
+        assert!(result_line("6.1.0-56-amd64", &short).contains("ran 3 of the 4 tests named"));
+        let exact = binary_result(
+            "x",
+            "test result: ok. 3 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.1s\n",
+            Some(0),
+            0.1,
+            Some(3),
+        );
+        assert_eq!(exact["ok"], true);
     }
 }

@@ -115,8 +115,8 @@ pub const CI_TESTS: &[(&str, &[&str])] = &[
     ),
 ];
 
-/// Runs [`CI_TESTS`] on [`CI_KERNEL`] for `./x test`, adding the results to `summary`. A binary
-/// that ran fewer tests than it was given names one that no longer exists: that fails too.
+/// Runs [`CI_TESTS`] on [`CI_KERNEL`] for `./x test`, adding the results to `summary` (a binary
+/// that ran another number of tests than it was named fails: `in_guest::binary_result`).
 pub fn run_ci_subset(summary: &mut Summary) -> Result<bool> {
     let opts = Options {
         kernels: vec![CI_KERNEL.into()],
@@ -143,23 +143,12 @@ pub fn run_ci_subset(summary: &mut Summary) -> Result<bool> {
             summary.passed += r["passed"].as_u64().unwrap_or(0);
             summary.failed += r["failed"].as_u64().unwrap_or(0);
             summary.ignored += r["ignored"].as_u64().unwrap_or(0);
-            let binary = r["binary"].as_str().unwrap_or("?");
-            let named = CI_TESTS
-                .iter()
-                .find(|(b, _)| *b == binary)
-                .map_or(0, |(_, t)| t.len());
-            let ran = r["passed"].as_u64().unwrap_or(0) + r["failed"].as_u64().unwrap_or(0);
-            if named > 0 && ran != named as u64 && r["not_run"] != true {
-                ok = false;
+            if r["ok"] != true {
                 summary.failing_binaries.push(format!(
-                    "{binary} on Linux {}: ran {ran} of the {named} tests named in xtask's CI_TESTS \
-                     (a test renamed or gone?)",
+                    "{} on Linux {} (target/kernel-test-ci/{}/)",
+                    r["binary"].as_str().unwrap_or("?"),
+                    outcome.kernel.release,
                     outcome.kernel.release
-                ));
-            } else if r["ok"] != true {
-                summary.failing_binaries.push(format!(
-                    "{binary} on Linux {} (target/kernel-test-ci/{}/)",
-                    outcome.kernel.release, outcome.kernel.release
                 ));
             }
         }

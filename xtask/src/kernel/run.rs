@@ -138,7 +138,9 @@ pub(super) fn result_line(release: &str, r: &Value) -> String {
     if r["ignored"].as_u64().unwrap_or(0) > 0 {
         let _ = write!(counts, ", {} ignored", r["ignored"]);
     }
-    if r["ok"] != true && r["failed"].as_u64().unwrap_or(0) == 0 {
+    if let Some(missing) = r["missing"].as_str() {
+        let _ = write!(counts, " ({missing})");
+    } else if r["ok"] != true && r["failed"].as_u64().unwrap_or(0) == 0 {
         let _ = write!(counts, " (exit {})", r["exit"]);
     }
     let mut line = format!(
