@@ -1,5 +1,6 @@
 //! Child processes placed in a test's network namespace and cgroup before they exec, so every
 //! socket they open is subject to the programs attached to that cgroup. Killed on drop.
+//! [`descendants`] lists what such a process is running below it (from /proc).
 
 use std::{
     ffi::OsStr,
@@ -207,4 +208,110 @@ pub fn workspace_bin(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// A process found under another one in /proc (see [`descendants`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Descendant {
+    pub pid: u32,
+    /// Its command line, arguments joined by spaces.
+    pub cmdline: String,
+    /// Seconds since it started.
+    pub elapsed_s: f64,
+    /// User and system CPU seconds it has used.
+    pub cpu_s: f64,
+}
+
+/// The fields of `/proc/<pid>/stat` this module reads: (ppid, utime + stime, starttime), in
+/// clock ticks. The command name (field 2) is in parentheses and may itself hold spaces and
+/// parentheses, so the fields are counted from its last `)`.
+pub fn parse_stat(stat: &str) -> Option<(u32, u64, u64)> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // After the name: state(3) ppid(4) ... utime(14) stime(15) ... starttime(22).
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
+    Some((
+        u32::try_from(field(4)?).ok()?,
+        field(14)? + field(15)?,
+        field(22)?,
+    ))
+}
+
+/// Every live process below `pid` (children, their children, ...), e.g. the `iptables-restore`
+/// a kube-proxy is waiting for.
+pub fn descendants(pid: u32) -> Vec<Descendant> {
+    let tick = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .unwrap_or(100) as f64;
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime")
+        .ok()
+        .and_then(|u| u.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0);
+    let mut all = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(p) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        if let Some(stat) = std::fs::read_to_string(format!("/proc/{p}/stat"))
+            .ok()
+            .and_then(|s| parse_stat(&s))
+        {
+            all.push((p, stat));
+        }
+    }
+    let mut found: Vec<Descendant> = Vec::new();
+    let mut parents = vec![pid];
+    while let Some(parent) = parents.pop() {
+        for &(p, (ppid, cpu, start)) in &all {
+            if ppid != parent {
+                continue;
+            }
+            parents.push(p);
+            let cmdline = std::fs::read(format!("/proc/{p}/cmdline"))
+                .map(|b| {
+                    b.split(|c| *c == 0)
+                        .filter(|a| !a.is_empty())
+                        .map(|a| String::from_utf8_lossy(a).into_owned())
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
+                .unwrap_or_default();
+            found.push(Descendant {
+                pid: p,
+                cmdline,
+                elapsed_s: (uptime - start as f64 / tick).max(0.0),
+                cpu_s: cpu as f64 / tick,
+            });
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_fields_are_counted_after_the_name() {
+        // A name with a space and a parenthesis, as a process can give itself.
+        let stat = "4242 (iptables (x) r) R 17132 4242 17 0 -1 4194304 900 0 0 0 \
+                    1200 34 0 0 20 0 1 0 5570123 22000000 7000 18446744073709551615";
+        assert_eq!(parse_stat(stat), Some((17132, 1234, 5570123)));
+        assert_eq!(parse_stat("4242 (short) R 1 2"), None);
+    }
+
+    #[test]
+    fn this_process_has_a_descendant_while_a_child_runs() {
+        let mut child = Command::new("sleep").arg("5").spawn().expect("sleep");
+        let found = descendants(std::process::id());
+        let _ = child.kill();
+        let _ = child.wait();
+        let sleep = found
+            .iter()
+            .find(|d| d.pid == child.id())
+            .expect("the child is listed");
+        assert_eq!(sleep.cmdline, "sleep 5");
+        assert!(sleep.elapsed_s < 5.0 && sleep.cpu_s < 1.0, "{sleep:?}");
+    }
 }

@@ -265,7 +265,15 @@ pub fn run_all(filter: Option<&str>, with_e2e: bool, with_guest: bool) -> Result
     build_agent()?;
     ebpf::build_variant()?;
     step("privileged and end-to-end tests (tests/)");
-    let mut args = vec!["--package".to_string(), "lb-tests".into(), "--lib".into()];
+    // The benchmark's own unit tests (its rule generator, its report's arithmetic) run with
+    // the library's: lb-bench is built for the suite anyway.
+    let mut args = vec![
+        "--package".to_string(),
+        "lb-tests".into(),
+        "--lib".into(),
+        "--bin".into(),
+        "lb-bench".into(),
+    ];
     for t in lb_tests_targets(with_e2e)? {
         args.push("--test".into());
         args.push(t);

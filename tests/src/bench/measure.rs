@@ -32,7 +32,7 @@ pub struct Ctx<'a> {
 
 impl Ctx<'_> {
     pub(crate) fn launch(&self, peer: &mut Peer) {
-        peer.launch(&self.kubeconfig, &self.kube_proxy, self.opts.backends_capacity);
+        peer.launch(&self.kubeconfig, &self.kube_proxy, self.opts);
     }
 
     /// Target files for `n` Services of `family`'s set: ClusterIP:80 per line, and the floor's
@@ -85,6 +85,10 @@ pub struct ColdStart {
     pub sync_sum_s: f64,
     /// The agent's "data path programmed ... elapsed_ms" values.
     pub agent_sync_ms: Vec<f64>,
+    /// For a program that did not serve in time: what it was busy with then (its log's last
+    /// sync size, the commands it waited for; `Peer::stall_diagnosis`).
+    #[serde(default)]
+    pub stalled: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -334,6 +338,7 @@ pub fn latency_level(
             sync_count,
             sync_sum_s,
             agent_sync_ms: agent_ms(&peer, 0),
+            stalled: if r.ok { None } else { peer.stall_diagnosis() },
         };
         eprintln!(
             "  {:<22} N={n}{over}: serving all after {} (last Service after {}){}",

@@ -10,6 +10,7 @@
 //!   socket/tc, Cilium);
 //! - `measure`: connect latency, programming time, change latency and memory;
 //! - `tcrun`: tc cost per packet with BPF_PROG_TEST_RUN;
+//! - `restore`: how `iptables-restore` itself scales on each backend (kube-proxy iptables' limit);
 //! - `report`: docs/benchmarks.md, the plots, the terminal summary.
 //!
 //! Connect latency and the tc cost are measured in both IP families: every topology, proxy and
@@ -24,6 +25,7 @@ pub mod crr;
 pub mod measure;
 pub mod peers;
 pub mod report;
+pub mod restore;
 pub mod tcrun;
 pub mod throughput;
 pub mod topo;
@@ -64,6 +66,8 @@ pub struct Options {
     pub cold_timeout: Duration,
     /// The agent's `--bpf-lb-map-max` (backends and reverse-NAT capacity).
     pub backends_capacity: u32,
+    /// The agent's `--bpf-lb-service-map-max` (frontends and backend slots).
+    pub services_capacity: u32,
     pub write_docs: bool,
     /// The IPv6 rounds (connect latency and tc cost over IPv6) besides the IPv4 ones.
     pub ipv6: bool,
@@ -77,30 +81,44 @@ pub struct Options {
     /// Rounds of the north-south throughput (0: not measured) and each run's length.
     pub throughput_rounds: usize,
     pub throughput_seconds: u64,
+    /// Service counts of the `iptables-restore` scaling runs (empty: not measured).
+    pub restore_levels: Vec<u32>,
+    /// Only the `iptables-restore` scaling runs (development).
+    pub restore_only: bool,
 }
 
 impl Options {
     pub fn new(quick: bool) -> Options {
-        let big = if quick { 1_000 } else { 10_000 };
         Options {
             quick,
+            // 30,000: the largest point of kube-proxy's own published nftables benchmark, so the
+            // growth of every cost with N shows up to there (the targets stay judged at 10,000).
             levels: if quick {
                 vec![10, 1_000]
             } else {
-                vec![10, 1_000, 10_000]
+                vec![10, 1_000, 10_000, 30_000]
             },
-            programming: if quick { vec![1_000] } else { vec![1_000, 10_000] },
+            programming: if quick {
+                vec![1_000]
+            } else {
+                vec![1_000, 10_000, 30_000]
+            },
             change_reps: if quick { 5 } else { 15 },
             rounds: if quick { 3 } else { 7 },
             conns: if quick { 5_000 } else { 20_000 },
             warmup: if quick { 1_000 } else { 2_000 },
-            tc_levels: vec![10, big],
+            tc_levels: if quick {
+                vec![10, 1_000]
+            } else {
+                vec![10, 10_000, 30_000]
+            },
             tc_batches: if quick { 3 } else { 10 },
             tc_calls: 20_000,
             sync_timeout: Duration::from_secs(if quick { 600 } else { 2_400 }),
             cold_timeout: Duration::from_secs(if quick { 600 } else { 1_200 }),
             // 10,000 Services × 10 distinct endpoints do not fit the default 65,536 backends.
             backends_capacity: 131_072,
+            services_capacity: lb_common::catalog::capacity::SERVICES,
             write_docs: true,
             ipv6: true,
             skip_tc: false,
@@ -113,7 +131,32 @@ impl Options {
                 .collect(),
             throughput_rounds: if quick { 2 } else { 3 },
             throughput_seconds: if quick { 5 } else { 10 },
+            restore_levels: vec![500, 1_000, 2_000],
+            restore_only: false,
         }
+    }
+
+    /// Grows the agent's map sizes (and Cilium's) to what the largest level needs: N Services ×
+    /// 10 distinct endpoints are 10 N backends and 11 N service entries (a frontend and its
+    /// slots), plus room for the helper Services; powers of two, never below the sizes every run
+    /// up to 10,000 Services had, and backends at most what the reverse-NAT ids allow.
+    pub fn fit_capacities(&mut self) {
+        let max = self
+            .levels
+            .iter()
+            .chain(&self.programming)
+            .chain(&self.tc_levels)
+            .copied()
+            .max()
+            .unwrap_or(0);
+        let (backends, services) = map_sizes(max);
+        self.backends_capacity = self.backends_capacity.max(backends);
+        self.services_capacity = self.services_capacity.max(services);
+    }
+
+    /// Cilium's `--bpf-lb-map-max`, which sizes its service and backend maps alike.
+    pub fn cilium_map_max(&self) -> u32 {
+        self.backends_capacity.max(self.services_capacity)
     }
 
     /// The programs whose programming is measured, among the configurations run.
@@ -123,6 +166,16 @@ impl Options {
             .filter(|c| self.configs.contains(c))
             .collect()
     }
+}
+
+/// (backends, service entries) for `n` Services × 10 endpoints: see `Options::fit_capacities`.
+pub fn map_sizes(n: u32) -> (u32, u32) {
+    let room = 1_024;
+    let backends = (n * api::ENDPOINTS + room)
+        .next_power_of_two()
+        .min(lb_common::catalog::MAX_REVNAT_PER_FAMILY);
+    let services = (n * (api::ENDPOINTS + 1) + room).next_power_of_two();
+    (backends, services)
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -199,12 +252,13 @@ pub fn run(opts: &Options, command: String) -> Results {
     let mut r = Results {
         quick: opts.quick,
         command,
-        machine: report::machine(&bins, &agent_bin(), &root, opts.backends_capacity),
+        machine: report::machine(&bins, &agent_bin(), &root, opts.cilium_map_max()),
         rounds: opts.rounds,
         conns: opts.conns,
         warmup: opts.warmup,
         change_reps: opts.change_reps,
         backends_capacity: opts.backends_capacity,
+        services_capacity: opts.services_capacity,
         ..Default::default()
     };
 
@@ -230,7 +284,20 @@ pub fn run(opts: &Options, command: String) -> Results {
         }
         save(&r, &out_json);
     }
-    if opts.tc_only {
+    if opts.tc_only && !opts.restore_only {
+        return r;
+    }
+    if !opts.restore_levels.is_empty()
+        && opts
+            .configs
+            .iter()
+            .any(|c| matches!(c, Config::Iptables | Config::IptablesLegacy))
+    {
+        step("iptables-restore of kube-proxy's ruleset on each backend, by Service count");
+        r.restore = restore::measure(&opts.restore_levels, Duration::from_secs(30));
+        save(&r, &out_json);
+    }
+    if opts.restore_only {
         return r;
     }
 
@@ -251,6 +318,10 @@ pub fn run(opts: &Options, command: String) -> Results {
         opts,
     };
     let change_n = opts.programming.iter().copied().max().unwrap_or(0);
+    // Configurations that did not serve a smaller level's Services within the cold-start timeout:
+    // not started at a larger level, where they would only time out again (their first sync
+    // grows with N) and keep a CPU busy meanwhile.
+    let mut too_slow: Vec<(Config, u32)> = Vec::new();
     for &n in &opts.levels {
         check_interrupted();
         if opts.programming.contains(&n) {
@@ -264,7 +335,12 @@ pub fn run(opts: &Options, command: String) -> Results {
                     ));
                     ctx.cluster.shrink_to(0);
                 }
-                let reps = if n == change_n { opts.change_reps } else { 0 };
+                // One-change latency on top of the targets' N and of the largest level.
+                let reps = if n == change_n || n == report::TARGET_N {
+                    opts.change_reps
+                } else {
+                    0
+                };
                 step(&format!(
                     "programming: {} creating {n} Services through the API{} ({}/{})",
                     config.program(),
@@ -312,7 +388,37 @@ pub fn run(opts: &Options, command: String) -> Results {
             "connect latency with {n} Services: starting the {} configurations",
             opts.configs.len()
         ));
-        let (level, mem) = measure::latency_level(&mut ctx, n, Family::V4, &[]);
+        for &(c, at) in &too_slow {
+            let why = format!(
+                "{} was not started at {n} Services: it did not serve {at} Services within {:?} of \
+                 its start",
+                c.label(),
+                opts.cold_timeout
+            );
+            eprintln!("  {why}");
+            r.problems.push(why);
+        }
+        let mut skip: Vec<Config> = too_slow.iter().map(|&(c, _)| c).collect();
+        // A kube-proxy whose first sync's iptables-restore alone projects (from this run's own
+        // restore measurements) to more than twice the timeout would only time out.
+        for &c in &opts.configs {
+            if let Some(t) = restore::projected_first_sync_s(&r.restore, c, n)
+                && t > 2.0 * opts.cold_timeout.as_secs_f64()
+                && !skip.contains(&c)
+            {
+                let why = format!(
+                    "{} was not started at {n} Services: its first sync's iptables-restore alone \
+                     projects to {t:.0} s there (section 2's restore measurements), over twice the \
+                     cold-start timeout of {:?}",
+                    c.label(),
+                    opts.cold_timeout
+                );
+                eprintln!("  {why}");
+                r.problems.push(why);
+                skip.push(c);
+            }
+        }
+        let (level, mem) = measure::latency_level(&mut ctx, n, Family::V4, &skip);
         level_problems(&mut r, &level, Family::V4, opts);
         // Left out over IPv4 (did not serve the N Services within the cold-start timeout): not
         // started over IPv6 at this N, where the same proxier would face as many Services.
@@ -322,6 +428,7 @@ pub fn run(opts: &Options, command: String) -> Results {
             .filter(|c| c.last_s.is_none())
             .filter_map(|c| c.config)
             .collect();
+        too_slow.extend(left_out.iter().map(|&c| (c, n)));
         r.latency.push(level);
         r.memory.extend(mem);
         save(&r, &out_json);
@@ -346,7 +453,8 @@ pub fn run(opts: &Options, command: String) -> Results {
             step(&format!(
                 "connect latency over IPv6 with {n} Services: starting the configurations"
             ));
-            let (level, mem) = measure::latency_level(&mut ctx, n, Family::V6, &left_out);
+            let skip6 = [skip.as_slice(), left_out.as_slice()].concat();
+            let (level, mem) = measure::latency_level(&mut ctx, n, Family::V6, &skip6);
             level_problems(&mut r, &level, Family::V6, opts);
             r.latency6.push(level);
             r.memory.extend(mem);
@@ -401,6 +509,12 @@ fn level_problems(r: &mut Results, level: &measure::LatencyLevel, family: Family
                     ""
                 }
             ));
+            if let Some(stalled) = &c.stalled {
+                r.problems.push(format!(
+                    "{} at {n}{over} Services, when its timeout ran out: {stalled}",
+                    c.config.map(Config::label).unwrap_or("")
+                ));
+            }
         }
     }
     for (c, runs) in &level.runs {
@@ -428,4 +542,31 @@ pub fn write_docs(r: &Results) {
     let doc = root.join("docs/benchmarks.md");
     std::fs::write(&doc, report::markdown(r)).expect("write docs/benchmarks.md");
     eprintln!("{} written", doc.display());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn map_sizes_grow_only_above_ten_thousand_services() {
+        // Up to 10,000 Services every run keeps the sizes it always had.
+        let mut upto_10k = Options::new(false);
+        upto_10k.levels = vec![10, 1_000, 10_000];
+        upto_10k.programming = vec![1_000, 10_000];
+        upto_10k.tc_levels = vec![10, 10_000];
+        upto_10k.fit_capacities();
+        assert_eq!(
+            (upto_10k.backends_capacity, upto_10k.services_capacity),
+            (131_072, lb_common::catalog::capacity::SERVICES)
+        );
+        // The full run's 30,000 Services x 10 endpoints: 300,000 backends (the most the
+        // reverse-NAT ids allow is 524,287) and 330,000 service entries.
+        let mut full = Options::new(false);
+        full.fit_capacities();
+        assert_eq!(full.backends_capacity, lb_common::catalog::MAX_REVNAT_PER_FAMILY);
+        assert_eq!(full.services_capacity, 524_288);
+        assert!(full.backends_capacity >= 30_000 * api::ENDPOINTS);
+        assert_eq!(full.cilium_map_max(), 524_288);
+    }
 }

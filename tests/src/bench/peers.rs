@@ -170,12 +170,14 @@ pub fn kube_proxy_flags(mode: &str) -> Vec<String> {
         "--healthz-bind-address=127.0.0.1:10256".into(),
         "--iptables-sync-period=1h".into(),
         "--oom-score-adj=0".into(),
+        // The size of every sync in its log ("Reloading service ... data"), as many clusters run it.
+        "--v=2".into(),
     ]
 }
 
 /// `LB_BENCH_AGENT_FLAGS` (space-separated) adds flags to the agent's, for experiments by hand
 /// (e.g. `--no-tc`); the report lists them with the rest.
-pub fn agent_flags(backends_capacity: u32) -> Vec<String> {
+pub fn agent_flags(backends_capacity: u32, services_capacity: u32) -> Vec<String> {
     let mut flags = vec![
         format!("--hostname-override={}", api::NODE),
         format!("--cluster-cidr={}", topo::cluster_cidrs()),
@@ -184,6 +186,10 @@ pub fn agent_flags(backends_capacity: u32) -> Vec<String> {
         "--sync-period=1h".into(),
         format!("--bpf-lb-map-max={backends_capacity}"),
     ];
+    // Named only where a level needs more than the default (above 10,000 Services).
+    if services_capacity > lb_common::catalog::capacity::SERVICES {
+        flags.push(format!("--bpf-lb-service-map-max={services_capacity}"));
+    }
     if let Ok(extra) = std::env::var("LB_BENCH_AGENT_FLAGS") {
         flags.extend(extra.split_whitespace().map(str::to_owned));
     }
@@ -283,7 +289,7 @@ impl Peer {
     }
 
     /// Starts the proxy (nothing for the floor).
-    pub fn launch(&mut self, kubeconfig: &Path, kube_proxy: &Path, backends_capacity: u32) {
+    pub fn launch(&mut self, kubeconfig: &Path, kube_proxy: &Path, opts: &super::Options) {
         self.launched_ns = now_ns();
         let mut cmd = match self.config {
             Config::Direct => return,
@@ -313,7 +319,7 @@ impl Peer {
                     .arg(bpf.dir.join("lb"))
                     .arg("--cgroup-root")
                     .arg(self.cgroup.as_ref().expect("agent cgroup").path())
-                    .args(agent_flags(backends_capacity))
+                    .args(agent_flags(opts.backends_capacity, opts.services_capacity))
                     .env("RUST_LOG", "info")
                     .env("NO_COLOR", "1");
                 self._bpf = Some(bpf);
@@ -326,7 +332,7 @@ impl Peer {
                     .prefix("lb-bench-cilium-")
                     .tempdir()
                     .expect("cilium state directory");
-                let cmd = cilium::command(kubeconfig, &bpf.dir, cgroup, state.path(), backends_capacity);
+                let cmd = cilium::command(kubeconfig, &bpf.dir, cgroup, state.path(), opts.cilium_map_max());
                 self._bpf = Some(bpf);
                 self._state = Some(state);
                 cmd
@@ -473,6 +479,31 @@ impl Peer {
                 (*t, fields)
             })
             .collect()
+    }
+
+    /// What a program that has not served yet is busy with, from its own log and from /proc:
+    /// kube-proxy's last `Reloading service ... data` line (the size of the sync it started,
+    /// logged at `--v=2`) and the commands it is waiting for (`iptables-restore`, `nft`), each
+    /// with how long it has run and its CPU time. None when neither says anything.
+    pub fn stall_diagnosis(&self) -> Option<String> {
+        let pid = self.pid()?;
+        let mut parts = Vec::new();
+        let last_sync = {
+            let log = self.log.lock().expect("log");
+            log.iter()
+                .rev()
+                .find_map(|(_, l)| l.find("Reloading service").map(|at| l[at..].to_string()))
+        };
+        if let Some(line) = last_sync {
+            parts.push(format!("its first sync logged `{line}`"));
+        }
+        for child in lb_tests::process::descendants(pid) {
+            parts.push(format!(
+                "it was still running `{}` ({:.0} s so far, {:.0} s of CPU)",
+                child.cmdline, child.elapsed_s, child.cpu_s
+            ));
+        }
+        (!parts.is_empty()).then(|| parts.join("; "))
     }
 
     /// VmRSS and VmHWM of the proxy, in KiB.

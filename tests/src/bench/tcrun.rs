@@ -101,10 +101,12 @@ fn scratch(n: u32, family: Family) -> Result<ScratchDatapath> {
         bail!("lb-agent was built without the eBPF object (run through `cargo xtask bench`)");
     }
     // ScratchDatapath::new sizes its maps for small fixtures (65,536 service slots, 16,384
-    // backends): too small for 10,000 Services x 10 endpoints. Same construction, agent-sized maps.
+    // backends): too small for 10,000 Services x 10 endpoints. Same construction, agent-sized maps
+    // (as the benchmark's agent gets above 10,000 Services).
+    let (backends, services) = super::map_sizes(n);
     let caps = Capacities {
-        services: 262_144,
-        backends: 262_144,
+        services: services.max(262_144),
+        backends: backends.max(262_144),
         revnat: 65_536,
         sock_revnat: 4096,
         affinity: 4096,

@@ -56,6 +56,9 @@ struct Cli {
     /// Skip the north-south throughput (NodePort from outside the node).
     #[arg(long)]
     skip_throughput: bool,
+    /// Skip the iptables-restore scaling runs (kube-proxy's ruleset on each iptables backend).
+    #[arg(long)]
+    skip_restore: bool,
     /// IPv4 only: no connect-latency rounds or tc cost over IPv6.
     #[arg(long)]
     no_ipv6: bool,
@@ -66,6 +69,9 @@ struct Cli {
     /// cilium-socket, cilium-tc. Default: all (Cilium's when `LB_CILIUM_DIR` names its bundle).
     #[arg(long, value_delimiter = ',')]
     configs: Vec<String>,
+    /// Only the iptables-restore scaling runs (development).
+    #[arg(long, conflicts_with_all = ["skip_restore", "latency_only", "tc_only"])]
+    restore_only: bool,
     /// Do not rewrite docs/benchmarks.md and docs/bench/*.png.
     #[arg(long)]
     no_docs: bool,
@@ -154,13 +160,22 @@ fn main() {
     if !cli.programming_levels.is_empty() {
         opts.programming = cli.programming_levels.clone();
     }
+    opts.fit_capacities();
     opts.skip_tc = cli.skip_tc;
+    if cli.skip_restore {
+        opts.restore_levels.clear();
+    }
+    if cli.restore_only {
+        opts.restore_only = true;
+        opts.skip_tc = true;
+    }
     opts.ipv6 = !cli.no_ipv6;
     opts.tc_only = cli.tc_only;
     if cli.latency_only {
         opts.programming.clear();
         opts.skip_tc = true;
         opts.throughput_rounds = 0;
+        opts.restore_levels.clear();
     }
     if cli.skip_throughput {
         opts.throughput_rounds = 0;

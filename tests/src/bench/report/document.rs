@@ -110,7 +110,7 @@ pub fn markdown(r: &Results) -> String {
          everything else at its defaults (min-sync-period 100 ms; tc attached to every interface \
          that is up in the node namespace).\n",
         peers::kube_proxy_flags("MODE")[1..].join(" "),
-        peers::agent_flags(r.backends_capacity).join(" ")
+        peers::agent_flags(r.backends_capacity, r.services_capacity).join(" ")
     );
     if !m.cilium_flags.is_empty() {
         let _ = writeln!(
@@ -429,6 +429,23 @@ pub fn markdown(r: &Results) -> String {
         }
     }
 
+    for (family, l) in FAMILIES
+        .iter()
+        .flat_map(|&f| r.latency_in(f).iter().map(move |l| (f, l)))
+    {
+        for c in l.cold.iter().filter(|c| c.stalled.is_some()) {
+            let _ = writeln!(
+                s,
+                "\n{} with {} {} Services did not serve them within the run's timeout: {}.",
+                c.config.map(Config::label).unwrap_or(""),
+                fmt_n(c.n),
+                family.name(),
+                c.stalled.as_deref().unwrap_or("")
+            );
+        }
+    }
+    restore_section(&mut s, r);
+
     // Change latency.
     if !r.changes.is_empty() {
         s.push_str("\n### One Service added, changed, removed on top of N\n\n");
@@ -626,11 +643,16 @@ pub fn markdown(r: &Results) -> String {
     if let Some(am) = r.agent_memory(max_n) {
         let _ = writeln!(
             s,
-            "\nThe agent's maps at {} Services (capacities: defaults, except `--bpf-lb-map-max {}`). \
+            "\nThe agent's maps at {} Services (capacities: defaults, except `--bpf-lb-map-max {}`{}). \
              `memlock` is what the kernel reports for the map: preallocated maps cost their whole \
              capacity, the others grow with their entries.\n\n| map | max entries | entries used | memlock MiB |\n|---|---|---|---|",
             fmt_n(max_n),
-            r.backends_capacity
+            r.backends_capacity,
+            if r.services_capacity > lb_common::catalog::capacity::SERVICES {
+                format!(" and `--bpf-lb-service-map-max {}`", r.services_capacity)
+            } else {
+                String::new()
+            }
         );
         let mut maps: Vec<_> = am.maps.iter().collect();
         maps.sort_by(|a, b| a.name.cmp(&b.name));
@@ -788,5 +810,69 @@ fn throughput_section(s: &mut String, r: &Results) {
                 ratios.join(", ")
             );
         }
+    }
+}
+
+/// Section 2's `iptables-restore` scaling: kube-proxy's ruleset restored by itself on each
+/// backend, and what the growth measured projects at the run's largest level.
+fn restore_section(s: &mut String, r: &Results) {
+    if r.restore.is_empty() {
+        return;
+    }
+    s.push_str("\n### iptables-restore by itself: why kube-proxy iptables stalls at a cold start\n\n");
+    s.push_str(crate::bench::report::prose::RESTORE_METHOD);
+    let mut levels: Vec<u32> = r.restore.iter().map(|x| x.services).collect();
+    levels.sort_unstable();
+    levels.dedup();
+    let target = r.levels().into_iter().max().unwrap_or(0).max(10_000);
+    let _ = write!(s, "\n| restore | ");
+    for n in &levels {
+        let _ = write!(s, "{} Services | ", fmt_n(*n));
+    }
+    let _ = writeln!(
+        s,
+        "growth exponent, last doubling | projected at {} Services |",
+        fmt_n(target)
+    );
+    let _ = writeln!(s, "|---|{}---|---|", "---|".repeat(levels.len()));
+    for (binary, noflush) in crate::bench::restore::VARIANTS {
+        let runs: Vec<&crate::bench::restore::RestoreRun> = r
+            .restore
+            .iter()
+            .filter(|x| x.binary == binary && x.noflush == noflush)
+            .collect();
+        if runs.is_empty() {
+            continue;
+        }
+        let _ = write!(
+            s,
+            "| `{binary} -w 5 --counters{}` | ",
+            if noflush { " --noflush" } else { "" }
+        );
+        for n in &levels {
+            match runs.iter().find(|x| x.services == *n) {
+                Some(x) => {
+                    let _ = write!(s, "{} s | ", num(x.seconds));
+                }
+                None => s.push_str("not run (the level before took over 30 s) | "),
+            }
+        }
+        match crate::bench::restore::projection(&runs, target) {
+            Some((k, t)) => {
+                let _ = writeln!(s, "{k:.2} | {} |", opt_s(Some(t)));
+            }
+            None => s.push_str("– | – |\n"),
+        }
+    }
+    if let Some(x) = r.restore.first() {
+        let _ = writeln!(
+            s,
+            "\nThe ruleset has 11 chains and 31 rules per Service ({} Services: {} chains, {} rules), \
+             as kube-proxy's nat table for the benchmark's Services (its log line `Reloading service \
+             iptables data` gives its own counts, quoted above when a cold start stalled).",
+            fmt_n(x.services),
+            fmt_n(x.chains),
+            fmt_n(x.rules)
+        );
     }
 }

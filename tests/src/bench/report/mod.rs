@@ -20,5 +20,6 @@ pub use self::{
     gnuplot::plots,
     machine::{Machine, machine},
     results::Results,
+    targets::TARGET_N,
     terminal::summary,
 };

@@ -131,3 +131,19 @@ nodePort 30080, externalTrafficPolicy Cluster, 10 endpoints) is the only Service
 while this runs; every configuration is started afresh on a fresh topology and measured once it \
 serves the NodePort. The client is outside the cluster CIDRs, so every proxy masquerades \
 (kube-proxy's KUBE-MARK-MASQ for external traffic; lb tc's SNAT on the backend-facing egress).";
+
+pub(super) const RESTORE_METHOD: &str = r#"kube-proxy's iptables proxier programs its first sync after a start with one
+`iptables-restore -w 5 --noflush --counters` of every Service's chains (later syncs restore only
+the chains that changed, which is why creating the Services through the API with kube-proxy
+running stays fast). Here that call runs by itself: kube-proxy's nat ruleset for N of the
+benchmark's Services (KUBE-SERVICES, a KUBE-SVC chain per Service, a KUBE-SEP chain per endpoint,
+hashed names) restored into an empty nat table of a fresh network namespace, timed until the
+command returns. With `--noflush`, iptables-nft collects the name of every chain a command names
+into a sorted linked list before fetching those chains from the kernel
+(`cache_chain_list_insert` in `iptables/nft-cache.c`, in iptables 1.8.9 as here and unchanged in
+1.8.11, Debian's newest): a walk of that list per command, so the restore grows with the square of
+the number of chains. The same input without `--noflush`, and iptables-legacy, do not. The
+growth exponent is `log(t₂/t₁) / log(N₂/N₁)` over the last two levels measured (1 linear, 2
+quadratic), and the projection `t(N_last) × (N / N_last)^exponent`: an extrapolation, not a
+measurement.
+"#;

@@ -24,6 +24,9 @@ pub struct Results {
     pub warmup: usize,
     pub change_reps: u32,
     pub backends_capacity: u32,
+    /// `--bpf-lb-service-map-max` (0 in results written before it was recorded: the default).
+    #[serde(default)]
+    pub services_capacity: u32,
     /// tc cost per packet with IPv4 Services and packets.
     pub tc: Vec<TcLevel>,
     /// The same with IPv6 Services and packets.
@@ -41,6 +44,9 @@ pub struct Results {
     /// configuration.
     #[serde(default)]
     pub throughput: Vec<crate::bench::throughput::ThroughputRun>,
+    /// `iptables-restore` of kube-proxy's ruleset by Service count, on each backend.
+    #[serde(default)]
+    pub restore: Vec<crate::bench::restore::RestoreRun>,
     /// Problems met during the run (a step that failed, a probe that timed out).
     pub problems: Vec<String>,
     pub duration_s: f64,
@@ -98,6 +104,9 @@ impl Results {
         self.memory.extend(later.memory);
         if !later.throughput.is_empty() {
             self.throughput = later.throughput;
+        }
+        if !later.restore.is_empty() {
+            self.restore = later.restore;
         }
         self.problems.extend(later.problems);
         self.duration_s += later.duration_s;
@@ -174,6 +183,18 @@ impl Results {
         self.levels().into_iter().max()
     }
 
+    /// The Service count the targets are judged at: theirs (10,000), or the largest level below
+    /// it that this run measured (a quick run's 1,000; 30,000 is there for the growth with N).
+    pub(super) fn target_n(&self) -> Option<u32> {
+        let levels = self.levels();
+        let at_most = levels
+            .iter()
+            .copied()
+            .filter(|&n| n <= super::targets::TARGET_N)
+            .max();
+        at_most.or_else(|| self.max_n())
+    }
+
     /// The agent's largest memory measurement at N with the IPv4 Services (the target's).
     pub(super) fn agent_memory(&self, n: u32) -> Option<&Memory> {
         self.memory
@@ -201,5 +222,32 @@ impl Results {
             .filter(|p| p.n == n && p.config.is_some_and(Config::is_agent))
             .flat_map(|p| p.agent_sync_ms.iter().copied())
             .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_levels(levels: &[u32]) -> Results {
+        Results {
+            latency: levels
+                .iter()
+                .map(|&n| LatencyLevel {
+                    n,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn targets_are_judged_at_ten_thousand_or_the_largest_level_below() {
+        assert_eq!(with_levels(&[10, 1_000, 10_000, 30_000]).target_n(), Some(10_000));
+        assert_eq!(with_levels(&[10, 1_000, 30_000]).target_n(), Some(1_000));
+        assert_eq!(with_levels(&[10, 1_000]).target_n(), Some(1_000));
+        assert_eq!(with_levels(&[30_000]).target_n(), Some(30_000));
+        assert_eq!(with_levels(&[]).target_n(), None);
     }
 }

@@ -12,7 +12,7 @@ use crate::bench::peers::Config;
 use lb_tests::packet::Family;
 
 /// The Service count the targets are stated at.
-pub(super) const TARGET_N: u32 = 10_000;
+pub const TARGET_N: u32 = 10_000;
 
 fn verdict(ok: Option<bool>) -> &'static str {
     match ok {
@@ -24,7 +24,8 @@ fn verdict(ok: Option<bool>) -> &'static str {
 
 pub(super) fn targets(r: &Results) -> String {
     let mut s = String::new();
-    let max_n = r.max_n().unwrap_or(0);
+    // Judged at 10,000, or the largest level below it that the run measured.
+    let max_n = r.target_n().unwrap_or(0);
     let min_n = r.levels().into_iter().min().unwrap_or(0);
     let at = if max_n < TARGET_N {
         format!(
@@ -33,7 +34,7 @@ pub(super) fn targets(r: &Results) -> String {
             if r.quick {
                 "quick run"
             } else {
-                "this run's largest N"
+                "this run's largest N up to it"
             },
             fmt_n(TARGET_N)
         )
