@@ -492,7 +492,7 @@ impl Peer {
             let log = self.log.lock().expect("log");
             log.iter()
                 .rev()
-                .find_map(|(_, l)| l.find("Reloading service").map(|at| l[at..].to_string()))
+                .find_map(|(_, l)| l.find("\"Reloading service").map(|at| l[at..].to_string()))
         };
         if let Some(line) = last_sync {
             parts.push(format!("its first sync logged `{line}`"));

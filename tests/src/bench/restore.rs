@@ -42,8 +42,8 @@ pub const VARIANTS: [(&str, bool); 3] = [
 ];
 
 /// kube-proxy's nat ruleset for `services` ClusterIP Services of 10 endpoints (the benchmark's
-/// addresses), as its iptables proxier writes it: a KUBE-SVC chain per Service with one
-/// probability rule per endpoint, a KUBE-SEP chain per endpoint with its masquerade-mark and DNAT
+/// addresses), as its iptables proxier writes it: a KUBE-SVC chain per Service with its
+/// masquerade mark and one probability rule per endpoint, a KUBE-SEP chain per endpoint with its masquerade-mark and DNAT
 /// rules. Chain names are hashed like kube-proxy's (unordered). Returns (text, chains, rules).
 pub fn kube_proxy_ruleset(services: u32) -> (String, u32, u32) {
     const ENDPOINTS: u32 = 10;
@@ -59,8 +59,15 @@ pub fn kube_proxy_ruleset(services: u32) -> (String, u32, u32) {
             "-A KUBE-SERVICES -m comment --comment \"bench/s{i:05}:http cluster IP\" -m tcp -p tcp -d {}/32 --dport 80 -j {svc}",
             std::net::Ipv4Addr::from(vip)
         );
+        // Traffic to the ClusterIP from outside the cluster CIDR is marked for masquerade.
+        let _ = writeln!(
+            rules,
+            "-A {svc} -m comment --comment \"bench/s{i:05}:http cluster IP\" -m tcp -p tcp -d {}/32 --dport 80 ! -s {} -j KUBE-MARK-MASQ",
+            std::net::Ipv4Addr::from(vip),
+            super::topo::CLUSTER_CIDR
+        );
         n_chains += 1;
-        n_rules += 1;
+        n_rules += 2;
         for j in 0..ENDPOINTS {
             let sep = format!("KUBE-SEP-{}", chain_hash((u64::from(i) << 8) | u64::from(j + 1)));
             let ep = std::net::Ipv4Addr::from(0x0a80_0000 + 16 * i + j + 1);
@@ -212,8 +219,9 @@ mod tests {
         let (text, chains, rules) = kube_proxy_ruleset(3);
         // KUBE-SERVICES, KUBE-MARK-MASQ, then per Service one SVC and ten SEP chains.
         assert_eq!(chains, 2 + 3 * 11);
-        // Per Service: the KUBE-SERVICES jump, then per endpoint a probability jump and two.
-        assert_eq!(rules, 3 * (1 + 10 * 3));
+        // Per Service: the KUBE-SERVICES jump and the masquerade mark (32 rules, as kube-proxy's
+        // numNATRules per Service), then per endpoint a probability jump and two.
+        assert_eq!(rules, 3 * (2 + 10 * 3));
         assert_eq!(text.lines().filter(|l| l.starts_with(':')).count() as u32, chains);
         assert_eq!(
             text.lines().filter(|l| l.starts_with("-A ")).count() as u32,

@@ -867,7 +867,7 @@ fn restore_section(s: &mut String, r: &Results) {
     if let Some(x) = r.restore.first() {
         let _ = writeln!(
             s,
-            "\nThe ruleset has 11 chains and 31 rules per Service ({} Services: {} chains, {} rules), \
+            "\nThe ruleset has 11 chains and 32 rules per Service ({} Services: {} chains, {} rules), \
              as kube-proxy's nat table for the benchmark's Services (its log line `Reloading service \
              iptables data` gives its own counts, quoted above when a cold start stalled).",
             fmt_n(x.services),
