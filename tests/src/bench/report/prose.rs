@@ -145,5 +145,6 @@ into a sorted linked list before fetching those chains from the kernel
 the number of chains. The same input without `--noflush`, and iptables-legacy, do not. The
 growth exponent is `log(t₂/t₁) / log(N₂/N₁)` over the last two levels measured (1 linear, 2
 quadratic), and the projection `t(N_last) × (N / N_last)^exponent`: an extrapolation, not a
-measurement.
+measurement, and rather a lower bound for iptables-nft: the longer list also misses the CPU's
+caches more often at every step of its walk.
 "#;
