@@ -237,13 +237,18 @@ pub fn parse_stat(stat: &str) -> Option<(u32, u64, u64)> {
     ))
 }
 
+/// The kernel's clock ticks per second (`/proc/<pid>/stat`'s time unit).
+pub fn clock_ticks() -> u64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .map_or(100, |t| t.max(1) as u64)
+}
+
 /// Every live process below `pid` (children, their children, ...), e.g. the `iptables-restore`
 /// a kube-proxy is waiting for.
 pub fn descendants(pid: u32) -> Vec<Descendant> {
-    let tick = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-        .ok()
-        .flatten()
-        .unwrap_or(100) as f64;
+    let tick = clock_ticks() as f64;
     let uptime: f64 = std::fs::read_to_string("/proc/uptime")
         .ok()
         .and_then(|u| u.split_whitespace().next()?.parse().ok())

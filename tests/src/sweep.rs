@@ -49,10 +49,7 @@ fn control_planes_of(parent: i32) -> Vec<(i32, std::path::PathBuf)> {
             continue;
         };
         let stat = fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        // Field 4 (after the parenthesised command, which may hold spaces) is the parent pid.
-        let ppid = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok());
+        let ppid = crate::process::parse_stat(&stat).and_then(|(ppid, _, _)| i32::try_from(ppid).ok());
         if ppid != Some(parent) {
             continue;
         }

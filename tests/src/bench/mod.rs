@@ -287,7 +287,7 @@ pub fn run(opts: &Options, command: String) -> Results {
             .any(|c| matches!(c, Config::Iptables | Config::IptablesLegacy))
     {
         step("iptables-restore of kube-proxy's ruleset on each backend, by Service count");
-        r.restore = restore::measure(&opts.restore_levels, Duration::from_secs(30));
+        r.restore = restore::measure(&opts.restore_levels);
         save(&r, &out_json);
     }
     if opts.restore_only {

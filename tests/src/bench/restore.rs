@@ -18,7 +18,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use lb_tests::netns::NetNs;
+use lb_tests::{netns::NetNs, packet::Family};
 use serde::{Deserialize, Serialize};
 
 /// One restore of the ruleset of `services` Services into an empty nat table.
@@ -41,56 +41,58 @@ pub const VARIANTS: [(&str, bool); 3] = [
     ("iptables-nft-restore", false),
 ];
 
-/// kube-proxy's nat ruleset for `services` ClusterIP Services of 10 endpoints (the benchmark's
-/// addresses), as its iptables proxier writes it: a KUBE-SVC chain per Service with its
-/// masquerade mark and one probability rule per endpoint, a KUBE-SEP chain per endpoint with its masquerade-mark and DNAT
-/// rules. Chain names are hashed like kube-proxy's (unordered). Returns (text, chains, rules).
+/// kube-proxy's nat ruleset for `services` of the benchmark's Services (its addresses and names,
+/// `api`), as its iptables proxier writes it: a KUBE-SVC chain per Service with its masquerade
+/// mark and one probability rule per endpoint, a KUBE-SEP chain per endpoint with its
+/// masquerade-mark and DNAT rules. Chain names are hashed like kube-proxy's (unordered).
+/// Returns (text, chains, rules).
 pub fn kube_proxy_ruleset(services: u32) -> (String, u32, u32) {
-    const ENDPOINTS: u32 = 10;
+    use super::api;
     let mut chains = String::from("*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n");
     let mut rules = String::new();
     let (mut n_chains, mut n_rules) = (2, 0);
     for i in 0..services {
         let svc = format!("KUBE-SVC-{}", chain_hash(u64::from(i) << 8));
-        let vip = 0x0a60_0100 + i;
+        let name = format!("{}/{}:http", api::NS, api::svc_name_in(Family::V4, i));
+        let vip = api::vip(i, api::SERVICE_PORT);
+        let (vip_ip, vip_port) = (vip.ip(), vip.port());
         let _ = writeln!(chains, ":{svc} - [0:0]");
         let _ = writeln!(
             rules,
-            "-A KUBE-SERVICES -m comment --comment \"bench/s{i:05}:http cluster IP\" -m tcp -p tcp -d {}/32 --dport 80 -j {svc}",
-            std::net::Ipv4Addr::from(vip)
+            "-A KUBE-SERVICES -m comment --comment \"{name} cluster IP\" -m tcp -p tcp -d {vip_ip}/32 --dport {vip_port} -j {svc}"
         );
         // Traffic to the ClusterIP from outside the cluster CIDR is marked for masquerade.
         let _ = writeln!(
             rules,
-            "-A {svc} -m comment --comment \"bench/s{i:05}:http cluster IP\" -m tcp -p tcp -d {}/32 --dport 80 ! -s {} -j KUBE-MARK-MASQ",
-            std::net::Ipv4Addr::from(vip),
+            "-A {svc} -m comment --comment \"{name} cluster IP\" -m tcp -p tcp -d {vip_ip}/32 --dport {vip_port} ! -s {} -j KUBE-MARK-MASQ",
             super::topo::CLUSTER_CIDR
         );
         n_chains += 1;
         n_rules += 2;
-        for j in 0..ENDPOINTS {
+        let endpoints = api::endpoints_in(Family::V4, i);
+        for (j, ep) in (0u32..).zip(&endpoints) {
             let sep = format!("KUBE-SEP-{}", chain_hash((u64::from(i) << 8) | u64::from(j + 1)));
-            let ep = std::net::Ipv4Addr::from(0x0a80_0000 + 16 * i + j + 1);
+            let ep_ip = ep.ip();
             let _ = writeln!(chains, ":{sep} - [0:0]");
-            let probability = if j + 1 < ENDPOINTS {
+            let probability = if j + 1 < api::ENDPOINTS {
                 format!(
                     " -m statistic --mode random --probability {:.10}",
-                    1.0 / f64::from(ENDPOINTS - j)
+                    1.0 / f64::from(api::ENDPOINTS - j)
                 )
             } else {
                 String::new()
             };
             let _ = writeln!(
                 rules,
-                "-A {svc} -m comment --comment \"bench/s{i:05}:http -> {ep}:8080\"{probability} -j {sep}"
+                "-A {svc} -m comment --comment \"{name} -> {ep}\"{probability} -j {sep}"
             );
             let _ = writeln!(
                 rules,
-                "-A {sep} -m comment --comment bench/s{i:05}:http -s {ep}/32 -j KUBE-MARK-MASQ"
+                "-A {sep} -m comment --comment {name} -s {ep_ip}/32 -j KUBE-MARK-MASQ"
             );
             let _ = writeln!(
                 rules,
-                "-A {sep} -m comment --comment bench/s{i:05}:http -m tcp -p tcp -j DNAT --to-destination {ep}:8080"
+                "-A {sep} -m comment --comment {name} -m tcp -p tcp -j DNAT --to-destination {ep}"
             );
             n_chains += 1;
             n_rules += 3;
@@ -113,9 +115,12 @@ fn chain_hash(x: u64) -> String {
         .collect()
 }
 
-/// Restores each variant at growing Service counts, stopping a variant after the first level
-/// that took longer than `budget` (the next would take about four times as long if quadratic).
-pub fn measure(levels: &[u32], budget: Duration) -> Vec<RestoreRun> {
+/// A variant stops growing after the first level whose restore took longer than this (the next
+/// would take about four times as long if quadratic).
+pub const BUDGET: Duration = Duration::from_secs(30);
+
+/// Restores each variant at growing Service counts, up to [`BUDGET`] per variant's last level.
+pub fn measure(levels: &[u32]) -> Vec<RestoreRun> {
     let mut runs = Vec::new();
     for (binary, noflush) in VARIANTS {
         if !binary_exists(binary) {
@@ -133,7 +138,7 @@ pub fn measure(levels: &[u32], budget: Duration) -> Vec<RestoreRun> {
                         run.rules,
                         run.seconds
                     );
-                    let slow = run.seconds > budget.as_secs_f64();
+                    let slow = run.seconds > BUDGET.as_secs_f64();
                     runs.push(run);
                     if slow {
                         break;
@@ -210,6 +215,27 @@ pub fn projection(runs: &[&RestoreRun], target: u32) -> Option<(f64, f64)> {
     Some((k, b.seconds * (f64::from(target) / f64::from(b.services)).powf(k)))
 }
 
+/// The restore a configuration's first sync runs (kube-proxy's call on its backend), if any.
+pub fn variant_of(config: super::peers::Config) -> Option<(&'static str, bool)> {
+    use super::peers::Config;
+    match config {
+        Config::Iptables => Some(("iptables-nft-restore", true)),
+        Config::IptablesLegacy => Some(("iptables-legacy-restore", true)),
+        _ => None,
+    }
+}
+
+/// What the measured growth projects for `config`'s first-sync restore at `n` Services: None
+/// when it runs no restore or the run measured fewer than two levels of it.
+pub fn projected_first_sync_s(runs: &[RestoreRun], config: super::peers::Config, n: u32) -> Option<f64> {
+    let (binary, noflush) = variant_of(config)?;
+    let mine: Vec<&RestoreRun> = runs
+        .iter()
+        .filter(|r| r.binary == binary && r.noflush == noflush)
+        .collect();
+    projection(&mine, n).map(|(_, t)| t)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,25 +296,4 @@ mod tests {
         assert!(projected_first_sync_s(&runs, Config::IptablesLegacy, 10_000).is_none());
         assert!(projected_first_sync_s(&runs, Config::Nftables, 10_000).is_none());
     }
-}
-
-/// The restore a configuration's first sync runs (kube-proxy's call on its backend), if any.
-pub fn variant_of(config: super::peers::Config) -> Option<(&'static str, bool)> {
-    use super::peers::Config;
-    match config {
-        Config::Iptables => Some(("iptables-nft-restore", true)),
-        Config::IptablesLegacy => Some(("iptables-legacy-restore", true)),
-        _ => None,
-    }
-}
-
-/// What the measured growth projects for `config`'s first-sync restore at `n` Services: None
-/// when it runs no restore or the run measured fewer than two levels of it.
-pub fn projected_first_sync_s(runs: &[RestoreRun], config: super::peers::Config, n: u32) -> Option<f64> {
-    let (binary, noflush) = variant_of(config)?;
-    let mine: Vec<&RestoreRun> = runs
-        .iter()
-        .filter(|r| r.binary == binary && r.noflush == noflush)
-        .collect();
-    projection(&mine, n).map(|(_, t)| t)
 }

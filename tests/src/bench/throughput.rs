@@ -208,16 +208,12 @@ pub fn wait_for_quiet_machine(limit: Duration) {
 /// A process's CPU time (utime + stime, /proc/PID/stat fields 14 and 15), in ns.
 fn process_cpu_ns(pid: u32) -> u64 {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // The fields after the command name (which may hold spaces), from field 3 on.
-    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-    let fields: Vec<u64> = after.split_whitespace().map(|v| v.parse().unwrap_or(0)).collect();
-    ticks_to_ns(fields.get(11).copied().unwrap_or(0) + fields.get(12).copied().unwrap_or(0))
+    let ticks = lb_tests::process::parse_stat(&stat).map_or(0, |(_, cpu, _)| cpu);
+    ticks_to_ns(ticks)
 }
 
 fn ticks_to_ns(ticks: u64) -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    ticks * 1_000_000_000 / hz
+    ticks * 1_000_000_000 / lb_tests::process::clock_ticks()
 }
 
 /// The configurations of this run that serve north-south traffic, in the document's order.

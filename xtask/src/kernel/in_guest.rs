@@ -112,34 +112,24 @@ mod tests {
         assert_eq!(r["ok"], false);
         assert_eq!(r["passed"], 1);
         assert_eq!(r["failures"], json!(["b"]));
-        let good = binary_result(
-            "x",
-            "test result: ok. 3 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.1s\n",
-            Some(0),
-            0.1,
-            None,
-        );
-        assert_eq!(good["ok"], true);
+        // A binary that printed "3 passed" and exited 0, told to run `named` tests by name or not.
+        let three_passed = |named| {
+            binary_result(
+                "x",
+                "test result: ok. 3 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.1s\n",
+                Some(0),
+                0.1,
+                named,
+            )
+        };
+        assert_eq!(three_passed(None)["ok"], true);
         // A binary that crashed before printing a result is a failure, whatever its exit.
         assert_eq!(binary_result("x", "", Some(0), 0.0, None)["ok"], false);
         assert!(result_line("6.1.0-56-amd64", &r).contains("failed: b"));
         // Told to run 4 tests by name, it ran 3: one of the names matches no test any more.
-        let short = binary_result(
-            "x",
-            "test result: ok. 3 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.1s\n",
-            Some(0),
-            0.1,
-            Some(4),
-        );
+        let short = three_passed(Some(4));
         assert_eq!(short["ok"], false);
         assert!(result_line("6.1.0-56-amd64", &short).contains("ran 3 of the 4 tests named"));
-        let exact = binary_result(
-            "x",
-            "test result: ok. 3 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.1s\n",
-            Some(0),
-            0.1,
-            Some(3),
-        );
-        assert_eq!(exact["ok"], true);
+        assert_eq!(three_passed(Some(3))["ok"], true);
     }
 }

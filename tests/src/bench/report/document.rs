@@ -824,7 +824,7 @@ fn restore_section(s: &mut String, r: &Results) {
     let mut levels: Vec<u32> = r.restore.iter().map(|x| x.services).collect();
     levels.sort_unstable();
     levels.dedup();
-    let target = r.levels().into_iter().max().unwrap_or(0).max(10_000);
+    let target = r.levels().into_iter().max().unwrap_or(0).max(TARGET_N);
     let _ = write!(s, "\n| restore | ");
     for n in &levels {
         let _ = write!(s, "{} Services | ", fmt_n(*n));
@@ -854,7 +854,13 @@ fn restore_section(s: &mut String, r: &Results) {
                 Some(x) => {
                     let _ = write!(s, "{} s | ", num(x.seconds));
                 }
-                None => s.push_str("not run (the level before took over 30 s) | "),
+                None => {
+                    let _ = write!(
+                        s,
+                        "not run (the level before took over {} s) | ",
+                        crate::bench::restore::BUDGET.as_secs()
+                    );
+                }
             }
         }
         match crate::bench::restore::projection(&runs, target) {
