@@ -323,11 +323,14 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         }
     };
 
-    // Links that come and go (pod veths, bridge ports) are seen at the next sync: sync on each
-    // change, so tc attachments and the interface detector's pod interfaces follow them.
-    if !args.bpf.no_tc || settings.interface_detector().is_some() {
+    // Links and addresses that come and go (pod veths, bridge ports, node IPs) are seen at the
+    // next sync: sync on each change, so tc attachments, the interface detector's pod interfaces
+    // and the NodePort and masquerade addresses follow them; syncs for Service changes alone then
+    // reuse the last dump of the node's network.
+    let link_events = crate::node::LinkEvents::default();
+    {
         let (run, shutdown) = (handle.clone(), shutdown.clone());
-        if let Err(e) = crate::node::interfaces::watch_links(move || {
+        if let Err(e) = crate::node::interfaces::watch_links(link_events.clone(), move || {
             run.run();
             !shutdown.is_cancelled()
         }) {
@@ -364,6 +367,7 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         manifest_problems: BTreeSet::new(),
         service_cluster_ip_range,
         links: Vec::new(),
+        local_network: crate::node::LocalNetworkCache::new(link_events),
     }));
 
     {

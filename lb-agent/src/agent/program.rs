@@ -311,9 +311,9 @@ impl<M: MapOps> Programmer<M> {
         }
         for family in [IpFamily::V4, IpFamily::V6] {
             let ranges = self.cluster_ips.ranges(family);
-            if self.service_ranges_written.get(family).as_ref() != Some(&ranges) {
-                match maps.put_service_ranges(family, &ranges) {
-                    Ok(()) => *self.service_ranges_written.get_mut(family) = Some(ranges),
+            if self.service_ranges_written.get(family).as_deref() != Some(ranges) {
+                match maps.put_service_ranges(family, ranges) {
+                    Ok(()) => *self.service_ranges_written.get_mut(family) = Some(ranges.to_vec()),
                     Err(e) => result = result.and(Err(e)),
                 }
             }

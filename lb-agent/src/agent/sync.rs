@@ -53,6 +53,9 @@ pub(super) struct Agent {
     /// The node's links at the last sync (`node::local_network`): the tc attachment's
     /// interfaces.
     pub links: Vec<node::Link>,
+    /// The node's addresses and links, dumped anew only after a link or address event (or at a
+    /// sync no Service change caused).
+    pub local_network: node::LocalNetworkCache,
 }
 
 /// What a sync reads from its source.
@@ -86,7 +89,10 @@ impl Agent {
         if let Some(node) = node.as_deref() {
             self.health.set_node(node);
         }
-        let view = self.node_view(node.as_deref())?;
+        // A sync for changed Services alone reuses the last dump unless the link watcher saw an
+        // event since; any other (periodic, relist, link event, manifests) dumps anew.
+        let refresh = loaded.is_some() || pending.relisted || pending.dirty.is_empty();
+        let view = self.node_view(node.as_deref(), refresh)?;
         self.programmer
             .write_config(&view)
             .context("writing the datapath configuration")?;
@@ -176,8 +182,11 @@ impl Agent {
 
     /// This node's view from its Node object and its interfaces and their addresses now (the
     /// links are kept for the tc attachment).
-    fn node_view(&mut self, node: Option<&Node>) -> Result<NodeView> {
-        let local = node::local_network().context("listing this node's addresses and links")?;
+    fn node_view(&mut self, node: Option<&Node>, refresh: bool) -> Result<NodeView> {
+        let local = self
+            .local_network
+            .read(refresh)
+            .context("listing this node's addresses and links")?;
         let view = self.programmer.view(node, &local);
         self.links = local.links;
         Ok(view)

@@ -1,9 +1,17 @@
-//! The node's links, from one RTM_GETLINK dump of this network namespace per sync: each link's
+//! The node's links, from one RTM_GETLINK dump of this network namespace (at a sync that follows a
+//! link or address event, `watch_links`, or a sync not caused by a Service change): each link's
 //! name, index, state and bridge, as kube-proxy's interface detectors (`--detect-local-mode`
 //! BridgeInterface and InterfaceNamePrefix: which links are pod interfaces) and the tc
 //! attachment (which links carry the programs) see them.
 
-use std::{collections::BTreeSet, io};
+use std::{
+    collections::BTreeSet,
+    io,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+};
 
 use netlink_packet_core::NLM_F_DUMP;
 use netlink_packet_route::{
@@ -102,38 +110,85 @@ pub fn links() -> io::Result<Vec<Link>> {
     Ok(links)
 }
 
-/// Calls `on_change` after every link or address event of this network namespace (a link added,
-/// removed, or moved to or from a bridge; an address added or removed), from a thread of its own, until `on_change` returns false or
-/// the socket fails. The agent syncs on it: pod interfaces and tc attachments follow the links
-/// within the minimum sync period, not the sync period.
+/// What the link watcher has seen (`watch_links`): a reader of the node's network dumps it anew
+/// only after an event, and at every read while no watcher runs.
+#[derive(Clone, Debug, Default)]
+pub struct LinkEvents {
+    /// Link and address events seen (and dropped batches: ENOBUFS counts as one).
+    seen: Arc<AtomicU64>,
+    /// A watcher is bound and running.
+    watching: Arc<AtomicBool>,
+}
+
+impl LinkEvents {
+    /// Events counted by hand, as if a watcher ran (tests of readers).
+    #[cfg(test)]
+    pub fn by_hand() -> Self {
+        let events = Self::default();
+        events.watching.store(true, Ordering::Release);
+        events
+    }
+
+    /// One event, counted by hand.
+    #[cfg(test)]
+    pub fn count_one(&self) {
+        self.seen.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The number of events seen so far, or `None` when no watcher runs (then nothing says the
+    /// network is unchanged).
+    pub fn generation(&self) -> Option<u64> {
+        // Acquire: an event counted here was seen by a watcher bound before the read that follows.
+        self.watching
+            .load(Ordering::Acquire)
+            .then(|| self.seen.load(Ordering::Acquire))
+    }
+}
+
+/// Counts every link or address event of this network namespace (a link added, removed, or moved
+/// to or from a bridge; an address added or removed) in `events`, then calls `on_change`, from a
+/// thread of its own, until `on_change` returns false or the socket fails. The agent syncs on it:
+/// pod interfaces, tc attachments, NodePort and masquerade addresses follow the links within the
+/// minimum sync period, not the sync period; and a sync no event preceded reuses the last dump.
 pub fn watch_links(
+    events: LinkEvents,
     mut on_change: impl FnMut() -> bool + Send + 'static,
 ) -> io::Result<std::thread::JoinHandle<()>> {
     let mut socket = Socket::new(NETLINK_ROUTE)?;
     // Address changes too: the masquerade addresses and NodePort addresses follow them.
     let groups = libc::RTMGRP_LINK | libc::RTMGRP_IPV4_IFADDR | libc::RTMGRP_IPV6_IFADDR;
     socket.bind(&SocketAddr::new(0, groups as u32))?;
-    std::thread::Builder::new()
-        .name("link-watch".into())
-        .spawn(move || {
+    // Bound before any dump that relies on it: what changes from here on is an event.
+    events.watching.store(true, Ordering::Release);
+    let thread = std::thread::Builder::new().name("link-watch".into()).spawn({
+        let events = events.clone();
+        move || {
             let mut datagram = vec![0u8; 64 * 1024];
             loop {
                 match socket.recv(&mut &mut datagram[..], 0) {
-                    // ENOBUFS: the kernel dropped events; a sync looks at every link anyway.
+                    // ENOBUFS: the kernel dropped events; the next sync dumps anew anyway.
                     Ok(_) => {}
                     Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {}
                     Err(e) => {
+                        events.watching.store(false, Ordering::Release);
                         tracing::warn!(
                             "watching the links stopped: {e}; they are rescanned at every sync only"
                         );
                         return;
                     }
                 }
+                events.seen.fetch_add(1, Ordering::AcqRel);
                 if !on_change() {
+                    events.watching.store(false, Ordering::Release);
                     return;
                 }
             }
-        })
+        }
+    });
+    if thread.is_err() {
+        events.watching.store(false, Ordering::Release);
+    }
+    thread
 }
 
 #[cfg(test)]
@@ -201,7 +256,10 @@ mod tests {
         let woken = std::thread::spawn(|| {
             nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
             let (tx, rx) = std::sync::mpsc::channel();
-            watch_links(move || tx.send(()).is_ok()).expect("watching");
+            let events = LinkEvents::default();
+            assert_eq!(events.generation(), None, "no watcher yet");
+            watch_links(events.clone(), move || tx.send(()).is_ok()).expect("watching");
+            assert_eq!(events.generation(), Some(0), "watching, nothing seen yet");
             let status = std::process::Command::new("ip")
                 .args([
                     "link", "add", "lbwatch0", "type", "veth", "peer", "name", "lbwatch1",
@@ -210,6 +268,10 @@ mod tests {
                 .expect("ip link add");
             assert!(status.success());
             let woken = rx.recv_timeout(std::time::Duration::from_secs(5)).is_ok();
+            assert!(
+                events.generation() > Some(0),
+                "the event is counted before the call"
+            );
             let dump = links().expect("dump");
             (woken, dump)
         })

