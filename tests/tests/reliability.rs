@@ -821,6 +821,119 @@ fn upgrade_swaps_programs_and_migrates_maps_under_load() {
     }
 }
 
+/// Pins under the root's `maps/` that no map of this release has (a migration's `-old`, say).
+fn stray_pins(site: &Site) -> Vec<String> {
+    pins_in(&site.bpf_root().join("maps"))
+        .into_iter()
+        .filter(|f| {
+            !catalog::ALL
+                .iter()
+                .any(|n| catalog::pin_name(n).to_string() == *f)
+        })
+        .collect()
+}
+
+/// A start killed with SIGKILL while it migrates a map to a new capacity leaves the old pin moved
+/// aside (`<pin>-old`), and perhaps the new map it had pinned: the next start puts the old one
+/// back (the attached programs still serve from it), migrates again, and leaves no stray pin.
+/// Both points a kill can leave are set up exactly as such a start leaves them; load runs
+/// through the socket path and tc throughout, and no request may fail.
+#[test]
+fn a_start_killed_while_migrating_a_map_is_recovered_by_the_next() {
+    let _one = serial();
+    let site = Site::new(3);
+    let manifests = tempfile::tempdir().unwrap();
+    web_manifests(&site, manifests.path(), &[0, 1, 2]);
+    let agent = site.agent(Some(manifests.path().into()), None, &[]);
+    let loads = web_loads(&site, IpFamily::V4, true);
+    let held = Established::open(&[(site.external(), site.node_port(IpFamily::V4, 30090))], 3, 12);
+    std::thread::sleep(Duration::from_secs(1));
+    let ids_before = site.ids();
+    assert!(agent.stop().success());
+    let services = site.bpf_root().join("maps").join(catalog::SERVICES);
+    let aside = site
+        .bpf_root()
+        .join("maps")
+        .join(format!("{}-old", catalog::SERVICES));
+    let info = map_info(&services);
+    let default_capacity = capacity_of(&services);
+
+    // 1. Killed after moving the pin aside, before pinning the new map.
+    std::fs::rename(&services, &aside).unwrap();
+    let bigger = (default_capacity + 7).to_string();
+    let agent = site.agent(
+        Some(manifests.path().into()),
+        None,
+        &["--bpf-lb-service-map-max", &bigger],
+    );
+    let aside_only = (capacity_of(&services), stray_pins(&site), site.ids(), agent.log());
+    assert!(agent.stop().success());
+
+    // 2. Killed after pinning its new (still empty) map too.
+    std::fs::rename(&services, &aside).unwrap();
+    let key = info["bytes_key"].as_u64().unwrap().to_string();
+    let value = info["bytes_value"].as_u64().unwrap().to_string();
+    let flags = info["flags"].as_u64().unwrap().to_string();
+    bpftool(&[
+        "map",
+        "create",
+        services.to_str().unwrap(),
+        "type",
+        "hash",
+        "key",
+        &key,
+        "value",
+        &value,
+        "entries",
+        "4099",
+        "name",
+        catalog::SERVICES,
+        "flags",
+        &flags,
+    ]);
+    let agent = site.agent(Some(manifests.path().into()), None, &[]);
+    let both = (capacity_of(&services), stray_pins(&site), site.ids(), agent.log());
+
+    let tally = stop_loads(loads);
+    let verdict = held.verdict();
+    drop(agent);
+    record(
+        "1c-killed-migration",
+        json!({
+            "scenario": "the next start after a start killed while migrating lb4_services: with only the old map moved aside, and with the new map pinned too",
+            "load": tally.rows,
+            "established": verdict.json(),
+            "attempted": tally.attempted,
+            "failed": tally.failed,
+            "stray_pins_after": {"aside_only": aside_only.1, "aside_and_new_map": both.1},
+            "ids_stable": aside_only.2 == ids_before && both.2 == ids_before,
+        }),
+    );
+    for (case, (capacity, stray, ids, log), want) in [
+        ("moved aside only", &aside_only, default_capacity + 7),
+        ("moved aside and a new map pinned", &both, default_capacity),
+    ] {
+        assert!(
+            log.contains("the map it moved aside is back under its pin"),
+            "{case}: the old map is put back:\n{log}"
+        );
+        assert!(
+            log.contains("migrating the map"),
+            "{case}: then migrated to the capacity asked for:\n{log}"
+        );
+        assert_eq!(*capacity, want, "{case}: lb4_services' capacity");
+        assert!(stray.is_empty(), "{case}: pins left behind: {stray:?}");
+        assert_eq!(*ids, ids_before, "{case}: every frontend and backend kept its id");
+    }
+    assert!(
+        both.3.contains("replaced_a_new_map=true"),
+        "the killed start's new map is dropped:\n{}",
+        both.3
+    );
+    assert_eq!(tally.failed, 0, "no request may fail: {:#?}", tally.failures);
+    assert_eq!((verdict.broken, verdict.moved), (0, 0), "established connections");
+}
+
 /// The pins of the IPv4-only release (the release before IPv6, whose `lb-common/src/catalog.rs`
 /// listed exactly these maps): no `lb6_*` maps, `lb_config` at layout version 1 (so without a
 /// version suffix), the affinity members in `lb4_aff_match`.
@@ -2495,17 +2608,7 @@ fn kill_9_while_programming_never_leaves_a_service_half_programmed() {
         .map(|i| format!("10.97.0.{}:80", i + 1))
         .filter(|to| probe::tcp(site.host(), to, 1)[0]["ok"] == true)
         .count();
-    let stale_pins: Vec<String> = std::fs::read_dir(site.bpf_root().join("maps"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|f| {
-            !catalog::ALL
-                .iter()
-                .any(|n| catalog::pin_name(n).to_string() == *f)
-        })
-        .collect();
+    let stale_pins = stray_pins(&site);
     drop(agent);
 
     let consistent = kills_json.iter().filter(|k| k["consistent"] == true).count();

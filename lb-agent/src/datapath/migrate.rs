@@ -5,7 +5,10 @@
 //! version and therefore a new pin name (`lb4_services` is version 1, its successor would be
 //! `lb4_services_v2`), as Cilium renames `cilium_lb4_services_v2`. At start-up:
 //! - a pin of the current version whose capacity differs (a changed `--bpf-lb-map-max`, say) is
-//!   moved aside, a new map is created, and its entries are copied over;
+//!   moved aside (`<pin>-old`), a new map is created, and its entries are copied over;
+//! - a `<pin>-old` left by a start killed before it finished such a migration goes back under
+//!   its pin first ([`recover_interrupted`]), so the migration starts over from the map the
+//!   attached programs used;
 //! - pins of other versions are left to the programs that still use them;
 //! - a pin of the current version whose key or value size differs is a layout change without a
 //!   version bump: refused, with an error (it would be read with the wrong layout).
@@ -187,6 +190,9 @@ pub fn prepare(
         }
     }
     for (name, _) in LAYOUTS {
+        recover_interrupted(paths, name)?;
+    }
+    for (name, _) in LAYOUTS {
         let current = pin_name(name).to_string();
         for other in existing
             .iter()
@@ -222,8 +228,7 @@ pub fn prepare(
             });
         }
         if want.max_entries.is_some_and(|max| max != info.max_entries()) {
-            let aside = paths.maps().join(format!("{current}-old"));
-            let _ = fs::remove_file(&aside);
+            let aside = aside_path(paths, name);
             fs::rename(&pin, &aside).map_err(|e| DatapathError::Pin {
                 path: pin.clone(),
                 message: e.to_string(),
@@ -239,6 +244,41 @@ pub fn prepare(
         }
     }
     Ok(migration)
+}
+
+/// Where a map's pin is moved while it is migrated to a new capacity.
+fn aside_path(paths: &PinPaths, name: &str) -> PathBuf {
+    paths.maps().join(format!("{}-old", pin_name(name)))
+}
+
+/// Puts back a pin an earlier start moved aside and could not remove (killed with SIGKILL,
+/// which no journal can undo, between [`prepare`] and [`Migration::finish`]).
+///
+/// The map moved aside is the one the attached programs served from: the killed start replaces
+/// them only after its first sync, and removes the old pin right after that. A new map the
+/// killed start pinned in between is dropped (its entries were copied from the old one, or are
+/// the API's state, written again by this start's first sync). The one window this does not
+/// cover is between that start's attach and its `finish`, a few milliseconds: conntrack,
+/// affinity or socket entries created in the new map then are lost (entries the programs
+/// recreate or, for socket reverse NAT, only a UDP reply's source address).
+fn recover_interrupted(paths: &PinPaths, name: &str) -> Result<(), DatapathError> {
+    let aside = aside_path(paths, name);
+    if !aside.try_exists().unwrap_or(false) {
+        return Ok(());
+    }
+    let pin = paths.map(name);
+    let replaced = pin.try_exists().unwrap_or(false);
+    fs::rename(&aside, &pin).map_err(|e| DatapathError::Pin {
+        path: aside.clone(),
+        message: format!("putting back a map an interrupted migration moved aside: {e}"),
+    })?;
+    tracing::warn!(
+        map = name,
+        pin = %pin.display(),
+        replaced_a_new_map = replaced,
+        "an earlier start was stopped while migrating this map: the map it moved aside is back under its pin"
+    );
+    Ok(())
 }
 
 /// Whether a pin file name is some layout version of map `name`.
