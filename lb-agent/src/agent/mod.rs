@@ -366,7 +366,6 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
         problems: Vec::new(),
         manifest_problems: BTreeSet::new(),
         service_cluster_ip_range,
-        links: Vec::new(),
         local_network: crate::node::LocalNetworkCache::new(link_events),
     }));
 

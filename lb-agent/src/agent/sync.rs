@@ -50,9 +50,6 @@ pub(super) struct Agent {
     /// `--service-cluster-ip-range`: the Service CIDRs where the source has no ServiceCIDR
     /// objects.
     pub service_cluster_ip_range: Vec<ipnet::IpNet>,
-    /// The node's links at the last sync (`node::local_network`): the tc attachment's
-    /// interfaces.
-    pub links: Vec<node::Link>,
     /// The node's addresses and links, dumped anew only after a link or address event (or at a
     /// sync no Service change caused).
     pub local_network: node::LocalNetworkCache,
@@ -181,15 +178,13 @@ impl Agent {
     }
 
     /// This node's view from its Node object and its interfaces and their addresses now (the
-    /// links are kept for the tc attachment).
+    /// cache keeps the links for the tc attachment).
     fn node_view(&mut self, node: Option<&Node>, refresh: bool) -> Result<NodeView> {
         let local = self
             .local_network
             .read(refresh)
             .context("listing this node's addresses and links")?;
-        let view = self.programmer.view(node, &local);
-        self.links = local.links;
-        Ok(view)
+        Ok(self.programmer.view(node, local))
     }
 
     /// Re-plans and writes: every Service (`full`; the state is dropped before returning, so a
@@ -293,17 +288,14 @@ impl Agent {
     /// interfaces that went away (the sync's links: pod veths come and go).
     fn attach_tc(&mut self) {
         let Some(patterns) = &self.devices else { return };
-        let up = tc::interfaces_up(&self.links);
+        let links = self.local_network.links();
+        let up = tc::interfaces_up(links);
         // The default selection leaves a bridge's ports to the bridge (`select_devices`), unless
         // pods' connections are translated at tc (`--bpf-lb-sock-hostns-only`): a reply between
         // two pods of one bridge is bridged, never routed, and only its ports' tc can reverse a
         // translation. (kube-proxy meets it with br_netfilter.)
         let bridge_ports = if patterns.is_empty() && !self.programmer.sock_hostns_only() {
-            self.links
-                .iter()
-                .filter(|l| l.bridge_port)
-                .map(|l| l.index)
-                .collect()
+            links.iter().filter(|l| l.bridge_port).map(|l| l.index).collect()
         } else {
             BTreeSet::new()
         };
@@ -313,7 +305,7 @@ impl Agent {
                 tracing::error!(device = %name, "attaching the tc programs: {e}");
             }
         }
-        for gone in self.datapath.detach_tc_except(&wanted, &self.links) {
+        for gone in self.datapath.detach_tc_except(&wanted, links) {
             tracing::info!(device = %gone, "detached the tc programs");
         }
     }

@@ -169,8 +169,8 @@ pub fn local_network() -> std::io::Result<LocalNetwork> {
 #[derive(Debug, Default)]
 pub struct LocalNetworkCache {
     events: super::interfaces::LinkEvents,
-    /// The last dump and the watcher's event count just before it.
-    last: Option<(u64, LocalNetwork)>,
+    /// The last dump and the watcher's event count just before it (`None` without a watcher).
+    last: Option<(Option<u64>, LocalNetwork)>,
 }
 
 impl LocalNetworkCache {
@@ -179,17 +179,19 @@ impl LocalNetworkCache {
     }
 
     /// The node's network now: the last dump when no event came since it and `refresh` is false.
-    pub fn read(&mut self, refresh: bool) -> std::io::Result<LocalNetwork> {
+    pub fn read(&mut self, refresh: bool) -> std::io::Result<&LocalNetwork> {
         // Read before the dump: an event during it leaves the count ahead, so the next read dumps.
         let generation = self.events.generation();
-        if let (false, Some(now), Some((then, local))) = (refresh, generation, &self.last)
-            && now == *then
-        {
-            return Ok(local.clone());
+        let current = matches!(&self.last, Some((Some(then), _)) if !refresh && generation == Some(*then));
+        if !current {
+            self.last = Some((generation, local_network()?));
         }
-        let local = local_network()?;
-        self.last = generation.map(|g| (g, local.clone()));
-        Ok(local)
+        Ok(&self.last.as_ref().expect("dumped above").1)
+    }
+
+    /// The links of the last dump (none before the first).
+    pub fn links(&self) -> &[super::Link] {
+        self.last.as_ref().map_or(&[], |(_, local)| &local.links)
     }
 }
 
@@ -333,23 +335,23 @@ mod tests {
 
             // No watcher: every read is a dump.
             let mut unwatched = LocalNetworkCache::default();
-            assert!(!has(&unwatched.read(false).unwrap(), "10.9.0.1"));
+            assert!(!has(unwatched.read(false).unwrap(), "10.9.0.1"));
             add("10.9.0.1/32");
-            assert!(has(&unwatched.read(false).unwrap(), "10.9.0.1"));
+            assert!(has(unwatched.read(false).unwrap(), "10.9.0.1"));
 
             // Events counted by hand: no event, the last dump.
             let events = super::super::interfaces::LinkEvents::by_hand();
             let mut cache = LocalNetworkCache::new(events.clone());
-            assert!(has(&cache.read(false).unwrap(), "10.9.0.1"));
+            assert!(has(cache.read(false).unwrap(), "10.9.0.1"));
             add("10.9.0.2/32");
-            assert!(!has(&cache.read(false).unwrap(), "10.9.0.2"), "reused");
+            assert!(!has(cache.read(false).unwrap(), "10.9.0.2"), "reused");
             // Asked to: a dump.
-            assert!(has(&cache.read(true).unwrap(), "10.9.0.2"));
+            assert!(has(cache.read(true).unwrap(), "10.9.0.2"));
             add("10.9.0.3/32");
-            assert!(!has(&cache.read(false).unwrap(), "10.9.0.3"), "reused");
+            assert!(!has(cache.read(false).unwrap(), "10.9.0.3"), "reused");
             // After an event: a dump.
             events.count_one();
-            assert!(has(&cache.read(false).unwrap(), "10.9.0.3"));
+            assert!(has(cache.read(false).unwrap(), "10.9.0.3"));
         })
         .join()
         .expect("the namespace's thread");
