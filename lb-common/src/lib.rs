@@ -26,6 +26,7 @@ pub mod monitor;
 pub mod prefilter;
 pub mod ratelimit;
 pub mod revnat;
+pub mod sctp;
 pub mod select;
 pub mod service;
 pub mod stats;

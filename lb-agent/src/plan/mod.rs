@@ -16,6 +16,7 @@
 //! kube-proxy references are to `pkg/proxy/iptables/proxier.go` (`syncProxyRules`) unless noted.
 
 mod cluster_ips;
+pub mod maglev;
 mod planner;
 mod rules;
 mod service;

@@ -1,0 +1,204 @@
+//! SCTP's checksum, kept valid across a port rewrite without reading the packet (issue 17).
+//!
+//! SCTP protects its packet with CRC32c (RFC 9260 section 6.8 and appendix A), computed over the
+//! common header and every chunk with the checksum field taken as zero, and stored in the field
+//! least significant byte first (Linux: `sctp_compute_cksum` returns `cpu_to_le32(~crc)`). It
+//! covers no pseudo-header: a rewrite of the IP addresses leaves it valid; a rewrite of the ports
+//! (the first four bytes of the common header) does not. There is no BPF helper for CRC32c
+//! (`bpf_csum_diff` and `bpf_l4_csum_replace` are one's complement sums), and recomputing it
+//! means a loop over every byte of the packet.
+//!
+//! A CRC is affine in its message: for two messages of one length, `crc(a) ^ crc(b)` is the
+//! linear part of the CRC of `a ^ b`. A port rewrite changes only bytes 0..4, so the new checksum
+//! is the old one XOR the linear CRC of those four bytes' difference followed by
+//! `len - 4` zero bytes, and running a CRC register through `n` zero bytes multiplies it by
+//! `x^(8n)` modulo the CRC polynomial. That product takes one multiplication per set bit of `n`
+//! (with `x^(2^k)` precomputed, as zlib's `crc32_combine` does): at most 16 carry-less products
+//! of 32 steps for a packet of up to 64 KiB, the same bounded cost for every packet, and no
+//! packet byte read beyond the ports.
+
+/// CRC32c's polynomial (Castagnoli), bit-reflected as the CRC is computed.
+pub const POLY: u32 = 0x82F6_3B78;
+
+/// `a * b` modulo [`POLY`], both reflected (bit 31 is `x^0`). Always 32 steps: a bounded loop
+/// for the verifier, no early exit.
+#[inline(always)]
+pub const fn mul_mod_poly(a: u32, mut b: u32) -> u32 {
+    let mut product = 0;
+    let mut i = 0;
+    while i < 32 {
+        if a & (1 << (31 - i)) != 0 {
+            product ^= b;
+        }
+        b = if b & 1 != 0 { (b >> 1) ^ POLY } else { b >> 1 };
+        i += 1;
+    }
+    product
+}
+
+/// `x^(2^k)` modulo [`POLY`] for k = 0..32, reflected.
+const X_POW_2K: [u32; 32] = {
+    let mut table = [0u32; 32];
+    // x^1: bit 30 in the reflected form.
+    let mut p = 1u32 << 30;
+    let mut k = 0;
+    while k < 32 {
+        table[k] = p;
+        p = mul_mod_poly(p, p);
+        k += 1;
+    }
+    table
+};
+
+/// `x^(8n)` modulo [`POLY`] (a register run through `n` zero bytes is multiplied by it), for
+/// `n < 2^16` (an SCTP packet is an IP payload).
+#[inline(always)]
+pub fn x_pow_8n(n: u32) -> u32 {
+    // x^0 = 1: bit 31.
+    let mut p = 1u32 << 31;
+    let mut bit = 0;
+    while bit < 16 {
+        if n & (1 << bit) != 0 {
+            // x^(8 * 2^bit) = x^(2^(bit + 3)).
+            p = mul_mod_poly(X_POW_2K[(bit + 3) as usize & 31], p);
+        }
+        bit += 1;
+    }
+    p
+}
+
+/// The linear part of the CRC of four bytes: the register from zero, no final XOR.
+#[inline(always)]
+fn crc_linear_4(bytes: [u8; 4]) -> u32 {
+    let mut crc = u32::from_le_bytes(bytes);
+    let mut i = 0;
+    while i < 32 {
+        crc = if crc & 1 != 0 { (crc >> 1) ^ POLY } else { crc >> 1 };
+        i += 1;
+    }
+    crc
+}
+
+/// The checksum field's new value (as read from the packet, little-endian) after the first four
+/// bytes of an SCTP packet of `len` bytes (common header and chunks) change from `old_ports` to
+/// `new_ports` (source and destination port, as in the packet).
+#[inline(always)]
+pub fn checksum_after_port_rewrite(checksum: u32, old_ports: [u8; 4], new_ports: [u8; 4], len: u32) -> u32 {
+    let diff = (u32::from_ne_bytes(old_ports) ^ u32::from_ne_bytes(new_ports)).to_ne_bytes();
+    let delta = mul_mod_poly(x_pow_8n(len.saturating_sub(4)), crc_linear_4(diff));
+    checksum ^ delta
+}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use std::vec::Vec;
+
+    use super::*;
+
+    /// CRC32c bit by bit, straight from its definition (no tables, no shortcuts).
+    fn crc32c(data: &[u8]) -> u32 {
+        let mut crc = !0u32;
+        for byte in data {
+            crc ^= u32::from(*byte);
+            for _ in 0..8 {
+                crc = if crc & 1 != 0 { (crc >> 1) ^ POLY } else { crc >> 1 };
+            }
+        }
+        !crc
+    }
+
+    /// An SCTP packet's checksum as Linux writes it: over the packet with the field zeroed,
+    /// stored least significant byte first.
+    fn seal(packet: &mut [u8]) {
+        packet[8..12].fill(0);
+        let crc = crc32c(packet);
+        packet[8..12].copy_from_slice(&crc.to_le_bytes());
+    }
+
+    fn field(packet: &[u8]) -> u32 {
+        u32::from_le_bytes(packet[8..12].try_into().unwrap())
+    }
+
+    /// xorshift: deterministic bytes without a dependency.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn bytes(&mut self, n: usize) -> Vec<u8> {
+            (0..n).map(|_| self.next() as u8).collect()
+        }
+    }
+
+    #[test]
+    fn the_reference_crc_is_crc32c() {
+        // RFC 3720 appendix B.4 and every CRC catalogue: CRC-32C of "123456789".
+        assert_eq!(crc32c(b"123456789"), 0xE306_9283);
+        // RFC 3720 B.4: 32 bytes of zeros.
+        assert_eq!(crc32c(&[0u8; 32]), 0x8A91_36AA);
+    }
+
+    #[test]
+    fn powers_of_x_match_running_through_zero_bytes() {
+        let mut rng = Rng(0x5EA5_C7B0_0000_0017);
+        for n in [0u32, 1, 2, 3, 7, 8, 100, 1480, 9000, 65531] {
+            let register = rng.next() as u32;
+            let mut through = register;
+            for _ in 0..n {
+                for _ in 0..8 {
+                    through = if through & 1 != 0 {
+                        (through >> 1) ^ POLY
+                    } else {
+                        through >> 1
+                    };
+                }
+            }
+            assert_eq!(mul_mod_poly(x_pow_8n(n), register), through, "n = {n}");
+        }
+    }
+
+    #[test]
+    fn a_port_rewrite_keeps_the_checksum_valid() {
+        let mut rng = Rng(0x1234_5678_9ABC_DEF1);
+        // From a bare common header (12 bytes) and a minimal chunk up to jumbo frames.
+        for len in [
+            12usize, 16, 17, 20, 52, 64, 100, 576, 1452, 1480, 4096, 8972, 65515,
+        ] {
+            for _ in 0..8 {
+                let mut packet = rng.bytes(len);
+                seal(&mut packet);
+                let old: [u8; 4] = packet[0..4].try_into().unwrap();
+                let new: [u8; 4] = (rng.next() as u32).to_ne_bytes();
+                let updated = checksum_after_port_rewrite(field(&packet), old, new, len as u32);
+                packet[0..4].copy_from_slice(&new);
+                let mut recomputed = packet.clone();
+                seal(&mut recomputed);
+                assert_eq!(updated, field(&recomputed), "{len} bytes, {old:?} -> {new:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn rewriting_one_port_or_none() {
+        let mut rng = Rng(0xFEED_FACE_CAFE_BEEF);
+        let mut packet = rng.bytes(300);
+        seal(&mut packet);
+        let old: [u8; 4] = packet[0..4].try_into().unwrap();
+        assert_eq!(
+            checksum_after_port_rewrite(field(&packet), old, old, 300),
+            field(&packet),
+            "same ports, same checksum"
+        );
+        // Only the destination port (a DNAT from 5060 to 15060).
+        let mut new = old;
+        new[2..4].copy_from_slice(&15060u16.to_be_bytes());
+        let updated = checksum_after_port_rewrite(field(&packet), old, new, 300);
+        packet[0..4].copy_from_slice(&new);
+        seal(&mut packet);
+        assert_eq!(updated, field(&packet));
+    }
+}
