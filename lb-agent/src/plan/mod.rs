@@ -11,7 +11,9 @@
 //! - `cluster_ips`: kube-proxy's cluster-ips-check, from the ClusterIP frontends and the Service
 //!   CIDRs ([`ClusterIpPlan`]);
 //! - `planner`: the plan kept between syncs and updated one Service at a time ([`Planner`]),
-//!   with what each update changed ([`Changes`]).
+//!   with what each update changed ([`Changes`]);
+//! - `maglev`: Maglev lookup tables from a frontend's backends (issue 17; the planner does not
+//!   use them yet: the data path has no Maglev lookup so far).
 //!
 //! kube-proxy references are to `pkg/proxy/iptables/proxier.go` (`syncProxyRules`) unless noted.
 
