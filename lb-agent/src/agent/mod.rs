@@ -236,6 +236,9 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     let applier = Applier::recover(maps, caps).context("reading the pinned maps")?;
     let host_cookie = host_netns_cookie(kernel, &mut dp, &cgroup_root)?;
     let tcx = dp.enable_tcx(args.bpf.enable_tcx);
+    if !args.bpf.no_tc {
+        crate::node::masquerade::warn_if_ephemeral_overlap();
+    }
     if !args.bpf.no_tc && !tcx {
         tracing::info!(
             kernel_has_tcx = kernel.tcx,

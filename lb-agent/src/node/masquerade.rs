@@ -3,7 +3,8 @@
 //! MASQUERADE rules applied to them (`masquerade_candidates`), and the map's entries with the
 //! fallback at key 0 (`masquerade_entries`). The tc path looks the flow's route up and takes its
 //! interface's address; a node with several uplinks on different subnets thus masquerades through
-//! each with its own address, as MASQUERADE does.
+//! each with its own address, as MASQUERADE does. The masquerade ports are checked against the
+//! node's ephemeral ports at start (`warn_if_ephemeral_overlap`).
 
 use std::{collections::BTreeMap, io, net::IpAddr};
 
@@ -186,9 +187,54 @@ pub fn differs_from_fallback(
         .any(|net| *fallback.get(IpFamily::of(&net.addr())) != Some(net.addr()))
 }
 
+/// The masquerade ports (`SNAT_PORT_MIN..=SNAT_PORT_MAX`) that the kernel may also give a local
+/// socket (`net.ipv4.ip_local_port_range`, which IPv6 shares), as `(first, last)`; `None` when
+/// the ranges are disjoint or the sysctl cannot be read. A node socket connecting from a
+/// masquerade address to a backend with such a port would share a 4-tuple, at the backend, with a
+/// masqueraded flow (the two never meet in one table here: the tc path's SNAT is not netfilter's).
+pub fn ephemeral_overlap(ip_local_port_range: &str) -> Option<(u16, u16)> {
+    let mut ports = ip_local_port_range.split_whitespace().map(str::parse::<u16>);
+    let (Some(Ok(low)), Some(Ok(high))) = (ports.next(), ports.next()) else {
+        return None;
+    };
+    let (first, last) = (
+        low.max(lb_common::config::SNAT_PORT_MIN),
+        high.min(lb_common::config::SNAT_PORT_MAX),
+    );
+    (first <= last).then_some((first, last))
+}
+
+/// Warns when the node's ephemeral ports overlap the masquerade ports (see [`ephemeral_overlap`]).
+pub fn warn_if_ephemeral_overlap() {
+    let path = "/proc/sys/net/ipv4/ip_local_port_range";
+    let Ok(range) = std::fs::read_to_string(path) else {
+        return;
+    };
+    if let Some((first, last)) = ephemeral_overlap(&range) {
+        tracing::warn!(
+            ip_local_port_range = range.trim(),
+            "the node's ephemeral ports {first}-{last} are also tc masquerade ports ({}-{}): a node \
+             socket and a masqueraded flow to one backend may then share a 4-tuple; move \
+             net.ipv4.ip_local_port_range out of that range",
+            lb_common::config::SNAT_PORT_MIN,
+            lb_common::config::SNAT_PORT_MAX
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ephemeral_ports_overlapping_the_masquerade_ports() {
+        assert_eq!(ephemeral_overlap("32768\t60999\n"), None, "the kernel's default");
+        assert_eq!(ephemeral_overlap("1024 65535"), Some((20000, 29999)));
+        assert_eq!(ephemeral_overlap("25000 40000"), Some((25000, 29999)));
+        assert_eq!(ephemeral_overlap("10000 20000"), Some((20000, 20000)));
+        assert_eq!(ephemeral_overlap("30000 30100"), None);
+        assert_eq!(ephemeral_overlap("garbage"), None);
+    }
 
     fn addr(ifindex: u32, net: &str) -> InterfaceAddress {
         InterfaceAddress::universe(ifindex, net.parse().unwrap())
