@@ -1366,7 +1366,6 @@ fn migrate(
         let at = |m: &BTreeMap<String, u64>| m.get(stat).copied().unwrap_or_default();
         at(next).saturating_sub(at(&steps[i].conntrack_at_start))
     };
-    let insert_failed = |i: usize| conntrack_delta(i, "insert_failed");
     let step_rows: Vec<Value> = (0..steps.len())
         .map(|i| {
             let (from, to) = window_of(i);
@@ -1386,7 +1385,7 @@ fn migrate(
                 "attempted": by_load.iter().map(|t| t.0).sum::<u64>(),
                 "failed": by_load.iter().map(|t| t.1).sum::<u64>(),
                 "failed (ClusterIP, NodePort)": format!("{}, {}", by_load[0].1, by_load[1].1),
-                "conntrack insert_failed": insert_failed(i),
+                "conntrack insert_failed": conntrack_delta(i, "insert_failed"),
                 "conntrack invalid": conntrack_delta(i, "invalid"),
             })
         })

@@ -191,8 +191,6 @@ pub fn prepare(
     }
     for (name, _) in LAYOUTS {
         recover_interrupted(paths, name)?;
-    }
-    for (name, _) in LAYOUTS {
         let current = pin_name(name).to_string();
         for other in existing
             .iter()
