@@ -13,7 +13,9 @@ use lb_common::{catalog::Capacities, config::MAX_CLUSTER_CIDRS};
 
 use crate::{
     family::IpFamily,
+    model::LbAlgorithm,
     node::{DetectLocalMode, NodePortAddress, NodeSettings},
+    plan::maglev::TableSize,
 };
 
 #[derive(Parser, Debug)]
@@ -178,6 +180,9 @@ pub struct TraceArgs {
     /// dual-stack socket names an IPv4 frontend).
     #[arg(long)]
     pub dst: IpAddr,
+    /// The packet's source port (tc path): with Maglev, what picks the backend.
+    #[arg(long, default_value_t = 40_000)]
+    pub sport: u16,
     #[arg(long)]
     pub dport: u16,
     #[arg(long, value_enum, default_value = "tcp")]
@@ -230,6 +235,18 @@ pub struct NodeArgs {
     /// --iptables-localhost-nodeports; no route_localnet needed here).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub iptables_localhost_nodeports: bool,
+    /// How NodePorts, external IPs and load-balancer IPs pick the backend of a new flow from
+    /// outside the cluster: `random` (kube-proxy's) or `maglev` (consistent hashing of the flow:
+    /// every node with the same endpoints picks the same backend, so a flow an ECMP router moves
+    /// to another node keeps its backend). A Service's `lb-agent.io/lb-algorithm` annotation
+    /// (or Cilium's `service.cilium.io/lb-algorithm`) overrides it. Cilium's flag name.
+    #[arg(long, value_parser = clap::builder::ValueParser::new(str::parse::<LbAlgorithm>), default_value = "random")]
+    pub bpf_lb_algorithm: LbAlgorithm,
+    /// Entries of each Maglev table, a prime of 251, 509, 1021, 2039, 4093, 8191, 16381, 32749,
+    /// 65521, 131071 (4 bytes each, per external frontend): at least 100 times a Service's
+    /// endpoints keeps their shares within 1% of each other. Cilium's flag and default.
+    #[arg(long, value_parser = clap::builder::ValueParser::new(|s: &str| s.parse::<u32>().map_err(|e| e.to_string()).and_then(TableSize::new)), default_value = "16381")]
+    pub bpf_lb_maglev_table_size: TableSize,
 }
 
 impl NodeArgs {
@@ -301,6 +318,10 @@ impl NodeArgs {
             masquerade_all: args.masquerade_all,
             localhost_nodeports: args.iptables_localhost_nodeports,
             bind_address: args.bind_address,
+            load_balancing: crate::node::LoadBalancing {
+                algorithm: args.bpf_lb_algorithm,
+                maglev_table_size: args.bpf_lb_maglev_table_size,
+            },
         })
     }
 }

@@ -78,6 +78,9 @@ pub const MONITOR: &str = "lb_monitor";
 /// The programs' events for `lb-agent monitor` (ring buffer of `monitor::MonitorEvent`, written
 /// only while a monitor listens).
 pub const EVENTS: &str = "lb_events";
+/// Maglev lookup tables (hash of maps, `crate::maglev`): rev_nat_id `u32` -> the frontend's own
+/// inner array of `MaglevChunk`s. Written by the agent (a whole table swapped in at once).
+pub const MAGLEV: &str = "lb_maglev";
 /// Per-CPU counters: `u32` (a `stats::Counter`) -> `u64`. Written by the programs.
 pub const STATS: &str = "lb_stats";
 /// Per-CPU token bucket for the ICMP answers of rejected flows: `u32` 0 -> `RateBucket`. Written by
@@ -112,6 +115,7 @@ pub const ALL: &[&str] = &[
     EVENTS,
     STATS,
     REJECT_LIMIT,
+    MAGLEV,
     SERVICES6,
     BACKENDS6,
     REVNAT6,
@@ -160,6 +164,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (EVENTS, 1),
     (STATS, 1),
     (REJECT_LIMIT, 1),
+    (MAGLEV, 1),
     (SERVICES6, 1),
     (BACKENDS6, 1),
     (REVNAT6, 1),

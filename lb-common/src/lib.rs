@@ -22,6 +22,7 @@ pub mod conntrack;
 pub mod family;
 pub mod features;
 pub mod fragment;
+pub mod maglev;
 pub mod monitor;
 pub mod prefilter;
 pub mod ratelimit;

@@ -37,7 +37,7 @@ const INGRESS_SALT: u32 = 0x5EA0_0001;
 const EGRESS_SALT: u32 = 0x5EA0_0002;
 
 #[inline(always)]
-fn mix(h: u32, word: u32) -> u32 {
+pub(crate) fn mix(h: u32, word: u32) -> u32 {
     let h = (h ^ word).wrapping_mul(0x9E37_79B1);
     h ^ (h >> 15)
 }

@@ -44,6 +44,10 @@ pub mod flags {
     pub const MASQUERADE: u16 = 1 << 10;
     /// tc path: masquerade sources outside the cluster CIDR (kube-proxy's local-traffic detector).
     pub const MASQUERADE_OFF_CLUSTER: u16 = 1 << 11;
+    /// Pick the backend of a new flow from the frontend's Maglev table (`lb_maglev` at its
+    /// rev_nat_id; the table size is the frontend entry's `backend_id`) by the flow's 5-tuple hash
+    /// (`crate::maglev`). Set on the external scope only; ClientIP affinity takes precedence.
+    pub const MAGLEV: u16 = 1 << 12;
 
     /// The frontend kinds that come from outside the cluster network (kube-proxy's "external
     /// destinations").
@@ -92,7 +96,8 @@ impl<F: Family> SvcKey<F> {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct SvcValue {
-    /// Backend slots: the backend id. Frontend entry: 0.
+    /// Backend slots: the backend id. Frontend entry: its Maglev table's size with
+    /// `flags::MAGLEV`, else 0.
     pub backend_id: u32,
     /// Frontend entry: sessionAffinity ClientIP timeout in seconds (0: no affinity).
     pub affinity_timeout: u32,

@@ -7,14 +7,14 @@ use lb_common::{
     cluster_ip::ClusterIpKey,
     config::DatapathConfig,
     family::Family,
-    select,
+    maglev, select,
     service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, SrcRange, SvcKey, SvcValue, flags},
     stats::Counter,
 };
 
 use crate::{
     family::FamilyMaps,
-    maps::{AFFINITY_MATCH, CONFIG},
+    maps::{AFFINITY_MATCH, CONFIG, MAGLEV},
     stats::count,
 };
 
@@ -138,18 +138,42 @@ pub fn select_backend<F: FamilyMaps>(
         remember_affinity::<F>(&affinity_key, entry.backend_id, now_ns);
         return Some((entry.backend_id, backend));
     }
-    let slot = select::slot_for(hash, frontend.count);
-    let slot_entry = match lookup_service(&key.with_slot(slot)) {
-        Some(entry) => entry,
-        // The frontend shrank under us (slots are deleted after the count is lowered): slot 1
-        // exists while count > 0.
-        None => lookup_service(&key.with_slot(1))?,
+    let backend_id = match maglev_choice(frontend, hash) {
+        Some(id) => id,
+        None => {
+            let slot = select::slot_for(hash, frontend.count);
+            match lookup_service(&key.with_slot(slot)) {
+                Some(entry) => entry.backend_id,
+                // The frontend shrank under us (slots are deleted after the count is lowered):
+                // slot 1 exists while count > 0.
+                None => lookup_service(&key.with_slot(1))?.backend_id,
+            }
+        }
     };
-    let backend = lookup_backend::<F>(slot_entry.backend_id)?;
+    let backend = lookup_backend::<F>(backend_id)?;
     if affinity {
-        remember_affinity::<F>(&affinity_key, slot_entry.backend_id, now_ns);
+        remember_affinity::<F>(&affinity_key, backend_id, now_ns);
     }
-    Some((slot_entry.backend_id, backend))
+    Some((backend_id, backend))
+}
+
+/// The backend id at position `hash % size` of the frontend's Maglev table (`flags::MAGLEV`;
+/// `hash` is then the flow's `maglev::flow_hash`). `None` without the flag, or while the agent
+/// has not swapped the table in yet: the slots then decide, as for any frontend.
+#[inline(always)]
+fn maglev_choice(frontend: &SvcValue, hash: u32) -> Option<u32> {
+    if !frontend.has(flags::MAGLEV) {
+        return None;
+    }
+    let size = frontend.backend_id;
+    if size == 0 || size > maglev::MAX_TABLE_SIZE {
+        return None;
+    }
+    let (chunk, lane) = maglev::position(maglev::index(hash, size));
+    // SAFETY: the agent never writes a table in place; it swaps in a new one (the outer map is
+    // not preallocated, so an entry read here stays valid until the program returns).
+    let chunk = unsafe { MAGLEV.get_value(&frontend.rev_nat_id, &chunk) }?;
+    chunk.backend_ids.get(lane).copied()
 }
 
 #[inline(always)]

@@ -7,7 +7,8 @@
 //! `crate::family` (`lb4_services` and `lb6_services` are both a `ServicesMap<F>`).
 
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, PerCpuArray, RingBuf},
+    bindings::BPF_F_INNER_MAP,
+    btf_maps::{Array, HashMap, HashOfMaps, PerCpuArray, RingBuf},
     macros::btf_map,
 };
 use lb_common::{
@@ -16,6 +17,7 @@ use lb_common::{
     config::{DatapathConfig, MasqueradeAddrs},
     family::{V4, V6},
     features::NetnsProbe,
+    maglev::MaglevChunk,
     monitor::{MonitorControl, MonitorEvent},
     ratelimit::RateBucket,
     revnat::SvcName,
@@ -167,6 +169,21 @@ pub static MONITOR: Array<MonitorControl, 1, RDONLY_PROG> = Array::new();
 /// Events for `lb-agent monitor`, written only while one listens. Writers: the programs.
 #[btf_map(name = "lb_events")]
 pub static EVENTS: RingBuf<MonitorEvent, { capacity::EVENTS as usize }> = RingBuf::new();
+
+/// Maglev lookup tables (`lb_common::maglev`): rev_nat_id -> the frontend's inner array of
+/// backend-id chunks. Writer: agent (creates a table whole, then swaps it in with one update).
+/// Readers: the translating programs, for frontends with `flags::MAGLEV`.
+#[btf_map(name = "lb_maglev")]
+pub static MAGLEV: HashOfMaps<
+    u32,
+    MaglevTable,
+    { 2 * capacity::REVNAT as usize },
+    { NO_PREALLOC | RDONLY_PROG },
+> = HashOfMaps::new();
+
+/// The inner map's template: tables of any size share it (`BPF_F_INNER_MAP` lets an inner array
+/// differ from it in `max_entries` only).
+pub type MaglevTable = Array<MaglevChunk, 1, { BPF_F_INNER_MAP as usize | RDONLY_PROG }>;
 
 /// Per-CPU event counters, indexed by `lb_common::stats::Counter`.
 #[btf_map(name = "lb_stats")]

@@ -135,6 +135,16 @@ impl Svc {
         self
     }
 
+    /// An annotation on the Service (`lb-agent.io/lb-algorithm`, say).
+    pub fn annotation(mut self, key: &str, value: &str) -> Self {
+        self.0
+            .metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(key.into(), value.into());
+        self
+    }
+
     pub fn external_traffic_policy(mut self, policy: &str) -> Self {
         self.spec().external_traffic_policy = Some(policy.into());
         self

@@ -79,6 +79,14 @@ pub fn udp(place: Place<'_>, to: &str, count: u32, connected: bool) -> Vec<Value
     json_lines(&run_in(place, probe(), &args))
 }
 
+/// One UDP exchange with `to` from local port `source_port`: runs with the same port are one
+/// flow (its 5-tuple), as a client's long-lived socket would send.
+pub fn udp_from(place: Place<'_>, to: &str, source_port: u16) -> Value {
+    let port = source_port.to_string();
+    let args = ["udp", "--to", to, "--source-port", &port];
+    json_lines(&run_in(place, probe(), &args)).remove(0)
+}
+
 /// One UDP datagram of `payload` bytes (a pattern) and its answer, as large: past the MTU both go
 /// in IP fragments. `intact` in the result: the server got every byte, and the answer came whole.
 pub fn udp_payload(place: Place<'_>, to: &str, payload: usize) -> Value {

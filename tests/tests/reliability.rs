@@ -2393,14 +2393,17 @@ fn bpftool_json(args: &[&str]) -> Value {
 /// The maps a packet sees now: those of the programs behind the agent's pinned links (during a
 /// migration, the old maps until the new programs are swapped in), and the pinned ones for maps
 /// no attached program uses. Read into a snapshot through pins made for it under `scratch`.
+/// `None` while no program is attached: a start killed before its first attach leaves pins a
+/// packet never sees, possibly only some of them (aya pins each map as it creates it).
 fn live_snapshot(site: &Site, scratch: &Path) -> Option<lb_agent::apply::Snapshot> {
-    if !site.bpf_root().join("maps").join(catalog::SERVICES).exists() {
+    let links = site.pinned_links();
+    if links.is_empty() || !site.bpf_root().join("maps").join(catalog::SERVICES).exists() {
         return None;
     }
     let _ = std::fs::remove_dir_all(scratch);
     std::fs::create_dir_all(scratch).unwrap();
     let mut pinned = BTreeSet::new();
-    for (_, prog) in site.pinned_links().values() {
+    for (_, prog) in links.values() {
         let info = bpftool_json(&["prog", "show", "id", &prog.to_string()]);
         for map in info["map_ids"]
             .as_array()
@@ -2437,7 +2440,15 @@ fn live_snapshot(site: &Site, scratch: &Path) -> Option<lb_agent::apply::Snapsho
         }
     }
     let snapshot = KernelMaps::from_pins(scratch)
-        .expect("opening the maps a packet sees")
+        .unwrap_or_else(|e| {
+            let missing: Vec<_> = catalog::ALL
+                .iter()
+                .filter(|n| !scratch.join(catalog::pin_name(n).to_string()).exists())
+                .collect();
+            panic!(
+                "opening the maps a packet sees (neither an attached program's nor pinned: {missing:?}): {e}"
+            )
+        })
         .snapshot()
         .expect("reading the maps a packet sees");
     let _ = std::fs::remove_dir_all(scratch);

@@ -728,6 +728,121 @@ fn client_ip_affinity_keeps_a_client_on_one_backend() {
     }
 }
 
+/// A Maglev NodePort (the `lb-agent.io/lb-algorithm` annotation) with `backends` endpoints on
+/// other nodes, and `before` filler Services added first (they take the first backend ids, as
+/// another node's history would).
+fn maglev_state(backends: &[u8], before: usize, affinity: bool) -> ClusterState {
+    let mut st = ClusterState::default();
+    for i in 0..before {
+        add(
+            &mut st,
+            service("t", &format!("filler{i}"))
+                .cluster_ip(&format!("10.96.1.{}", i + 1))
+                .port("http", "TCP", 80, 8080),
+            Some(
+                slice("t", &format!("filler{i}"), &format!("filler{i}-1"))
+                    .endpoint(&format!("10.244.3.{}", i + 1), "node-b", State::Ready)
+                    .port("http", "TCP", 8080),
+            ),
+        );
+    }
+    let mut svc = service("t", "mg")
+        .cluster_ip("10.96.0.40")
+        .port("http", "TCP", 80, 8080)
+        .node_port(30090)
+        .annotation("lb-agent.io/lb-algorithm", "maglev");
+    if affinity {
+        svc = svc.client_ip_affinity(60);
+    }
+    let mut endpoints = slice("t", "mg", "mg-1");
+    for b in backends {
+        endpoints = endpoints.endpoint(&format!("10.244.2.{b}"), "node-b", State::Ready);
+    }
+    add(&mut st, svc, Some(endpoints.port("http", "TCP", 8080)));
+    st
+}
+
+/// The backend Maglev gives a flow from `CLIENT:sport` to the NodePort, computed in user space
+/// from the same endpoints: the table (`plan::maglev`, default size) at the flow's hash
+/// (`lb_common::maglev::flow_hash`, which the program computes itself).
+fn maglev_expected(f: Family, backends: &[u8], sport: u16) -> IpAddr {
+    use lb_agent::plan::maglev::{DEFAULT_SEED, Member, TableSize, lookup_table};
+    let members: Vec<Member> = backends
+        .iter()
+        .map(|b| Member {
+            addr: f.ip(&format!("10.244.2.{b}")),
+            port: 8080,
+            weight: 1,
+        })
+        .collect();
+    let size = TableSize::default();
+    let table = lookup_table(&members, size, &DEFAULT_SEED);
+    let hash = match (f.ip(CLIENT), f.ip(NODE_IP)) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            lb_common::maglev::flow_hash::<lb_common::family::V4>(&s.octets(), &d.octets(), sport, 30090, 6)
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => lb_common::maglev::flow_hash::<lb_common::family::V6>(
+            &lb_common::family::In6Addr::new(s.octets()),
+            &lb_common::family::In6Addr::new(d.octets()),
+            sport,
+            30090,
+            6,
+        ),
+        _ => unreachable!("one family"),
+    };
+    table.members[table.slots[lb_common::maglev::index(hash, size.get()) as usize] as usize].addr
+}
+
+/// Issue 17: a Maglev NodePort sends each flow to the backend at its hash's position in the
+/// table, on every node alike: two data paths whose backend ids differ (one programmed 40 other
+/// Services first) pick the backend user space computes, for flows of both families. Removing
+/// one of five backends moves only a small share of the other backends' flows.
+#[test]
+fn maglev_gives_a_flow_the_same_backend_on_every_node() {
+    const BACKENDS: [u8; 5] = [40, 41, 42, 43, 44];
+    let mut node_a = scratch_with(&maglev_state(&BACKENDS, 0, false), true);
+    let mut node_b = scratch_with(&maglev_state(&BACKENDS, 40, false), true);
+    let fewer = [40, 41, 43, 44];
+    let mut shrunk = scratch_with(&maglev_state(&fewer, 0, false), true);
+    for f in FAMILIES {
+        let mut seen = std::collections::BTreeSet::new();
+        let (mut others, mut moved) = (0, 0);
+        for sport in 40_000..40_200 {
+            let syn = tcp(f, CLIENT, sport, NODE_IP, 30090).build();
+            let want = maglev_expected(f, &BACKENDS, sport);
+            let on_a = summary(&ingress(&mut node_a, &syn).packet).dst;
+            let on_b = summary(&ingress(&mut node_b, &syn).packet).dst;
+            assert_eq!((on_a, on_b), (want, want), "{f:?} sport {sport}");
+            seen.insert(on_a);
+            let after = summary(&ingress(&mut shrunk, &syn).packet).dst;
+            assert_eq!(after, maglev_expected(f, &fewer, sport), "{f:?} sport {sport}");
+            if want != f.ip("10.244.2.42") {
+                others += 1;
+                moved += usize::from(after != want);
+            }
+        }
+        assert_eq!(seen.len(), BACKENDS.len(), "{f:?}: every backend gets flows");
+        // The table's share at M = 16381, N = 5 is well under 5% (plan::maglev's tests measure
+        // it); 200 flows leave room for sampling.
+        assert!(
+            moved * 10 <= others,
+            "{f:?}: {moved} of {others} flows of the remaining backends moved"
+        );
+    }
+}
+
+/// ClientIP affinity keeps precedence over Maglev: one client's flows all go to one backend.
+#[test]
+fn affinity_wins_over_maglev() {
+    let mut s = scratch_with(&maglev_state(&[40, 41, 42, 43, 44], 0, true), true);
+    for f in FAMILIES {
+        let backends: std::collections::BTreeSet<IpAddr> = (41_000..41_040)
+            .map(|sport| summary(&ingress(&mut s, &tcp(f, CLIENT, sport, NODE_IP, 30090).build()).packet).dst)
+            .collect();
+        assert_eq!(backends.len(), 1, "{f:?}: {backends:?}");
+    }
+}
+
 #[test]
 fn local_policy_without_local_endpoints_drops() {
     let mut s = scratch(true);

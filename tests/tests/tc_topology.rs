@@ -88,6 +88,12 @@ fn cluster() -> Cluster {
 
 /// The cluster with `extra` flags for every agent.
 fn cluster_with(extra: &[&str]) -> Cluster {
+    cluster_and(extra, |_| {})
+}
+
+/// The cluster with `extra` flags for every agent, and the manifests `more` writes into the
+/// agents' folder before they start.
+fn cluster_and(extra: &[&str], more: impl FnOnce(&std::path::Path)) -> Cluster {
     require_root();
     let bpffs = BpfFs::new();
     let lan = Lan::new();
@@ -156,6 +162,7 @@ fn cluster_with(extra: &[&str]) -> Cluster {
                 .build(),
         ],
     );
+    more(manifests.path());
     let mut cluster = Cluster {
         agents: nodes.iter().map(|_| None).collect(),
         _servers: servers,
@@ -420,6 +427,67 @@ fn fragmented_udp_datagrams_reach_the_backend_whole_in_both_families() {
         followed >= 4 * 3 * 2 * 2,
         "later fragments followed through their first: {followed}"
     );
+}
+
+/// Issue 17: Maglev across real nodes. An external IP that every node serves (as an ECMP router
+/// in front of them would spread it), annotated `maglev`, with both pods as endpoints. One UDP
+/// flow (one client port) sent through node 1, then node 2, then node 3 (a route change moving
+/// it, as ECMP does when a node joins or leaves) reaches the same backend through each, though
+/// each agent numbers its backends its own way and node 3 has no pod; over 16 client ports both
+/// backends get flows.
+#[test]
+fn maglev_keeps_a_flow_on_its_backend_whichever_node_it_enters() {
+    let c = cluster_and(&[], |dir| {
+        write_manifests(
+            dir,
+            "maglev.yaml",
+            &[service("demo", "mg")
+                .cluster_ip("10.96.0.30")
+                .port("dns", "UDP", 53, 5353)
+                .external_ips(&["192.0.2.50"])
+                .annotation("lb-agent.io/lb-algorithm", "maglev")
+                .build()],
+            &[slice("demo", "mg", "mg-1")
+                .endpoint("10.244.1.2", "node-1", State::Ready)
+                .endpoint("10.244.2.2", "node-2", State::Ready)
+                .port("dns", "UDP", 5353)
+                .build()],
+        )
+    });
+    let client = Place::netns(&c.client);
+    let route_via = |i: usize| {
+        let via = c.nodes[i].ip.expect("on the LAN").to_string();
+        c.client.ip(&["route", "replace", "192.0.2.50/32", "via", &via]);
+    };
+    for i in 0..c.nodes.len() {
+        route_via(i);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while probe::udp(client, "192.0.2.50:53", 1, false)[0]["ok"] != true {
+            assert!(
+                Instant::now() < deadline,
+                "node {} does not serve the external IP",
+                i + 1
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    let mut backends = std::collections::BTreeSet::new();
+    for port in 42_000..42_016 {
+        let through: Vec<String> = (0..c.nodes.len())
+            .map(|i| {
+                route_via(i);
+                let r = probe::udp_from(client, "192.0.2.50:53", port);
+                assert_eq!(r["ok"], true, "port {port} through node {}: {r}", i + 1);
+                probe::server_of(&r).unwrap_or_default().to_string()
+            })
+            .collect();
+        assert!(
+            through.iter().all(|b| *b == through[0]),
+            "client port {port}: backends through nodes 1, 2, 3: {through:?}"
+        );
+        backends.insert(through[0].clone());
+    }
+    assert_eq!(backends.len(), 2, "both backends get flows: {backends:?}");
 }
 
 /// A data-path counter of `lb-agent stats -o json`.

@@ -428,6 +428,74 @@ fn node_port_and_external_ip() {
     );
 }
 
+/// The backend Maglev gives a TCP flow from `client:sport` to `NODE_IP:node_port` among
+/// `backends` (`ip`, port 8080): the table (`plan::maglev`, default size) at the flow's hash.
+fn maglev_choice(client: &str, sport: u16, node_port: u16, backends: &[&str]) -> String {
+    use lb_agent::plan::maglev::{DEFAULT_SEED, Member, TableSize, lookup_table};
+    let members: Vec<Member> = backends
+        .iter()
+        .map(|b| Member {
+            addr: b.parse().unwrap(),
+            port: 8080,
+            weight: 1,
+        })
+        .collect();
+    let size = TableSize::default();
+    let table = lookup_table(&members, size, &DEFAULT_SEED);
+    let (src, dst): (std::net::Ipv4Addr, std::net::Ipv4Addr) =
+        (client.parse().unwrap(), NODE_IP.parse().unwrap());
+    let hash = lb_common::maglev::flow_hash::<lb_common::family::V4>(
+        &src.octets(),
+        &dst.octets(),
+        sport,
+        node_port,
+        6,
+    );
+    let member = table.members[table.slots[lb_common::maglev::index(hash, size.get()) as usize] as usize];
+    format!("{}:{}", member.addr, member.port)
+}
+
+/// Issue 17: with `--bpf-lb-algorithm maglev` a packet from outside to a NodePort is traced to its
+/// own flow's backend: the JSON names the algorithm, and the table's CHOSEN is the backend the
+/// Maglev table gives its source port (`--sport`), whatever the run. A cluster IP stays random.
+#[test]
+fn maglev_traces_the_flows_own_backend() {
+    let d = manifests();
+    let both = ["10.244.1.5:8080", "10.244.2.5:8080"];
+    let maglev = ["--bpf-lb-algorithm", "maglev"];
+    let out = trace_command(&d, "192.168.50.100", NODE_IP, 30080, "tcp", true, "json", &maglev);
+    let mut want = expect("dnat", &both, true, "tc");
+    want["algorithm"] = "maglev".into();
+    assert_eq!(serde_json::from_slice::<Value>(&out.stdout).unwrap(), want);
+    let mut chosen = std::collections::BTreeSet::new();
+    for sport in 40_000..40_012u16 {
+        let port = sport.to_string();
+        let out = trace_command(
+            &d,
+            "192.168.50.100",
+            NODE_IP,
+            30080,
+            "tcp",
+            true,
+            "table",
+            &[maglev[0], maglev[1], "--sport", &port],
+        );
+        let table = String::from_utf8_lossy(&out.stdout).into_owned();
+        let line = table
+            .lines()
+            .find(|l| l.starts_with("CHOSEN"))
+            .unwrap_or_default();
+        let want = maglev_choice("192.168.50.100", sport, 30080, &["10.244.1.5", "10.244.2.5"]);
+        assert_eq!(line, format!("CHOSEN    {want}"), "{table}");
+        assert!(table.contains("NOTE      Maglev"), "{table}");
+        chosen.insert(want);
+    }
+    assert_eq!(chosen.len(), 2, "source ports spread over both backends");
+    let out = trace_command(&d, "10.244.1.5", "10.96.0.10", 80, "tcp", true, "json", &maglev);
+    let cluster_ip: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(cluster_ip.get("algorithm"), None, "{cluster_ip}");
+}
+
 #[test]
 fn external_traffic_policy_local() {
     let d = manifests();

@@ -27,7 +27,7 @@ use lb_common::catalog::Capacities;
 use self::fit::WriteMode;
 use super::{
     entries::{
-        BackendEntry, EntriesError, FrontendEntries, backend_value, entries_for, protocol_from,
+        BackendEntry, EntriesError, FrontendEntries, MaglevTables, backend_value, entries_for, protocol_from,
         service_port_name, svc_name,
     },
     ids::{IdAllocator, family_ranges},
@@ -159,13 +159,15 @@ impl<M: MapOps> Applier<M> {
             self.occupancy.source_ranges.get_mut(family),
             entries.source_ranges.len(),
         );
-        for value in entries
+        // Backends a slot or the Maglev table names (the table's are the external scope's, but
+        // a failed write can leave the two apart for a while).
+        let slot_ids = entries
             .services
             .iter()
             .filter(|(k, _)| k.slot > 0)
-            .map(|(_, v)| v)
-        {
-            let id = value.backend_id;
+            .map(|(_, v)| v.backend_id);
+        let table_ids = entries.maglev.iter().flat_map(|t| t.backend_ids.iter().copied());
+        for id in slot_ids.chain(table_ids) {
             if sign > 0 {
                 *self.backend_refs.entry(id).or_default() += 1;
             } else if let Some(n) = self.backend_refs.get_mut(&id) {
@@ -340,6 +342,7 @@ impl<M: MapOps> Applier<M> {
     ) -> (Result<Vec<FrontendWrite>, String>, NewRevNatIds) {
         let mut built = Vec::with_capacity(group.len());
         let mut new_rev_ids = Vec::new();
+        let mut tables = MaglevTables::new();
         for (frontend, plan) in group {
             let family = IpFamily::of(&frontend.addr);
             let rev_nat_id = match self.frontends.get(frontend) {
@@ -361,7 +364,7 @@ impl<M: MapOps> Applier<M> {
                     .map(|(id, _)| *id)
                     .or_else(|| new_backend_ids.get(addr).copied())
             };
-            let reason = match entries_for(frontend, plan, rev_nat_id, &backend_id) {
+            let reason = match entries_for(frontend, plan, rev_nat_id, &backend_id, &mut tables) {
                 Ok(entries) => {
                     built.push((**frontend, entries));
                     continue;

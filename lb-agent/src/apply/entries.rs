@@ -2,8 +2,9 @@
 //! between the plan's names and what the maps store (`lb_svc_names`, backend values).
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
+    sync::Arc,
 };
 
 use ipnet::IpNet;
@@ -16,7 +17,10 @@ use lb_common::{
 use crate::{
     family::IpFamily,
     model::{Protocol, ServicePortName},
-    plan::{BackendAddr, Frontend, FrontendPlan},
+    plan::{
+        BackendAddr, Frontend, FrontendPlan,
+        maglev::{self, Member, TableSize},
+    },
 };
 
 /// A key of `lb4_services` or `lb6_services` (`SvcKey<F>`, the family in the address): a
@@ -110,7 +114,33 @@ pub(super) struct FrontendEntries {
     pub revnat: RevNatEntry,
     pub affinity_match: BTreeSet<AffinityMatchKey>,
     pub source_ranges: BTreeSet<SourceRange>,
+    /// The external scope's Maglev table (`lb_maglev` at `rev_nat_id`), with `flags::MAGLEV`.
+    pub maglev: Option<MaglevEntry>,
 }
+
+/// A frontend's Maglev table as `lb_maglev` holds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MaglevEntry {
+    /// The backend id at each position.
+    pub positions: Arc<[u32]>,
+    /// The distinct ids among them: backends the table refers to, kept (like those of the
+    /// slots) until no table or slot names them.
+    pub backend_ids: BTreeSet<u32>,
+}
+
+impl MaglevEntry {
+    pub fn new(positions: Arc<[u32]>) -> Self {
+        let backend_ids = positions.iter().copied().collect();
+        MaglevEntry {
+            positions,
+            backend_ids,
+        }
+    }
+}
+
+/// The tables built while writing one Service, by (backends, size): its frontends on several
+/// addresses (NodePorts, external and load-balancer IPs) share their backends and so their table.
+pub(super) type MaglevTables = HashMap<(Vec<BackendAddr>, u32), Arc<maglev::Table>>;
 
 /// `s` in a zero-padded field, cut at a character boundary: what is stored is valid UTF-8 and
 /// reads back (`unfixed`) to a string that stores to the same bytes, so a restarted agent finds
@@ -183,15 +213,23 @@ pub(super) fn entries_for(
     plan: &FrontendPlan,
     rev_nat_id: u32,
     backend_id: &dyn Fn(&BackendAddr) -> Option<u32>,
+    tables: &mut MaglevTables,
 ) -> Result<FrontendEntries, EntriesError> {
     let proto = frontend.proto.number();
     let addr = frontend.addr;
     let mut services = BTreeMap::new();
     let mut affinity_match = BTreeSet::new();
+    let mut maglev_ids = None;
     for scope in &plan.scopes {
         let key = ServiceMapKey::new(addr, frontend.port, proto, scope.scope, 0);
         let count = u16::try_from(scope.backends.len())
             .map_err(|_| EntriesError::TooManyBackends(scope.backends.len()))?;
+        // The frontend entry's `backend_id` is the table size of a Maglev scope.
+        let mut table_size = 0;
+        if let Some(size) = scope.maglev {
+            maglev_ids = Some(maglev_table(&scope.backends, size, backend_id, tables)?);
+            table_size = size.get();
+        }
         for (slot, backend) in (1..=count).zip(&scope.backends) {
             let id = backend_id(backend).ok_or(EntriesError::NoBackendId(*backend))?;
             services.insert(key.with_slot(slot), SvcValue::slot(rev_nat_id, id));
@@ -204,7 +242,10 @@ pub(super) fn entries_for(
         }
         services.insert(
             key,
-            SvcValue::frontend(rev_nat_id, count, scope.flags, plan.affinity_timeout),
+            SvcValue {
+                backend_id: table_size,
+                ..SvcValue::frontend(rev_nat_id, count, scope.flags, plan.affinity_timeout)
+            },
         );
     }
     let source_ranges = plan
@@ -223,5 +264,52 @@ pub(super) fn entries_for(
         },
         affinity_match,
         source_ranges,
+        maglev: maglev_ids,
+    })
+}
+
+/// The Maglev table of a scope's backends, as backend ids: built once per set of backends and
+/// size (`tables`), from what every node sees alike (`plan::maglev`), then each position turned
+/// into this node's id of its backend.
+fn maglev_table(
+    backends: &[BackendAddr],
+    size: TableSize,
+    backend_id: &dyn Fn(&BackendAddr) -> Option<u32>,
+    tables: &mut MaglevTables,
+) -> Result<MaglevEntry, EntriesError> {
+    let table = tables
+        .entry((backends.to_vec(), size.get()))
+        .or_insert_with(|| {
+            let members: Vec<Member> = backends
+                .iter()
+                .map(|b| Member {
+                    addr: b.addr,
+                    port: b.port,
+                    weight: 1,
+                })
+                .collect();
+            Arc::new(maglev::lookup_table(&members, size, &maglev::DEFAULT_SEED))
+        })
+        .clone();
+    // One protocol per scope: (address, port) names the backend. (The plan gives a Maglev
+    // scope at least one backend.)
+    let Some(proto) = backends.first().map(|b| b.proto) else {
+        return Ok(MaglevEntry::new(Arc::from([])));
+    };
+    let ids = table
+        .members
+        .iter()
+        .map(|m| {
+            let addr = BackendAddr {
+                addr: m.addr,
+                port: m.port,
+                proto,
+            };
+            backend_id(&addr).ok_or(EntriesError::NoBackendId(addr))
+        })
+        .collect::<Result<Vec<u32>, _>>()?;
+    Ok(MaglevEntry {
+        positions: table.slots.iter().map(|s| ids[*s as usize]).collect(),
+        backend_ids: ids.into_iter().collect(),
     })
 }

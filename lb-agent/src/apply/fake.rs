@@ -32,6 +32,8 @@ pub enum Op {
     PutMasqueradeAddrs,
     SetClusterIpCheck(ipnet::IpNet, Option<u8>),
     PutServiceRanges(IpFamily, Vec<ipnet::IpNet>),
+    PutMaglev(u32, std::sync::Arc<[u32]>),
+    DeleteMaglev(u32),
 }
 
 #[derive(Clone, Debug, Default)]
@@ -88,6 +90,8 @@ impl FakeMaps {
                 Op::DeleteSourceRange(r) => maps.delete_source_range(r),
                 Op::SetClusterIpCheck(net, action) => maps.set_cluster_ip_check(net, *action),
                 Op::PutServiceRanges(family, ranges) => maps.put_service_ranges(*family, ranges),
+                Op::PutMaglev(id, positions) => maps.put_maglev(*id, positions),
+                Op::DeleteMaglev(id) => maps.delete_maglev(*id),
                 Op::PutConfig | Op::PutPodInterfaces | Op::PutMasqueradeAddrs => Ok(()),
             };
             check(i, &maps);
@@ -105,6 +109,19 @@ impl FakeMaps {
 }
 
 impl MapOps for FakeMaps {
+    fn put_maglev(&mut self, rev_nat_id: u32, positions: &[u32]) -> Result<(), MapError> {
+        let positions: std::sync::Arc<[u32]> = positions.into();
+        self.log.push(Op::PutMaglev(rev_nat_id, positions.clone()));
+        self.state.maglev.insert(rev_nat_id, positions);
+        Ok(())
+    }
+
+    fn delete_maglev(&mut self, rev_nat_id: u32) -> Result<(), MapError> {
+        self.log.push(Op::DeleteMaglev(rev_nat_id));
+        self.state.maglev.remove(&rev_nat_id);
+        Ok(())
+    }
+
     fn put_service(&mut self, key: &ServiceMapKey, value: &SvcValue) -> Result<(), MapError> {
         if let Some(cap) = self.services_capacity
             && !self.state.services.contains_key(key)

@@ -15,7 +15,7 @@ use std::{
 
 use aya::{
     Pod,
-    maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key},
+    maps::{Array, HashMap, HashOfMaps, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key},
 };
 use ipnet::IpNet;
 use lb_common::{
@@ -25,6 +25,7 @@ use lb_common::{
     cluster_ip::{ClusterIpKey, MAX_SERVICE_RANGES, ServiceRange, ServiceRanges},
     config::{DatapathConfig, MasqueradeAddrs},
     family::{V4, V6},
+    maglev::{self, MaglevChunk},
     revnat::{RevNatValue, SvcName},
     service::{SrcRange, SvcKey, SvcValue},
 };
@@ -48,11 +49,20 @@ pub struct KernelMaps {
     /// `lb_masq_addrs`; `None` from the pins of a release that had none.
     pub masquerade_addrs: Option<HashMap<MapData, u32, MasqueradeAddrs>>,
     pub stats: PerCpuArray<MapData, u64>,
+    /// `lb_maglev`; `None` from the pins of a release that had none.
+    pub maglev: Option<MaglevMap>,
     /// The tc programs' prefilter: each write below holds the bits its entry needs first.
     pub prefilter: Prefilter,
     /// Cleared when the kernel refuses batch updates (before 5.6): single updates from then on.
     batch_supported: bool,
 }
+
+/// `lb_maglev`: rev_nat_id -> the frontend's table, an inner array of chunks.
+pub type MaglevMap = HashOfMaps<MapData, u32, Array<MapData, MaglevChunk>>;
+
+/// What each Maglev table's inner array is created with: the flags of the object's template
+/// (`lb-ebpf/src/maps.rs`), which the kernel requires of every inner map.
+const MAGLEV_INNER_FLAGS: u32 = aya_obj::generated::BPF_F_INNER_MAP | aya_obj::generated::BPF_F_RDONLY_PROG;
 
 /// The maps of one family that the agent writes.
 pub struct FamilyMaps<F: KernelFamily> {
@@ -539,6 +549,7 @@ impl KernelMaps {
             pod_interfaces: Some(take_map(ebpf, catalog::POD_INTERFACES)?.try_into()?),
             masquerade_addrs: Some(take_map(ebpf, catalog::MASQ_ADDRS)?.try_into()?),
             stats: take_map(ebpf, catalog::STATS)?.try_into()?,
+            maglev: Some(take_map(ebpf, catalog::MAGLEV)?.try_into()?),
             prefilter: Prefilter::new(Some([
                 take_map(ebpf, catalog::PREFILTER)?,
                 take_map(ebpf, catalog::PREFILTER6)?,
@@ -566,6 +577,10 @@ impl KernelMaps {
                 .map(|m| Map::HashMap(m).try_into())
                 .transpose()?,
             stats: Map::PerCpuArray(open(catalog::STATS)?).try_into()?,
+            maglev: open(catalog::MAGLEV)
+                .ok()
+                .map(|m| Map::HashOfMaps(m).try_into())
+                .transpose()?,
             // Read-only handles (the CLI): the bits are the running agent's to keep.
             prefilter: Prefilter::new(None)?,
             batch_supported: true,
@@ -674,7 +689,102 @@ fn frontend_bits(entries: &[(ServiceMapKey, SvcValue)]) -> Vec<(Owner, IpFamily,
     entries.iter().filter_map(|(k, _)| Owner::frontend(k)).collect()
 }
 
+/// Builds a Maglev table's inner array: created at its size, filled (one batch update), not yet
+/// visible to any program.
+fn maglev_inner(
+    positions: &[u32],
+    batch_supported: &mut bool,
+) -> Result<Array<MapData, MaglevChunk>, MapError> {
+    let err = |op: &'static str| move |e| MapError::new(catalog::MAGLEV, op, io_err(e));
+    let chunks: Vec<(u32, MaglevChunk)> = positions
+        .chunks(maglev::LANES)
+        .enumerate()
+        .map(|(i, ids)| {
+            let mut chunk = MaglevChunk::default();
+            chunk.backend_ids[..ids.len()].copy_from_slice(ids);
+            (i as u32, chunk)
+        })
+        .collect();
+    let obj = aya_obj::Map::new_from_params(
+        aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_ARRAY as u32,
+        size_of::<u32>() as u32,
+        size_of::<MaglevChunk>() as u32,
+        (chunks.len() as u32).max(1),
+        MAGLEV_INNER_FLAGS,
+    );
+    // The kernel's name for each table (at most 15 bytes).
+    let data = MapData::create(obj, "lb_maglev_tbl", None).map_err(err("create"))?;
+    // Valid while `inner` holds the map.
+    let fd = data.fd().as_fd().as_raw_fd();
+    let mut inner: Array<MapData, MaglevChunk> = Map::Array(data).try_into().map_err(err("create"))?;
+    write_batch(fd, batch_supported, &chunks, |i, chunk| {
+        inner.set(*i, chunk, 0).map_err(err("update"))
+    })
+    .map_err(|e| e.error)?;
+    Ok(inner)
+}
+
+impl KernelMaps {
+    /// Every Maglev table, each cut to its frontend's table size (the last chunk's tail is
+    /// padding) where a frontend entry in `services` names it.
+    fn read_maglev(
+        &self,
+        services: &BTreeMap<ServiceMapKey, SvcValue>,
+    ) -> Result<BTreeMap<u32, std::sync::Arc<[u32]>>, MapError> {
+        let mut tables = BTreeMap::new();
+        let Some(outer) = &self.maglev else {
+            return Ok(tables);
+        };
+        let read = |e| MapError::new(catalog::MAGLEV, "dump", io_err(e));
+        let sizes: BTreeMap<u32, u32> = services
+            .iter()
+            .filter(|(k, v)| k.slot == 0 && v.has(lb_common::service::flags::MAGLEV))
+            .map(|(_, v)| (v.rev_nat_id, v.backend_id))
+            .collect();
+        for id in outer.keys() {
+            let id = id.map_err(read)?;
+            let inner = match outer.get(&id, 0) {
+                Ok(inner) => inner,
+                // Swapped out or deleted since the key was listed.
+                Err(aya::maps::MapError::KeyNotFound) => continue,
+                Err(e) => return Err(read(e)),
+            };
+            let mut positions = Vec::with_capacity(inner.len() as usize * maglev::LANES);
+            for i in 0..inner.len() {
+                positions.extend_from_slice(&inner.get(&i, 0).map_err(read)?.backend_ids);
+            }
+            if let Some(size) = sizes.get(&id) {
+                positions.truncate(*size as usize);
+            }
+            tables.insert(id, positions.into());
+        }
+        Ok(tables)
+    }
+}
+
 impl MapOps for KernelMaps {
+    fn put_maglev(&mut self, rev_nat_id: u32, positions: &[u32]) -> Result<(), MapError> {
+        let inner = maglev_inner(positions, &mut self.batch_supported)?;
+        let Some(outer) = self.maglev.as_mut() else {
+            return Err(MapError::new(
+                catalog::MAGLEV,
+                "update",
+                io::Error::from_raw_os_error(libc::ENOENT),
+            ));
+        };
+        // The swap: the old inner array goes once no program holds it.
+        outer
+            .insert(&rev_nat_id, &inner, 0)
+            .map_err(|e| MapError::new(catalog::MAGLEV, "update", io_err(e)))
+    }
+
+    fn delete_maglev(&mut self, rev_nat_id: u32) -> Result<(), MapError> {
+        let Some(outer) = self.maglev.as_mut() else {
+            return Ok(());
+        };
+        absent_ok(outer.remove(&rev_nat_id)).map_err(|e| MapError::new(catalog::MAGLEV, "delete", e))
+    }
+
     fn put_services(&mut self, entries: &[(ServiceMapKey, SvcValue)]) -> Result<(), BatchError> {
         let fresh = self
             .prefilter
@@ -881,6 +991,7 @@ impl MapOps for KernelMaps {
             snap.affinity_match
                 .push(key.map_err(read(catalog::AFFINITY_MATCH))?);
         }
+        snap.maglev = self.read_maglev(&snap.services)?;
         Ok(snap)
     }
 }

@@ -38,6 +38,8 @@ pub struct Snapshot {
     pub names: BTreeMap<u32, SvcName>,
     pub affinity_match: Vec<AffinityMatchKey>,
     pub source_ranges: Vec<SourceRange>,
+    /// Each frontend's Maglev table by rev_nat_id: the backend id at each position.
+    pub maglev: BTreeMap<u32, std::sync::Arc<[u32]>>,
 }
 
 impl Snapshot {
@@ -67,6 +69,26 @@ impl Snapshot {
             let revnat = self.revnat.get(&value.rev_nat_id);
             if revnat.is_none_or(|r| r.family() != key.family()) {
                 return Err(format!("{key:?} has no reverse-NAT entry {}", value.rev_nat_id));
+            }
+            // A Maglev table is optional (the slots decide without one), but the ids it holds
+            // must be backends of the frontend's family.
+            if let Some(table) = self.maglev.get(&value.rev_nat_id)
+                && value.flags & lb_common::service::flags::MAGLEV != 0
+            {
+                if value.backend_id as usize != table.len() {
+                    return Err(format!(
+                        "{key:?} says its Maglev table has {} entries; it has {}",
+                        value.backend_id,
+                        table.len()
+                    ));
+                }
+                if let Some(id) = table.iter().find(|id| {
+                    self.backends
+                        .get(id)
+                        .is_none_or(|b| IpFamily::of(&b.addr) != key.family())
+                }) {
+                    return Err(format!("{key:?}'s Maglev table points at missing backend {id}"));
+                }
             }
             let internal = ServiceMapKey {
                 scope: lb_common::service::SCOPE_INTERNAL,
@@ -123,6 +145,10 @@ pub trait MapOps {
     fn delete_affinity_match(&mut self, key: &AffinityMatchKey) -> Result<(), MapError>;
     fn put_source_range(&mut self, range: &SourceRange) -> Result<(), MapError>;
     fn delete_source_range(&mut self, range: &SourceRange) -> Result<(), MapError>;
+    /// Puts frontend `rev_nat_id`'s Maglev table in `lb_maglev`: built whole first, then swapped
+    /// in with one update, so a lookup sees the old table or the new one, never a mix.
+    fn put_maglev(&mut self, rev_nat_id: u32, positions: &[u32]) -> Result<(), MapError>;
+    fn delete_maglev(&mut self, rev_nat_id: u32) -> Result<(), MapError>;
     fn put_config(&mut self, config: &DatapathConfig) -> Result<(), MapError>;
     /// Makes `lb_pod_ifaces` hold exactly `ifindexes` (the interface local-traffic detector's
     /// pod interfaces); written before the `lb_config` entry that turns the detector on.

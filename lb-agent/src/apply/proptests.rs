@@ -480,17 +480,20 @@ fn reshaping_a_frontend_in_a_full_services_map_is_not_an_error() {
             scope: SCOPE_EXTERNAL,
             flags: flags::NODE_PORT | flags::TWO_SCOPES,
             backends: vec![be(1)],
+            maglev: None,
         },
         ScopePlan {
             scope: SCOPE_INTERNAL,
             flags: flags::NODE_PORT,
             backends: vec![be(1), be(2), be(3)],
+            maglev: None,
         },
     ]);
     let cluster = desired(vec![ScopePlan {
         scope: SCOPE_EXTERNAL,
         flags: flags::NODE_PORT | flags::MASQUERADE,
         backends: (1..=5).map(be).collect(),
+        maglev: None,
     }]);
     // Six entries either way; the map holds six.
     let caps = Capacities {

@@ -268,6 +268,7 @@ impl Datapath {
             // The programs trust the pinned config's PREFILTER flag only with the bits beside it.
             catalog::PREFILTER,
             catalog::PREFILTER6,
+            catalog::MAGLEV,
         ];
         let capacity = |name: &str| -> Result<u32, DatapathError> {
             Ok(aya::maps::MapInfo::from_pin(paths.map(name))?.max_entries())
@@ -290,6 +291,7 @@ impl Datapath {
             catalog::PREFILTER6,
             catalog::POD_INTERFACES,
             catalog::MASQ_ADDRS,
+            catalog::MAGLEV,
         ];
         let pins: Vec<(&'static str, PathBuf)> = shared
             .iter()
@@ -336,6 +338,7 @@ impl Datapath {
         // Reverse-NAT ids of both families (`apply::ids::family_ranges`).
         loader
             .map_max_entries(catalog::SVC_NAMES, caps.revnat.saturating_mul(2))
+            .map_max_entries(catalog::MAGLEV, caps.revnat.saturating_mul(2))
             .map_max_entries(catalog::AFFINITY_MATCH, caps.affinity_match);
         // The kernel's features decide which branches the programs keep (`lb_common::features`).
         let features = features::current().map_err(|e| DatapathError::Kernel(e.to_string()))?;

@@ -27,6 +27,45 @@ pub use endpoints::{SliceError, endpoints_by_port, endpoints_by_port_with_proble
 pub use service::{ServiceError, ServicePorts, service_ports};
 pub use topology::{CategorizedEndpoints, categorize_endpoints};
 
+/// How a new flow from outside the cluster picks its backend (issue 17; kube-proxy has only
+/// `Random`). Cilium's `--bpf-lb-algorithm` names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LbAlgorithm {
+    /// Any backend, as kube-proxy's `statistic --probability` rules.
+    #[default]
+    Random,
+    /// Maglev consistent hashing of the flow's 5-tuple: the same backend on every node with the
+    /// same endpoints (traffic spread over nodes by an ECMP router).
+    Maglev,
+}
+
+impl LbAlgorithm {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            LbAlgorithm::Random => "random",
+            LbAlgorithm::Maglev => "maglev",
+        }
+    }
+}
+
+impl std::str::FromStr for LbAlgorithm {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "random" => Ok(LbAlgorithm::Random),
+            "maglev" => Ok(LbAlgorithm::Maglev),
+            other => Err(format!("{other:?} is not an algorithm (random, maglev)")),
+        }
+    }
+}
+
+impl fmt::Display for LbAlgorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// L4 protocol of a Service port.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Protocol {
@@ -125,6 +164,9 @@ pub struct ServicePortInfo {
     /// takes precedence over `service.kubernetes.io/topology-mode`, as upstream. Informational:
     /// since v1.35 kube-proxy decides topology from the EndpointSlice hints alone.
     pub topology_mode: Option<String>,
+    /// The Service's algorithm annotation (`watch::ANNOTATION_LB_ALGORITHM`), when set and
+    /// valid; the node's `--bpf-lb-algorithm` otherwise.
+    pub lb_algorithm: Option<LbAlgorithm>,
 }
 
 impl ServicePortInfo {

@@ -16,10 +16,11 @@ use std::{
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
 
-use super::{Protocol, ServicePortInfo, ServicePortName};
+use super::{LbAlgorithm, Protocol, ServicePortInfo, ServicePortName};
 use crate::family::IpFamily;
 use crate::watch::{
-    ANNOTATION_TOPOLOGY_AWARE_HINTS, ANNOTATION_TOPOLOGY_MODE, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME,
+    ANNOTATION_LB_ALGORITHM, ANNOTATION_LB_ALGORITHM_CILIUM, ANNOTATION_TOPOLOGY_AWARE_HINTS,
+    ANNOTATION_TOPOLOGY_MODE, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME,
 };
 
 /// The API server's default `sessionAffinityConfig.clientIP.timeoutSeconds`
@@ -152,6 +153,7 @@ pub fn service_ports(svc: &Service, family: IpFamily) -> Result<ServicePorts, Se
     let health_check_node_port = health_check_node_port(spec, svc_type, external_policy_local, &mut warnings);
     let traffic_distribution = spec.traffic_distribution.clone();
     let topology_mode = topology_mode(svc);
+    let lb_algorithm = lb_algorithm(svc, &mut warnings);
 
     let service_ports = spec.ports.as_deref().unwrap_or_default();
     if service_ports.is_empty() {
@@ -206,6 +208,7 @@ pub fn service_ports(svc: &Service, family: IpFamily) -> Result<ServicePorts, Se
             health_check_node_port,
             traffic_distribution: traffic_distribution.clone(),
             topology_mode: topology_mode.clone(),
+            lb_algorithm,
         });
     }
     if ports.is_empty() {
@@ -579,6 +582,23 @@ fn topology_mode(svc: &Service) -> Option<String> {
         .get(ANNOTATION_TOPOLOGY_AWARE_HINTS)
         .or_else(|| annotations.get(ANNOTATION_TOPOLOGY_MODE))
         .cloned()
+}
+
+/// The Service's algorithm annotation; an unknown value is reported and the node's setting used.
+fn lb_algorithm(svc: &Service, warnings: &mut Vec<String>) -> Option<LbAlgorithm> {
+    let annotations = svc.metadata.annotations.as_ref()?;
+    let (key, value) = [ANNOTATION_LB_ALGORITHM, ANNOTATION_LB_ALGORITHM_CILIUM]
+        .into_iter()
+        .find_map(|key| annotations.get(key).map(|v| (key, v)))?;
+    match value.parse() {
+        Ok(algorithm) => Some(algorithm),
+        Err(e) => {
+            warnings.push(format!(
+                "annotation {key}: {e}; the node's --bpf-lb-algorithm applies"
+            ));
+            None
+        }
+    }
 }
 
 /// The port number and protocol of one `spec.ports[]` entry; `None` (with a warning) when the

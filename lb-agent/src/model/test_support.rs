@@ -34,5 +34,6 @@ pub fn service_port(namespace: &str, name: &str, port: &str, cluster_ip: &str) -
         health_check_node_port: None,
         traffic_distribution: None,
         topology_mode: None,
+        lb_algorithm: None,
     }
 }

@@ -67,6 +67,16 @@ pub struct NodeContext {
     /// (`backend::flags::HOST`). Link-local addresses are left out: each pod veth has its own
     /// IPv6 one, and every pod's arrival would otherwise change the node facts.
     pub host_addresses: Vec<IpAddr>,
+    /// `--bpf-lb-algorithm` and `--bpf-lb-maglev-table-size` (issue 17).
+    pub load_balancing: LoadBalancing,
+}
+
+/// How external frontends pick backends for new flows unless a Service's annotation says
+/// otherwise, and the size of each Maglev table.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadBalancing {
+    pub algorithm: crate::model::LbAlgorithm,
+    pub maglev_table_size: crate::plan::maglev::TableSize,
 }
 
 /// kube-proxy's `--detect-local-mode`: what tells pod traffic from other traffic (the masquerade
@@ -130,6 +140,8 @@ pub struct NodeSettings {
     pub localhost_nodeports: bool,
     /// kube-proxy's `--bind-address`: overrides the node's primary IP of its family.
     pub bind_address: Option<IpAddr>,
+    /// `--bpf-lb-algorithm`, `--bpf-lb-maglev-table-size`.
+    pub load_balancing: LoadBalancing,
 }
 
 /// Everything derived about this node at one sync.
@@ -169,6 +181,7 @@ impl NodeSettings {
             masquerade_all: false,
             localhost_nodeports: true,
             bind_address: None,
+            load_balancing: LoadBalancing::default(),
         }
     }
 
@@ -223,6 +236,7 @@ impl NodeSettings {
                 serves,
                 host_addresses: host_addresses(&local.addresses, &primary),
                 node_ips: primary,
+                load_balancing: self.load_balancing,
             },
             masquerade,
             local_cidrs,

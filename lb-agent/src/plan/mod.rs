@@ -12,8 +12,8 @@
 //!   CIDRs ([`ClusterIpPlan`]);
 //! - `planner`: the plan kept between syncs and updated one Service at a time ([`Planner`]),
 //!   with what each update changed ([`Changes`]);
-//! - `maglev`: Maglev lookup tables from a frontend's backends (issue 17; the planner does not
-//!   use them yet: the data path has no Maglev lookup so far).
+//! - `maglev`: Maglev lookup tables from a scope's backends (issue 17), for external frontends
+//!   whose algorithm is Maglev (`rules` decides which; `apply::entries` builds the tables).
 //!
 //! kube-proxy references are to `pkg/proxy/iptables/proxier.go` (`syncProxyRules`) unless noted.
 
@@ -121,6 +121,9 @@ pub struct ScopePlan {
     pub flags: u16,
     /// In slot order (slot 1 first); sorted, so an unchanged set costs no writes.
     pub backends: Vec<BackendAddr>,
+    /// With `flags::MAGLEV`: the size of the scope's Maglev table (built from `backends` when
+    /// the entries are, `apply::entries`).
+    pub maglev: Option<maglev::TableSize>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -66,6 +66,7 @@ pub(crate) fn node_context() -> impl Strategy<Value = NodeContext> {
                         v4: true,
                         v6: serves_v6,
                     },
+                    load_balancing: Default::default(),
                 }
             },
         )

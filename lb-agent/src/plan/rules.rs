@@ -20,7 +20,7 @@ use super::{
 };
 use crate::{
     family::IpFamily,
-    model::{CategorizedEndpoints, Endpoint, Protocol, ServicePortInfo},
+    model::{CategorizedEndpoints, Endpoint, LbAlgorithm, Protocol, ServicePortInfo},
     node::NodeContext,
 };
 
@@ -266,6 +266,27 @@ fn plan_frontend(
         source_ranges.dedup();
     }
 
+    // Maglev (issue 17): traffic from outside reaches external frontends, whose external scope
+    // then picks by the flow's hash. Not the localhost NodePort, which only this node's sockets
+    // reach, nor an empty scope (rejected or dropped before any choice).
+    let maglev = (kind.is_external()
+        && kind != FrontendKind::LocalhostNodePort
+        && svc.lb_algorithm.unwrap_or(node.load_balancing.algorithm) == LbAlgorithm::Maglev)
+        .then_some(node.load_balancing.maglev_table_size);
+    let external = |flags: u16, backends: Vec<BackendAddr>| {
+        let maglev = maglev.filter(|_| !backends.is_empty());
+        ScopePlan {
+            scope: SCOPE_EXTERNAL,
+            flags: if maglev.is_some() {
+                flags | flags::MAGLEV
+            } else {
+                flags
+            },
+            backends,
+            maglev,
+        }
+    };
+
     let scopes = if !kind.is_external() {
         let backends = if svc.internal_policy_local {
             sorted_backends(&eps.local, proto)
@@ -278,33 +299,25 @@ fn plan_frontend(
         } else if *node.detect_local.get(svc.family) {
             f |= flags::MASQUERADE_OFF_CLUSTER;
         }
-        vec![ScopePlan {
-            scope: SCOPE_EXTERNAL,
-            flags: f,
-            backends,
-        }]
+        vec![external(f, backends)]
     } else if svc.external_policy_local {
         let local = sorted_backends(&eps.local, proto);
         let cluster = sorted_backends(&eps.cluster, proto);
         vec![
-            ScopePlan {
-                scope: SCOPE_EXTERNAL,
-                flags: common | flags::TWO_SCOPES | empty_flag(&local),
-                backends: local,
-            },
+            external(common | flags::TWO_SCOPES | empty_flag(&local), local),
             ScopePlan {
                 scope: SCOPE_INTERNAL,
                 flags: common | empty_flag(&cluster),
                 backends: cluster,
+                maglev: None,
             },
         ]
     } else {
         let cluster = sorted_backends(&eps.cluster, proto);
-        vec![ScopePlan {
-            scope: SCOPE_EXTERNAL,
-            flags: common | flags::MASQUERADE | empty_flag(&cluster),
-            backends: cluster,
-        }]
+        vec![external(
+            common | flags::MASQUERADE | empty_flag(&cluster),
+            cluster,
+        )]
     };
     FrontendPlan {
         service: svc.name.clone(),

@@ -53,6 +53,7 @@ fn ctx() -> NodeContext {
         detect_local: PerFamily::default(),
         serves: PerFamily { v4: true, v6: true },
         host_addresses: vec![ip("192.168.1.10"), ip("192.168.2.10")],
+        load_balancing: Default::default(),
     }
 }
 
@@ -180,6 +181,66 @@ fn nodeport_local_policy_splits_scopes() {
     );
     // The cluster IP is not external: one scope.
     assert_eq!(d.frontends[&fe("10.96.0.10", 80)].scopes.len(), 1);
+}
+
+/// Issue 17: Maglev applies to the external scope of external frontends (the node's setting or
+/// the Service's annotation, which wins), never to cluster IPs, the localhost NodePort (only
+/// this node's sockets reach it), an internal scope or an empty scope.
+#[test]
+fn maglev_is_for_traffic_from_outside() {
+    use crate::{model::LbAlgorithm, node::LoadBalancing, plan::maglev::TableSize};
+    let maglev_ctx = NodeContext {
+        load_balancing: LoadBalancing {
+            algorithm: LbAlgorithm::Maglev,
+            maglev_table_size: TableSize::new(1021).unwrap(),
+        },
+        ..ctx()
+    };
+    let mut s = svc("web");
+    s.node_port = Some(30080);
+    s.external_ips = vec![ip("192.0.2.7")];
+    let eps = [ep("10.244.1.1", true), ep("10.244.2.2", false)];
+    let maglev_of = |p: &FrontendPlan| -> Vec<(u16, Option<u32>)> {
+        p.scopes
+            .iter()
+            .map(|s| (s.flags & flags::MAGLEV, s.maglev.map(|m| m.get())))
+            .collect()
+    };
+    let on = vec![(flags::MAGLEV, Some(1021))];
+    let off = vec![(0, None)];
+
+    let (d, _) = plan(&[(s.clone(), cat(&eps, &eps[..1], true))], &maglev_ctx);
+    assert_eq!(maglev_of(&d.frontends[&fe("192.168.1.10", 30080)]), on);
+    assert_eq!(maglev_of(&d.frontends[&fe("192.0.2.7", 80)]), on);
+    assert_eq!(maglev_of(&d.frontends[&fe("10.96.0.10", 80)]), off);
+    assert_eq!(maglev_of(&d.frontends[&fe("127.0.0.1", 30080)]), off);
+
+    // The annotation wins over the node's setting, either way.
+    let mut random = s.clone();
+    random.lb_algorithm = Some(LbAlgorithm::Random);
+    let (d, _) = plan(&[(random, cat(&eps, &eps[..1], true))], &maglev_ctx);
+    assert_eq!(maglev_of(&d.frontends[&fe("192.168.1.10", 30080)]), off);
+    let mut annotated = s.clone();
+    annotated.lb_algorithm = Some(LbAlgorithm::Maglev);
+    let (d, _) = plan(&[(annotated.clone(), cat(&eps, &eps[..1], true))], &ctx());
+    assert_eq!(
+        maglev_of(&d.frontends[&fe("192.168.1.10", 30080)]),
+        vec![(flags::MAGLEV, Some(16381))],
+        "the default table size"
+    );
+
+    // externalTrafficPolicy Local: the local endpoints' scope only; none local, no table.
+    annotated.external_policy_local = true;
+    let (d, _) = plan(&[(annotated.clone(), cat(&eps, &eps[..1], true))], &ctx());
+    assert_eq!(
+        maglev_of(&d.frontends[&fe("192.168.1.10", 30080)]),
+        vec![(flags::MAGLEV, Some(16381)), (0, None)]
+    );
+    let (d, _) = plan(&[(annotated, cat(&eps[1..], &[], true))], &ctx());
+    assert_eq!(
+        maglev_of(&d.frontends[&fe("192.168.1.10", 30080)]),
+        vec![(0, None), (0, None)]
+    );
 }
 
 #[test]

@@ -55,6 +55,10 @@ pub struct TraceResult {
     pub masquerade_source: Option<IpAddr>,
     /// "tc" or "socket".
     pub path: &'static str,
+    /// "maglev" when the frontend picks by Maglev consistent hashing (`chosen` is then this
+    /// flow's backend on every node with the same endpoints), else absent (a random pick).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub algorithm: Option<&'static str>,
 }
 
 /// Details for the table output.
@@ -71,6 +75,8 @@ pub struct TraceDetails {
 pub struct TraceRequest {
     pub src: IpAddr,
     pub dst: IpAddr,
+    /// The source port of the packet traced through tc (Maglev picks by it).
+    pub sport: u16,
     pub dport: u16,
     pub protocol: Protocol,
     /// The ifindex of the interface the packet comes in by (tc path; 0: none given), which the
@@ -183,6 +189,7 @@ fn sctp_untranslated(path: &'static str) -> (TraceResult, TraceDetails) {
         masquerade: false,
         masquerade_source: None,
         path,
+        algorithm: None,
     };
     (result, details)
 }
@@ -267,6 +274,7 @@ fn trace_socket(
             masquerade: false,
             masquerade_source: None,
             path: "socket",
+            algorithm: None,
         },
         details,
     ))
@@ -315,9 +323,6 @@ fn v6(ip: IpAddr) -> Ipv6Addr {
     }
 }
 
-/// The source port of the packet `trace` runs through tc.
-const TRACE_SPORT: u16 = 40_000;
-
 /// The masquerade address the tc programs recorded for the traced flow: the `nat_addr` of its
 /// SNAT entry (client -> backend, at egress) in this load's new-flow table, private to the trace.
 fn recorded_masquerade<F: crate::family::KernelFamily + lb_common::catalog::FamilyMaps>(
@@ -350,7 +355,7 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
         dst: req.dst.to_canonical(),
         ..*req
     };
-    let packet = first_packet(req, TRACE_SPORT);
+    let packet = first_packet(req, req.sport);
     // An ingress interface of 0 is none, as without --in-interface.
     let run = dp
         .test_run_tc_from(datapath::tc::TC_PROGRAMS[0].0, &packet, req.ingress_ifindex)
@@ -368,6 +373,8 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
     } else {
         Vec::new()
     };
+    let frontend_flags = run.cb[trace_cb::CB_FRONTEND_FLAGS] as u16;
+    let maglev = decision == verdict::TRANSLATED && frontend_flags & lb_common::service::flags::MAGLEV != 0;
     let family = IpFamily::of(&req.dst);
     let details = TraceDetails {
         service: (rev_nat_id != 0)
@@ -384,6 +391,14 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
                 "answered with ICMP port unreachable",
             )),
             verdict::DROP => Some(refusal(rev_nat_id, decision, "dropped")),
+            _ if maglev && frontend_flags & lb_common::service::flags::AFFINITY != 0 => Some(format!(
+                "Maglev: a client without a ClientIP affinity entry gets its flow's table entry (this one: source port {}); one with an entry keeps its backend",
+                req.sport
+            )),
+            _ if maglev => Some(format!(
+                "Maglev: this flow (source port {}) reaches the chosen backend on every node with the same endpoints; other source ports spread over the backends",
+                req.sport
+            )),
             _ => None,
         },
     };
@@ -392,8 +407,8 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
     let masquerade_source = masquerade
         .then(|| {
             let recorded = match family {
-                IpFamily::V4 => recorded_masquerade::<lb_common::family::V4>(dp, req, TRACE_SPORT),
-                IpFamily::V6 => recorded_masquerade::<lb_common::family::V6>(dp, req, TRACE_SPORT),
+                IpFamily::V4 => recorded_masquerade::<lb_common::family::V4>(dp, req, req.sport),
+                IpFamily::V6 => recorded_masquerade::<lb_common::family::V6>(dp, req, req.sport),
             };
             recorded.or_else(|| {
                 maps.datapath_config().map(|c| match family {
@@ -410,6 +425,7 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
             masquerade,
             masquerade_source,
             path: "tc",
+            algorithm: maglev.then_some("maglev"),
         },
         details,
     ))
@@ -462,6 +478,7 @@ pub fn run(args: &TraceArgs) -> Result<()> {
     let req = TraceRequest {
         src: args.src,
         dst: args.dst,
+        sport: args.sport,
         dport: args.dport,
         protocol,
         ingress_ifindex: match &args.in_interface {

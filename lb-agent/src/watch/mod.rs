@@ -35,6 +35,11 @@ pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 pub const ANNOTATION_TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
 /// `v1.DeprecatedAnnotationTopologyAwareHints`.
 pub const ANNOTATION_TOPOLOGY_AWARE_HINTS: &str = "service.kubernetes.io/topology-aware-hints";
+/// The per-Service algorithm for traffic from outside, `random` or `maglev` (issue 17).
+pub const ANNOTATION_LB_ALGORITHM: &str = "lb-agent.io/lb-algorithm";
+/// Cilium's name for the same annotation, honoured so that Services annotated for Cilium keep
+/// their algorithm when the node moves to lb-agent; ours wins when both are set.
+pub const ANNOTATION_LB_ALGORITHM_CILIUM: &str = "service.cilium.io/lb-algorithm";
 /// kube-proxy's informer label selector (without [`LABEL_SERVICE_PROXY_NAME`] and
 /// [`LABEL_HEADLESS`]), for Services and EndpointSlices alike.
 pub const LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";

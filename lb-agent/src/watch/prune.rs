@@ -7,7 +7,7 @@
 //!
 //! Kept, by reader:
 //! - Service: name, namespace, uid and resourceVersion (Events), labels (the informer selector's
-//!   labels), the topology annotations (`model::service`), the `spec` but its `selector`, and
+//!   labels), the topology and algorithm annotations (`model::service`), the `spec` but its `selector`, and
 //!   `status.loadBalancer`;
 //! - Node: name, uid, labels (the topology zone), `deletionTimestamp` and `spec.taints` (the
 //!   health server's `NodeEligible`), `status.addresses` (the node IPs).
@@ -17,7 +17,10 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
-use super::{ANNOTATION_TOPOLOGY_AWARE_HINTS, ANNOTATION_TOPOLOGY_MODE};
+use super::{
+    ANNOTATION_LB_ALGORITHM, ANNOTATION_LB_ALGORITHM_CILIUM, ANNOTATION_TOPOLOGY_AWARE_HINTS,
+    ANNOTATION_TOPOLOGY_MODE,
+};
 
 /// The metadata every kept object needs; `annotations` keeps only the keys listed.
 fn prune_meta(meta: &mut ObjectMeta, keep_annotations: &[&str]) {
@@ -43,7 +46,12 @@ fn prune_meta(meta: &mut ObjectMeta, keep_annotations: &[&str]) {
 pub fn service(svc: &mut Service) {
     prune_meta(
         &mut svc.metadata,
-        &[ANNOTATION_TOPOLOGY_AWARE_HINTS, ANNOTATION_TOPOLOGY_MODE],
+        &[
+            ANNOTATION_TOPOLOGY_AWARE_HINTS,
+            ANNOTATION_TOPOLOGY_MODE,
+            ANNOTATION_LB_ALGORITHM,
+            ANNOTATION_LB_ALGORITHM_CILIUM,
+        ],
     );
     // Which pods back a Service is the EndpointSlice controller's business, not a proxy's.
     if let Some(spec) = svc.spec.as_mut() {

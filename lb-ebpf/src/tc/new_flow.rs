@@ -17,6 +17,7 @@ use lb_common::{
     config::flags as config_flags,
     conntrack::{CtKey, CtValue, dir, flags as ct, snat_tag},
     family::put_addr,
+    maglev,
     monitor::hook,
     service::flags,
     stats::Counter,
@@ -270,7 +271,12 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
     }
 
     let client = F::client_of_addr(&flow.saddr);
-    let hash = unsafe { bpf_get_prandom_u32() };
+    // Maglev: the flow's own hash, the same on every node; otherwise any backend will do.
+    let hash = if frontend.has(flags::MAGLEV) {
+        maglev::flow_hash::<F>(&flow.saddr, &flow.daddr, flow.sport, flow.dport, flow.proto)
+    } else {
+        unsafe { bpf_get_prandom_u32() }
+    };
     let Some((backend_id, _)) =
         lb::select_backend::<F>(&svc_key, frontend, || client, kind::ADDR, hash, now_ns)
     else {

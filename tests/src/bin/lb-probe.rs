@@ -67,6 +67,9 @@ enum Cmd {
         /// datagram travels in IP fragments both ways.
         #[arg(long, default_value_t = 0)]
         payload: usize,
+        /// Send from this local port (0: any), so that several runs are one flow.
+        #[arg(long, default_value_t = 0)]
+        source_port: u16,
     },
     /// Endless load for the sandbox: one request every interval, one JSON line each, as `tcp`,
     /// `udp` or `http` print them.
@@ -358,10 +361,15 @@ fn tcp_once(to: SocketAddr, payload: usize, timeout: Duration) -> serde_json::Va
 /// A UDP socket of the family of `to`, bound to any address: AF_INET6 for an IPv6 destination,
 /// IPv4-mapped ones included (a dual-stack socket, as Java's, Go's and most C programs' are).
 fn udp_socket_for(to: SocketAddr) -> UdpSocket {
+    udp_socket_from(to, 0)
+}
+
+/// [`udp_socket_for`] bound to local port `port` (0: any).
+fn udp_socket_from(to: SocketAddr, port: u16) -> UdpSocket {
     let any: SocketAddr = if to.is_ipv6() {
-        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+        (std::net::Ipv6Addr::UNSPECIFIED, port).into()
     } else {
-        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+        (std::net::Ipv4Addr::UNSPECIFIED, port).into()
     };
     UdpSocket::bind(any).unwrap_or_else(|e| panic!("bind udp {any}: {e}"))
 }
@@ -371,8 +379,14 @@ fn bulk_pattern(n: usize) -> Vec<u8> {
     (0..n).map(|i| (i * 7 + i / 251) as u8).collect()
 }
 
-fn udp_once(to: SocketAddr, connected: bool, timeout: Duration, payload: usize) -> serde_json::Value {
-    let sock = udp_socket_for(to);
+fn udp_once(
+    to: SocketAddr,
+    connected: bool,
+    timeout: Duration,
+    payload: usize,
+    source_port: u16,
+) -> serde_json::Value {
+    let sock = udp_socket_from(to, source_port);
     let _ = sock.set_read_timeout(Some(timeout));
     let data: Vec<u8> = if payload == 0 {
         b"hello".to_vec()
@@ -619,11 +633,18 @@ fn main() {
             connected,
             timeout_ms,
             payload,
+            source_port,
         } => {
             for _ in 0..count {
                 println!(
                     "{}",
-                    udp_once(to, connected, Duration::from_millis(timeout_ms), payload)
+                    udp_once(
+                        to,
+                        connected,
+                        Duration::from_millis(timeout_ms),
+                        payload,
+                        source_port
+                    )
                 );
             }
         }
@@ -646,7 +667,7 @@ fn main() {
                     "tcp" => tcp_once(to, 0, timeout),
                     "udp" => match &flow {
                         Some(sock) => udp_exchange(sock, to),
-                        None => udp_once(to, false, timeout, 0),
+                        None => udp_once(to, false, timeout, 0, 0),
                     },
                     _ => {
                         // An HTTP GET whose JSON body says who answered and whom it saw.

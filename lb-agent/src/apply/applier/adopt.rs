@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::{Applier, FrontendEntries, protocol_from, service_port_name};
+use crate::apply::entries::MaglevEntry;
 use crate::{
     apply::{MapOps, RevNatEntry, Snapshot},
     family::IpFamily,
@@ -50,6 +51,7 @@ impl<M: MapOps> Applier<M> {
                 },
                 affinity_match: BTreeSet::new(),
                 source_ranges: BTreeSet::new(),
+                maglev: None,
             });
             entries.services.insert(*key, *value);
         }
@@ -73,6 +75,18 @@ impl<M: MapOps> Applier<M> {
                 && entries.revnat.family() == range.family()
             {
                 entries.source_ranges.insert(*range);
+            }
+        }
+        for (id, positions) in &snap.maglev {
+            match by_rev.get_mut(id) {
+                Some(entries) => entries.maglev = Some(MaglevEntry::new(positions.clone())),
+                // The table of a frontend a killed writer removed (it deletes the frontend's
+                // entries first): nothing reads it.
+                None => {
+                    if let Err(e) = self.maps.delete_maglev(*id) {
+                        tracing::warn!(rev_nat_id = id, error = %e, "deleting a Maglev table without a frontend");
+                    }
+                }
             }
         }
         for (id, entries) in by_rev {

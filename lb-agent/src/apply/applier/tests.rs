@@ -69,6 +69,7 @@ fn frontend_plan(svc: &str, backends: &[u8]) -> FrontendPlan {
             scope: SCOPE_EXTERNAL,
             flags: flags::CLUSTER_IP,
             backends: backends.iter().map(|b| be(*b)).collect(),
+            maglev: None,
         }],
         source_ranges: vec![],
     }
@@ -218,11 +219,13 @@ fn switching_local_to_cluster_policy_rewrites_the_frontend_before_dropping_the_i
                     scope: SCOPE_EXTERNAL,
                     flags: flags::NODE_PORT | flags::TWO_SCOPES,
                     backends: local.iter().map(|b| be(*b)).collect(),
+                    maglev: None,
                 },
                 ScopePlan {
                     scope: SCOPE_INTERNAL,
                     flags: flags::NODE_PORT,
                     backends: all.iter().map(|b| be(*b)).collect(),
+                    maglev: None,
                 },
             ],
             source_ranges: vec![],
@@ -429,6 +432,8 @@ fn assert_consistent_from(before: Snapshot, log: &[Op]) {
             Op::DeleteAffinityMatch(k) => maps.delete_affinity_match(k).unwrap(),
             Op::PutSourceRange(r) => maps.put_source_range(r).unwrap(),
             Op::DeleteSourceRange(r) => maps.delete_source_range(r).unwrap(),
+            Op::PutMaglev(id, positions) => maps.put_maglev(*id, positions).unwrap(),
+            Op::DeleteMaglev(id) => maps.delete_maglev(*id).unwrap(),
             Op::PutConfig
             | Op::PutPodInterfaces
             | Op::PutMasqueradeAddrs
@@ -459,11 +464,13 @@ fn a_full_map_rewrites_a_frontend_break_before_make() {
                     scope: SCOPE_EXTERNAL,
                     flags: flags::NODE_PORT | flags::TWO_SCOPES,
                     backends: vec![be(1)],
+                    maglev: None,
                 },
                 ScopePlan {
                     scope: SCOPE_INTERNAL,
                     flags: flags::NODE_PORT,
                     backends: vec![be(1), be(2), be(3)],
+                    maglev: None,
                 },
             ],
             source_ranges: vec![],
@@ -742,4 +749,190 @@ fn a_restart_adopts_both_families() {
     let r = b.apply(&both);
     assert!(r.is_clean(), "{r:?}");
     assert_eq!((r.writes, r.deletes), (0, 0), "{:?}", b.maps().log);
+}
+
+/// A NodePort frontend (`fe(vip)`) of `svc` whose external scope uses Maglev with table size 251.
+fn maglev_desired(services: &[(u8, &str, &[u8])], size: u32) -> DesiredState {
+    let mut d = DesiredState::default();
+    for (vip, svc, backends) in services {
+        let backends: Vec<BackendAddr> = backends.iter().map(|b| be(*b)).collect();
+        let plan = FrontendPlan {
+            service: name(svc),
+            kind: FrontendKind::NodePort,
+            affinity_timeout: 0,
+            scopes: vec![ScopePlan {
+                scope: SCOPE_EXTERNAL,
+                flags: flags::NODE_PORT | flags::MASQUERADE | flags::MAGLEV,
+                backends,
+                maglev: Some(crate::plan::maglev::TableSize::new(size).unwrap()),
+            }],
+            source_ranges: vec![],
+        };
+        for b in plan.backends() {
+            d.backends.insert(*b, 0);
+        }
+        d.frontends.insert(fe(*vip), plan.into());
+    }
+    d
+}
+
+/// The backend address at each position of frontend `vip`'s table in the maps.
+fn maglev_targets(a: &Applier<FakeMaps>, vip: u8) -> Vec<BackendAddr> {
+    let id = a.rev_nat_id(&fe(vip)).expect("applied");
+    let state = &a.maps().state;
+    state.maglev[&id]
+        .iter()
+        .map(|b| {
+            let v = state.backends[b];
+            BackendAddr {
+                addr: v.addr,
+                port: v.port,
+                proto: Protocol::Tcp,
+            }
+        })
+        .collect()
+}
+
+/// Issue 17: the table is the plan's (`plan::maglev`, the same on every node) in this node's ids,
+/// written before the frontend entry that names it, whose `backend_id` holds its size.
+#[test]
+fn a_maglev_table_is_written_before_its_frontend_entry() {
+    use crate::plan::maglev::{DEFAULT_SEED, Member, TableSize, lookup_table};
+    let mut a = applier();
+    let r = a.apply(&maglev_desired(&[(10, "web", &[1, 2, 3])], 251));
+    assert!(r.is_clean(), "{r:?}");
+    let log = &a.maps().log;
+    let table_at = log
+        .iter()
+        .position(|op| matches!(op, Op::PutMaglev(..)))
+        .expect("table written");
+    let entry_at = log
+        .iter()
+        .position(|op| matches!(op, Op::PutService(k, _) if k.slot == 0))
+        .expect("frontend written");
+    assert!(table_at < entry_at, "{log:?}");
+    assert_every_step_consistent(log);
+    let key = ServiceMapKey::new(fe(10).addr, 80, 6, SCOPE_EXTERNAL, 0);
+    assert_eq!(a.maps().state.services[&key].backend_id, 251);
+    let members: Vec<Member> = [1, 2, 3]
+        .map(|b| Member {
+            addr: be(b).addr,
+            port: 8080,
+            weight: 1,
+        })
+        .to_vec();
+    let want = lookup_table(&members, TableSize::new(251).unwrap(), &DEFAULT_SEED);
+    let want: Vec<BackendAddr> = want
+        .slots
+        .iter()
+        .map(|s| BackendAddr {
+            addr: want.members[*s as usize].addr,
+            port: 8080,
+            proto: Protocol::Tcp,
+        })
+        .collect();
+    assert_eq!(maglev_targets(&a, 10), want);
+}
+
+/// A change to one Service rebuilds that Service's table only; removing a backend keeps it in
+/// the map until the new table no longer names it.
+#[test]
+fn an_endpoint_change_rebuilds_only_that_services_table() {
+    let mut a = applier();
+    a.apply(&maglev_desired(
+        &[(10, "web", &[1, 2, 3]), (11, "api", &[4, 5])],
+        251,
+    ));
+    let before = a.maps().state.clone();
+    a.maps_mut().log.clear();
+    let r = a.apply(&maglev_desired(
+        &[(10, "web", &[1, 2]), (11, "api", &[4, 5])],
+        251,
+    ));
+    assert!(r.is_clean(), "{r:?}");
+    let log = a.maps().log.clone();
+    let tables: Vec<u32> = log
+        .iter()
+        .filter_map(|op| match op {
+            Op::PutMaglev(id, _) => Some(*id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tables, vec![a.rev_nat_id(&fe(10)).unwrap()], "{log:?}");
+    assert_consistent_from(before, &log);
+    // The removed backend is deleted after the table that named it was replaced.
+    let swapped = log.iter().position(|op| matches!(op, Op::PutMaglev(..))).unwrap();
+    let deleted = log
+        .iter()
+        .position(|op| matches!(op, Op::DeleteBackend(..)))
+        .expect("backend 3 deleted");
+    assert!(swapped < deleted, "{log:?}");
+    assert!(!maglev_targets(&a, 10).contains(&be(3)));
+}
+
+/// Off again (the annotation removed): the frontend entry loses the flag first, then the table
+/// goes; removing the frontend removes its table.
+#[test]
+fn a_table_goes_after_the_entry_that_named_it() {
+    let mut a = applier();
+    a.apply(&maglev_desired(&[(10, "web", &[1, 2]), (11, "api", &[4])], 251));
+    let before = a.maps().state.clone();
+    a.maps_mut().log.clear();
+    let mut off = maglev_desired(&[(11, "api", &[4])], 251);
+    let mut plain = (*desired(&[(10, "web", &[1, 2])]).frontends[&fe(10)]).clone();
+    plain.kind = FrontendKind::NodePort;
+    off.frontends.insert(fe(10), plain.into());
+    off.backends.extend([(be(1), 0), (be(2), 0)]);
+    a.apply(&off);
+    let log = a.maps().log.clone();
+    let entry = log
+        .iter()
+        .position(|op| matches!(op, Op::PutService(k, v) if k.slot == 0 && !v.has(flags::MAGLEV)))
+        .expect("entry rewritten");
+    let gone = log
+        .iter()
+        .position(|op| matches!(op, Op::DeleteMaglev(..)))
+        .expect("table deleted");
+    assert!(entry < gone, "{log:?}");
+    assert_consistent_from(before, &log);
+    assert_eq!(a.maps().state.maglev.len(), 1);
+    a.apply(&DesiredState::default());
+    assert!(a.maps().state.maglev.is_empty());
+    assert!(a.maps().state.services.is_empty());
+}
+
+/// A restarted writer adopts the tables (no rewrite when nothing changed) and deletes a table
+/// whose frontend is gone (left by a writer killed while removing it).
+#[test]
+fn recovery_adopts_tables_and_drops_orphans() {
+    let d = maglev_desired(&[(10, "web", &[1, 2, 3])], 251);
+    let mut a = applier();
+    a.apply(&d);
+    let mut maps = a.maps().clone();
+    maps.state.maglev.insert(9999, Arc::from([1u32; 251]));
+    maps.log.clear();
+    let mut b = Applier::recover(maps, Capacities::default()).unwrap();
+    assert_eq!(b.maps().log, vec![Op::DeleteMaglev(9999)]);
+    let r = b.apply(&d);
+    assert_eq!((r.writes, r.deletes), (0, 0), "{:?}", b.maps().log);
+}
+
+/// `check_consistent` finds a table naming a missing backend, or of another size than its
+/// frontend entry says.
+#[test]
+fn check_consistent_finds_a_broken_table() {
+    let mut a = applier();
+    a.apply(&maglev_desired(&[(10, "web", &[1, 2])], 251));
+    let id = a.rev_nat_id(&fe(10)).unwrap();
+    let mut state = a.maps().state.clone();
+    state.maglev.insert(id, Arc::from([77u32; 251]));
+    assert!(
+        state
+            .check_consistent()
+            .unwrap_err()
+            .contains("missing backend 77")
+    );
+    let mut state = a.maps().state.clone();
+    state.maglev.insert(id, Arc::from([state.maglev[&id][0]; 250]));
+    assert!(state.check_consistent().unwrap_err().contains("251"));
 }

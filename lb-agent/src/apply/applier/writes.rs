@@ -77,6 +77,7 @@ impl<M: MapOps> Applier<M> {
             services: BTreeMap::new(),
             affinity_match: BTreeSet::new(),
             source_ranges: BTreeSet::new(),
+            maglev: None,
             ..new.clone()
         });
         if old.is_some() {
@@ -123,6 +124,14 @@ impl<M: MapOps> Applier<M> {
             report.writes += 1;
             current.affinity_match.insert(*member);
         }
+        // The Maglev table before the frontend entry that asks for it; its backends are written.
+        if let Some(table) = &new.maglev
+            && current.maglev.as_ref() != Some(table)
+        {
+            self.maps.put_maglev(new.rev_nat_id, &table.positions)?;
+            report.writes += 1;
+            current.maglev = Some(table.clone());
+        }
         // Writes: internal scope first, and within a scope the slots before slot 0.
         let mut writes: Vec<(&ServiceMapKey, &SvcValue)> = new
             .services
@@ -160,6 +169,12 @@ impl<M: MapOps> Applier<M> {
             self.maps.delete_affinity_match(member)?;
             report.deletes += 1;
             current.affinity_match.remove(member);
+        }
+        // A table no frontend entry asks for any more (slot 0 was rewritten above).
+        if new.maglev.is_none() && current.maglev.is_some() {
+            self.maps.delete_maglev(new.rev_nat_id)?;
+            report.deletes += 1;
+            current.maglev = None;
         }
         Ok(())
     }
@@ -212,6 +227,11 @@ impl<M: MapOps> Applier<M> {
                 self.maps.delete_service(&key)?;
                 report.deletes += 1;
                 current.services.remove(&key);
+            }
+            if current.maglev.is_some() {
+                self.maps.delete_maglev(current.rev_nat_id)?;
+                report.deletes += 1;
+                current.maglev = None;
             }
             self.maps
                 .delete_revnat(current.revnat.family(), current.rev_nat_id)?;

@@ -182,6 +182,7 @@ fn basic_cluster_ip_service() {
             health_check_node_port: None,
             traffic_distribution: None,
             topology_mode: None,
+            lb_algorithm: None,
         }
     );
     assert_eq!(info.name.to_string(), "ns1/svc1");
@@ -917,6 +918,30 @@ fn traffic_distribution_and_topology_annotations() {
     assert_eq!(p.topology_mode.as_deref(), Some("Disabled"));
 }
 
+/// Issue 17: the algorithm annotation, ours or Cilium's (ours wins); an unknown value is reported
+/// and leaves the node's setting.
+#[test]
+fn lb_algorithm_annotation() {
+    assert_eq!(svc().one().lb_algorithm, None);
+    let p = svc().annotation(ANNOTATION_LB_ALGORITHM, "maglev").one();
+    assert_eq!(p.lb_algorithm, Some(LbAlgorithm::Maglev));
+    let p = svc().annotation(ANNOTATION_LB_ALGORITHM_CILIUM, "maglev").one();
+    assert_eq!(p.lb_algorithm, Some(LbAlgorithm::Maglev));
+    let p = svc()
+        .annotation(ANNOTATION_LB_ALGORITHM_CILIUM, "maglev")
+        .annotation(ANNOTATION_LB_ALGORITHM, "random")
+        .one();
+    assert_eq!(p.lb_algorithm, Some(LbAlgorithm::Random));
+    let out = svc().annotation(ANNOTATION_LB_ALGORITHM, "Maglev").ports_ok();
+    assert_eq!(out.ports[0].lb_algorithm, None);
+    assert_eq!(out.warnings.len(), 1, "{:?}", out.warnings);
+    assert!(
+        out.warnings[0].contains("lb-agent.io/lb-algorithm"),
+        "{:?}",
+        out.warnings
+    );
+}
+
 #[test]
 fn every_port_shares_the_service_fields() {
     let out = svc()
@@ -967,6 +992,7 @@ fn pruning_by_the_watch_keeps_everything_the_model_reads() {
             resource_version: Some("42".into()),
             annotations: Some(BTreeMap::from([
                 (ANNOTATION_TOPOLOGY_MODE.into(), "Auto".into()),
+                (ANNOTATION_LB_ALGORITHM.into(), "maglev".into()),
                 (
                     "kubectl.kubernetes.io/last-applied-configuration".into(),
                     "{...}".into(),
@@ -1008,7 +1034,10 @@ fn pruning_by_the_watch_keeps_everything_the_model_reads() {
     assert_eq!(m.generation, None);
     assert_eq!(
         m.annotations,
-        Some(BTreeMap::from([(ANNOTATION_TOPOLOGY_MODE.into(), "Auto".into())]))
+        Some(BTreeMap::from([
+            (ANNOTATION_TOPOLOGY_MODE.into(), "Auto".into()),
+            (ANNOTATION_LB_ALGORITHM.into(), "maglev".into())
+        ]))
     );
     assert_eq!(
         (m.uid.as_deref(), m.resource_version.as_deref()),

@@ -729,6 +729,7 @@ fn service_topology_fields_are_informational() {
         let s = ServicePortInfo {
             traffic_distribution: td.map(str::to_owned),
             topology_mode: mode.map(str::to_owned),
+            lb_algorithm: None,
             ..svc()
         };
         assert_eq!(categorize_endpoints(&endpoints, &s, &node), plain);
