@@ -27,8 +27,8 @@ use lb_common::catalog::Capacities;
 use self::fit::WriteMode;
 use super::{
     entries::{
-        BackendEntry, EntriesError, FrontendEntries, MaglevTables, backend_value, entries_for, protocol_from,
-        service_port_name, svc_name,
+        BackendEntry, EntriesError, FrontendEntries, MaglevEntry, MaglevTables, backend_value, entries_for,
+        protocol_from, service_port_name, svc_name,
     },
     ids::{IdAllocator, family_ranges},
     ops::{MapError, MapOps},
@@ -91,6 +91,8 @@ pub struct Applier<M> {
     backend_ids: PerFamily<IdAllocator>,
     rev_ids: PerFamily<IdAllocator>,
     occupancy: Occupancy,
+    /// Maglev tables built during the current apply (emptied at its end).
+    maglev_tables: MaglevTables,
 }
 
 impl<M: MapOps> Applier<M> {
@@ -108,6 +110,7 @@ impl<M: MapOps> Applier<M> {
             backend_ids: ids(caps.backends),
             rev_ids: ids(caps.revnat),
             occupancy: Occupancy::default(),
+            maglev_tables: MaglevTables::new(),
         }
     }
 
@@ -166,7 +169,7 @@ impl<M: MapOps> Applier<M> {
             .iter()
             .filter(|(k, _)| k.slot > 0)
             .map(|(_, v)| v.backend_id);
-        let table_ids = entries.maglev.iter().flat_map(|t| t.backend_ids.iter().copied());
+        let table_ids = entries.maglev.iter().flat_map(MaglevEntry::backend_ids);
         for id in slot_ids.chain(table_ids) {
             if sign > 0 {
                 *self.backend_refs.entry(id).or_default() += 1;
@@ -243,6 +246,7 @@ impl<M: MapOps> Applier<M> {
                 self.backend_ids.get_mut(IpFamily::of(&addr.addr)).free(id);
             }
         }
+        self.maglev_tables = MaglevTables::new();
         report
     }
 
@@ -342,7 +346,6 @@ impl<M: MapOps> Applier<M> {
     ) -> (Result<Vec<FrontendWrite>, String>, NewRevNatIds) {
         let mut built = Vec::with_capacity(group.len());
         let mut new_rev_ids = Vec::new();
-        let mut tables = MaglevTables::new();
         for (frontend, plan) in group {
             let family = IpFamily::of(&frontend.addr);
             let rev_nat_id = match self.frontends.get(frontend) {
@@ -364,7 +367,7 @@ impl<M: MapOps> Applier<M> {
                     .map(|(id, _)| *id)
                     .or_else(|| new_backend_ids.get(addr).copied())
             };
-            let reason = match entries_for(frontend, plan, rev_nat_id, &backend_id, &mut tables) {
+            let reason = match entries_for(frontend, plan, rev_nat_id, &backend_id) {
                 Ok(entries) => {
                     built.push((**frontend, entries));
                     continue;

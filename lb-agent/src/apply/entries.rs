@@ -118,29 +118,88 @@ pub(super) struct FrontendEntries {
     pub maglev: Option<MaglevEntry>,
 }
 
-/// A frontend's Maglev table as `lb_maglev` holds it.
+/// A frontend's Maglev table, as what it is built from: its size and its members (sorted by
+/// address and port, as `plan::maglev` sorts them) with this node's backend ids. The table
+/// itself (`size` ids, 64 KiB at the default size) is computed only to be written
+/// ([`Self::positions`]): the mirror of 10,000 Maglev frontends keeps kilobytes, not gigabytes.
+/// Equal entries make equal tables (the fill is deterministic; a golden test pins it).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MaglevEntry {
-    /// The backend id at each position.
-    pub positions: Arc<[u32]>,
-    /// The distinct ids among them: backends the table refers to, kept (like those of the
-    /// slots) until no table or slot names them.
-    pub backend_ids: BTreeSet<u32>,
+    pub size: u32,
+    pub members: Arc<[MaglevMember]>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct MaglevMember {
+    pub addr: IpAddr,
+    pub port: u16,
+    pub backend_id: u32,
 }
 
 impl MaglevEntry {
-    pub fn new(positions: Arc<[u32]>) -> Self {
-        let backend_ids = positions.iter().copied().collect();
-        MaglevEntry {
-            positions,
-            backend_ids,
-        }
+    /// The backend ids the table names.
+    pub fn backend_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.members.iter().map(|m| m.backend_id)
+    }
+
+    /// The table: the backend id at each position. Built once per set of members and size while
+    /// `tables` lives (a Service's frontends on several addresses share their endpoints).
+    pub fn positions(&self, tables: &mut MaglevTables) -> Arc<[u32]> {
+        tables
+            .entry((self.members.clone(), self.size))
+            .or_insert_with(|| {
+                let members: Vec<Member> = self
+                    .members
+                    .iter()
+                    .map(|m| Member {
+                        addr: m.addr,
+                        port: m.port,
+                        weight: 1,
+                    })
+                    .collect();
+                let size = TableSize::new(self.size).expect("a planned table size");
+                let table = maglev::lookup_table(&members, size, &maglev::DEFAULT_SEED);
+                // `lookup_table` sorts its members as `self.members` are sorted.
+                debug_assert!(
+                    table
+                        .members
+                        .iter()
+                        .zip(self.members.iter())
+                        .all(|(a, b)| a.addr == b.addr && a.port == b.port)
+                );
+                table
+                    .slots
+                    .iter()
+                    .map(|s| self.members[*s as usize].backend_id)
+                    .collect()
+            })
+            .clone()
+    }
+
+    /// The entry of a table read back from the kernel, given each id's (address, port); `None`
+    /// when one of its ids is no backend (the table is then rewritten).
+    pub fn adopted(positions: &[u32], backend: impl Fn(u32) -> Option<(IpAddr, u16)>) -> Option<Self> {
+        let ids: BTreeSet<u32> = positions.iter().copied().collect();
+        let mut members = ids
+            .into_iter()
+            .map(|id| {
+                backend(id).map(|(addr, port)| MaglevMember {
+                    addr,
+                    port,
+                    backend_id: id,
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        members.sort();
+        Some(MaglevEntry {
+            size: positions.len() as u32,
+            members: members.into(),
+        })
     }
 }
 
-/// The tables built while writing one Service, by (backends, size): its frontends on several
-/// addresses (NodePorts, external and load-balancer IPs) share their backends and so their table.
-pub(super) type MaglevTables = HashMap<(Vec<BackendAddr>, u32), Arc<maglev::Table>>;
+/// Tables built during one apply, by (members, size).
+pub(super) type MaglevTables = HashMap<(Arc<[MaglevMember]>, u32), Arc<[u32]>>;
 
 /// `s` in a zero-padded field, cut at a character boundary: what is stored is valid UTF-8 and
 /// reads back (`unfixed`) to a string that stores to the same bytes, so a restarted agent finds
@@ -213,7 +272,6 @@ pub(super) fn entries_for(
     plan: &FrontendPlan,
     rev_nat_id: u32,
     backend_id: &dyn Fn(&BackendAddr) -> Option<u32>,
-    tables: &mut MaglevTables,
 ) -> Result<FrontendEntries, EntriesError> {
     let proto = frontend.proto.number();
     let addr = frontend.addr;
@@ -227,7 +285,7 @@ pub(super) fn entries_for(
         // The frontend entry's `backend_id` is the table size of a Maglev scope.
         let mut table_size = 0;
         if let Some(size) = scope.maglev {
-            maglev_ids = Some(maglev_table(&scope.backends, size, backend_id, tables)?);
+            maglev_ids = Some(maglev_entry(&scope.backends, size, backend_id)?);
             table_size = size.get();
         }
         for (slot, backend) in (1..=count).zip(&scope.backends) {
@@ -268,48 +326,29 @@ pub(super) fn entries_for(
     })
 }
 
-/// The Maglev table of a scope's backends, as backend ids: built once per set of backends and
-/// size (`tables`), from what every node sees alike (`plan::maglev`), then each position turned
-/// into this node's id of its backend.
-fn maglev_table(
+/// The Maglev entry of a scope: its size and its backends with their ids (the scope's backends
+/// are sorted by address, then port, as the table's members are).
+fn maglev_entry(
     backends: &[BackendAddr],
     size: TableSize,
     backend_id: &dyn Fn(&BackendAddr) -> Option<u32>,
-    tables: &mut MaglevTables,
 ) -> Result<MaglevEntry, EntriesError> {
-    let table = tables
-        .entry((backends.to_vec(), size.get()))
-        .or_insert_with(|| {
-            let members: Vec<Member> = backends
-                .iter()
-                .map(|b| Member {
-                    addr: b.addr,
-                    port: b.port,
-                    weight: 1,
-                })
-                .collect();
-            Arc::new(maglev::lookup_table(&members, size, &maglev::DEFAULT_SEED))
-        })
-        .clone();
-    // One protocol per scope: (address, port) names the backend. (The plan gives a Maglev
-    // scope at least one backend.)
-    let Some(proto) = backends.first().map(|b| b.proto) else {
-        return Ok(MaglevEntry::new(Arc::from([])));
-    };
-    let ids = table
-        .members
+    let mut members = backends
         .iter()
-        .map(|m| {
-            let addr = BackendAddr {
-                addr: m.addr,
-                port: m.port,
-                proto,
-            };
-            backend_id(&addr).ok_or(EntriesError::NoBackendId(addr))
+        .map(|b| {
+            let id = backend_id(b).ok_or(EntriesError::NoBackendId(*b))?;
+            Ok(MaglevMember {
+                addr: b.addr,
+                port: b.port,
+                backend_id: id,
+            })
         })
-        .collect::<Result<Vec<u32>, _>>()?;
+        .collect::<Result<Vec<_>, _>>()?;
+    // One protocol per scope: (address, port) names a backend; sorted already, kept so.
+    members.sort();
+    members.dedup_by(|a, b| a.addr == b.addr && a.port == b.port);
     Ok(MaglevEntry {
-        positions: table.slots.iter().map(|s| ids[*s as usize]).collect(),
-        backend_ids: ids.into_iter().collect(),
+        size: size.get(),
+        members: members.into(),
     })
 }

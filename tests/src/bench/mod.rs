@@ -22,6 +22,7 @@
 pub mod api;
 pub mod cilium;
 pub mod crr;
+pub mod maglev;
 pub mod measure;
 pub mod peers;
 pub mod report;
@@ -85,6 +86,10 @@ pub struct Options {
     pub restore_levels: Vec<u32>,
     /// Only the `iptables-restore` scaling runs (development).
     pub restore_only: bool,
+    /// Service counts of the Maglev table measurements (empty: not measured), and the endpoint
+    /// changes timed at each.
+    pub maglev_levels: Vec<u32>,
+    pub maglev_changes: u32,
 }
 
 impl Options {
@@ -126,6 +131,9 @@ impl Options {
             throughput_seconds: if quick { 5 } else { 10 },
             restore_levels: vec![500, 1_000, 2_000],
             restore_only: false,
+            // Scratch maps only (no API server): 10,000 Services in either run.
+            maglev_levels: vec![10_000],
+            maglev_changes: if quick { 20 } else { 50 },
         }
     }
 
@@ -273,6 +281,22 @@ pub fn run(opts: &Options, command: String) -> Results {
                     }
                 }
                 check_interrupted();
+            }
+        }
+        save(&r, &out_json);
+    }
+    for &n in &opts.maglev_levels {
+        check_interrupted();
+        step(&format!(
+            "Maglev tables: {n} Services with one Maglev external IP each, and {} endpoint changes",
+            opts.maglev_changes
+        ));
+        match maglev::measure(n, opts.maglev_changes) {
+            Ok(level) => r.maglev.push(level),
+            Err(e) => {
+                eprintln!("  FAILED: {e:#}");
+                r.problems
+                    .push(format!("Maglev measurement at {n} Services failed: {e:#}"));
             }
         }
         save(&r, &out_json);

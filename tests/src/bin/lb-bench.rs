@@ -72,6 +72,12 @@ struct Cli {
     /// Only the iptables-restore scaling runs (development).
     #[arg(long, conflicts_with_all = ["skip_restore", "latency_only", "tc_only"])]
     restore_only: bool,
+    /// Skip the Maglev table measurements.
+    #[arg(long)]
+    skip_maglev: bool,
+    /// Service counts of the Maglev table measurements (default 10000).
+    #[arg(long, value_delimiter = ',')]
+    maglev_levels: Vec<u32>,
     /// Do not rewrite docs/benchmarks.md and docs/bench/*.png.
     #[arg(long)]
     no_docs: bool,
@@ -179,6 +185,12 @@ fn main() {
     }
     if cli.skip_throughput {
         opts.throughput_rounds = 0;
+    }
+    if !cli.maglev_levels.is_empty() {
+        opts.maglev_levels = cli.maglev_levels.clone();
+    }
+    if cli.skip_maglev || cli.latency_only || cli.restore_only {
+        opts.maglev_levels.clear();
     }
     if let Some(t) = cli.cold_timeout {
         opts.cold_timeout = std::time::Duration::from_secs(t);

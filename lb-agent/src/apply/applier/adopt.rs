@@ -79,7 +79,15 @@ impl<M: MapOps> Applier<M> {
         }
         for (id, positions) in &snap.maglev {
             match by_rev.get_mut(id) {
-                Some(entries) => entries.maglev = Some(MaglevEntry::new(positions.clone())),
+                Some(entries) => {
+                    let family = entries.revnat.family();
+                    entries.maglev = MaglevEntry::adopted(positions, |id| {
+                        snap.backends
+                            .get(&id)
+                            .filter(|b| IpFamily::of(&b.addr) == family)
+                            .map(|b| (b.addr, b.port))
+                    });
+                }
                 // The table of a frontend a killed writer removed (it deletes the frontend's
                 // entries first): nothing reads it.
                 None => {

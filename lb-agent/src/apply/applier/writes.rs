@@ -128,7 +128,8 @@ impl<M: MapOps> Applier<M> {
         if let Some(table) = &new.maglev
             && current.maglev.as_ref() != Some(table)
         {
-            self.maps.put_maglev(new.rev_nat_id, &table.positions)?;
+            let positions = table.positions(&mut self.maglev_tables);
+            self.maps.put_maglev(new.rev_nat_id, &positions)?;
             report.writes += 1;
             current.maglev = Some(table.clone());
         }

@@ -717,6 +717,7 @@ pub fn markdown(r: &Results) -> String {
     }
 
     throughput_section(&mut s, r);
+    maglev_section(&mut s, r);
 
     if !r.problems.is_empty() {
         s.push_str("\n## Problems met during this run\n\n");
@@ -726,6 +727,64 @@ pub fn markdown(r: &Results) -> String {
     }
     s.push_str(CAVEATS);
     s
+}
+
+/// (6) Maglev tables (issue 17): their kernel memory, the cold programming against random choice,
+/// and one Service's endpoint change (its table rebuilt and swapped) against random choice.
+fn maglev_section(s: &mut String, r: &Results) {
+    use super::stats::{median, percentile};
+    if r.maglev.is_empty() {
+        return;
+    }
+    s.push_str(
+        "\n## 6. Maglev tables (scratch maps programmed by the agent's pipeline)\n\n\
+         N Services × 10 endpoints, each with one external IP whose traffic from outside is \
+         spread by Maglev (the `lb-agent.io/lb-algorithm: maglev` annotation): one table per \
+         Service. Beside it, the same Services with random choice. A change removes or restores \
+         one endpoint of one Service through the agent's incremental path (re-plan, table rebuilt \
+         and swapped in, slots). Target: a change rebuilds only that Service's table.\n\n\
+         | Services | table size | tables | kernel memory of the tables | per table | cold programming (maglev / random) | one change p50 / p99, ms (maglev) | (random) | map writes per change |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
+    );
+    let ms = |v: &[f64]| match (median(v), percentile(v, 99.0)) {
+        (Some(p50), Some(p99)) => format!("{p50:.2} / {p99:.2}"),
+        _ => "-".into(),
+    };
+    for m in &r.maglev {
+        let per_table = m.table_bytes as f64 / m.tables.max(1) as f64;
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {:.1} MiB (+ {:.1} MiB `lb_maglev`) | {:.1} KiB | {:.1} s / {:.1} s | {} | {} | {} |",
+            fmt_n(m.n),
+            m.table_size,
+            m.tables,
+            m.table_bytes as f64 / 1_048_576.0,
+            m.outer_bytes as f64 / 1_048_576.0,
+            per_table / 1024.0,
+            m.cold_s,
+            m.cold_random_s,
+            ms(&m.change_ms),
+            ms(&m.change_random_ms),
+            m.change_writes,
+        );
+    }
+    if let Some(m) = r.maglev.last() {
+        let extra = median(&m.change_ms)
+            .zip(median(&m.change_random_ms))
+            .map(|(a, b)| a - b);
+        let _ = writeln!(
+            s,
+            "\nAt {} Services a table costs {:.1} KiB of kernel memory ({} positions of 4 bytes, \
+             in 1 KiB array elements); a change costs {} ms more with Maglev than without (one \
+             table built and written), and {} map writes, so only the changed Service's table \
+             is rewritten.",
+            fmt_n(m.n),
+            m.table_bytes as f64 / m.tables.max(1) as f64 / 1024.0,
+            m.table_size,
+            extra.map_or("-".into(), |x| format!("{x:.2}")),
+            m.change_writes
+        );
+    }
 }
 
 /// (5) North-south throughput: per configuration, the median over rounds (min–max).

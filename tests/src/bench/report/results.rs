@@ -47,6 +47,9 @@ pub struct Results {
     /// `iptables-restore` of kube-proxy's ruleset by Service count, on each backend.
     #[serde(default)]
     pub restore: Vec<crate::bench::restore::RestoreRun>,
+    /// Maglev tables: memory, cold programming and one change, by Service count (issue 17).
+    #[serde(default)]
+    pub maglev: Vec<crate::bench::maglev::MaglevLevel>,
     /// Problems met during the run (a step that failed, a probe that timed out).
     pub problems: Vec<String>,
     pub duration_s: f64,
@@ -107,6 +110,9 @@ impl Results {
         }
         if !later.restore.is_empty() {
             self.restore = later.restore;
+        }
+        if !later.maglev.is_empty() {
+            self.maglev = later.maglev;
         }
         self.problems.extend(later.problems);
         self.duration_s += later.duration_s;
