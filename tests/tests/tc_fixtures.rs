@@ -732,6 +732,11 @@ fn client_ip_affinity_keeps_a_client_on_one_backend() {
 /// other nodes, and `before` filler Services added first (they take the first backend ids, as
 /// another node's history would).
 fn maglev_state(backends: &[u8], before: usize, affinity: bool) -> ClusterState {
+    maglev_state_with(backends, &[], before, affinity)
+}
+
+/// [`maglev_state`] with `terminating` endpoints (serving and terminating) beside `backends`.
+fn maglev_state_with(backends: &[u8], terminating: &[u8], before: usize, affinity: bool) -> ClusterState {
     let mut st = ClusterState::default();
     for i in 0..before {
         add(
@@ -757,6 +762,9 @@ fn maglev_state(backends: &[u8], before: usize, affinity: bool) -> ClusterState 
     let mut endpoints = slice("t", "mg", "mg-1");
     for b in backends {
         endpoints = endpoints.endpoint(&format!("10.244.2.{b}"), "node-b", State::Ready);
+    }
+    for b in terminating {
+        endpoints = endpoints.endpoint(&format!("10.244.2.{b}"), "node-b", State::Terminating);
     }
     add(&mut st, svc, Some(endpoints.port("http", "TCP", 8080)));
     st
@@ -828,6 +836,30 @@ fn maglev_gives_a_flow_the_same_backend_on_every_node() {
             moved * 10 <= others,
             "{f:?}: {moved} of {others} flows of the remaining backends moved"
         );
+    }
+}
+
+/// kube-proxy's terminating-endpoint fallback holds under Maglev: the table is built from the
+/// endpoints the fallback leaves, so with one ready endpoint every flow goes to it, and with none
+/// ready the serving terminating ones share the flows as the table spreads them.
+#[test]
+fn maglev_keeps_the_terminating_fallback() {
+    let mut one_ready = scratch_with(&maglev_state_with(&[40], &[41, 42], 0, false), true);
+    let mut none_ready = scratch_with(&maglev_state_with(&[], &[41, 42], 0, false), true);
+    for f in FAMILIES {
+        let mut fallback = std::collections::BTreeSet::new();
+        for sport in 42_000..42_040 {
+            let syn = tcp(f, CLIENT, sport, NODE_IP, 30090).build();
+            assert_eq!(
+                summary(&ingress(&mut one_ready, &syn).packet).dst,
+                f.ip("10.244.2.40"),
+                "{f:?}: the ready endpoint only"
+            );
+            let to = summary(&ingress(&mut none_ready, &syn).packet).dst;
+            assert_eq!(to, maglev_expected(f, &[41, 42], sport), "{f:?} sport {sport}");
+            fallback.insert(to);
+        }
+        assert_eq!(fallback.len(), 2, "{f:?}: both terminating endpoints serve");
     }
 }
 

@@ -100,7 +100,11 @@ pub(super) const TOP: &[(&str, Known)] = &[
             ("minSyncPeriod", Leaf(HONOURED)),
             (
                 "scheduler",
-                Leaf("eBPF data path: backends are picked at random, as in iptables mode"),
+                Leaf(
+                    "eBPF data path: backends are picked at random, as in iptables mode, or for traffic \
+                     from outside by Maglev hashing with --bpf-lb-algorithm maglev (or per Service, \
+                     the lb-agent.io/lb-algorithm annotation)",
+                ),
             ),
             ("excludeCIDRs", Leaf(EBPF)),
             (
