@@ -143,11 +143,23 @@ struct FrontendView {
     rev_nat_id: u32,
     masquerade: &'static str,
     affinity_timeout_seconds: Option<u32>,
+    /// How a new flow from outside picks its backend: "random" or "maglev".
+    algorithm: &'static str,
+    /// The Maglev table of the external scope, with "maglev".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    maglev_table: Option<MaglevTableView>,
     source_ranges: Vec<String>,
     scopes: Vec<ScopeView>,
     /// Live tc flows and recently translated unconnected UDP sockets for this frontend (connected
     /// sockets keep their record in socket storage, which user space cannot list).
     flows: u64,
+}
+
+#[derive(Serialize)]
+struct MaglevTableView {
+    size: u32,
+    /// The table is in `lb_maglev` at this size (else the slots pick, as for random).
+    installed: bool,
 }
 
 fn backend_view(snap: &Snapshot, id: u32) -> BackendView {
@@ -221,10 +233,18 @@ fn frontends(snap: &Snapshot, flows: &BTreeMap<u32, u64>) -> Vec<FrontendView> {
         let mut scopes = Vec::new();
         let mut front_flags = 0;
         let mut affinity = None;
+        let mut maglev_table = None;
         for (k, v) in entries.iter().filter(|(k, _)| k.slot == 0) {
             if k.scope != SCOPE_INTERNAL {
                 front_flags = v.flags;
                 affinity = (v.flags & flags::AFFINITY != 0).then_some(v.affinity_timeout);
+                maglev_table = (v.flags & flags::MAGLEV != 0).then(|| MaglevTableView {
+                    size: v.backend_id,
+                    installed: snap
+                        .maglev
+                        .get(&rev)
+                        .is_some_and(|t| t.len() == v.backend_id as usize),
+                });
             }
             let mut backends: Vec<BackendView> = (1..=v.count)
                 .filter_map(|slot| {
@@ -271,6 +291,12 @@ fn frontends(snap: &Snapshot, flows: &BTreeMap<u32, u64>) -> Vec<FrontendView> {
                 "no"
             },
             affinity_timeout_seconds: affinity,
+            algorithm: if maglev_table.is_some() {
+                "maglev"
+            } else {
+                "random"
+            },
+            maglev_table,
             source_ranges,
             scopes,
             flows: flows.get(&rev).copied().unwrap_or(0),
@@ -357,6 +383,12 @@ fn services_table(views: &[FrontendView]) -> String {
             let mut notes = Vec::new();
             if let Some(t) = v.affinity_timeout_seconds {
                 notes.push(format!("affinity {t}s"));
+            }
+            if let Some(m) = &v.maglev_table {
+                notes.push(match m.installed {
+                    true => format!("maglev {}", m.size),
+                    false => format!("maglev {} (table not installed)", m.size),
+                });
             }
             if !v.source_ranges.is_empty() {
                 notes.push(format!("from {}", v.source_ranges.join(",")));

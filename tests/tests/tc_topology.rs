@@ -488,6 +488,26 @@ fn maglev_keeps_a_flow_on_its_backend_whichever_node_it_enters() {
         backends.insert(through[0].clone());
     }
     assert_eq!(backends.len(), 2, "both backends get flows: {backends:?}");
+    // The CLI says so: the external IP picks by Maglev from an installed table; its cluster IP
+    // (traffic from inside) picks at random.
+    let services = inspect(&c.bpf_roots[0], "services").unwrap_or_else(|e| panic!("{e}"));
+    let view = |frontend: &str| {
+        services
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|v| v["frontend"] == frontend)
+            .cloned()
+            .unwrap_or_else(|| panic!("no frontend {frontend}: {services}"))
+    };
+    let external = view("192.0.2.50:53/UDP");
+    assert_eq!(external["algorithm"], "maglev", "{external}");
+    assert_eq!(
+        external["maglev_table"],
+        serde_json::json!({"size": 16381, "installed": true}),
+        "{external}"
+    );
+    assert_eq!(view("10.96.0.30:53/UDP")["algorithm"], "random");
 }
 
 /// A data-path counter of `lb-agent stats -o json`.
