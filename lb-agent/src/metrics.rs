@@ -16,7 +16,7 @@
 //! | `kubeproxy_sync_proxy_rules_no_local_endpoints_total` | **gauge** (as upstream, despite the name) | `traffic_policy` = `internal`/`external` | [`Metrics::set_no_local_endpoints`] |
 //! | `kubeproxy_proxy_healthz_total` | counter | `code` | [`Metrics::proxy_healthz`] (the health server) |
 //! | `kubeproxy_proxy_livez_total` | counter | `code` | [`Metrics::proxy_livez`] (the health server) |
-//! | `lb_map_entries` | gauge | `map` | [`Metrics::set_map_occupancy`] (service maps at each sync; `lb4_ct`/`lb6_ct`/`lb4_ct_new`/`lb6_ct_new` after each conntrack GC pass) |
+//! | `lb_map_entries` | gauge | `map` | [`Metrics::set_map_occupancy`] (service maps, `lb_maglev`'s tables, at each sync; `lb4_ct`/`lb6_ct`/`lb4_ct_new`/`lb6_ct_new` after each conntrack GC pass) |
 //! | `lb_map_capacity` | gauge | `map` | [`Metrics::set_map_occupancy`] |
 //! | `lb_datapath_events_total` | counter | `event` | [`Metrics::set_datapath_events`] (absolute totals) |
 //! | `lb_map_write_errors_total` | counter | `map` | [`Metrics::map_write_errors`] |

@@ -350,6 +350,12 @@ impl Agent {
             u64::from(occ.affinity_match),
             u64::from(caps.affinity_match),
         );
+        // One table per Maglev frontend; each table's own memory is in the benchmarks.
+        m.set_map_occupancy(
+            catalog::MAGLEV,
+            u64::from(occ.maglev),
+            u64::from(caps.revnat.saturating_mul(2)),
+        );
         if self.programmer.settings().interface_detector().is_some() {
             m.set_map_occupancy(
                 catalog::POD_INTERFACES,

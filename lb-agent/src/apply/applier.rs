@@ -71,6 +71,8 @@ pub struct Occupancy {
     pub revnat: PerFamily<u32>,
     pub source_ranges: PerFamily<u32>,
     pub affinity_match: u32,
+    /// Maglev tables in `lb_maglev` (both families).
+    pub maglev: u32,
 }
 
 pub struct Applier<M> {
@@ -158,6 +160,7 @@ impl<M: MapOps> Applier<M> {
         add(self.occupancy.services.get_mut(family), entries.services.len());
         add(self.occupancy.revnat.get_mut(family), 1);
         add(&mut self.occupancy.affinity_match, entries.affinity_match.len());
+        add(&mut self.occupancy.maglev, usize::from(entries.maglev.is_some()));
         add(
             self.occupancy.source_ranges.get_mut(family),
             entries.source_ranges.len(),

@@ -896,8 +896,10 @@ fn a_table_goes_after_the_entry_that_named_it() {
     assert!(entry < gone, "{log:?}");
     assert_consistent_from(before, &log);
     assert_eq!(a.maps().state.maglev.len(), 1);
+    assert_eq!(a.occupancy().maglev, 1);
     a.apply(&DesiredState::default());
     assert!(a.maps().state.maglev.is_empty());
+    assert_eq!(a.occupancy().maglev, 0);
     assert!(a.maps().state.services.is_empty());
 }
 
@@ -913,6 +915,7 @@ fn recovery_adopts_tables_and_drops_orphans() {
     maps.log.clear();
     let mut b = Applier::recover(maps, Capacities::default()).unwrap();
     assert_eq!(b.maps().log, vec![Op::DeleteMaglev(9999)]);
+    assert_eq!(b.occupancy().maglev, 1);
     let r = b.apply(&d);
     assert_eq!((r.writes, r.deletes), (0, 0), "{:?}", b.maps().log);
 }
