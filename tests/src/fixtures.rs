@@ -337,3 +337,48 @@ pub fn add_service_cidr(state: &mut lb_agent::watch::ClusterState, name: &str, c
     )
     .expect("a ServiceCIDR manifest");
 }
+
+/// The backend Maglev gives a flow (issue 17), computed in user space as every node does: the
+/// table of `backends` ((address, port), default size, `plan::maglev`) at the flow's hash
+/// (`lb_common::maglev::flow_hash`, which the tc program computes itself).
+pub fn maglev_pick(
+    src: std::net::IpAddr,
+    sport: u16,
+    dst: std::net::IpAddr,
+    dport: u16,
+    proto: u8,
+    backends: &[(std::net::IpAddr, u16)],
+) -> (std::net::IpAddr, u16) {
+    use std::net::IpAddr;
+
+    use lb_agent::plan::maglev::{DEFAULT_SEED, Member, TableSize, lookup_table};
+    use lb_common::{
+        family::{In6Addr, V4, V6},
+        maglev,
+    };
+    let members: Vec<Member> = backends
+        .iter()
+        .map(|(addr, port)| Member {
+            addr: *addr,
+            port: *port,
+            weight: 1,
+        })
+        .collect();
+    let size = TableSize::default();
+    let table = lookup_table(&members, size, &DEFAULT_SEED);
+    let hash = match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            maglev::flow_hash::<V4>(&s.octets(), &d.octets(), sport, dport, proto)
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => maglev::flow_hash::<V6>(
+            &In6Addr::new(s.octets()),
+            &In6Addr::new(d.octets()),
+            sport,
+            dport,
+            proto,
+        ),
+        _ => panic!("{src} and {dst}: one family"),
+    };
+    let member = table.members[table.slots[maglev::index(hash, size.get()) as usize] as usize];
+    (member.addr, member.port)
+}

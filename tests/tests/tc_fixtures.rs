@@ -18,7 +18,7 @@ use lb_agent::{
 };
 use lb_common::stats::Counter;
 use lb_tests::{
-    fixtures::{Slice, State, Svc, service, slice},
+    fixtures::{Slice, State, Svc, maglev_pick, service, slice},
     packet::{
         self, DSTOPTS, ETH_HLEN, FAMILIES, Family, Fragment, HOPOPTS, IcmpError, ROUTING, Spec, patched,
         rewritten, summary, verify_checksums,
@@ -770,35 +770,13 @@ fn maglev_state_with(backends: &[u8], terminating: &[u8], before: usize, affinit
     st
 }
 
-/// The backend Maglev gives a flow from `CLIENT:sport` to the NodePort, computed in user space
-/// from the same endpoints: the table (`plan::maglev`, default size) at the flow's hash
-/// (`lb_common::maglev::flow_hash`, which the program computes itself).
+/// The backend Maglev gives a flow from `CLIENT:sport` to the NodePort (`fixtures::maglev_pick`).
 fn maglev_expected(f: Family, backends: &[u8], sport: u16) -> IpAddr {
-    use lb_agent::plan::maglev::{DEFAULT_SEED, Member, TableSize, lookup_table};
-    let members: Vec<Member> = backends
+    let members: Vec<(IpAddr, u16)> = backends
         .iter()
-        .map(|b| Member {
-            addr: f.ip(&format!("10.244.2.{b}")),
-            port: 8080,
-            weight: 1,
-        })
+        .map(|b| (f.ip(&format!("10.244.2.{b}")), 8080))
         .collect();
-    let size = TableSize::default();
-    let table = lookup_table(&members, size, &DEFAULT_SEED);
-    let hash = match (f.ip(CLIENT), f.ip(NODE_IP)) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => {
-            lb_common::maglev::flow_hash::<lb_common::family::V4>(&s.octets(), &d.octets(), sport, 30090, 6)
-        }
-        (IpAddr::V6(s), IpAddr::V6(d)) => lb_common::maglev::flow_hash::<lb_common::family::V6>(
-            &lb_common::family::In6Addr::new(s.octets()),
-            &lb_common::family::In6Addr::new(d.octets()),
-            sport,
-            30090,
-            6,
-        ),
-        _ => unreachable!("one family"),
-    };
-    table.members[table.slots[lb_common::maglev::index(hash, size.get()) as usize] as usize].addr
+    maglev_pick(f.ip(CLIENT), sport, f.ip(NODE_IP), 30090, 6, &members).0
 }
 
 /// Issue 17: a Maglev NodePort sends each flow to the backend at its hash's position in the

@@ -6,7 +6,7 @@
 use std::process::Command;
 
 use lb_tests::{
-    fixtures::{State, service, slice, write_manifests},
+    fixtures::{State, maglev_pick, service, slice, write_manifests},
     process::workspace_bin,
     require_root,
 };
@@ -429,30 +429,18 @@ fn node_port_and_external_ip() {
 }
 
 /// The backend Maglev gives a TCP flow from `client:sport` to `NODE_IP:node_port` among
-/// `backends` (`ip`, port 8080): the table (`plan::maglev`, default size) at the flow's hash.
+/// `backends` (`ip`, port 8080), as `ip:port`.
 fn maglev_choice(client: &str, sport: u16, node_port: u16, backends: &[&str]) -> String {
-    use lb_agent::plan::maglev::{DEFAULT_SEED, Member, TableSize, lookup_table};
-    let members: Vec<Member> = backends
-        .iter()
-        .map(|b| Member {
-            addr: b.parse().unwrap(),
-            port: 8080,
-            weight: 1,
-        })
-        .collect();
-    let size = TableSize::default();
-    let table = lookup_table(&members, size, &DEFAULT_SEED);
-    let (src, dst): (std::net::Ipv4Addr, std::net::Ipv4Addr) =
-        (client.parse().unwrap(), NODE_IP.parse().unwrap());
-    let hash = lb_common::maglev::flow_hash::<lb_common::family::V4>(
-        &src.octets(),
-        &dst.octets(),
+    let members: Vec<(std::net::IpAddr, u16)> = backends.iter().map(|b| (b.parse().unwrap(), 8080)).collect();
+    let (addr, port) = maglev_pick(
+        client.parse().unwrap(),
         sport,
+        NODE_IP.parse().unwrap(),
         node_port,
         6,
+        &members,
     );
-    let member = table.members[table.slots[lb_common::maglev::index(hash, size.get()) as usize] as usize];
-    format!("{}:{}", member.addr, member.port)
+    format!("{addr}:{port}")
 }
 
 /// Issue 17: with `--bpf-lb-algorithm maglev` a packet from outside to a NodePort is traced to its
