@@ -261,7 +261,17 @@ fn run_kernels(opts: &Options) -> Result<Vec<KernelOutcome>> {
         if INTERRUPTED.load(Ordering::SeqCst) {
             break;
         }
-        let outcome = run_kernel(kernel, &binaries, opts, &env, vng.as_deref(), kvm)?;
+        let mut outcome = run_kernel(kernel, &binaries, opts, &env, vng.as_deref(), kvm)?;
+        if outcome.panicked_while_booting() && !INTERRUPTED.load(Ordering::SeqCst) {
+            // Emulated guests of some kernels (6.12's) now and then die in early boot, patching
+            // their own code under TCG (an int3 Oops in a static call site), before any test: the
+            // kernel under test never ran them. One more boot, said out loud.
+            println!(
+                "==> Linux {}: the guest's kernel panicked while booting, before any test ran; booting it once more",
+                kernel.release
+            );
+            outcome = run_kernel(kernel, &binaries, opts, &env, vng.as_deref(), kvm)?;
+        }
         outcomes.push(outcome);
     }
     Ok(outcomes)

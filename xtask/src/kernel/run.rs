@@ -94,11 +94,26 @@ pub(super) struct KernelOutcome {
     /// Why the run stopped early, if it did.
     pub(super) aborted: Option<String>,
     pub(super) seconds: f64,
+    /// Where its summary and the guest's console are kept.
+    results_dir: PathBuf,
 }
 
 impl KernelOutcome {
     pub(super) fn ok(&self) -> bool {
         self.aborted.is_none() && !self.results.is_empty() && self.results.iter().all(|r| r["ok"] == true)
+    }
+
+    /// The guest's kernel panicked before any test binary started (its console says so): the
+    /// run says nothing about the code under test.
+    pub(super) fn panicked_while_booting(&self) -> bool {
+        self.aborted.is_some()
+            && self.results.iter().all(|r| r["not_run"] == true)
+            && self.kernel.vmlinuz.is_some()
+            && self.console_log().is_some_and(|c| c.contains("Kernel panic"))
+    }
+
+    fn console_log(&self) -> Option<String> {
+        fs::read_to_string(self.results_dir.join("console.log")).ok()
     }
 }
 
@@ -325,6 +340,7 @@ pub(super) fn run_kernel(
         results,
         aborted,
         seconds: started.elapsed().as_secs_f64(),
+        results_dir: results_dir.clone(),
     };
     write_summary(&outcome, &results_dir)?;
     Ok(outcome)
