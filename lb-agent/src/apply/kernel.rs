@@ -51,6 +51,8 @@ pub struct KernelMaps {
     pub stats: PerCpuArray<MapData, u64>,
     /// `lb_maglev`; `None` from the pins of a release that had none.
     pub maglev: Option<MaglevMap>,
+    /// What the tables' inner arrays are created with.
+    maglev_tables: super::maglev_tables::InnerArrays,
     /// The tc programs' prefilter: each write below holds the bits its entry needs first.
     pub prefilter: Prefilter,
     /// Cleared when the kernel refuses batch updates (before 5.6): single updates from then on.
@@ -59,10 +61,6 @@ pub struct KernelMaps {
 
 /// `lb_maglev`: rev_nat_id -> the frontend's table, an inner array of chunks.
 pub type MaglevMap = HashOfMaps<MapData, u32, Array<MapData, MaglevChunk>>;
-
-/// What each Maglev table's inner array is created with: the flags of the object's template
-/// (`lb-ebpf/src/maps.rs`), which the kernel requires of every inner map.
-const MAGLEV_INNER_FLAGS: u32 = aya_obj::generated::BPF_F_INNER_MAP | aya_obj::generated::BPF_F_RDONLY_PROG;
 
 /// The maps of one family that the agent writes.
 pub struct FamilyMaps<F: KernelFamily> {
@@ -550,6 +548,7 @@ impl KernelMaps {
             masquerade_addrs: Some(take_map(ebpf, catalog::MASQ_ADDRS)?.try_into()?),
             stats: take_map(ebpf, catalog::STATS)?.try_into()?,
             maglev: Some(take_map(ebpf, catalog::MAGLEV)?.try_into()?),
+            maglev_tables: Default::default(),
             prefilter: Prefilter::new(Some([
                 take_map(ebpf, catalog::PREFILTER)?,
                 take_map(ebpf, catalog::PREFILTER6)?,
@@ -581,6 +580,7 @@ impl KernelMaps {
                 .ok()
                 .map(|m| Map::HashOfMaps(m).try_into())
                 .transpose()?,
+            maglev_tables: Default::default(),
             // Read-only handles (the CLI): the bits are the running agent's to keep.
             prefilter: Prefilter::new(None)?,
             batch_supported: true,
@@ -689,41 +689,6 @@ fn frontend_bits(entries: &[(ServiceMapKey, SvcValue)]) -> Vec<(Owner, IpFamily,
     entries.iter().filter_map(|(k, _)| Owner::frontend(k)).collect()
 }
 
-/// Builds a Maglev table's inner array: created at its size, filled (one batch update), not yet
-/// visible to any program.
-fn maglev_inner(
-    positions: &[u32],
-    batch_supported: &mut bool,
-) -> Result<Array<MapData, MaglevChunk>, MapError> {
-    let err = |op: &'static str| move |e| MapError::new(catalog::MAGLEV, op, io_err(e));
-    let chunks: Vec<(u32, MaglevChunk)> = positions
-        .chunks(maglev::LANES)
-        .enumerate()
-        .map(|(i, ids)| {
-            let mut chunk = MaglevChunk::default();
-            chunk.backend_ids[..ids.len()].copy_from_slice(ids);
-            (i as u32, chunk)
-        })
-        .collect();
-    let obj = aya_obj::Map::new_from_params(
-        aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_ARRAY as u32,
-        size_of::<u32>() as u32,
-        size_of::<MaglevChunk>() as u32,
-        (chunks.len() as u32).max(1),
-        MAGLEV_INNER_FLAGS,
-    );
-    // The kernel's name for each table (at most 15 bytes).
-    let data = MapData::create(obj, "lb_maglev_tbl", None).map_err(err("create"))?;
-    // Valid while `inner` holds the map.
-    let fd = data.fd().as_fd().as_raw_fd();
-    let mut inner: Array<MapData, MaglevChunk> = Map::Array(data).try_into().map_err(err("create"))?;
-    write_batch(fd, batch_supported, &chunks, |i, chunk| {
-        inner.set(*i, chunk, 0).map_err(err("update"))
-    })
-    .map_err(|e| e.error)?;
-    Ok(inner)
-}
-
 impl KernelMaps {
     /// Every Maglev table, each cut to its frontend's table size (the last chunk's tail is
     /// padding) where a frontend entry in `services` names it.
@@ -764,7 +729,7 @@ impl KernelMaps {
 
 impl MapOps for KernelMaps {
     fn put_maglev(&mut self, rev_nat_id: u32, positions: &[u32]) -> Result<(), MapError> {
-        let inner = maglev_inner(positions, &mut self.batch_supported)?;
+        let inner = self.maglev_tables.build(positions, &mut self.batch_supported)?;
         let Some(outer) = self.maglev.as_mut() else {
             return Err(MapError::new(
                 catalog::MAGLEV,

@@ -22,6 +22,7 @@ pub mod entries;
 pub mod fake;
 pub mod ids;
 pub mod kernel;
+mod maglev_tables;
 pub mod ops;
 pub mod prefilter;
 
