@@ -132,7 +132,9 @@ fn btf_blob() -> Vec<u8> {
     blob
 }
 
-/// `union bpf_attr` for BPF_BTF_LOAD.
+/// `union bpf_attr` for BPF_BTF_LOAD. No implicit padding: the kernel refuses an attribute whose
+/// bytes past the fields it knows are not zero (6.1 ends at `btf_log_level`), and padding bytes
+/// are not zeroed by Rust.
 #[repr(C)]
 #[derive(Default)]
 struct BtfLoadAttr {
@@ -141,6 +143,8 @@ struct BtfLoadAttr {
     btf_size: u32,
     btf_log_size: u32,
     btf_log_level: u32,
+    /// `btf_log_true_size` on 6.4 and later (written by the kernel); zero.
+    _tail: u32,
 }
 
 /// `union bpf_attr` for BPF_MAP_CREATE, up to the fields used.
@@ -229,5 +233,6 @@ mod tests {
         assert_eq!(name(word(24 + 16 + 24)), "lb_maglev_chunk");
         assert_eq!(name(word(24 + 16 + 24 + 12)), "backend_ids");
         assert_eq!(size_of::<MapCreateAttr>(), 64);
+        assert_eq!(size_of::<BtfLoadAttr>(), 32);
     }
 }
