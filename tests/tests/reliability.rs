@@ -1117,8 +1117,8 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
         info["max_entries"]
     ));
     // The IPv6 maps, the tc prefilter, the new-flow conntrack table, the pod interfaces, the
-    // fragments' ports, the cluster-ips-check, the interfaces' masquerade addresses and the
-    // monitor's maps are newer than the IPv4-only release.
+    // fragments' ports, the cluster-ips-check, the interfaces' masquerade addresses, the
+    // monitor's maps and the Maglev tables are newer than the IPv4-only release.
     for family_map in pins_in(&maps).into_iter().filter(|p| {
         p.starts_with("lb6_")
             || [
@@ -1131,6 +1131,7 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
                 lb_common::catalog::MASQ_ADDRS,
                 lb_common::catalog::MONITOR,
                 lb_common::catalog::EVENTS,
+                lb_common::catalog::MAGLEV,
             ]
             .contains(&p.as_str())
     }) {
