@@ -714,9 +714,15 @@ impl KernelMaps {
                 Err(aya::maps::MapError::KeyNotFound) => continue,
                 Err(e) => return Err(read(e)),
             };
-            let mut positions = Vec::with_capacity(inner.len() as usize * maglev::LANES);
-            for i in 0..inner.len() {
-                positions.extend_from_slice(&inner.get(&i, 0).map_err(read)?.backend_ids);
+            // One batch read per table where the kernel has it (64 chunks at the default size).
+            let fd = aya::maps::IterableMap::map(&inner).fd().as_fd().as_raw_fd();
+            let chunks = match lookup_array_batch::<MaglevChunk>(fd, inner.len()) {
+                Some(chunks) => chunks,
+                None => inner.iter().collect::<Result<_, _>>().map_err(read)?,
+            };
+            let mut positions = Vec::with_capacity(chunks.len() * maglev::LANES);
+            for chunk in &chunks {
+                positions.extend_from_slice(&chunk.backend_ids);
             }
             if let Some(size) = sizes.get(&id) {
                 positions.truncate(*size as usize);
