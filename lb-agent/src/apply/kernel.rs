@@ -52,7 +52,7 @@ pub struct KernelMaps {
     /// `lb_maglev`; `None` from the pins of a release that had none.
     pub maglev: Option<MaglevMap>,
     /// What the tables' inner arrays are created with.
-    maglev_tables: super::maglev_tables::InnerArrays,
+    maglev_inner: super::maglev_tables::InnerArrays,
     /// The tc programs' prefilter: each write below holds the bits its entry needs first.
     pub prefilter: Prefilter,
     /// Cleared when the kernel refuses batch updates (before 5.6): single updates from then on.
@@ -548,7 +548,7 @@ impl KernelMaps {
             masquerade_addrs: Some(take_map(ebpf, catalog::MASQ_ADDRS)?.try_into()?),
             stats: take_map(ebpf, catalog::STATS)?.try_into()?,
             maglev: Some(take_map(ebpf, catalog::MAGLEV)?.try_into()?),
-            maglev_tables: Default::default(),
+            maglev_inner: Default::default(),
             prefilter: Prefilter::new(Some([
                 take_map(ebpf, catalog::PREFILTER)?,
                 take_map(ebpf, catalog::PREFILTER6)?,
@@ -580,7 +580,7 @@ impl KernelMaps {
                 .ok()
                 .map(|m| Map::HashOfMaps(m).try_into())
                 .transpose()?,
-            maglev_tables: Default::default(),
+            maglev_inner: Default::default(),
             // Read-only handles (the CLI): the bits are the running agent's to keep.
             prefilter: Prefilter::new(None)?,
             batch_supported: true,
@@ -735,7 +735,7 @@ impl KernelMaps {
 
 impl MapOps for KernelMaps {
     fn put_maglev(&mut self, rev_nat_id: u32, positions: &[u32]) -> Result<(), MapError> {
-        let inner = self.maglev_tables.build(positions, &mut self.batch_supported)?;
+        let inner = self.maglev_inner.build(positions, &mut self.batch_supported)?;
         let Some(outer) = self.maglev.as_mut() else {
             return Err(MapError::new(
                 catalog::MAGLEV,
