@@ -11,6 +11,8 @@
 //! - `topo`: nodes, pods and a LAN in namespaces; `agent`: the real lb-agent run inside them;
 //! - `fixtures`: Service/EndpointSlice builders; `probe`: the `lb-probe` traffic helper;
 //! - `kernel`: what the running kernel changes in what a test may observe;
+//! - `sctp`: whether the kernel has SCTP, loading its module (from an extracted kernel package's
+//!   modules in a guest) for the tests that need real SCTP sockets;
 //! - `kubelet`: a real node (kubelet, containerd, runc, CNI) in a netns and a mount namespace;
 //! - `monitor`: `lb-agent monitor`'s lease and events on a data path loaded with private maps.
 //!
@@ -31,6 +33,7 @@ pub mod packet;
 pub mod probe;
 pub mod process;
 pub mod report;
+pub mod sctp;
 pub mod sweep;
 pub mod topo;
 

@@ -12,6 +12,11 @@ fn probe() -> std::path::PathBuf {
 
 /// Starts `lb-probe serve` and waits until it listens.
 pub fn server(place: Place<'_>, name: &str, tcp: &[&str], udp: &[&str]) -> Proc {
+    server_with_sctp(place, name, tcp, udp, &[])
+}
+
+/// [`server`] with SCTP listeners too (the kernel must have SCTP: `crate::sctp::sctp_available`).
+pub fn server_with_sctp(place: Place<'_>, name: &str, tcp: &[&str], udp: &[&str], sctp: &[&str]) -> Proc {
     let mut cmd = std::process::Command::new(probe());
     cmd.arg("serve")
         .arg("--name")
@@ -23,6 +28,9 @@ pub fn server(place: Place<'_>, name: &str, tcp: &[&str], udp: &[&str]) -> Proc 
     }
     for a in udp {
         cmd.arg("--udp").arg(a);
+    }
+    for a in sctp {
+        cmd.arg("--sctp").arg(a);
     }
     place.apply(&mut cmd);
     let mut proc = Proc::spawn_command(cmd);
@@ -67,6 +75,23 @@ pub fn tcp_bulk(place: Place<'_>, to: &str, payload: usize) -> Value {
         ],
     );
     json_lines(&out).remove(0)
+}
+
+/// `count` SCTP associations to `to`, one JSON result each (as [`tcp`]'s).
+pub fn sctp(place: Place<'_>, to: &str, count: u32) -> Vec<Value> {
+    json_lines(&run_in(
+        place,
+        probe(),
+        &["sctp", "--connect", to, "--count", &count.to_string()],
+    ))
+}
+
+/// One SCTP association to `to` from local port `source_port`: runs with the same port have the
+/// same addresses and ports.
+pub fn sctp_from(place: Place<'_>, to: &str, source_port: u16) -> Value {
+    let port = source_port.to_string();
+    let args = ["sctp", "--connect", to, "--source-port", &port];
+    json_lines(&run_in(place, probe(), &args)).remove(0)
 }
 
 /// `count` UDP exchanges with `to`, from a connected or an unconnected socket.

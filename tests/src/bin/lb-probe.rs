@@ -2,10 +2,12 @@
 //! namespace and a cgroup (so the socket programs see its sockets) and read one JSON object per
 //! line from its stdout.
 //!
-//! - `serve`: TCP and UDP servers that answer every request with who they are and who the client
-//!   appeared to be (so tests can check backend choice and client-IP preservation); a request that
-//!   starts with `GET ` gets the same answer as an HTTP response.
+//! - `serve`: TCP, UDP and SCTP servers that answer every request with who they are and who the
+//!   client appeared to be (so tests can check backend choice and client-IP preservation); a
+//!   request that starts with `GET ` gets the same answer as an HTTP response.
 //! - `tcp`: connects N times, reporting the peer (getpeername) and the server's answer, or errno.
+//! - `sctp`: the same over one-to-one SCTP associations (`SOCK_STREAM`, `IPPROTO_SCTP`), which
+//!   read and write as a byte stream: the server answers them with the TCP server's code.
 //! - `udp`: sends N datagrams (connected or not), reporting the reply's source address.
 //! - `hold`: keeps one TCP connection and exchanges a message every interval.
 //! - `flood`: raw TCP SYNs or UDP datagrams from random (spoofed) sources to one address, bounded
@@ -36,6 +38,9 @@ enum Cmd {
         /// UDP listen addresses.
         #[arg(long)]
         udp: Vec<SocketAddr>,
+        /// SCTP listen addresses (one-to-one style sockets).
+        #[arg(long)]
+        sctp: Vec<SocketAddr>,
         /// Name reported in answers (default: the host name, which is the pod's name in
         /// Kubernetes: $HOSTNAME, else gethostname(2); else the listen address).
         #[arg(long)]
@@ -51,6 +56,22 @@ enum Cmd {
         payload: usize,
         #[arg(long, default_value_t = 2000)]
         timeout_ms: u64,
+    },
+    /// `tcp` over SCTP: the same requests and the same JSON lines.
+    Sctp {
+        #[arg(long)]
+        connect: SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        /// Bytes of payload to send and expect echoed back as a checksum.
+        #[arg(long, default_value_t = 0)]
+        payload: usize,
+        #[arg(long, default_value_t = 2000)]
+        timeout_ms: u64,
+        /// Connect from this local port (0: any), so that a test can fix the association's
+        /// addresses and ports.
+        #[arg(long, default_value_t = 0)]
+        source_port: u16,
     },
     Udp {
         #[arg(long)]
@@ -164,7 +185,20 @@ fn canonical(addr: SocketAddr) -> SocketAddr {
 
 /// Binds `addr` with `bind`; `[::]` on a kernel without IPv6 (EAFNOSUPPORT) falls back to
 /// `0.0.0.0` of the same port, so a server told to listen on both families still serves IPv4.
-fn bind_or_ipv4<T>(addr: SocketAddr, bind: impl Fn(SocketAddr) -> std::io::Result<T>) -> (T, SocketAddr) {
+/// `proto` names the socket in the message of a bind that fails.
+fn bind_or_ipv4<T>(
+    proto: &str,
+    addr: SocketAddr,
+    bind: impl Fn(SocketAddr) -> std::io::Result<T>,
+) -> (T, SocketAddr) {
+    fn failed(proto: &str, addr: SocketAddr, e: std::io::Error) -> ! {
+        let hint = if e.raw_os_error() == Some(libc::EPROTONOSUPPORT) {
+            " (the kernel has no such protocol: for SCTP, CONFIG_IP_SCTP or `modprobe sctp`)"
+        } else {
+            ""
+        };
+        panic!("bind {proto} {addr}: {e}{hint}")
+    }
     match bind(addr) {
         Err(e)
             if addr.ip() == std::net::Ipv6Addr::UNSPECIFIED
@@ -172,10 +206,47 @@ fn bind_or_ipv4<T>(addr: SocketAddr, bind: impl Fn(SocketAddr) -> std::io::Resul
         {
             let v4 = SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, addr.port()));
             eprintln!("no IPv6 on this kernel: {addr} is served on {v4}");
-            (bind(v4).unwrap_or_else(|e| panic!("bind {v4}: {e}")), v4)
+            (bind(v4).unwrap_or_else(|e| failed(proto, v4, e)), v4)
         }
-        result => (result.unwrap_or_else(|e| panic!("bind {addr}: {e}")), addr),
+        result => (result.unwrap_or_else(|e| failed(proto, addr, e)), addr),
     }
+}
+
+/// A one-to-one style SCTP socket (`SOCK_STREAM`, `IPPROTO_SCTP`) of the family of `addr`.
+fn sctp_socket(addr: SocketAddr) -> std::io::Result<socket2::Socket> {
+    socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::from(libc::IPPROTO_SCTP)),
+    )
+}
+
+/// An SCTP listener on `addr`, as a `TcpListener`: accept, read, write and their timeouts are
+/// the same calls on a one-to-one SCTP socket, so the TCP server's code serves it.
+fn sctp_listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let sock = sctp_socket(addr)?;
+    // As std's TcpListener::bind: a restarted server gets its port back at once.
+    sock.set_reuse_address(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(128)?;
+    Ok(sock.into())
+}
+
+/// An SCTP association to `to`, from local port `source_port` (0: any), as a `TcpStream`.
+fn sctp_connect(to: SocketAddr, source_port: u16, timeout: Duration) -> std::io::Result<TcpStream> {
+    let sock = sctp_socket(to)?;
+    if source_port != 0 {
+        // Runs with the same port one after the other: the last one's port may still be held.
+        sock.set_reuse_address(true)?;
+        let any: SocketAddr = if to.is_ipv6() {
+            (std::net::Ipv6Addr::UNSPECIFIED, source_port).into()
+        } else {
+            (std::net::Ipv4Addr::UNSPECIFIED, source_port).into()
+        };
+        sock.bind(&any.into())?;
+    }
+    sock.connect_timeout(&to.into(), timeout)?;
+    Ok(sock.into())
 }
 
 /// FNV-1a 64, to check bulk payloads end to end without a crypto dependency.
@@ -257,15 +328,22 @@ extern "C" fn exit_now(_: libc::c_int) {
     unsafe { libc::_exit(0) };
 }
 
-fn serve(tcp: Vec<SocketAddr>, udp: Vec<SocketAddr>, name: Option<String>) {
+fn serve(tcp: Vec<SocketAddr>, udp: Vec<SocketAddr>, sctp: Vec<SocketAddr>, name: Option<String>) {
     // As PID 1 of a container, a process only gets the signals it handles: without this, a Pod's
     // termination would wait for its whole grace period and SIGKILL.
     // SAFETY: installs a handler that only calls _exit.
     unsafe { libc::signal(libc::SIGTERM, exit_now as *const () as libc::sighandler_t) };
     let name = name.or_else(host_name);
     let mut handles = Vec::new();
-    for addr in tcp {
-        let (listener, addr) = bind_or_ipv4(addr, TcpListener::bind);
+    let stream_listeners = tcp
+        .into_iter()
+        .map(|addr| bind_or_ipv4("tcp", addr, TcpListener::bind))
+        .chain(
+            sctp.into_iter()
+                .map(|addr| bind_or_ipv4("sctp", addr, sctp_listen)),
+        )
+        .collect::<Vec<_>>();
+    for (listener, addr) in stream_listeners {
         let name = name.clone().unwrap_or_else(|| addr.to_string());
         handles.push(thread::spawn(move || {
             for stream in listener.incoming().flatten() {
@@ -275,7 +353,7 @@ fn serve(tcp: Vec<SocketAddr>, udp: Vec<SocketAddr>, name: Option<String>) {
         }));
     }
     for addr in udp {
-        let (sock, addr) = bind_or_ipv4(addr, UdpSocket::bind);
+        let (sock, addr) = bind_or_ipv4("udp", addr, UdpSocket::bind);
         let name = name.clone().unwrap_or_else(|| addr.to_string());
         handles.push(thread::spawn(move || {
             let mut buf = [0u8; 65536];
@@ -319,9 +397,24 @@ fn monotonic_ns() -> u64 {
 }
 
 fn tcp_once(to: SocketAddr, payload: usize, timeout: Duration) -> serde_json::Value {
+    stream_once(|| TcpStream::connect_timeout(&to, timeout), payload, timeout)
+}
+
+/// [`tcp_once`] over an SCTP association from `source_port` (0: any).
+fn sctp_once(to: SocketAddr, payload: usize, timeout: Duration, source_port: u16) -> serde_json::Value {
+    stream_once(|| sctp_connect(to, source_port, timeout), payload, timeout)
+}
+
+/// Connects with `connect` and makes one request: `hello`, or `BULK n` and n bytes whose checksum
+/// the server must give back.
+fn stream_once(
+    connect: impl FnOnce() -> std::io::Result<TcpStream>,
+    payload: usize,
+    timeout: Duration,
+) -> serde_json::Value {
     let start_ns = monotonic_ns();
     let started = Instant::now();
-    let mut stream = match TcpStream::connect_timeout(&to, timeout) {
+    let mut stream = match connect() {
         Ok(s) => s,
         Err(e) => return json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e)}),
     };
@@ -338,7 +431,11 @@ fn tcp_once(to: SocketAddr, payload: usize, timeout: Duration) -> serde_json::Va
         if payload > 0 {
             let data = bulk_pattern(payload);
             sum = Some(format!("{:016x}", fnv1a(&data)));
-            stream.write_all(&data)?;
+            // In pieces: SCTP sends each write as one message once the send buffer has room
+            // for all of it, so one larger than the buffer would wait until the timeout.
+            for piece in data.chunks(32 * 1024) {
+                stream.write_all(piece)?;
+            }
         }
         Ok(())
     });
@@ -613,7 +710,7 @@ fn http_get(to: SocketAddr, path: &str, timeout: Duration) -> serde_json::Value 
 
 fn main() {
     match Cli::parse().command {
-        Cmd::Serve { tcp, udp, name } => serve(tcp, udp, name),
+        Cmd::Serve { tcp, udp, sctp, name } => serve(tcp, udp, sctp, name),
         Cmd::Tcp {
             connect,
             count,
@@ -624,6 +721,20 @@ fn main() {
                 println!(
                     "{}",
                     tcp_once(connect, payload, Duration::from_millis(timeout_ms))
+                );
+            }
+        }
+        Cmd::Sctp {
+            connect,
+            count,
+            payload,
+            timeout_ms,
+            source_port,
+        } => {
+            for _ in 0..count {
+                println!(
+                    "{}",
+                    sctp_once(connect, payload, Duration::from_millis(timeout_ms), source_port)
                 );
             }
         }

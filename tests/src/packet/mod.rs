@@ -26,6 +26,7 @@ pub const NODE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x0a];
 pub const ETH_HLEN: usize = 14;
 pub const TCP: u8 = 6;
 pub const UDP: u8 = 17;
+pub const SCTP: u8 = 132;
 pub const ICMP: u8 = 1;
 pub const ICMPV6: u8 = 58;
 /// IPv6 extension headers (next-header values).
@@ -131,7 +132,7 @@ pub struct Fragment {
     pub more: bool,
 }
 
-/// A TCP or UDP packet under construction.
+/// A TCP, UDP or SCTP packet under construction.
 #[derive(Clone, Debug)]
 pub struct Spec {
     pub src: IpAddr,
@@ -139,6 +140,8 @@ pub struct Spec {
     pub sport: u16,
     pub dport: u16,
     pub udp: bool,
+    /// SCTP (`udp` false): an INIT chunk when `syn`, else a DATA chunk carrying the payload.
+    pub sctp: bool,
     /// TCP flags: SYN only when true, else ACK (+PSH with payload).
     pub syn: bool,
     /// A TCP close: FIN+ACK, or RST+ACK.
@@ -168,6 +171,7 @@ pub fn tcp(src: &str, sport: u16, dst: &str, dport: u16) -> Spec {
         sport,
         dport,
         udp: false,
+        sctp: false,
         syn: true,
         close: None,
         payload: Vec::new(),
@@ -184,6 +188,15 @@ pub fn udp(src: &str, sport: u16, dst: &str, dport: u16) -> Spec {
         udp: true,
         syn: false,
         payload: b"hello".to_vec(),
+        ..tcp(src, sport, dst, dport)
+    }
+}
+
+/// An SCTP packet: an INIT chunk, or a DATA chunk once `data` gives it a payload. Its CRC32c
+/// checksum is computed in full (`sctp_checksum`).
+pub fn sctp(src: &str, sport: u16, dst: &str, dport: u16) -> Spec {
+    Spec {
+        sctp: true,
         ..tcp(src, sport, dst, dport)
     }
 }
@@ -233,10 +246,17 @@ impl Spec {
 
     /// The packet bytes, with correct checksums.
     pub fn build(&self) -> Vec<u8> {
-        let proto = if self.udp { UDP } else { TCP };
+        let proto = match (self.udp, self.sctp) {
+            (true, _) => UDP,
+            (false, true) => SCTP,
+            (false, false) => TCP,
+        };
         let mut l4 = Vec::new();
         l4.extend_from_slice(&self.sport.to_be_bytes());
         l4.extend_from_slice(&self.dport.to_be_bytes());
+        if proto == SCTP {
+            return self.with_l4(proto, sctp_segment(&l4, self.syn, &self.payload));
+        }
         if self.udp {
             l4.extend_from_slice(&((8 + self.payload.len()) as u16).to_be_bytes());
             l4.extend_from_slice(&[0, 0]);
@@ -257,6 +277,11 @@ impl Spec {
         let csum = l4_checksum(&self.src, &self.dst, proto, &l4);
         let at = if self.udp { 6 } else { 16 };
         l4[at..at + 2].copy_from_slice(&csum.to_be_bytes());
+        self.with_l4(proto, l4)
+    }
+
+    /// The frame around an L4 segment whose checksum is final.
+    fn with_l4(&self, proto: u8, l4: Vec<u8>) -> Vec<u8> {
         let fragment = self.fragment.or(self.more_fragments.then_some(Fragment {
             offset: 0,
             more: true,
@@ -294,6 +319,32 @@ impl Spec {
         out.extend(l4);
         out
     }
+}
+
+/// An SCTP packet after its ports: the verification tag, the checksum and one chunk (RFC 9260
+/// 3.3.1 DATA, 3.3.2 INIT; an INIT travels with tag 0).
+fn sctp_segment(ports: &[u8], init: bool, payload: &[u8]) -> Vec<u8> {
+    let mut l4 = ports.to_vec();
+    l4.extend_from_slice(&(if init { 0u32 } else { 0x5ca1_ab1e }).to_be_bytes());
+    l4.extend_from_slice(&[0; 4]);
+    if init {
+        l4.extend_from_slice(&[1, 0]);
+        l4.extend_from_slice(&20u16.to_be_bytes());
+        for word in [0x0bad_cafe_u32, 106_496, (10 << 16) | 10, 1] {
+            l4.extend_from_slice(&word.to_be_bytes());
+        }
+    } else {
+        // Unfragmented user message (B and E flags), TSN 1, stream 0, sequence 0, PPID 0.
+        l4.extend_from_slice(&[0, 0x03]);
+        l4.extend_from_slice(&((16 + payload.len()) as u16).to_be_bytes());
+        l4.extend_from_slice(&1u32.to_be_bytes());
+        l4.extend_from_slice(&[0; 8]);
+        l4.extend_from_slice(payload);
+        l4.resize(l4.len().next_multiple_of(4), 0);
+    }
+    let crc = sctp_checksum(&l4);
+    l4[8..12].copy_from_slice(&crc.to_le_bytes());
+    l4
 }
 
 fn ethernet(dst: [u8; 6], src: [u8; 6], family: Family) -> Vec<u8> {
@@ -387,13 +438,22 @@ fn extension_chain(exts: &[(u8, usize)], last: u8, fragment: Option<Fragment>) -
     out
 }
 
-/// Rewrites the addresses and ports of a TCP/UDP packet of either family and recomputes every
-/// checksum (the expected output of a translation, built independently of the program). A UDP
-/// checksum of zero (IPv4's "none") stays zero.
+/// Rewrites the addresses and ports of a TCP, UDP or SCTP packet of either family and recomputes
+/// every checksum (the expected output of a translation, built independently of the program). A
+/// UDP checksum of zero (IPv4's "none") stays zero, and so does an SCTP one (a checksum the
+/// device computes).
 pub fn rewritten(packet: &[u8], src: Option<(&str, u16)>, dst: Option<(&str, u16)>) -> Vec<u8> {
     let l = layout(packet).expect("an IP packet");
-    assert!(matches!(l.proto, TCP | UDP), "not TCP/UDP: {l:?}");
+    assert!(matches!(l.proto, TCP | UDP | SCTP), "not TCP/UDP/SCTP: {l:?}");
     let mut out = patched(packet, src, dst);
+    if l.proto == SCTP {
+        let segment = &mut out[l.l4..l.l4 + l.l4_len];
+        if segment[8..12] != [0; 4] {
+            let crc = sctp_checksum(segment);
+            segment[8..12].copy_from_slice(&crc.to_le_bytes());
+        }
+        return out;
+    }
     let at = l.l4_checksum_offset().expect("TCP/UDP");
     if !(l.proto == UDP && l.family == Family::V4 && out[at..at + 2] == [0, 0]) {
         out[at..at + 2].fill(0);
@@ -405,7 +465,7 @@ pub fn rewritten(packet: &[u8], src: Option<(&str, u16)>, dst: Option<(&str, u16
     out
 }
 
-/// Rewrites the addresses and ports of a TCP/UDP packet of either family (or the start of one,
+/// Rewrites the addresses and ports of a TCP, UDP or SCTP packet of either family (or the start of one,
 /// as an ICMP error quotes it), with the IPv4 header checksum but not the L4 one: what the
 /// translation of a quoted packet does.
 pub fn patched(packet: &[u8], src: Option<(&str, u16)>, dst: Option<(&str, u16)>) -> Vec<u8> {
@@ -449,6 +509,32 @@ mod tests {
         let inside: ipnet::IpNet = Family::V6.net("10.244.0.0/16").parse().unwrap();
         assert!(inside.contains(&Family::V6.ip("10.244.3.3")));
         assert!(!inside.contains(&Family::V6.ip("10.245.0.1")));
+    }
+
+    /// The `crc` crate's CRC32c is SCTP's (RFC 3720 B.4's check value), a built SCTP packet
+    /// verifies, and one changed bit does not.
+    #[test]
+    fn sctp_packets_carry_crc32c() {
+        const CRC32C: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI);
+        assert_eq!(CRC32C.checksum(b"123456789"), 0xE306_9283);
+        for family in FAMILIES {
+            let (src, dst) = (family.addr("192.168.50.100"), family.addr("10.96.0.10"));
+            for spec in [
+                sctp(&src, 40000, &dst, 3868),
+                sctp(&src, 40000, &dst, 3868).data(b"CER"),
+            ] {
+                let mut p = spec.build();
+                verify_checksums(&p).unwrap();
+                let s = summary(&p);
+                assert_eq!((s.sport, s.dport, s.proto), (40000, 3868, SCTP));
+                let last = p.len() - 1;
+                p[last] ^= 1;
+                assert!(
+                    verify_checksums(&p).is_err(),
+                    "{family:?}: a flipped bit is caught"
+                );
+            }
+        }
     }
 
     /// What the builder writes, etherparse (an independent parser) reads back the same, with

@@ -25,6 +25,10 @@ pub struct Kernel {
     pub package: Option<(String, String)>,
     /// The boot image, for a guest.
     pub vmlinuz: Option<PathBuf>,
+    /// The directory holding `lib/modules/<release>/` of an extracted package (`modprobe -d`):
+    /// the guest sees this machine's filesystem, whose /lib/modules has none of its release but
+    /// the link virtme-ng makes there.
+    pub modules_root: Option<PathBuf>,
 }
 
 impl Kernel {
@@ -35,6 +39,7 @@ impl Kernel {
             release,
             package: None,
             vmlinuz: None,
+            modules_root: None,
         })
     }
 
@@ -184,6 +189,7 @@ impl PrivateApt {
         };
         Ok(Kernel {
             series: series_of(&release).unwrap_or_default(),
+            modules_root: find_modules_root(&dir, &release),
             release,
             package: Some((package.to_string(), version.to_string())),
             vmlinuz: Some(vmlinuz),
@@ -203,6 +209,7 @@ impl PrivateApt {
                     series: series_of(&release)?,
                     package: Some((format!("linux-image-{release}"), version)),
                     vmlinuz: Some(vmlinuz),
+                    modules_root: find_modules_root(&e.path(), &release),
                     release,
                 })
             })
@@ -221,6 +228,18 @@ fn find_vmlinuz(dir: &Path, release: &str) -> Option<PathBuf> {
     ]
     .into_iter()
     .find(|p| p.is_file())
+}
+
+/// The module root of an extracted package: `<dir>` where the modules are in
+/// `<dir>/lib/modules/<release>/` (5.10, 6.1), `<dir>/usr` where Debian 13's packages put them in
+/// `/usr/lib/modules/<release>/`.
+fn find_modules_root(dir: &Path, release: &str) -> Option<PathBuf> {
+    [dir.to_path_buf(), dir.join("usr")].into_iter().find(|root| {
+        root.join("lib/modules")
+            .join(release)
+            .join("modules.dep")
+            .is_file()
+    })
 }
 
 /// The kernels asked for, downloaded as needed.

@@ -228,6 +228,13 @@ pub(super) fn run_kernel(
     guest_args.extend(specs);
     println!("==> Linux {}: guest {guest}", kernel.label());
 
+    // A guest's modules are its package's, outside the filesystem it shares with this machine
+    // (virtme-ng links them into /lib/modules; should it not, the harness loads sctp.ko from here
+    // with `modprobe -d`: tests/src/sctp.rs).
+    let mut env = env.to_vec();
+    if let Some(root) = &kernel.modules_root {
+        env.push(("LB_KERNEL_MODULES_ROOT", root.display().to_string()));
+    }
     let mut seen = Vec::new();
     let mut results = Vec::new();
     let mut aborted = None;
@@ -237,7 +244,7 @@ pub(super) fn run_kernel(
             // travels on the kernel's command line, which is limited (2,048 bytes on x86; a
             // long PATH overflows it and 6.1 panics in early boot).
             let mut script = String::from("#!/bin/sh\nexec env");
-            for (k, v) in env {
+            for (k, v) in &env {
                 let _ = write!(script, " {k}={}", shell_quote(v));
             }
             if !kvm {
