@@ -420,7 +420,9 @@ fn reason(counter: Counter) -> &'static str {
         SockNoBackend | TcNoBackend => "the frontend changed while read; passed untranslated",
         TcFragment => "a fragment whose first fragment was not seen; passed untranslated",
         TcTruncated => "too short for its headers; passed untranslated",
-        TcUnsupportedProtocol => "SCTP is not load-balanced yet; passed untranslated",
+        TcUnsupportedProtocol => {
+            "SCTP from the node itself to a frontend (no socket hook runs for SCTP); passed untranslated"
+        }
         _ => "",
     }
 }

@@ -81,6 +81,11 @@ pub const EVENTS: &str = "lb_events";
 /// Maglev lookup tables (hash of maps, `crate::maglev`): rev_nat_id `u32` -> the frontend's own
 /// inner array of `MaglevChunk`s. Written by the agent (a whole table swapped in at once).
 pub const MAGLEV: &str = "lb_maglev";
+/// The tc programs' tail calls (program array): [`TAIL_SCTP_INGRESS`] -> `lb_tc_sctp_in`, SCTP at
+/// tc ingress. Written by the agent after it loads the programs.
+pub const TC_TAIL: &str = "lb_tc_tail";
+/// `lb_tc_tail`'s slot of SCTP's ingress program.
+pub const TAIL_SCTP_INGRESS: u32 = 0;
 /// Per-CPU counters: `u32` (a `stats::Counter`) -> `u64`. Written by the programs.
 pub const STATS: &str = "lb_stats";
 /// Per-CPU token bucket for the ICMP answers of rejected flows: `u32` 0 -> `RateBucket`. Written by
@@ -116,6 +121,7 @@ pub const ALL: &[&str] = &[
     STATS,
     REJECT_LIMIT,
     MAGLEV,
+    TC_TAIL,
     SERVICES6,
     BACKENDS6,
     REVNAT6,
@@ -165,6 +171,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (STATS, 1),
     (REJECT_LIMIT, 1),
     (MAGLEV, 1),
+    (TC_TAIL, 1),
     (SERVICES6, 1),
     (BACKENDS6, 1),
     (REVNAT6, 1),

@@ -62,15 +62,18 @@ counters! {
     /// tc: no free masquerade port for the destination; the packet was dropped.
     TcSnatPortsExhausted => "tc_snat_ports_exhausted",
     /// tc: an IP fragment left untranslated: a later fragment whose first fragment was not seen
-    /// (reordered, or lost), or a fragment of a protocol other than TCP and UDP; passed untouched.
+    /// (reordered, or lost), or a fragment of a protocol other than TCP and UDP (SCTP's checksum
+    /// covers the whole datagram); passed untouched.
     TcFragment => "tc_fragment",
     /// tc: a packet too short for its headers; passed untouched.
     TcTruncated => "tc_truncated",
-    /// tc: an SCTP packet to a frontend; passed untouched (SCTP is balanced at the socket only).
+    /// tc: an SCTP packet the node itself sends to a frontend (no socket hook runs for SCTP, and
+    /// egress is past routing), or SCTP at ingress while `lb_tc_tail` has no program; passed
+    /// untouched.
     TcUnsupportedProtocol => "tc_unsupported_protocol",
     /// tc: an ICMP error about a translated flow was translated back.
     TcIcmpErrorTranslated => "tc_icmp_error_translated",
-    /// tc: a UDP flow whose backend was removed moved to a live backend.
+    /// tc: a UDP (or SCTP) flow whose backend was removed moved to a live backend.
     TcStaleUdpMoved => "tc_stale_udp_moved",
     /// tc: rewriting a packet failed (checksum or store helper error); dropped.
     TcRewriteFailed => "tc_rewrite_failed",

@@ -459,6 +459,13 @@ pub fn lb_tc_ingress(mut ctx: TcContext) -> i32 {
     lb_ebpf::tc::ingress(&mut ctx)
 }
 
+/// SCTP's packets at tc ingress, the steps of `lb_tc_ingress` in a program of its own: reached
+/// by a tail call from it (`lb_tc_tail`), never attached.
+#[classifier]
+pub fn lb_tc_sctp_in(mut ctx: TcContext) -> i32 {
+    lb_ebpf::tc::sctp_ingress(&mut ctx)
+}
+
 /// Per-packet translation on the way out: SNAT and reverse DNAT.
 #[classifier]
 pub fn lb_tc_egress(mut ctx: TcContext) -> i32 {

@@ -8,7 +8,7 @@
 
 use aya_ebpf::{
     bindings::BPF_F_INNER_MAP,
-    btf_maps::{Array, HashMap, HashOfMaps, PerCpuArray, RingBuf},
+    btf_maps::{Array, HashMap, HashOfMaps, PerCpuArray, ProgramArray, RingBuf},
     macros::btf_map,
 };
 use lb_common::{
@@ -199,3 +199,8 @@ pub static REJECT_LIMIT: PerCpuArray<RateBucket, 1> = PerCpuArray::new();
 /// (netns cookie). Never pinned.
 #[btf_map(name = "lb_netns_probe")]
 pub static NETNS_PROBE: Array<NetnsProbe, 1> = Array::new();
+
+/// The tc programs' tail calls: `catalog::TAIL_SCTP_INGRESS` -> `lb_tc_sctp_in`. Writer: agent.
+/// Reader: `lb_tc_ingress`.
+#[btf_map(name = "lb_tc_tail")]
+pub static TC_TAIL: ProgramArray<1> = ProgramArray::new();

@@ -46,6 +46,7 @@ fn every_program_passes_this_kernels_verifier() {
             "lb_sock_trace",
             "lb_tc_egress",
             "lb_tc_ingress",
+            "lb_tc_sctp_in",
         ],
         "the object's programs"
     );

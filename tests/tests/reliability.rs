@@ -1118,7 +1118,7 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
     ));
     // The IPv6 maps, the tc prefilter, the new-flow conntrack table, the pod interfaces, the
     // fragments' ports, the cluster-ips-check, the interfaces' masquerade addresses, the
-    // monitor's maps and the Maglev tables are newer than the IPv4-only release.
+    // monitor's maps, the Maglev tables and the tail calls are newer than the IPv4-only release.
     for family_map in pins_in(&maps).into_iter().filter(|p| {
         p.starts_with("lb6_")
             || [
@@ -1132,6 +1132,7 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
                 lb_common::catalog::MONITOR,
                 lb_common::catalog::EVENTS,
                 lb_common::catalog::MAGLEV,
+                lb_common::catalog::TC_TAIL,
             ]
             .contains(&p.as_str())
     }) {

@@ -2556,3 +2556,244 @@ fn the_prefilter_keeps_the_bits_of_a_deleted_services_live_flows() {
         assert!(prefilter.is_set(family, np_bit));
     }
 }
+
+// SCTP (issue 17): the same path as TCP and UDP; a port rewrite keeps the CRC32c checksum valid,
+// checked against a full recomputation by the `crc` crate (`packet::verify_checksums`).
+
+fn sctp(f: Family, src: &str, sport: u16, dst: &str, dport: u16) -> Spec {
+    packet::sctp(&f.addr(src), sport, &f.addr(dst), dport)
+}
+
+/// The fixtures' Services plus three SCTP ones: Diameter-like (3868 to target port 13868, so the
+/// checksum must follow; a NodePort too), M3UA-like (2905 to 2905: only addresses change, and
+/// the checksum with them not at all), and one without endpoints.
+fn sctp_state() -> ClusterState {
+    let mut s = state();
+    add(
+        &mut s,
+        service("t", "diameter")
+            .cluster_ip("10.96.0.50")
+            .port("diameter", "SCTP", 3868, 13868)
+            .node_port(30868),
+        Some(
+            slice("t", "diameter", "diameter-1")
+                .endpoint("10.244.2.7", "node-b", State::Ready)
+                .port("diameter", "SCTP", 13868),
+        ),
+    );
+    add(
+        &mut s,
+        service("t", "m3ua")
+            .cluster_ip("10.96.0.51")
+            .port("m3ua", "SCTP", 2905, 2905),
+        Some(
+            slice("t", "m3ua", "m3ua-1")
+                .endpoint("10.244.1.5", "node-a", State::Ready)
+                .port("m3ua", "SCTP", 2905),
+        ),
+    );
+    add(
+        &mut s,
+        service("t", "sctp-empty")
+            .cluster_ip("10.96.0.52")
+            .port("s", "SCTP", 9, 9),
+        None,
+    );
+    s
+}
+
+fn sctp_checksum_field(pkt: &[u8]) -> [u8; 4] {
+    let l4 = packet::layout(pkt).unwrap().l4;
+    pkt[l4 + 8..l4 + 12].try_into().unwrap()
+}
+
+#[test]
+fn sctp_to_a_cluster_ip_is_translated_with_a_valid_crc32c_both_ways() {
+    let mut s = scratch_with(&sctp_state(), true);
+    for f in FAMILIES {
+        let unsupported = counter(&s, Counter::TcUnsupportedProtocol);
+        // A pod's association to the cluster IP: INIT, then DATA, each DNATed to the backend's
+        // target port with the checksum updated.
+        let init = sctp(f, "10.244.2.20", 40000, "10.96.0.50", 3868).build();
+        let out = ingress(&mut s, &init);
+        assert_eq!(out.action, OK);
+        assert_bytes(
+            &out.packet,
+            &nat(f, &init, None, Some(("10.244.2.7", 13868))),
+            format!("{f:?} SCTP INIT DNAT"),
+        );
+        for payload in [&b"CER"[..], &[0x5a; 1200][..]] {
+            let data = sctp(f, "10.244.2.20", 40000, "10.96.0.50", 3868)
+                .data(payload)
+                .build();
+            assert_bytes(
+                &ingress(&mut s, &data).packet,
+                &nat(f, &data, None, Some(("10.244.2.7", 13868))),
+                format!("{f:?} SCTP DATA DNAT, {} bytes", payload.len()),
+            );
+        }
+        // The backend's answers leave as the cluster IP and port.
+        let reply = sctp(f, "10.244.2.7", 13868, "10.244.2.20", 40000)
+            .data(b"CEA")
+            .build();
+        assert_bytes(
+            &egress(&mut s, &reply).packet,
+            &nat(f, &reply, Some(("10.96.0.50", 3868)), None),
+            format!("{f:?} SCTP reverse NAT"),
+        );
+        // Trailing bytes past the IP length (Ethernet padding of a short frame) are outside the
+        // checksum: the update uses the IP header's length, not the frame's.
+        let mut padded = sctp(f, "10.244.2.20", 40000, "10.96.0.50", 3868)
+            .data(b"x")
+            .build();
+        padded.extend_from_slice(&[0xee; 10]);
+        assert_bytes(
+            &ingress(&mut s, &padded).packet,
+            &nat(f, &padded, None, Some(("10.244.2.7", 13868))),
+            format!("{f:?} SCTP DATA with Ethernet padding"),
+        );
+        // A checksum the device is to compute (zero: CHECKSUM_PARTIAL from a local SCTP socket
+        // over a veth) stays zero; the ports change, and the device computes over them.
+        let mut offloaded = sctp(f, "10.244.2.20", 40000, "10.96.0.50", 3868)
+            .data(b"CER")
+            .build();
+        let l4 = packet::layout(&offloaded).unwrap().l4;
+        offloaded[l4 + 8..l4 + 12].fill(0);
+        let out = ingress(&mut s, &offloaded);
+        assert_eq!(sctp_checksum_field(&out.packet), [0; 4], "{f:?}: zero stays zero");
+        assert_bytes(
+            &out.packet,
+            &nat(f, &offloaded, None, Some(("10.244.2.7", 13868))),
+            format!("{f:?} SCTP DNAT of an offloaded checksum"),
+        );
+        // Same port: only the addresses change, which SCTP's checksum does not cover.
+        let init = sctp(f, "10.244.2.20", 40001, "10.96.0.51", 2905).build();
+        let out = ingress(&mut s, &init);
+        assert_eq!(sctp_checksum_field(&out.packet), sctp_checksum_field(&init));
+        assert_bytes(
+            &out.packet,
+            &nat(f, &init, None, Some(("10.244.1.5", 2905))),
+            format!("{f:?} SCTP DNAT, same port"),
+        );
+        assert_eq!(
+            counter(&s, Counter::TcUnsupportedProtocol),
+            unsupported,
+            "{f:?}: SCTP is served, not passed"
+        );
+    }
+}
+
+#[test]
+fn sctp_nodeport_from_outside_is_translated_and_masqueraded_both_ways() {
+    let mut s = scratch_with(&sctp_state(), true);
+    for f in FAMILIES {
+        let init = sctp(f, CLIENT, 41000, NODE_IP, 30868).build();
+        let dnat = ingress(&mut s, &init);
+        assert_bytes(
+            &dnat.packet,
+            &nat(f, &init, None, Some(("10.244.2.7", 13868))),
+            format!("{f:?} SCTP NodePort DNAT"),
+        );
+        // Towards node b: masqueraded to this node, the source port (and the checksum) with it.
+        let snat = egress(&mut s, &dnat.packet);
+        let port = summary(&snat.packet).sport;
+        assert!((20_000..=29_999).contains(&port), "masquerade port {port}");
+        assert_bytes(
+            &snat.packet,
+            &nat(f, &dnat.packet, Some((NODE_IP, port)), None),
+            format!("{f:?} SCTP SNAT"),
+        );
+        // The INIT ACK comes back to the masquerade address and port ...
+        let reply = sctp(f, "10.244.2.7", 13868, NODE_IP, port)
+            .data(b"init-ack")
+            .build();
+        let unsnat = ingress(&mut s, &reply);
+        assert_bytes(
+            &unsnat.packet,
+            &nat(f, &reply, None, Some((CLIENT, 41000))),
+            format!("{f:?} SCTP un-SNAT"),
+        );
+        // ... and leaves as the NodePort the client called.
+        let out = egress_marked(&mut s, &unsnat.packet, unsnat.mark);
+        assert_bytes(
+            &out.packet,
+            &nat(f, &unsnat.packet, Some((NODE_IP, 30868)), None),
+            format!("{f:?} SCTP reverse NAT to the NodePort"),
+        );
+        // The client's next packets follow the association's entries.
+        let data = sctp(f, CLIENT, 41000, NODE_IP, 30868).data(b"CER").build();
+        let dnat = ingress(&mut s, &data).packet;
+        let snat = egress(&mut s, &dnat).packet;
+        assert_bytes(
+            &snat,
+            &nat(f, &data, Some((NODE_IP, port)), Some(("10.244.2.7", 13868))),
+            format!("{f:?} SCTP DATA of the association"),
+        );
+    }
+}
+
+#[test]
+fn sctp_to_a_service_without_endpoints_is_rejected_with_icmp_port_unreachable() {
+    let mut s = scratch_with(&sctp_state(), true);
+    for f in FAMILIES {
+        let init = sctp(f, CLIENT, 42300, "10.96.0.52", 9).build();
+        let out = ingress(&mut s, &init);
+        assert_eq!(out.action, REDIRECT, "{f:?}: REJECT, as kube-proxy's");
+        assert_same(
+            &out.packet,
+            &expected_port_unreachable(&init),
+            format!("{f:?} SCTP port unreachable"),
+        );
+    }
+}
+
+#[test]
+fn icmp_errors_about_sctp_flows_are_translated() {
+    let mut s = scratch_with(&sctp_state(), true);
+    for f in FAMILIES {
+        // Path MTU discovery of a masqueraded NodePort association's answers.
+        let init = sctp(f, CLIENT, 47100, NODE_IP, 30868).build();
+        let dnat = ingress(&mut s, &init);
+        let snat = egress(&mut s, &dnat.packet);
+        let port = summary(&snat.packet).sport;
+        let reply = sctp(f, "10.244.2.7", 13868, NODE_IP, port)
+            .data(&[0xaa; 300])
+            .build();
+        let unsnat = ingress(&mut s, &reply);
+        let sent = egress_marked(&mut s, &unsnat.packet, unsnat.mark).packet;
+        assert_eq!(
+            summary(&sent).src,
+            f.ip(NODE_IP),
+            "the answer left as the NodePort"
+        );
+        let router = f.addr("192.168.50.1");
+        let kind = IcmpError::TooBig { mtu: 1280 };
+        let error = packet::icmp_error(&router, &f.addr(NODE_IP), kind, &sent);
+        let back = ingress(&mut s, &error);
+        assert_eq!(back.action, OK, "{f:?}");
+        let quote = quote_nat(f, &sent, Some(("10.244.2.7", 13868)), Some((NODE_IP, port)));
+        let expected = packet::icmp_error(&router, &f.addr("10.244.2.7"), kind, &quote);
+        assert_same(
+            &back.packet,
+            &expected,
+            format!("{f:?} error about an SCTP answer"),
+        );
+    }
+}
+
+/// SCTP's checksum covers the whole packet, so the first fragment of a fragmented one cannot
+/// have its port rewritten (the length the update needs is the reassembled one): its fragments
+/// pass untranslated and are counted, as fragments whose first one was not seen.
+#[test]
+fn sctp_fragments_pass_untranslated_and_are_counted() {
+    let mut s = scratch_with(&sctp_state(), true);
+    for f in FAMILIES {
+        let before = counter(&s, Counter::TcFragment);
+        let mut first = sctp(f, "10.244.2.20", 40100, "10.96.0.50", 3868).data(&[1; 64]);
+        first.more_fragments = true;
+        let first = first.build();
+        let out = ingress(&mut s, &first);
+        assert_eq!((out.action, &out.packet), (OK, &first), "{f:?}: untouched");
+        assert_eq!(counter(&s, Counter::TcFragment), before + 1, "{f:?}: counted");
+    }
+}

@@ -995,3 +995,41 @@ fn trace_and_the_agent_agree_on_every_node_shape() {
         agent.stop();
     }
 }
+
+/// Issue 17: SCTP is traced through the tc path, like any packet the node's sockets do not send:
+/// from a pod and from outside, translated (masqueraded from outside); from the node itself it
+/// passes, with the reason (no socket hook runs for SCTP).
+#[test]
+fn sctp_is_traced_through_tc_and_from_the_node_explained() {
+    let dir = tempfile::tempdir().unwrap();
+    write_manifests(
+        dir.path(),
+        "sctp.yaml",
+        &[service("t", "diameter")
+            .cluster_ip("10.96.0.40")
+            .port("diameter", "SCTP", 3868, 13868)
+            .node_port(30868)
+            .build()],
+        &[slice("t", "diameter", "diameter-1")
+            .endpoint("10.244.2.7", "node-b", State::Ready)
+            .port("diameter", "SCTP", 13868)
+            .build()],
+    );
+    let backend = ["10.244.2.7:13868"];
+    assert_eq!(
+        trace(&dir, "10.244.3.3", "10.96.0.40", 3868, "sctp", true),
+        expect("dnat", &backend, false, "tc")
+    );
+    assert_eq!(
+        trace(&dir, "192.168.50.100", NODE_IP, 30868, "sctp", true),
+        expect("dnat", &backend, true, "tc")
+    );
+    let from_node = trace(&dir, NODE_IP, "10.96.0.40", 3868, "sctp", true);
+    assert_eq!(from_node["verdict"], "pass", "{from_node}");
+    assert_eq!(from_node["path"], "socket", "{from_node}");
+    let table = trace_table(&dir, NODE_IP, "10.96.0.40", 3868, "sctp");
+    assert!(
+        table.contains("NOTE") && table.contains("no socket hook"),
+        "{table}"
+    );
+}

@@ -11,7 +11,7 @@
 //! (`--bpf-ct-timeout-regular-tcp-fin` 10 s, `--bpf-ct-timeout-regular-any` 60 s).
 //!
 //! The programs mark TCP closes on the entry a FIN or RST passes (`flags::CLOSE_MARKS`, with the
-//! time in `last_seen_ns`) and keep `last_seen_ns` fresh for UDP. A pass here groups the entries
+//! time in `last_seen_ns`) and keep `last_seen_ns` fresh for UDP and SCTP. A pass here groups the entries
 //! by flow (all entries of a flow share `created_ns`) and deletes:
 //! - a TCP flow reset, or closed by both sides, `tcp_fin_timeout` ago;
 //! - a TCP flow whose handshake never completed (no `ESTABLISHED`: the client never sent a
@@ -19,7 +19,7 @@
 //!   would otherwise hold its masquerade port and its entries until LRU eviction (netfilter
 //!   frees these after 60-120 s: `nf_conntrack_tcp_timeout_syn_recv`, `_syn_sent`; Cilium's
 //!   `--bpf-ct-timeout-regular-tcp-syn` is 60 s);
-//! - a UDP flow idle for `udp_timeout`;
+//! - a UDP or SCTP flow idle for `udp_timeout`;
 //! - an entry no forward entry claims (its flow was replaced by a new connection on the same
 //!   client tuple, or LRU-evicted) once `orphan_grace` old (a flow being created right now has
 //!   its companions in place a moment before its forward entry).
@@ -266,7 +266,9 @@ pub fn plan<F: Family>(
                     None
                 }
             }
-            lb_common::proto::UDP => {
+            // SCTP, like Cilium's `--bpf-ct-timeout-regular-any`: an association's heartbeats (30 s
+            // by default, RFC 9260 8.3) keep a quiet one fresh.
+            lb_common::proto::UDP | lb_common::proto::SCTP => {
                 let seen = members().map(|(_, v)| v.last_seen_ns).max().unwrap_or(0);
                 older_than(seen, t.udp_timeout).then_some(Reason::Idle)
             }

@@ -362,10 +362,28 @@ impl Datapath {
             let prog: &mut CgroupSockAddr = program(&mut ebpf, name)?;
             prog.load().map_err(|source| program_error(name, source))?;
         }
-        for name in [SOCK_TRACE_PROGRAM, tc::TC_PROGRAMS[0].0, tc::TC_PROGRAMS[1].0] {
+        for name in [
+            SOCK_TRACE_PROGRAM,
+            tc::TC_PROGRAMS[0].0,
+            tc::TC_PROGRAMS[1].0,
+            tc::SCTP_INGRESS_PROGRAM,
+        ] {
             let prog: &mut SchedClassifier = program(&mut ebpf, name)?;
             prog.load().map_err(|source| program_error(name, source))?;
         }
+        // The tail call's slot, in a pinned map: programs still attached from an earlier start
+        // reach this start's SCTP program as soon as it is loaded.
+        let sctp: &mut SchedClassifier = program(&mut ebpf, tc::SCTP_INGRESS_PROGRAM)?;
+        let sctp = sctp
+            .fd()
+            .and_then(|fd| fd.try_clone().map_err(Into::into))
+            .map_err(|source| program_error(tc::SCTP_INGRESS_PROGRAM, source))?;
+        let tail = ebpf
+            .map_mut(catalog::TC_TAIL)
+            .ok_or_else(|| aya::maps::MapError::InvalidName {
+                name: catalog::TC_TAIL.to_string(),
+            })?;
+        aya::maps::ProgramArray::try_from(tail)?.set(catalog::TAIL_SCTP_INGRESS, &sctp, 0)?;
         Ok(ebpf)
     }
 

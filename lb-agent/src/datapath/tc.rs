@@ -24,6 +24,10 @@ pub const TC_PROGRAMS: [(&str, TcAttachType, &str); 2] = [
     ("lb_tc_egress", TcAttachType::Egress, "egress"),
 ];
 
+/// SCTP's tc ingress program: never attached, reached by a tail call from `lb_tc_ingress` through
+/// `lb_tc_tail` (the verifier could not walk SCTP's steps in `lb_tc_ingress` as well).
+pub const SCTP_INGRESS_PROGRAM: &str = "lb_tc_sctp_in";
+
 /// One entry of `--devices`: a name, or a prefix ending in `+` (iptables style) or `*`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DevicePattern {

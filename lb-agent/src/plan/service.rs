@@ -14,10 +14,11 @@ use crate::{
 #[cfg(test)]
 use {super::DesiredState, crate::watch::ClusterState};
 
-/// Why SCTP Services are not served, for the planner's Warning and `lb-agent trace`.
-pub const SCTP_NOT_SERVED: &str = "SCTP is not load-balanced yet: the kernel runs no socket hook \
-    for an SCTP connect() or sendmsg(), and tc passes SCTP untranslated (a port rewrite needs the \
-    packet's CRC32c recomputed)";
+/// What SCTP from the node's own network namespace meets, for `lb-agent trace`: the one place
+/// SCTP is not served (docs/architecture.md, SCTP).
+pub const SCTP_FROM_NODE_NOT_SERVED: &str = "SCTP from the node's own network namespace is not \
+    load-balanced: the kernel runs no socket hook for an SCTP connect() or sendmsg(), and tc sees \
+    the node's own packets only at egress, past routing; pods' SCTP is translated at tc";
 
 /// What one Service contributes, computed from its object and its EndpointSlices alone (steps 2
 /// and 3 short of putting Services together, which [`super::merge`] and [`super::Planner`] do).
@@ -81,10 +82,6 @@ impl ServicePlan {
                     .map(|p| report("EndpointSlice", p.to_string())),
             );
             for port in service.ports {
-                if port.name.protocol == model::Protocol::Sctp {
-                    unit.problems
-                        .push(report("Service", format!("{}: {SCTP_NOT_SERVED}", port.name)));
-                }
                 let endpoints = by_port.remove(&port.name).unwrap_or_default();
                 unit.endpoints += endpoints.len();
                 let categorized = categorize_endpoints(&endpoints, &port, node);

@@ -167,8 +167,8 @@ pub fn trace(
         );
     }
     let on_node = starts_on_node(req, node_ips);
-    if req.protocol == Protocol::Sctp {
-        return Ok(sctp_untranslated(if on_node { "socket" } else { "tc" }));
+    if req.protocol == Protocol::Sctp && on_node {
+        return Ok(sctp_from_node());
     }
     if on_node {
         trace_socket(dp, maps, host_cookie, req)
@@ -177,10 +177,12 @@ pub fn trace(
     }
 }
 
-/// What SCTP to a frontend meets on either path: nothing translates it (issue 17).
-fn sctp_untranslated(path: &'static str) -> (TraceResult, TraceDetails) {
+/// What the node's own SCTP to a frontend meets: nothing translates it. (A pod's SCTP takes the
+/// tc path like any packet from outside the node's sockets.)
+fn sctp_from_node() -> (TraceResult, TraceDetails) {
+    let path = "socket";
     let details = TraceDetails {
-        note: Some(crate::plan::SCTP_NOT_SERVED.into()),
+        note: Some(crate::plan::SCTP_FROM_NODE_NOT_SERVED.into()),
         ..TraceDetails::default()
     };
     let result = TraceResult {
@@ -307,9 +309,25 @@ pub fn first_packet(req: &TraceRequest, sport: u16) -> Vec<u8> {
             let b = builder.tcp(sport, req.dport, 1000, 64_240).syn();
             b.write(&mut out, &[]).expect("write to a Vec");
         }
-        _ => {
+        Protocol::Udp => {
             let b = builder.udp(sport, req.dport);
             b.write(&mut out, b"trace").expect("write to a Vec");
+        }
+        Protocol::Sctp => {
+            // An INIT: the common header (verification tag 0, checksum 0: "the device computes
+            // it", which the programs leave alone) and the chunk (RFC 9260 3.3.2).
+            let mut sctp = Vec::with_capacity(32);
+            sctp.extend_from_slice(&sport.to_be_bytes());
+            sctp.extend_from_slice(&req.dport.to_be_bytes());
+            sctp.extend_from_slice(&[0; 8]);
+            sctp.extend_from_slice(&[1, 0, 0, 20]);
+            for word in [1u32, 106_496, (10 << 16) | 10, 1] {
+                sctp.extend_from_slice(&word.to_be_bytes());
+            }
+            let sctp_number = etherparse::IpNumber(lb_common::proto::SCTP);
+            builder
+                .write(&mut out, sctp_number, &sctp)
+                .expect("write to a Vec");
         }
     }
     out

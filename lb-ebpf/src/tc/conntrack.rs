@@ -74,7 +74,7 @@ pub(super) fn lookup<F: Ip>(key: &CtKey<F>) -> Option<*mut CtValue<F>> {
 /// for IPv6 a frame of its own, so that the program's frame holds little more than the parsed
 /// packet and each path beside this one has nearly the whole stack to itself.
 #[inline(always)]
-pub(super) fn l4_ingress<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
+pub(super) fn l4_ingress<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
     let key = pkt.flow.key(dir::INGRESS);
     let (ptr, established) = match F::conntrack().get_ptr_mut(&key) {
         Some(ptr) => (ptr, true),
@@ -88,7 +88,7 @@ pub(super) fn l4_ingress<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
         // A reply to a masqueraded flow: back to the client, and egress restores the frontend.
         note_reply(ptr, pkt);
         ctx.set_mark(MARK_MAGIC | (entry.rev_nat_id & MARK_ID));
-        return apply(ctx, pkt, false, entry.nat_addr, entry.nat_port);
+        return apply::<F, SCTP>(ctx, pkt, false, entry.nat_addr, entry.nat_port);
     }
     let tcp = pkt.flow.proto == proto::TCP;
     let keep = if tcp {
@@ -97,7 +97,8 @@ pub(super) fn l4_ingress<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
             || now_ns().saturating_sub(entry.created_ns) < SYN_REUSE_NS
     } else {
         // UDP has no connection end: a flow whose backend is gone moves to a live one (the
-        // stale-UDP-conntrack problem of kube-proxy).
+        // stale-UDP-conntrack problem of kube-proxy). SCTP too: the new backend answers the
+        // association it does not know with an ABORT, and the client learns at once.
         let alive = lb::lookup_backend::<F>(entry.backend_id)
             .is_some_and(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
         if alive {
@@ -122,7 +123,7 @@ pub(super) fn l4_ingress<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
     note_close(ptr, pkt, ct::FIN_FORWARD);
     note_established(ptr, entry.flags, pkt);
     mark_forward(ctx, entry.flags, entry.rev_nat_id);
-    apply(ctx, pkt, false, entry.nat_addr, entry.nat_port)
+    apply::<F, SCTP>(ctx, pkt, false, entry.nat_addr, entry.nat_port)
 }
 
 /// A `SNAT_TAGGED` flow's packet at ingress carries the forward mark, for egress to find its
@@ -161,7 +162,7 @@ pub(super) fn tagged_snat<F: Ip>(mark: u32, key: &mut CtKey<F>) -> Option<*mut C
 /// in one table or the other throughout; then the packet is translated as any of the flow's.
 /// [`NEW_FLOW`] if the entry went meanwhile (evicted by a flood).
 #[inline(never)]
-pub(super) fn establish<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
+pub(super) fn establish<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
     let flow = &pkt.flow;
     let mut key = flow.key(dir::INGRESS);
     let Some(ptr) = F::conntrack_new().get_ptr_mut(&key) else {
@@ -215,7 +216,7 @@ pub(super) fn establish<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
         count(Counter::TcFlowEstablished);
     }
     mark_forward(ctx, flags, rev_nat_id);
-    apply(ctx, pkt, false, backend, backend_port)
+    apply::<F, SCTP>(ctx, pkt, false, backend, backend_port)
 }
 
 /// Moves the entry at `key` from the new-flow table to the established one (left where it is if
@@ -253,7 +254,7 @@ pub(super) fn established_egress<F: Ip>(
             Some(frontend) => {
                 // A reply un-SNATed at ingress: the client called the frontend.
                 ctx.set_mark(0);
-                return apply(ctx, pkt, true, frontend.addr, frontend.port);
+                return apply::<F, true>(ctx, pkt, true, frontend.addr, frontend.port);
             }
             None => count(Counter::TcForeignMark),
         }
@@ -263,7 +264,7 @@ pub(super) fn established_egress<F: Ip>(
     if let Some(ptr) = tagged_snat::<F>(mark, &mut key) {
         ctx.set_mark(0);
         // SAFETY: a map value just looked up.
-        return unsafe { apply(ctx, pkt, true, (*ptr).nat_addr, (*ptr).nat_port) };
+        return unsafe { apply::<F, true>(ctx, pkt, true, (*ptr).nat_addr, (*ptr).nat_port) };
     }
     // Of a TCP flow in its handshake (the new-flow table), the client's packets cross egress only
     // as SYNs: its first packet past the SYN moves the flow at ingress. The backend's may be
@@ -284,7 +285,7 @@ pub(super) fn established_egress<F: Ip>(
             if entry.flags & ct::REPLY != 0 {
                 note_reply(ptr, pkt);
             }
-            apply(ctx, pkt, true, entry.nat_addr, entry.nat_port)
+            apply::<F, true>(ctx, pkt, true, entry.nat_addr, entry.nat_port)
         }
         None => TC_ACT_OK,
     }
@@ -327,10 +328,11 @@ fn note_established<F: Family>(ptr: *mut CtValue<F>, flags: u16, pkt: &Packet<F>
 }
 
 /// A packet from the backend on one of its flow's reply entries: TCP closes are marked, and a
-/// UDP flow whose traffic is all replies stays alive for the GC (refreshed at most once a second).
+/// UDP or SCTP flow whose traffic is all replies stays alive for the GC (refreshed at most once a
+/// second).
 #[inline(always)]
 pub(super) fn note_reply<F: Family>(ptr: *mut CtValue<F>, pkt: &Packet<F>) {
-    if pkt.flow.proto == proto::UDP {
+    if pkt.flow.proto != proto::TCP {
         let now = now_ns();
         // SAFETY: as in `note_close`.
         unsafe {

@@ -23,7 +23,7 @@ pub(super) trait Ip: FamilyMaps {
     fn parse(ctx: &TcContext) -> Parsed<Self>;
 
     /// Rewrites the destination (`source == false`) or source address and port of a TCP/UDP
-    /// packet, with every checksum that covers them updated incrementally.
+    /// packet (SCTP: `sctp::rewrite`), with every checksum that covers them updated incrementally.
     fn rewrite(
         ctx: &TcContext,
         pkt: &Packet<Self>,
@@ -32,8 +32,13 @@ pub(super) trait Ip: FamilyMaps {
         port: u16,
     ) -> Result<(), ()>;
 
+    /// The length of the L4 header at `l4` and its payload, from the IP header (not from the
+    /// frame, which may carry Ethernet padding).
+    fn l4_len(ctx: &TcContext, l4: usize) -> Option<u32>;
+
     /// Rewrites the destination (`source == false`) or source address of a later fragment (no
-    /// L4 header), with the IP header checksum where the family has one.
+    /// L4 header; also of SCTP, whose checksum covers no address), with the IP header checksum
+    /// where the family has one.
     fn rewrite_l3(ctx: &TcContext, source: bool, old_addr: Self::Addr, addr: Self::Addr) -> Result<(), ()>;
 
     /// Whether an ICMP error may be sent to `addr`.
@@ -45,7 +50,7 @@ pub(super) trait Ip: FamilyMaps {
     fn port_unreachable(ctx: &TcContext, l4: usize) -> i32;
 
     /// The packet an ICMP error at `icmp` quotes, when the error is one to translate (the types
-    /// that quote a packet) and the quote is a TCP or UDP packet.
+    /// that quote a packet) and the quote is a TCP, UDP or SCTP packet.
     fn parse_icmp_error(ctx: &TcContext, icmp: usize) -> Option<Quoted<Self>>;
 
     /// Rewrites the quoted packet's address at `addr_off` from `old_addr` to `addr`, with the ICMP

@@ -36,6 +36,7 @@ const FRAG_MASK: u16 = 0x3fff;
 /// The fragment offset alone.
 const FRAG_OFFSET: u16 = 0x1fff;
 /// Offsets inside the IPv4 header.
+const IP_TOT_LEN: usize = 2;
 const IP_CHECK: usize = 10;
 const IP_SADDR: usize = 12;
 const IP_DADDR: usize = 16;
@@ -149,6 +150,13 @@ impl Ip for V4 {
         Ok(())
     }
 
+    /// The total length less the header (options included).
+    #[inline(always)]
+    fn l4_len(ctx: &TcContext, l4: usize) -> Option<u32> {
+        let total = u16::from_be_bytes(ctx.load::<[u8; 2]>(ETH_HLEN + IP_TOT_LEN).ok()?) as u32;
+        total.checked_sub((l4 - ETH_HLEN) as u32)
+    }
+
     /// Through the helpers, which take any length: a datagram's last fragment may carry one
     /// byte past its IP header.
     #[inline(always)]
@@ -202,7 +210,7 @@ impl Ip for V4 {
         }
         let ip_off = icmp + ICMP_HLEN;
         let inner = ctx.load::<Ipv4Hdr>(ip_off).ok()?;
-        if inner.vihl != VIHL_NO_OPTIONS || (inner.proto != proto::TCP && inner.proto != proto::UDP) {
+        if inner.vihl != VIHL_NO_OPTIONS || !matches!(inner.proto, proto::TCP | proto::UDP | proto::SCTP) {
             return None;
         }
         Quoted::read(

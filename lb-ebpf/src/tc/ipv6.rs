@@ -30,6 +30,7 @@ use core::ffi::c_void;
 /// Length of the fixed IPv6 header.
 const HLEN: usize = 40;
 /// Offsets inside the IPv6 header.
+const IP6_PAYLOAD_LEN: usize = 4;
 const IP6_NEXT: usize = 6;
 const IP6_SADDR: usize = 8;
 const IP6_DADDR: usize = 24;
@@ -179,6 +180,13 @@ impl Ip for V6 {
         Ok(())
     }
 
+    /// The payload length less the extension headers.
+    #[inline(always)]
+    fn l4_len(ctx: &TcContext, l4: usize) -> Option<u32> {
+        let payload = u16::from_be_bytes(ctx.load::<[u8; 2]>(ETH_HLEN + IP6_PAYLOAD_LEN).ok()?) as u32;
+        payload.checked_sub((l4 - ETH_HLEN - HLEN) as u32)
+    }
+
     /// No IP header checksum: the address alone, and `skb->csum` of a CHECKSUM_COMPLETE packet
     /// follows it (no L4 checksum change cancels it out here).
     #[inline(always)]
@@ -226,7 +234,7 @@ impl Ip for V6 {
         let ip_off = icmp + ICMP_HLEN;
         let inner = ctx.load::<[u8; IP6_SADDR]>(ip_off).ok()?;
         // A quote with extension headers is not translated (the ports are not where they'd be).
-        if inner[0] >> 4 != 6 || (inner[IP6_NEXT] != proto::TCP && inner[IP6_NEXT] != proto::UDP) {
+        if inner[0] >> 4 != 6 || !matches!(inner[IP6_NEXT], proto::TCP | proto::UDP | proto::SCTP) {
             return None;
         }
         let [saddr, daddr] = addrs_at(ctx, ip_off + IP6_SADDR)?;

@@ -19,11 +19,13 @@
 //! ICMP port unreachable (kube-proxy's REJECT); a Local policy without local endpoints and a source
 //! outside loadBalancerSourceRanges are dropped.
 //!
-//! IP fragments of TCP and UDP datagrams are translated: the first one as any packet, the later
-//! ones with the first one's ports (`fragment`). Anything that cannot be translated safely passes
-//! untouched and is counted: truncated packets, fragments whose first fragment was not seen (or
-//! of other protocols), SCTP (its CRC32c checksum cannot be updated incrementally), other
-//! protocols; also IPv6 packets with more than four extension headers (not counted).
+//! TCP, UDP and SCTP take one path; only the rewrite of an SCTP port differs (its CRC32c
+//! checksum, `sctp`). IP fragments of TCP and UDP datagrams are translated: the first one as any
+//! packet, the later ones with the first one's ports (`fragment`). Anything that cannot be
+//! translated safely passes untouched and is counted: truncated packets, fragments whose first
+//! fragment was not seen (or of SCTP, whose checksum covers the whole datagram, or other
+//! protocols), the node's own SCTP to a frontend (egress, past routing), other protocols; also
+//! IPv6 packets with more than four extension headers (not counted).
 //!
 //! Both families go through one code path, written over `F: Ip` and monomorphised for `V4` and
 //! `V6` inside each program; the Ethernet type picks the instance. One job per file; this one
@@ -39,6 +41,7 @@
 //! - `new_flow`: a new flow, from the frontend lookup to its conntrack entries;
 //! - `snat`: masquerade port reservation;
 //! - `nat`: address and port rewriting with checksum updates;
+//! - `sctp`: SCTP's port rewrite, its CRC32c checksum kept valid;
 //! - `reject`: kube-proxy's REJECT (an ICMP port unreachable);
 //! - `icmp_error`: ICMP errors about translated flows, at ingress and egress.
 //!
@@ -58,10 +61,12 @@ mod new_flow;
 mod parse;
 mod prefilter;
 mod reject;
+mod sctp;
 mod snat;
 
 use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
 use lb_common::{
+    catalog,
     family::{Family, V4, V6},
     proto,
     stats::Counter,
@@ -74,6 +79,7 @@ use self::{
 };
 use crate::{
     lb::{self, Frontend},
+    maps::TC_TAIL,
     monitor,
     stats::count,
 };
@@ -81,7 +87,7 @@ use crate::{
 /// The tc ingress program: each family's packets through its instance of the one code path.
 #[inline(always)]
 pub fn ingress(ctx: &mut TcContext) -> i32 {
-    match ether_type(ctx) {
+    let verdict = match ether_type(ctx) {
         Some(V4::ETH_P) => ingress_of::<V4>(ctx),
         Some(V6::ETH_P) => ingress_of::<V6>(ctx),
         Some(_) => TC_ACT_OK,
@@ -89,6 +95,43 @@ pub fn ingress(ctx: &mut TcContext) -> i32 {
             count(Counter::TcTruncated);
             TC_ACT_OK
         }
+    };
+    if verdict != SCTP {
+        return verdict;
+    }
+    // From this frame, the program's first: a tail call from a BPF function is limited to
+    // callers whose frames use less than 256 bytes.
+    // SAFETY: the program's own context; on success the call does not return.
+    unsafe { TC_TAIL.tail_call(ctx, catalog::TAIL_SCTP_INGRESS) };
+    // No program in the slot (an agent that has not filled it): untranslated, counted.
+    count(Counter::TcUnsupportedProtocol);
+    TC_ACT_OK
+}
+
+/// SCTP's ingress program (`lb_tc_sctp_in`): the steps of TCP and UDP, in a program of its own.
+/// The verifier walks a program's code once per protocol value it knows; in `lb_tc_ingress`, a
+/// third walk for SCTP went past its million instructions. Here it knows the packet is SCTP.
+#[inline(always)]
+pub fn sctp_ingress(ctx: &mut TcContext) -> i32 {
+    match ether_type(ctx) {
+        Some(V4::ETH_P) => sctp_ingress_of::<V4>(ctx),
+        Some(V6::ETH_P) => sctp_ingress_of::<V6>(ctx),
+        _ => TC_ACT_OK,
+    }
+}
+
+/// A verdict of `ingress_of`: an SCTP packet that may concern a frontend, for `lb_tc_sctp_in`.
+/// Not one tc knows (they are small non-negative numbers, and -1, `TC_ACT_UNSPEC`).
+const SCTP: i32 = -1000;
+
+/// Not inlined, as `ingress_of`; parses again (a tail call passes only the packet).
+#[inline(never)]
+fn sctp_ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
+    match F::parse(ctx) {
+        Parsed::L4(pkt) if pkt.flow.proto == proto::SCTP && prefilter::ingress::<F>(&pkt.flow.daddr) => {
+            l4_ingress::<F, true>(ctx, &pkt)
+        }
+        _ => TC_ACT_OK,
     }
 }
 
@@ -112,25 +155,22 @@ fn ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
         },
         // Neither a frontend nor a masquerade address: nothing to look up.
         Parsed::L4(pkt) if !prefilter::ingress::<F>(&pkt.flow.daddr) => TC_ACT_OK,
-        Parsed::L4(pkt) if pkt.flow.proto == proto::SCTP => {
-            if !matches!(
-                lb::lookup_frontend::<F>(&pkt.flow.daddr, pkt.flow.dport, proto::SCTP, false),
-                Frontend::None
-            ) {
-                return untranslated::<F>(ctx, Some(&pkt.flow), Counter::TcUnsupportedProtocol);
-            }
-            TC_ACT_OK
-        }
-        Parsed::L4(pkt) => {
-            let mut verdict = F::l4_ingress(ctx, &pkt);
-            if verdict == conntrack::ESTABLISH {
-                verdict = conntrack::establish::<F>(ctx, &pkt);
-            }
-            match verdict {
-                conntrack::NEW_FLOW => new_flow::new_flow::<F>(ctx, &pkt),
-                verdict => verdict,
-            }
-        }
+        Parsed::L4(pkt) if pkt.flow.proto == proto::SCTP => SCTP,
+        Parsed::L4(pkt) => l4_ingress::<F, false>(ctx, &pkt),
+    }
+}
+
+/// A TCP, UDP or SCTP packet at ingress (`SCTP`: may it be SCTP, see `nat::apply`): its tracked
+/// flow, else a new one.
+#[inline(always)]
+fn l4_ingress<F: Steps, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
+    let mut verdict = F::l4_ingress::<SCTP>(ctx, pkt);
+    if verdict == conntrack::ESTABLISH {
+        verdict = conntrack::establish::<F, SCTP>(ctx, pkt);
+    }
+    match verdict {
+        conntrack::NEW_FLOW => new_flow::new_flow::<F, SCTP>(ctx, pkt),
+        verdict => verdict,
     }
 }
 
@@ -175,7 +215,10 @@ fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
     // never attaches and BPF_PROG_TEST_RUN runs every packet, each is looked up as forwarded.
     let may_be_snat = ingress_ifindex != 0 || ifindex == LOOPBACK_IFINDEX;
     match F::parse(ctx) {
-        Parsed::L4(pkt) if pkt.flow.proto != proto::SCTP => {
+        Parsed::L4(pkt) => {
+            if pkt.flow.proto == proto::SCTP && !may_be_snat && host_sctp_to_frontend::<F>(&pkt.flow) {
+                return untranslated::<F>(ctx, Some(&pkt.flow), Counter::TcUnsupportedProtocol);
+            }
             let from_backend = prefilter::egress_end::<F>((&pkt.flow.saddr, pkt.flow.sport));
             if ours
                 || from_backend
@@ -199,6 +242,18 @@ fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
     }
 }
 
+/// The node's own SCTP to a frontend: no socket hook ran (the kernel runs none for an SCTP
+/// connect or sendmsg) and the packet is past routing, where a new destination would need a new
+/// route; it leaves untranslated, counted (`tc_unsupported_protocol`).
+#[inline(always)]
+fn host_sctp_to_frontend<F: Ip>(flow: &Flow<F>) -> bool {
+    prefilter::ingress::<F>(&flow.daddr)
+        && !matches!(
+            lb::lookup_frontend::<F>(&flow.daddr, flow.dport, proto::SCTP, true),
+            Frontend::None
+        )
+}
+
 /// Where a family's tracked flows are handled at ingress: in `ingress_of`'s frame for IPv4, in a
 /// BPF function of its own for IPv6. The most frequent packet, one of an established flow, then
 /// costs IPv4 no BPF-to-BPF call (a call, a frame, spilled arguments) beyond `ingress_of`'s; IPv4's
@@ -206,19 +261,19 @@ fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
 /// bytes, keys of 40) do not. The code is written once over `F: Ip`; only where its frame begins
 /// differs.
 trait Steps: Ip {
-    fn l4_ingress(ctx: &mut TcContext, pkt: &Packet<Self>) -> i32;
+    fn l4_ingress<const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<Self>) -> i32;
 }
 
 impl Steps for V4 {
     #[inline(always)]
-    fn l4_ingress(ctx: &mut TcContext, pkt: &Packet<Self>) -> i32 {
-        conntrack::l4_ingress::<V4>(ctx, pkt)
+    fn l4_ingress<const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<Self>) -> i32 {
+        conntrack::l4_ingress::<V4, SCTP>(ctx, pkt)
     }
 }
 
 impl Steps for V6 {
     #[inline(never)]
-    fn l4_ingress(ctx: &mut TcContext, pkt: &Packet<Self>) -> i32 {
-        conntrack::l4_ingress::<V6>(ctx, pkt)
+    fn l4_ingress<const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<Self>) -> i32 {
+        conntrack::l4_ingress::<V6, SCTP>(ctx, pkt)
     }
 }

@@ -1,18 +1,35 @@
 //! NAT as a verdict: a packet's source or destination address and port rewritten (`Ip::rewrite`
-//! holds each family's checksum rules), or counted and dropped when that fails.
+//! holds each family's checksum rules for TCP and UDP, `sctp::rewrite` SCTP's), or counted and
+//! dropped when that fails.
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
     programs::TcContext,
 };
-use lb_common::stats::Counter;
+use lb_common::{proto, stats::Counter};
 
-use super::{ip::Ip, parse::Packet};
+use super::{ip::Ip, parse::Packet, sctp};
 use crate::stats::count;
 
+///
+/// `SCTP`: whether the packet may be SCTP, a constant of the calling program. `lb_tc_ingress`
+/// never sees SCTP (`lb_tc_sctp_in` does): without the branch, its verifier does not walk
+/// SCTP's rewrite after every TCP and UDP one (it cannot tell the protocol from the parsed
+/// packet on the stack, and went past its million instructions).
 #[inline(always)]
-pub(super) fn apply<F: Ip>(ctx: &TcContext, pkt: &Packet<F>, source: bool, addr: F::Addr, port: u16) -> i32 {
-    match F::rewrite(ctx, pkt, source, addr, port) {
+pub(super) fn apply<F: Ip, const SCTP: bool>(
+    ctx: &TcContext,
+    pkt: &Packet<F>,
+    source: bool,
+    addr: F::Addr,
+    port: u16,
+) -> i32 {
+    let rewritten = if SCTP && pkt.flow.proto == proto::SCTP {
+        sctp::rewrite(ctx, pkt, source, addr, port)
+    } else {
+        F::rewrite(ctx, pkt, source, addr, port)
+    };
+    match rewritten {
         Ok(()) => TC_ACT_OK,
         Err(()) => {
             count(Counter::TcRewriteFailed);

@@ -52,9 +52,9 @@ fn trace(ctx: &mut TcContext, slot: usize, value: u32) {
 /// A TCP/UDP packet at ingress that no conntrack entry keeps: a frontend's new flow is DNATed
 /// (and masqueraded when kube-proxy would), rejected or dropped; anything else passes.
 #[inline(always)]
-pub(super) fn new_flow<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
+pub(super) fn new_flow<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
     let mut choice = Choice::default();
-    let verdict = decide::<F>(ctx, pkt, &mut choice);
+    let verdict = decide::<F, SCTP>(ctx, pkt, &mut choice);
     if choice.outcome != NO_OUTCOME && monitor::wanted(choice.outcome as u32) {
         event::<F>(ctx, Some(&pkt.flow), Some(&choice), choice.outcome as u32);
     }
@@ -63,7 +63,7 @@ pub(super) fn new_flow<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
 
 /// `new_flow`'s decision, its outcome's counter left in `choice.outcome`.
 #[inline(always)]
-fn decide<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i32 {
+fn decide<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i32 {
     let verdict = match choose::<F>(ctx, pkt, choice) {
         CHOSEN => {
             // Where the flow leaves the node, for its masquerade address: looked up for every new
@@ -72,7 +72,7 @@ fn decide<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
             // per state reaching it, and few reach this point.
             choice.masq_route =
                 masquerade_route::<F>(ctx, &pkt.flow.saddr, choice.backend_id, pkt.flow.proto);
-            match track::<F>(ctx, pkt, choice) {
+            match track::<F, SCTP>(ctx, pkt, choice) {
                 // Every masquerade port tried is held: take one back if a flow is done with one,
                 // and try again with it.
                 NO_FREE_PORT => {
@@ -80,7 +80,7 @@ fn decide<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
                         reclaim_port_for::<F>(choice.backend_id, pkt.flow.proto, choice.masq_route);
                     match choice.snat_port {
                         0 => NO_FREE_PORT,
-                        _ => track::<F>(ctx, pkt, choice),
+                        _ => track::<F, SCTP>(ctx, pkt, choice),
                     }
                 }
                 verdict => verdict,
@@ -309,7 +309,7 @@ fn came_in_by_pod_interface(ctx: &TcContext) -> bool {
 
 /// The chosen backend's flow: the masquerade decision, its conntrack entries, and DNAT.
 #[inline(never)]
-fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i32 {
+fn track<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i32 {
     let flow = &pkt.flow;
     let cfg = lb::datapath_config();
     let has = |flag: u16| choice.frontend_flags & flag != 0;
@@ -478,5 +478,5 @@ fn track<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i3
         trace_cb::CB_SCOPE_FLAGS,
         choice.scope as u32 | if masquerade { trace_cb::MASQUERADED } else { 0 },
     );
-    apply(ctx, pkt, false, backend.addr, backend.port)
+    apply::<F, SCTP>(ctx, pkt, false, backend.addr, backend.port)
 }

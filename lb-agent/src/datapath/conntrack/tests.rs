@@ -120,6 +120,21 @@ fn udp_flows_go_when_idle_in_both_directions() {
     assert_eq!(doomed_keys(&m, 210 * S), expect);
 }
 
+/// SCTP associations (issue 17) go as UDP flows do: by their idle clock, which their heartbeats
+/// keep fresh in both directions.
+#[test]
+fn sctp_associations_go_when_idle_in_both_directions() {
+    let mut m = HashMap::new();
+    let [fwd, snat, unsnat] = masqueraded(&mut m, proto::SCTP, 3868, 20001, 100 * S);
+    mark(&mut m, &unsnat, 0, 150 * S);
+    assert!(doomed_keys(&m, 200 * S).is_empty());
+    let expect: HashSet<_> = [fwd, snat, unsnat]
+        .into_iter()
+        .map(|k| (k, Reason::Idle))
+        .collect();
+    assert_eq!(doomed_keys(&m, 210 * S), expect);
+}
+
 #[test]
 fn a_new_connection_on_the_same_client_tuple_keeps_its_entries_and_frees_the_old_port() {
     let mut m = HashMap::new();
