@@ -1985,35 +1985,51 @@ fn icmp_errors_for_a_masqueraded_flow_are_translated_back() {
     assert_eq!(counter(&s, Counter::TcIcmpErrorTranslated), 2 * 3 * 2);
 }
 
+/// A masqueraded NodePort flow of `spec`'s protocol, `CLIENT:client_port` to
+/// `NODE_IP:node_port`, backend `10.244.2.7:backend_port`, whose answer as it left the node (from
+/// the NodePort) the client's side of the network cannot carry: the router's Packet Too Big (path
+/// MTU discovery of the backend's answers) reaches the backend, quoting what the backend sent
+/// (backend -> the node's masquerade address).
+fn too_big_about_a_masqueraded_answer(
+    s: &mut ScratchDatapath,
+    f: Family,
+    spec: fn(Family, &str, u16, &str, u16) -> Spec,
+    (client_port, node_port, backend_port): (u16, u16, u16),
+) {
+    let first = spec(f, CLIENT, client_port, NODE_IP, node_port).build();
+    let dnat = ingress(s, &first);
+    let snat = egress(s, &dnat.packet);
+    let port = summary(&snat.packet).sport;
+    let answer = spec(f, "10.244.2.7", backend_port, NODE_IP, port)
+        .data(&[0xaa; 300])
+        .build();
+    let unsnat = ingress(s, &answer);
+    let sent = egress_marked(s, &unsnat.packet, unsnat.mark).packet;
+    assert_eq!(
+        summary(&sent).src,
+        f.ip(NODE_IP),
+        "the answer left as the NodePort"
+    );
+    let router = f.addr("192.168.50.1");
+    let kind = IcmpError::TooBig { mtu: 1280 };
+    let error = packet::icmp_error(&router, &f.addr(NODE_IP), kind, &sent);
+    let back = ingress(s, &error);
+    assert_eq!(back.action, OK, "{f:?}");
+    let quote = quote_nat(
+        f,
+        &sent,
+        Some(("10.244.2.7", backend_port)),
+        Some((NODE_IP, port)),
+    );
+    let expected = packet::icmp_error(&router, &f.addr("10.244.2.7"), kind, &quote);
+    assert_same(&back.packet, &expected, format!("{f:?} error about an answer"));
+}
+
 #[test]
 fn icmp_errors_about_replies_are_translated_for_the_backend_and_the_client() {
     let mut s = scratch(true);
     for f in FAMILIES {
-        // A masqueraded NodePort flow: the client's side of the network cannot carry the reply
-        // the node sent as the NodePort (path MTU discovery of the backend's responses).
-        let syn = tcp(f, CLIENT, 47000, NODE_IP, 30080).build();
-        let dnat = ingress(&mut s, &syn);
-        let snat = egress(&mut s, &dnat.packet);
-        let port = summary(&snat.packet).sport;
-        let reply = tcp(f, "10.244.2.7", 8080, NODE_IP, port)
-            .data(&[0xaa; 300])
-            .build();
-        let unsnat = ingress(&mut s, &reply);
-        let sent = egress_marked(&mut s, &unsnat.packet, unsnat.mark).packet;
-        assert_eq!(
-            summary(&sent).src,
-            f.ip(NODE_IP),
-            "the reply left as the NodePort"
-        );
-        let router = f.addr("192.168.50.1");
-        let kind = IcmpError::TooBig { mtu: 1280 };
-        let error = packet::icmp_error(&router, &f.addr(NODE_IP), kind, &sent);
-        let back = ingress(&mut s, &error);
-        assert_eq!(back.action, OK, "{f:?}");
-        // To the backend, quoting what it sent: backend -> the node's masquerade address.
-        let quote = quote_nat(f, &sent, Some(("10.244.2.7", 8080)), Some((NODE_IP, port)));
-        let expected = packet::icmp_error(&router, &f.addr("10.244.2.7"), kind, &quote);
-        assert_same(&back.packet, &expected, format!("{f:?} error about a reply"));
+        too_big_about_a_masqueraded_answer(&mut s, f, tcp, (47000, 30080, 8080));
 
         // A flow that is not masqueraded (Local policy): the backend's own error about the
         // client's packet leaves towards the client naming the NodePort the client called.
@@ -2752,32 +2768,7 @@ fn icmp_errors_about_sctp_flows_are_translated() {
     let mut s = scratch_with(&sctp_state(), true);
     for f in FAMILIES {
         // Path MTU discovery of a masqueraded NodePort association's answers.
-        let init = sctp(f, CLIENT, 47100, NODE_IP, 30868).build();
-        let dnat = ingress(&mut s, &init);
-        let snat = egress(&mut s, &dnat.packet);
-        let port = summary(&snat.packet).sport;
-        let reply = sctp(f, "10.244.2.7", 13868, NODE_IP, port)
-            .data(&[0xaa; 300])
-            .build();
-        let unsnat = ingress(&mut s, &reply);
-        let sent = egress_marked(&mut s, &unsnat.packet, unsnat.mark).packet;
-        assert_eq!(
-            summary(&sent).src,
-            f.ip(NODE_IP),
-            "the answer left as the NodePort"
-        );
-        let router = f.addr("192.168.50.1");
-        let kind = IcmpError::TooBig { mtu: 1280 };
-        let error = packet::icmp_error(&router, &f.addr(NODE_IP), kind, &sent);
-        let back = ingress(&mut s, &error);
-        assert_eq!(back.action, OK, "{f:?}");
-        let quote = quote_nat(f, &sent, Some(("10.244.2.7", 13868)), Some((NODE_IP, port)));
-        let expected = packet::icmp_error(&router, &f.addr("10.244.2.7"), kind, &quote);
-        assert_same(
-            &back.packet,
-            &expected,
-            format!("{f:?} error about an SCTP answer"),
-        );
+        too_big_about_a_masqueraded_answer(&mut s, f, sctp, (47100, 30868, 13868));
     }
 }
 

@@ -29,6 +29,24 @@ struct Cli {
     command: Cmd,
 }
 
+/// `tcp` and `sctp`: requests over stream connections (SCTP: one-to-one associations).
+#[derive(clap::Args)]
+struct Stream {
+    #[arg(long)]
+    connect: SocketAddr,
+    #[arg(long, default_value_t = 1)]
+    count: u32,
+    /// Bytes of payload to send and expect echoed back as a checksum.
+    #[arg(long, default_value_t = 0)]
+    payload: usize,
+    #[arg(long, default_value_t = 2000)]
+    timeout_ms: u64,
+    /// SCTP: connect from this local port (0: any), so that a test can fix the association's
+    /// addresses and ports.
+    #[arg(long, default_value_t = 0)]
+    source_port: u16,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     Serve {
@@ -46,33 +64,10 @@ enum Cmd {
         #[arg(long)]
         name: Option<String>,
     },
-    Tcp {
-        #[arg(long)]
-        connect: SocketAddr,
-        #[arg(long, default_value_t = 1)]
-        count: u32,
-        /// Bytes of payload to send and expect echoed back as a checksum.
-        #[arg(long, default_value_t = 0)]
-        payload: usize,
-        #[arg(long, default_value_t = 2000)]
-        timeout_ms: u64,
-    },
+    /// `count` requests, each over a TCP connection of its own; one JSON line each.
+    Tcp(Stream),
     /// `tcp` over SCTP: the same requests and the same JSON lines.
-    Sctp {
-        #[arg(long)]
-        connect: SocketAddr,
-        #[arg(long, default_value_t = 1)]
-        count: u32,
-        /// Bytes of payload to send and expect echoed back as a checksum.
-        #[arg(long, default_value_t = 0)]
-        payload: usize,
-        #[arg(long, default_value_t = 2000)]
-        timeout_ms: u64,
-        /// Connect from this local port (0: any), so that a test can fix the association's
-        /// addresses and ports.
-        #[arg(long, default_value_t = 0)]
-        source_port: u16,
-    },
+    Sctp(Stream),
     Udp {
         #[arg(long)]
         to: SocketAddr,
@@ -711,31 +706,18 @@ fn http_get(to: SocketAddr, path: &str, timeout: Duration) -> serde_json::Value 
 fn main() {
     match Cli::parse().command {
         Cmd::Serve { tcp, udp, sctp, name } => serve(tcp, udp, sctp, name),
-        Cmd::Tcp {
-            connect,
-            count,
-            payload,
-            timeout_ms,
-        } => {
-            for _ in 0..count {
+        Cmd::Tcp(a) => {
+            for _ in 0..a.count {
                 println!(
                     "{}",
-                    tcp_once(connect, payload, Duration::from_millis(timeout_ms))
+                    tcp_once(a.connect, a.payload, Duration::from_millis(a.timeout_ms))
                 );
             }
         }
-        Cmd::Sctp {
-            connect,
-            count,
-            payload,
-            timeout_ms,
-            source_port,
-        } => {
-            for _ in 0..count {
-                println!(
-                    "{}",
-                    sctp_once(connect, payload, Duration::from_millis(timeout_ms), source_port)
-                );
+        Cmd::Sctp(a) => {
+            for _ in 0..a.count {
+                let timeout = Duration::from_millis(a.timeout_ms);
+                println!("{}", sctp_once(a.connect, a.payload, timeout, a.source_port));
             }
         }
         Cmd::Udp {

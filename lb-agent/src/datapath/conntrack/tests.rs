@@ -106,33 +106,22 @@ fn open_tcp_flows_stay_however_old() {
     assert!(doomed_keys(&m, 1_000_000 * S).is_empty());
 }
 
+/// UDP flows, and SCTP associations (issue 17: their heartbeats keep them fresh), go by their idle
+/// clock, which packets in either direction keep.
 #[test]
-fn udp_flows_go_when_idle_in_both_directions() {
-    let mut m = HashMap::new();
-    let [fwd, snat, unsnat] = masqueraded(&mut m, proto::UDP, 5353, 20001, 100 * S);
-    // Only replies lately: alive.
-    mark(&mut m, &unsnat, 0, 150 * S);
-    assert!(doomed_keys(&m, 200 * S).is_empty());
-    let expect: HashSet<_> = [fwd, snat, unsnat]
-        .into_iter()
-        .map(|k| (k, Reason::Idle))
-        .collect();
-    assert_eq!(doomed_keys(&m, 210 * S), expect);
-}
-
-/// SCTP associations (issue 17) go as UDP flows do: by their idle clock, which their heartbeats
-/// keep fresh in both directions.
-#[test]
-fn sctp_associations_go_when_idle_in_both_directions() {
-    let mut m = HashMap::new();
-    let [fwd, snat, unsnat] = masqueraded(&mut m, proto::SCTP, 3868, 20001, 100 * S);
-    mark(&mut m, &unsnat, 0, 150 * S);
-    assert!(doomed_keys(&m, 200 * S).is_empty());
-    let expect: HashSet<_> = [fwd, snat, unsnat]
-        .into_iter()
-        .map(|k| (k, Reason::Idle))
-        .collect();
-    assert_eq!(doomed_keys(&m, 210 * S), expect);
+fn udp_flows_and_sctp_associations_go_when_idle_in_both_directions() {
+    for protocol in [proto::UDP, proto::SCTP] {
+        let mut m = HashMap::new();
+        let [fwd, snat, unsnat] = masqueraded(&mut m, protocol, 5353, 20001, 100 * S);
+        // Only replies lately: alive.
+        mark(&mut m, &unsnat, 0, 150 * S);
+        assert!(doomed_keys(&m, 200 * S).is_empty(), "protocol {protocol}");
+        let expect: HashSet<_> = [fwd, snat, unsnat]
+            .into_iter()
+            .map(|k| (k, Reason::Idle))
+            .collect();
+        assert_eq!(doomed_keys(&m, 210 * S), expect, "protocol {protocol}");
+    }
 }
 
 #[test]
