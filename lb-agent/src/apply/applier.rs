@@ -7,7 +7,10 @@
 //! 3. per frontend: reverse NAT, source ranges and affinity members, then the backend slots, then
 //!    the frontend entry (slot 0) last — the internal scope before the external one, whose
 //!    `TWO_SCOPES` flag points at it — then the stale slots;
-//! 4. backends nothing uses any more.
+//! 4. the apply's Maglev tables, together (`writes::flush_maglev`): a frontend entry asks for
+//!    its table (`MAGLEV`) only once the table is in, so a new table's entry is written without
+//!    the flag in step 3 and rewritten with it here;
+//! 5. backends nothing uses any more.
 //!
 //! A change to one Service costs writes proportional to that change. A Service whose entries do
 //! not fit the maps is skipped as a whole (its previous state stays) and reported, never written
@@ -93,8 +96,12 @@ pub struct Applier<M> {
     backend_ids: PerFamily<IdAllocator>,
     rev_ids: PerFamily<IdAllocator>,
     occupancy: Occupancy,
-    /// Maglev tables built during the current apply (emptied at its end).
+    /// Maglev tables built during the current apply's flush (emptied after each batch).
     maglev_tables: MaglevTables,
+    /// Maglev tables step 3 wrote entries for, to put in step 4, and the tables of frontend
+    /// entries that no longer ask for one (or are gone), to delete there.
+    pending_maglev: Vec<writes::PendingTable>,
+    doomed_maglev: Vec<u32>,
 }
 
 impl<M: MapOps> Applier<M> {
@@ -113,6 +120,8 @@ impl<M: MapOps> Applier<M> {
             rev_ids: ids(caps.revnat),
             occupancy: Occupancy::default(),
             maglev_tables: MaglevTables::new(),
+            pending_maglev: Vec::new(),
+            doomed_maglev: Vec::new(),
         }
     }
 
@@ -241,7 +250,9 @@ impl<M: MapOps> Applier<M> {
                 self.put_backend(*addr, id, *flags, &mut report);
             }
         }
-        // 4. Backends nothing references any more.
+        // 4. The Maglev tables, in batches, and the frontend entries that wait for them.
+        self.flush_maglev(&mut report);
+        // 5. Backends nothing references any more.
         self.delete_unused_backends(&mut report);
         // Ids allocated for backends that ended up unused (their Service was skipped).
         for (addr, id) in new_backend_ids {

@@ -55,6 +55,8 @@ pub struct FakeMaps {
     pub service_deletes_fail: bool,
     /// Refuse the pod interfaces (E2BIG, a full `lb_pod_ifaces`).
     pub pod_interfaces_fail: bool,
+    /// How many tables each `put_maglev_tables` call carried.
+    pub maglev_batches: Vec<usize>,
 }
 
 fn full(map: &'static str) -> MapError {
@@ -109,6 +111,18 @@ impl FakeMaps {
 }
 
 impl MapOps for FakeMaps {
+    fn put_maglev_tables(
+        &mut self,
+        tables: &[(u32, std::sync::Arc<[u32]>)],
+    ) -> Result<(), super::BatchError> {
+        self.maglev_batches.push(tables.len());
+        for (id, positions) in tables {
+            self.put_maglev(*id, positions)
+                .expect("the fake refuses no table");
+        }
+        Ok(())
+    }
+
     fn put_maglev(&mut self, rev_nat_id: u32, positions: &[u32]) -> Result<(), MapError> {
         let positions: std::sync::Arc<[u32]> = positions.into();
         self.log.push(Op::PutMaglev(rev_nat_id, positions.clone()));

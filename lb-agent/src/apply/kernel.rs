@@ -51,6 +51,8 @@ pub struct KernelMaps {
     pub stats: PerCpuArray<MapData, u64>,
     /// `lb_maglev`; `None` from the pins of a release that had none.
     pub maglev: Option<MaglevMap>,
+    /// `lb_maglev` again, for the batch calls (aya has none).
+    maglev_batch: Option<OwnedFd>,
     /// What the tables' inner arrays are created with.
     maglev_inner: super::maglev_tables::InnerArrays,
     /// The tc programs' prefilter: each write below holds the bits its entry needs first.
@@ -78,12 +80,18 @@ pub struct FamilyMaps<F: KernelFamily> {
     batch_backends: OwnedFd,
 }
 
-/// A second descriptor of a hash map, taken before aya wraps it.
+/// A second descriptor of a hash map (or a hash of maps), taken before aya wraps it.
 fn dup_fd(map: &Map) -> Result<OwnedFd, aya::maps::MapError> {
     match map {
-        Map::HashMap(data) => Ok(data.fd().as_fd().try_clone_to_owned()?),
+        Map::HashMap(data) | Map::HashOfMaps(data) => Ok(data.fd().as_fd().try_clone_to_owned()?),
         _ => Err(aya::maps::MapError::IoError(io::Error::other("not a hash map"))),
     }
+}
+
+/// `lb_maglev` and its descriptor for the batch calls.
+fn maglev_map(map: Map) -> Result<(MaglevMap, OwnedFd), aya::maps::MapError> {
+    let fd = dup_fd(&map)?;
+    Ok((map.try_into()?, fd))
 }
 
 /// `union bpf_attr`'s `batch` member (include/uapi/linux/bpf.h).
@@ -101,6 +109,20 @@ struct BatchAttr {
 }
 
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
+
+/// Deletes `keys` with one syscall; stops at the first key that fails (a missing one included).
+fn delete_batch<K: aya::Pod>(fd: RawFd, keys: &[K]) -> io::Result<()> {
+    let mut attr = BatchAttr {
+        keys: keys.as_ptr() as u64,
+        count: keys.len() as u32,
+        map_fd: fd as u32,
+        ..Default::default()
+    };
+    // SAFETY: keys points at `count` contiguous elements of the map's key size, alive for the
+    // call.
+    unsafe { bpf_batch(BPF_MAP_DELETE_BATCH, &mut attr) }
+}
 
 /// Updates `keys[i] -> values[i]` in order with one syscall. Keys and values are `#[repr(C)]`
 /// Pod types whose size is the map's key and value size.
@@ -538,7 +560,8 @@ where
 impl KernelMaps {
     /// Takes the maps out of a loaded object.
     pub fn from_ebpf(ebpf: &mut aya::Ebpf) -> Result<Self, aya::maps::MapError> {
-        Ok(Self {
+        let (maglev, maglev_batch) = maglev_map(take_map(ebpf, catalog::MAGLEV)?)?;
+        let mut maps = Self {
             v4: FamilyMaps::from_ebpf(ebpf)?,
             v6: FamilyMaps::from_ebpf(ebpf)?,
             names: take_map(ebpf, catalog::SVC_NAMES)?.try_into()?,
@@ -547,21 +570,29 @@ impl KernelMaps {
             pod_interfaces: Some(take_map(ebpf, catalog::POD_INTERFACES)?.try_into()?),
             masquerade_addrs: Some(take_map(ebpf, catalog::MASQ_ADDRS)?.try_into()?),
             stats: take_map(ebpf, catalog::STATS)?.try_into()?,
-            maglev: Some(take_map(ebpf, catalog::MAGLEV)?.try_into()?),
+            maglev: None,
+            maglev_batch: None,
             maglev_inner: Default::default(),
             prefilter: Prefilter::new(Some([
                 take_map(ebpf, catalog::PREFILTER)?,
                 take_map(ebpf, catalog::PREFILTER6)?,
             ]))?,
             batch_supported: true,
-        })
+        };
+        maps.maglev = Some(maglev);
+        maps.maglev_batch = Some(maglev_batch);
+        Ok(maps)
     }
 
     /// Opens the pinned maps under `<bpf-root>/maps`.
     pub fn from_pins(maps_dir: &Path) -> Result<Self, aya::maps::MapError> {
         // At each map's current layout version, as the agent pins it (`lb_config_v2`).
         let open = |name: &str| MapData::from_pin(maps_dir.join(catalog::pin_name(name).to_string()));
-        Ok(Self {
+        let maglev = open(catalog::MAGLEV)
+            .ok()
+            .map(|m| maglev_map(Map::HashOfMaps(m)))
+            .transpose()?;
+        let mut maps = Self {
             v4: FamilyMaps::from_pins(maps_dir)?,
             v6: FamilyMaps::from_pins(maps_dir)?,
             names: Map::HashMap(open(catalog::SVC_NAMES)?).try_into()?,
@@ -576,15 +607,18 @@ impl KernelMaps {
                 .map(|m| Map::HashMap(m).try_into())
                 .transpose()?,
             stats: Map::PerCpuArray(open(catalog::STATS)?).try_into()?,
-            maglev: open(catalog::MAGLEV)
-                .ok()
-                .map(|m| Map::HashOfMaps(m).try_into())
-                .transpose()?,
+            maglev: None,
+            maglev_batch: None,
             maglev_inner: Default::default(),
             // Read-only handles (the CLI): the bits are the running agent's to keep.
             prefilter: Prefilter::new(None)?,
             batch_supported: true,
-        })
+        };
+        if let Some((map, fd)) = maglev {
+            maps.maglev = Some(map);
+            maps.maglev_batch = Some(fd);
+        }
+        Ok(maps)
     }
 
     /// Sums a counter over the CPUs.
@@ -735,7 +769,7 @@ impl KernelMaps {
 
 impl MapOps for KernelMaps {
     fn put_maglev(&mut self, rev_nat_id: u32, positions: &[u32]) -> Result<(), MapError> {
-        let inner = self.maglev_inner.build(positions, &mut self.batch_supported)?;
+        let (inner, _) = self.maglev_inner.build(positions, &mut self.batch_supported)?;
         let Some(outer) = self.maglev.as_mut() else {
             return Err(MapError::new(
                 catalog::MAGLEV,
@@ -754,6 +788,66 @@ impl MapOps for KernelMaps {
             return Ok(());
         };
         absent_ok(outer.remove(&rev_nat_id)).map_err(|e| MapError::new(catalog::MAGLEV, "delete", e))
+    }
+
+    /// Every table built first (its own inner array, filled), then all swapped in with one
+    /// BPF_MAP_UPDATE_BATCH of (id, inner array's fd) on `lb_maglev`, or one by one where the
+    /// kernel has no batch update. The built arrays are closed after: the outer map holds them.
+    fn put_maglev_tables(&mut self, tables: &[(u32, std::sync::Arc<[u32]>)]) -> Result<(), BatchError> {
+        let mut inners = Vec::with_capacity(tables.len());
+        for (_, positions) in tables {
+            let built = self.maglev_inner.build(positions, &mut self.batch_supported);
+            inners.push(built.map_err(|error| BatchError { done: 0, error })?);
+        }
+        let Some(outer) = self.maglev.as_mut() else {
+            let error = MapError::new(
+                catalog::MAGLEV,
+                "update",
+                io::Error::from_raw_os_error(libc::ENOENT),
+            );
+            return Err(BatchError { done: 0, error });
+        };
+        if tables.len() >= 2 && self.batch_supported {
+            let fd = self.maglev_batch.as_ref().map_or(-1, |fd| fd.as_raw_fd());
+            let keys: Vec<u32> = tables.iter().map(|(id, _)| *id).collect();
+            let fds: Vec<u32> = inners.iter().map(|(_, raw)| *raw as u32).collect();
+            match update_batch(fd, &keys, &fds) {
+                Ok(()) => return Ok(()),
+                Err(e) if batch_unsupported(&e) => {
+                    tracing::debug!("BPF_MAP_UPDATE_BATCH refused on lb_maglev ({e}): one by one");
+                    self.batch_supported = false;
+                }
+                // Redone one by one below, for the failing table's own error.
+                Err(_) => {}
+            }
+        }
+        for (done, ((id, _), (inner, _))) in tables.iter().zip(&inners).enumerate() {
+            outer.insert(id, inner, 0).map_err(|e| BatchError {
+                done,
+                error: MapError::new(catalog::MAGLEV, "update", io_err(e)),
+            })?;
+        }
+        Ok(())
+    }
+
+    fn delete_maglev_tables(&mut self, ids: &[u32]) -> Result<(), BatchError> {
+        let Some(outer) = self.maglev.as_mut() else {
+            return Ok(());
+        };
+        if ids.len() >= 2 && self.batch_supported {
+            let fd = self.maglev_batch.as_ref().map_or(-1, |fd| fd.as_raw_fd());
+            if delete_batch(fd, ids).is_ok() {
+                return Ok(());
+            }
+            // A missing id stops a batch delete: the rest one by one, absent ones no error.
+        }
+        for (done, id) in ids.iter().enumerate() {
+            absent_ok(outer.remove(id)).map_err(|e| BatchError {
+                done,
+                error: MapError::new(catalog::MAGLEV, "delete", e),
+            })?;
+        }
+        Ok(())
     }
 
     fn put_services(&mut self, entries: &[(ServiceMapKey, SvcValue)]) -> Result<(), BatchError> {

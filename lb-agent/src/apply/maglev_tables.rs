@@ -15,7 +15,7 @@
 use std::{
     io,
     mem::size_of,
-    os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
+    os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd},
 };
 
 use aya::maps::{Array, Map, MapData};
@@ -53,7 +53,7 @@ impl InnerArrays {
         &mut self,
         positions: &[u32],
         batch_supported: &mut bool,
-    ) -> Result<Array<MapData, MaglevChunk>, MapError> {
+    ) -> Result<(Array<MapData, MaglevChunk>, RawFd), MapError> {
         let err = |op: &'static str| move |e: io::Error| MapError::new(catalog::MAGLEV, op, e);
         if self.btf.is_none() {
             self.btf = Some(load_btf().map_err(err("load BTF for"))?);
@@ -81,7 +81,7 @@ impl InnerArrays {
                 .map_err(|e| MapError::new(catalog::MAGLEV, "update", io_err(e)))
         })
         .map_err(|e| e.error)?;
-        Ok(inner)
+        Ok((inner, raw))
     }
 }
 

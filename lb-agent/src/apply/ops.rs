@@ -149,6 +149,24 @@ pub trait MapOps {
     /// in with one update, so a lookup sees the old table or the new one, never a mix.
     fn put_maglev(&mut self, rev_nat_id: u32, positions: &[u32]) -> Result<(), MapError>;
     fn delete_maglev(&mut self, rev_nat_id: u32) -> Result<(), MapError>;
+    /// `put_maglev` for several frontends, in order; a failure says how many went in. The
+    /// kernel's writer swaps them in with one batch update: each update of a map of maps waits
+    /// for an RCU grace period (milliseconds), once per call rather than once per table.
+    fn put_maglev_tables(&mut self, tables: &[(u32, std::sync::Arc<[u32]>)]) -> Result<(), BatchError> {
+        for (done, (id, positions)) in tables.iter().enumerate() {
+            self.put_maglev(*id, positions)
+                .map_err(|error| BatchError { done, error })?;
+        }
+        Ok(())
+    }
+    /// `delete_maglev` for several frontends (absent ones are no error), as `put_maglev_tables`.
+    fn delete_maglev_tables(&mut self, ids: &[u32]) -> Result<(), BatchError> {
+        for (done, id) in ids.iter().enumerate() {
+            self.delete_maglev(*id)
+                .map_err(|error| BatchError { done, error })?;
+        }
+        Ok(())
+    }
     fn put_config(&mut self, config: &DatapathConfig) -> Result<(), MapError>;
     /// Makes `lb_pod_ifaces` hold exactly `ifindexes` (the interface local-traffic detector's
     /// pod interfaces); written before the `lb_config` entry that turns the detector on.

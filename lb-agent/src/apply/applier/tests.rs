@@ -794,7 +794,8 @@ fn maglev_targets(a: &Applier<FakeMaps>, vip: u8) -> Vec<BackendAddr> {
 }
 
 /// Issue 17: the table is the plan's (`plan::maglev`, the same on every node) in this node's ids,
-/// written before the frontend entry that names it, whose `backend_id` holds its size.
+/// in before the frontend entry asks for it (`MAGLEV`; written first without the flag, the slots
+/// deciding meanwhile), whose `backend_id` holds its size.
 #[test]
 fn a_maglev_table_is_written_before_its_frontend_entry() {
     use crate::plan::maglev::{DEFAULT_SEED, Member, TableSize, lookup_table};
@@ -806,11 +807,11 @@ fn a_maglev_table_is_written_before_its_frontend_entry() {
         .iter()
         .position(|op| matches!(op, Op::PutMaglev(..)))
         .expect("table written");
-    let entry_at = log
+    let asks_at = log
         .iter()
-        .position(|op| matches!(op, Op::PutService(k, _) if k.slot == 0))
+        .position(|op| matches!(op, Op::PutService(k, v) if k.slot == 0 && v.has(flags::MAGLEV)))
         .expect("frontend written");
-    assert!(table_at < entry_at, "{log:?}");
+    assert!(table_at < asks_at, "{log:?}");
     assert_every_step_consistent(log);
     let key = ServiceMapKey::new(fe(10).addr, 80, 6, SCOPE_EXTERNAL, 0);
     assert_eq!(a.maps().state.services[&key].backend_id, 251);
@@ -832,6 +833,52 @@ fn a_maglev_table_is_written_before_its_frontend_entry() {
         })
         .collect();
     assert_eq!(maglev_targets(&a, 10), want);
+}
+
+/// The tables of an apply go in together (one grace period per batch in the kernel, not one per
+/// table): a cold start with three Maglev Services puts their three tables in one call, and
+/// every intermediate state a reader could see is consistent.
+#[test]
+fn an_applys_maglev_tables_go_in_one_batch() {
+    let mut a = applier();
+    let r = a.apply(&maglev_desired(
+        &[(10, "web", &[1, 2, 3]), (11, "api", &[4, 5]), (12, "db", &[6])],
+        251,
+    ));
+    assert!(r.is_clean(), "{r:?}");
+    assert_eq!(a.maps().maglev_batches, [3]);
+    assert_every_step_consistent(&a.maps().log);
+    for vip in [10, 11, 12] {
+        let key = ServiceMapKey::new(fe(vip).addr, 80, 6, SCOPE_EXTERNAL, 0);
+        assert!(a.maps().state.services[&key].has(flags::MAGLEV), "{vip}");
+    }
+    // A later change of one Service: one table, its entry untouched (same size).
+    let before = a.maps().log.len();
+    let r = a.apply(&maglev_desired(
+        &[(10, "web", &[1, 2]), (11, "api", &[4, 5]), (12, "db", &[6])],
+        251,
+    ));
+    assert!(r.is_clean(), "{r:?}");
+    assert_eq!(a.maps().maglev_batches, [3, 1]);
+    assert_every_step_consistent(&a.maps().log);
+    let changed = &a.maps().log[before..];
+    assert!(
+        !changed
+            .iter()
+            .any(|op| matches!(op, Op::PutService(k, v) if k.slot == 0 && !v.has(flags::MAGLEV))),
+        "a table of the same size is swapped under its entry: {changed:?}"
+    );
+    // The table size changes: each entry is written without the flag, then with it.
+    let r = a.apply(&maglev_desired(
+        &[(10, "web", &[1, 2]), (11, "api", &[4, 5]), (12, "db", &[6])],
+        509,
+    ));
+    assert!(r.is_clean(), "{r:?}");
+    assert_eq!(a.maps().maglev_batches, [3, 1, 3]);
+    assert_every_step_consistent(&a.maps().log);
+    let key = ServiceMapKey::new(fe(10).addr, 80, 6, SCOPE_EXTERNAL, 0);
+    assert_eq!(a.maps().state.services[&key].backend_id, 509);
+    assert!(a.maps().state.services[&key].has(flags::MAGLEV));
 }
 
 /// A change to one Service rebuilds that Service's table only; removing a backend keeps it in

@@ -1,18 +1,35 @@
 //! The writes themselves, in the make-before-break order the module doc gives: a Service's
 //! backends, each frontend's entries (reverse NAT, source ranges and affinity members, slots,
-//! slot 0 last, then the stale ones), a frontend's withdrawal and removal. Each keeps the mirror
-//! accurate write by write, so a failure leaves it true to the kernel.
+//! slot 0 last, then the stale ones), a frontend's withdrawal and removal, and the apply's Maglev
+//! tables together at the end. Each keeps the mirror accurate write by write, so a failure leaves
+//! it true to the kernel.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use lb_common::service::SvcValue;
+use lb_common::service::{SvcValue, flags};
 
-use super::{Applier, ApplyReport, FrontendEntries, WriteMode, backend_value, svc_name};
+use super::{
+    Applier, ApplyReport, FrontendEntries, MaglevEntry, MaglevTables, WriteMode, backend_value, svc_name,
+};
 use crate::{
     apply::{BackendEntry, MapError, MapOps, ServiceMapKey},
     family::IpFamily,
     plan::{BackendAddr, Frontend},
 };
+
+/// Tables swapped in per batch: each built table is 64 KiB at the default size, and a batch's
+/// are all in memory (and open) until it is written; one grace period per batch.
+const MAGLEV_BATCH: usize = 256;
+
+/// A Maglev table step 3 left for step 4 (`flush_maglev`).
+pub(in crate::apply) struct PendingTable {
+    frontend: Frontend,
+    rev_nat_id: u32,
+    table: MaglevEntry,
+    /// Slot-0 entries written without `MAGLEV` until the table is in (a new table, or one of
+    /// another size, which the old entry's size must not index): rewritten with it after.
+    held: Vec<(ServiceMapKey, SvcValue)>,
+}
 
 impl<M: MapOps> Applier<M> {
     /// Writes a backend's entry unless the map already holds exactly that; false on failure.
@@ -89,7 +106,7 @@ impl<M: MapOps> Applier<M> {
             result = self.withdraw_frontend_entries(&new, &mut current, report);
         }
         if result.is_ok() {
-            result = self.write_frontend_entries(old.as_ref(), &new, &mut current, report);
+            result = self.write_frontend_entries(frontend, old.as_ref(), &new, &mut current, report);
         }
         if let Err(e) = result {
             report.errors.push(format!("{frontend} ({}): {e}", new.service));
@@ -101,6 +118,7 @@ impl<M: MapOps> Applier<M> {
 
     fn write_frontend_entries(
         &mut self,
+        frontend: Frontend,
         old: Option<&FrontendEntries>,
         new: &FrontendEntries,
         current: &mut FrontendEntries,
@@ -124,23 +142,30 @@ impl<M: MapOps> Applier<M> {
             report.writes += 1;
             current.affinity_match.insert(*member);
         }
-        // The Maglev table before the frontend entry that asks for it; its backends are written.
-        if let Some(table) = &new.maglev
-            && current.maglev.as_ref() != Some(table)
-        {
-            let positions = table.positions(&mut self.maglev_tables);
-            self.maps.put_maglev(new.rev_nat_id, &positions)?;
-            report.writes += 1;
-            current.maglev = Some(table.clone());
-        }
+        // The Maglev table goes in with the apply's others (step 4). Until then the frontend
+        // entry of a new table, or of one that changes size, does not ask for it (the slots
+        // decide, as for random choice); a table of the same size is swapped under its entry.
+        let pending = new
+            .maglev
+            .as_ref()
+            .filter(|t| current.maglev.as_ref() != Some(*t));
+        let hold = pending.is_some_and(|t| current.maglev.as_ref().is_none_or(|c| c.size != t.size));
+        let mut held = Vec::new();
         // Writes: internal scope first, and within a scope the slots before slot 0.
-        let mut writes: Vec<(&ServiceMapKey, &SvcValue)> = new
+        let mut writes: Vec<(ServiceMapKey, SvcValue)> = new
             .services
             .iter()
+            .map(|(k, v)| {
+                let mut v = *v;
+                if hold && k.slot == 0 && v.has(flags::MAGLEV) {
+                    held.push((*k, v));
+                    v.flags &= !flags::MAGLEV;
+                }
+                (*k, v)
+            })
             .filter(|(k, v)| current.services.get(k) != Some(v))
             .collect();
         writes.sort_by_key(|(k, _)| (std::cmp::Reverse(k.scope), k.slot == 0, k.slot));
-        let writes: Vec<(ServiceMapKey, SvcValue)> = writes.into_iter().map(|(k, v)| (*k, *v)).collect();
         let result = self.maps.put_services(&writes);
         let done = result.as_ref().err().map_or(writes.len(), |e| e.done);
         for (key, value) in &writes[..done] {
@@ -148,6 +173,16 @@ impl<M: MapOps> Applier<M> {
             current.services.insert(*key, *value);
         }
         result.map_err(|e| e.error)?;
+        // Every entry is in: the table may follow (not otherwise, or its held entry would be
+        // rewritten over missing slots).
+        if let Some(table) = pending {
+            self.pending_maglev.push(PendingTable {
+                frontend,
+                rev_nat_id: new.rev_nat_id,
+                table: table.clone(),
+                held,
+            });
+        }
         // Deletions: slot 0 of the external scope first, then the rest.
         let mut deletes: Vec<ServiceMapKey> = current
             .services
@@ -171,13 +206,84 @@ impl<M: MapOps> Applier<M> {
             report.deletes += 1;
             current.affinity_match.remove(member);
         }
-        // A table no frontend entry asks for any more (slot 0 was rewritten above).
+        // A table no frontend entry asks for any more (slot 0 was rewritten above): deleted in
+        // step 4.
         if new.maglev.is_none() && current.maglev.is_some() {
-            self.maps.delete_maglev(new.rev_nat_id)?;
-            report.deletes += 1;
+            self.doomed_maglev.push(new.rev_nat_id);
             current.maglev = None;
         }
         Ok(())
+    }
+
+    /// Step 4: the tables of frontend entries that no longer ask for one go (first: a removed
+    /// frontend's id may be a new one's now), then this apply's tables go in, a batch at a time,
+    /// and the frontend entries written without `MAGLEV` are rewritten with it. Every backend a
+    /// new table names was written in step 3; those an old table named are deleted only in step 5.
+    pub(super) fn flush_maglev(&mut self, report: &mut ApplyReport) {
+        let pending = std::mem::take(&mut self.pending_maglev);
+        let replaced: BTreeSet<u32> = pending.iter().map(|p| p.rev_nat_id).collect();
+        let doomed: Vec<u32> = std::mem::take(&mut self.doomed_maglev)
+            .into_iter()
+            .filter(|id| !replaced.contains(id))
+            .collect();
+        if !doomed.is_empty() {
+            let result = self.maps.delete_maglev_tables(&doomed);
+            report.deletes += result.as_ref().err().map_or(doomed.len(), |e| e.done);
+            if let Err(e) = result {
+                // Left in the map, unasked for by any entry: the next restart's adoption deletes
+                // it, a new table with its id replaces it.
+                report.errors.push(format!("deleting Maglev tables: {}", e.error));
+            }
+        }
+        for batch in pending.chunks(MAGLEV_BATCH) {
+            let tables: Vec<(u32, std::sync::Arc<[u32]>)> = batch
+                .iter()
+                .map(|p| (p.rev_nat_id, p.table.positions(&mut self.maglev_tables)))
+                .collect();
+            self.maglev_tables = MaglevTables::new();
+            let result = self.maps.put_maglev_tables(&tables);
+            drop(tables);
+            let done = result.as_ref().err().map_or(batch.len(), |e| e.done);
+            let mut flag_writes = Vec::new();
+            for p in &batch[..done] {
+                report.writes += 1;
+                if let Some(mut current) = self.frontends.remove(&p.frontend) {
+                    self.count_frontend(&current, -1);
+                    current.maglev = Some(p.table.clone());
+                    self.count_frontend(&current, 1);
+                    self.frontends.insert(p.frontend, current);
+                    flag_writes.extend(p.held.iter().map(|held| (p.frontend, *held)));
+                }
+            }
+            if let Err(e) = result {
+                report.errors.push(format!("Maglev tables: {}", e.error));
+                self.retry.extend(batch[done..].iter().map(|p| p.frontend));
+            }
+            self.write_held_entries(&flag_writes, report);
+        }
+    }
+
+    /// Slot-0 entries that waited for their Maglev table, rewritten with `MAGLEV` (one batch).
+    fn write_held_entries(
+        &mut self,
+        entries: &[(Frontend, (ServiceMapKey, SvcValue))],
+        report: &mut ApplyReport,
+    ) {
+        let writes: Vec<(ServiceMapKey, SvcValue)> = entries.iter().map(|(_, kv)| *kv).collect();
+        let result = self.maps.put_services(&writes);
+        let done = result.as_ref().err().map_or(writes.len(), |e| e.done);
+        for (frontend, (key, value)) in &entries[..done] {
+            report.writes += 1;
+            if let Some(current) = self.frontends.get_mut(frontend) {
+                current.services.insert(*key, *value);
+            }
+        }
+        if let Err(e) = result {
+            report
+                .errors
+                .push(format!("frontend entries after their Maglev tables: {}", e.error));
+            self.retry.extend(entries[done..].iter().map(|(f, _)| *f));
+        }
     }
 
     /// Break-before-make, first half: deletes the frontend's slot-0 entries (the external scope
@@ -229,9 +335,9 @@ impl<M: MapOps> Applier<M> {
                 report.deletes += 1;
                 current.services.remove(&key);
             }
+            // Deleted in step 4, with the apply's others.
             if current.maglev.is_some() {
-                self.maps.delete_maglev(current.rev_nat_id)?;
-                report.deletes += 1;
+                self.doomed_maglev.push(current.rev_nat_id);
                 current.maglev = None;
             }
             self.maps
