@@ -244,6 +244,25 @@ pub(super) fn established_egress<F: Ip>(
     from_backend: bool,
 ) -> i32 {
     let flow = pkt.flow;
+    // What the source becomes: one rewrite at the end (each inlined rewrite of a family's
+    // addresses takes its own room in `egress_of`'s frame).
+    let rewrite = egress_rewrite::<F>(ctx, pkt, mark, ours, from_backend);
+    match rewrite {
+        Some((addr, port)) => apply::<F, true>(ctx, pkt, true, addr, port),
+        None => TC_ACT_OK,
+    }
+}
+
+/// The source a packet at egress gets ([`established_egress`]), if any.
+#[inline(always)]
+fn egress_rewrite<F: Ip>(
+    ctx: &mut TcContext,
+    pkt: &Packet<F>,
+    mark: u32,
+    ours: bool,
+    from_backend: bool,
+) -> Option<(F::Addr, u16)> {
+    let flow = pkt.flow;
     if ours {
         match marked_reply::<F>(
             mark,
@@ -254,7 +273,7 @@ pub(super) fn established_egress<F: Ip>(
             Some(frontend) => {
                 // A reply un-SNATed at ingress: the client called the frontend.
                 ctx.set_mark(0);
-                return apply::<F, true>(ctx, pkt, true, frontend.addr, frontend.port);
+                return Some((frontend.addr, frontend.port));
             }
             None => count(Counter::TcForeignMark),
         }
@@ -264,7 +283,7 @@ pub(super) fn established_egress<F: Ip>(
     if let Some(ptr) = tagged_snat::<F>(mark, &mut key) {
         ctx.set_mark(0);
         // SAFETY: a map value just looked up.
-        return unsafe { apply::<F, true>(ctx, pkt, true, (*ptr).nat_addr, (*ptr).nat_port) };
+        return unsafe { Some(((*ptr).nat_addr, (*ptr).nat_port)) };
     }
     // Of a TCP flow in its handshake (the new-flow table), the client's packets cross egress only
     // as SYNs: its first packet past the SYN moves the flow at ingress. The backend's may be
@@ -278,17 +297,12 @@ pub(super) fn established_egress<F: Ip>(
         } else {
             None
         }
-    });
-    match tracked {
-        Some(ptr) => {
-            let entry = unsafe { *ptr };
-            if entry.flags & ct::REPLY != 0 {
-                note_reply(ptr, pkt);
-            }
-            apply::<F, true>(ctx, pkt, true, entry.nat_addr, entry.nat_port)
-        }
-        None => TC_ACT_OK,
+    })?;
+    let entry = unsafe { *tracked };
+    if entry.flags & ct::REPLY != 0 {
+        note_reply(tracked, pkt);
     }
+    Some((entry.nat_addr, entry.nat_port))
 }
 
 /// Close tracking for the agent's conntrack GC: the first FIN (in `fin` direction) or RST that

@@ -244,8 +244,9 @@ fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
 
 /// The node's own SCTP to a frontend: no socket hook ran (the kernel runs none for an SCTP
 /// connect or sendmsg) and the packet is past routing, where a new destination would need a new
-/// route; it leaves untranslated, counted (`tc_unsupported_protocol`).
-#[inline(always)]
+/// route; it leaves untranslated, counted (`tc_unsupported_protocol`). Not inlined: the frontend
+/// key would take room in `egress_of`'s frame, which its call chain does not have on 5.10 and 6.1.
+#[inline(never)]
 fn host_sctp_to_frontend<F: Ip>(flow: &Flow<F>) -> bool {
     prefilter::ingress::<F>(&flow.daddr)
         && !matches!(
