@@ -17,7 +17,7 @@ use lb_common::{
 
 use super::{
     ip::Ip,
-    nat::apply,
+    nat::{apply, apply_source},
     parse::{Flow, Packet},
 };
 use crate::{features, lb, stats::count};
@@ -248,7 +248,7 @@ pub(super) fn established_egress<F: Ip>(
     // addresses takes its own room in `egress_of`'s frame).
     let rewrite = egress_rewrite::<F>(ctx, pkt, mark, ours, from_backend);
     match rewrite {
-        Some((addr, port)) => apply::<F, true>(ctx, pkt, true, addr, port),
+        Some((addr, port)) => apply_source::<F>(ctx, pkt, addr, port),
         None => TC_ACT_OK,
     }
 }

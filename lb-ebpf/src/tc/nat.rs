@@ -11,11 +11,11 @@ use lb_common::{proto, stats::Counter};
 use super::{ip::Ip, parse::Packet, sctp};
 use crate::stats::count;
 
-///
-/// `SCTP`: whether the packet may be SCTP, a constant of the calling program. `lb_tc_ingress`
-/// never sees SCTP (`lb_tc_sctp_in` does): without the branch, its verifier does not walk
-/// SCTP's rewrite after every TCP and UDP one (it cannot tell the protocol from the parsed
-/// packet on the stack, and went past its million instructions).
+/// The rewrite at ingress (the destination, or the un-SNATed client). `SCTP`: whether the packet
+/// may be SCTP, a constant of the calling program. `lb_tc_ingress` never sees SCTP
+/// (`lb_tc_sctp_in` does): without the branch, its verifier does not walk SCTP's rewrite after
+/// every TCP and UDP one (it cannot tell the protocol from the parsed packet on the stack, and
+/// went past its million instructions).
 #[inline(always)]
 pub(super) fn apply<F: Ip, const SCTP: bool>(
     ctx: &TcContext,
@@ -25,10 +25,31 @@ pub(super) fn apply<F: Ip, const SCTP: bool>(
     port: u16,
 ) -> i32 {
     let rewritten = if SCTP && pkt.flow.proto == proto::SCTP {
-        sctp::rewrite(ctx, pkt, source, addr, port)
+        if source {
+            sctp::rewrite::<F, true>(ctx, pkt, addr, port)
+        } else {
+            sctp::rewrite::<F, false>(ctx, pkt, addr, port)
+        }
     } else {
         F::rewrite(ctx, pkt, source, addr, port)
     };
+    verdict(rewritten)
+}
+
+/// The rewrite of the source at egress, any protocol: SCTP's through a BPF function of its own
+/// (`sctp::rewrite_source`), whose locals `egress_of`'s frame has no room for on 5.10 and 6.1.
+#[inline(always)]
+pub(super) fn apply_source<F: Ip>(ctx: &TcContext, pkt: &Packet<F>, addr: F::Addr, port: u16) -> i32 {
+    let rewritten = if pkt.flow.proto == proto::SCTP {
+        sctp::rewrite_source::<F>(ctx, pkt, addr, port)
+    } else {
+        F::rewrite(ctx, pkt, true, addr, port)
+    };
+    verdict(rewritten)
+}
+
+#[inline(always)]
+fn verdict(rewritten: Result<(), ()>) -> i32 {
     match rewritten {
         Ok(()) => TC_ACT_OK,
         Err(()) => {

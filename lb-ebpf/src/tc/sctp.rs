@@ -18,20 +18,31 @@ use super::{ip::Ip, parse::Packet};
 /// Offset of the checksum in SCTP's common header (after the ports and the verification tag).
 const SCTP_CHECK: usize = 8;
 
-/// Rewrites the destination (`source == false`) or source address and port of an SCTP packet.
-/// A BPF function of its own: inlined at each of egress's rewrites, its locals grew `egress_of`'s
-/// frame past what Linux 5.10 and 6.1 allow its call chain (512 bytes, each frame rounded to 32).
+/// The source rewrite at egress, as a BPF function of its own: inlined, its locals grew
+/// `egress_of`'s frame past the 512 bytes Linux 5.10 and 6.1 allow its call chain (each frame
+/// rounded to 32). (At ingress, in `lb_tc_sctp_in`, a call would add a frame to a chain that has
+/// no room for one: there it is inlined.)
 #[inline(never)]
-pub(super) fn rewrite<F: Ip>(
+pub(super) fn rewrite_source<F: Ip>(
     ctx: &TcContext,
     pkt: &Packet<F>,
-    source: bool,
     addr: F::Addr,
     port: u16,
 ) -> Result<(), ()> {
-    let (old_addr, old_port, port_off) = pkt.endpoint(source);
+    rewrite::<F, true>(ctx, pkt, addr, port)
+}
+
+/// Rewrites the destination (`SOURCE == false`) or source address and port of an SCTP packet.
+#[inline(always)]
+pub(super) fn rewrite<F: Ip, const SOURCE: bool>(
+    ctx: &TcContext,
+    pkt: &Packet<F>,
+    addr: F::Addr,
+    port: u16,
+) -> Result<(), ()> {
+    let (old_addr, old_port, port_off) = pkt.endpoint(SOURCE);
     if old_addr != addr {
-        F::rewrite_l3(ctx, source, old_addr, addr)?;
+        F::rewrite_l3(ctx, SOURCE, old_addr, addr)?;
     }
     if old_port != port {
         rewrite_port::<F>(ctx, pkt.l4, port_off, port)?;
