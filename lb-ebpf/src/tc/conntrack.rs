@@ -243,7 +243,6 @@ pub(super) fn established_egress<F: Ip>(
     ours: bool,
     from_backend: bool,
 ) -> i32 {
-    let flow = pkt.flow;
     // What the source becomes: one rewrite at the end (each inlined rewrite of a family's
     // addresses takes its own room in `egress_of`'s frame).
     let rewrite = egress_rewrite::<F>(ctx, pkt, mark, ours, from_backend);
