@@ -86,11 +86,13 @@ pub(super) fn l4_ingress<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Pac
     let entry = unsafe { *ptr };
     if entry.flags & ct::REPLY != 0 {
         // A reply to a masqueraded flow: back to the client, and egress restores the frontend.
-        note_reply(ptr, pkt);
+        note_reply::<F, SCTP>(ptr, pkt);
         ctx.set_mark(MARK_MAGIC | (entry.rev_nat_id & MARK_ID));
         return apply::<F, SCTP>(ctx, pkt, false, entry.nat_addr, entry.nat_port);
     }
-    let tcp = pkt.flow.proto == proto::TCP;
+    // (`SCTP`, a constant of the program: its packets are all SCTP, which the verifier cannot
+    // tell from the parsed packet; `nat::apply`.)
+    let tcp = !SCTP && pkt.flow.proto == proto::TCP;
     let keep = if tcp {
         // A fresh SYN on an old tuple is a new connection; everything else keeps its backend.
         pkt.tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN
@@ -120,8 +122,8 @@ pub(super) fn l4_ingress<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Pac
     if !established && (!tcp || pkt.tcp_flags & (TCP_SYN | TCP_RST) == 0) {
         return ESTABLISH;
     }
-    note_close(ptr, pkt, ct::FIN_FORWARD);
-    note_established(ptr, entry.flags, pkt);
+    note_close::<F, SCTP>(ptr, pkt, ct::FIN_FORWARD);
+    note_established::<F, SCTP>(ptr, entry.flags, pkt);
     mark_forward(ctx, entry.flags, entry.rev_nat_id);
     apply::<F, SCTP>(ctx, pkt, false, entry.nat_addr, entry.nat_port)
 }
@@ -209,8 +211,8 @@ pub(super) fn establish<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Pack
     let Some(ptr) = F::conntrack_new().get_ptr_mut(&key) else {
         return NEW_FLOW;
     };
-    note_close(ptr, pkt, ct::FIN_FORWARD);
-    note_established(ptr, flags, pkt);
+    note_close::<F, SCTP>(ptr, pkt, ct::FIN_FORWARD);
+    note_established::<F, SCTP>(ptr, flags, pkt);
     if F::conntrack().insert(&key, unsafe { &*ptr }, 0).is_ok() {
         let _ = F::conntrack_new().remove(&key);
         count(Counter::TcFlowEstablished);
@@ -299,7 +301,7 @@ fn egress_rewrite<F: Ip>(
     })?;
     let entry = unsafe { *tracked };
     if entry.flags & ct::REPLY != 0 {
-        note_reply(tracked, pkt);
+        note_reply::<F, false>(tracked, pkt);
     }
     Some((entry.nat_addr, entry.nat_port))
 }
@@ -307,8 +309,8 @@ fn egress_rewrite<F: Ip>(
 /// Close tracking for the agent's conntrack GC: the first FIN (in `fin` direction) or RST that
 /// passes a TCP entry marks it, with the time. One map write per closing packet, none for others.
 #[inline(always)]
-fn note_close<F: Family>(ptr: *mut CtValue<F>, pkt: &Packet<F>, fin: u16) {
-    if pkt.flow.proto != proto::TCP {
+fn note_close<F: Family, const SCTP: bool>(ptr: *mut CtValue<F>, pkt: &Packet<F>, fin: u16) {
+    if SCTP || pkt.flow.proto != proto::TCP {
         return;
     }
     let mark = if pkt.tcp_flags & TCP_RST != 0 {
@@ -330,8 +332,9 @@ fn note_close<F: Family>(ptr: *mut CtValue<F>, pkt: &Packet<F>, fin: u16) {
 /// The client's first TCP packet past the handshake (no SYN, no RST) marks its forward entry
 /// `ESTABLISHED`: one map write per flow, none for other packets.
 #[inline(always)]
-fn note_established<F: Family>(ptr: *mut CtValue<F>, flags: u16, pkt: &Packet<F>) {
-    if pkt.flow.proto == proto::TCP
+fn note_established<F: Family, const SCTP: bool>(ptr: *mut CtValue<F>, flags: u16, pkt: &Packet<F>) {
+    if !SCTP
+        && pkt.flow.proto == proto::TCP
         && pkt.tcp_flags & (TCP_SYN | TCP_RST) == 0
         && flags & ct::ESTABLISHED == 0
     {
@@ -345,8 +348,8 @@ fn note_established<F: Family>(ptr: *mut CtValue<F>, flags: u16, pkt: &Packet<F>
 /// second). (Written as two comparisons, not `!= TCP`: that spelling grew `ingress_of`'s frame
 /// past the 512 bytes Linux 6.1 allows its call chain, rounded to 32 per frame.)
 #[inline(always)]
-pub(super) fn note_reply<F: Family>(ptr: *mut CtValue<F>, pkt: &Packet<F>) {
-    if pkt.flow.proto == proto::UDP || pkt.flow.proto == proto::SCTP {
+pub(super) fn note_reply<F: Family, const SCTP: bool>(ptr: *mut CtValue<F>, pkt: &Packet<F>) {
+    if SCTP || pkt.flow.proto == proto::UDP || pkt.flow.proto == proto::SCTP {
         let now = now_ns();
         // SAFETY: as in `note_close`.
         unsafe {
@@ -355,7 +358,7 @@ pub(super) fn note_reply<F: Family>(ptr: *mut CtValue<F>, pkt: &Packet<F>) {
             }
         }
     } else {
-        note_close(ptr, pkt, ct::FIN_REPLY);
+        note_close::<F, SCTP>(ptr, pkt, ct::FIN_REPLY);
     }
 }
 

@@ -11,11 +11,10 @@ use lb_common::{proto, stats::Counter};
 use super::{ip::Ip, parse::Packet, sctp};
 use crate::stats::count;
 
-/// The rewrite at ingress (the destination, or the un-SNATed client). `SCTP`: whether the packet
-/// may be SCTP, a constant of the calling program. `lb_tc_ingress` never sees SCTP
-/// (`lb_tc_sctp_in` does): without the branch, its verifier does not walk SCTP's rewrite after
-/// every TCP and UDP one (it cannot tell the protocol from the parsed packet on the stack, and
-/// went past its million instructions).
+/// The rewrite at ingress (the destination, or the un-SNATed client). `SCTP`: whether the
+/// program's packets are SCTP (`lb_tc_sctp_in`) or TCP and UDP (`lb_tc_ingress`), a constant: the
+/// verifier cannot tell the protocol from the parsed packet on the stack, and walking both
+/// rewrites after every step took each program past its million instructions.
 #[inline(always)]
 pub(super) fn apply<F: Ip, const SCTP: bool>(
     ctx: &TcContext,
@@ -24,7 +23,7 @@ pub(super) fn apply<F: Ip, const SCTP: bool>(
     addr: F::Addr,
     port: u16,
 ) -> i32 {
-    let rewritten = if SCTP && pkt.flow.proto == proto::SCTP {
+    let rewritten = if SCTP {
         if source {
             sctp::rewrite::<F, true>(ctx, pkt, addr, port)
         } else {
