@@ -585,8 +585,11 @@ fn sctp_associations_through_the_tc_path() {
         );
         assert_eq!(r["peer"], "10.96.0.40:3868", "{r}");
     }
-    // The node's own association: sent (a route to the Service CIDR), untranslated, counted.
-    c.nodes[0].ns.ip(&["route", "add", "10.96.0.0/16", "dev", "eth0"]);
+    // The node's own association: sent (a route to the Service CIDR through node 2, whose
+    // neighbour entry resolves: an on-link route would leave the INIT waiting for an ARP answer
+    // that never comes, before tc), untranslated, counted.
+    let via = c.nodes[1].ip.expect("on the LAN").to_string();
+    c.nodes[0].ns.ip(&["route", "add", "10.96.0.0/16", "via", &via]);
     let before = stat(&c.bpf_roots[0], "tc_unsupported_protocol");
     let r = &probe::sctp(Place::netns(&c.nodes[0].ns), "10.96.0.40:3868", 1)[0];
     assert_ne!(r["ok"], true, "the node's own SCTP is not served: {r}");
