@@ -96,8 +96,6 @@ pub struct Applier<M> {
     backend_ids: PerFamily<IdAllocator>,
     rev_ids: PerFamily<IdAllocator>,
     occupancy: Occupancy,
-    /// Maglev tables built during the current apply's flush (emptied after each batch).
-    maglev_tables: MaglevTables,
     /// Maglev tables step 3 wrote entries for, to put in step 4, and the tables of frontend
     /// entries that no longer ask for one (or are gone), to delete there.
     pending_maglev: Vec<writes::PendingTable>,
@@ -119,7 +117,6 @@ impl<M: MapOps> Applier<M> {
             backend_ids: ids(caps.backends),
             rev_ids: ids(caps.revnat),
             occupancy: Occupancy::default(),
-            maglev_tables: MaglevTables::new(),
             pending_maglev: Vec::new(),
             doomed_maglev: Vec::new(),
         }
@@ -260,7 +257,6 @@ impl<M: MapOps> Applier<M> {
                 self.backend_ids.get_mut(IpFamily::of(&addr.addr)).free(id);
             }
         }
-        self.maglev_tables = MaglevTables::new();
         report
     }
 

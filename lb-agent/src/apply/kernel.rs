@@ -768,19 +768,10 @@ impl KernelMaps {
 }
 
 impl MapOps for KernelMaps {
+    /// One table: `put_maglev_tables`' path.
     fn put_maglev(&mut self, rev_nat_id: u32, positions: &[u32]) -> Result<(), MapError> {
-        let (inner, _) = self.maglev_inner.build(positions, &mut self.batch_supported)?;
-        let Some(outer) = self.maglev.as_mut() else {
-            return Err(MapError::new(
-                catalog::MAGLEV,
-                "update",
-                io::Error::from_raw_os_error(libc::ENOENT),
-            ));
-        };
-        // The swap: the old inner array goes once no program holds it.
-        outer
-            .insert(&rev_nat_id, &inner, 0)
-            .map_err(|e| MapError::new(catalog::MAGLEV, "update", io_err(e)))
+        self.put_maglev_tables(&[(rev_nat_id, positions.into())])
+            .map_err(|e| e.error)
     }
 
     fn delete_maglev(&mut self, rev_nat_id: u32) -> Result<(), MapError> {
@@ -831,9 +822,9 @@ impl MapOps for KernelMaps {
     }
 
     fn delete_maglev_tables(&mut self, ids: &[u32]) -> Result<(), BatchError> {
-        let Some(outer) = self.maglev.as_mut() else {
+        if self.maglev.is_none() {
             return Ok(());
-        };
+        }
         if ids.len() >= 2 && self.batch_supported {
             let fd = self.maglev_batch.as_ref().map_or(-1, |fd| fd.as_raw_fd());
             if delete_batch(fd, ids).is_ok() {
@@ -842,10 +833,8 @@ impl MapOps for KernelMaps {
             // A missing id stops a batch delete: the rest one by one, absent ones no error.
         }
         for (done, id) in ids.iter().enumerate() {
-            absent_ok(outer.remove(id)).map_err(|e| BatchError {
-                done,
-                error: MapError::new(catalog::MAGLEV, "delete", e),
-            })?;
+            self.delete_maglev(*id)
+                .map_err(|error| BatchError { done, error })?;
         }
         Ok(())
     }

@@ -1,5 +1,5 @@
 //! The inner arrays of `lb_maglev` (issue 17): each Maglev table is an array map the agent creates
-//! at the table's size, fills, and only then swaps into the outer map (`KernelMaps::put_maglev`).
+//! at the table's size, fills, and only then swaps into the outer map (`KernelMaps::put_maglev_tables`).
 //!
 //! The kernel accepts an inner map only if it matches the object's template (`MaglevTable` in
 //! `lb-ebpf/src/maps.rs`): the same type, key and value sizes and flags (`BPF_F_INNER_MAP`, which

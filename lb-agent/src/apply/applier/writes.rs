@@ -236,11 +236,14 @@ impl<M: MapOps> Applier<M> {
             }
         }
         for batch in pending.chunks(MAGLEV_BATCH) {
+            // One computation per set of members and size within the batch (a Service's
+            // frontends on several addresses share their endpoints); dropped with the batch.
+            let mut built = MaglevTables::new();
             let tables: Vec<(u32, std::sync::Arc<[u32]>)> = batch
                 .iter()
-                .map(|p| (p.rev_nat_id, p.table.positions(&mut self.maglev_tables)))
+                .map(|p| (p.rev_nat_id, p.table.positions(&mut built)))
                 .collect();
-            self.maglev_tables = MaglevTables::new();
+            drop(built);
             let result = self.maps.put_maglev_tables(&tables);
             drop(tables);
             let done = result.as_ref().err().map_or(batch.len(), |e| e.done);
