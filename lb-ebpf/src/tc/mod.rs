@@ -108,9 +108,10 @@ pub fn ingress(ctx: &mut TcContext) -> i32 {
     TC_ACT_OK
 }
 
-/// SCTP's ingress program (`lb_tc_sctp_in`): the steps of TCP and UDP, in a program of its own.
-/// The verifier walks a program's code once per protocol value it knows; in `lb_tc_ingress`, a
-/// third walk for SCTP went past its million instructions. Here it knows the packet is SCTP.
+/// SCTP's ingress program (`lb_tc_sctp_in`): the steps of TCP and UDP, in a program of its own,
+/// with the protocol a constant (`SCTP`, see `nat::apply`): the verifier cannot tell it from the
+/// parsed packet, and with SCTP's rewrite beside TCP's and UDP's `lb_tc_ingress` went past its
+/// million instructions.
 #[inline(always)]
 pub fn sctp_ingress(ctx: &mut TcContext) -> i32 {
     match ether_type(ctx) {
@@ -160,8 +161,8 @@ fn ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
     }
 }
 
-/// A TCP, UDP or SCTP packet at ingress (`SCTP`: may it be SCTP, see `nat::apply`): its tracked
-/// flow, else a new one.
+/// A TCP or UDP packet at ingress, or with `SCTP` an SCTP one (the program's protocol, see
+/// `nat::apply`): its tracked flow, else a new one.
 #[inline(always)]
 fn l4_ingress<F: Steps, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
     let mut verdict = F::l4_ingress::<SCTP>(ctx, pkt);

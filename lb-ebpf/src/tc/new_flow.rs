@@ -49,7 +49,7 @@ fn trace(ctx: &mut TcContext, slot: usize, value: u32) {
     }
 }
 
-/// A TCP/UDP packet at ingress that no conntrack entry keeps: a frontend's new flow is DNATed
+/// A TCP, UDP or SCTP packet at ingress that no conntrack entry keeps: a frontend's new flow is DNATed
 /// (and masqueraded when kube-proxy would), rejected or dropped; anything else passes.
 #[inline(always)]
 pub(super) fn new_flow<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
