@@ -322,6 +322,8 @@ impl NodeArgs {
                 algorithm: args.bpf_lb_algorithm,
                 maglev_table_size: args.bpf_lb_maglev_table_size,
             },
+            // Known once the data path is loaded.
+            sctp_refused: None,
         })
     }
 }

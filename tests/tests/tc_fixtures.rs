@@ -2788,3 +2788,54 @@ fn sctp_fragments_pass_untranslated_and_are_counted() {
         assert_eq!(counter(&s, Counter::TcFragment), before + 1, "{f:?}: counted");
     }
 }
+
+/// A node whose kernel refused the SCTP program (`Datapath::refuse_sctp`, what the load does
+/// then): the tail call's slot is empty, so SCTP to a frontend passes untranslated, counted, in
+/// both families, while TCP to a frontend is still translated.
+#[test]
+fn without_the_sctp_program_sctp_passes_counted_and_tcp_is_still_served() {
+    let mut s = scratch_with(&sctp_state(), true);
+    assert_eq!(
+        s.datapath.sctp_refused(),
+        None,
+        "this kernel verifies lb_tc_sctp_in"
+    );
+    s.datapath
+        .refuse_sctp("refused for the test")
+        .expect("the slot is emptied");
+    assert_eq!(s.datapath.sctp_refused(), Some("refused for the test"));
+    for f in FAMILIES {
+        let unsupported = counter(&s, Counter::TcUnsupportedProtocol);
+        let init = sctp(f, "10.244.2.20", 40000, "10.96.0.50", 3868).build();
+        let out = ingress(&mut s, &init);
+        assert_eq!(out.action, OK, "{f:?}");
+        assert_eq!(out.packet, init, "{f:?}: SCTP left as it was");
+        assert_eq!(
+            counter(&s, Counter::TcUnsupportedProtocol),
+            unsupported + 1,
+            "{f:?}: the untranslated SCTP packet is counted"
+        );
+        let syn = tcp(f, "10.244.2.20", 40001, "10.96.0.10", 80).build();
+        assert_ne!(
+            packet::summary(&ingress(&mut s, &syn).packet).dst,
+            f.ip("10.96.0.10"),
+            "{f:?}: TCP to a cluster IP is still translated"
+        );
+    }
+    // `lb-agent trace` says why: the kernel's refusal, not the Service.
+    let req = lb_agent::trace::TraceRequest {
+        src: "10.244.2.20".parse().unwrap(),
+        dst: "10.96.0.50".parse().unwrap(),
+        sport: 40002,
+        dport: 3868,
+        protocol: lb_agent::model::Protocol::Sctp,
+        ingress_ifindex: 0,
+    };
+    let (result, details) = s.trace(&req).expect("trace");
+    assert_eq!(result.verdict, "pass");
+    let note = details.note.expect("a note");
+    assert!(
+        note.contains(lb_agent::plan::SCTP_REFUSED) && note.contains("refused for the test"),
+        "{note}"
+    );
+}

@@ -190,7 +190,7 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     } else {
         config::validate(&args)?;
     }
-    let settings = args.node.settings()?;
+    let mut settings = args.node.settings()?;
     let service_cluster_ip_range = args.node.service_cidrs()?;
     // The kernel before anything is loaded or pinned: refuse one the data path cannot run on,
     // and say what changes on one that lacks a feature with a fallback.
@@ -231,6 +231,13 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     let caps = args.bpf.capacities();
     let paths = PinPaths::new(&args.bpf.root.bpf_root);
     let mut dp = Datapath::load(&paths, &caps, &object).context("loading the data path")?;
+    if let Some(refusal) = dp.sctp_refused() {
+        tracing::error!(
+            kernel = %kernel.release,
+            "SCTP Services are not load-balanced on this node (TCP and UDP are): {refusal}"
+        );
+        settings.sctp_refused = Some(refusal.to_string());
+    }
     let maps = dp.take_maps()?;
     let conntrack = dp.take_conntrack()?;
     let applier = Applier::recover(maps, caps).context("reading the pinned maps")?;

@@ -181,6 +181,9 @@ pub fn object_bytes(path: Option<&Path>) -> Result<std::borrow::Cow<'static, [u8
 /// A loaded object.
 pub struct Datapath {
     ebpf: Ebpf,
+    /// Why the kernel refused `lb_tc_sctp_in`, if it did: SCTP Services are then not translated
+    /// on this node (TCP and UDP are), see [`Datapath::sctp_refused`].
+    sctp_refused: Option<String>,
     paths: Option<PinPaths>,
     /// Old pins to remove once the new programs are attached.
     migration: migrate::Migration,
@@ -212,10 +215,14 @@ impl Datapath {
         for (name, path) in &pin_paths {
             loader.map_pin_path(name, path.as_path());
         }
-        let mut ebpf = Self::load_with(&mut loader, caps, object)?;
+        let Loaded {
+            mut ebpf,
+            sctp_refused,
+        } = Self::load_with(&mut loader, caps, object)?;
         migrate::copy_entries(&migration, &mut ebpf);
         Ok(Self {
             ebpf,
+            sctp_refused,
             paths: Some(paths.clone()),
             migration,
             tc_attached: Default::default(),
@@ -234,9 +241,10 @@ impl Datapath {
 
     /// Loads the object with private, unpinned maps (trace against manifests, tests).
     pub fn load_unpinned(caps: &Capacities, object: &[u8]) -> Result<Self, DatapathError> {
-        let ebpf = Self::load_with(&mut EbpfLoader::new(), caps, object)?;
+        let Loaded { ebpf, sctp_refused } = Self::load_with(&mut EbpfLoader::new(), caps, object)?;
         Ok(Self {
             ebpf,
+            sctp_refused,
             paths: None,
             migration: migrate::Migration::default(),
             tc_attached: Default::default(),
@@ -302,9 +310,10 @@ impl Datapath {
         for (name, path) in &pins {
             loader.map_pin_path(name, path.as_path());
         }
-        let ebpf = Self::load_with(&mut loader, &caps, object)?;
+        let Loaded { ebpf, sctp_refused } = Self::load_with(&mut loader, &caps, object)?;
         Ok(Self {
             ebpf,
+            sctp_refused,
             paths: None,
             migration: migrate::Migration::default(),
             tc_attached: Default::default(),
@@ -317,7 +326,7 @@ impl Datapath {
         loader: &mut EbpfLoader<'_>,
         caps: &Capacities,
         object: &[u8],
-    ) -> Result<Ebpf, DatapathError> {
+    ) -> Result<Loaded, DatapathError> {
         for family in IpFamily::ALL {
             let maps = family.maps();
             loader
@@ -362,29 +371,37 @@ impl Datapath {
             let prog: &mut CgroupSockAddr = program(&mut ebpf, name)?;
             prog.load().map_err(|source| program_error(name, source))?;
         }
-        for name in [
-            SOCK_TRACE_PROGRAM,
-            tc::TC_PROGRAMS[0].0,
-            tc::TC_PROGRAMS[1].0,
-            tc::SCTP_INGRESS_PROGRAM,
-        ] {
+        for name in [SOCK_TRACE_PROGRAM, tc::TC_PROGRAMS[0].0, tc::TC_PROGRAMS[1].0] {
             let prog: &mut SchedClassifier = program(&mut ebpf, name)?;
             prog.load().map_err(|source| program_error(name, source))?;
         }
-        // The tail call's slot, in a pinned map: programs still attached from an earlier start
-        // reach this start's SCTP program as soon as it is loaded.
-        let sctp: &mut SchedClassifier = program(&mut ebpf, tc::SCTP_INGRESS_PROGRAM)?;
-        let sctp = sctp
-            .fd()
-            .and_then(|fd| fd.try_clone().map_err(Into::into))
-            .map_err(|source| program_error(tc::SCTP_INGRESS_PROGRAM, source))?;
-        let tail = ebpf
-            .map_mut(catalog::TC_TAIL)
-            .ok_or_else(|| aya::maps::MapError::InvalidName {
-                name: catalog::TC_TAIL.to_string(),
-            })?;
-        aya::maps::ProgramArray::try_from(tail)?.set(catalog::TAIL_SCTP_INGRESS, &sctp, 0)?;
-        Ok(ebpf)
+        let sctp_refused = match load_sctp_ingress(&mut ebpf) {
+            Ok(()) => None,
+            // A kernel whose verifier refuses the SCTP program still gets TCP and UDP served: its
+            // slot stays empty and SCTP passes untranslated, counted (`tc_unsupported_protocol`).
+            Err(refusal @ (DatapathError::Verifier { .. } | DatapathError::Program { .. })) => {
+                Some(without_sctp(&mut ebpf, refusal.to_string())?)
+            }
+            Err(other) => return Err(other),
+        };
+        Ok(Loaded { ebpf, sctp_refused })
+    }
+
+    /// Why this kernel refused the SCTP program (`lb_tc_sctp_in`), if it did. The data path
+    /// then serves TCP and UDP only: SCTP finds the tail call's slot empty and passes
+    /// untranslated, counted as `tc_unsupported_protocol`; the planner reports each SCTP port
+    /// (`NodeSettings::sctp_refused`).
+    pub fn sctp_refused(&self) -> Option<&str> {
+        self.sctp_refused.as_deref()
+    }
+
+    /// Runs on as a load whose kernel refused the SCTP program for `reason` does (its tail-call
+    /// slot emptied, the reason kept): for tests of a node without SCTP, since no kernel this
+    /// object is verified on refuses it.
+    #[doc(hidden)]
+    pub fn refuse_sctp(&mut self, reason: &str) -> Result<(), DatapathError> {
+        self.sctp_refused = Some(without_sctp(&mut self.ebpf, reason.to_string())?);
+        Ok(())
     }
 
     /// `--enable-tcx=false`: attach the tc programs as clsact filters even where the kernel has
@@ -719,6 +736,55 @@ impl Datapath {
 
 /// How many lines of a verifier log an error quotes: the verdict is in the last ones.
 const VERIFIER_LINES: usize = 12;
+
+/// A loaded object and what it could not load.
+struct Loaded {
+    ebpf: Ebpf,
+    sctp_refused: Option<String>,
+}
+
+/// Loads `lb_tc_sctp_in` and puts it in the tail call's slot, in a pinned map: programs still
+/// attached from an earlier start reach this start's SCTP program as soon as it is loaded.
+fn load_sctp_ingress(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
+    let name = tc::SCTP_INGRESS_PROGRAM;
+    let sctp: &mut SchedClassifier = program(ebpf, name)?;
+    sctp.load().map_err(|source| program_error(name, source))?;
+    let sctp = sctp
+        .fd()
+        .and_then(|fd| fd.try_clone().map_err(Into::into))
+        .map_err(|source| program_error(name, source))?;
+    tail_calls(ebpf)?.set(catalog::TAIL_SCTP_INGRESS, &sctp, 0)?;
+    Ok(())
+}
+
+/// What a load does without the SCTP program: its slot emptied, so SCTP passes untranslated
+/// (counted); returns `reason`.
+fn without_sctp(ebpf: &mut Ebpf, reason: String) -> Result<String, DatapathError> {
+    clear_tail_slot(ebpf, catalog::TAIL_SCTP_INGRESS)?;
+    Ok(reason)
+}
+
+/// Empties a tail call's slot: a program an earlier start put there (pinned) must not keep
+/// running beside this start's maps and programs.
+fn clear_tail_slot(ebpf: &mut Ebpf, slot: u32) -> Result<(), DatapathError> {
+    match tail_calls(ebpf)?.clear_index(&slot) {
+        Ok(()) => Ok(()),
+        // Already empty.
+        Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn tail_calls(ebpf: &mut Ebpf) -> Result<aya::maps::ProgramArray<&mut aya::maps::MapData>, DatapathError> {
+    let tail = ebpf
+        .map_mut(catalog::TC_TAIL)
+        .ok_or_else(|| aya::maps::MapError::InvalidName {
+            name: catalog::TC_TAIL.to_string(),
+        })?;
+    Ok(aya::maps::ProgramArray::try_from(tail)?)
+}
 
 pub(crate) fn program_error(name: &str, error: aya::programs::ProgramError) -> DatapathError {
     if let aya::programs::ProgramError::LoadError {

@@ -69,6 +69,9 @@ pub struct NodeContext {
     pub host_addresses: Vec<IpAddr>,
     /// `--bpf-lb-algorithm` and `--bpf-lb-maglev-table-size` (issue 17).
     pub load_balancing: LoadBalancing,
+    /// Why SCTP is not translated on this node, if it is not (`NodeSettings::sctp_refused`): each
+    /// SCTP port of a Service is reported.
+    pub sctp_refused: Option<String>,
 }
 
 /// How external frontends pick backends for new flows unless a Service's annotation says
@@ -142,6 +145,9 @@ pub struct NodeSettings {
     pub bind_address: Option<IpAddr>,
     /// `--bpf-lb-algorithm`, `--bpf-lb-maglev-table-size`.
     pub load_balancing: LoadBalancing,
+    /// Why this node's data path cannot translate SCTP (the kernel refused `lb_tc_sctp_in`,
+    /// `Datapath::sctp_refused`), if so. Not a flag: set once the data path is loaded.
+    pub sctp_refused: Option<String>,
 }
 
 /// Everything derived about this node at one sync.
@@ -182,6 +188,7 @@ impl NodeSettings {
             localhost_nodeports: true,
             bind_address: None,
             load_balancing: LoadBalancing::default(),
+            sctp_refused: None,
         }
     }
 
@@ -237,6 +244,7 @@ impl NodeSettings {
                 host_addresses: host_addresses(&local.addresses, &primary),
                 node_ips: primary,
                 load_balancing: self.load_balancing,
+                sctp_refused: self.sctp_refused.clone(),
             },
             masquerade,
             local_cidrs,

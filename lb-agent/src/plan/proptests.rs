@@ -67,6 +67,7 @@ pub(crate) fn node_context() -> impl Strategy<Value = NodeContext> {
                         v6: serves_v6,
                     },
                     load_balancing: Default::default(),
+                    sctp_refused: None,
                 }
             },
         )

@@ -20,6 +20,12 @@ pub const SCTP_FROM_NODE_NOT_SERVED: &str = "SCTP from the node's own network na
     load-balanced: the kernel runs no socket hook for an SCTP connect() or sendmsg(), and tc sees \
     the node's own packets only at egress, past routing; pods' SCTP is translated at tc";
 
+/// What an SCTP port meets on a node whose kernel refused the SCTP program, for the planner's
+/// Warning (followed by the node's name and the refusal).
+pub const SCTP_REFUSED: &str = "SCTP is not load-balanced here: the kernel refused the SCTP \
+    program (lb_tc_sctp_in), so SCTP packets pass untranslated (counted as tc_unsupported_protocol) \
+    while TCP and UDP are served";
+
 /// What one Service contributes, computed from its object and its EndpointSlices alone (steps 2
 /// and 3 short of putting Services together, which [`super::merge`] and [`super::Planner`] do).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -82,6 +88,14 @@ impl ServicePlan {
                     .map(|p| report("EndpointSlice", p.to_string())),
             );
             for port in service.ports {
+                if port.name.protocol == model::Protocol::Sctp
+                    && let Some(reason) = &ctx.sctp_refused
+                {
+                    unit.problems.push(report(
+                        "Service",
+                        format!("{}: {SCTP_REFUSED} (node {}: {reason})", port.name, node.name),
+                    ));
+                }
                 let endpoints = by_port.remove(&port.name).unwrap_or_default();
                 unit.endpoints += endpoints.len();
                 let categorized = categorize_endpoints(&endpoints, &port, node);

@@ -54,6 +54,7 @@ fn ctx() -> NodeContext {
         serves: PerFamily { v4: true, v6: true },
         host_addresses: vec![ip("192.168.1.10"), ip("192.168.2.10")],
         load_balancing: Default::default(),
+        sctp_refused: None,
     }
 }
 

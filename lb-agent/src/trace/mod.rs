@@ -173,7 +173,15 @@ pub fn trace(
     if on_node {
         trace_socket(dp, maps, host_cookie, req)
     } else {
-        trace_tc(dp, maps, req)
+        let (result, mut details) = trace_tc(dp, maps, req)?;
+        // This kernel refused the SCTP program: the packet passed untranslated, and why is the
+        // kernel's answer, not the Service's.
+        if req.protocol == Protocol::Sctp
+            && let Some(refusal) = dp.sctp_refused()
+        {
+            details.note = Some(format!("{} ({refusal})", crate::plan::SCTP_REFUSED));
+        }
+        Ok((result, details))
     }
 }
 
@@ -524,16 +532,8 @@ pub fn run(args: &TraceArgs) -> Result<()> {
                 Some(_) => crate::node::interfaces::links().context("listing this node's links")?,
                 None => Vec::new(),
             };
-            let mut scratch =
-                ScratchDatapath::with_links(&loaded.state, settings, &args.node_ips, links, &object)?;
-            let cookie = scratch.host_cookie();
-            let ScratchDatapath {
-                datapath,
-                programmer,
-                node_ips,
-                ..
-            } = &mut scratch;
-            trace(datapath, programmer.maps(), cookie, node_ips, &req)?
+            ScratchDatapath::with_links(&loaded.state, settings, &args.node_ips, links, &object)?
+                .trace(&req)?
         }
         None => trace_live(&args.root.bpf_root, &args.node_ips, &req, &object)?,
     };

@@ -145,4 +145,15 @@ impl ScratchDatapath {
     pub fn host_cookie(&self) -> u64 {
         SCRATCH_HOST_COOKIE
     }
+
+    /// Traces `req` through this data path (`lb-agent trace --manifests`).
+    pub fn trace(&mut self, req: &super::TraceRequest) -> Result<(super::TraceResult, super::TraceDetails)> {
+        super::trace(
+            &mut self.datapath,
+            self.programmer.maps(),
+            SCRATCH_HOST_COOKIE,
+            &self.node_ips,
+            req,
+        )
+    }
 }

@@ -211,3 +211,40 @@ fn a_claim_that_loses_on_arrival_is_reported() {
         again.new_problems
     );
 }
+
+/// A kernel that refused the SCTP program: each SCTP port is reported (naming the node and the
+/// refusal) and still programmed; TCP ports are not reported. With the program loaded, nothing is.
+#[test]
+fn sctp_ports_are_reported_where_the_kernel_refused_the_sctp_program() {
+    let s = state(
+        r#"
+apiVersion: v1
+kind: Service
+metadata: {name: sig, namespace: t}
+spec:
+  clusterIP: 10.96.0.20
+  ports:
+  - {name: m3ua, port: 2905, protocol: SCTP}
+  - {name: http, port: 80, protocol: TCP}
+"#,
+    );
+    let served = super::super::from_scratch(&s, &node(), &ctx());
+    assert!(served.problems.is_empty(), "{:?}", served.problems);
+
+    let refused = NodeContext {
+        sctp_refused: Some("program lb_tc_sctp_in: the kernel's verifier rejected it".into()),
+        ..ctx()
+    };
+    let computed = super::super::from_scratch(&s, &node(), &refused);
+    let messages: Vec<_> = computed.problems.iter().map(|p| p.message.clone()).collect();
+    assert_eq!(messages.len(), 1, "{messages:?}");
+    assert!(messages[0].starts_with("t/sig:m3ua: "), "{}", messages[0]);
+    assert!(messages[0].contains(crate::plan::SCTP_REFUSED), "{}", messages[0]);
+    assert!(
+        messages[0].contains("(node node-a: program lb_tc_sctp_in"),
+        "{}",
+        messages[0]
+    );
+    // Programmed all the same: the frontends are the node's truth for inspect and trace.
+    assert_eq!(computed.desired, served.desired);
+}
