@@ -386,8 +386,11 @@ fn track<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: 
     }
     // The address of the interface the flow leaves by (or the node's primary IP), as MASQUERADE.
     let snat_addr = masquerade_addr::<F>(choice.masq_route);
-    let masquerade_port = match (masquerade, snat_addr) {
-        (false, _) => None,
+    // The masquerade address, and the port (0 when not masqueraded): a value on every path. An
+    // `Option`'s port is undefined on its `None` path, and LLVM then reads its stack slot before
+    // testing the variant, which Linux 5.10's verifier refuses (a read of uninitialized stack).
+    let (masquerade_to, snat_port) = match (masquerade, snat_addr) {
+        (false, _) => (None, 0),
         (true, None) => {
             choice.count(Counter::TcNoMasqueradeAddress);
             return TC_ACT_SHOT;
@@ -399,7 +402,7 @@ fn track<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: 
             entry.nat_port = flow.sport;
             entry.flags = ct::REPLY | ct::SNAT | ct::HANDSHAKE_TRACKED;
             match reserve_snat_port::<F>(cfg, &mut key, &entry, snat_addr, choice.snat_port) {
-                Some(port) => Some((snat_addr, port)),
+                Some(port) => (Some(snat_addr), port),
                 None => return NO_FREE_PORT,
             }
         }
@@ -412,16 +415,20 @@ fn track<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: 
     key.dport = backend.port;
     key.dir = dir::EGRESS;
     let mut tagged = false;
-    match masquerade_port {
+    match masquerade_to {
         None => {
             // An earlier masqueraded flow from this client port to this backend through another
             // frontend leaves an SNAT entry for the same post-DNAT tuple; left in place it would
             // masquerade this flow too and its replies would go back as the wrong frontend.
             // Egress cannot tell two such flows apart, so the newest owns the tuple.
-            let _ = F::conntrack().remove(&key);
-            let _ = F::conntrack_new().remove(&key);
+            // Rarely there: looked up first (a lookup takes no lock; a delete takes the bucket's,
+            // with interrupts off).
+            if lookup::<F>(&key).is_some() {
+                let _ = F::conntrack().remove(&key);
+                let _ = F::conntrack_new().remove(&key);
+            }
         }
-        Some((snat_addr, port)) => {
+        Some(snat_addr) => {
             // A masqueraded flow through another frontend (this client port, this backend) may
             // hold the tuple's SNAT entry, live: egress cannot tell the two flows' packets apart,
             // so this one's entry is tagged and its packets marked (`lb_common::conntrack`). An
@@ -441,7 +448,7 @@ fn track<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: 
                 }
             }
             F::copy_addr(&mut entry.nat_addr, snat_addr);
-            entry.nat_port = port;
+            entry.nat_port = snat_port;
             entry.flags = ct::SNAT | ct::HANDSHAKE_TRACKED;
             // Likewise: an SNAT entry there would be found before this one.
             let _ = F::conntrack().remove(&key);
@@ -469,7 +476,7 @@ fn track<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: 
         return TC_ACT_SHOT;
     }
     choice.count(Counter::TcNewFlow);
-    choice.snat_port = masquerade_port.map_or(0, |(_, port)| port);
+    choice.snat_port = snat_port;
     mark_forward(ctx, entry.flags, choice.rev_nat_id);
     trace(ctx, trace_cb::CB_VERDICT, verdict::TRANSLATED);
     trace(ctx, trace_cb::CB_BACKEND_ID, backend_id);
