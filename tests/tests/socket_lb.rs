@@ -1226,3 +1226,83 @@ fn long_lived_ipv6_and_mapped_connections_keep_their_service_address_through_soc
         }
     }
 }
+
+/// The name of the program in the SCTP tail-call slot of the agent's pinned `lb_tc_tail`, if any
+/// (`bpftool map dump` prints a program array's entries as program ids, under `formatted`).
+fn sctp_slot_program(bpf_root: &std::path::Path) -> Option<String> {
+    let json = |args: &[&std::ffi::OsStr]| -> Value {
+        let out = Command::new("bpftool")
+            .arg("-j")
+            .args(args)
+            .output()
+            .expect("bpftool");
+        assert!(
+            out.status.success(),
+            "bpftool: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("bpftool's JSON")
+    };
+    let pin = bpf_root.join("maps/lb_tc_tail");
+    let dump = json(&[
+        "map".as_ref(),
+        "dump".as_ref(),
+        "pinned".as_ref(),
+        pin.as_os_str(),
+    ]);
+    let id = dump.as_array()?.first()?["formatted"]["value"].as_u64()?;
+    let prog = json(&[
+        "prog".as_ref(),
+        "show".as_ref(),
+        "id".as_ref(),
+        id.to_string().as_ref(),
+    ]);
+    Some(prog["name"].as_str().expect("a program name").to_string())
+}
+
+/// Issue 17: the SCTP program is loaded only where SCTP is served (its verification costs about
+/// a second per start): not at a start without SCTP Services; at the sync that brings the first
+/// one; at once after a restart whose maps hold SCTP frontends (they stay served); and a start
+/// without them empties the slot an earlier start filled.
+#[test]
+fn the_agent_loads_the_sctp_program_only_where_sctp_is_served() {
+    let mut f = Fixture::new(1);
+    let root = bpf_root_in(f.bpffs.path());
+    let tcp_only = [web().build()];
+    let slices = [f.web_slice(&[0])];
+    f.write(&tcp_only, &slices);
+    f.start_agent(&[]);
+    assert_eq!(sctp_slot_program(&root), None, "no SCTP Service, no SCTP program");
+
+    let with_sctp = [
+        web().build(),
+        service("demo", "diameter")
+            .cluster_ip("10.96.0.40")
+            .port("diameter", "SCTP", 3868, 13868)
+            .build(),
+    ];
+    f.write(&with_sctp, &slices);
+    assert_eq!(
+        sctp_slot_program(&root).as_deref(),
+        Some("lb_tc_sctp_in"),
+        "loaded with the first SCTP Service"
+    );
+    let log = f.agent.as_ref().unwrap().log();
+    assert!(log.contains("SCTP program loaded"), "{log}");
+
+    // A restart adopts the SCTP frontend: its program is loaded before the first sync.
+    f.agent.take().unwrap().stop();
+    f.start_agent(&[]);
+    assert_eq!(sctp_slot_program(&root).as_deref(), Some("lb_tc_sctp_in"));
+
+    // The SCTP Service goes (its program stays for this start); the next start, whose maps hold
+    // no SCTP frontend, empties the slot.
+    f.write(&tcp_only, &slices);
+    f.agent.take().unwrap().stop();
+    f.start_agent(&[]);
+    assert_eq!(
+        sctp_slot_program(&root),
+        None,
+        "the earlier start's SCTP program is gone"
+    );
+}

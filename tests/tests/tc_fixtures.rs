@@ -2839,3 +2839,28 @@ fn without_the_sctp_program_sctp_passes_counted_and_tcp_is_still_served() {
         "{note}"
     );
 }
+
+/// The SCTP program is loaded with the first SCTP Service, as the agent does (a second of
+/// verification that nodes without SCTP never pay): before, SCTP passes untranslated, counted;
+/// once a Service has an SCTP port, its packets are translated.
+#[test]
+fn the_sctp_program_is_loaded_with_the_first_sctp_service() {
+    let mut s = scratch(true);
+    let f = FAMILIES[0];
+    // To a cluster IP with TCP ports only: past the prefilter, the tail call finds no program.
+    let to_tcp_service = sctp(f, "10.244.2.20", 40000, "10.96.0.10", 80).build();
+    let unsupported = counter(&s, Counter::TcUnsupportedProtocol);
+    assert_eq!(
+        ingress(&mut s, &to_tcp_service).packet,
+        to_tcp_service,
+        "no SCTP program yet"
+    );
+    assert_eq!(counter(&s, Counter::TcUnsupportedProtocol), unsupported + 1);
+    s.program(&sctp_state()).expect("programming an SCTP Service");
+    let init = sctp(f, "10.244.2.20", 40000, "10.96.0.50", 3868).build();
+    assert_bytes(
+        &ingress(&mut s, &init).packet,
+        &nat(f, &init, None, Some(("10.244.2.7", 13868))),
+        "SCTP INIT DNAT once the Service exists",
+    );
+}

@@ -25,6 +25,7 @@ use std::{
 
 use anyhow::{Context, Result};
 pub use program::Programmer;
+pub(crate) use sync::{has_sctp_port, serve_sctp};
 use tokio_util::sync::CancellationToken;
 
 use self::sync::Agent;
@@ -231,16 +232,16 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     let caps = args.bpf.capacities();
     let paths = PinPaths::new(&args.bpf.root.bpf_root);
     let mut dp = Datapath::load(&paths, &caps, &object).context("loading the data path")?;
-    if let Some(refusal) = dp.sctp_refused() {
-        tracing::error!(
-            kernel = %kernel.release,
-            "SCTP Services are not load-balanced on this node (TCP and UDP are): {refusal}"
-        );
-        settings.sctp_refused = Some(refusal.to_string());
-    }
     let maps = dp.take_maps()?;
     let conntrack = dp.take_conntrack()?;
     let applier = Applier::recover(maps, caps).context("reading the pinned maps")?;
+    // The SCTP program now if the maps a previous start left hold SCTP frontends (they stay
+    // served across the restart), else at the first sync with an SCTP port (`sync::serve_sctp`).
+    if applier.serves_protocol(crate::model::Protocol::Sctp) {
+        sync::serve_sctp(&mut dp, &mut settings)?;
+    } else {
+        dp.retire_sctp().context("emptying the SCTP program's slot")?;
+    }
     let host_cookie = host_netns_cookie(kernel, &mut dp, &cgroup_root)?;
     let tcx = dp.enable_tcx(args.bpf.enable_tcx);
     if !args.bpf.no_tc {

@@ -99,6 +99,12 @@ impl<M: MapOps> Programmer<M> {
         &self.settings
     }
 
+    /// The settings, for a fact learnt after the start (`NodeSettings::sctp_refused`): the next
+    /// view differs from the last, so the next sync is a full one.
+    pub fn settings_mut(&mut self) -> &mut NodeSettings {
+        &mut self.settings
+    }
+
     pub fn planner(&self) -> &Planner {
         &self.planner
     }

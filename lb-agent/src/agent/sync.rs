@@ -86,6 +86,13 @@ impl Agent {
         if let Some(node) = node.as_deref() {
             self.health.set_node(node);
         }
+        if !self.datapath.sctp_decided()
+            && self.sctp_wanted(&pending, loaded.as_ref())
+            && let Err(e) = serve_sctp(&mut self.datapath, self.programmer.settings_mut())
+        {
+            // TCP and UDP are still served; the next sync with an SCTP change tries again.
+            tracing::error!("{e:#}");
+        }
         // A sync for changed Services alone reuses the last dump unless the link watcher saw an
         // event since; any other (periodic, relist, link event, manifests) dumps anew.
         let refresh = loaded.is_some() || pending.relisted || pending.dirty.is_empty();
@@ -174,6 +181,20 @@ impl Agent {
                     loaded: Some(loaded.state),
                 })
             }
+        }
+    }
+
+    /// Whether this sync brings an SCTP port: among every Service after a relist or with a
+    /// loaded state (the first sync is one), else among the changed ones.
+    fn sctp_wanted(&self, pending: &PendingChanges, loaded: Option<&ClusterState>) -> bool {
+        match (&self.source, loaded) {
+            (_, Some(state)) => state.services.values().any(|s| has_sctp_port(s)),
+            (Source::Kube(kube), None) if pending.relisted => kube.any_service(has_sctp_port),
+            (Source::Kube(kube), None) => pending
+                .dirty
+                .iter()
+                .any(|key| kube.service(key).is_some_and(|s| has_sctp_port(&s))),
+            (Source::Manifests(_), None) => false,
         }
     }
 
@@ -391,6 +412,34 @@ impl Agent {
 }
 
 /// A full sync, or one that changed something, is worth a line; a no-op resync is not.
+/// Loads the SCTP program unless done (`Datapath::serve_sctp`), before the first SCTP frontend
+/// is written. A refusal is logged and kept in `settings`, whose planner then reports each SCTP
+/// port; TCP and UDP are served all the same.
+pub(crate) fn serve_sctp(datapath: &mut Datapath, settings: &mut node::NodeSettings) -> Result<()> {
+    if datapath.sctp_decided() {
+        return Ok(());
+    }
+    let started = Instant::now();
+    match datapath.serve_sctp().context("loading the SCTP program")? {
+        None => tracing::info!(
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "SCTP program loaded ({}): SCTP Services are served",
+            tc::SCTP_INGRESS_PROGRAM
+        ),
+        Some(refusal) => {
+            tracing::error!("SCTP Services are not load-balanced on this node (TCP and UDP are): {refusal}");
+            settings.sctp_refused = Some(refusal.to_string());
+        }
+    }
+    Ok(())
+}
+
+/// Whether a Service has an SCTP port.
+pub(crate) fn has_sctp_port(svc: &k8s_openapi::api::core::v1::Service) -> bool {
+    let ports = svc.spec.as_ref().and_then(|spec| spec.ports.as_deref());
+    ports.is_some_and(|ports| ports.iter().any(|p| p.protocol.as_deref() == Some("SCTP")))
+}
+
 fn log_sync(
     full: bool,
     outcome: &Outcome,

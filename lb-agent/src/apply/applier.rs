@@ -132,6 +132,11 @@ impl<M: MapOps> Applier<M> {
         Ok(applier)
     }
 
+    /// Whether any frontend in the maps is of `proto`.
+    pub fn serves_protocol(&self, proto: crate::model::Protocol) -> bool {
+        self.frontends.keys().any(|f| f.proto == proto)
+    }
+
     pub fn maps(&self) -> &M {
         &self.maps
     }

@@ -181,9 +181,8 @@ pub fn object_bytes(path: Option<&Path>) -> Result<std::borrow::Cow<'static, [u8
 /// A loaded object.
 pub struct Datapath {
     ebpf: Ebpf,
-    /// Why the kernel refused `lb_tc_sctp_in`, if it did: SCTP Services are then not translated
-    /// on this node (TCP and UDP are), see [`Datapath::sctp_refused`].
-    sctp_refused: Option<String>,
+    /// Where the SCTP program stands ([`Datapath::serve_sctp`]).
+    sctp: Sctp,
     paths: Option<PinPaths>,
     /// Old pins to remove once the new programs are attached.
     migration: migrate::Migration,
@@ -215,14 +214,11 @@ impl Datapath {
         for (name, path) in &pin_paths {
             loader.map_pin_path(name, path.as_path());
         }
-        let Loaded {
-            mut ebpf,
-            sctp_refused,
-        } = Self::load_with(&mut loader, caps, object)?;
+        let mut ebpf = Self::load_with(&mut loader, caps, object)?;
         migrate::copy_entries(&migration, &mut ebpf);
         Ok(Self {
             ebpf,
-            sctp_refused,
+            sctp: Sctp::NotLoaded,
             paths: Some(paths.clone()),
             migration,
             tc_attached: Default::default(),
@@ -241,10 +237,10 @@ impl Datapath {
 
     /// Loads the object with private, unpinned maps (trace against manifests, tests).
     pub fn load_unpinned(caps: &Capacities, object: &[u8]) -> Result<Self, DatapathError> {
-        let Loaded { ebpf, sctp_refused } = Self::load_with(&mut EbpfLoader::new(), caps, object)?;
+        let ebpf = Self::load_with(&mut EbpfLoader::new(), caps, object)?;
         Ok(Self {
             ebpf,
-            sctp_refused,
+            sctp: Sctp::NotLoaded,
             paths: None,
             migration: migrate::Migration::default(),
             tc_attached: Default::default(),
@@ -310,10 +306,10 @@ impl Datapath {
         for (name, path) in &pins {
             loader.map_pin_path(name, path.as_path());
         }
-        let Loaded { ebpf, sctp_refused } = Self::load_with(&mut loader, &caps, object)?;
+        let ebpf = Self::load_with(&mut loader, &caps, object)?;
         Ok(Self {
             ebpf,
-            sctp_refused,
+            sctp: Sctp::NotLoaded,
             paths: None,
             migration: migrate::Migration::default(),
             tc_attached: Default::default(),
@@ -326,7 +322,7 @@ impl Datapath {
         loader: &mut EbpfLoader<'_>,
         caps: &Capacities,
         object: &[u8],
-    ) -> Result<Loaded, DatapathError> {
+    ) -> Result<Ebpf, DatapathError> {
         for family in IpFamily::ALL {
             let maps = family.maps();
             loader
@@ -375,24 +371,48 @@ impl Datapath {
             let prog: &mut SchedClassifier = program(&mut ebpf, name)?;
             prog.load().map_err(|source| program_error(name, source))?;
         }
-        let sctp_refused = match load_sctp_ingress(&mut ebpf) {
-            Ok(()) => None,
-            // A kernel whose verifier refuses the SCTP program still gets TCP and UDP served: its
-            // slot stays empty and SCTP passes untranslated, counted (`tc_unsupported_protocol`).
-            Err(refusal @ (DatapathError::Verifier { .. } | DatapathError::Program { .. })) => {
-                Some(without_sctp(&mut ebpf, refusal.to_string())?)
-            }
-            Err(other) => return Err(other),
-        };
-        Ok(Loaded { ebpf, sctp_refused })
+        Ok(ebpf)
     }
 
-    /// Why this kernel refused the SCTP program (`lb_tc_sctp_in`), if it did. The data path
-    /// then serves TCP and UDP only: SCTP finds the tail call's slot empty and passes
-    /// untranslated, counted as `tc_unsupported_protocol`; the planner reports each SCTP port
-    /// (`NodeSettings::sctp_refused`).
+    /// Loads the SCTP program (`lb_tc_sctp_in`) into its tail-call slot, unless done already:
+    /// before the first SCTP frontend is written. Its verification (~0.4-0.6M steps, about a
+    /// second) is paid only where SCTP is served. Returns the kernel's refusal, if it refused:
+    /// the slot is then emptied and SCTP passes untranslated, counted as
+    /// `tc_unsupported_protocol`, while TCP and UDP are served; the planner reports each SCTP
+    /// port (`NodeSettings::sctp_refused`).
+    pub fn serve_sctp(&mut self) -> Result<Option<&str>, DatapathError> {
+        if let Sctp::NotLoaded = self.sctp {
+            self.sctp = match load_sctp_ingress(&mut self.ebpf) {
+                Ok(()) => Sctp::Serving,
+                Err(refusal @ (DatapathError::Verifier { .. } | DatapathError::Program { .. })) => {
+                    Sctp::Refused(without_sctp(&mut self.ebpf, refusal.to_string())?)
+                }
+                Err(other) => return Err(other),
+            };
+        }
+        Ok(self.sctp_refused())
+    }
+
+    /// Whether [`Datapath::serve_sctp`] has run (loaded or refused).
+    pub fn sctp_decided(&self) -> bool {
+        !matches!(self.sctp, Sctp::NotLoaded)
+    }
+
+    /// Empties the SCTP program's slot while this start serves no SCTP: a program an earlier
+    /// start left there (pinned) must not run on beside this start's maps and programs.
+    pub fn retire_sctp(&mut self) -> Result<(), DatapathError> {
+        if let Sctp::NotLoaded = self.sctp {
+            clear_tail_slot(&mut self.ebpf, catalog::TAIL_SCTP_INGRESS)?;
+        }
+        Ok(())
+    }
+
+    /// Why this kernel refused the SCTP program, if it did ([`Datapath::serve_sctp`]).
     pub fn sctp_refused(&self) -> Option<&str> {
-        self.sctp_refused.as_deref()
+        match &self.sctp {
+            Sctp::Refused(reason) => Some(reason),
+            _ => None,
+        }
     }
 
     /// Runs on as a load whose kernel refused the SCTP program for `reason` does (its tail-call
@@ -400,7 +420,7 @@ impl Datapath {
     /// object is verified on refuses it.
     #[doc(hidden)]
     pub fn refuse_sctp(&mut self, reason: &str) -> Result<(), DatapathError> {
-        self.sctp_refused = Some(without_sctp(&mut self.ebpf, reason.to_string())?);
+        self.sctp = Sctp::Refused(without_sctp(&mut self.ebpf, reason.to_string())?);
         Ok(())
     }
 
@@ -542,6 +562,9 @@ impl Datapath {
             probe
                 .load()
                 .map_err(|source| program_error(NETNS_PROBE_PROGRAM, source))?;
+        }
+        if let Some(refusal) = self.serve_sctp()? {
+            return Err(DatapathError::Kernel(refusal.to_string()));
         }
         let mut verified = Vec::new();
         for (name, prog) in self.ebpf.programs() {
@@ -737,10 +760,11 @@ impl Datapath {
 /// How many lines of a verifier log an error quotes: the verdict is in the last ones.
 const VERIFIER_LINES: usize = 12;
 
-/// A loaded object and what it could not load.
-struct Loaded {
-    ebpf: Ebpf,
-    sctp_refused: Option<String>,
+/// Where the SCTP program stands: loaded only once SCTP is served ([`Datapath::serve_sctp`]).
+enum Sctp {
+    NotLoaded,
+    Serving,
+    Refused(String),
 }
 
 /// Loads `lb_tc_sctp_in` and puts it in the tail call's slot, in a pinned map: programs still

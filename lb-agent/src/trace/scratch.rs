@@ -106,6 +106,10 @@ impl ScratchDatapath {
     /// Brings the scratch maps to `state` as the agent's full sync would; returns the problems
     /// found in it.
     pub fn program(&mut self, state: &ClusterState) -> Result<Vec<Problem>> {
+        // The SCTP program as the agent loads it: once a Service has an SCTP port.
+        if state.services.values().any(|s| crate::agent::has_sctp_port(s)) {
+            crate::agent::serve_sctp(&mut self.datapath, self.programmer.settings_mut())?;
+        }
         let mut addresses = self.node_ips.clone();
         addresses.extend([IpAddr::V4(Ipv4Addr::LOCALHOST), IpAddr::V6(Ipv6Addr::LOCALHOST)]);
         let local = LocalNetwork {

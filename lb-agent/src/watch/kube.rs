@@ -364,6 +364,11 @@ impl KubeSource {
         (self.service(key), slices)
     }
 
+    /// Whether any Service in the store satisfies `test`.
+    pub fn any_service(&self, test: impl Fn(&Service) -> bool) -> bool {
+        self.services.state().iter().any(|svc| test(svc))
+    }
+
     pub fn service(&self, key: &ServiceKey) -> Option<Arc<Service>> {
         self.services.get(&ObjectRef::new(&key.1).within(&key.0))
     }
