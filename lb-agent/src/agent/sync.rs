@@ -411,7 +411,6 @@ impl Agent {
     }
 }
 
-/// A full sync, or one that changed something, is worth a line; a no-op resync is not.
 /// Loads the SCTP program unless done (`Datapath::serve_sctp`), before the first SCTP frontend
 /// is written. A refusal is logged and kept in `settings`, whose planner then reports each SCTP
 /// port; TCP and UDP are served all the same.
@@ -440,6 +439,7 @@ pub(crate) fn has_sctp_port(svc: &k8s_openapi::api::core::v1::Service) -> bool {
     ports.is_some_and(|ports| ports.iter().any(|p| p.protocol.as_deref() == Some("SCTP")))
 }
 
+/// A full sync, or one that changed something, is worth a line; a no-op resync is not.
 fn log_sync(
     full: bool,
     outcome: &Outcome,

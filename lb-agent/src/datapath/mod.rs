@@ -384,8 +384,10 @@ impl Datapath {
         if let Sctp::NotLoaded = self.sctp {
             self.sctp = match load_sctp_ingress(&mut self.ebpf) {
                 Ok(()) => Sctp::Serving,
+                // The slot emptied: SCTP passes untranslated, counted.
                 Err(refusal @ (DatapathError::Verifier { .. } | DatapathError::Program { .. })) => {
-                    Sctp::Refused(without_sctp(&mut self.ebpf, refusal.to_string())?)
+                    clear_tail_slot(&mut self.ebpf, catalog::TAIL_SCTP_INGRESS)?;
+                    Sctp::Refused(refusal.to_string())
                 }
                 Err(other) => return Err(other),
             };
@@ -420,7 +422,8 @@ impl Datapath {
     /// object is verified on refuses it.
     #[doc(hidden)]
     pub fn refuse_sctp(&mut self, reason: &str) -> Result<(), DatapathError> {
-        self.sctp = Sctp::Refused(without_sctp(&mut self.ebpf, reason.to_string())?);
+        clear_tail_slot(&mut self.ebpf, catalog::TAIL_SCTP_INGRESS)?;
+        self.sctp = Sctp::Refused(reason.to_string());
         Ok(())
     }
 
@@ -779,13 +782,6 @@ fn load_sctp_ingress(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
         .map_err(|source| program_error(name, source))?;
     tail_calls(ebpf)?.set(catalog::TAIL_SCTP_INGRESS, &sctp, 0)?;
     Ok(())
-}
-
-/// What a load does without the SCTP program: its slot emptied, so SCTP passes untranslated
-/// (counted); returns `reason`.
-fn without_sctp(ebpf: &mut Ebpf, reason: String) -> Result<String, DatapathError> {
-    clear_tail_slot(ebpf, catalog::TAIL_SCTP_INGRESS)?;
-    Ok(reason)
 }
 
 /// Empties a tail call's slot: a program an earlier start put there (pinned) must not keep

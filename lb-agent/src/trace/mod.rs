@@ -170,6 +170,10 @@ pub fn trace(
     if req.protocol == Protocol::Sctp && on_node {
         return Ok(sctp_from_node());
     }
+    if req.protocol == Protocol::Sctp {
+        // The agent loads it once it serves SCTP; a trace needs it whatever the Services.
+        dp.serve_sctp()?;
+    }
     if on_node {
         trace_socket(dp, maps, host_cookie, req)
     } else {
