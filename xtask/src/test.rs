@@ -280,17 +280,22 @@ pub fn run_all(filter: Option<&str>, with_e2e: bool, with_guest: bool) -> Result
     }
     ok &= cargo_test(&args, filter, &envs, &mut summary)?;
     if with_guest && filter.is_none() {
+        let guests: Vec<String> = crate::kernel::CI_GUESTS
+            .iter()
+            .map(|(kernel, tests)| {
+                let tests: Vec<String> = tests
+                    .iter()
+                    .map(|(b, tests)| match tests.len() {
+                        0 => b.to_string(),
+                        n => format!("{n} of {b}"),
+                    })
+                    .collect();
+                format!("Linux {kernel}: {}", tests.join(", "))
+            })
+            .collect();
         step(&format!(
-            "the verifier, fixtures and netns tests on Linux {} in a guest ({})",
-            crate::kernel::CI_KERNEL,
-            crate::kernel::CI_TESTS
-                .iter()
-                .map(|(b, tests)| match tests.len() {
-                    0 => b.to_string(),
-                    n => format!("{n} of {b}"),
-                })
-                .collect::<Vec<_>>()
-                .join(", ")
+            "the verifier, fixtures and netns tests in guests ({})",
+            guests.join("; ")
         ));
         ok &= crate::kernel::run_ci_subset(&mut summary)?;
     }
