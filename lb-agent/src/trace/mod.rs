@@ -170,23 +170,21 @@ pub fn trace(
     if req.protocol == Protocol::Sctp && on_node {
         return Ok(sctp_from_node());
     }
-    if req.protocol == Protocol::Sctp {
-        // The agent loads it once it serves SCTP; a trace needs it whatever the Services.
-        dp.serve_sctp()?;
-    }
     if on_node {
-        trace_socket(dp, maps, host_cookie, req)
-    } else {
-        let (result, mut details) = trace_tc(dp, maps, req)?;
-        // This kernel refused the SCTP program: the packet passed untranslated, and why is the
-        // kernel's answer, not the Service's.
-        if req.protocol == Protocol::Sctp
-            && let Some(refusal) = dp.sctp_refused()
-        {
-            details.note = Some(format!("{} ({refusal})", crate::plan::SCTP_REFUSED));
-        }
-        Ok((result, details))
+        return trace_socket(dp, maps, host_cookie, req);
     }
+    // The agent loads the SCTP program once it serves SCTP; a trace needs it whatever the
+    // Services. A refusal is this kernel's answer, not the Service's: the packet passes
+    // untranslated, and the note says why.
+    let sctp_refused = match req.protocol {
+        Protocol::Sctp => dp.serve_sctp()?.map(str::to_owned),
+        _ => None,
+    };
+    let (result, mut details) = trace_tc(dp, maps, req)?;
+    if let Some(refusal) = sctp_refused {
+        details.note = Some(format!("{} ({refusal})", crate::plan::SCTP_REFUSED));
+    }
+    Ok((result, details))
 }
 
 /// What the node's own SCTP to a frontend meets: nothing translates it. (A pod's SCTP takes the

@@ -49,8 +49,8 @@ fn trace(ctx: &mut TcContext, slot: usize, value: u32) {
     }
 }
 
-/// A TCP, UDP or SCTP packet at ingress that no conntrack entry keeps: a frontend's new flow is DNATed
-/// (and masqueraded when kube-proxy would), rejected or dropped; anything else passes.
+/// A TCP, UDP or SCTP packet at ingress that no conntrack entry keeps: a frontend's new flow is
+/// DNATed (and masqueraded when kube-proxy would), rejected or dropped; anything else passes.
 #[inline(always)]
 pub(super) fn new_flow<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
     let mut choice = Choice::default();

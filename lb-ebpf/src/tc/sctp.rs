@@ -1,8 +1,8 @@
 //! SCTP's share of NAT: an address rewrite needs nothing of SCTP (its CRC32c checksum covers no
 //! pseudo-header, RFC 9260 section 6.8), a port rewrite keeps the checksum valid with
 //! `lb_common::sctp`'s update, which reads no packet byte beyond the header. `nat::apply` (in
-//! `lb_tc_sctp_in`) and `nat::apply_source` (at egress) send SCTP packets here; every other step of the tc path (conntrack, masquerade, REJECT, ICMP errors)
-//! is the one TCP and UDP take.
+//! `lb_tc_sctp_in`) and `nat::apply_source` (at egress) send SCTP packets here; every other step
+//! of the tc path (conntrack, masquerade, REJECT, ICMP errors) is the one TCP and UDP take.
 //!
 //! A checksum field of zero is left alone: Linux's SCTP leaves it zero in a packet whose checksum
 //! the device will compute (`sctp_packet_pack`: CHECKSUM_PARTIAL, `csum_not_inet`; a veth, and

@@ -94,7 +94,10 @@ pub struct Options {
 /// and CI's machine has been up to 2.5 times slower: the whole binaries took 35 to 50 minutes
 /// there, this subset about 7 here. The full matrix is `cargo xtask kernel-test`.
 pub const CI_KERNEL: &str = "6.1";
-pub const CI_TESTS: &[(&str, &[&str])] = &[
+/// Test binaries, each whole (no names) or only the tests named.
+pub type Tests = &'static [(&'static str, &'static [&'static str])];
+
+pub const CI_TESTS: Tests = &[
     // Every program through this kernel's verifier, and the feature probes: whole.
     ("kernel_support", &[]),
     (
@@ -122,11 +125,10 @@ pub const CI_TESTS: &[(&str, &[&str])] = &[
 /// accepts, such as a read of a stack slot no store on the path wrote, which LLVM's code for an
 /// `Option` can hold (docs/architecture.md, *SCTP*).
 pub const CI_OLDEST_KERNEL: &str = "5.10";
-pub const CI_OLDEST_TESTS: &[(&str, &[&str])] = &[("kernel_support", &[])];
+pub const CI_OLDEST_TESTS: Tests = &[("kernel_support", &[])];
 
 /// The guests of `./x test`: each kernel with its tests.
-pub const CI_GUESTS: &[(&str, &[(&str, &[&str])])] =
-    &[(CI_KERNEL, CI_TESTS), (CI_OLDEST_KERNEL, CI_OLDEST_TESTS)];
+pub const CI_GUESTS: &[(&str, Tests)] = &[(CI_KERNEL, CI_TESTS), (CI_OLDEST_KERNEL, CI_OLDEST_TESTS)];
 
 /// Runs each of [`CI_GUESTS`] for `./x test`, adding the results to `summary` (a binary that ran
 /// another number of tests than it was named fails: `in_guest::binary_result`).
@@ -138,7 +140,7 @@ pub fn run_ci_subset(summary: &mut Summary) -> Result<bool> {
     Ok(ok)
 }
 
-fn run_ci_guest(kernel: &str, tests: &[(&str, &[&str])], summary: &mut Summary) -> Result<bool> {
+fn run_ci_guest(kernel: &str, tests: Tests, summary: &mut Summary) -> Result<bool> {
     let opts = Options {
         kernels: vec![kernel.into()],
         binaries: tests.iter().map(|(b, _)| b.to_string()).collect(),
