@@ -219,9 +219,9 @@ fn frontends(snap: &Snapshot, flows: &BTreeMap<u32, u64>) -> Vec<FrontendView> {
     let mut by_frontend: BTreeMap<FrontendId, Vec<(ServiceMapKey, SvcValue)>> = BTreeMap::new();
     for (k, v) in &snap.services {
         by_frontend
-            .entry((v.rev_nat_id, k.addr, k.port, k.proto))
+            .entry((v.entry.rev_nat_id, k.addr, k.port, k.proto))
             .or_default()
-            .push((*k, *v));
+            .push((*k, v.entry));
     }
     let mut out = Vec::new();
     for ((rev, addr, port, proto), entries) in by_frontend {
@@ -450,10 +450,10 @@ fn backend_rows(snap: &Snapshot) -> Vec<BackendRow> {
         if k.slot > 0 {
             let name = snap
                 .names
-                .get(&v.rev_nat_id)
+                .get(&v.entry.rev_nat_id)
                 .map(|n| service_port_name(n, k.proto).to_string())
                 .unwrap_or_default();
-            users.entry(v.backend_id).or_default().insert(name);
+            users.entry(v.entry.backend_id).or_default().insert(name);
         }
     }
     let rows: Vec<BackendRow> = snap

@@ -12,7 +12,8 @@
 
 use crate::family::{Family, V4, V6};
 
-/// Frontends and their backend slots: `Svc4Key` -> `SvcValue`. Written by the agent only.
+/// Frontends and their backend slots: `Svc4Key` -> `Svc4Entry` (layout 2: the slot carries its
+/// backend's entry). Written by the agent only.
 pub const SERVICES: &str = "lb4_services";
 /// Backends by id: `u32` -> `Backend4Value`. Written by the agent only.
 pub const BACKENDS: &str = "lb4_backends";
@@ -148,7 +149,7 @@ pub const RETIRED: &[&str] = &["lb4_aff_match"];
 /// `lb_config` is at version 2: IPv6 added each family's settings to its one entry (the agent
 /// writes it at start, so nothing is converted).
 pub const LAYOUTS: &[(&str, u32)] = &[
-    (SERVICES, 1),
+    (SERVICES, 2),
     (BACKENDS, 1),
     (REVNAT, 1),
     (SVC_NAMES, 1),
@@ -172,7 +173,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (REJECT_LIMIT, 1),
     (MAGLEV, 1),
     (TC_TAIL, 1),
-    (SERVICES6, 1),
+    (SERVICES6, 2),
     (BACKENDS6, 1),
     (REVNAT6, 1),
     (SOCK_REVNAT6, 1),

@@ -4,11 +4,15 @@
 //! - slot 0: the frontend entry (`count`, `flags`, `rev_nat_id`, affinity timeout);
 //! - slots 1..=count: one backend id each.
 //!
-//! Readers look up slot 0, pick `n` in `1..=count`, then look up slot `n`. Writers therefore write
-//! backends first, then slots, then slot 0, then delete what is stale, so a reader never follows a
-//! slot to a missing backend (see `lb-agent/src/apply/applier.rs`).
+//! Readers look up slot 0, pick `n` in `1..=count`, then look up slot `n`, which carries a copy of
+//! its backend's entry ([`SvcEntry`]): choosing a backend costs two lookups, not three (each is a
+//! likely cache and TLB miss in a real connection). Writers therefore write backends first, then
+//! slots, then slot 0, then delete what is stale, so a reader never follows a slot to a missing
+//! backend; a backend whose flags change has its slots rewritten with it (see
+//! `lb-agent/src/apply/applier.rs`).
 
 use crate::{
+    backend::BackendValue,
     family::{Family, V4, V6},
     user_pod,
 };
@@ -92,7 +96,22 @@ impl<F: Family> SvcKey<F> {
     }
 }
 
-/// A frontend entry (slot 0) or a backend slot; the same for both families.
+/// A value of the services maps: a frontend entry (slot 0) or a backend slot, and in a slot a copy
+/// of its backend's `lb4_backends` (`lb6_backends`) entry, which the agent keeps equal to it (the
+/// address, port and protocol never change under one id; a change of flags rewrites the slots).
+/// Zero in a frontend entry. A Maglev table, an affinity entry and a conntrack entry name a
+/// backend by id alone and read the backends map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SvcEntry<F: Family> {
+    pub value: SvcValue,
+    pub backend: BackendValue<F>,
+}
+
+pub type Svc4Entry = SvcEntry<V4>;
+pub type Svc6Entry = SvcEntry<V6>;
+
+/// The family-free part of a services map value ([`SvcEntry`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct SvcValue {
@@ -163,7 +182,15 @@ impl<F: Family> SrcRange<F> {
     }
 }
 
-user_pod!(SvcKey<V4>, SvcKey<V6>, SvcValue, SrcRange<V4>, SrcRange<V6>);
+user_pod!(
+    SvcKey<V4>,
+    SvcKey<V6>,
+    SvcValue,
+    SvcEntry<V4>,
+    SvcEntry<V6>,
+    SrcRange<V4>,
+    SrcRange<V6>
+);
 
 #[cfg(test)]
 mod layout {
@@ -192,6 +219,14 @@ mod layout {
         assert_eq!(size_of::<SvcValue>(), 16);
         assert_eq!(offset_of!(SvcValue, count), 12);
         assert_eq!(offset_of!(SvcValue, flags), 14);
+    }
+
+    #[test]
+    fn svc_entry() {
+        assert_eq!(size_of::<Svc4Entry>(), 24);
+        assert_eq!(offset_of!(Svc4Entry, backend), 16);
+        assert_eq!(size_of::<Svc6Entry>(), 36);
+        assert_eq!(offset_of!(Svc6Entry, backend), 16);
     }
 
     #[test]

@@ -17,7 +17,7 @@ use lb_common::{
     fragment::{FragKey, FragPorts},
     prefilter,
     revnat::{RevNatValue, SockRevNatKey, SockRevNatSk, SockRevNatValue},
-    service::{SrcRange, SvcKey, SvcValue},
+    service::{SrcRange, SvcEntry, SvcKey},
 };
 
 use crate::maps::{
@@ -32,7 +32,7 @@ pub const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 pub const RDONLY_PROG: usize = BPF_F_RDONLY_PROG as usize;
 
 pub type ServicesMap<F> =
-    HashMap<SvcKey<F>, SvcValue, { capacity::SERVICES as usize }, { NO_PREALLOC | RDONLY_PROG }>;
+    HashMap<SvcKey<F>, SvcEntry<F>, { capacity::SERVICES as usize }, { NO_PREALLOC | RDONLY_PROG }>;
 pub type BackendsMap<F> =
     HashMap<u32, BackendValue<F>, { capacity::BACKENDS as usize }, { NO_PREALLOC | RDONLY_PROG }>;
 pub type RevNatMap<F> =

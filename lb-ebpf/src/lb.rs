@@ -8,7 +8,7 @@ use lb_common::{
     config::DatapathConfig,
     family::Family,
     maglev, select,
-    service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, SrcRange, SvcKey, SvcValue, flags},
+    service::{SCOPE_EXTERNAL, SCOPE_INTERNAL, SrcRange, SvcEntry, SvcKey, SvcValue, flags},
     stats::Counter,
 };
 
@@ -30,7 +30,7 @@ pub fn datapath_config() -> &'static DatapathConfig {
 
 /// A frontend or slot entry, read in place as backends are (see [`lookup_backend`]).
 #[inline(always)]
-pub fn lookup_service<F: FamilyMaps>(key: &SvcKey<F>) -> Option<&'static SvcValue> {
+pub fn lookup_service<F: FamilyMaps>(key: &SvcKey<F>) -> Option<&'static SvcEntry<F>> {
     // SAFETY: the services map is not preallocated either.
     F::services().get_ptr(key).map(|p| unsafe { &*p })
 }
@@ -63,14 +63,14 @@ pub fn lookup_frontend<F: FamilyMaps>(addr: &F::Addr, port: u16, proto: u8, inte
     let Some(entry) = lookup_service(&key) else {
         return Frontend::None;
     };
-    if internal && entry.has(flags::TWO_SCOPES) {
+    if internal && entry.value.has(flags::TWO_SCOPES) {
         key.scope = SCOPE_INTERNAL;
         return match lookup_service(&key) {
-            Some(internal_entry) => Frontend::Found(key, internal_entry),
+            Some(internal_entry) => Frontend::Found(key, &internal_entry.value),
             None => Frontend::Incomplete,
         };
     }
-    Frontend::Found(key, entry)
+    Frontend::Found(key, &entry.value)
 }
 
 /// kube-proxy's cluster-ips-check (`lb_common::cluster_ip`) for a new flow no frontend matched:
@@ -98,7 +98,9 @@ pub fn source_in_ranges<F: FamilyMaps>(frontend: &SvcValue, src: &F::Addr) -> bo
 }
 
 /// Picks a backend for the frontend entry `frontend` at `key` (slot 0 of the scope used):
-/// a still-valid ClientIP affinity entry first, else slot `hash % count + 1`.
+/// a still-valid ClientIP affinity entry first, else slot `hash % count + 1`, whose copy of the
+/// backend's entry saves a lookup of the backends map (a Maglev table or an affinity entry names
+/// the backend by id only).
 /// `client` identifies the client for affinity (`AffinityKey` without the frontend). The client
 /// and the clock are read only for a frontend with affinity: on a connect each is a helper call
 /// (the netns cookie, the clock) that costs about what a map lookup does in the real stack.
@@ -138,19 +140,19 @@ pub fn select_backend<F: FamilyMaps>(
         remember_affinity::<F>(&affinity_key, entry.backend_id, now_ns);
         return Some((entry.backend_id, backend));
     }
-    let backend_id = match maglev_choice(frontend, hash) {
-        Some(id) => id,
+    let (backend_id, backend) = match maglev_choice(frontend, hash) {
+        Some(id) => (id, lookup_backend::<F>(id)?),
         None => {
             let slot = select::slot_for(hash, frontend.count);
-            match lookup_service(&key.with_slot(slot)) {
-                Some(entry) => entry.backend_id,
+            let entry = match lookup_service(&key.with_slot(slot)) {
+                Some(entry) => entry,
                 // The frontend shrank under us (slots are deleted after the count is lowered):
                 // slot 1 exists while count > 0.
-                None => lookup_service(&key.with_slot(1))?.backend_id,
-            }
+                None => lookup_service(&key.with_slot(1))?,
+            };
+            (entry.value.backend_id, &entry.backend)
         }
     };
-    let backend = lookup_backend::<F>(backend_id)?;
     if affinity {
         remember_affinity::<F>(&affinity_key, backend_id, now_ns);
     }

@@ -30,7 +30,8 @@ use crate::family::{
 };
 
 /// Frontends and backend slots. Key: frontend (address, port, protocol, scope, slot). Value: slot 0
-/// holds the frontend entry (count, flags, rev_nat_id), slots 1..=count a backend id each.
+/// holds the frontend entry (count, flags, rev_nat_id), slots 1..=count a backend id each and a
+/// copy of that backend's entry (pinned as `lb4_services_v2`, layout 2).
 /// Writer: agent. Readers: every translating program.
 #[btf_map(name = "lb4_services")]
 pub static SERVICES4: ServicesMap<V4> = ServicesMap::new();

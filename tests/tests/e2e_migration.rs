@@ -1166,10 +1166,11 @@ fn migrate(
         "lb-agent attachments in step 7 (cgroup programs, tcx links)".into(),
         json!([attached.len() - tcx, tcx]),
     );
-    let services_map = node.exec(
-        "bpftool",
-        &["map", "dump", "pinned", "/sys/fs/bpf/lb/maps/lb4_services"],
-    )?;
+    let services_pin = format!(
+        "/sys/fs/bpf/lb/maps/{}",
+        lb_common::catalog::pin_name(lb_common::catalog::SERVICES)
+    );
+    let services_map = node.exec("bpftool", &["map", "dump", "pinned", &services_pin])?;
     ensure!(
         services_map.contains("\"key\"") || services_map.contains("key:"),
         "{services_map}"

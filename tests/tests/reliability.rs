@@ -1073,6 +1073,45 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
     changed.push(format!(
         "lb_config_v2 -> lb_config of layout 1 ({IPV4_ONLY_CONFIG_SIZE}-byte value, the same settings)"
     ));
+    // lb4_services at layout 1: the same entries without the slots' copies of their backends
+    // (16-byte values), pinned as `lb4_services`; this release's `lb4_services_v2` did not exist.
+    let services_v2 = maps.join(catalog::pin_name(catalog::SERVICES).to_string());
+    let info = map_info(&services_v2);
+    let services_v1 = maps.join(catalog::SERVICES);
+    bpftool(&[
+        "map",
+        "create",
+        services_v1.to_str().unwrap(),
+        "type",
+        "hash",
+        "key",
+        &info["bytes_key"].as_u64().unwrap().to_string(),
+        "value",
+        &std::mem::size_of::<lb_common::service::SvcValue>().to_string(),
+        "entries",
+        &info["max_entries"].as_u64().unwrap().to_string(),
+        "name",
+        catalog::SERVICES,
+        "flags",
+        &info["flags"].as_u64().unwrap_or(0).to_string(),
+    ]);
+    {
+        use lb_common::service::{Svc4Entry, Svc4Key, SvcValue};
+        let from: aya::maps::HashMap<_, Svc4Key, Svc4Entry> =
+            aya::maps::Map::HashMap(aya::maps::MapData::from_pin(&services_v2).unwrap())
+                .try_into()
+                .unwrap();
+        let mut to: aya::maps::HashMap<_, Svc4Key, SvcValue> =
+            aya::maps::Map::HashMap(aya::maps::MapData::from_pin(&services_v1).unwrap())
+                .try_into()
+                .unwrap();
+        for entry in from.iter() {
+            let (key, value) = entry.unwrap();
+            to.insert(&key, &value.value, 0).unwrap();
+        }
+    }
+    std::fs::remove_file(&services_v2).unwrap();
+    changed.push("lb4_services_v2 -> lb4_services of layout 1 (16-byte values, the same entries)".into());
     // The affinity members were in lb4_aff_match (same layout).
     std::fs::rename(maps.join(catalog::AFFINITY_MATCH), maps.join("lb4_aff_match")).unwrap();
     changed.push("lb_aff_match -> lb4_aff_match".into());
@@ -1168,9 +1207,11 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
 /// ([`pin_the_ipv4_only_release`], checked against [`IPV4_ONLY_RELEASE_PINS`]): `lb_config_v2`
 /// becomes an `lb_config` of the old 56-byte layout holding the same settings, `lb_aff_match`
 /// becomes `lb4_aff_match`, `lb_svc_names` is recreated at the old capacity with its entries, the
-/// `lb6_*` pins and the links of the four IPv6 socket hooks are removed. The `lb4_*` maps are the
-/// old release's as they are (same layouts: the IPv4-only release's layout tests give the same key
-/// and value sizes), so they keep the established flows' state. The programs that keep serving
+/// `lb6_*` pins and the links of the four IPv6 socket hooks are removed, `lb4_services_v2` becomes
+/// an `lb4_services` of layout 1 (no copy of a slot's backend) holding the same entries, whose
+/// conversion back keeps every id. The other `lb4_*` maps are the old release's as they are (same
+/// layouts: the IPv4-only release's layout tests give the same key and value sizes), so they keep
+/// the established flows' state. The programs that keep serving
 /// during the upgrade are this release's, held by the pinned links; a program reads the maps it
 /// was loaded with (by reference, not by pin name), so what happens to the pins does not change
 /// what they read, exactly as the old release's programs keep reading the old `lb_config` and
@@ -1273,7 +1314,9 @@ fn upgrade_from_the_ipv4_only_release_keeps_every_connection() {
         .iter()
         .map(|name| lb_common::catalog::pin_name(name).to_string())
         .collect();
-    let old_pins_gone = !pins_new.contains("lb_config") && !pins_new.contains("lb4_aff_match");
+    let old_pins_gone = !pins_new.contains("lb_config")
+        && !pins_new.contains("lb4_aff_match")
+        && !pins_new.contains(catalog::SERVICES);
     // Every link of the old release kept, its program replaced; the IPv6 hooks' links added.
     let links_kept = links_old
         .iter()
@@ -1359,7 +1402,7 @@ fn upgrade_from_the_ipv4_only_release_keeps_every_connection() {
     // else, are left.
     assert!(
         old_pins_gone,
-        "lb_config and lb4_aff_match removed after attach: {pins_new:?}"
+        "lb_config, lb4_aff_match and lb4_services removed after attach: {pins_new:?}"
     );
     assert_eq!(pins_new, expected_pins, "this release's pins, nothing else");
     for hint in [
@@ -1367,6 +1410,8 @@ fn upgrade_from_the_ipv4_only_release_keeps_every_connection() {
         "a map of another layout version is pinned",
         "capacity changed: migrating",
         "entries migrated",
+        "its entries are converted into the new layout",
+        "entries converted to the new layout",
     ] {
         assert!(log.contains(hint), "the agent says {hint:?}:\n{log}");
     }
@@ -1982,7 +2027,9 @@ fn endpoint_churn_never_sends_new_connections_to_removed_endpoints() {
                         .services
                         .iter()
                         .filter(|(k, _)| k.addr == web_addr(family) && k.port == 80 && k.slot > 0)
-                        .filter_map(|(_, v)| snap.backends.get(&v.backend_id).map(|b| b.addr.to_string()))
+                        .filter_map(|(_, v)| {
+                            snap.backends.get(&v.entry.backend_id).map(|b| b.addr.to_string())
+                        })
                         .collect();
                     if last[i].as_ref() != Some(&current) {
                         let from_us = if last[i].is_none() { start } else { previous_start };

@@ -13,6 +13,7 @@ use std::{
 };
 
 use lb_agent::family::IpFamily;
+use lb_common::catalog;
 use lb_tests::{
     agent::{Agent, AgentOptions, bpf_root_in},
     bpffs::BpfFs,
@@ -323,7 +324,9 @@ fn first_slice_tcp_to_a_virtual_ip_reaches_the_backend() {
 
     // SREs read the maps with bpftool: named fields thanks to BTF.
     assert_bpftool_names_fields(
-        &bpf_root_in(f.bpffs.path()).join("maps/lb4_services"),
+        &bpf_root_in(f.bpffs.path())
+            .join("maps")
+            .join(catalog::pin_name(catalog::SERVICES).to_string()),
         &[
             "\"addr\"",
             "\"port\": 80",
@@ -331,6 +334,7 @@ fn first_slice_tcp_to_a_virtual_ip_reaches_the_backend() {
             "\"backend_id\"",
             "\"count\": 1",
             "\"rev_nat_id\"",
+            "\"backend\"",
         ],
     );
     let status = f.agent.take().map(Agent::stop);
@@ -1070,7 +1074,9 @@ fn dual_stack_frontends_of_every_type_from_the_host_and_from_a_pod() {
 
     // The IPv6 maps dump with named fields too (BTF); the address's 16 bytes under `octets`.
     assert_bpftool_names_fields(
-        &bpf_root_in(f.bpffs.path()).join("maps/lb6_services"),
+        &bpf_root_in(f.bpffs.path())
+            .join("maps")
+            .join(catalog::pin_name(catalog::SERVICES6).to_string()),
         &[
             "\"addr\"",
             "\"octets\"",

@@ -2390,8 +2390,8 @@ fn a_flood_evicts_only_flows_that_never_got_past_their_handshake() {
 /// what it did not write, so a bit held for it would never be released.
 #[test]
 fn a_batch_that_stops_early_holds_no_prefilter_bit_for_what_it_never_wrote() {
-    use lb_agent::apply::{MapOps, ServiceMapKey, prefilter::Owner};
-    use lb_common::{catalog::Capacities, service::SvcValue};
+    use lb_agent::apply::{MapOps, ServiceMapKey, ServiceMapValue, prefilter::Owner};
+    use lb_common::catalog::Capacities;
     require_root();
     let caps = Capacities {
         services: 2,
@@ -2408,7 +2408,8 @@ fn a_batch_that_stops_early_holds_no_prefilter_bit_for_what_it_never_wrote() {
             0,
         )
     };
-    let entries: Vec<(ServiceMapKey, SvcValue)> = (1..=3).map(|i| (key(i), SvcValue::default())).collect();
+    let entries: Vec<(ServiceMapKey, ServiceMapValue)> =
+        (1..=3).map(|i| (key(i), ServiceMapValue::default())).collect();
     let err = maps
         .put_services(&entries)
         .expect_err("three frontends in a map of two");
@@ -2423,10 +2424,11 @@ fn a_batch_that_stops_early_holds_no_prefilter_bit_for_what_it_never_wrote() {
 
 /// The kernel maps write runs of service and backend entries with BPF_MAP_UPDATE_BATCH, one run
 /// per family; a run that does not fit stops exactly where the kernel refused, counted from the
-/// start of the whole batch, so the writer's mirror stays true.
+/// start of the whole batch, so the writer's mirror stays true. What is written reads back as it
+/// was, a slot's copy of its backend included.
 #[test]
 fn batched_map_writes_report_exactly_what_was_written() {
-    use lb_agent::apply::{BackendEntry, MapOps, ServiceMapKey};
+    use lb_agent::apply::{BackendEntry, MapOps, ServiceMapKey, ServiceMapValue};
     use lb_common::{catalog::Capacities, service::SvcValue};
     use std::net::Ipv6Addr;
     require_root();
@@ -2464,9 +2466,17 @@ fn batched_map_writes_report_exactly_what_was_written() {
     let key = |addr: IpAddr, slot: u16| ServiceMapKey::new(addr, 80, lb_common::proto::TCP, 0, slot);
     let v4: IpAddr = Ipv4Addr::new(10, 96, 0, 10).into();
     let v6: IpAddr = "fd00:10:96::10".parse().unwrap();
-    let services: Vec<(ServiceMapKey, SvcValue)> = (0..2u16)
-        .map(|slot| (key(v6, slot), SvcValue::default()))
-        .chain((0..6u16).map(|slot| (key(v4, slot), SvcValue::default())))
+    // Slot 0 a frontend entry, each other slot backend 1 of its family (ids 1 and 10).
+    let value = |addr: IpAddr, slot: u16| {
+        if slot == 0 {
+            return ServiceMapValue::frontend(SvcValue::frontend(7, 5, 0, 0));
+        }
+        let id = if addr.is_ipv4() { 1 } else { 10 };
+        ServiceMapValue::slot(7, id, backends[id as usize - 1].1)
+    };
+    let services: Vec<(ServiceMapKey, ServiceMapValue)> = (0..2u16)
+        .map(|slot| (key(v6, slot), value(v6, slot)))
+        .chain((0..6u16).map(|slot| (key(v4, slot), value(v4, slot))))
         .collect();
     let err = maps.put_services(&services).expect_err("6 entries in a map of 4");
     assert_eq!(err.done, 2 + 4, "{err:?}");
@@ -2478,6 +2488,13 @@ fn batched_map_writes_report_exactly_what_was_written() {
         written,
         vec![(true, 0), (true, 1), (true, 2), (true, 3), (false, 0), (false, 1)]
     );
+    for (key, value) in &snap.services {
+        assert_eq!(
+            *value,
+            services.iter().find(|(k, _)| k == key).unwrap().1,
+            "{key:?}"
+        );
+    }
 }
 
 /// The prefilter (`lb_common::prefilter`): the programs skip a packet whose bit is clear, so the

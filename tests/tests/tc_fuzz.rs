@@ -304,9 +304,10 @@ impl World {
                 continue;
             }
             let mut backends = BTreeSet::new();
+            let value = &value.entry;
             for slot in 1..=value.count {
                 let entry = snap.services[&key.with_slot(slot)];
-                let (addr, port, _) = backends_by_id[&entry.backend_id];
+                let (addr, port, _) = backends_by_id[&entry.entry.backend_id];
                 backends.insert((addr, port));
             }
             let fe = frontends

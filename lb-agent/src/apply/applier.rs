@@ -182,7 +182,7 @@ impl<M: MapOps> Applier<M> {
             .services
             .iter()
             .filter(|(k, _)| k.slot > 0)
-            .map(|(_, v)| v.backend_id);
+            .map(|(_, v)| v.entry.backend_id);
         let table_ids = entries.maglev.iter().flat_map(MaglevEntry::backend_ids);
         for id in slot_ids.chain(table_ids) {
             if sign > 0 {
@@ -230,10 +230,12 @@ impl<M: MapOps> Applier<M> {
     fn apply_to(
         &mut self,
         desired: &DesiredState,
-        frontends: BTreeSet<Frontend>,
+        mut frontends: BTreeSet<Frontend>,
         backends: &BTreeSet<BackendAddr>,
     ) -> ApplyReport {
         let mut report = ApplyReport::default();
+        // Frontends whose slots copy a backend whose flags change are rewritten with it.
+        frontends.extend(self.copying_changed_flags(desired, backends));
         // 1. Ids for new backends (their entries are written per Service, just before use).
         let new_backend_ids = self.allocate_backend_ids(desired, &frontends);
         // 2. Frontends that are gone.
@@ -263,6 +265,39 @@ impl<M: MapOps> Applier<M> {
             }
         }
         report
+    }
+
+    /// The desired frontends whose slots hold a copy of one of `backends` whose flags differ from
+    /// the desired ones (another Service's endpoint at the same address started terminating, a
+    /// node address came or went): each is rewritten, or its slots would keep the old flags. One
+    /// pass over the mirror, only when some flags changed.
+    fn copying_changed_flags(
+        &self,
+        desired: &DesiredState,
+        backends: &BTreeSet<BackendAddr>,
+    ) -> BTreeSet<Frontend> {
+        let changed: BTreeSet<u32> = backends
+            .iter()
+            .filter_map(|addr| {
+                let (id, entry) = self.backends.get(addr)?;
+                let flags = desired.backends.get(addr)?;
+                (entry.flags != *flags).then_some(*id)
+            })
+            .collect();
+        if changed.is_empty() {
+            return BTreeSet::new();
+        }
+        self.frontends
+            .iter()
+            .filter(|(frontend, entries)| {
+                desired.frontends.contains_key(frontend)
+                    && entries
+                        .services
+                        .iter()
+                        .any(|(k, v)| k.slot > 0 && changed.contains(&v.entry.backend_id))
+            })
+            .map(|(frontend, _)| *frontend)
+            .collect()
     }
 
     /// An id for every backend of the given desired frontends that has none yet.
@@ -305,7 +340,7 @@ impl<M: MapOps> Applier<M> {
         report: &mut ApplyReport,
     ) {
         let service = group[0].1.service.clone();
-        let (built, new_rev_ids) = self.build_entries(group, new_backend_ids);
+        let (built, new_rev_ids) = self.build_entries(group, &desired.backends, new_backend_ids);
         let writes = match built.and_then(|built| self.plan_writes(built)) {
             Ok(writes) => writes,
             Err(reason) => {
@@ -357,6 +392,7 @@ impl<M: MapOps> Applier<M> {
     fn build_entries(
         &mut self,
         group: &[(&Frontend, &FrontendPlan)],
+        backend_flags: &BTreeMap<BackendAddr, u8>,
         new_backend_ids: &BTreeMap<BackendAddr, u32>,
     ) -> (Result<Vec<FrontendWrite>, String>, NewRevNatIds) {
         let mut built = Vec::with_capacity(group.len());
@@ -376,13 +412,15 @@ impl<M: MapOps> Applier<M> {
                     }
                 },
             };
-            let backend_id = |addr: &BackendAddr| -> Option<u32> {
-                self.backends
+            let backend = |addr: &BackendAddr| -> Option<(u32, u8)> {
+                let id = self
+                    .backends
                     .get(addr)
                     .map(|(id, _)| *id)
-                    .or_else(|| new_backend_ids.get(addr).copied())
+                    .or_else(|| new_backend_ids.get(addr).copied())?;
+                Some((id, backend_flags.get(addr).copied().unwrap_or(0)))
             };
-            let reason = match entries_for(frontend, plan, rev_nat_id, &backend_id) {
+            let reason = match entries_for(frontend, plan, rev_nat_id, &backend) {
                 Ok(entries) => {
                     built.push((**frontend, entries));
                     continue;

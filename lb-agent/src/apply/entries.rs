@@ -58,6 +58,30 @@ impl ServiceMapKey {
     }
 }
 
+/// A value of `lb4_services` or `lb6_services` (`SvcEntry<F>`): the entry, and in a backend slot
+/// a copy of its backend's entry (the programs pick a backend without a lookup of the backends
+/// map); `None` in a frontend entry (zero in the map).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ServiceMapValue {
+    pub entry: SvcValue,
+    pub backend: Option<BackendEntry>,
+}
+
+impl ServiceMapValue {
+    /// A frontend entry (slot 0).
+    pub fn frontend(entry: SvcValue) -> Self {
+        ServiceMapValue { entry, backend: None }
+    }
+
+    /// Backend slot of `rev_nat_id`'s frontend: backend `id`, whose entry is `backend`.
+    pub fn slot(rev_nat_id: u32, id: u32, backend: BackendEntry) -> Self {
+        ServiceMapValue {
+            entry: SvcValue::slot(rev_nat_id, id),
+            backend: Some(backend),
+        }
+    }
+}
+
 /// A value of `lb4_backends` or `lb6_backends` (`BackendValue<F>`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct BackendEntry {
@@ -110,7 +134,7 @@ impl SourceRange {
 pub(super) struct FrontendEntries {
     pub rev_nat_id: u32,
     pub service: ServicePortName,
-    pub services: BTreeMap<ServiceMapKey, SvcValue>,
+    pub services: BTreeMap<ServiceMapKey, ServiceMapValue>,
     pub revnat: RevNatEntry,
     pub affinity_match: BTreeSet<AffinityMatchKey>,
     pub source_ranges: BTreeSet<SourceRange>,
@@ -266,13 +290,14 @@ pub(super) enum EntriesError {
     TooManyBackends(usize),
 }
 
-/// The map entries of one frontend.
+/// The map entries of one frontend. `backend`: a backend's id and flags.
 pub(super) fn entries_for(
     frontend: &Frontend,
     plan: &FrontendPlan,
     rev_nat_id: u32,
-    backend_id: &dyn Fn(&BackendAddr) -> Option<u32>,
+    backend: &dyn Fn(&BackendAddr) -> Option<(u32, u8)>,
 ) -> Result<FrontendEntries, EntriesError> {
+    let backend_id = &|addr: &BackendAddr| backend(addr).map(|(id, _)| id);
     let proto = frontend.proto.number();
     let addr = frontend.addr;
     let mut services = BTreeMap::new();
@@ -288,9 +313,12 @@ pub(super) fn entries_for(
             maglev_ids = Some(maglev_entry(&scope.backends, size, backend_id)?);
             table_size = size.get();
         }
-        for (slot, backend) in (1..=count).zip(&scope.backends) {
-            let id = backend_id(backend).ok_or(EntriesError::NoBackendId(*backend))?;
-            services.insert(key.with_slot(slot), SvcValue::slot(rev_nat_id, id));
+        for (slot, member) in (1..=count).zip(&scope.backends) {
+            let (id, flags) = backend(member).ok_or(EntriesError::NoBackendId(*member))?;
+            services.insert(
+                key.with_slot(slot),
+                ServiceMapValue::slot(rev_nat_id, id, backend_value(member, flags)),
+            );
             if plan.affinity_timeout > 0 {
                 affinity_match.insert(AffinityMatchKey {
                     backend_id: id,
@@ -300,10 +328,10 @@ pub(super) fn entries_for(
         }
         services.insert(
             key,
-            SvcValue {
+            ServiceMapValue::frontend(SvcValue {
                 backend_id: table_size,
                 ..SvcValue::frontend(rev_nat_id, count, scope.flags, plan.affinity_timeout)
-            },
+            }),
         );
     }
     let source_ranges = plan

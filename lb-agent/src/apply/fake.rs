@@ -4,12 +4,10 @@
 
 use std::collections::BTreeSet;
 
-use lb_common::{
-    affinity::AffinityMatchKey, catalog, config::DatapathConfig, revnat::SvcName, service::SvcValue,
-};
+use lb_common::{affinity::AffinityMatchKey, catalog, config::DatapathConfig, revnat::SvcName};
 
 use super::{
-    entries::{BackendEntry, RevNatEntry, ServiceMapKey, SourceRange},
+    entries::{BackendEntry, RevNatEntry, ServiceMapKey, ServiceMapValue, SourceRange},
     ops::{MapError, MapOps, Snapshot},
 };
 use crate::family::IpFamily;
@@ -17,7 +15,7 @@ use crate::family::IpFamily;
 /// One logged operation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
-    PutService(ServiceMapKey, SvcValue),
+    PutService(ServiceMapKey, ServiceMapValue),
     DeleteService(ServiceMapKey),
     PutBackend(u32, BackendEntry),
     DeleteBackend(IpFamily, u32),
@@ -136,7 +134,7 @@ impl MapOps for FakeMaps {
         Ok(())
     }
 
-    fn put_service(&mut self, key: &ServiceMapKey, value: &SvcValue) -> Result<(), MapError> {
+    fn put_service(&mut self, key: &ServiceMapKey, value: &ServiceMapValue) -> Result<(), MapError> {
         if let Some(cap) = self.services_capacity
             && !self.state.services.contains_key(key)
             && self

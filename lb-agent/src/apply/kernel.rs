@@ -27,11 +27,11 @@ use lb_common::{
     family::{V4, V6},
     maglev::{self, MaglevChunk},
     revnat::{RevNatValue, SvcName},
-    service::{SrcRange, SvcKey, SvcValue},
+    service::{SrcRange, SvcEntry, SvcKey},
 };
 
 use super::{
-    entries::{BackendEntry, RevNatEntry, ServiceMapKey, SourceRange},
+    entries::{BackendEntry, RevNatEntry, ServiceMapKey, ServiceMapValue, SourceRange},
     ops::{BatchError, MapError, MapOps, Snapshot},
     prefilter::{Owner, Prefilter, Referenced},
 };
@@ -66,7 +66,7 @@ pub type MaglevMap = HashOfMaps<MapData, u32, Array<MapData, MaglevChunk>>;
 
 /// The maps of one family that the agent writes.
 pub struct FamilyMaps<F: KernelFamily> {
-    pub services: HashMap<MapData, SvcKey<F>, SvcValue>,
+    pub services: HashMap<MapData, SvcKey<F>, SvcEntry<F>>,
     pub backends: HashMap<MapData, u32, BackendValue<F>>,
     pub revnat: HashMap<MapData, u32, RevNatValue<F>>,
     pub source_ranges: LpmTrie<MapData, SrcRange<F>, u8>,
@@ -295,6 +295,7 @@ impl<F> FamilyMaps<F>
 where
     F: KernelFamily + catalog::FamilyMaps,
     SvcKey<F>: Pod,
+    SvcEntry<F>: Pod,
     BackendValue<F>: Pod,
     RevNatValue<F>: Pod,
     SrcRange<F>: Pod,
@@ -341,13 +342,41 @@ where
         Ok(SvcKey::new(addr, key.port, key.proto, key.scope, key.slot))
     }
 
-    fn backend_value(value: &BackendEntry) -> Result<BackendValue<F>, MapError> {
+    /// `map`: the map the value goes to (named by an error).
+    fn backend_value(value: &BackendEntry, map: &'static str) -> Result<BackendValue<F>, MapError> {
         Ok(BackendValue {
-            addr: addr_of::<F>(&value.addr, F::MAPS.backends, "update")?,
+            addr: addr_of::<F>(&value.addr, map, "update")?,
             port: value.port,
             proto: value.proto,
             flags: value.flags,
         })
+    }
+
+    fn backend_entry(value: &BackendValue<F>) -> BackendEntry {
+        BackendEntry {
+            addr: F::ip_addr(&value.addr),
+            port: value.port,
+            proto: value.proto,
+            flags: value.flags,
+        }
+    }
+
+    fn service_value(value: &ServiceMapValue) -> Result<SvcEntry<F>, MapError> {
+        Ok(SvcEntry {
+            value: value.entry,
+            backend: match &value.backend {
+                Some(backend) => Self::backend_value(backend, F::MAPS.services)?,
+                None => BackendValue::default(),
+            },
+        })
+    }
+
+    /// What the map holds at `key`, as the writer names it (a frontend entry has no backend).
+    fn service_map_value(key: &SvcKey<F>, value: &SvcEntry<F>) -> ServiceMapValue {
+        ServiceMapValue {
+            entry: value.value,
+            backend: (key.slot > 0).then(|| Self::backend_entry(&value.backend)),
+        }
     }
 
     fn source_range_key(range: &SourceRange, op: &'static str) -> Result<Key<SrcRange<F>>, MapError> {
@@ -361,12 +390,13 @@ where
     fn put_services(
         &mut self,
         supported: &mut bool,
-        entries: &[(ServiceMapKey, SvcValue)],
+        entries: &[(ServiceMapKey, ServiceMapValue)],
     ) -> Result<(), BatchError> {
         let mut converted = Vec::with_capacity(entries.len());
         for (done, (key, value)) in entries.iter().enumerate() {
             let key = Self::service_key(key, "update").map_err(|error| BatchError { done, error })?;
-            converted.push((key, *value));
+            let value = Self::service_value(value).map_err(|error| BatchError { done, error })?;
+            converted.push((key, value));
         }
         let fd = self.batch_services.as_raw_fd();
         write_batch(fd, supported, &converted, |k, v| self.put_service(k, v))
@@ -379,7 +409,8 @@ where
     ) -> Result<(), BatchError> {
         let mut converted = Vec::with_capacity(entries.len());
         for (done, (id, value)) in entries.iter().enumerate() {
-            let value = Self::backend_value(value).map_err(|error| BatchError { done, error })?;
+            let value =
+                Self::backend_value(value, F::MAPS.backends).map_err(|error| BatchError { done, error })?;
             converted.push((*id, value));
         }
         let fd = self.batch_backends.as_raw_fd();
@@ -390,7 +421,7 @@ where
         })
     }
 
-    fn put_service(&mut self, key: &SvcKey<F>, value: &SvcValue) -> Result<(), MapError> {
+    fn put_service(&mut self, key: &SvcKey<F>, value: &SvcEntry<F>) -> Result<(), MapError> {
         self.services
             .insert(key, value, 0)
             .map_err(|e| MapError::new(F::MAPS.services, "update", io_err(e)))
@@ -496,18 +527,14 @@ where
     }
 
     /// The service entry at `key`, if any (`key` must be of this family).
-    pub fn service(&self, key: &ServiceMapKey) -> Option<SvcValue> {
+    pub fn service(&self, key: &ServiceMapKey) -> Option<ServiceMapValue> {
         let key = Self::service_key(key, "lookup").ok()?;
-        self.services.get(&key, 0).ok()
+        let value = self.services.get(&key, 0).ok()?;
+        Some(Self::service_map_value(&key, &value))
     }
 
     pub fn backend(&self, id: u32) -> Option<BackendEntry> {
-        self.backends.get(&id, 0).ok().map(|v| BackendEntry {
-            addr: F::ip_addr(&v.addr),
-            port: v.port,
-            proto: v.proto,
-            flags: v.flags,
-        })
+        self.backends.get(&id, 0).ok().map(|v| Self::backend_entry(&v))
     }
 
     pub fn revnat(&self, id: u32) -> Option<RevNatEntry> {
@@ -524,17 +551,11 @@ where
         for entry in self.services.iter() {
             let (k, v) = entry.map_err(read(F::MAPS.services))?;
             let key = ServiceMapKey::new(F::ip_addr(&k.addr), k.port, k.proto, k.scope, k.slot);
-            snap.services.insert(key, v);
+            snap.services.insert(key, Self::service_map_value(&k, &v));
         }
         for entry in self.backends.iter() {
             let (id, v) = entry.map_err(read(F::MAPS.backends))?;
-            let value = BackendEntry {
-                addr: F::ip_addr(&v.addr),
-                port: v.port,
-                proto: v.proto,
-                flags: v.flags,
-            };
-            snap.backends.insert(id, value);
+            snap.backends.insert(id, Self::backend_entry(&v));
         }
         for entry in self.revnat.iter() {
             let (id, v) = entry.map_err(read(F::MAPS.revnat))?;
@@ -630,7 +651,7 @@ impl KernelMaps {
     }
 
     /// The service entry at `key`, in its family's map.
-    pub fn service(&self, key: &ServiceMapKey) -> Option<SvcValue> {
+    pub fn service(&self, key: &ServiceMapKey) -> Option<ServiceMapValue> {
         match key.family() {
             IpFamily::V4 => self.v4.service(key),
             IpFamily::V6 => self.v6.service(key),
@@ -719,7 +740,7 @@ fn replace_entries<V: Pod>(
 }
 
 /// The prefilter bits of the frontend entries (slot 0) among `entries`.
-fn frontend_bits(entries: &[(ServiceMapKey, SvcValue)]) -> Vec<(Owner, IpFamily, u32)> {
+fn frontend_bits(entries: &[(ServiceMapKey, ServiceMapValue)]) -> Vec<(Owner, IpFamily, u32)> {
     entries.iter().filter_map(|(k, _)| Owner::frontend(k)).collect()
 }
 
@@ -728,7 +749,7 @@ impl KernelMaps {
     /// padding) where a frontend entry in `services` names it.
     fn read_maglev(
         &self,
-        services: &BTreeMap<ServiceMapKey, SvcValue>,
+        services: &BTreeMap<ServiceMapKey, ServiceMapValue>,
     ) -> Result<BTreeMap<u32, std::sync::Arc<[u32]>>, MapError> {
         let mut tables = BTreeMap::new();
         let Some(outer) = &self.maglev else {
@@ -737,8 +758,8 @@ impl KernelMaps {
         let read = |e| MapError::new(catalog::MAGLEV, "dump", io_err(e));
         let sizes: BTreeMap<u32, u32> = services
             .iter()
-            .filter(|(k, v)| k.slot == 0 && v.has(lb_common::service::flags::MAGLEV))
-            .map(|(_, v)| (v.rev_nat_id, v.backend_id))
+            .filter(|(k, v)| k.slot == 0 && v.entry.has(lb_common::service::flags::MAGLEV))
+            .map(|(_, v)| (v.entry.rev_nat_id, v.entry.backend_id))
             .collect();
         for id in outer.keys() {
             let id = id.map_err(read)?;
@@ -839,7 +860,7 @@ impl MapOps for KernelMaps {
         Ok(())
     }
 
-    fn put_services(&mut self, entries: &[(ServiceMapKey, SvcValue)]) -> Result<(), BatchError> {
+    fn put_services(&mut self, entries: &[(ServiceMapKey, ServiceMapValue)]) -> Result<(), BatchError> {
         let fresh = self
             .prefilter
             .hold_all(frontend_bits(entries))
@@ -881,7 +902,7 @@ impl MapOps for KernelMaps {
         })
     }
 
-    fn put_service(&mut self, key: &ServiceMapKey, value: &SvcValue) -> Result<(), MapError> {
+    fn put_service(&mut self, key: &ServiceMapKey, value: &ServiceMapValue) -> Result<(), MapError> {
         self.put_services(&[(*key, *value)]).map_err(|e| e.error)
     }
 

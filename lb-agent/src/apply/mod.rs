@@ -27,7 +27,7 @@ pub mod ops;
 pub mod prefilter;
 
 pub use applier::{Applier, ApplyReport};
-pub use entries::{BackendEntry, RevNatEntry, ServiceMapKey, SourceRange};
+pub use entries::{BackendEntry, RevNatEntry, ServiceMapKey, ServiceMapValue, SourceRange};
 pub use kernel::KernelMaps;
 pub use ops::{BatchError, MapError, MapOps, Snapshot};
 

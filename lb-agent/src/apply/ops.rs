@@ -2,9 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use lb_common::{affinity::AffinityMatchKey, config::DatapathConfig, revnat::SvcName, service::SvcValue};
+use lb_common::{affinity::AffinityMatchKey, config::DatapathConfig, revnat::SvcName};
 
-use super::entries::{BackendEntry, RevNatEntry, ServiceMapKey, SourceRange};
+use super::entries::{BackendEntry, RevNatEntry, ServiceMapKey, ServiceMapValue, SourceRange};
 use crate::family::IpFamily;
 
 /// A failed map operation. The message includes the OS error, which is therefore not also a
@@ -32,7 +32,7 @@ impl MapError {
 /// inspection).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Snapshot {
-    pub services: BTreeMap<ServiceMapKey, SvcValue>,
+    pub services: BTreeMap<ServiceMapKey, ServiceMapValue>,
     pub backends: BTreeMap<u32, BackendEntry>,
     pub revnat: BTreeMap<u32, RevNatEntry>,
     pub names: BTreeMap<u32, SvcName>,
@@ -45,11 +45,13 @@ pub struct Snapshot {
 impl Snapshot {
     /// Checks what a packet relies on at any moment, the write order's promise (and, after a
     /// kill -9 in the middle of a sync, what the pinned maps must still hold): every frontend
-    /// entry's slots exist and point at existing backends of the frontend's family; its
-    /// reverse-NAT entry exists in its family; and a frontend whose external entry says
-    /// `TWO_SCOPES` has its internal entry.
+    /// entry's slots exist and point at existing backends of the frontend's family, whose
+    /// address, port and protocol their copies hold (the flags of a copy may lag its backend's
+    /// for the few writes between the two); its reverse-NAT entry exists in its family; and a
+    /// frontend whose external entry says `TWO_SCOPES` has its internal entry.
     pub fn check_consistent(&self) -> Result<(), String> {
         for (key, value) in self.services.iter().filter(|(k, _)| k.slot == 0) {
+            let value = &value.entry;
             for slot in 1..=value.count {
                 let slot_key = key.with_slot(slot);
                 let Some(entry) = self.services.get(&slot_key) else {
@@ -58,11 +60,18 @@ impl Snapshot {
                         value.count
                     ));
                 };
-                let backend = self.backends.get(&entry.backend_id);
-                if backend.is_none_or(|b| IpFamily::of(&b.addr) != key.family()) {
+                let backend = self.backends.get(&entry.entry.backend_id);
+                let Some(backend) = backend.filter(|b| IpFamily::of(&b.addr) == key.family()) else {
                     return Err(format!(
                         "{slot_key:?} points at missing backend {}",
-                        entry.backend_id
+                        entry.entry.backend_id
+                    ));
+                };
+                let copy = entry.backend.map(|c| (c.addr, c.port, c.proto));
+                if copy != Some((backend.addr, backend.port, backend.proto)) {
+                    return Err(format!(
+                        "{slot_key:?} holds {:?} for backend {}, which is {backend:?}",
+                        entry.backend, entry.entry.backend_id
                     ));
                 }
             }
@@ -120,7 +129,7 @@ pub trait MapOps {
     /// Writes `entries` in order, as one `put_service` each would (the kernel maps do it in one
     /// BPF_MAP_UPDATE_BATCH call per run of one family: a cold start writes ~220,000 entries at
     /// 10,000 Services).
-    fn put_services(&mut self, entries: &[(ServiceMapKey, SvcValue)]) -> Result<(), BatchError> {
+    fn put_services(&mut self, entries: &[(ServiceMapKey, ServiceMapValue)]) -> Result<(), BatchError> {
         for (done, (key, value)) in entries.iter().enumerate() {
             self.put_service(key, value)
                 .map_err(|error| BatchError { done, error })?;
@@ -135,7 +144,7 @@ pub trait MapOps {
         }
         Ok(())
     }
-    fn put_service(&mut self, key: &ServiceMapKey, value: &SvcValue) -> Result<(), MapError>;
+    fn put_service(&mut self, key: &ServiceMapKey, value: &ServiceMapValue) -> Result<(), MapError>;
     fn delete_service(&mut self, key: &ServiceMapKey) -> Result<(), MapError>;
     fn put_backend(&mut self, id: u32, value: &BackendEntry) -> Result<(), MapError>;
     fn delete_backend(&mut self, family: IpFamily, id: u32) -> Result<(), MapError>;
@@ -205,8 +214,15 @@ mod tests {
         ServiceMapKey::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 1)), 80, 6, scope, slot)
     }
 
-    /// Each broken promise is found: a missing slot, a slot naming a missing backend, a missing
-    /// reverse-NAT entry, a two-scope frontend without its internal entry.
+    fn frontend(rev_nat_id: u32, count: u16, flags: u16) -> ServiceMapValue {
+        ServiceMapValue::frontend(lb_common::service::SvcValue::frontend(
+            rev_nat_id, count, flags, 0,
+        ))
+    }
+
+    /// Each broken promise is found: a missing slot, a slot naming a missing backend or holding
+    /// another backend's copy, a missing reverse-NAT entry, a two-scope frontend without its
+    /// internal entry.
     #[test]
     fn check_consistent_finds_each_half_written_frontend() {
         let mut snap = Snapshot::default();
@@ -218,24 +234,40 @@ mod tests {
                 proto: 6,
             },
         );
-        snap.backends.insert(
-            7,
-            BackendEntry {
-                addr: IpAddr::V4(Ipv4Addr::new(10, 244, 0, 2)),
-                port: 8080,
-                proto: 6,
-                flags: 0,
-            },
-        );
+        let backend = BackendEntry {
+            addr: IpAddr::V4(Ipv4Addr::new(10, 244, 0, 2)),
+            port: 8080,
+            proto: 6,
+            flags: 0,
+        };
+        snap.backends.insert(7, backend);
+        snap.services.insert(key(0, SCOPE_EXTERNAL), frontend(1, 1, 0));
         snap.services
-            .insert(key(0, SCOPE_EXTERNAL), SvcValue::frontend(1, 1, 0, 0));
-        snap.services.insert(key(1, SCOPE_EXTERNAL), SvcValue::slot(1, 7));
+            .insert(key(1, SCOPE_EXTERNAL), ServiceMapValue::slot(1, 7, backend));
         assert_eq!(snap.check_consistent(), Ok(()));
+
+        // The slot's copy of its backend: flags may lag, the address may not.
+        let mut lagging_flags = snap.clone();
+        lagging_flags.backends.get_mut(&7).unwrap().flags = lb_common::backend::flags::TERMINATING;
+        assert_eq!(lagging_flags.check_consistent(), Ok(()));
+        let mut wrong_copy = snap.clone();
+        wrong_copy.services.insert(
+            key(1, SCOPE_EXTERNAL),
+            ServiceMapValue::slot(
+                1,
+                7,
+                BackendEntry {
+                    port: 9090,
+                    ..backend
+                },
+            ),
+        );
+        assert!(wrong_copy.check_consistent().unwrap_err().contains("holds"));
 
         let mut missing_slot = snap.clone();
         missing_slot
             .services
-            .insert(key(0, SCOPE_EXTERNAL), SvcValue::frontend(1, 2, 0, 0));
+            .insert(key(0, SCOPE_EXTERNAL), frontend(1, 2, 0));
         assert!(
             missing_slot
                 .check_consistent()
@@ -262,14 +294,13 @@ mod tests {
         );
 
         let mut two_scopes = snap.clone();
-        two_scopes.services.insert(
-            key(0, SCOPE_EXTERNAL),
-            SvcValue::frontend(1, 1, flags::TWO_SCOPES, 0),
-        );
+        two_scopes
+            .services
+            .insert(key(0, SCOPE_EXTERNAL), frontend(1, 1, flags::TWO_SCOPES));
         assert!(two_scopes.check_consistent().unwrap_err().contains("TWO_SCOPES"));
         two_scopes
             .services
-            .insert(key(0, SCOPE_INTERNAL), SvcValue::frontend(1, 0, 0, 0));
+            .insert(key(0, SCOPE_INTERNAL), frontend(1, 0, 0));
         assert_eq!(two_scopes.check_consistent(), Ok(()));
     }
 }

@@ -67,10 +67,17 @@ fn canon(snap: &Snapshot) -> Result<Canon, String> {
     // Every entry in its family's maps: a slot's backend and a frontend's reverse NAT are of the
     // frontend's family.
     for (key, value) in &snap.services {
-        if key.slot > 0 && backend(value.backend_id)?.addr.is_ipv4() != key.addr.is_ipv4() {
+        if key.slot > 0 && backend(value.entry.backend_id)?.addr.is_ipv4() != key.addr.is_ipv4() {
             return Err(format!("{key:?}: a backend of the other family"));
         }
-        if revnat(value.rev_nat_id)?.0.is_ipv4() != key.addr.is_ipv4() {
+        // What the programs use is the slot's copy: it must be the backend's entry.
+        if key.slot > 0 && value.backend != Some(backend(value.entry.backend_id)?) {
+            return Err(format!(
+                "{key:?}: the copy {:?} is not its backend's entry",
+                value.backend
+            ));
+        }
+        if revnat(value.entry.rev_nat_id)?.0.is_ipv4() != key.addr.is_ipv4() {
             return Err(format!("{key:?}: a reverse NAT of the other family"));
         }
     }
@@ -78,16 +85,17 @@ fn canon(snap: &Snapshot) -> Result<Canon, String> {
     let mut referenced_revnat = BTreeSet::new();
     for (key, value) in &snap.services {
         if key.slot == 0 {
+            let value = &value.entry;
             let mut slots = Vec::new();
             for slot in 1..=value.count {
                 let entry = snap
                     .services
                     .get(&key.with_slot(slot))
                     .ok_or(format!("{key:?}: slot {slot} missing"))?;
-                if entry.rev_nat_id != value.rev_nat_id {
+                if entry.entry.rev_nat_id != value.rev_nat_id {
                     return Err(format!("{key:?}: slot {slot} of another frontend"));
                 }
-                slots.push(backend(entry.backend_id)?);
+                slots.push(backend(entry.entry.backend_id)?);
             }
             referenced_revnat.insert(value.rev_nat_id);
             services.insert(
@@ -104,8 +112,11 @@ fn canon(snap: &Snapshot) -> Result<Canon, String> {
                 .services
                 .get(&key.with_slot(0))
                 .ok_or(format!("{key:?}: a slot without its frontend"))?;
-            if key.slot > owner.count {
-                return Err(format!("{key:?}: a stale slot beyond count {}", owner.count));
+            if key.slot > owner.entry.count {
+                return Err(format!(
+                    "{key:?}: a stale slot beyond count {}",
+                    owner.entry.count
+                ));
             }
         }
     }

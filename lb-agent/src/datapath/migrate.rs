@@ -2,14 +2,18 @@
 //! not, never silently reused with another layout.
 //!
 //! Each map has a layout version (`catalog::LAYOUTS`); a map whose key or value layout changes gets a new
-//! version and therefore a new pin name (`lb4_services` is version 1, its successor would be
-//! `lb4_services_v2`), as Cilium renames `cilium_lb4_services_v2`. At start-up:
+//! version and therefore a new pin name (`lb4_services` was version 1; version 2, whose slots carry
+//! their backend's entry, is pinned as `lb4_services_v2`), as Cilium renames
+//! `cilium_lb4_services_v2`. At start-up:
 //! - a pin of the current version whose capacity differs (a changed `--bpf-lb-map-max`, say) is
 //!   moved aside (`<pin>-old`), a new map is created, and its entries are copied over;
 //! - a `<pin>-old` left by a start killed before it finished such a migration goes back under
 //!   its pin first ([`recover_interrupted`]), so the migration starts over from the map the
 //!   attached programs used;
-//! - pins of other versions are left to the programs that still use them;
+//! - pins of other versions are left to the programs that still use them; the entries of a map
+//!   whose new layout only adds to the old one are converted into the new map first
+//!   ([`convert_entries`]: `lb4_services` v1 -> v2 adds each slot's copy of its backend), so the
+//!   ids the agent adopts from them survive the upgrade;
 //! - a pin of the current version whose key or value size differs is a layout change without a
 //!   version bump: refused, with an error (it would be read with the wrong layout).
 //!
@@ -35,7 +39,7 @@ use lb_common::{
     conntrack::{CtKey, CtValue},
     family::{V4, V6},
     revnat::{RevNatValue, SockRevNatKey, SockRevNatSk, SockRevNatValue, SvcName},
-    service::{SrcRange, SvcKey, SvcValue},
+    service::{SrcRange, SvcEntry, SvcKey, SvcValue},
 };
 
 use super::{DatapathError, PinPaths, hint_for};
@@ -89,7 +93,11 @@ fn expected(name: &str, caps: &Capacities) -> Expected {
 fn family_expected<F: FamilyMaps>(name: &str, caps: &Capacities) -> Option<Expected> {
     let maps = F::MAPS;
     Some(if name == maps.services {
-        sizes(size_of::<SvcKey<F>>(), size_of::<SvcValue>(), Some(caps.services))
+        sizes(
+            size_of::<SvcKey<F>>(),
+            size_of::<SvcEntry<F>>(),
+            Some(caps.services),
+        )
     } else if name == maps.backends {
         sizes(4, size_of::<BackendValue<F>>(), Some(caps.backends))
     } else if name == maps.revnat {
@@ -147,13 +155,23 @@ fn family_expected<F: FamilyMaps>(name: &str, caps: &Capacities) -> Option<Expec
 pub struct Migration {
     /// (map name, where the old map's pin was moved) for maps recreated with another capacity.
     pub resized: Vec<(String, PathBuf)>,
+    /// (map name, pin of its layout-1 map) for maps whose entries are converted into the new
+    /// layout, the new map not being pinned yet ([`CONVERTED_FROM_V1`]).
+    pub converted: Vec<(String, PathBuf)>,
     /// Pins of other layout versions.
     pub stale: Vec<PathBuf>,
 }
 
+/// Maps whose layout-1 entries are converted into their current layout at an upgrade: the
+/// services maps (layout 2 adds a copy of each slot's backend, read from the backends map, whose
+/// layout is unchanged). Their frontends' reverse-NAT ids and their backends' ids are adopted from
+/// them, so established flows (conntrack entries and socket reverse NAT naming those ids) keep
+/// their meaning.
+const CONVERTED_FROM_V1: &[&str] = &[catalog::SERVICES, catalog::SERVICES6];
+
 impl Migration {
     pub fn is_empty(&self) -> bool {
-        self.resized.is_empty() && self.stale.is_empty()
+        self.resized.is_empty() && self.stale.is_empty() && self.converted.is_empty()
     }
 
     /// Removes the old pins; the maps go away once the programs that used them are replaced.
@@ -197,12 +215,19 @@ pub fn prepare(
     for (name, _) in LAYOUTS {
         recover_interrupted(paths, name)?;
         let current = pin_name(name).to_string();
+        let current_pinned = existing.contains(&current);
         for other in existing
             .iter()
             .filter(|f| is_version_of(f, name) && **f != current)
         {
-            tracing::warn!(map = name, pin = %other, "a map of another layout version is pinned; it is replaced, its entries are rebuilt");
-            migration.stale.push(paths.maps().join(other));
+            let old = paths.maps().join(other);
+            if other == name && CONVERTED_FROM_V1.contains(name) && !current_pinned {
+                tracing::info!(map = name, pin = %other, "a map of layout version 1 is pinned; its entries are converted into the new layout, then it is replaced");
+                migration.converted.push((name.to_string(), old.clone()));
+            } else {
+                tracing::warn!(map = name, pin = %other, "a map of another layout version is pinned; it is replaced, its entries are rebuilt");
+            }
+            migration.stale.push(old);
         }
         let pin = paths.maps().join(&current);
         // `exists()` would say "no" for a pin the agent may not even look at.
@@ -332,8 +357,10 @@ fn copy_lpm<K: aya::Pod, V: aya::Pod>(
     Ok((copied, dropped))
 }
 
-/// Copies the entries of the maps moved aside into their new maps (same layout, new capacity).
+/// Copies the entries of the maps moved aside into their new maps (same layout, new capacity),
+/// and converts those of [`Migration::converted`].
 pub fn copy_entries(migration: &Migration, ebpf: &mut aya::Ebpf) {
+    convert_entries(migration, ebpf);
     for (name, from) in &migration.resized {
         let Some(to) = ebpf.map_mut(name) else { continue };
         let result = match name.as_str() {
@@ -356,11 +383,86 @@ pub fn copy_entries(migration: &Migration, ebpf: &mut aya::Ebpf) {
 
 type Copied = Result<(usize, usize), aya::maps::MapError>;
 
+/// Converts the entries of each map of [`Migration::converted`] into its new map.
+fn convert_entries(migration: &Migration, ebpf: &mut aya::Ebpf) {
+    for (name, from) in &migration.converted {
+        let Some(result) =
+            convert_services::<V4>(name, from, ebpf).or_else(|| convert_services::<V6>(name, from, ebpf))
+        else {
+            continue;
+        };
+        match result {
+            Ok((converted, 0)) => {
+                tracing::info!(map = %name, converted, "entries converted to the new layout")
+            }
+            Ok((converted, skipped)) => tracing::warn!(
+                map = %name,
+                converted,
+                skipped,
+                "entries converted to the new layout; slots whose backend is missing are left to the first sync"
+            ),
+            Err(e) => {
+                tracing::error!(map = %name, "converting entries failed (the first sync writes them anew): {e}")
+            }
+        }
+    }
+}
+
+/// `lb4_services` (`lb6_services`) layout 1 -> 2, if `name` is family `F`'s: each entry with, in
+/// a slot, a copy of its backend's entry from the backends map (a slot whose backend is missing
+/// is skipped, counted: the first sync writes it, before the programs that read it are attached).
+fn convert_services<F>(name: &str, from: &Path, ebpf: &mut aya::Ebpf) -> Option<Copied>
+where
+    F: FamilyMaps,
+    SvcKey<F>: Pod,
+    SvcEntry<F>: Pod,
+    BackendValue<F>: Pod,
+{
+    if name != F::MAPS.services {
+        return None;
+    }
+    Some((|| {
+        let backends: std::collections::BTreeMap<u32, BackendValue<F>> = {
+            let map = ebpf
+                .map(F::MAPS.backends)
+                .ok_or(aya::maps::MapError::InvalidName {
+                    name: F::MAPS.backends.to_string(),
+                })?;
+            let map: HashMap<&MapData, u32, BackendValue<F>> = map.try_into()?;
+            map.iter().flatten().collect()
+        };
+        let old: HashMap<MapData, SvcKey<F>, SvcValue> = Map::HashMap(MapData::from_pin(from)?).try_into()?;
+        let to = ebpf.map_mut(name).ok_or(aya::maps::MapError::InvalidName {
+            name: name.to_string(),
+        })?;
+        let mut new: HashMap<&mut MapData, SvcKey<F>, SvcEntry<F>> = to.try_into()?;
+        let (mut converted, mut skipped) = (0, 0);
+        for (key, value) in old.iter().flatten() {
+            let backend = match key.slot {
+                0 => BackendValue::default(),
+                _ => match backends.get(&value.backend_id) {
+                    Some(backend) => *backend,
+                    None => {
+                        skipped += 1;
+                        continue;
+                    }
+                },
+            };
+            match new.insert(&key, &SvcEntry { value, backend }, 0) {
+                Ok(()) => converted += 1,
+                Err(_) => skipped += 1,
+            }
+        }
+        Ok((converted, skipped))
+    })())
+}
+
 /// Copies `name`'s entries if it is one of family `F`'s maps.
 fn copy_family<F>(name: &str, from: &Path, to: &mut Map) -> Option<Copied>
 where
     F: FamilyMaps,
     SvcKey<F>: Pod,
+    SvcEntry<F>: Pod,
     BackendValue<F>: Pod,
     RevNatValue<F>: Pod,
     SockRevNatKey<F>: Pod,
@@ -373,7 +475,7 @@ where
 {
     let maps = F::MAPS;
     Some(if name == maps.services {
-        copy_hash::<SvcKey<F>, SvcValue>(from, to, false)
+        copy_hash::<SvcKey<F>, SvcEntry<F>>(from, to, false)
     } else if name == maps.backends {
         copy_hash::<u32, BackendValue<F>>(from, to, false)
     } else if name == maps.revnat {
@@ -399,7 +501,8 @@ mod tests {
 
     #[test]
     fn version_pin_names() {
-        assert_eq!(pin_name(catalog::SERVICES).to_string(), "lb4_services");
+        assert_eq!(pin_name(catalog::SERVICES).to_string(), "lb4_services_v2");
+        assert_eq!(pin_name(catalog::BACKENDS).to_string(), "lb4_backends");
         assert!(is_version_of("lb4_services", "lb4_services"));
         assert!(is_version_of("lb4_services_v2", "lb4_services"));
         assert!(!is_version_of("lb4_services-old", "lb4_services"));
@@ -414,7 +517,8 @@ mod tests {
             is_version_of("lb_config", catalog::CONFIG),
             "the IPv4-only pin is an older version"
         );
-        assert_eq!(pin_name(catalog::SERVICES6).to_string(), "lb6_services");
+        assert_eq!(pin_name(catalog::SERVICES6).to_string(), "lb6_services_v2");
+        assert_eq!(pin_name(catalog::BACKENDS6).to_string(), "lb6_backends");
     }
 
     #[test]

@@ -113,17 +113,15 @@ fn verdict_name(v: u32) -> &'static str {
     }
 }
 
-/// Every backend in the slots of a frontend's scope.
+/// Every backend in the slots of a frontend's scope (the slots' copies, which the programs use).
 fn scope_backends(maps: &KernelMaps, req: &TraceRequest, scope: u8) -> Vec<String> {
     let key = ServiceMapKey::new(req.frontend_addr(), req.dport, req.protocol.number(), scope, 0);
     let Some(frontend) = maps.service(&key) else {
         return Vec::new();
     };
     let mut out = BTreeSet::new();
-    for slot in 1..=frontend.count {
-        if let Some(entry) = maps.service(&key.with_slot(slot))
-            && let Some(b) = maps.backend(key.family(), entry.backend_id)
-        {
+    for slot in 1..=frontend.entry.count {
+        if let Some(b) = maps.service(&key.with_slot(slot)).and_then(|e| e.backend) {
             out.insert(SocketAddr::new(b.addr, b.port));
         }
     }

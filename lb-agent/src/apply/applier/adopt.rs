@@ -35,24 +35,26 @@ impl<M: MapOps> Applier<M> {
         }
         let mut by_rev: BTreeMap<u32, FrontendEntries> = BTreeMap::new();
         for (key, value) in &snap.services {
-            let entries = by_rev.entry(value.rev_nat_id).or_insert_with(|| FrontendEntries {
-                rev_nat_id: value.rev_nat_id,
-                service: ServicePortName {
-                    namespace: String::new(),
-                    name: String::new(),
-                    port: String::new(),
-                    protocol: protocol_from(key.proto).unwrap_or(Protocol::Tcp),
-                },
-                services: BTreeMap::new(),
-                revnat: RevNatEntry {
-                    addr: key.addr,
-                    port: key.port,
-                    proto: key.proto,
-                },
-                affinity_match: BTreeSet::new(),
-                source_ranges: BTreeSet::new(),
-                maglev: None,
-            });
+            let entries = by_rev
+                .entry(value.entry.rev_nat_id)
+                .or_insert_with(|| FrontendEntries {
+                    rev_nat_id: value.entry.rev_nat_id,
+                    service: ServicePortName {
+                        namespace: String::new(),
+                        name: String::new(),
+                        port: String::new(),
+                        protocol: protocol_from(key.proto).unwrap_or(Protocol::Tcp),
+                    },
+                    services: BTreeMap::new(),
+                    revnat: RevNatEntry {
+                        addr: key.addr,
+                        port: key.port,
+                        proto: key.proto,
+                    },
+                    affinity_match: BTreeSet::new(),
+                    source_ranges: BTreeSet::new(),
+                    maglev: None,
+                });
             entries.services.insert(*key, *value);
         }
         for (id, revnat) in &snap.revnat {

@@ -149,6 +149,78 @@ fn a_change_to_one_service_writes_only_that_change() {
     assert_eq!((r.writes, r.deletes), (3, 0), "{r:?}");
 }
 
+/// A slot carries a copy of its backend's entry (the programs choose without a backends lookup):
+/// when a backend's flags change while no frontend's plan does (a node address came, another
+/// Service's endpoint at the same address started terminating), the backend is written first,
+/// then every slot that copies it, in each Service that uses it, by a full apply and by an
+/// incremental one alike.
+#[test]
+fn a_backends_flags_change_rewrites_every_slot_that_copies_it() {
+    use lb_common::backend::flags::{HOST, TERMINATING};
+    let d = desired(&[(10, "web", &[1, 2]), (11, "api", &[2, 3])]);
+    let slot_flags = |a: &Applier<FakeMaps>, vip: u8| -> Vec<u8> {
+        let key = ServiceMapKey::new(fe(vip).addr, 80, 6, SCOPE_EXTERNAL, 0);
+        (1..=2)
+            .map(|slot| {
+                a.maps().state.services[&key.with_slot(slot)]
+                    .backend
+                    .unwrap()
+                    .flags
+            })
+            .collect()
+    };
+    for incremental in [false, true] {
+        let mut a = applier();
+        assert!(a.apply(&d).is_clean());
+        a.maps_mut().log.clear();
+        let mut changed = d.clone();
+        changed.backends.insert(be(2), HOST | TERMINATING);
+        let r = if incremental {
+            let changes = Changes {
+                frontends: Default::default(),
+                backends: [be(2)].into(),
+            };
+            a.apply_changes(&changed, &changes)
+        } else {
+            a.apply(&changed)
+        };
+        assert!(r.is_clean(), "{r:?}");
+        // Backend 2 sits in slot 2 of web and slot 1 of api (slots follow the plan's order).
+        assert_eq!(
+            slot_flags(&a, 10),
+            vec![0, HOST | TERMINATING],
+            "incremental {incremental}"
+        );
+        assert_eq!(
+            slot_flags(&a, 11),
+            vec![HOST | TERMINATING, 0],
+            "incremental {incremental}"
+        );
+        // The backend entry first, then the two slots; nothing else.
+        let log = &a.maps().log;
+        assert!(
+            matches!(log[0], Op::PutBackend(_, b) if b.flags == HOST | TERMINATING),
+            "{log:?}"
+        );
+        let slots: Vec<u8> = log[1..]
+            .iter()
+            .map(|op| match op {
+                Op::PutService(k, v) if k.slot > 0 => v.backend.unwrap().flags,
+                other => panic!("only slots after the backend: {other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            slots,
+            vec![HOST | TERMINATING; 2],
+            "incremental {incremental}: {log:?}"
+        );
+        a.maps().check_consistent().unwrap();
+        // Nothing left to do.
+        let again = a.apply(&changed);
+        assert_eq!((again.writes, again.deletes), (0, 0));
+    }
+}
+
 #[test]
 fn scaling_down_lowers_the_count_before_deleting_slots() {
     let mut a = applier();
@@ -253,7 +325,7 @@ fn switching_local_to_cluster_policy_rewrites_the_frontend_before_dropping_the_i
     a.maps_mut().log.clear();
     a.apply(&desired(&[(20, "np", &[1, 2])]));
     let log = &a.maps().log;
-    let rewrite = log.iter().position(|op| matches!(op, Op::PutService(k, v) if k.slot == 0 && k.scope == SCOPE_EXTERNAL && v.flags & flags::TWO_SCOPES == 0)).unwrap();
+    let rewrite = log.iter().position(|op| matches!(op, Op::PutService(k, v) if k.slot == 0 && k.scope == SCOPE_EXTERNAL && v.entry.flags & flags::TWO_SCOPES == 0)).unwrap();
     let drop_internal = log
         .iter()
         .position(|op| matches!(op, Op::DeleteService(k) if k.scope == SCOPE_INTERNAL))
@@ -401,7 +473,7 @@ fn affinity_members_and_source_ranges_follow_the_plan() {
         vec![SourceRange::new(rev, "198.51.100.0/24".parse().unwrap())]
     );
     let front = a.maps().state.services[&ServiceMapKey::new(fe(10).addr, 80, 6, SCOPE_EXTERNAL, 0)];
-    assert_eq!(front.affinity_timeout, 60);
+    assert_eq!(front.entry.affinity_timeout, 60);
 
     // Dropping a backend drops its affinity member.
     let mut d2 = d.clone();
@@ -809,12 +881,12 @@ fn a_maglev_table_is_written_before_its_frontend_entry() {
         .expect("table written");
     let asks_at = log
         .iter()
-        .position(|op| matches!(op, Op::PutService(k, v) if k.slot == 0 && v.has(flags::MAGLEV)))
+        .position(|op| matches!(op, Op::PutService(k, v) if k.slot == 0 && v.entry.has(flags::MAGLEV)))
         .expect("frontend written");
     assert!(table_at < asks_at, "{log:?}");
     assert_every_step_consistent(log);
     let key = ServiceMapKey::new(fe(10).addr, 80, 6, SCOPE_EXTERNAL, 0);
-    assert_eq!(a.maps().state.services[&key].backend_id, 251);
+    assert_eq!(a.maps().state.services[&key].entry.backend_id, 251);
     let members: Vec<Member> = [1, 2, 3]
         .map(|b| Member {
             addr: be(b).addr,
@@ -850,7 +922,7 @@ fn an_applys_maglev_tables_go_in_one_batch() {
     assert_every_step_consistent(&a.maps().log);
     for vip in [10, 11, 12] {
         let key = ServiceMapKey::new(fe(vip).addr, 80, 6, SCOPE_EXTERNAL, 0);
-        assert!(a.maps().state.services[&key].has(flags::MAGLEV), "{vip}");
+        assert!(a.maps().state.services[&key].entry.has(flags::MAGLEV), "{vip}");
     }
     // A later change of one Service: one table, its entry untouched (same size).
     let before = a.maps().log.len();
@@ -865,7 +937,7 @@ fn an_applys_maglev_tables_go_in_one_batch() {
     assert!(
         !changed
             .iter()
-            .any(|op| matches!(op, Op::PutService(k, v) if k.slot == 0 && !v.has(flags::MAGLEV))),
+            .any(|op| matches!(op, Op::PutService(k, v) if k.slot == 0 && !v.entry.has(flags::MAGLEV))),
         "a table of the same size is swapped under its entry: {changed:?}"
     );
     // The table size changes: each entry is written without the flag, then with it.
@@ -877,8 +949,8 @@ fn an_applys_maglev_tables_go_in_one_batch() {
     assert_eq!(a.maps().maglev_batches, [3, 1, 3]);
     assert_every_step_consistent(&a.maps().log);
     let key = ServiceMapKey::new(fe(10).addr, 80, 6, SCOPE_EXTERNAL, 0);
-    assert_eq!(a.maps().state.services[&key].backend_id, 509);
-    assert!(a.maps().state.services[&key].has(flags::MAGLEV));
+    assert_eq!(a.maps().state.services[&key].entry.backend_id, 509);
+    assert!(a.maps().state.services[&key].entry.has(flags::MAGLEV));
 }
 
 /// A change to one Service rebuilds that Service's table only; removing a backend keeps it in
@@ -934,7 +1006,7 @@ fn a_table_goes_after_the_entry_that_named_it() {
     let log = a.maps().log.clone();
     let entry = log
         .iter()
-        .position(|op| matches!(op, Op::PutService(k, v) if k.slot == 0 && !v.has(flags::MAGLEV)))
+        .position(|op| matches!(op, Op::PutService(k, v) if k.slot == 0 && !v.entry.has(flags::MAGLEV)))
         .expect("entry rewritten");
     let gone = log
         .iter()

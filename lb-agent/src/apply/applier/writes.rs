@@ -6,13 +6,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use lb_common::service::{SvcValue, flags};
+use lb_common::service::flags;
 
 use super::{
     Applier, ApplyReport, FrontendEntries, MaglevEntry, MaglevTables, WriteMode, backend_value, svc_name,
 };
 use crate::{
-    apply::{BackendEntry, MapError, MapOps, ServiceMapKey},
+    apply::{BackendEntry, MapError, MapOps, ServiceMapKey, ServiceMapValue},
     family::IpFamily,
     plan::{BackendAddr, Frontend},
 };
@@ -28,7 +28,7 @@ pub(in crate::apply) struct PendingTable {
     table: MaglevEntry,
     /// Slot-0 entries written without `MAGLEV` until the table is in (a new table, or one of
     /// another size, which the old entry's size must not index): rewritten with it after.
-    held: Vec<(ServiceMapKey, SvcValue)>,
+    held: Vec<(ServiceMapKey, ServiceMapValue)>,
 }
 
 impl<M: MapOps> Applier<M> {
@@ -152,14 +152,14 @@ impl<M: MapOps> Applier<M> {
         let hold = pending.is_some_and(|t| current.maglev.as_ref().is_none_or(|c| c.size != t.size));
         let mut held = Vec::new();
         // Writes: internal scope first, and within a scope the slots before slot 0.
-        let mut writes: Vec<(ServiceMapKey, SvcValue)> = new
+        let mut writes: Vec<(ServiceMapKey, ServiceMapValue)> = new
             .services
             .iter()
             .map(|(k, v)| {
                 let mut v = *v;
-                if hold && k.slot == 0 && v.has(flags::MAGLEV) {
+                if hold && k.slot == 0 && v.entry.has(flags::MAGLEV) {
                     held.push((*k, v));
-                    v.flags &= !flags::MAGLEV;
+                    v.entry.flags &= !flags::MAGLEV;
                 }
                 (*k, v)
             })
@@ -269,10 +269,10 @@ impl<M: MapOps> Applier<M> {
     /// Slot-0 entries that waited for their Maglev table, rewritten with `MAGLEV` (one batch).
     fn write_held_entries(
         &mut self,
-        entries: &[(Frontend, (ServiceMapKey, SvcValue))],
+        entries: &[(Frontend, (ServiceMapKey, ServiceMapValue))],
         report: &mut ApplyReport,
     ) {
-        let writes: Vec<(ServiceMapKey, SvcValue)> = entries.iter().map(|(_, kv)| *kv).collect();
+        let writes: Vec<(ServiceMapKey, ServiceMapValue)> = entries.iter().map(|(_, kv)| *kv).collect();
         let result = self.maps.put_services(&writes);
         let done = result.as_ref().err().map_or(writes.len(), |e| e.done);
         for (frontend, (key, value)) in &entries[..done] {

@@ -201,7 +201,8 @@ pub(super) fn targets(r: &Results) -> String {
         why.push(format!(
             "Socket path vs floor: {} µs above the floor at p50. The floor runs no program; the \
              socket path runs connect4 once per connection ({} ns in the real stack; {} ns for the \
-             code in BPF_PROG_TEST_RUN, section 3: three hash lookups, each a likely cache miss \
+             code in BPF_PROG_TEST_RUN, section 3: two hash lookups (the frontend entry, then \
+             the slot, which carries a copy of its backend), each a likely cache and TLB miss \
              in a real connection, and the reverse-NAT record for getpeername, which a real \
              connect keeps in socket storage and the test harness, having no socket, in the LRU \
              map), and every \
@@ -209,8 +210,8 @@ pub(super) fn targets(r: &Results) -> String {
              non-service traffic ({} ns per connection in all, see *What our programs cost in the \
              real stack*). The gap is these program runs, not the lookups' size: the growth with \
              the number of Services stays with the floor's. Closing it means fewer cache lines per \
-             connect (the backend address in the slot entry) and a cheaper non-service path at \
-             tc; see docs/architecture.md.",
+             connect (slots in an array indexed from the frontend entry, one miss instead of a \
+             hash walk) and a cheaper non-service path at tc; see docs/architecture.md.",
             sock.zip(floor)
                 .map(|(a, b)| num(a - b))
                 .unwrap_or_else(|| "–".into()),

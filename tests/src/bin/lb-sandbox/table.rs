@@ -151,7 +151,7 @@ impl Cluster {
             ));
         }
         s.push_str(&format!(
-            "  bpftool map dump pinned {STATE_DIR}/bpf/node-1/maps/lb4_services   (lb6_services: IPv6)\n"
+            "  bpftool map dump pinned {STATE_DIR}/bpf/node-1/maps/lb4_services_v2   (lb6_services_v2: IPv6)\n"
         ));
         s.push_str(&format!(
             "  logs: {STATE_DIR}/logs/node-*.log (netns agents), {}/kubelet.log   (Ctrl-C tears everything down)\n",
