@@ -850,11 +850,10 @@ fn a_start_killed_while_migrating_a_map_is_recovered_by_the_next() {
     std::thread::sleep(Duration::from_secs(1));
     let ids_before = site.ids();
     assert!(agent.stop().success());
-    let services = site.bpf_root().join("maps").join(catalog::SERVICES);
-    let aside = site
-        .bpf_root()
-        .join("maps")
-        .join(format!("{}-old", catalog::SERVICES));
+    // The pin of the map's current layout (`lb4_services_v2`), and where a migration moves it.
+    let pin = catalog::pin_name(catalog::SERVICES).to_string();
+    let services = site.bpf_root().join("maps").join(&pin);
+    let aside = site.bpf_root().join("maps").join(format!("{pin}-old"));
     let info = map_info(&services);
     let default_capacity = capacity_of(&services);
 
@@ -2446,7 +2445,8 @@ fn bpftool_json(args: &[&str]) -> Value {
 /// packet never sees, possibly only some of them (aya pins each map as it creates it).
 fn live_snapshot(site: &Site, scratch: &Path) -> Option<lb_agent::apply::Snapshot> {
     let links = site.pinned_links();
-    if links.is_empty() || !site.bpf_root().join("maps").join(catalog::SERVICES).exists() {
+    let services = catalog::pin_name(catalog::SERVICES).to_string();
+    if links.is_empty() || !site.bpf_root().join("maps").join(services).exists() {
         return None;
     }
     let _ = std::fs::remove_dir_all(scratch);
