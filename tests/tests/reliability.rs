@@ -741,7 +741,11 @@ fn upgrade_swaps_programs_and_migrates_maps_under_load() {
     std::thread::sleep(Duration::from_secs(1));
     let links_before = site.links();
     let ids_before = site.ids();
-    let services = |family: IpFamily| site.bpf_root().join("maps").join(family.maps().services);
+    let services = |family: IpFamily| {
+        site.bpf_root()
+            .join("maps")
+            .join(catalog::pin_name(family.maps().services).to_string())
+    };
     let capacity_before = IpFamily::ALL.map(|family| capacity_of(&services(family)));
 
     // The new agent: another object (the test variant) and bigger services maps.
