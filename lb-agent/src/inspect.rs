@@ -731,6 +731,28 @@ pub fn stats(args: &InspectArgs) -> Result<()> {
         rows.push(("tc_prefilter_bits_set_ipv4", u64::from(b4)));
         rows.push(("tc_prefilter_bits_set_ipv6", u64::from(b6)));
     }
+    // The egress flow filters: on or off, and the buckets either generation holds now (absent
+    // where an agent of an earlier release pinned none).
+    for (name, family) in [(catalog::CT_FILTER, "ipv4"), (catalog::CT_FILTER6, "ipv6")] {
+        let Some(map) = prefilter(name) else { continue };
+        let filter = crate::datapath::ct_filter::CtFilter::new(map)?;
+        rows.push((
+            if family == "ipv4" {
+                "tc_ct_filter_on_ipv4"
+            } else {
+                "tc_ct_filter_on_ipv6"
+            },
+            u64::from(filter.control().0),
+        ));
+        rows.push((
+            if family == "ipv4" {
+                "tc_ct_filter_buckets_ipv4"
+            } else {
+                "tc_ct_filter_buckets_ipv6"
+            },
+            u64::from(filter.held_buckets()),
+        ));
+    }
     match args.output {
         OutputFormat::Json => {
             let obj: serde_json::Map<String, serde_json::Value> =

@@ -24,6 +24,7 @@
 //! | `lb_conntrack_gc_deleted_total` | counter | `reason` = `closed`/`handshake`/`idle`/`orphan` | [`Metrics::conntrack_gc_deleted`] |
 //! | `lb_sockets_terminated_total` | counter | | [`Metrics::sockets_terminated`] (`datapath::sockets`) |
 //! | `lb_tc_prefilter_bits` | gauge | `ip_family` = `IPv4`/`IPv6` | [`Metrics::set_prefilter_bits`] (after each conntrack GC pass) |
+//! | `lb_tc_ct_filter_buckets` | gauge | `ip_family` = `IPv4`/`IPv6` | [`Metrics::set_ct_filter_buckets`] (after each conntrack GC pass) |
 //! | `process_resident_memory_bytes` | gauge | | [`ProcessMemory`], at each scrape (`/proc/self/statm`; the name Go's process collector gives it in kube-proxy's output) |
 //! | `lb_agent_heap_bytes` | gauge | `state` = `in_use`/`free`/`mmapped` | [`ProcessMemory`], at each scrape (glibc's `mallinfo2`: what the heap holds for the agent, what it keeps freed, what it mapped apart; a leak grows `in_use`, allocator retention `free`) |
 //!
@@ -248,6 +249,7 @@ struct Inner {
     conntrack_gc_deleted: Family<ReasonLabels, Counter>,
     sockets_terminated: Counter,
     prefilter_bits: Family<FamilyLabels, Gauge>,
+    ct_filter_buckets: Family<FamilyLabels, Gauge>,
     /// The label values currently in `services_skipped`.
     skipped_reasons: Mutex<BTreeSet<String>>,
 }
@@ -303,6 +305,7 @@ impl Metrics {
         let conntrack_gc_deleted = Family::<ReasonLabels, Counter>::default();
         let sockets_terminated = Counter::default();
         let prefilter_bits = Family::<FamilyLabels, Gauge>::default();
+        let ct_filter_buckets = Family::<FamilyLabels, Gauge>::default();
 
         // Names and help texts as in pkg/proxy/metrics/metrics.go. Counters are registered without
         // `_total`: the OpenMetrics encoder appends it.
@@ -395,6 +398,13 @@ impl Metrics {
              programs do not translate that still take the full path)",
             prefilter_bits.clone(),
         );
+        registry.register(
+            "lb_tc_ct_filter_buckets",
+            "Buckets the egress flow filter holds after the last conntrack GC pass, of 2^20 per \
+             family (the fraction of packets to or from a backend on untracked flows that still \
+             take the conntrack lookups)",
+            ct_filter_buckets.clone(),
+        );
 
         // Upstream sets both label values on every sync; show them from the start.
         for policy in ["internal", "external"] {
@@ -427,6 +437,7 @@ impl Metrics {
                 conntrack_gc_deleted,
                 sockets_terminated,
                 prefilter_bits,
+                ct_filter_buckets,
                 skipped_reasons: Mutex::default(),
             }),
         }
@@ -553,6 +564,16 @@ impl Metrics {
                 ip_family: family.to_string(),
             })
             .set(saturating_i64(bits));
+    }
+
+    /// Buckets `family`'s egress flow filter holds (`IPv4`, `IPv6`).
+    pub fn set_ct_filter_buckets(&self, family: &str, buckets: u64) {
+        self.inner
+            .ct_filter_buckets
+            .get_or_create(&FamilyLabels {
+                ip_family: family.to_string(),
+            })
+            .set(saturating_i64(buckets));
     }
 
     /// Service ports left out of the last sync, by reason (for example `map full`). Replaces the previous

@@ -65,6 +65,10 @@ pub const SERVICE_RANGES: &str = "lb4_svc_ranges";
 /// `u32` -> `u64`. Written by the agent.
 pub const PREFILTER: &str = "lb4_prefilter";
 pub const PREFILTER6: &str = "lb6_prefilter";
+/// The egress flow filter (`crate::ct_filter`, memory-mappable array of `ct_filter::WORDS` 64-bit
+/// words): `u32` -> `u64`. Bytes set by the tc programs, cleared by the agent's conntrack GC.
+pub const CT_FILTER: &str = "lb4_ct_filter";
+pub const CT_FILTER6: &str = "lb6_ct_filter";
 /// Datapath configuration, one entry: `u32` 0 -> `DatapathConfig`. Written by the agent.
 pub const CONFIG: &str = "lb_config";
 /// The node's pod interfaces under `--detect-local-mode` BridgeInterface or InterfaceNamePrefix
@@ -114,6 +118,7 @@ pub const ALL: &[&str] = &[
     CLUSTER_IPS,
     SERVICE_RANGES,
     PREFILTER,
+    CT_FILTER,
     CONFIG,
     POD_INTERFACES,
     MASQ_ADDRS,
@@ -136,6 +141,7 @@ pub const ALL: &[&str] = &[
     CLUSTER_IPS6,
     SERVICE_RANGES6,
     PREFILTER6,
+    CT_FILTER6,
 ];
 
 /// Map names an earlier release pinned and this one no longer uses; the agent removes their pins
@@ -164,6 +170,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (CLUSTER_IPS, 1),
     (SERVICE_RANGES, 1),
     (PREFILTER, 1),
+    (CT_FILTER, 1),
     (CONFIG, 2),
     (POD_INTERFACES, 1),
     (MASQ_ADDRS, 1),
@@ -186,6 +193,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (CLUSTER_IPS6, 1),
     (SERVICE_RANGES6, 1),
     (PREFILTER6, 1),
+    (CT_FILTER6, 1),
 ];
 
 /// The pin file name of a map at its current layout version, as `Display`: the map's name at
@@ -228,6 +236,7 @@ pub struct FamilyMapNames {
     pub cluster_ips: &'static str,
     pub service_ranges: &'static str,
     pub prefilter: &'static str,
+    pub ct_filter: &'static str,
 }
 
 /// The maps of a family, by name.
@@ -250,6 +259,7 @@ impl FamilyMaps for V4 {
         cluster_ips: CLUSTER_IPS,
         service_ranges: SERVICE_RANGES,
         prefilter: PREFILTER,
+        ct_filter: CT_FILTER,
     };
 }
 
@@ -268,6 +278,7 @@ impl FamilyMaps for V6 {
         cluster_ips: CLUSTER_IPS6,
         service_ranges: SERVICE_RANGES6,
         prefilter: PREFILTER6,
+        ct_filter: CT_FILTER6,
     };
 }
 

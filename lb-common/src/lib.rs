@@ -19,6 +19,7 @@ pub mod catalog;
 pub mod cluster_ip;
 pub mod config;
 pub mod conntrack;
+pub mod ct_filter;
 pub mod family;
 pub mod features;
 pub mod fragment;

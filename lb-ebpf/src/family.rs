@@ -3,7 +3,7 @@
 //! `F: FamilyMaps` and monomorphised for `V4` and `V6`.
 
 use aya_ebpf::{
-    bindings::{BPF_F_NO_PREALLOC, BPF_F_RDONLY_PROG},
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC, BPF_F_RDONLY_PROG},
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, SkStorage},
 };
 use lb_common::{
@@ -13,6 +13,7 @@ use lb_common::{
     cluster_ip::{ClusterIpKey, ServiceRanges},
     config::FamilySettings,
     conntrack::{CtKey, CtValue},
+    ct_filter,
     family::{V4, V6},
     fragment::{FragKey, FragPorts},
     prefilter,
@@ -22,14 +23,16 @@ use lb_common::{
 
 use crate::maps::{
     AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, CLUSTER_IPS4, CLUSTER_IPS6, CONNTRACK_NEW4, CONNTRACK_NEW6,
-    CONNTRACK4, CONNTRACK6, FRAGMENTS4, FRAGMENTS6, PREFILTER4, PREFILTER6, REVNAT4, REVNAT6,
-    SERVICE_RANGES4, SERVICE_RANGES6, SERVICES4, SERVICES6, SOCK_REVNAT_SK4, SOCK_REVNAT_SK6, SOCK_REVNAT4,
-    SOCK_REVNAT6, SOURCE_RANGES4, SOURCE_RANGES6,
+    CONNTRACK4, CONNTRACK6, CT_FILTER4, CT_FILTER6, FRAGMENTS4, FRAGMENTS6, PREFILTER4, PREFILTER6, REVNAT4,
+    REVNAT6, SERVICE_RANGES4, SERVICE_RANGES6, SERVICES4, SERVICES6, SOCK_REVNAT_SK4, SOCK_REVNAT_SK6,
+    SOCK_REVNAT4, SOCK_REVNAT6, SOURCE_RANGES4, SOURCE_RANGES6,
 };
 
 pub const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 /// The programs only read what the agent writes; the verifier enforces it.
 pub const RDONLY_PROG: usize = BPF_F_RDONLY_PROG as usize;
+/// The agent writes the array through a memory mapping (byte stores beside the programs' own).
+pub const MMAPABLE: usize = BPF_F_MMAPABLE as usize;
 
 pub type ServicesMap<F> =
     HashMap<SvcKey<F>, SvcEntry<F>, { capacity::SERVICES as usize }, { NO_PREALLOC | RDONLY_PROG }>;
@@ -46,6 +49,7 @@ pub type SourceRangesMap<F> =
 pub type ConntrackMap<F> = LruHashMap<CtKey<F>, CtValue<F>, { capacity::CONNTRACK as usize }>;
 pub type FragmentsMap<F> = LruHashMap<FragKey<F>, FragPorts, { capacity::FRAGMENTS as usize }>;
 pub type PrefilterMap = Array<u64, { prefilter::WORDS as usize }, RDONLY_PROG>;
+pub type CtFilterMap = Array<u64, { ct_filter::WORDS as usize }, MMAPABLE>;
 pub type ClusterIpsMap<F> =
     LpmTrie<ClusterIpKey<F>, u8, { capacity::CLUSTER_IPS as usize }, { NO_PREALLOC | RDONLY_PROG }>;
 pub type ServiceRangesMap<F> = Array<ServiceRanges<F>, 1, RDONLY_PROG>;
@@ -65,6 +69,8 @@ pub trait FamilyMaps: FamilySettings + AffinityClient {
     /// The ports of fragmented datagrams (`lb4_frags`).
     fn fragments() -> &'static FragmentsMap<Self>;
     fn prefilter() -> &'static PrefilterMap;
+    /// The egress flow filter (`lb4_ct_filter`, `lb_common::ct_filter`).
+    fn ct_filter() -> &'static CtFilterMap;
     /// Cluster IPs and Service CIDRs (`lb4_cluster_ips`, `lb_common::cluster_ip`).
     fn cluster_ips() -> &'static ClusterIpsMap<Self>;
     /// The prefixes covering them (`lb4_svc_ranges`).
@@ -75,7 +81,7 @@ macro_rules! family_maps {
     ($family:ty, $services:ident, $backends:ident, $revnat:ident, $sock_revnat:ident,
      $sock_revnat_sk:ident, $affinity:ident, $source_ranges:ident, $conntrack:ident,
      $conntrack_new:ident, $fragments:ident, $prefilter:ident, $cluster_ips:ident,
-     $service_ranges:ident) => {
+     $service_ranges:ident, $ct_filter:ident) => {
         #[inline(always)]
         fn services() -> &'static ServicesMap<$family> {
             &$services
@@ -121,6 +127,10 @@ macro_rules! family_maps {
             &$prefilter
         }
         #[inline(always)]
+        fn ct_filter() -> &'static CtFilterMap {
+            &$ct_filter
+        }
+        #[inline(always)]
         fn cluster_ips() -> &'static ClusterIpsMap<$family> {
             &$cluster_ips
         }
@@ -146,7 +156,8 @@ impl FamilyMaps for V4 {
         FRAGMENTS4,
         PREFILTER4,
         CLUSTER_IPS4,
-        SERVICE_RANGES4
+        SERVICE_RANGES4,
+        CT_FILTER4
     );
 }
 
@@ -165,6 +176,7 @@ impl FamilyMaps for V6 {
         FRAGMENTS6,
         PREFILTER6,
         CLUSTER_IPS6,
-        SERVICE_RANGES6
+        SERVICE_RANGES6,
+        CT_FILTER6
     );
 }

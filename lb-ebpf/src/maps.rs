@@ -25,8 +25,9 @@ use lb_common::{
 };
 
 use crate::family::{
-    AffinityMap, BackendsMap, ClusterIpsMap, ConntrackMap, FragmentsMap, NO_PREALLOC, PrefilterMap,
-    RDONLY_PROG, RevNatMap, ServiceRangesMap, ServicesMap, SockRevNatMap, SockRevNatSkMap, SourceRangesMap,
+    AffinityMap, BackendsMap, ClusterIpsMap, ConntrackMap, CtFilterMap, FragmentsMap, NO_PREALLOC,
+    PrefilterMap, RDONLY_PROG, RevNatMap, ServiceRangesMap, ServicesMap, SockRevNatMap, SockRevNatSkMap,
+    SourceRangesMap,
 };
 
 /// Frontends and backend slots. Key: frontend (address, port, protocol, scope, slot). Value: slot 0
@@ -136,6 +137,14 @@ pub static SERVICE_RANGES6: ServiceRangesMap<V6> = ServiceRangesMap::new();
 pub static PREFILTER4: PrefilterMap = PrefilterMap::new();
 #[btf_map(name = "lb6_prefilter")]
 pub static PREFILTER6: PrefilterMap = PrefilterMap::new();
+
+/// The egress flow filter (`lb_common::ct_filter`): word 0 the control word, then two bytes per
+/// bucket. Writers: tc ingress (a new flow's egress entries), the agent (clears, through a memory
+/// mapping). Reader: tc egress.
+#[btf_map(name = "lb4_ct_filter")]
+pub static CT_FILTER4: CtFilterMap = CtFilterMap::new();
+#[btf_map(name = "lb6_ct_filter")]
+pub static CT_FILTER6: CtFilterMap = CtFilterMap::new();
 
 /// Node-wide settings, index 0. Writer: agent.
 #[btf_map(name = "lb_config")]

@@ -1158,13 +1158,15 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
         "lb_svc_names at {IPV4_ONLY_SVC_NAMES_CAPACITY} entries (was {}), entries copied",
         info["max_entries"]
     ));
-    // The IPv6 maps, the tc prefilter, the new-flow conntrack table, the pod interfaces, the
-    // fragments' ports, the cluster-ips-check, the interfaces' masquerade addresses, the
-    // monitor's maps, the Maglev tables and the tail calls are newer than the IPv4-only release.
+    // The IPv6 maps, the tc prefilter, the egress flow filter, the new-flow conntrack table, the
+    // pod interfaces, the fragments' ports, the cluster-ips-check, the interfaces' masquerade
+    // addresses, the monitor's maps, the Maglev tables and the tail calls are newer than the
+    // IPv4-only release.
     for family_map in pins_in(&maps).into_iter().filter(|p| {
         p.starts_with("lb6_")
             || [
                 lb_common::catalog::PREFILTER,
+                lb_common::catalog::CT_FILTER,
                 lb_common::catalog::CONNTRACK_NEW,
                 lb_common::catalog::POD_INTERFACES,
                 lb_common::catalog::FRAGMENTS,

@@ -972,21 +972,26 @@ fn a_held_listen_port_is_taken_once_freed() {
     );
 }
 
+/// `lb-agent stats -o json` against the node's pins.
+fn stats_of(node: &Node) -> Value {
+    let root = node.bpf_root.to_str().expect("utf-8");
+    let out = lb_agent(
+        Place::netns(&node.ns),
+        false,
+        &["stats", "-o", "json", "--bpf-root", root],
+        Duration::from_secs(30),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
 /// `lb-agent stats` shows the tc prefilter's bits per family, read from the pinned maps with one
 /// batch lookup each (the agent reads them back the same way when it restarts): the same count as
 /// reading every word of the pinned map one by one.
 #[test]
 fn stats_counts_the_prefilter_bits_the_maps_hold() {
     let node = Node::start();
-    let root = node.bpf_root.to_str().expect("utf-8").to_string();
-    let out = lb_agent(
-        Place::netns(&node.ns),
-        false,
-        &["stats", "-o", "json", "--bpf-root", &root],
-        Duration::from_secs(30),
-    );
-    assert!(out.status.success(), "{}", text(&out));
-    let stats: Value = serde_json::from_slice(&out.stdout).expect("json");
+    let stats = stats_of(&node);
     for (map, key) in [
         ("lb4_prefilter", "tc_prefilter_bits_set_ipv4"),
         ("lb6_prefilter", "tc_prefilter_bits_set_ipv6"),
@@ -1000,6 +1005,44 @@ fn stats_counts_the_prefilter_bits_the_maps_hold() {
         if map == "lb4_prefilter" {
             assert!(bits > 0, "the Service's frontends hold bits");
         }
+    }
+}
+
+/// `lb-agent stats` shows each family's egress flow filter: on (the agent's first conntrack GC
+/// pass, a second after attaching, turns it on) and the buckets it holds, counted from the pinned
+/// map read word by word through the map API (not the memory mapping the command uses).
+#[test]
+fn stats_shows_the_egress_flow_filter_on_and_its_buckets() {
+    let node = Node::start();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut now = stats_of(&node);
+    while now["tc_ct_filter_on_ipv4"] != 1 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(250));
+        now = stats_of(&node);
+    }
+    for (map, on, buckets) in [
+        (
+            "lb4_ct_filter",
+            "tc_ct_filter_on_ipv4",
+            "tc_ct_filter_buckets_ipv4",
+        ),
+        (
+            "lb6_ct_filter",
+            "tc_ct_filter_on_ipv6",
+            "tc_ct_filter_buckets_ipv6",
+        ),
+    ] {
+        assert_eq!(now[on], 1, "{on}: the first GC pass turns the filter on: {now}");
+        let data = aya::maps::MapData::from_pin(node.bpf_root.join("maps").join(map)).expect("pinned");
+        let words: aya::maps::Array<_, u64> = aya::maps::Map::Array(data).try_into().expect("array");
+        // Word 0 is the control word; then four buckets of two bytes each.
+        let held: u64 = (1..words.len())
+            .map(|i| {
+                let w = words.get(&i, 0).expect("word");
+                (0..4).filter(|b| (w >> (16 * b)) & 0xFFFF != 0).count() as u64
+            })
+            .sum();
+        assert_eq!(now[buckets], held, "{buckets}: {now}");
     }
 }
 

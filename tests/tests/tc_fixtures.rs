@@ -2557,11 +2557,18 @@ fn the_prefilter_keeps_the_bits_of_a_deleted_services_live_flows() {
         );
 
         // A GC pass names the flow's frontend: the rebuild sets the bit again.
-        let timeouts = conntrack::GcTimeouts::default();
-        let mut referenced = Referenced::default();
-        ct.collect_noting(lb_agent::time::monotonic_coarse_ns(), &timeouts, &mut referenced)
+        let gc_and_rebuild = |ct: &mut conntrack::ConntrackMaps| {
+            let mut referenced = Referenced::default();
+            ct.collect_noting(
+                lb_agent::time::monotonic_coarse_ns(),
+                &conntrack::GcTimeouts::default(),
+                &mut referenced,
+                &mut Default::default(),
+            )
             .expect("gc");
-        prefilter.rebuild(&referenced).unwrap();
+            prefilter.rebuild(&referenced).unwrap();
+        };
+        gc_and_rebuild(&mut ct);
         assert!(prefilter.is_set(family, bit));
         assert!(translated(&mut s), "{f:?}: the live flow is translated again");
 
@@ -2579,15 +2586,171 @@ fn the_prefilter_keeps_the_bits_of_a_deleted_services_live_flows() {
             }
         };
         assert!(removed > 0, "{f:?}: the flow had entries");
-        let mut referenced = Referenced::default();
-        ct.collect_noting(lb_agent::time::monotonic_coarse_ns(), &timeouts, &mut referenced)
-            .expect("gc");
-        prefilter.rebuild(&referenced).unwrap();
+        gc_and_rebuild(&mut ct);
         assert!(!prefilter.is_set(family, bit), "{f:?}: nothing needs the bit");
         // The Service's other tuples were never needed by the flow; a frontend still present is.
         let (family, np_bit) = ingress_bit(&f.ip("10.96.0.11"));
         assert!(prefilter.is_set(family, np_bit));
     }
+}
+
+/// The egress flow filter (`lb_common::ct_filter`): with it on, egress looks a packet up only if
+/// its tuple's byte is set. A new flow sets the bytes of its egress entries itself (an un-DNAT
+/// entry for a pod's flow, an SNAT entry for a masqueraded NodePort flow), so their packets are
+/// translated as before; a packet on a tuple no entry has (a connection the socket programs
+/// translated) passes untouched; a live flow whose byte were cleared would pass untranslated, which
+/// is why only the agent's GC rebuild clears bytes, from the entries it scanned: after two rebuilds
+/// (both generations rewritten) the live flows keep their bytes and an ended flow's are gone.
+#[test]
+fn the_egress_flow_filter_holds_every_tracked_tuple_and_only_those() {
+    use lb_agent::datapath::{conntrack, ct_filter::Tracked};
+    use lb_common::ct_filter::bucket;
+
+    let mut s = scratch(true);
+    let mut ct = s.datapath.take_conntrack().expect("conntrack maps");
+    let filters = ct.filters.take().expect("the flow filter maps are memory-mapped");
+    let timeouts = conntrack::GcTimeouts::default();
+    let gc = |ct: &mut conntrack::ConntrackMaps| {
+        let mut tracked = Tracked::default();
+        ct.collect_noting(
+            lb_agent::time::monotonic_coarse_ns(),
+            &timeouts,
+            &mut Default::default(),
+            &mut tracked,
+        )
+        .expect("gc");
+        filters.rebuild(&tracked)
+    };
+    // On from the start in fresh maps (as the scratch data path of every fixture has it); a
+    // rebuild switches the programs to the other generation.
+    assert_eq!(filters.v4.control(), (true, 0));
+    gc(&mut ct);
+    assert_eq!(filters.v4.control(), (true, 1));
+    assert_eq!(filters.v6.control(), (true, 1));
+    let held = |f: Family, src: (&str, u16), dst: (&str, u16)| {
+        let proto = lb_common::proto::TCP;
+        match (f.ip(src.0), f.ip(dst.0)) {
+            (IpAddr::V4(a), IpAddr::V4(b)) => filters.v4.holds(bucket::<lb_common::family::V4>(
+                &a.octets(),
+                &b.octets(),
+                src.1,
+                dst.1,
+                proto,
+            )),
+            (IpAddr::V6(a), IpAddr::V6(b)) => filters.v6.holds(bucket::<lb_common::family::V6>(
+                &a.into(),
+                &b.into(),
+                src.1,
+                dst.1,
+                proto,
+            )),
+            _ => unreachable!(),
+        }
+    };
+    for f in FAMILIES {
+        // A pod's flow to a ClusterIP: its reply's tuple (backend -> client) is held, and the
+        // reply gets the frontend back.
+        let syn = tcp(f, "10.244.2.20", 40020, "10.96.0.10", 80).build();
+        assert_eq!(summary(&ingress(&mut s, &syn).packet).dst, f.ip("10.244.1.5"));
+        assert!(held(f, ("10.244.1.5", 8080), ("10.244.2.20", 40020)), "{f:?}");
+        let reply = tcp(f, "10.244.1.5", 8080, "10.244.2.20", 40020)
+            .data(b"ok")
+            .build();
+        assert_bytes(
+            &egress(&mut s, &reply).packet,
+            &nat(f, &reply, Some(("10.96.0.10", 80)), None),
+            format!("{f:?} reverse NAT through the filter"),
+        );
+        // A masqueraded NodePort flow: its SNAT tuple (client -> backend) is held and SNATed.
+        let np = tcp(f, CLIENT, 41020, NODE_IP, 30080).build();
+        let dnat = ingress(&mut s, &np).packet;
+        assert!(held(f, (CLIENT, 41020), ("10.244.2.7", 8080)), "{f:?}");
+        let snat = egress(&mut s, &dnat);
+        assert_eq!(
+            summary(&snat.packet).src,
+            f.ip(NODE_IP),
+            "{f:?} SNAT through the filter"
+        );
+        // The socket path's connection (client -> backend, never seen by tc ingress) and its
+        // reply: no byte, untouched (and no conntrack lookup).
+        let direct = tcp(f, "10.244.2.21", 40021, "10.244.1.5", 8080).build();
+        let back = tcp(f, "10.244.1.5", 8080, "10.244.2.21", 40021).build();
+        assert!(!held(f, ("10.244.1.5", 8080), ("10.244.2.21", 40021)));
+        assert_bytes(
+            &egress(&mut s, &direct).packet,
+            &direct,
+            format!("{f:?} socket path out"),
+        );
+        assert_bytes(
+            &egress(&mut s, &back).packet,
+            &back,
+            format!("{f:?} socket path reply"),
+        );
+    }
+
+    // Two rebuilds: both generations rewritten from scans that found the flows.
+    gc(&mut ct);
+    let [r4, r6] = gc(&mut ct);
+    assert!(r4.held >= 2 && r6.held >= 2, "{r4:?} {r6:?}");
+    let pod_reply = |f| {
+        tcp(f, "10.244.1.5", 8080, "10.244.2.20", 40020)
+            .data(b"ok")
+            .build()
+    };
+    let pod_flow_held = |f| held(f, ("10.244.1.5", 8080), ("10.244.2.20", 40020));
+    let node_port_flow_held = |f| held(f, (CLIENT, 41020), ("10.244.2.7", 8080));
+    for f in FAMILIES {
+        assert!(
+            pod_flow_held(f) && node_port_flow_held(f),
+            "{f:?} live flows kept"
+        );
+        assert_bytes(
+            &egress(&mut s, &pod_reply(f)).packet,
+            &nat(f, &pod_reply(f), Some(("10.96.0.10", 80)), None),
+            format!("{f:?} reverse NAT after rebuilds"),
+        );
+    }
+
+    // The pod flow's entries go (as the GC does for an ended flow): after two rebuilds its byte
+    // is gone, and its reply would now pass untouched: the filter is consulted, not decorative.
+    let removed = remove_port_entries(&mut ct.new_v4, 40020) + remove_port_entries(&mut ct.new_v6, 40020);
+    assert!(
+        removed >= 4,
+        "the pod flows' entries (in handshake: the new-flow table)"
+    );
+    gc(&mut ct);
+    gc(&mut ct);
+    for f in FAMILIES {
+        assert!(!pod_flow_held(f), "{f:?} ended flow cleared");
+        assert!(node_port_flow_held(f), "{f:?} the other flow kept");
+        assert_bytes(
+            &egress(&mut s, &pod_reply(f)).packet,
+            &pod_reply(f),
+            format!("{f:?} no byte: untouched"),
+        );
+    }
+}
+
+/// Deletes a conntrack table's entries with `port` at either end; how many.
+fn remove_port_entries<F: lb_common::family::Family>(
+    map: &mut aya::maps::HashMap<
+        aya::maps::MapData,
+        lb_common::conntrack::CtKey<F>,
+        lb_common::conntrack::CtValue<F>,
+    >,
+    port: u16,
+) -> usize
+where
+    lb_common::conntrack::CtKey<F>: aya::Pod,
+    lb_common::conntrack::CtValue<F>: aya::Pod,
+{
+    let keys: Vec<_> = map
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| k.sport == port || k.dport == port)
+        .collect();
+    keys.iter().for_each(|k| map.remove(k).unwrap());
+    keys.len()
 }
 
 // SCTP (issue 17): the same path as TCP and UDP; a port rewrite keeps the CRC32c checksum valid,

@@ -234,6 +234,11 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     let mut dp = Datapath::load(&paths, &caps, &object).context("loading the data path")?;
     let maps = dp.take_maps()?;
     let conntrack = dp.take_conntrack()?;
+    // Off until this run's first conntrack GC pass rebuilt it (`datapath::ct_filter`): entries a
+    // previous run's programs made may have no byte.
+    if let Some(filters) = &conntrack.filters {
+        filters.deactivate();
+    }
     let applier = Applier::recover(maps, caps).context("reading the pinned maps")?;
     // The SCTP program now if the maps a previous start left hold SCTP frontends (they stay
     // served across the restart), else at the first sync with an SCTP port (`sync::serve_sctp`).
@@ -503,7 +508,10 @@ fn spawn_conntrack_gc(
     let spawned = std::thread::Builder::new()
         .name("conntrack-gc".into())
         .spawn(move || {
-            let mut next = std::time::Instant::now() + interval;
+            // The first pass soon (it turns the egress flow filter on, `datapath::ct_filter`),
+            // a second after the programs were attached: an earlier run's programs, which may
+            // not set the filter's bytes, have long returned by then.
+            let mut next = std::time::Instant::now() + interval.min(Duration::from_secs(1));
             while !shutdown.is_cancelled() {
                 if std::time::Instant::now() < next {
                     std::thread::sleep(Duration::from_millis(200));
@@ -511,8 +519,28 @@ fn spawn_conntrack_gc(
                 }
                 next = std::time::Instant::now() + interval;
                 let mut referenced = Default::default();
-                match maps.collect_noting(crate::time::monotonic_coarse_ns(), &timeouts, &mut referenced) {
+                let mut tracked = Default::default();
+                match maps.collect_noting(
+                    crate::time::monotonic_coarse_ns(),
+                    &timeouts,
+                    &mut referenced,
+                    &mut tracked,
+                ) {
                     Ok(report) => {
+                        // The egress flow filter rewritten from the same scan (and on from the first).
+                        if let Some(filters) = &maps.filters {
+                            let first = !filters.v4.control().0;
+                            let rebuilt = filters.rebuild(&tracked);
+                            for (family, r) in crate::family::IpFamily::ALL.iter().zip(rebuilt) {
+                                metrics.set_ct_filter_buckets(family.as_str(), u64::from(r.held));
+                            }
+                            if first {
+                                tracing::info!(
+                                    buckets = ?rebuilt.map(|r| r.held),
+                                    "egress flow filter on: packets of untracked flows skip the conntrack lookups"
+                                );
+                            }
+                        }
                         for (reason, n) in &report.deleted {
                             metrics.conntrack_gc_deleted(reason.label(), *n);
                         }

@@ -35,6 +35,7 @@ use std::{
 
 use aya::{Pod, maps::MapData};
 
+use super::ct_filter::{CtFilters, FlowBuckets, Tracked};
 use crate::apply::prefilter::Referenced;
 use lb_common::{
     conntrack::{CtKey, CtValue, dir, flags},
@@ -352,12 +353,14 @@ where
 }
 
 /// One pass over one family's kernel map: scan, plan, delete what still is what was planned.
-/// `referenced` gets the prefilter bit of every entry scanned (`lb_common::prefilter`).
+/// `referenced` gets the prefilter bit of every entry scanned (`lb_common::prefilter`), `flows`
+/// the flow filter bucket of every egress entry scanned (`lb_common::ct_filter`).
 pub fn collect<T, F>(
     map: &mut aya::maps::HashMap<T, CtKey<F>, CtValue<F>>,
     now_ns: u64,
     t: &GcTimeouts,
     referenced: &mut HashSet<u32>,
+    flows: &mut FlowBuckets,
 ) -> Result<GcReport, aya::maps::MapError>
 where
     T: std::borrow::BorrowMut<MapData>,
@@ -369,6 +372,7 @@ where
     let mut entries = HashMap::new();
     read_entries(map, |k, v| {
         referenced.insert(lb_common::prefilter::conntrack_bit(k, v));
+        flows.note(k);
         entries.insert(*k, *v);
     })?;
     let mut deleted: std::collections::BTreeMap<Reason, u64> = Default::default();
@@ -392,33 +396,43 @@ where
 
 /// Both families' conntrack maps, taken out of the loaded object for the GC: the established
 /// flows' and the new flows' (`lb_common::conntrack`, "two tables"). A flow's entries are in one
-/// of the two, so each is collected on its own.
+/// of the two, so each is collected on its own. With them the egress flow filters, which each
+/// pass rebuilds (`None` where the kernel would not map them: the filter then stays off).
 pub struct ConntrackMaps {
     pub v4: aya::maps::HashMap<MapData, CtKey<V4>, CtValue<V4>>,
     pub v6: aya::maps::HashMap<MapData, CtKey<V6>, CtValue<V6>>,
     pub new_v4: aya::maps::HashMap<MapData, CtKey<V4>, CtValue<V4>>,
     pub new_v6: aya::maps::HashMap<MapData, CtKey<V6>, CtValue<V6>>,
+    pub filters: Option<CtFilters>,
 }
 
 impl ConntrackMaps {
     /// One pass over both maps.
     pub fn collect(&mut self, now_ns: u64, t: &GcTimeouts) -> Result<GcReport, aya::maps::MapError> {
-        self.collect_noting(now_ns, t, &mut Referenced::default())
+        self.collect_noting(now_ns, t, &mut Referenced::default(), &mut Tracked::default())
     }
 
-    /// One pass over both maps, noting the prefilter bits their entries need in `referenced`.
+    /// One pass over both maps, noting the prefilter bits their entries need in `referenced` and
+    /// the flow filter buckets of their egress entries in `tracked`.
     pub fn collect_noting(
         &mut self,
         now_ns: u64,
         t: &GcTimeouts,
         referenced: &mut Referenced,
+        tracked: &mut Tracked,
     ) -> Result<GcReport, aya::maps::MapError> {
         referenced.began = Some(Instant::now());
-        let mut report = collect(&mut self.v4, now_ns, t, &mut referenced.v4)?;
-        report.merge(collect(&mut self.v6, now_ns, t, &mut referenced.v6)?);
+        let mut report = collect(&mut self.v4, now_ns, t, &mut referenced.v4, &mut tracked.v4)?;
+        report.merge(collect(
+            &mut self.v6,
+            now_ns,
+            t,
+            &mut referenced.v6,
+            &mut tracked.v6,
+        )?);
         for mut new in [
-            collect(&mut self.new_v4, now_ns, t, &mut referenced.v4)?,
-            collect(&mut self.new_v6, now_ns, t, &mut referenced.v6)?,
+            collect(&mut self.new_v4, now_ns, t, &mut referenced.v4, &mut tracked.v4)?,
+            collect(&mut self.new_v6, now_ns, t, &mut referenced.v6, &mut tracked.v6)?,
         ] {
             new.left_new = std::mem::take(&mut new.left);
             report.merge(new);

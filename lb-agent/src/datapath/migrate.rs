@@ -145,6 +145,8 @@ fn family_expected<F: FamilyMaps>(name: &str, caps: &Capacities) -> Option<Expec
         sizes(4, size_of::<lb_common::cluster_ip::ServiceRanges<F>>(), Some(1))
     } else if name == maps.prefilter {
         sizes(4, 8, Some(lb_common::prefilter::WORDS))
+    } else if name == maps.ct_filter {
+        sizes(4, 8, Some(lb_common::ct_filter::WORDS))
     } else {
         return None;
     })

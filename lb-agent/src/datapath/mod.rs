@@ -9,6 +9,7 @@
 pub mod bpffs;
 pub mod cgroup;
 pub mod conntrack;
+pub mod ct_filter;
 pub mod features;
 pub mod journal;
 pub mod migrate;
@@ -458,11 +459,27 @@ impl Datapath {
                     name: name.to_string(),
                 })
         };
+        let filters = (|| -> Result<ct_filter::CtFilters, Box<dyn std::error::Error>> {
+            Ok(ct_filter::CtFilters {
+                v4: ct_filter::CtFilter::new(take(catalog::CT_FILTER)?)?,
+                v6: ct_filter::CtFilter::new(take(catalog::CT_FILTER6)?)?,
+            })
+        })();
+        let filters = match filters {
+            Ok(filters) => Some(filters),
+            Err(e) => {
+                tracing::warn!(
+                    "the egress flow filter stays off (every packet of a backend takes the conntrack lookups): {e}"
+                );
+                None
+            }
+        };
         Ok(conntrack::ConntrackMaps {
             v4: take(catalog::CONNTRACK)?.try_into()?,
             v6: take(catalog::CONNTRACK6)?.try_into()?,
             new_v4: take(catalog::CONNTRACK_NEW)?.try_into()?,
             new_v6: take(catalog::CONNTRACK_NEW6)?.try_into()?,
+            filters,
         })
     }
 
@@ -686,6 +703,23 @@ impl Datapath {
     /// A map of this load, by name, to write (tests: `lb_monitor`).
     pub fn map_mut(&mut self, name: &str) -> Option<&mut aya::maps::Map> {
         self.ebpf.map_mut(name)
+    }
+
+    /// Turns the egress flow filters on (`lb_common::ct_filter`) in maps that hold no flow yet,
+    /// where no rebuild is needed for them to be complete: a scratch load, whose programs then
+    /// filter as a running agent's do.
+    pub fn activate_fresh_ct_filters(&mut self) -> Result<(), DatapathError> {
+        for name in [catalog::CT_FILTER, catalog::CT_FILTER6] {
+            let map = self
+                .ebpf
+                .map_mut(name)
+                .ok_or_else(|| aya::maps::MapError::InvalidName { name: name.into() })?;
+            let mut array: aya::maps::Array<&mut aya::maps::MapData, u64> = map.try_into()?;
+            let mut control = [0u8; 8];
+            control[lb_common::ct_filter::CONTROL_ACTIVE] = 1;
+            array.set(lb_common::ct_filter::CONTROL, &u64::from_ne_bytes(control), 0)?;
+        }
+        Ok(())
     }
 
     /// Like `test_run_tc`, for a packet that came in by interface `ingress_ifindex` (kernels

@@ -383,3 +383,20 @@ fn prefilter_bits_per_family() {
     );
     assert!(text.contains("# TYPE lb_tc_prefilter_bits gauge"), "{text}");
 }
+
+#[test]
+fn ct_filter_buckets_per_family() {
+    let m = Metrics::new();
+    m.set_ct_filter_buckets("IPv4", 77);
+    m.set_ct_filter_buckets("IPv6", 3);
+    let text = m.encode();
+    assert_eq!(
+        sample(&text, "lb_tc_ct_filter_buckets{ip_family=\"IPv4\"}"),
+        Some(77.0)
+    );
+    assert_eq!(
+        sample(&text, "lb_tc_ct_filter_buckets{ip_family=\"IPv6\"}"),
+        Some(3.0)
+    );
+    assert!(text.contains("# TYPE lb_tc_ct_filter_buckets gauge"), "{text}");
+}

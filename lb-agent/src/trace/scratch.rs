@@ -93,6 +93,8 @@ impl ScratchDatapath {
         // Fresh maps hold no flow: the bits are complete as soon as the Services are written, so
         // the programs filter as the agent's do.
         maps.prime_prefilter(&Default::default())?;
+        // Likewise the egress flow filter: on from the start, the programs set every byte.
+        datapath.activate_fresh_ct_filters()?;
         let mut scratch = Self {
             datapath,
             programmer: Programmer::new(settings, SCRATCH_HOST_COOKIE, false, Applier::new(maps, caps)),

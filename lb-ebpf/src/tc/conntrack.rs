@@ -16,6 +16,7 @@ use lb_common::{
 };
 
 use super::{
+    ct_filter,
     ip::Ip,
     nat::{apply, apply_source},
     parse::{Flow, Packet},
@@ -180,7 +181,10 @@ pub(super) fn establish<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Pack
     if flags & ct::SNAT_TAGGED != 0 {
         key.tag = snat_tag(rev_nat_id);
     }
+    // Each egress entry moved gets its filter byte in the generation the programs write now: the
+    // agent's scan may miss an entry while it moves (`lb_common::ct_filter`).
     if flags & ct::SNAT != 0 {
+        ct_filter::note::<F>(&key);
         let held = move_entry::<F>(&key);
         // Its un-SNAT entry: backend -> node IP:port, at ingress.
         if let Some((snat_addr, snat_port)) = held {
@@ -205,6 +209,7 @@ pub(super) fn establish<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Pack
             dir: dir::EGRESS,
             tag: 0,
         };
+        ct_filter::note::<F>(&key);
         move_entry::<F>(&key);
     }
     key = flow.key(dir::INGRESS);

@@ -38,6 +38,7 @@
 //! - `prefilter`: whether a packet may concern the programs at all (one bit of an array);
 //! - `conntrack`: packets of tracked flows at ingress and egress, close and liveness notes, the
 //!   un-SNAT mark, and the move of a flow from the new-flow table to the established one;
+//! - `ct_filter`: whether egress may skip a packet's conntrack lookups (one byte per tuple);
 //! - `new_flow`: a new flow, from the frontend lookup to its conntrack entries;
 //! - `snat`: masquerade port reservation;
 //! - `nat`: address and port rewriting with checksum updates;
@@ -51,6 +52,7 @@
 //! change stack slots and block layout. Compare the object's program sections before and after.
 
 mod conntrack;
+mod ct_filter;
 mod fragment;
 mod icmp_error;
 mod ip;
@@ -212,8 +214,9 @@ fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
     // flows that came in at tc ingress and are forwarded. Only its source can make it a tracked
     // flow's (a reply of a backend of this node), so its destination needs no lookup: connections
     // of the node's own sockets (host network namespace -> backend) skip the conntrack tables; a
-    // pod's socket-translated connection crosses the node forwarded and is looked up. On loopback, where the agent
-    // never attaches and BPF_PROG_TEST_RUN runs every packet, each is looked up as forwarded.
+    // pod's socket-translated connection crosses the node forwarded and stops at the flow filter
+    // (`ct_filter`). On loopback, where the agent never attaches and BPF_PROG_TEST_RUN runs every
+    // packet, each is looked up as forwarded.
     let may_be_snat = ingress_ifindex != 0 || ifindex == LOOPBACK_IFINDEX;
     match F::parse(ctx) {
         Parsed::L4(pkt) => {
@@ -221,9 +224,12 @@ fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
                 return untranslated::<F>(ctx, Some(&pkt.flow), Counter::TcUnsupportedProtocol);
             }
             let from_backend = prefilter::egress_end::<F>((&pkt.flow.saddr, pkt.flow.sport));
+            // A backend's end, and a tuple the flow filter holds: the packet of a connection the
+            // socket programs translated (always a backend's) stops at the filter.
             if ours
-                || from_backend
-                || may_be_snat && prefilter::egress_end::<F>((&pkt.flow.daddr, pkt.flow.dport))
+                || (from_backend
+                    || may_be_snat && prefilter::egress_end::<F>((&pkt.flow.daddr, pkt.flow.dport)))
+                    && ct_filter::may_be_tracked::<F>(&pkt.flow)
             {
                 conntrack::established_egress::<F>(ctx, &pkt, mark, ours, from_backend)
             } else {

@@ -26,6 +26,7 @@ use lb_common::{
 
 use super::{
     conntrack::{lookup, mark_forward, now_ns},
+    ct_filter,
     ip::Ip,
     nat::apply,
     parse::{Flow, Packet, skb},
@@ -364,6 +365,7 @@ fn track<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: 
         // backend), masquerade this one so both stay unambiguous.
         // A new flow's entries go to the new-flow table; the tuple is taken if either table
         // holds it.
+        ct_filter::note::<F>(&key);
         let inserted = F::conntrack().get_ptr(&key).is_none()
             && match F::conntrack_new().insert(&key, &entry, BPF_NOEXIST as u64) {
                 Ok(()) => true,
@@ -452,6 +454,7 @@ fn track<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: 
             entry.flags = ct::SNAT | ct::HANDSHAKE_TRACKED;
             // Likewise: an SNAT entry there would be found before this one.
             let _ = F::conntrack().remove(&key);
+            ct_filter::note::<F>(&key);
             if F::conntrack_new().insert(&key, &entry, 0).is_err() {
                 choice.count(Counter::TcCtInsertFailed);
                 return TC_ACT_SHOT;

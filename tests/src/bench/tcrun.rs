@@ -370,7 +370,9 @@ pub fn measure(n: u32, family: Family, batches: usize, calls: usize) -> Result<T
         action: first.action,
     });
 
-    // Non-service at egress too.
+    // Non-service at egress too: a backend's packet on a flow tc never tracked (a reply on a
+    // connection the socket programs translated), which the prefilter lets through by its
+    // source and the flow filter stops.
     let plain_e = packet::tcp(
         &api::endpoint_ip_in(family, 0, 0).to_string(),
         8080,
@@ -383,7 +385,7 @@ pub fn measure(n: u32, family: Family, batches: usize, calls: usize) -> Result<T
     let e_batched = batched(&mut s, "lb_tc_egress", &plain_e, batches)?;
     let e_single = single(&mut s, "lb_tc_egress", calls, |_| plain_e.clone())?;
     level.fixtures.push(TcFixture {
-        name: "non-service packet (egress, passes)".into(),
+        name: "non-service packet (egress, passes: a backend's reply on a socket-path connection)".into(),
         program: "lb_tc_egress".into(),
         batched_ns: e_batched,
         single_median_ns: Some(e_single),
