@@ -88,7 +88,7 @@ pub struct Options {
 }
 
 /// The kernel and tests `./x test` runs in a guest: Debian 12's kernel, the oldest LTS most fleets
-/// run; every program through its verifier, and the "fixtures and one netns test": seven tc
+/// run; every program through its verifier, and the "fixtures and one netns test": eight tc
 /// fixtures, one socket-path test and the clsact fallback that only kernels before 6.6 take.
 /// Emulated, a test costs 15 to 50 s here (a tc fixture mostly the verifier on `lb_tc_ingress`)
 /// and CI's machine has been up to 2.5 times slower: the whole binaries took 35 to 50 minutes
@@ -111,6 +111,9 @@ pub const CI_TESTS: Tests = &[
             "a_service_without_endpoints_is_rejected_with_icmp_port_unreachable",
             // SCTP's tail call and checksum update on the oldest LTS's verifier and helpers.
             "sctp_to_a_cluster_ip_is_translated_with_a_valid_crc32c_both_ways",
+            // The egress flow filter: the programs' byte stores and the agent's mapping of
+            // the array (BPF_F_MMAPABLE).
+            "the_egress_flow_filter_holds_every_tracked_tuple_and_only_those",
         ],
     ),
     ("socket_lb", &["every_frontend_type_from_the_host_and_from_a_pod"]),
@@ -125,7 +128,14 @@ pub const CI_TESTS: Tests = &[
 /// accepts, such as a read of a stack slot no store on the path wrote, which LLVM's code for an
 /// `Option` can hold (docs/architecture.md, *SCTP*).
 pub const CI_OLDEST_KERNEL: &str = "5.10";
-pub const CI_OLDEST_TESTS: Tests = &[("kernel_support", &[])];
+pub const CI_OLDEST_TESTS: Tests = &[
+    ("kernel_support", &[]),
+    // The egress flow filter's mapping and byte stores on the oldest kernel the agent runs on.
+    (
+        "tc_fixtures",
+        &["the_egress_flow_filter_holds_every_tracked_tuple_and_only_those"],
+    ),
+];
 
 /// The guests of `./x test`: each kernel with its tests.
 pub const CI_GUESTS: &[(&str, Tests)] = &[(CI_KERNEL, CI_TESTS), (CI_OLDEST_KERNEL, CI_OLDEST_TESTS)];
