@@ -9,8 +9,8 @@
 //! two conntrack lookups that could only miss: the largest part of the egress program's cost in
 //! the real stack for the node's most common traffic. Its egress entries (SNAT: client ->
 //! backend; un-DNAT: backend -> client) are made by the tc programs alone, at a new flow, so the
-//! programs themselves set a tuple's byte before they insert its entry, and move it with the entry
-//! (`establish`).
+//! programs themselves set a tuple's byte when they insert its entry (before the program returns,
+//! so before any packet of the flow reaches egress), and again when `establish` moves it.
 //!
 //! Clearing is the agent's, after each conntrack GC pass, with two generations so that no program
 //! write is ever lost: every bucket has two bytes side by side, one per generation, and a packet

@@ -49,7 +49,7 @@ fn build_into(dir: &str, extra_flags: &[&str], object: &std::path::Path) -> Resu
         "-Clink-arg=--btf",
         // Global functions (verified once each, on their own) must stay global: bpf-linker
         // internalizes every symbol it is not told to export.
-        "-Clink-arg=--export=lb_reclaim_port4,lb_reclaim_port6,lb_sctp_checksum",
+        "-Clink-arg=--export=lb_reclaim_port4,lb_reclaim_port6,lb_sctp_checksum,lb_ct_filter_note4,lb_ct_filter_note6",
     ];
     flags.extend_from_slice(extra_flags);
     let rustflags = flags.join("\x1f");

@@ -1,7 +1,11 @@
 //! The egress flow filter (`lb_common::ct_filter`): a new flow's egress entries set their
 //! tuple's byte, and egress looks a packet up in the conntrack tables only if its byte is set.
 
-use lb_common::{conntrack::CtKey, ct_filter};
+use lb_common::{
+    conntrack::CtKey,
+    ct_filter,
+    family::{V4, V6},
+};
 
 use super::{ip::Ip, parse::Flow};
 
@@ -44,20 +48,70 @@ fn test<F: Ip>(flow: &Flow<F>) -> bool {
         .is_none_or(|w| ct_filter::word_has(*w, offset))
 }
 
+pub(super) use lb_common::ct_filter::{bucket, key_bucket};
+
+/// `new_flow`'s bucket to note when it made no egress entry.
+pub(super) const NO_BUCKET: u32 = u32::MAX;
+
 /// Sets the byte of `key`'s bucket in the generation the programs write: called before an egress
-/// entry is inserted or moved to the established table. Written only if clear, so that the
-/// cache line of a busy bucket is not dirtied by every new flow.
+/// entry is moved to the established table (`establish`), and after a new flow inserted one
+/// (`new_flow::decide`, with the bucket `track` left in its choice: `track`'s frame is the last
+/// the IPv6 call chain has room for). Before any packet of the flow can reach egress either way:
+/// the packet being handled leaves only when the program returns. Through a global function per
+/// family ([`lb_ct_filter_note4`], [`lb_ct_filter_note6`]), which the verifier checks once, on
+/// its own: inlined, its branches were walked again for every state reaching them, in programs
+/// whose verification is near Linux 6.1's limit (as `snat::reclaim_port_for`).
 #[inline(always)]
 pub(super) fn note<F: Ip>(key: &CtKey<F>) {
+    note_bucket::<F>(ct_filter::key_bucket(key));
+}
+
+/// [`note`] of a bucket computed already.
+#[inline(always)]
+pub(super) fn note_bucket<F: Ip>(bucket: u32) {
+    if F::BITS == 32 {
+        lb_ct_filter_note4(bucket);
+    } else {
+        lb_ct_filter_note6(bucket);
+    }
+}
+
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn lb_ct_filter_note4(bucket: u32) -> u32 {
+    set_byte::<V4>(bucket);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn lb_ct_filter_note6(bucket: u32) -> u32 {
+    set_byte::<V6>(bucket);
+    0
+}
+
+/// Written only if clear, so that the cache line of a busy bucket is not dirtied by every new
+/// flow.
+#[inline(always)]
+fn set_byte<F: Ip>(bucket: u32) {
     let Some(control) = F::ct_filter().get(ct_filter::CONTROL) else {
         return;
     };
-    let generation = ct_filter::control(*control).1;
-    let (word, offset) = ct_filter::position(ct_filter::key_bucket(key));
+    // The generation byte as the agent wrote it (0 or 1), unmasked: LLVM then adds it to the
+    // offset and keeps the bound check below, which the verifier needs. Masked, the sum is an OR
+    // of two small values, which Linux 6.1's verifier cannot bound ("math between map_value
+    // pointer and register with unbounded min value").
+    let generation = u32::from(control.to_ne_bytes()[ct_filter::CONTROL_GENERATION]);
+    // A global function's argument is any u32 to the verifier: the position is bounded here.
+    let (word, offset) = ct_filter::position(bucket % ct_filter::BUCKETS);
+    let index = offset + generation;
+    if index >= 8 {
+        return;
+    }
     if let Some(ptr) = F::ct_filter().get_ptr_mut(word) {
-        // SAFETY: `offset + generation` < 8, inside the 8-byte value just looked up.
+        // SAFETY: `index` < 8, inside the 8-byte value just looked up.
         unsafe {
-            let byte = (ptr as *mut u8).add((offset + generation) as usize);
+            let byte = (ptr as *mut u8).add(index as usize);
             if *byte == 0 {
                 *byte = 1;
             }

@@ -101,6 +101,9 @@ fn decide<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice:
         },
         verdict => verdict,
     };
+    if choice.filter_bucket != ct_filter::NO_BUCKET {
+        ct_filter::note_bucket::<F>(choice.filter_bucket);
+    }
     if verdict == NO_FREE_PORT {
         choice.count(Counter::TcSnatPortsExhausted);
         return TC_ACT_SHOT;
@@ -181,6 +184,9 @@ pub(super) struct Choice {
     /// The counter the steps bumped for this flow, as an index (`Counter as u8`), for
     /// `lb-agent monitor`; [`NO_OUTCOME`] when none.
     outcome: u8,
+    /// The egress flow filter's bucket of the egress entry `track` inserted
+    /// (`ct_filter::NO_BUCKET`: none), noted by `decide` once `track` returned.
+    filter_bucket: u32,
 }
 
 impl Choice {
@@ -204,6 +210,7 @@ impl Default for Choice {
             snat_port: 0,
             masq_route: 0,
             outcome: NO_OUTCOME,
+            filter_bucket: ct_filter::NO_BUCKET,
         }
     }
 }
@@ -293,6 +300,7 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
         snat_port: 0,
         masq_route: 0,
         outcome: NO_OUTCOME,
+        filter_bucket: ct_filter::NO_BUCKET,
     };
     CHOSEN
 }
@@ -365,7 +373,6 @@ fn track<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: 
         // backend), masquerade this one so both stay unambiguous.
         // A new flow's entries go to the new-flow table; the tuple is taken if either table
         // holds it.
-        ct_filter::note::<F>(&key);
         let inserted = F::conntrack().get_ptr(&key).is_none()
             && match F::conntrack_new().insert(&key, &entry, BPF_NOEXIST as u64) {
                 Ok(()) => true,
@@ -454,7 +461,6 @@ fn track<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: 
             entry.flags = ct::SNAT | ct::HANDSHAKE_TRACKED;
             // Likewise: an SNAT entry there would be found before this one.
             let _ = F::conntrack().remove(&key);
-            ct_filter::note::<F>(&key);
             if F::conntrack_new().insert(&key, &entry, 0).is_err() {
                 choice.count(Counter::TcCtInsertFailed);
                 return TC_ACT_SHOT;
@@ -478,6 +484,14 @@ fn track<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: 
         choice.count(Counter::TcCtInsertFailed);
         return TC_ACT_SHOT;
     }
+    // The egress entry this flow inserted: its SNAT entry (client -> backend, `key`'s tuple
+    // whatever its tag), else its un-DNAT entry (backend -> client). Computed here, where few
+    // values are live: earlier, `track`'s frame grew past what IPv6's call chain has room for.
+    choice.filter_bucket = if masquerade {
+        ct_filter::key_bucket(&key)
+    } else {
+        ct_filter::bucket::<F>(&backend.addr, &flow.saddr, backend.port, flow.sport, flow.proto)
+    };
     choice.count(Counter::TcNewFlow);
     choice.snat_port = snat_port;
     mark_forward(ctx, entry.flags, choice.rev_nat_id);
