@@ -181,10 +181,7 @@ pub(super) fn establish<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Pack
     if flags & ct::SNAT_TAGGED != 0 {
         key.tag = snat_tag(rev_nat_id);
     }
-    // Each egress entry moved gets its filter byte in the generation the programs write now: the
-    // agent's scan may miss an entry while it moves (`lb_common::ct_filter`).
     if flags & ct::SNAT != 0 {
-        ct_filter::note::<F>(&key);
         let held = move_entry::<F>(&key);
         // Its un-SNAT entry: backend -> node IP:port, at ingress.
         if let Some((snat_addr, snat_port)) = held {
@@ -209,7 +206,6 @@ pub(super) fn establish<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Pack
             dir: dir::EGRESS,
             tag: 0,
         };
-        ct_filter::note::<F>(&key);
         move_entry::<F>(&key);
     }
     key = flow.key(dir::INGRESS);
@@ -223,7 +219,17 @@ pub(super) fn establish<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Pack
         count(Counter::TcFlowEstablished);
     }
     mark_forward(ctx, flags, rev_nat_id);
-    apply::<F, SCTP>(ctx, pkt, false, backend, backend_port)
+    let verdict = apply::<F, SCTP>(ctx, pkt, false, backend, backend_port);
+    // The egress entry moved gets its filter byte in the generation the programs write now: the
+    // agent's scan may have missed it while it moved (`lb_common::ct_filter`). Last, after every
+    // step whose verification needs precise values (`ct_filter::note_bucket`).
+    let filter_bucket = if flags & ct::SNAT != 0 {
+        ct_filter::bucket::<F>(&flow.saddr, &backend, flow.sport, backend_port, flow.proto)
+    } else {
+        ct_filter::bucket::<F>(&backend, &flow.saddr, backend_port, flow.sport, flow.proto)
+    };
+    ct_filter::note_bucket::<F>(filter_bucket);
+    verdict
 }
 
 /// Moves the entry at `key` from the new-flow table to the established one (left where it is if

@@ -59,6 +59,10 @@ pub(super) fn new_flow<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packe
     if choice.outcome != NO_OUTCOME && monitor::wanted(choice.outcome as u32) {
         event::<F>(ctx, Some(&pkt.flow), Some(&choice), choice.outcome as u32);
     }
+    // Last, after every step whose verification needs precise values (`ct_filter::note_bucket`).
+    if choice.filter_bucket != ct_filter::NO_BUCKET {
+        ct_filter::note_bucket::<F>(choice.filter_bucket);
+    }
     verdict
 }
 
@@ -101,9 +105,6 @@ fn decide<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice:
         },
         verdict => verdict,
     };
-    if choice.filter_bucket != ct_filter::NO_BUCKET {
-        ct_filter::note_bucket::<F>(choice.filter_bucket);
-    }
     if verdict == NO_FREE_PORT {
         choice.count(Counter::TcSnatPortsExhausted);
         return TC_ACT_SHOT;
