@@ -186,7 +186,7 @@ pub(super) struct Choice {
     /// `lb-agent monitor`; [`NO_OUTCOME`] when none.
     outcome: u8,
     /// The egress flow filter's bucket of the egress entry `track` inserted
-    /// (`ct_filter::NO_BUCKET`: none), noted by `decide` once `track` returned.
+    /// (`ct_filter::NO_BUCKET`: none), noted by `new_flow` last.
     filter_bucket: u32,
 }
 
