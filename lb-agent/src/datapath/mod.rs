@@ -307,6 +307,12 @@ impl Datapath {
         for (name, path) in &pins {
             loader.map_pin_path(name, path.as_path());
         }
+        // The egress flow filters as their control word alone (off: every packet takes the full
+        // path, as a filter's missing word makes it): 2 MiB each that a trace inside the agent's
+        // container would add to its memory limit, beside the agent's own.
+        for name in [catalog::CT_FILTER, catalog::CT_FILTER6] {
+            loader.map_max_entries(name, 1);
+        }
         let ebpf = Self::load_with(&mut loader, &caps, object)?;
         Ok(Self {
             ebpf,
