@@ -725,7 +725,7 @@ async fn manifests_deploy_and_grant_exactly_what_the_agent_uses() -> Result<()> 
                     k: &str| m.as_ref().and_then(|m| m.get(k)).map(|q| q.0.clone());
     assert_eq!(quantity(&resources.requests, "cpu").as_deref(), Some("50m"));
     assert_eq!(quantity(&resources.requests, "memory").as_deref(), Some("64Mi"));
-    assert_eq!(quantity(&resources.limits, "memory").as_deref(), Some("256Mi"));
+    assert_eq!(quantity(&resources.limits, "memory").as_deref(), Some("320Mi"));
 
     // Volumes: bpffs (propagated from the host), the host's cgroup tree where the agent looks for
     // it, the ConfigMap; and no /lib/modules.
