@@ -137,11 +137,37 @@ fn report_new_results(kernel: &Kernel, dir: &Path, seen: &mut Vec<String>) -> Ve
             continue;
         };
         let Ok(value) = value else { continue };
-        seen.push(name);
+        seen.push(name.clone());
         println!("{}", result_line(&kernel.release, &value));
+        if value["ok"] != true {
+            // The CI's output is often all there is to read of a guest's run: the failure's own
+            // words, not just its name.
+            if let Ok(log) = fs::read_to_string(dir.join(format!("{name}.log"))) {
+                for line in failure_excerpt(&log) {
+                    println!("        | {line}");
+                }
+            }
+        }
         new.push(value);
     }
     new
+}
+
+/// The lines of a failed test binary's log that say why: each panic's message and the lines
+/// after it (up to 12 per panic, 40 in all), else the log's last 20 lines.
+pub(super) fn failure_excerpt(log: &str) -> Vec<&str> {
+    let lines: Vec<&str> = log.lines().collect();
+    let mut out = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        if line.contains("panicked at") {
+            out.extend(lines[i..].iter().take(12).take_while(|l| !l.starts_with("test ")));
+        }
+    }
+    if out.is_empty() {
+        out.extend(&lines[lines.len().saturating_sub(20)..]);
+    }
+    out.truncate(40);
+    out
 }
 
 pub(super) fn result_line(release: &str, r: &Value) -> String {
