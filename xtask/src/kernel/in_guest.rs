@@ -103,7 +103,7 @@ pub fn guest(results: &Path, filter: Option<&str>, only: &[String], binaries: &[
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernel::run::{failure_excerpt, result_line};
+    use crate::kernel::run::result_line;
 
     #[test]
     fn results_are_read_from_the_test_output() {
@@ -131,21 +131,5 @@ mod tests {
         assert_eq!(short["ok"], false);
         assert!(result_line("6.1.0-56-amd64", &short).contains("ran 3 of the 4 tests named"));
         assert_eq!(three_passed(Some(3))["ok"], true);
-    }
-
-    #[test]
-    fn a_failures_excerpt_is_its_panic_message() {
-        let log = "running 2 tests\ntest a ... ok\n\n---- b stdout ----\nsome output\n\
-                   thread 'b' panicked at tests/b.rs:10:5:\nagent did not attach in 120 s\n\
-                   note: run with `RUST_BACKTRACE=1`\n\nfailures:\n    b\n\ntest result: FAILED.\n";
-        let excerpt = failure_excerpt(log);
-        assert_eq!(excerpt[0], "thread 'b' panicked at tests/b.rs:10:5:");
-        assert!(excerpt.contains(&"agent did not attach in 120 s"));
-        assert!(!excerpt.contains(&"some output"));
-        // No panic (a crash): the log's end.
-        assert_eq!(
-            failure_excerpt("a\nb\nSegmentation fault"),
-            vec!["a", "b", "Segmentation fault"]
-        );
     }
 }

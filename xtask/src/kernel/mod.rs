@@ -185,6 +185,7 @@ fn run_ci_guest(kernel: &str, tests: Tests, summary: &mut Summary) -> Result<boo
                 ));
             }
         }
+        summary.failure_reasons.extend(outcome.failure_reasons());
         if let Some(why) = &outcome.aborted {
             summary
                 .failing_binaries

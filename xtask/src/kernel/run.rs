@@ -22,7 +22,10 @@ use super::{
     kernels::Kernel,
     vm::{GuestProcess, INTERRUPTED, shell_quote},
 };
-use crate::util::{clean_cargo, provenance, step, workspace_root};
+use crate::{
+    test::Summary,
+    util::{clean_cargo, provenance, step, workspace_root},
+};
 
 /// A test binary of tests/ as cargo built it.
 #[derive(Clone, Debug)]
@@ -112,6 +115,29 @@ impl KernelOutcome {
             && self.console_log().is_some_and(|c| c.contains("Kernel panic"))
     }
 
+    /// Why each failed test of the failed binaries failed, read from their logs as the host's
+    /// test summary reads a binary's output (`Summary::add_line`): `(binary::test on Linux
+    /// release, its panic)`, for the closing section of `./x test`'s output, which is often all
+    /// there is to read of a CI run.
+    pub(super) fn failure_reasons(&self) -> Vec<(String, Vec<String>)> {
+        let mut reasons = Vec::new();
+        for r in self.results.iter().filter(|r| r["ok"] != true) {
+            let binary = r["binary"].as_str().unwrap_or("?");
+            let Ok(log) = fs::read_to_string(self.results_dir.join(format!("{binary}.log"))) else {
+                continue;
+            };
+            let mut summary = Summary::default();
+            log.lines().for_each(|l| summary.add_line(l));
+            reasons.extend(
+                summary
+                    .failure_reasons
+                    .into_iter()
+                    .map(|(test, why)| (format!("{binary}::{test} on Linux {}", self.kernel.release), why)),
+            );
+        }
+        reasons
+    }
+
     fn console_log(&self) -> Option<String> {
         fs::read_to_string(self.results_dir.join("console.log")).ok()
     }
@@ -137,37 +163,11 @@ fn report_new_results(kernel: &Kernel, dir: &Path, seen: &mut Vec<String>) -> Ve
             continue;
         };
         let Ok(value) = value else { continue };
-        seen.push(name.clone());
+        seen.push(name);
         println!("{}", result_line(&kernel.release, &value));
-        if value["ok"] != true {
-            // The CI's output is often all there is to read of a guest's run: the failure's own
-            // words, not just its name.
-            if let Ok(log) = fs::read_to_string(dir.join(format!("{name}.log"))) {
-                for line in failure_excerpt(&log) {
-                    println!("        | {line}");
-                }
-            }
-        }
         new.push(value);
     }
     new
-}
-
-/// The lines of a failed test binary's log that say why: each panic's message and the lines
-/// after it (up to 12 per panic, 40 in all), else the log's last 20 lines.
-pub(super) fn failure_excerpt(log: &str) -> Vec<&str> {
-    let lines: Vec<&str> = log.lines().collect();
-    let mut out = Vec::new();
-    for (i, line) in lines.iter().enumerate() {
-        if line.contains("panicked at") {
-            out.extend(lines[i..].iter().take(12).take_while(|l| !l.starts_with("test ")));
-        }
-    }
-    if out.is_empty() {
-        out.extend(&lines[lines.len().saturating_sub(20)..]);
-    }
-    out.truncate(40);
-    out
 }
 
 pub(super) fn result_line(release: &str, r: &Value) -> String {
@@ -401,4 +401,47 @@ fn write_summary(outcome: &KernelOutcome, dir: &Path) -> Result<()> {
     });
     fs::write(dir.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_guest_binarys_reasons_are_its_panics_read_from_its_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = "running 2 tests\ntest a ... ok\ntest b ... FAILED\n\nfailures:\n\n---- b stdout ----\n\
+                   some output\nthread 'b' panicked at tests/b.rs:10:5:\nlb-agent logged no \"attached\"\n\n\
+                   failures:\n    b\n\ntest result: FAILED. 1 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out\n";
+        fs::write(dir.path().join("tc_topology.log"), log).unwrap();
+        fs::write(dir.path().join("socket_lb.log"), "thread 'x' panicked at y").unwrap();
+        let outcome = KernelOutcome {
+            kernel: Kernel {
+                release: "6.1.0-56-amd64".into(),
+                series: "6.1".into(),
+                package: None,
+                vmlinuz: None,
+                modules_root: None,
+            },
+            guest: String::new(),
+            results: vec![
+                json!({"binary": "tc_topology", "ok": false}),
+                // Passed: its log is not read.
+                json!({"binary": "socket_lb", "ok": true}),
+            ],
+            aborted: None,
+            seconds: 0.0,
+            results_dir: dir.path().to_path_buf(),
+        };
+        assert_eq!(
+            outcome.failure_reasons(),
+            vec![(
+                "tc_topology::b on Linux 6.1.0-56-amd64".to_string(),
+                vec![
+                    "thread 'b' panicked at tests/b.rs:10:5:".to_string(),
+                    "lb-agent logged no \"attached\"".to_string(),
+                ]
+            )]
+        );
+    }
 }
