@@ -70,6 +70,11 @@ const GOOD_NODE_PORT: u16 = 30100;
 /// The huge Service: endpoints and slice size.
 const HUGE_ENDPOINTS: usize = 200_000;
 const HUGE_SLICE: usize = 1_000;
+/// Whether the agent published an Event (lb-agent/src/events.rs sets its reporting controller).
+fn by_the_agent(e: &Event) -> bool {
+    e.reporting_component.as_deref() == Some("lb-agent")
+}
+
 /// The agent's Event reason for a problem with a Service or its slices (lb-agent/src/agent/sync.rs).
 const REASON: &str = "InvalidService";
 
@@ -261,7 +266,9 @@ impl Cluster {
         });
     }
 
-    /// The agent's Events on a Service: (reason, message, count).
+    /// The agent's Events on a Service: (reason, message, count). Only the agent's own: the API
+    /// server's controllers report on the same objects (its ClusterIP repair loop, racing a
+    /// Service's creation under load, says "Cluster IP ... is not allocated; repairing").
     fn events(&self, name: &str) -> Vec<(String, String, i64)> {
         let api: Api<Event> = Api::namespaced(self.client.clone(), NS);
         let lp = ListParams::default().fields(&format!("involvedObject.name={name}"));
@@ -270,6 +277,7 @@ impl Cluster {
             .map(|l| {
                 l.items
                     .into_iter()
+                    .filter(by_the_agent)
                     .map(|e| {
                         let count = e.count.map(i64::from).unwrap_or(1)
                             + e.series.and_then(|s| s.count).map(i64::from).unwrap_or(0);
@@ -280,7 +288,7 @@ impl Cluster {
             .unwrap_or_default()
     }
 
-    /// Every Event in the namespace: (object, reason, message, count).
+    /// Every Event of the agent in the namespace: (object, reason, message, count).
     fn all_events(&self) -> BTreeSet<(String, String, String, i64)> {
         let api: Api<Event> = Api::namespaced(self.client.clone(), NS);
         self.rt
@@ -288,6 +296,7 @@ impl Cluster {
             .map(|l| {
                 l.items
                     .into_iter()
+                    .filter(by_the_agent)
                     .map(|e| {
                         let count = e.count.map(i64::from).unwrap_or(1)
                             + e.series.and_then(|s| s.count).map(i64::from).unwrap_or(0);
