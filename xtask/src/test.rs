@@ -67,16 +67,24 @@ impl Summary {
     fn read_failure(&mut self, line: &str) {
         let ends = line.starts_with("---- ") || line == "failures:" || line.starts_with("test result: ");
         if ends && let Some((name, lines)) = self.reading_failure.take() {
-            let from = lines.iter().position(|l| l.contains("panicked at")).unwrap_or(
-                // No panic (a test harness error, a killed child): the block's last lines.
-                lines.len().saturating_sub(REASON_LINES),
-            );
-            // The panic's message ends at a blank line or where a dropped fixture starts dumping
-            // its logs ("control plane at ... (dropped while panicking):").
+            // A panic, or the `Error: ...` libtest prints for a test that returned one.
+            let from = lines
+                .iter()
+                .position(|l| l.contains("panicked at") || l.starts_with("Error: "))
+                .unwrap_or(
+                    // Neither (a test harness error, a killed child): the block's last lines.
+                    lines.len().saturating_sub(REASON_LINES),
+                );
+            // The message ends at a blank line or where a fixture starts dumping its logs
+            // ("control plane at ... (dropped while panicking):", "--- /tmp/.../0.log:"). Lines
+            // of the fixtures' own children (containerd's `time="..."`) land anywhere in the
+            // block: not the test's words.
             let reason: Vec<String> = lines[from..]
                 .iter()
-                .take_while(|l| !l.is_empty() && !l.contains("(dropped while panicking)"))
-                .filter(|l| !l.starts_with("note: run with `RUST_BACKTRACE=1`"))
+                .take_while(|l| {
+                    !l.is_empty() && !l.contains("(dropped while panicking)") && !l.starts_with("--- /")
+                })
+                .filter(|l| !l.starts_with("note: run with `RUST_BACKTRACE=1`") && !l.starts_with("time=\""))
                 .take(REASON_LINES)
                 .map(|l| match l.char_indices().nth(REASON_LINE_CHARS) {
                     Some((cut, _)) => format!("{}…", &l[..cut]),
@@ -456,12 +464,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_summary_keeps_each_failing_tests_panic_and_the_totals() {
+    fn the_summary_keeps_each_failing_tests_panic_or_error_and_the_totals() {
         let output = "\
-running 3 tests
+running 4 tests
 test a ... FAILED
 test b ... FAILED
-test c ... ok
+test c ... FAILED
+test d ... ok
 
 failures:
 
@@ -478,15 +487,26 @@ assertion failed
 control plane at /tmp/x (dropped while panicking):
     I1127 06:16:26.590681   31007 controller.go:667] quota admission added evaluator
 
+---- c stdout ----
+==> 1. a step
+time=\"2026-12-02T13:20:15Z\" level=info msg=\"a child's log line\"
+Error: requests failed: [
+time=\"2026-12-02T13:20:16Z\" level=info msg=\"another\"
+    \"at 17 µs: reset\",
+]
+--- /tmp/node/var-log/pods/kube-proxy/0.log:
+2026-12-02T13:20:07Z stderr F I1202 a kube-proxy log line
+
 failures:
     a
     b
+    c
 
-test result: FAILED. 1 passed; 2 failed; 0 ignored; 0 measured; 4 filtered out; finished in 1.00s
+test result: FAILED. 1 passed; 3 failed; 0 ignored; 0 measured; 4 filtered out; finished in 1.00s
 ";
         let mut summary = Summary::default();
         output.lines().for_each(|l| summary.add_line(l));
-        assert_eq!((summary.passed, summary.failed, summary.filtered), (1, 2, 4));
+        assert_eq!((summary.passed, summary.failed, summary.filtered), (1, 3, 4));
         let reasons: Vec<(&str, Vec<&str>)> = summary
             .failure_reasons
             .iter()
@@ -509,6 +529,10 @@ test result: FAILED. 1 passed; 2 failed; 0 ignored; 0 measured; 4 filtered out; 
                         "thread 'b' panicked at tests/tests/x.rs:20:5:",
                         "assertion failed",
                     ]
+                ),
+                (
+                    "c",
+                    vec!["Error: requests failed: [", "    \"at 17 µs: reset\",", "]"]
                 ),
             ]
         );
