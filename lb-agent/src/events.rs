@@ -19,6 +19,10 @@ use sha2::{Digest, Sha256};
 
 use crate::watch::ServiceKey;
 
+/// The Events' reporting controller (shown as their `reportingComponent` in the core/v1 view):
+/// tests tell the agent's Events from the API server's by it.
+pub const REPORTING_CONTROLLER: &str = "lb-agent";
+
 /// Publishes Warning Events on Services for per-Service problems: one Event per distinct
 /// problem, published once. The Event is named after the Service and a hash of the problem, so
 /// each problem has its own Event with its own message (kube-runtime's `Recorder` keys Events by
@@ -110,7 +114,7 @@ impl EventPublisher {
             reason: Some(reason),
             note: Some(note.chars().take(1000).collect()),
             regarding: Some(regarding),
-            reporting_controller: Some("lb-agent".into()),
+            reporting_controller: Some(REPORTING_CONTROLLER.into()),
             reporting_instance: Some(self.node_name.clone()),
             type_: Some("Warning".into()),
             ..events::Event::default()

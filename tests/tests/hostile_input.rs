@@ -46,6 +46,7 @@ use kube::{
     api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams},
     core::Status,
 };
+use lb_agent::events::REPORTING_CONTROLLER;
 use lb_tests::{
     agent::{Agent, AgentOptions, bpf_root_in},
     bpffs::BpfFs,
@@ -70,11 +71,6 @@ const GOOD_NODE_PORT: u16 = 30100;
 /// The huge Service: endpoints and slice size.
 const HUGE_ENDPOINTS: usize = 200_000;
 const HUGE_SLICE: usize = 1_000;
-/// Whether the agent published an Event (lb-agent/src/events.rs sets its reporting controller).
-fn by_the_agent(e: &Event) -> bool {
-    e.reporting_component.as_deref() == Some("lb-agent")
-}
-
 /// The agent's Event reason for a problem with a Service or its slices (lb-agent/src/agent/sync.rs).
 const REASON: &str = "InvalidService";
 
@@ -266,37 +262,36 @@ impl Cluster {
         });
     }
 
-    /// The agent's Events on a Service: (reason, message, count). Only the agent's own: the API
-    /// server's controllers report on the same objects (its ClusterIP repair loop, racing a
-    /// Service's creation under load, says "Cluster IP ... is not allocated; repairing").
+    /// The agent's Events on a Service: (reason, message, count).
     fn events(&self, name: &str) -> Vec<(String, String, i64)> {
+        let selector = format!("involvedObject.name={name}");
+        self.agent_events(Some(&selector))
+            .into_iter()
+            .map(|(_, reason, message, count)| (reason, message, count))
+            .collect()
+    }
+
+    /// Every Event of the agent in the namespace: (object, reason, message, count).
+    fn all_events(&self) -> BTreeSet<(String, String, String, i64)> {
+        self.agent_events(None).into_iter().collect()
+    }
+
+    /// The agent's Events in the namespace, those matching `fields` if given: (object, reason,
+    /// message, count). Only the agent's own: the API server's controllers report on the same
+    /// objects (its ClusterIP repair loop, racing a Service's creation under load, says "Cluster
+    /// IP ... is not allocated; repairing").
+    fn agent_events(&self, fields: Option<&str>) -> Vec<(String, String, String, i64)> {
         let api: Api<Event> = Api::namespaced(self.client.clone(), NS);
-        let lp = ListParams::default().fields(&format!("involvedObject.name={name}"));
+        let lp = match fields {
+            Some(fields) => ListParams::default().fields(fields),
+            None => ListParams::default(),
+        };
         self.rt
             .block_on(api.list(&lp))
             .map(|l| {
                 l.items
                     .into_iter()
-                    .filter(by_the_agent)
-                    .map(|e| {
-                        let count = e.count.map(i64::from).unwrap_or(1)
-                            + e.series.and_then(|s| s.count).map(i64::from).unwrap_or(0);
-                        (e.reason.unwrap_or_default(), e.message.unwrap_or_default(), count)
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-
-    /// Every Event of the agent in the namespace: (object, reason, message, count).
-    fn all_events(&self) -> BTreeSet<(String, String, String, i64)> {
-        let api: Api<Event> = Api::namespaced(self.client.clone(), NS);
-        self.rt
-            .block_on(api.list(&ListParams::default()))
-            .map(|l| {
-                l.items
-                    .into_iter()
-                    .filter(by_the_agent)
+                    .filter(|e| e.reporting_component.as_deref() == Some(REPORTING_CONTROLLER))
                     .map(|e| {
                         let count = e.count.map(i64::from).unwrap_or(1)
                             + e.series.and_then(|s| s.count).map(i64::from).unwrap_or(0);

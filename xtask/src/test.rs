@@ -214,13 +214,19 @@ pub(crate) fn print_summary(summary: &Summary, started: Instant, ok: bool) {
         started.elapsed().as_secs_f64()
     );
     // Last, so that the tail of the output (all CI shows) says why.
-    if !summary.failure_reasons.is_empty() {
-        eprintln!("why the failing tests failed (in full above, with their output):");
-        for (name, reason) in &summary.failure_reasons {
-            eprintln!("---- {name}");
-            for l in reason {
-                eprintln!("    {l}");
-            }
+    print_failure_reasons(&summary.failure_reasons);
+}
+
+/// Each failing test's name and its reason ([`Summary::failure_reasons`]), if any failed.
+pub(crate) fn print_failure_reasons(reasons: &[(String, Vec<String>)]) {
+    if reasons.is_empty() {
+        return;
+    }
+    eprintln!("why the failing tests failed (in full above, with their output):");
+    for (name, reason) in reasons {
+        eprintln!("---- {name}");
+        for l in reason {
+            eprintln!("    {l}");
         }
     }
 }

@@ -246,6 +246,11 @@ pub fn run_matrix(opts: &Options) -> Result<()> {
         );
     }
     write_doc()?;
+    // Last, so that the tail of a long run's output says why (each binary's log is in the
+    // kernel's results directory).
+    let reasons: Vec<(String, Vec<String>)> =
+        outcomes.iter().flat_map(KernelOutcome::failure_reasons).collect();
+    crate::test::print_failure_reasons(&reasons);
     if INTERRUPTED.load(Ordering::SeqCst) {
         bail!("interrupted");
     }
