@@ -15,7 +15,7 @@ use crate::{
     family::IpFamily,
     model::LbAlgorithm,
     node::{DetectLocalMode, NodePortAddress, NodeSettings},
-    plan::maglev::TableSize,
+    plan::maglev::{HashSeed, TableSize},
 };
 
 #[derive(Parser, Debug)]
@@ -247,6 +247,12 @@ pub struct NodeArgs {
     /// endpoints keeps their shares within 1% of each other. Cilium's flag and default.
     #[arg(long, value_parser = clap::builder::ValueParser::new(|s: &str| s.parse::<u32>().map_err(|e| e.to_string()).and_then(TableSize::new)), default_value = "16381")]
     pub bpf_lb_maglev_table_size: TableSize,
+    /// The seed of the Maglev tables and of the flow hash: 12 bytes in base64 (`head -c12
+    /// /dev/urandom | base64 -w0`), the same on every node of the cluster (nodes with different
+    /// seeds send a flow to different backends). Unset: the fixed seed every release uses.
+    /// Changing it moves flows between backends. Cilium's flag and format.
+    #[arg(long, value_parser = clap::builder::ValueParser::new(str::parse::<HashSeed>))]
+    pub bpf_lb_maglev_hash_seed: Option<HashSeed>,
 }
 
 impl NodeArgs {
@@ -321,6 +327,7 @@ impl NodeArgs {
             load_balancing: crate::node::LoadBalancing {
                 algorithm: args.bpf_lb_algorithm,
                 maglev_table_size: args.bpf_lb_maglev_table_size,
+                maglev_hash_seed: args.bpf_lb_maglev_hash_seed.unwrap_or_default(),
             },
             // Known once the data path is loaded.
             sctp_refused: None,

@@ -111,7 +111,10 @@ pub struct DatapathConfig {
     pub snat_port_max: u16,
     pub v4: FamilyConfig<V4>,
     pub v6: FamilyConfig<V6>,
-    pub _pad: [u8; 4],
+    /// `--bpf-lb-maglev-hash-seed` as the word both the Maglev tables and the flow hash derive
+    /// from (`lb-agent/src/plan/maglev.rs::HashSeed`); 0: the fixed seed. In what was padding, so
+    /// an earlier release's entry reads as 0, the seed it used.
+    pub maglev_seed: u32,
 }
 
 impl DatapathConfig {
@@ -123,7 +126,7 @@ impl DatapathConfig {
         snat_port_max: 0,
         v4: FamilyConfig::EMPTY,
         v6: FamilyConfig::EMPTY,
-        _pad: [0; 4],
+        maglev_seed: 0,
     };
 }
 

@@ -9,10 +9,12 @@
 //! chunk instead of one per entry, and no element padding (an array element is rounded up to 8
 //! bytes; a lone `u32` would double the memory).
 //!
-//! The hash has a fixed seed and covers only the packet's 5-tuple, so every node computes the same
-//! hash for a flow and, from the same endpoints, the same table (`lb-agent/src/plan/maglev.rs`):
-//! a flow an ECMP router moves to another node reaches the same backend there. Words are read in
-//! memory order, which is the same on every little-endian node (x86-64, arm64).
+//! The hash covers only the packet's 5-tuple and a seed every node shares (a fixed one, or the
+//! word `--bpf-lb-maglev-hash-seed` gives, `DatapathConfig::maglev_seed`), so every node computes
+//! the same hash for a flow and, from the same endpoints, the same table
+//! (`lb-agent/src/plan/maglev.rs`): a flow an ECMP router moves to another node reaches the same
+//! backend there. Words are read in memory order, which is the same on every little-endian node
+//! (x86-64, arm64).
 
 use crate::{family::Family, prefilter::Fold, user_pod};
 
@@ -22,7 +24,8 @@ pub const LANES: usize = 256;
 /// The largest table size the data path accepts (Cilium's largest, 131,071).
 pub const MAX_TABLE_SIZE: u32 = 131_071;
 
-/// The seed of [`flow_hash`]: fixed, the same on every node and across releases.
+/// The seed of [`flow_hash`] with no seed configured (word 0): fixed, the same on every node and
+/// across releases.
 const SEED: u32 = 0x4D41_474C; // "MAGL"
 
 /// One element of a Maglev inner array: backend ids of table positions
@@ -60,10 +63,18 @@ pub const fn index(hash: u32, size: u32) -> u32 {
     hash % size
 }
 
-/// The flow's hash: source and destination address and port, and protocol, with a fixed seed.
+/// The flow's hash: source and destination address and port, and protocol, with the cluster's
+/// seed word (`DatapathConfig::maglev_seed`; 0: the fixed seed, as before seeds could be set).
 #[inline(always)]
-pub fn flow_hash<F: Family>(saddr: &F::Addr, daddr: &F::Addr, sport: u16, dport: u16, proto: u8) -> u32 {
-    let h = saddr.fold(SEED);
+pub fn flow_hash<F: Family>(
+    seed: u32,
+    saddr: &F::Addr,
+    daddr: &F::Addr,
+    sport: u16,
+    dport: u16,
+    proto: u8,
+) -> u32 {
+    let h = saddr.fold(SEED ^ seed);
     let h = daddr.fold(h);
     let h = crate::prefilter::mix(h, ((sport as u32) << 16) | dport as u32);
     finish(crate::prefilter::mix(h, proto as u32))
@@ -100,8 +111,9 @@ mod tests {
     /// moves flows between backends during a rolling upgrade. These values are fixed.
     #[test]
     fn the_hash_never_changes() {
-        let v4 = flow_hash::<V4>(&[192, 0, 2, 10], &[10, 0, 0, 1], 40_000, 30_080, 6);
+        let v4 = flow_hash::<V4>(0, &[192, 0, 2, 10], &[10, 0, 0, 1], 40_000, 30_080, 6);
         let v6 = flow_hash::<V6>(
+            0,
             &In6Addr::new([0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x0a]),
             &In6Addr::new([0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x01]),
             40_000,
@@ -116,16 +128,34 @@ mod tests {
 
     #[test]
     fn every_field_counts() {
-        let base = flow_hash::<V4>(&[192, 0, 2, 10], &[10, 0, 0, 1], 40_000, 80, 6);
+        let base = flow_hash::<V4>(0, &[192, 0, 2, 10], &[10, 0, 0, 1], 40_000, 80, 6);
         for other in [
-            flow_hash::<V4>(&[192, 0, 2, 11], &[10, 0, 0, 1], 40_000, 80, 6),
-            flow_hash::<V4>(&[192, 0, 2, 10], &[10, 0, 0, 2], 40_000, 80, 6),
-            flow_hash::<V4>(&[192, 0, 2, 10], &[10, 0, 0, 1], 40_001, 80, 6),
-            flow_hash::<V4>(&[192, 0, 2, 10], &[10, 0, 0, 1], 40_000, 81, 6),
-            flow_hash::<V4>(&[192, 0, 2, 10], &[10, 0, 0, 1], 40_000, 80, 17),
+            flow_hash::<V4>(0, &[192, 0, 2, 11], &[10, 0, 0, 1], 40_000, 80, 6),
+            flow_hash::<V4>(0, &[192, 0, 2, 10], &[10, 0, 0, 2], 40_000, 80, 6),
+            flow_hash::<V4>(0, &[192, 0, 2, 10], &[10, 0, 0, 1], 40_001, 80, 6),
+            flow_hash::<V4>(0, &[192, 0, 2, 10], &[10, 0, 0, 1], 40_000, 81, 6),
+            flow_hash::<V4>(0, &[192, 0, 2, 10], &[10, 0, 0, 1], 40_000, 80, 17),
+            flow_hash::<V4>(1, &[192, 0, 2, 10], &[10, 0, 0, 1], 40_000, 80, 6),
         ] {
             assert_ne!(base, other);
         }
+    }
+
+    /// A configured seed moves flows over the whole table: two seeds send a flow to the same
+    /// position of a 251-entry table about one time in 251, not systematically.
+    #[test]
+    fn another_seed_is_another_hash() {
+        const SIZE: u32 = 251;
+        let same = (0..=u16::MAX)
+            .filter(|sport| {
+                let hash = |seed| flow_hash::<V4>(seed, &[192, 0, 2, 10], &[10, 0, 0, 1], *sport, 80, 6);
+                index(hash(0), SIZE) == index(hash(0x1234_5678), SIZE)
+            })
+            .count();
+        assert!(
+            same < 2 * 65_536 / SIZE as usize,
+            "{same} of 65,536 flows kept their position"
+        );
     }
 
     /// Source ports spread evenly over a prime table: no position gets more than twice its share.
@@ -134,7 +164,7 @@ mod tests {
         const SIZE: u32 = 251;
         let mut hits = [0u32; SIZE as usize];
         for sport in 0..=u16::MAX {
-            let h = flow_hash::<V4>(&[192, 0, 2, 10], &[10, 0, 0, 1], sport, 80, 6);
+            let h = flow_hash::<V4>(0, &[192, 0, 2, 10], &[10, 0, 0, 1], sport, 80, 6);
             hits[index(h, SIZE) as usize] += 1;
         }
         let share = 65_536 / SIZE;

@@ -340,8 +340,29 @@ pub fn add_service_cidr(state: &mut lb_agent::watch::ClusterState, name: &str, c
 
 /// The backend Maglev gives a flow (issue 17), computed in user space as every node does: the
 /// table of `backends` ((address, port), default size, `plan::maglev`) at the flow's hash
-/// (`lb_common::maglev::flow_hash`, which the tc program computes itself).
+/// (`lb_common::maglev::flow_hash`, which the tc program computes itself), with the fixed seed.
 pub fn maglev_pick(
+    src: std::net::IpAddr,
+    sport: u16,
+    dst: std::net::IpAddr,
+    dport: u16,
+    proto: u8,
+    backends: &[(std::net::IpAddr, u16)],
+) -> (std::net::IpAddr, u16) {
+    maglev_pick_seeded(
+        lb_agent::plan::maglev::HashSeed::FIXED,
+        src,
+        sport,
+        dst,
+        dport,
+        proto,
+        backends,
+    )
+}
+
+/// [`maglev_pick`] for the nodes of a cluster with `--bpf-lb-maglev-hash-seed` `seed`.
+pub fn maglev_pick_seeded(
+    seed: lb_agent::plan::maglev::HashSeed,
     src: std::net::IpAddr,
     sport: u16,
     dst: std::net::IpAddr,
@@ -351,7 +372,7 @@ pub fn maglev_pick(
 ) -> (std::net::IpAddr, u16) {
     use std::net::IpAddr;
 
-    use lb_agent::plan::maglev::{DEFAULT_SEED, Member, TableSize, lookup_table};
+    use lb_agent::plan::maglev::{Member, TableSize, lookup_table};
     use lb_common::{
         family::{In6Addr, V4, V6},
         maglev,
@@ -365,12 +386,13 @@ pub fn maglev_pick(
         })
         .collect();
     let size = TableSize::default();
-    let table = lookup_table(&members, size, &DEFAULT_SEED);
+    let table = lookup_table(&members, size, &seed.table_seed());
     let hash = match (src, dst) {
         (IpAddr::V4(s), IpAddr::V4(d)) => {
-            maglev::flow_hash::<V4>(&s.octets(), &d.octets(), sport, dport, proto)
+            maglev::flow_hash::<V4>(seed.word(), &s.octets(), &d.octets(), sport, dport, proto)
         }
         (IpAddr::V6(s), IpAddr::V6(d)) => maglev::flow_hash::<V6>(
+            seed.word(),
             &In6Addr::new(s.octets()),
             &In6Addr::new(d.octets()),
             sport,

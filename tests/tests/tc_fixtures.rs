@@ -18,7 +18,7 @@ use lb_agent::{
 };
 use lb_common::stats::Counter;
 use lb_tests::{
-    fixtures::{Slice, State, Svc, maglev_pick, service, slice},
+    fixtures::{Slice, State, Svc, maglev_pick, maglev_pick_seeded, service, slice},
     packet::{
         self, DSTOPTS, ETH_HLEN, FAMILIES, Family, Fragment, HOPOPTS, IcmpError, ROUTING, Spec, patched,
         rewritten, summary, verify_checksums,
@@ -813,6 +813,52 @@ fn maglev_gives_a_flow_the_same_backend_on_every_node() {
         assert!(
             moved * 10 <= others,
             "{f:?}: {moved} of {others} flows of the remaining backends moved"
+        );
+    }
+}
+
+/// `--bpf-lb-maglev-hash-seed`: nodes given one seed pick the backend user space computes with
+/// it (the table's permutation and the tc program's flow hash both take it, the hash from
+/// `lb_config`), whatever their backend ids; and the seed matters: some flows go elsewhere than
+/// with the fixed seed.
+#[test]
+fn maglev_with_a_configured_seed_agrees_on_every_node() {
+    use lb_agent::plan::maglev::HashSeed;
+    const BACKENDS: [u8; 5] = [40, 41, 42, 43, 44];
+    let seed: HashSeed = "JLfvgnHc2kaSUFaI".parse().unwrap();
+    let seeded = |before: usize| {
+        require_root();
+        let mut settings = settings(true);
+        settings.load_balancing.maglev_hash_seed = seed;
+        let node_ips: Vec<IpAddr> = FAMILIES.iter().map(|f| f.ip(NODE_IP)).collect();
+        ScratchDatapath::new(
+            &maglev_state(&BACKENDS, before, false),
+            settings,
+            &node_ips,
+            OBJECT,
+        )
+        .expect("scratch data path")
+    };
+    let (mut node_a, mut node_b) = (seeded(0), seeded(40));
+    assert_eq!(node_a.maps().config.get(&0, 0).unwrap().maglev_seed, seed.word());
+    for f in FAMILIES {
+        let members: Vec<(IpAddr, u16)> = BACKENDS
+            .iter()
+            .map(|b| (f.ip(&format!("10.244.2.{b}")), 8080))
+            .collect();
+        let mut moved = 0;
+        for sport in 40_000..40_100 {
+            let syn = tcp(f, CLIENT, sport, NODE_IP, 30090).build();
+            let want = maglev_pick_seeded(seed, f.ip(CLIENT), sport, f.ip(NODE_IP), 30090, 6, &members).0;
+            let on_a = summary(&ingress(&mut node_a, &syn).packet).dst;
+            let on_b = summary(&ingress(&mut node_b, &syn).packet).dst;
+            assert_eq!((on_a, on_b), (want, want), "{f:?} sport {sport}");
+            moved += usize::from(want != maglev_expected(f, &BACKENDS, sport));
+        }
+        // Another seed is another spread: about four flows in five change backend among five.
+        assert!(
+            moved >= 50,
+            "{f:?}: only {moved} of 100 flows differ from the fixed seed's"
         );
     }
 }

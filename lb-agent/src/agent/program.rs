@@ -29,6 +29,12 @@ pub struct Programmer<M> {
     planner: Planner,
     applier: Applier<M>,
     config_written: Option<DatapathConfig>,
+    /// The seed every Maglev table in the maps is built with, which `lb_config` names for the flow
+    /// hash: the adopted tables' until a programming rewrote them all with the configured seed
+    /// (`--bpf-lb-maglev-hash-seed`), then the configured one. `lb_config` changes after the
+    /// tables, so an agent killed in between finds the seed its tables still have, and rebuilds
+    /// them at its start.
+    maglev_seed: crate::plan::maglev::HashSeed,
     /// The pod interfaces last written to `lb_pod_ifaces`.
     pod_interfaces_written: Option<std::collections::BTreeSet<u32>>,
     /// The entries last written to `lb_masq_addrs`.
@@ -64,6 +70,7 @@ impl<M: MapOps> Programmer<M> {
             host_netns_cookie,
             sock_hostns_only,
             planner: Planner::new(),
+            maglev_seed: applier.adopted_maglev_seed(),
             applier,
             config_written: None,
             pod_interfaces_written: None,
@@ -148,8 +155,37 @@ impl<M: MapOps> Programmer<M> {
 
     /// The `lb_config` entry `view` asks for.
     pub fn datapath_config(&self, view: &NodeView) -> DatapathConfig {
-        self.settings
-            .datapath_config(view, self.host_netns_cookie, self.sock_hostns_only)
+        DatapathConfig {
+            maglev_seed: self.maglev_seed.word(),
+            ..self
+                .settings
+                .datapath_config(view, self.host_netns_cookie, self.sock_hostns_only)
+        }
+    }
+
+    /// After a programming: once every table is written with the configured seed (no write
+    /// failed; a failed frontend is retried by the next programming, which then advances),
+    /// `lb_config` names it, for the flow hash. A failure to write it is retried by the next
+    /// `write_config`, whose entry then differs from the one written.
+    fn advance_maglev_seed(&mut self, report: &ApplyReport) {
+        let configured = self.settings.load_balancing.maglev_hash_seed;
+        if self.maglev_seed == configured || !report.errors.is_empty() {
+            return;
+        }
+        self.maglev_seed = configured;
+        let Some(written) = self.config_written else {
+            return;
+        };
+        let config = DatapathConfig {
+            maglev_seed: configured.word(),
+            ..written
+        };
+        match self.applier.maps_mut().put_config(&config) {
+            Ok(()) => self.config_written = Some(config),
+            Err(e) => {
+                tracing::error!("{e}: the Maglev flow hash keeps its previous seed until the next sync")
+            }
+        }
     }
 
     /// Writes the `lb_config` entry for `view` when it differs from the last one written, after
@@ -218,6 +254,7 @@ impl<M: MapOps> Programmer<M> {
         let outcome = self.planner.rebuild(state, &view.info, &view.context);
         let report = self.applier.apply(self.planner.desired());
         self.program_cluster_ips(None);
+        self.advance_maglev_seed(&report);
         (outcome, report)
     }
 
@@ -233,6 +270,7 @@ impl<M: MapOps> Programmer<M> {
             .applier
             .apply_changes(self.planner.desired(), &outcome.changes);
         self.program_cluster_ips(Some(&outcome.changes.frontends));
+        self.advance_maglev_seed(&report);
         (outcome, report)
     }
 
@@ -600,6 +638,125 @@ mod tests {
         p.maps_mut().pod_interfaces_fail = false;
         p.write_config(&grown).unwrap();
         assert_eq!(p.maps().pod_interfaces, [3, 4, 5].into());
+    }
+
+    /// `--bpf-lb-maglev-hash-seed`: the tables are built with the node's seed, and `lb_config`
+    /// names it for the flow hash only once every table is (a restart with another seed finds
+    /// the adopted tables' seed in `lb_config` until they are rebuilt; a kill in between leaves
+    /// the old seed there, so the next start rebuilds them again). A restart with the same seed
+    /// writes no table.
+    #[test]
+    fn the_flow_hash_takes_the_seed_once_every_table_is_built_with_it() {
+        use crate::{
+            apply::fake::Op,
+            model::LbAlgorithm,
+            node::LoadBalancing,
+            plan::maglev::{HashSeed, TableSize},
+        };
+        let seed_a: HashSeed = "JLfvgnHc2kaSUFaI".parse().unwrap();
+        let seed_b: HashSeed = "AAAAAAAAAAAAAAAA".parse().unwrap();
+        let settings = |seed| NodeSettings {
+            load_balancing: LoadBalancing {
+                algorithm: LbAlgorithm::Maglev,
+                maglev_table_size: TableSize::new(251).unwrap(),
+                maglev_hash_seed: seed,
+            },
+            ..NodeSettings::new("node-a")
+        };
+        let local = LocalNetwork {
+            addresses: vec!["192.168.50.11".parse::<IpAddr>().unwrap()],
+            ipv6_disabled: true,
+            links: Vec::new(),
+            interface_addresses: Vec::new(),
+        };
+        let mut state = ClusterState::default();
+        load_text(
+            "---\napiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: t}\nspec: {type: NodePort, clusterIP: 10.96.0.10, ports: [{port: 80, nodePort: 30080}]}\n\
+             ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: t, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nendpoints: [{addresses: [10.244.1.1], conditions: {ready: true}}, {addresses: [10.244.1.2], conditions: {ready: true}}]\nports: [{port: 80, protocol: TCP}]\n",
+            Path::new("t.yaml"),
+            "node-a",
+            &mut state,
+        )
+        .expect("valid manifests");
+        // The tables are what the seed changes: compare them across programmings.
+        let tables = |p: &Programmer<FakeMaps>| p.maps().snapshot().unwrap().maglev;
+        let seed_in_config =
+            |p: &Programmer<FakeMaps>| HashSeed::from_word(p.maps().config.unwrap().maglev_seed);
+        let start = |maps: FakeMaps, seed| {
+            let applier = Applier::recover(maps, Capacities::default()).expect("adopted");
+            let mut p = Programmer::new(settings(seed), 1, false, applier);
+            let view = p.view(None, &local);
+            p.write_config(&view).unwrap();
+            (p, view)
+        };
+
+        // A first start with seed A: the config says the fixed seed until the tables are in.
+        let (mut p, view) = start(FakeMaps::new(), seed_a);
+        assert_eq!(seed_in_config(&p), HashSeed::FIXED);
+        let (_, report) = p.program_all(&state, &view);
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        assert_eq!(seed_in_config(&p), seed_a);
+        let with_a = tables(&p);
+        assert!(!with_a.is_empty(), "a table per NodePort frontend");
+        let last_table = p
+            .maps()
+            .log
+            .iter()
+            .rposition(|op| matches!(op, Op::PutMaglev(..)));
+        let last_config = p.maps().log.iter().rposition(|op| matches!(op, Op::PutConfig));
+        assert!(
+            last_table < last_config,
+            "the seed after the tables: {:?}",
+            p.maps().log
+        );
+
+        // A restart with the same seed: adopted, nothing rewritten.
+        let maps = std::mem::take(p.maps_mut());
+        let (mut p, view) = start(maps, seed_a);
+        p.maps_mut().log.clear();
+        p.program_all(&state, &view);
+        assert!(
+            !p.maps()
+                .log
+                .iter()
+                .any(|op| matches!(op, Op::PutMaglev(..) | Op::PutConfig)),
+            "{:?}",
+            p.maps().log
+        );
+        assert_eq!(tables(&p), with_a);
+
+        // A restart with seed B: every table rebuilt, then the config.
+        let maps = std::mem::take(p.maps_mut());
+        let (mut p, view) = start(maps, seed_b);
+        assert_eq!(
+            seed_in_config(&p),
+            seed_a,
+            "the adopted tables' seed until they are rebuilt"
+        );
+        p.program_all(&state, &view);
+        assert_eq!(seed_in_config(&p), seed_b);
+        let with_b = tables(&p);
+        assert_eq!(
+            with_b.keys().collect::<Vec<_>>(),
+            with_a.keys().collect::<Vec<_>>()
+        );
+        assert!(
+            with_b.iter().all(|(id, t)| with_a[id] != *t),
+            "every table rebuilt with seed B"
+        );
+
+        // Killed after the tables, before the config: the next start (seed B again) finds seed A
+        // named and rebuilds the tables, which it cannot tell from A's.
+        let mut maps = std::mem::take(p.maps_mut());
+        let mut config = maps.config.unwrap();
+        config.maglev_seed = seed_a.word();
+        maps.put_config(&config).unwrap();
+        let (mut p, view) = start(maps, seed_b);
+        p.maps_mut().log.clear();
+        p.program_all(&state, &view);
+        assert!(p.maps().log.iter().any(|op| matches!(op, Op::PutMaglev(..))));
+        assert_eq!(seed_in_config(&p), seed_b);
+        assert_eq!(tables(&p), with_b);
     }
 
     /// A node with two uplinks on different subnets (and a pod gateway address on a veth): each

@@ -100,6 +100,8 @@ pub struct Applier<M> {
     /// entries that no longer ask for one (or are gone), to delete there.
     pending_maglev: Vec<writes::PendingTable>,
     doomed_maglev: Vec<u32>,
+    /// The seed the adopted Maglev tables were built with (`Snapshot::maglev_seed`).
+    adopted_maglev_seed: crate::plan::maglev::HashSeed,
 }
 
 impl<M: MapOps> Applier<M> {
@@ -119,7 +121,13 @@ impl<M: MapOps> Applier<M> {
             occupancy: Occupancy::default(),
             pending_maglev: Vec::new(),
             doomed_maglev: Vec::new(),
+            adopted_maglev_seed: crate::plan::maglev::HashSeed::FIXED,
         }
+    }
+
+    /// The seed of the Maglev tables this writer adopted (the fixed one for empty maps).
+    pub fn adopted_maglev_seed(&self) -> crate::plan::maglev::HashSeed {
+        self.adopted_maglev_seed
     }
 
     /// A writer that adopts what the maps already hold (after a restart): ids stay stable and

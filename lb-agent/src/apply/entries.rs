@@ -19,7 +19,7 @@ use crate::{
     model::{Protocol, ServicePortName},
     plan::{
         BackendAddr, Frontend, FrontendPlan,
-        maglev::{self, Member, TableSize},
+        maglev::{self, HashSeed, Member, TableParams, TableSize},
     },
 };
 
@@ -142,14 +142,15 @@ pub(super) struct FrontendEntries {
     pub maglev: Option<MaglevEntry>,
 }
 
-/// A frontend's Maglev table, as what it is built from: its size and its members (sorted by
-/// address and port, as `plan::maglev` sorts them) with this node's backend ids. The table
+/// A frontend's Maglev table, as what it is built from: its size, its seed and its members
+/// (sorted by address and port, as `plan::maglev` sorts them) with this node's backend ids. The table
 /// itself (`size` ids, 64 KiB at the default size) is computed only to be written
 /// ([`Self::positions`]): the mirror of 10,000 Maglev frontends keeps kilobytes, not gigabytes.
 /// Equal entries make equal tables (the fill is deterministic; a golden test pins it).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MaglevEntry {
     pub size: u32,
+    pub seed: HashSeed,
     pub members: Arc<[MaglevMember]>,
 }
 
@@ -170,7 +171,7 @@ impl MaglevEntry {
     /// `tables` lives (a Service's frontends on several addresses share their endpoints).
     pub fn positions(&self, tables: &mut MaglevTables) -> Arc<[u32]> {
         tables
-            .entry((self.members.clone(), self.size))
+            .entry((self.members.clone(), self.size, self.seed))
             .or_insert_with(|| {
                 let members: Vec<Member> = self
                     .members
@@ -182,7 +183,7 @@ impl MaglevEntry {
                     })
                     .collect();
                 let size = TableSize::new(self.size).expect("a planned table size");
-                let table = maglev::lookup_table(&members, size, &maglev::DEFAULT_SEED);
+                let table = maglev::lookup_table(&members, size, &self.seed.table_seed());
                 // `lookup_table` sorts its members as `self.members` are sorted.
                 debug_assert!(
                     table
@@ -200,9 +201,14 @@ impl MaglevEntry {
             .clone()
     }
 
-    /// The entry of a table read back from the kernel, given each id's (address, port); `None`
-    /// when one of its ids is no backend (the table is then rewritten).
-    pub fn adopted(positions: &[u32], backend: impl Fn(u32) -> Option<(IpAddr, u16)>) -> Option<Self> {
+    /// The entry of a table read back from the kernel, given each id's (address, port) and the
+    /// seed the maps were programmed with (`lb_config`'s `maglev_seed`, which the writer of the
+    /// tables wrote); `None` when one of its ids is no backend (the table is then rewritten).
+    pub fn adopted(
+        positions: &[u32],
+        seed: HashSeed,
+        backend: impl Fn(u32) -> Option<(IpAddr, u16)>,
+    ) -> Option<Self> {
         let ids: BTreeSet<u32> = positions.iter().copied().collect();
         let mut members = ids
             .into_iter()
@@ -217,13 +223,14 @@ impl MaglevEntry {
         members.sort();
         Some(MaglevEntry {
             size: positions.len() as u32,
+            seed,
             members: members.into(),
         })
     }
 }
 
-/// Tables built during one apply, by (members, size).
-pub(super) type MaglevTables = HashMap<(Arc<[MaglevMember]>, u32), Arc<[u32]>>;
+/// Tables built during one apply, by (members, size, seed).
+pub(super) type MaglevTables = HashMap<(Arc<[MaglevMember]>, u32, HashSeed), Arc<[u32]>>;
 
 /// `s` in a zero-padded field, cut at a character boundary: what is stored is valid UTF-8 and
 /// reads back (`unfixed`) to a string that stores to the same bytes, so a restarted agent finds
@@ -309,9 +316,9 @@ pub(super) fn entries_for(
             .map_err(|_| EntriesError::TooManyBackends(scope.backends.len()))?;
         // The frontend entry's `backend_id` is the table size of a Maglev scope.
         let mut table_size = 0;
-        if let Some(size) = scope.maglev {
-            maglev_ids = Some(maglev_entry(&scope.backends, size, backend_id)?);
-            table_size = size.get();
+        if let Some(params) = scope.maglev {
+            maglev_ids = Some(maglev_entry(&scope.backends, params, backend_id)?);
+            table_size = params.size.get();
         }
         for (slot, member) in (1..=count).zip(&scope.backends) {
             let (id, flags) = backend(member).ok_or(EntriesError::NoBackendId(*member))?;
@@ -358,7 +365,7 @@ pub(super) fn entries_for(
 /// are sorted by address, then port, as the table's members are).
 fn maglev_entry(
     backends: &[BackendAddr],
-    size: TableSize,
+    params: TableParams,
     backend_id: &dyn Fn(&BackendAddr) -> Option<u32>,
 ) -> Result<MaglevEntry, EntriesError> {
     let mut members = backends
@@ -376,7 +383,8 @@ fn maglev_entry(
     members.sort();
     members.dedup_by(|a, b| a.addr == b.addr && a.port == b.port);
     Ok(MaglevEntry {
-        size: size.get(),
+        size: params.size.get(),
+        seed: params.seed,
         members: members.into(),
     })
 }

@@ -241,6 +241,7 @@ impl MapOps for FakeMaps {
     fn put_config(&mut self, config: &DatapathConfig) -> Result<(), MapError> {
         self.log.push(Op::PutConfig);
         self.config = Some(*config);
+        self.state.maglev_seed = crate::plan::maglev::HashSeed::from_word(config.maglev_seed);
         Ok(())
     }
 

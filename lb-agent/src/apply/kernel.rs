@@ -1067,6 +1067,8 @@ impl MapOps for KernelMaps {
                 .push(key.map_err(read(catalog::AFFINITY_MATCH))?);
         }
         snap.maglev = self.read_maglev(&snap.services)?;
+        snap.maglev_seed =
+            crate::plan::maglev::HashSeed::from_word(self.datapath_config().map_or(0, |c| c.maglev_seed));
         Ok(snap)
     }
 }

@@ -40,6 +40,9 @@ pub struct Snapshot {
     pub source_ranges: Vec<SourceRange>,
     /// Each frontend's Maglev table by rev_nat_id: the backend id at each position.
     pub maglev: BTreeMap<u32, std::sync::Arc<[u32]>>,
+    /// The seed the tables were built with: `lb_config`'s `maglev_seed` (the fixed seed's 0
+    /// before any configuration, or from a release before the seed), written with the tables.
+    pub maglev_seed: crate::plan::maglev::HashSeed,
 }
 
 impl Snapshot {

@@ -67,7 +67,7 @@ pub struct NodeContext {
     /// (`backend::flags::HOST`). Link-local addresses are left out: each pod veth has its own
     /// IPv6 one, and every pod's arrival would otherwise change the node facts.
     pub host_addresses: Vec<IpAddr>,
-    /// `--bpf-lb-algorithm` and `--bpf-lb-maglev-table-size` (issue 17).
+    /// `--bpf-lb-algorithm`, `--bpf-lb-maglev-table-size`, `--bpf-lb-maglev-hash-seed` (issue 17).
     pub load_balancing: LoadBalancing,
     /// Why SCTP is not translated on this node, if it is not (`NodeSettings::sctp_refused`): each
     /// SCTP port of a Service is reported.
@@ -75,11 +75,13 @@ pub struct NodeContext {
 }
 
 /// How external frontends pick backends for new flows unless a Service's annotation says
-/// otherwise, and the size of each Maglev table.
+/// otherwise, and the size and seed of each Maglev table.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LoadBalancing {
     pub algorithm: crate::model::LbAlgorithm,
     pub maglev_table_size: crate::plan::maglev::TableSize,
+    /// Also the flow hash's (`lb_config`'s `maglev_seed`).
+    pub maglev_hash_seed: crate::plan::maglev::HashSeed,
 }
 
 /// kube-proxy's `--detect-local-mode`: what tells pod traffic from other traffic (the masquerade
@@ -143,7 +145,7 @@ pub struct NodeSettings {
     pub localhost_nodeports: bool,
     /// kube-proxy's `--bind-address`: overrides the node's primary IP of its family.
     pub bind_address: Option<IpAddr>,
-    /// `--bpf-lb-algorithm`, `--bpf-lb-maglev-table-size`.
+    /// `--bpf-lb-algorithm`, `--bpf-lb-maglev-table-size`, `--bpf-lb-maglev-hash-seed`.
     pub load_balancing: LoadBalancing,
     /// Why this node's data path cannot translate SCTP (the kernel refused `lb_tc_sctp_in`,
     /// `Datapath::sctp_refused`), if so. Not a flag: set once the data path is loaded.
@@ -302,6 +304,7 @@ impl NodeSettings {
             host_netns_cookie,
             snat_port_min: dpconfig::SNAT_PORT_MIN,
             snat_port_max: dpconfig::SNAT_PORT_MAX,
+            // The programmer's: the seed the Maglev tables are built with (`Programmer`).
             ..DatapathConfig::default()
         };
         if sock_hostns_only {

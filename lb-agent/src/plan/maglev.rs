@@ -31,6 +31,73 @@ pub const DEFAULT_TABLE_SIZE: u32 = 16381;
 /// release builds the same table from the same backends.
 pub const DEFAULT_SEED: [u8; 16] = *b"lb-ebpf maglev/1";
 
+/// What a scope's table is built with besides its backends: the node's
+/// `--bpf-lb-maglev-table-size` and `--bpf-lb-maglev-hash-seed`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TableParams {
+    pub size: TableSize,
+    pub seed: HashSeed,
+}
+
+/// `--bpf-lb-maglev-hash-seed` (Cilium's flag and format: 12 bytes in base64, `head -c12
+/// /dev/urandom | base64 -w0`), as one word both the tables and the flow hash derive from
+/// (`lb_config`'s `maglev_seed`, which the tc programs read): every node given the same seed
+/// computes the same tables and hashes, and clusters with different seeds spread flows
+/// differently. 0 is the fixed seed ([`DEFAULT_SEED`], the flow hash's own), which a flag never
+/// yields. The word's 32 bits are what the tables and the hash can tell apart, as Cilium's two
+/// jhash words. Changing the seed moves flows between backends, as changing the table size does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HashSeed(u32);
+
+impl HashSeed {
+    /// The seed of an agent without the flag (and of every release before it).
+    pub const FIXED: Self = Self(0);
+
+    /// The seed `lb_config` names (`maglev_seed`).
+    pub const fn from_word(word: u32) -> Self {
+        Self(word)
+    }
+
+    /// The word `lb_config` holds for the programs.
+    pub const fn word(self) -> u32 {
+        self.0
+    }
+
+    /// The seed of each backend's table permutation (`lookup_table`).
+    pub fn table_seed(self) -> [u8; 16] {
+        if self == Self::FIXED {
+            return DEFAULT_SEED;
+        }
+        let mut seed = *b"lb-ebpf maglev/2";
+        seed[12..].copy_from_slice(&self.0.to_le_bytes());
+        seed
+    }
+}
+
+impl std::str::FromStr for HashSeed {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        use base64::Engine;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(s.trim())
+            .map_err(|e| format!("the Maglev hash seed {s:?} is not base64: {e}"))?;
+        if bytes.len() != 12 {
+            return Err(format!(
+                "the Maglev hash seed {s:?} is {} bytes; it must be 12 (head -c12 /dev/urandom | base64 -w0)",
+                bytes.len()
+            ));
+        }
+        let mut hash = Sha256::new();
+        hash.update(b"lb-agent maglev hash seed\0");
+        hash.update(&bytes);
+        let digest = hash.finalize();
+        let word = u32::from_le_bytes(digest[..4].try_into().expect("4 bytes"));
+        // 0 is the fixed seed's word.
+        Ok(Self(word.max(1)))
+    }
+}
+
 /// A table size that is one of [`TABLE_SIZES`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TableSize(u32);
@@ -276,6 +343,35 @@ mod tests {
         let b = lookup_table(&members, TableSize::new(1021).unwrap(), b"another seed 123");
         assert_ne!(a.slots, b.slots);
     }
+
+    /// `--bpf-lb-maglev-hash-seed`: Cilium's format, one word per seed (pinned: every node and
+    /// release must derive the same one), never the fixed seed's 0; a configured seed is another
+    /// table, the fixed one the table of every release before the flag.
+    #[test]
+    fn a_configured_seed_is_its_own_word_and_table() {
+        let seed: HashSeed = "JLfvgnHc2kaSUFaI".parse().unwrap();
+        assert_eq!(seed.word(), GOLDEN_SEED_WORD);
+        assert_eq!(" JLfvgnHc2kaSUFaI\n".parse::<HashSeed>(), Ok(seed));
+        let other: HashSeed = "AAAAAAAAAAAAAAAA".parse().unwrap();
+        assert_ne!(other, seed);
+        assert_ne!(other, HashSeed::FIXED);
+        assert_eq!(HashSeed::from_word(seed.word()), seed);
+        assert_eq!(HashSeed::default(), HashSeed::FIXED);
+        assert_eq!(HashSeed::FIXED.table_seed(), DEFAULT_SEED);
+        assert_ne!(seed.table_seed(), other.table_seed());
+        let members: Vec<Member> = (0..10).map(member).collect();
+        let m = TableSize::new(1021).unwrap();
+        assert_ne!(
+            lookup_table(&members, m, &seed.table_seed()).slots,
+            lookup_table(&members, m, &DEFAULT_SEED).slots
+        );
+        for bad in ["", "not base64!", "AAAA", "JLfvgnHc2kaSUFaIAAAA"] {
+            let e = bad.parse::<HashSeed>().unwrap_err();
+            assert!(e.contains("Maglev hash seed"), "{bad:?}: {e}");
+        }
+    }
+
+    const GOLDEN_SEED_WORD: u32 = 775_789_030;
 
     /// The paper's disruption figure: removing one of N backends moves its own slots and a small
     /// share of the others'. Measured here for the default size at N = 10 and 100 (printed with

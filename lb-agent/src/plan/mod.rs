@@ -121,9 +121,9 @@ pub struct ScopePlan {
     pub flags: u16,
     /// In slot order (slot 1 first); sorted, so an unchanged set costs no writes.
     pub backends: Vec<BackendAddr>,
-    /// With `flags::MAGLEV`: the size of the scope's Maglev table (built from `backends` when
-    /// the entries are, `apply::entries`).
-    pub maglev: Option<maglev::TableSize>,
+    /// With `flags::MAGLEV`: the size and seed of the scope's Maglev table (built from
+    /// `backends` when the entries are, `apply::entries`).
+    pub maglev: Option<maglev::TableParams>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

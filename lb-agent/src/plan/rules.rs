@@ -272,7 +272,10 @@ fn plan_frontend(
     let maglev = (kind.is_external()
         && kind != FrontendKind::LocalhostNodePort
         && svc.lb_algorithm.unwrap_or(node.load_balancing.algorithm) == LbAlgorithm::Maglev)
-        .then_some(node.load_balancing.maglev_table_size);
+        .then_some(super::maglev::TableParams {
+            size: node.load_balancing.maglev_table_size,
+            seed: node.load_balancing.maglev_hash_seed,
+        });
     let external = |flags: u16, backends: Vec<BackendAddr>| {
         let maglev = maglev.filter(|_| !backends.is_empty());
         ScopePlan {

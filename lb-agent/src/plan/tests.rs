@@ -189,11 +189,17 @@ fn nodeport_local_policy_splits_scopes() {
 /// this node's sockets reach it), an internal scope or an empty scope.
 #[test]
 fn maglev_is_for_traffic_from_outside() {
-    use crate::{model::LbAlgorithm, node::LoadBalancing, plan::maglev::TableSize};
+    use crate::{
+        model::LbAlgorithm,
+        node::LoadBalancing,
+        plan::maglev::{HashSeed, TableSize},
+    };
+    let seed: HashSeed = "JLfvgnHc2kaSUFaI".parse().unwrap();
     let maglev_ctx = NodeContext {
         load_balancing: LoadBalancing {
             algorithm: LbAlgorithm::Maglev,
             maglev_table_size: TableSize::new(1021).unwrap(),
+            maglev_hash_seed: seed,
         },
         ..ctx()
     };
@@ -204,8 +210,12 @@ fn maglev_is_for_traffic_from_outside() {
     let maglev_of = |p: &FrontendPlan| -> Vec<(u16, Option<u32>)> {
         p.scopes
             .iter()
-            .map(|s| (s.flags & flags::MAGLEV, s.maglev.map(|m| m.get())))
+            .map(|s| (s.flags & flags::MAGLEV, s.maglev.map(|m| m.size.get())))
             .collect()
+    };
+    // The node's seed goes with every table it plans.
+    let seeds = |p: &FrontendPlan| -> Vec<Option<HashSeed>> {
+        p.scopes.iter().map(|s| s.maglev.map(|m| m.seed)).collect()
     };
     let on = vec![(flags::MAGLEV, Some(1021))];
     let off = vec![(0, None)];
@@ -213,6 +223,7 @@ fn maglev_is_for_traffic_from_outside() {
     let (d, _) = plan(&[(s.clone(), cat(&eps, &eps[..1], true))], &maglev_ctx);
     assert_eq!(maglev_of(&d.frontends[&fe("192.168.1.10", 30080)]), on);
     assert_eq!(maglev_of(&d.frontends[&fe("192.0.2.7", 80)]), on);
+    assert_eq!(seeds(&d.frontends[&fe("192.0.2.7", 80)]), vec![Some(seed)]);
     assert_eq!(maglev_of(&d.frontends[&fe("10.96.0.10", 80)]), off);
     assert_eq!(maglev_of(&d.frontends[&fe("127.0.0.1", 30080)]), off);
 

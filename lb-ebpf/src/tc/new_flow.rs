@@ -280,9 +280,17 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
     }
 
     let client = F::client_of_addr(&flow.saddr);
-    // Maglev: the flow's own hash, the same on every node; otherwise any backend will do.
+    // Maglev: the flow's own hash, the same on every node (with the cluster's seed); otherwise
+    // any backend will do.
     let hash = if frontend.has(flags::MAGLEV) {
-        maglev::flow_hash::<F>(&flow.saddr, &flow.daddr, flow.sport, flow.dport, flow.proto)
+        maglev::flow_hash::<F>(
+            cfg.maglev_seed,
+            &flow.saddr,
+            &flow.daddr,
+            flow.sport,
+            flow.dport,
+            flow.proto,
+        )
     } else {
         unsafe { bpf_get_prandom_u32() }
     };

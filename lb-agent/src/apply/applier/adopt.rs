@@ -15,6 +15,7 @@ use crate::{
 
 impl<M: MapOps> Applier<M> {
     pub(super) fn adopt(&mut self, snap: Snapshot) {
+        self.adopted_maglev_seed = snap.maglev_seed;
         for (id, value) in &snap.backends {
             let Some(proto) = protocol_from(value.proto) else {
                 continue;
@@ -83,7 +84,7 @@ impl<M: MapOps> Applier<M> {
             match by_rev.get_mut(id) {
                 Some(entries) => {
                     let family = entries.revnat.family();
-                    entries.maglev = MaglevEntry::adopted(positions, |id| {
+                    entries.maglev = MaglevEntry::adopted(positions, snap.maglev_seed, |id| {
                         snap.backends
                             .get(&id)
                             .filter(|b| IpFamily::of(&b.addr) == family)

@@ -836,7 +836,10 @@ fn maglev_desired(services: &[(u8, &str, &[u8])], size: u32) -> DesiredState {
                 scope: SCOPE_EXTERNAL,
                 flags: flags::NODE_PORT | flags::MASQUERADE | flags::MAGLEV,
                 backends,
-                maglev: Some(crate::plan::maglev::TableSize::new(size).unwrap()),
+                maglev: Some(crate::plan::maglev::TableParams {
+                    size: crate::plan::maglev::TableSize::new(size).unwrap(),
+                    seed: crate::plan::maglev::HashSeed::FIXED,
+                }),
             }],
             source_ranges: vec![],
         };
