@@ -164,12 +164,13 @@ impl<M: MapOps> Programmer<M> {
     }
 
     /// After a programming: once every table is written with the configured seed (no write
-    /// failed; a failed frontend is retried by the next programming, which then advances),
-    /// `lb_config` names it, for the flow hash. A failure to write it is retried by the next
-    /// `write_config`, whose entry then differs from the one written.
+    /// failed and no Service was left as it was for want of room: each is retried by the next
+    /// programming, which then advances), `lb_config` names it, for the flow hash. A failure to
+    /// write it is retried by the next `write_config`, whose entry then differs from the one
+    /// written.
     fn advance_maglev_seed(&mut self, report: &ApplyReport) {
         let configured = self.settings.load_balancing.maglev_hash_seed;
-        if self.maglev_seed == configured || !report.errors.is_empty() {
+        if self.maglev_seed == configured || !report.is_clean() {
             return;
         }
         self.maglev_seed = configured;
@@ -744,6 +745,45 @@ mod tests {
             with_b.iter().all(|(id, t)| with_a[id] != *t),
             "every table rebuilt with seed B"
         );
+
+        // A Service left as it was for want of room (its Maglev table, had it one, would keep
+        // its old seed): the config keeps naming the old seed, whose tables the maps may hold.
+        let mut crowded = state.clone();
+        load_text(
+            "---\napiVersion: v1\nkind: Service\nmetadata: {name: more, namespace: t}\nspec: {clusterIP: 10.96.0.11, ports: [{port: 80}]}\n",
+            Path::new("more.yaml"),
+            "node-a",
+            &mut crowded,
+        )
+        .expect("valid manifests");
+        let maps = std::mem::take(p.maps_mut());
+        let revnat = maps.snapshot().unwrap().revnat.len() as u32;
+        let caps = Capacities {
+            revnat,
+            ..Capacities::default()
+        };
+        let mut p = Programmer::new(
+            settings(seed_a),
+            1,
+            false,
+            Applier::recover(maps, caps).expect("adopted"),
+        );
+        let view = p.view(None, &local);
+        p.write_config(&view).unwrap();
+        let (_, report) = p.program_all(&crowded, &view);
+        assert!(
+            !report.skipped.is_empty(),
+            "no room for the new Service: {report:?}"
+        );
+        assert_eq!(tables(&p), with_a, "the tables rebuilt with seed A");
+        assert_eq!(
+            seed_in_config(&p),
+            seed_b,
+            "but a skipped Service keeps the old seed named"
+        );
+        let (_, report) = p.program_all(&state, &view);
+        assert!(report.is_clean());
+        assert_eq!(seed_in_config(&p), seed_a);
 
         // Killed after the tables, before the config: the next start (seed B again) finds seed A
         // named and rebuilds the tables, which it cannot tell from A's.

@@ -143,8 +143,8 @@ pub(super) struct FrontendEntries {
 }
 
 /// A frontend's Maglev table, as what it is built from: its size, its seed and its members
-/// (sorted by address and port, as `plan::maglev` sorts them) with this node's backend ids. The table
-/// itself (`size` ids, 64 KiB at the default size) is computed only to be written
+/// (sorted by address and port, as `plan::maglev` sorts them) with this node's backend ids. The
+/// table itself (`size` ids, 64 KiB at the default size) is computed only to be written
 /// ([`Self::positions`]): the mirror of 10,000 Maglev frontends keeps kilobytes, not gigabytes.
 /// Equal entries make equal tables (the fill is deterministic; a golden test pins it).
 #[derive(Clone, Debug, PartialEq, Eq)]
