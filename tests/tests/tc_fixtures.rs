@@ -863,6 +863,62 @@ fn maglev_with_a_configured_seed_agrees_on_every_node() {
     }
 }
 
+/// A Service port's external frontends share one Maglev table in the kernel: the NodePort on the
+/// node's address and an external IP, in each family, are four `lb_maglev` keys over two inner
+/// arrays (one per family: their endpoints differ), so the table's memory is paid once per
+/// Service port and family. The external IP picks as the NodePort does.
+#[test]
+fn a_service_ports_frontends_share_one_maglev_table() {
+    use aya::maps::IterableMap;
+    const BACKENDS: [u8; 3] = [40, 41, 42];
+    let mut st = ClusterState::default();
+    let mut endpoints = slice("t", "mg", "mg-1");
+    for b in BACKENDS {
+        endpoints = endpoints.endpoint(&format!("10.244.2.{b}"), "node-b", State::Ready);
+    }
+    add(
+        &mut st,
+        service("t", "mg")
+            .cluster_ip("10.96.0.40")
+            .port("http", "TCP", 80, 8080)
+            .node_port(30090)
+            .external_ips(&["192.0.2.50"])
+            .annotation("lb-agent.io/lb-algorithm", "maglev"),
+        Some(endpoints.port("http", "TCP", 8080)),
+    );
+    let mut s = scratch_with(&st, true);
+    let outer = s.maps().maglev.as_ref().expect("lb_maglev");
+    let keys: Vec<u32> = outer.keys().collect::<Result<_, _>>().expect("keys");
+    let inner_ids: std::collections::BTreeSet<u32> = keys
+        .iter()
+        .map(|k| {
+            let inner = outer.get(k, 0).expect("a table");
+            inner.map().info().expect("map info").id()
+        })
+        .collect();
+    assert_eq!(keys.len(), 2 * FAMILIES.len(), "a table per external frontend");
+    assert_eq!(
+        inner_ids.len(),
+        FAMILIES.len(),
+        "one inner array per family: {inner_ids:?}"
+    );
+    for f in FAMILIES {
+        for sport in 40_000..40_020 {
+            let via_node_port =
+                summary(&ingress(&mut s, &tcp(f, CLIENT, sport, NODE_IP, 30090).build()).packet).dst;
+            let via_external_ip =
+                summary(&ingress(&mut s, &tcp(f, CLIENT, sport, "192.0.2.50", 80).build()).packet).dst;
+            let members: Vec<(IpAddr, u16)> = BACKENDS
+                .iter()
+                .map(|b| (f.ip(&format!("10.244.2.{b}")), 8080))
+                .collect();
+            let want = |dst: &str, dport| maglev_pick(f.ip(CLIENT), sport, f.ip(dst), dport, 6, &members).0;
+            assert_eq!(via_node_port, want(NODE_IP, 30090), "{f:?} sport {sport}");
+            assert_eq!(via_external_ip, want("192.0.2.50", 80), "{f:?} sport {sport}");
+        }
+    }
+}
+
 /// kube-proxy's terminating-endpoint fallback holds under Maglev: the table is built from the
 /// endpoints the fallback leaves, so with one ready endpoint every flow goes to it, and with none
 /// ready the serving terminating ones share the flows as the table spreads them.

@@ -805,11 +805,25 @@ impl MapOps for KernelMaps {
     /// Every table built first (its own inner array, filled), then all swapped in with one
     /// BPF_MAP_UPDATE_BATCH of (id, inner array's fd) on `lb_maglev`, or one by one where the
     /// kernel has no batch update. The built arrays are closed after: the outer map holds them.
+    /// Frontends given the same table (one `Arc`: a Service port's frontends on several
+    /// addresses, `MaglevEntry::positions`) share one inner array: the outer map holds a
+    /// reference to it under each of their ids, so its memory is paid once per Service port, not
+    /// once per frontend address, with no change to what the programs look up.
     fn put_maglev_tables(&mut self, tables: &[(u32, std::sync::Arc<[u32]>)]) -> Result<(), BatchError> {
+        let mut built: Vec<(Array<MapData, MaglevChunk>, std::os::fd::RawFd)> = Vec::new();
+        let mut first_of: std::collections::HashMap<*const u32, usize> = std::collections::HashMap::new();
         let mut inners = Vec::with_capacity(tables.len());
         for (_, positions) in tables {
-            let built = self.maglev_inner.build(positions, &mut self.batch_supported);
-            inners.push(built.map_err(|error| BatchError { done: 0, error })?);
+            let index = match first_of.get(&positions.as_ptr()) {
+                Some(index) => *index,
+                None => {
+                    let inner = self.maglev_inner.build(positions, &mut self.batch_supported);
+                    built.push(inner.map_err(|error| BatchError { done: 0, error })?);
+                    first_of.insert(positions.as_ptr(), built.len() - 1);
+                    built.len() - 1
+                }
+            };
+            inners.push(index);
         }
         let Some(outer) = self.maglev.as_mut() else {
             let error = MapError::new(
@@ -822,7 +836,7 @@ impl MapOps for KernelMaps {
         if tables.len() >= 2 && self.batch_supported {
             let fd = self.maglev_batch.as_ref().map_or(-1, |fd| fd.as_raw_fd());
             let keys: Vec<u32> = tables.iter().map(|(id, _)| *id).collect();
-            let fds: Vec<u32> = inners.iter().map(|(_, raw)| *raw as u32).collect();
+            let fds: Vec<u32> = inners.iter().map(|i| built[*i].1 as u32).collect();
             match update_batch(fd, &keys, &fds) {
                 Ok(()) => return Ok(()),
                 Err(e) if batch_unsupported(&e) => {
@@ -833,7 +847,8 @@ impl MapOps for KernelMaps {
                 Err(_) => {}
             }
         }
-        for (done, ((id, _), (inner, _))) in tables.iter().zip(&inners).enumerate() {
+        for (done, ((id, _), index)) in tables.iter().zip(&inners).enumerate() {
+            let inner = &built[*index].0;
             outer.insert(id, inner, 0).map_err(|e| BatchError {
                 done,
                 error: MapError::new(catalog::MAGLEV, "update", io_err(e)),

@@ -163,7 +163,8 @@ pub trait MapOps {
     fn delete_maglev(&mut self, rev_nat_id: u32) -> Result<(), MapError>;
     /// `put_maglev` for several frontends, in order; a failure says how many went in. The
     /// kernel's writer swaps them in with one batch update: each update of a map of maps waits
-    /// for an RCU grace period (milliseconds), once per call rather than once per table.
+    /// for an RCU grace period (milliseconds), once per call rather than once per table; and
+    /// frontends given one `Arc` share one inner array.
     fn put_maglev_tables(&mut self, tables: &[(u32, std::sync::Arc<[u32]>)]) -> Result<(), BatchError> {
         for (done, (id, positions)) in tables.iter().enumerate() {
             self.put_maglev(*id, positions)

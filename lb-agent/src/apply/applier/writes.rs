@@ -220,7 +220,16 @@ impl<M: MapOps> Applier<M> {
     /// and the frontend entries written without `MAGLEV` are rewritten with it. Every backend a
     /// new table names was written in step 3; those an old table named are deleted only in step 5.
     pub(super) fn flush_maglev(&mut self, report: &mut ApplyReport) {
-        let pending = std::mem::take(&mut self.pending_maglev);
+        let mut pending = std::mem::take(&mut self.pending_maglev);
+        // Equal tables side by side, so that a batch computes each once and its frontends share
+        // one inner array (`MapOps::put_maglev_tables`) however many Services the apply has.
+        pending.sort_by(|a, b| {
+            (&a.table.members, a.table.size, a.table.seed).cmp(&(
+                &b.table.members,
+                b.table.size,
+                b.table.seed,
+            ))
+        });
         let replaced: BTreeSet<u32> = pending.iter().map(|p| p.rev_nat_id).collect();
         let doomed: Vec<u32> = std::mem::take(&mut self.doomed_maglev)
             .into_iter()
@@ -236,7 +245,7 @@ impl<M: MapOps> Applier<M> {
             }
         }
         for batch in pending.chunks(MAGLEV_BATCH) {
-            // One computation per set of members and size within the batch (a Service's
+            // One computation per set of members, size and seed within the batch (a Service's
             // frontends on several addresses share their endpoints); dropped with the batch.
             let mut built = MaglevTables::new();
             let tables: Vec<(u32, std::sync::Arc<[u32]>)> = batch
