@@ -340,28 +340,9 @@ pub fn add_service_cidr(state: &mut lb_agent::watch::ClusterState, name: &str, c
 
 /// The backend Maglev gives a flow (issue 17), computed in user space as every node does: the
 /// table of `backends` ((address, port), default size, `plan::maglev`) at the flow's hash
-/// (`lb_common::maglev::flow_hash`, which the tc program computes itself), with the fixed seed.
+/// (`lb_common::maglev::flow_hash`, which the tc program computes itself), for the nodes of a
+/// cluster with `--bpf-lb-maglev-hash-seed` `seed` (`HashSeed::FIXED` without it).
 pub fn maglev_pick(
-    src: std::net::IpAddr,
-    sport: u16,
-    dst: std::net::IpAddr,
-    dport: u16,
-    proto: u8,
-    backends: &[(std::net::IpAddr, u16)],
-) -> (std::net::IpAddr, u16) {
-    maglev_pick_seeded(
-        lb_agent::plan::maglev::HashSeed::FIXED,
-        src,
-        sport,
-        dst,
-        dport,
-        proto,
-        backends,
-    )
-}
-
-/// [`maglev_pick`] for the nodes of a cluster with `--bpf-lb-maglev-hash-seed` `seed`.
-pub fn maglev_pick_seeded(
     seed: lb_agent::plan::maglev::HashSeed,
     src: std::net::IpAddr,
     sport: u16,

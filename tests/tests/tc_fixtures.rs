@@ -13,12 +13,13 @@ use std::net::{IpAddr, Ipv4Addr};
 use lb_agent::{
     datapath::{OBJECT, TcRun},
     node::NodeSettings,
+    plan::maglev::HashSeed,
     trace::ScratchDatapath,
     watch::ClusterState,
 };
 use lb_common::stats::Counter;
 use lb_tests::{
-    fixtures::{Slice, State, Svc, maglev_pick, maglev_pick_seeded, service, slice},
+    fixtures::{Slice, State, Svc, maglev_pick, service, slice},
     packet::{
         self, DSTOPTS, ETH_HLEN, FAMILIES, Family, Fragment, HOPOPTS, IcmpError, ROUTING, Spec, patched,
         rewritten, summary, verify_checksums,
@@ -776,7 +777,16 @@ fn maglev_expected(f: Family, backends: &[u8], sport: u16) -> IpAddr {
         .iter()
         .map(|b| (f.ip(&format!("10.244.2.{b}")), 8080))
         .collect();
-    maglev_pick(f.ip(CLIENT), sport, f.ip(NODE_IP), 30090, 6, &members).0
+    maglev_pick(
+        HashSeed::FIXED,
+        f.ip(CLIENT),
+        sport,
+        f.ip(NODE_IP),
+        30090,
+        6,
+        &members,
+    )
+    .0
 }
 
 /// Issue 17: a Maglev NodePort sends each flow to the backend at its hash's position in the
@@ -823,7 +833,6 @@ fn maglev_gives_a_flow_the_same_backend_on_every_node() {
 /// with the fixed seed.
 #[test]
 fn maglev_with_a_configured_seed_agrees_on_every_node() {
-    use lb_agent::plan::maglev::HashSeed;
     const BACKENDS: [u8; 5] = [40, 41, 42, 43, 44];
     let seed: HashSeed = "JLfvgnHc2kaSUFaI".parse().unwrap();
     let seeded = |before: usize| {
@@ -849,7 +858,7 @@ fn maglev_with_a_configured_seed_agrees_on_every_node() {
         let mut moved = 0;
         for sport in 40_000..40_100 {
             let syn = tcp(f, CLIENT, sport, NODE_IP, 30090).build();
-            let want = maglev_pick_seeded(seed, f.ip(CLIENT), sport, f.ip(NODE_IP), 30090, 6, &members).0;
+            let want = maglev_pick(seed, f.ip(CLIENT), sport, f.ip(NODE_IP), 30090, 6, &members).0;
             let on_a = summary(&ingress(&mut node_a, &syn).packet).dst;
             let on_b = summary(&ingress(&mut node_b, &syn).packet).dst;
             assert_eq!((on_a, on_b), (want, want), "{f:?} sport {sport}");
@@ -912,7 +921,18 @@ fn a_service_ports_frontends_share_one_maglev_table() {
                 .iter()
                 .map(|b| (f.ip(&format!("10.244.2.{b}")), 8080))
                 .collect();
-            let want = |dst: &str, dport| maglev_pick(f.ip(CLIENT), sport, f.ip(dst), dport, 6, &members).0;
+            let want = |dst: &str, dport| {
+                maglev_pick(
+                    HashSeed::FIXED,
+                    f.ip(CLIENT),
+                    sport,
+                    f.ip(dst),
+                    dport,
+                    6,
+                    &members,
+                )
+                .0
+            };
             assert_eq!(via_node_port, want(NODE_IP, 30090), "{f:?} sport {sport}");
             assert_eq!(via_external_ip, want("192.0.2.50", 80), "{f:?} sport {sport}");
         }

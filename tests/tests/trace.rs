@@ -433,6 +433,7 @@ fn node_port_and_external_ip() {
 fn maglev_choice(client: &str, sport: u16, node_port: u16, backends: &[&str]) -> String {
     let members: Vec<(std::net::IpAddr, u16)> = backends.iter().map(|b| (b.parse().unwrap(), 8080)).collect();
     let (addr, port) = maglev_pick(
+        lb_agent::plan::maglev::HashSeed::FIXED,
         client.parse().unwrap(),
         sport,
         NODE_IP.parse().unwrap(),
