@@ -2,8 +2,8 @@
 //! the flow hash that indexes them, computed alike by the tc programs and by the agent (trace,
 //! tests).
 //!
-//! `lb_maglev` maps a frontend's reverse-NAT id to that frontend's own table, an inner array map
-//! the agent builds whole and swaps in with one update, so a packet sees the old table or the new
+//! `lb_maglev` maps a frontend's reverse-NAT id to its table, an inner array map (one Service
+//! port's frontends share one) the agent builds whole and swaps in with one update, so a packet sees the old table or the new
 //! one, never a mix. A table of `size` entries (a prime, the frontend entry's `backend_id` field)
 //! is stored in `chunks(size)` array elements of [`LANES`] backend ids each: one map update per
 //! chunk instead of one per entry, and no element padding (an array element is rounded up to 8

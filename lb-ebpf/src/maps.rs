@@ -181,7 +181,8 @@ pub static MONITOR: Array<MonitorControl, 1, RDONLY_PROG> = Array::new();
 pub static EVENTS: RingBuf<MonitorEvent, { capacity::EVENTS as usize }> = RingBuf::new();
 
 /// Maglev lookup tables (`lb_common::maglev`): rev_nat_id -> the frontend's inner array of
-/// backend-id chunks. Writer: agent (creates a table whole, then swaps it in with one update).
+/// backend-id chunks (shared by a Service port's frontends). Writer: agent (creates a table
+/// whole, then swaps it in with one update).
 /// Readers: the translating programs, for frontends with `flags::MAGLEV`.
 #[btf_map(name = "lb_maglev")]
 pub static MAGLEV: HashOfMaps<
