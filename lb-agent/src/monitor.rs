@@ -420,9 +420,7 @@ fn reason(counter: Counter) -> &'static str {
         SockNoBackend | TcNoBackend => "the frontend changed while read; passed untranslated",
         TcFragment => "a fragment whose first fragment was not seen; passed untranslated",
         TcTruncated => "too short for its headers; passed untranslated",
-        TcUnsupportedProtocol => {
-            "SCTP from the node itself to a frontend (no socket hook runs for SCTP); passed untranslated"
-        }
+        TcUnsupportedProtocol => "SCTP while the SCTP programs are not loaded; passed untranslated",
         _ => "",
     }
 }

@@ -87,10 +87,15 @@ pub const EVENTS: &str = "lb_events";
 /// inner array of `MaglevChunk`s. Written by the agent (a whole table swapped in at once).
 pub const MAGLEV: &str = "lb_maglev";
 /// The tc programs' tail calls (program array): [`TAIL_SCTP_INGRESS`] -> `lb_tc_sctp_in`, SCTP at
-/// tc ingress. Written by the agent after it loads the programs.
+/// tc ingress; [`TAIL_SCTP_EGRESS`] -> `lb_tc_sctp_out`, the node's own SCTP to a frontend at tc
+/// egress. Written by the agent after it loads the programs.
 pub const TC_TAIL: &str = "lb_tc_tail";
 /// `lb_tc_tail`'s slot of SCTP's ingress program.
 pub const TAIL_SCTP_INGRESS: u32 = 0;
+/// `lb_tc_tail`'s slot of SCTP's egress program (the node's own associations).
+pub const TAIL_SCTP_EGRESS: u32 = 1;
+/// `lb_tc_tail`'s size.
+pub const TAIL_SLOTS: u32 = 2;
 /// Per-CPU counters: `u32` (a `stats::Counter`) -> `u64`. Written by the programs.
 pub const STATS: &str = "lb_stats";
 /// Per-CPU token bucket for the ICMP answers of rejected flows: `u32` 0 -> `RateBucket`. Written by

@@ -78,6 +78,10 @@ pub mod flags {
     /// frontend: another live flow holds the untagged post-DNAT tuple. On its forward entry, which
     /// has ingress mark its packets ([`super::FORWARD_MARK`]) for egress to find the tagged entry.
     pub const SNAT_TAGGED: u16 = 1 << 9;
+    /// The client is a socket of this node (its own SCTP, translated at tc egress: no socket hook
+    /// runs for SCTP). On the flow's un-DNAT entry (backend -> client), which ingress then applies
+    /// to the replies: they are delivered locally, and no egress runs for them.
+    pub const LOCAL_CLIENT: u16 = 1 << 10;
 }
 
 /// skb->mark ingress sets on the forward packets of a `SNAT_TAGGED` flow: this magic in the top

@@ -67,9 +67,9 @@ counters! {
     TcFragment => "tc_fragment",
     /// tc: a packet too short for its headers; passed untouched.
     TcTruncated => "tc_truncated",
-    /// tc: an SCTP packet the node itself sends to a frontend (no socket hook runs for SCTP, and
-    /// egress is past routing), or SCTP at ingress while `lb_tc_tail` has no program; passed
-    /// untouched.
+    /// tc: SCTP while `lb_tc_tail` has no program for it (at ingress, or the node's own SCTP to a
+    /// frontend at egress: the agent has not loaded the SCTP programs, or the kernel refused
+    /// them); passed untouched.
     TcUnsupportedProtocol => "tc_unsupported_protocol",
     /// tc: an ICMP error about a translated flow was translated back.
     TcIcmpErrorTranslated => "tc_icmp_error_translated",
@@ -128,6 +128,11 @@ counters! {
     /// An event a listening `lb-agent monitor` wanted found the ring buffer (`lb_events`) full
     /// and was lost (the monitor reads this counter and reports the losses).
     MonitorEventsLost => "monitor_events_lost",
+    /// tc egress: the node's own SCTP to a frontend could not be sent to its backend: no route to
+    /// the backend (`bpf_fib_lookup`), or the backend is at one of the node's own addresses (a
+    /// host-network endpoint of this node, reached through loopback, where no tc program runs
+    /// for the replies); dropped.
+    TcLocalSctpUnrouted => "tc_local_sctp_unrouted",
 }
 
 /// Number of counters (`lb_stats` max_entries).

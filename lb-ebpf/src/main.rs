@@ -466,6 +466,13 @@ pub fn lb_tc_sctp_in(mut ctx: TcContext) -> i32 {
     lb_ebpf::tc::sctp_ingress(&mut ctx)
 }
 
+/// The node's own SCTP to a frontend at tc egress: DNAT and a new route to the backend. Reached
+/// by a tail call from `lb_tc_egress` (`lb_tc_tail`), never attached.
+#[classifier]
+pub fn lb_tc_sctp_out(mut ctx: TcContext) -> i32 {
+    lb_ebpf::tc::sctp_egress(&mut ctx)
+}
+
 /// Per-packet translation on the way out: SNAT and reverse DNAT.
 #[classifier]
 pub fn lb_tc_egress(mut ctx: TcContext) -> i32 {

@@ -211,7 +211,8 @@ pub static REJECT_LIMIT: PerCpuArray<RateBucket, 1> = PerCpuArray::new();
 #[btf_map(name = "lb_netns_probe")]
 pub static NETNS_PROBE: Array<NetnsProbe, 1> = Array::new();
 
-/// The tc programs' tail calls: `catalog::TAIL_SCTP_INGRESS` -> `lb_tc_sctp_in`. Writer: agent.
-/// Reader: `lb_tc_ingress`.
+/// The tc programs' tail calls: `catalog::TAIL_SCTP_INGRESS` -> `lb_tc_sctp_in`,
+/// `catalog::TAIL_SCTP_EGRESS` -> `lb_tc_sctp_out`. Writer: agent. Readers: `lb_tc_ingress`,
+/// `lb_tc_egress`.
 #[btf_map(name = "lb_tc_tail")]
-pub static TC_TAIL: ProgramArray<1> = ProgramArray::new();
+pub static TC_TAIL: ProgramArray<{ lb_common::catalog::TAIL_SLOTS as usize }> = ProgramArray::new();

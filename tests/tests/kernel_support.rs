@@ -47,6 +47,7 @@ fn every_program_passes_this_kernels_verifier() {
             "lb_tc_egress",
             "lb_tc_ingress",
             "lb_tc_sctp_in",
+            "lb_tc_sctp_out",
         ],
         "the object's programs"
     );

@@ -1233,9 +1233,10 @@ fn long_lived_ipv6_and_mapped_connections_keep_their_service_address_through_soc
     }
 }
 
-/// The name of the program in the SCTP tail-call slot of the agent's pinned `lb_tc_tail`, if any
-/// (`bpftool map dump` prints a program array's entries as program ids, under `formatted`).
-fn sctp_slot_program(bpf_root: &std::path::Path) -> Option<String> {
+/// The names of the programs in the agent's pinned `lb_tc_tail` (the SCTP programs' tail calls),
+/// in slot order (`bpftool map dump` prints a program array's entries as program ids, under
+/// `formatted`); empty when no slot holds one.
+fn sctp_slot_programs(bpf_root: &std::path::Path) -> Vec<String> {
     let json = |args: &[&std::ffi::OsStr]| -> Value {
         let out = Command::new("bpftool")
             .arg("-j")
@@ -1256,15 +1257,29 @@ fn sctp_slot_program(bpf_root: &std::path::Path) -> Option<String> {
         "pinned".as_ref(),
         pin.as_os_str(),
     ]);
-    let id = dump.as_array()?.first()?["formatted"]["value"].as_u64()?;
-    let prog = json(&[
-        "prog".as_ref(),
-        "show".as_ref(),
-        "id".as_ref(),
-        id.to_string().as_ref(),
-    ]);
-    Some(prog["name"].as_str().expect("a program name").to_string())
+    let mut slots: Vec<(u64, u64)> = dump
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| Some((e["formatted"]["key"].as_u64()?, e["formatted"]["value"].as_u64()?)))
+        .collect();
+    slots.sort();
+    slots
+        .into_iter()
+        .map(|(_, id)| {
+            let prog = json(&[
+                "prog".as_ref(),
+                "show".as_ref(),
+                "id".as_ref(),
+                id.to_string().as_ref(),
+            ]);
+            prog["name"].as_str().expect("a program name").to_string()
+        })
+        .collect()
 }
+
+/// Both SCTP programs, in their slots.
+const SCTP_SLOTS: [&str; 2] = ["lb_tc_sctp_in", "lb_tc_sctp_out"];
 
 /// Issue 17: the SCTP program is loaded only where SCTP is served (its verification costs about
 /// a second per start): not at a start without SCTP Services; at the sync that brings the first
@@ -1278,7 +1293,10 @@ fn the_agent_loads_the_sctp_program_only_where_sctp_is_served() {
     let slices = [f.web_slice(&[0])];
     f.write(&tcp_only, &slices);
     f.start_agent(&[]);
-    assert_eq!(sctp_slot_program(&root), None, "no SCTP Service, no SCTP program");
+    assert!(
+        sctp_slot_programs(&root).is_empty(),
+        "no SCTP Service, no SCTP program"
+    );
 
     let with_sctp = [
         web().build(),
@@ -1289,26 +1307,25 @@ fn the_agent_loads_the_sctp_program_only_where_sctp_is_served() {
     ];
     f.write(&with_sctp, &slices);
     assert_eq!(
-        sctp_slot_program(&root).as_deref(),
-        Some("lb_tc_sctp_in"),
+        sctp_slot_programs(&root),
+        SCTP_SLOTS,
         "loaded with the first SCTP Service"
     );
     let log = f.agent.as_ref().unwrap().log();
-    assert!(log.contains("SCTP program loaded"), "{log}");
+    assert!(log.contains("SCTP programs loaded"), "{log}");
 
     // A restart adopts the SCTP frontend: its program is loaded before the first sync.
     f.agent.take().unwrap().stop();
     f.start_agent(&[]);
-    assert_eq!(sctp_slot_program(&root).as_deref(), Some("lb_tc_sctp_in"));
+    assert_eq!(sctp_slot_programs(&root), SCTP_SLOTS);
 
     // The SCTP Service goes (its program stays for this start); the next start, whose maps hold
     // no SCTP frontend, empties the slot.
     f.write(&tcp_only, &slices);
     f.agent.take().unwrap().stop();
     f.start_agent(&[]);
-    assert_eq!(
-        sctp_slot_program(&root),
-        None,
-        "the earlier start's SCTP program is gone"
+    assert!(
+        sctp_slot_programs(&root).is_empty(),
+        "the earlier start's SCTP programs are gone"
     );
 }

@@ -3094,6 +3094,111 @@ fn sctp_fragments_pass_untranslated_and_are_counted() {
 /// A node whose kernel refused the SCTP program (`Datapath::refuse_sctp`, what the load does
 /// then): the tail call's slot is empty, so SCTP to a frontend passes untranslated, counted, in
 /// both families, while TCP to a frontend is still translated.
+/// The node's own SCTP to a frontend (no socket hook runs for SCTP): `lb_tc_egress` sends it to
+/// `lb_tc_sctp_out` (a tail call a test run cannot reach: on loopback every packet is taken for a
+/// forwarded one, so the program is run directly), which DNATs it without masquerade (its source
+/// is a node address), marks the flow's un-DNAT entry `LOCAL_CLIENT` and redirects it to its
+/// backend's route. In a namespace of its own (the route lookup is the calling thread's
+/// namespace's): node b's pods are routed by d0. The backend's reply gets the frontend back at
+/// ingress (`lb_tc_sctp_in`), as no egress runs for a locally delivered packet; the
+/// association's next packet follows its entry. A NodePort of the node's own address takes the
+/// cluster-wide scope as a socket call does. A backend without a route (node a's m3ua pod here)
+/// is dropped and counted; a frontend without endpoints is dropped (SCTP takes an ICMP error
+/// only as a soft one). Nothing is counted as unsupported.
+#[test]
+fn the_nodes_own_sctp_is_translated_at_egress_and_routed_to_its_backend() {
+    const SCTP_OUT: &str = "lb_tc_sctp_out";
+    let mut s = scratch_with(&sctp_state(), true);
+    let ns = lb_tests::netns::NetNs::new("lbsctpo");
+    ns.sysctl("net.ipv4.ip_forward=1");
+    ns.sysctl("net.ipv6.conf.all.forwarding=1");
+    let peer = lb_tests::netns::NetNs::new("lbsctpop");
+    lb_tests::netns::veth(&ns, "d0", None, &peer, "d0p", None);
+    for f in FAMILIES {
+        let six: &[&str] = if f == Family::V6 { &["-6"] } else { &[] };
+        let net = f.net("192.168.50.11/24");
+        let mut add: Vec<&str> = vec!["addr", "add", &net, "dev", "d0"];
+        if f == Family::V6 {
+            add.push("nodad");
+        }
+        ns.ip(&[six, &add[..]].concat());
+        let (to, via) = (f.net("10.244.2.0/24"), f.addr("192.168.50.1"));
+        ns.ip(&[six, &["route", "add", &to, "via", &via]].concat());
+    }
+    ns.run(|| {
+        for f in FAMILIES {
+            let (unsupported, unrouted) = (
+                counter(&s, Counter::TcUnsupportedProtocol),
+                counter(&s, Counter::TcLocalSctpUnrouted),
+            );
+            let mut out = |pkt: &[u8]| s.datapath.test_run_tc(SCTP_OUT, pkt, 1).expect("test run");
+            let init = sctp(f, NODE_IP, 45000, "10.96.0.50", 3868).build();
+            let run = out(&init);
+            assert_eq!(run.action, REDIRECT, "{f:?}: to the backend's route");
+            assert_bytes(
+                &run.packet,
+                &nat(f, &init, None, Some(("10.244.2.7", 13868))),
+                format!("{f:?} the node's SCTP INIT: DNAT, the source kept"),
+            );
+            let data = sctp(f, NODE_IP, 45000, "10.96.0.50", 3868).data(b"CER").build();
+            let run = out(&data);
+            assert_eq!(run.action, REDIRECT, "{f:?}");
+            assert_bytes(
+                &run.packet,
+                &nat(f, &data, None, Some(("10.244.2.7", 13868))),
+                format!("{f:?} the association's DATA"),
+            );
+            let nodeport = sctp(f, NODE_IP, 45001, NODE_IP, 30868).build();
+            let run = out(&nodeport);
+            assert_eq!(run.action, REDIRECT, "{f:?}");
+            assert_bytes(
+                &run.packet,
+                &nat(f, &nodeport, None, Some(("10.244.2.7", 13868))),
+                format!("{f:?} the node's own NodePort"),
+            );
+            let unroutable = sctp(f, NODE_IP, 45002, "10.96.0.51", 2905).build();
+            assert_eq!(out(&unroutable).action, SHOT, "{f:?}: no route to 10.244.1.5");
+            let empty = sctp(f, NODE_IP, 45003, "10.96.0.52", 9).build();
+            assert_eq!(out(&empty).action, SHOT, "{f:?}: no endpoints");
+            // Not a frontend: as it was.
+            let other = sctp(f, NODE_IP, 45004, "10.244.2.7", 13868).build();
+            let run = out(&other);
+            assert_eq!((run.action, &run.packet), (OK, &other), "{f:?}");
+            assert_eq!(
+                counter(&s, Counter::TcLocalSctpUnrouted),
+                unrouted + 1,
+                "{f:?}: the unroutable backend is counted"
+            );
+            // The replies are delivered locally: ingress gives them the frontend back.
+            let reply = sctp(f, "10.244.2.7", 13868, NODE_IP, 45000).data(b"CEA").build();
+            let back = ingress(&mut s, &reply);
+            assert_eq!(back.action, OK, "{f:?}");
+            assert_bytes(
+                &back.packet,
+                &nat(f, &reply, Some(("10.96.0.50", 3868)), None),
+                format!("{f:?} the reply to the node's association"),
+            );
+            let reply = sctp(f, "10.244.2.7", 13868, NODE_IP, 45001).build();
+            assert_bytes(
+                &ingress(&mut s, &reply).packet,
+                &nat(f, &reply, Some((NODE_IP, 30868)), None),
+                format!("{f:?} the reply as the node's NodePort"),
+            );
+            // A pod's association to the same backend keeps its own path: its reply is
+            // reverse-NATed at egress, not at ingress.
+            let pod = sctp(f, "10.244.2.20", 45000, "10.96.0.50", 3868).build();
+            ingress(&mut s, &pod);
+            let pod_reply = sctp(f, "10.244.2.7", 13868, "10.244.2.20", 45000).build();
+            assert_eq!(ingress(&mut s, &pod_reply).packet, pod_reply, "{f:?}");
+            assert_eq!(
+                counter(&s, Counter::TcUnsupportedProtocol),
+                unsupported,
+                "{f:?}: the node's SCTP is served"
+            );
+        }
+    });
+}
+
 #[test]
 fn without_the_sctp_program_sctp_passes_counted_and_tcp_is_still_served() {
     let mut s = scratch_with(&sctp_state(), true);

@@ -516,9 +516,10 @@ fn maglev_keeps_a_flow_on_its_backend_whichever_node_it_enters() {
 /// port, so every translated packet has its CRC32c updated (a receiving SCTP stack drops a packet
 /// whose checksum is wrong, unless the packet never left a checksum-offloading path). An external
 /// client calls the NodePort of node 1, whose endpoint is on node 2: masqueraded, as kube-proxy
-/// does; a pod on node 1 calls the cluster IP: not masqueraded. Node 1's own SCTP to the cluster
-/// IP is the documented limit: no socket hook runs for SCTP, and node 1 counts the packet
-/// (`tc_unsupported_protocol`) and leaves it untranslated.
+/// does; a pod on node 1 calls the cluster IP: not masqueraded. Node 1's own SCTP (no socket
+/// hook runs for SCTP) is translated at its tc egress (`lb_tc_sctp_out`) and routed to the
+/// backend, on node 2 and on node 1 itself, not masqueraded (its source is node 1's address);
+/// the replies get the frontend back at node 1's ingress, so the socket's peer is the Service.
 #[test]
 fn sctp_associations_through_the_tc_path() {
     require_root();
@@ -530,15 +531,27 @@ fn sctp_associations_through_the_tc_path() {
         write_manifests(
             dir,
             "sctp.yaml",
-            &[service("demo", "diameter")
-                .cluster_ip("10.96.0.40")
-                .port("diameter", "SCTP", 3868, 13868)
-                .node_port(30868)
-                .build()],
-            &[slice("demo", "diameter", "diameter-1")
-                .endpoint("10.244.2.2", "node-2", State::Ready)
-                .port("diameter", "SCTP", 13868)
-                .build()],
+            &[
+                service("demo", "diameter")
+                    .cluster_ip("10.96.0.40")
+                    .port("diameter", "SCTP", 3868, 13868)
+                    .node_port(30868)
+                    .build(),
+                service("demo", "diameter-local")
+                    .cluster_ip("10.96.0.41")
+                    .port("diameter", "SCTP", 3869, 13868)
+                    .build(),
+            ],
+            &[
+                slice("demo", "diameter", "diameter-1")
+                    .endpoint("10.244.2.2", "node-2", State::Ready)
+                    .port("diameter", "SCTP", 13868)
+                    .build(),
+                slice("demo", "diameter-local", "diameter-local-1")
+                    .endpoint("10.244.1.2", "node-1", State::Ready)
+                    .port("diameter", "SCTP", 13868)
+                    .build(),
+            ],
         )
     });
     let _sctp_servers: Vec<Proc> = [&c.nodes[0].pods[0], &c.nodes[1].pods[0]]
@@ -585,26 +598,34 @@ fn sctp_associations_through_the_tc_path() {
         );
         assert_eq!(r["peer"], "10.96.0.40:3868", "{r}");
     }
-    // The node's own association: no socket hook runs for it, and node 1's tc egress, past
-    // routing, leaves it untranslated and counts it. (Sent here through node 2, whose neighbour
-    // entry resolves, where an on-link route would leave the INIT waiting for an ARP answer that
-    // never comes, before tc. Node 2 then serves it as any packet from outside, masqueraded: a
-    // network that routes the Service CIDR to the nodes makes that the node's own SCTP's path.)
+    // The node's own associations: no socket hook runs for them; node 1's tc egress translates
+    // them and routes them to the backend. (The cluster IPs are routed through node 2, whose
+    // neighbour entry resolves, where an on-link route would leave the INIT waiting for an ARP
+    // answer that never comes, before tc: a node needs a route for the Service CIDR, as with
+    // kube-proxy, whose OUTPUT chain runs after the socket's route lookup too.)
     let via = c.nodes[1].ip.expect("on the LAN").to_string();
     c.nodes[0].ns.ip(&["route", "add", "10.96.0.0/16", "via", &via]);
-    let before = stat(&c.bpf_roots[0], "tc_unsupported_protocol");
-    let r = &probe::sctp(Place::netns(&c.nodes[0].ns), "10.96.0.40:3868", 1)[0];
-    assert!(
-        stat(&c.bpf_roots[0], "tc_unsupported_protocol") > before,
-        "node 1 counts its own SCTP to a frontend, untranslated: {r}"
-    );
-    if r["ok"] == true {
-        assert_eq!(
-            host_of(&r["reply"]["client"]),
-            "10.244.2.1",
-            "through node 2, masqueraded: {r}"
-        );
+    let unsupported = stat(&c.bpf_roots[0], "tc_unsupported_protocol");
+    let node1_host = Place::netns(&c.nodes[0].ns);
+    for (frontend, backend) in [
+        ("10.96.0.40:3868", "10.244.2.2"),
+        ("10.96.0.41:3869", "10.244.1.2"),
+    ] {
+        for r in ok(&probe::sctp(node1_host, frontend, 3)) {
+            assert_eq!(probe::server_of(r), Some(backend), "{r}");
+            assert_eq!(
+                host_of(&r["reply"]["client"]),
+                node1.to_string(),
+                "the node's own address, not masqueraded: {r}"
+            );
+            assert_eq!(r["peer"], frontend, "the replies come from the Service: {r}");
+        }
     }
+    assert_eq!(
+        stat(&c.bpf_roots[0], "tc_unsupported_protocol"),
+        unsupported,
+        "node 1 serves its own SCTP"
+    );
 }
 
 /// A data-path counter of `lb-agent stats -o json`.

@@ -998,8 +998,9 @@ fn trace_and_the_agent_agree_on_every_node_shape() {
 }
 
 /// Issue 17: SCTP is traced through the tc path, like any packet the node's sockets do not send:
-/// from a pod and from outside, translated (masqueraded from outside); from the node itself it
-/// passes, with the reason (no socket hook runs for SCTP).
+/// from a pod and from outside, translated (masqueraded from outside); from the node itself
+/// (no socket hook runs for SCTP) through tc egress's `lb_tc_sctp_out`, translated, not
+/// masqueraded, with the note saying how.
 #[test]
 fn sctp_is_traced_through_tc_and_from_the_node_explained() {
     let dir = tempfile::tempdir().unwrap();
@@ -1025,12 +1026,13 @@ fn sctp_is_traced_through_tc_and_from_the_node_explained() {
         trace(&dir, "192.168.50.100", NODE_IP, 30868, "sctp", true),
         expect("dnat", &backend, true, "tc")
     );
-    let from_node = trace(&dir, NODE_IP, "10.96.0.40", 3868, "sctp", true);
-    assert_eq!(from_node["verdict"], "pass", "{from_node}");
-    assert_eq!(from_node["path"], "socket", "{from_node}");
+    assert_eq!(
+        trace(&dir, NODE_IP, "10.96.0.40", 3868, "sctp", true),
+        expect("dnat", &backend, false, "tc")
+    );
     let table = trace_table(&dir, NODE_IP, "10.96.0.40", 3868, "sctp");
     assert!(
-        table.contains("NOTE") && table.contains("no socket hook"),
+        table.contains("NOTE") && table.contains("no socket hook") && table.contains("lb_tc_sctp_out"),
         "{table}"
     );
 }

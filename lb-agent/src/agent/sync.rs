@@ -422,8 +422,9 @@ pub(crate) fn serve_sctp(datapath: &mut Datapath, settings: &mut node::NodeSetti
     match datapath.serve_sctp().context("loading the SCTP program")? {
         None => tracing::info!(
             elapsed_ms = started.elapsed().as_millis() as u64,
-            "SCTP program loaded ({}): SCTP Services are served",
-            tc::SCTP_INGRESS_PROGRAM
+            "SCTP programs loaded ({}, {}): SCTP Services are served",
+            tc::SCTP_INGRESS_PROGRAM,
+            tc::SCTP_EGRESS_PROGRAM
         ),
         Some(refusal) => {
             tracing::error!("SCTP Services are not load-balanced on this node (TCP and UDP are): {refusal}");

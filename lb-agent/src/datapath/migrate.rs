@@ -70,7 +70,8 @@ fn expected(name: &str, caps: &Capacities) -> Expected {
         // first sync writes every table before the programs are replaced.
         catalog::MAGLEV => sizes(4, 4, Some(caps.revnat.saturating_mul(2))),
         // Program fds in, ids out.
-        catalog::TC_TAIL => sizes(4, 4, Some(1)),
+        // A resized one starts empty: the agent fills it when it serves SCTP.
+        catalog::TC_TAIL => sizes(4, 4, Some(catalog::TAIL_SLOTS)),
         catalog::AFFINITY_MATCH => sizes(size_of::<AffinityMatchKey>(), 1, Some(caps.affinity_match)),
         catalog::CONFIG => sizes(4, size_of::<DatapathConfig>(), Some(1)),
         catalog::POD_INTERFACES => sizes(4, 1, Some(lb_common::catalog::capacity::POD_INTERFACES)),

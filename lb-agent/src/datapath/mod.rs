@@ -381,19 +381,19 @@ impl Datapath {
         Ok(ebpf)
     }
 
-    /// Loads the SCTP program (`lb_tc_sctp_in`) into its tail-call slot, unless done already:
-    /// before the first SCTP frontend is written. Its verification (~0.4-0.6M steps, about a
-    /// second) is paid only where SCTP is served. Returns the kernel's refusal, if it refused:
-    /// the slot is then emptied and SCTP passes untranslated, counted as
-    /// `tc_unsupported_protocol`, while TCP and UDP are served; the planner reports each SCTP
-    /// port (`NodeSettings::sctp_refused`).
+    /// Loads the SCTP programs (`lb_tc_sctp_in`, `lb_tc_sctp_out`) into their tail-call slots,
+    /// unless done already: before the first SCTP frontend is written. Their verification
+    /// (~0.4-0.6M steps, about a second) is paid only where SCTP is served. Returns the kernel's
+    /// refusal, if it refused either: both slots are then emptied and SCTP passes untranslated,
+    /// counted as `tc_unsupported_protocol`, while TCP and UDP are served; the planner reports
+    /// each SCTP port (`NodeSettings::sctp_refused`).
     pub fn serve_sctp(&mut self) -> Result<Option<&str>, DatapathError> {
         if let Sctp::NotLoaded = self.sctp {
-            self.sctp = match load_sctp_ingress(&mut self.ebpf) {
+            self.sctp = match load_sctp(&mut self.ebpf) {
                 Ok(()) => Sctp::Serving,
                 // The slot emptied: SCTP passes untranslated, counted.
                 Err(refusal @ (DatapathError::Verifier { .. } | DatapathError::Program { .. })) => {
-                    clear_tail_slot(&mut self.ebpf, catalog::TAIL_SCTP_INGRESS)?;
+                    clear_sctp_slots(&mut self.ebpf)?;
                     Sctp::Refused(refusal.to_string())
                 }
                 Err(other) => return Err(other),
@@ -411,7 +411,7 @@ impl Datapath {
     /// start left there (pinned) must not run on beside this start's maps and programs.
     pub fn retire_sctp(&mut self) -> Result<(), DatapathError> {
         if let Sctp::NotLoaded = self.sctp {
-            clear_tail_slot(&mut self.ebpf, catalog::TAIL_SCTP_INGRESS)?;
+            clear_sctp_slots(&mut self.ebpf)?;
         }
         Ok(())
     }
@@ -429,7 +429,7 @@ impl Datapath {
     /// object is verified on refuses it.
     #[doc(hidden)]
     pub fn refuse_sctp(&mut self, reason: &str) -> Result<(), DatapathError> {
-        clear_tail_slot(&mut self.ebpf, catalog::TAIL_SCTP_INGRESS)?;
+        clear_sctp_slots(&mut self.ebpf)?;
         self.sctp = Sctp::Refused(reason.to_string());
         Ok(())
     }
@@ -810,17 +810,33 @@ enum Sctp {
     Refused(String),
 }
 
-/// Loads `lb_tc_sctp_in` and puts it in the tail call's slot, in a pinned map: programs still
-/// attached from an earlier start reach this start's SCTP program as soon as it is loaded.
-fn load_sctp_ingress(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
-    let name = tc::SCTP_INGRESS_PROGRAM;
-    let sctp: &mut SchedClassifier = program(ebpf, name)?;
-    sctp.load().map_err(|source| program_error(name, source))?;
-    let sctp = sctp
-        .fd()
-        .and_then(|fd| fd.try_clone().map_err(Into::into))
-        .map_err(|source| program_error(name, source))?;
-    tail_calls(ebpf)?.set(catalog::TAIL_SCTP_INGRESS, &sctp, 0)?;
+/// Loads the SCTP programs and puts each in its tail call's slot, in a pinned map: programs still
+/// attached from an earlier start reach this start's SCTP programs as soon as they are loaded.
+/// Both or neither: the egress one's flows need the ingress one for their replies.
+fn load_sctp(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
+    let mut loaded = Vec::new();
+    for (name, _) in tc::SCTP_PROGRAMS {
+        let sctp: &mut SchedClassifier = program(ebpf, name)?;
+        sctp.load().map_err(|source| program_error(name, source))?;
+        let fd = sctp
+            .fd()
+            .and_then(|fd| fd.try_clone().map_err(Into::into))
+            .map_err(|source| program_error(name, source))?;
+        loaded.push(fd);
+    }
+    let mut slots = tail_calls(ebpf)?;
+    // The ingress program first: the egress one's flows have their replies there.
+    for ((_, slot), fd) in tc::SCTP_PROGRAMS.iter().zip(&loaded) {
+        slots.set(*slot, fd, 0)?;
+    }
+    Ok(())
+}
+
+/// Empties the SCTP programs' slots (the egress one first, whose flows need the ingress one).
+fn clear_sctp_slots(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
+    for (_, slot) in tc::SCTP_PROGRAMS.iter().rev() {
+        clear_tail_slot(ebpf, *slot)?;
+    }
     Ok(())
 }
 

@@ -28,6 +28,16 @@ pub const TC_PROGRAMS: [(&str, TcAttachType, &str); 2] = [
 /// `lb_tc_tail` (the verifier could not walk SCTP's steps in `lb_tc_ingress` as well).
 pub const SCTP_INGRESS_PROGRAM: &str = "lb_tc_sctp_in";
 
+/// SCTP's tc egress program, for the node's own SCTP to a frontend: never attached, reached by a
+/// tail call from `lb_tc_egress` through `lb_tc_tail`.
+pub const SCTP_EGRESS_PROGRAM: &str = "lb_tc_sctp_out";
+
+/// The SCTP programs and their slots in `lb_tc_tail`: loaded together, only where SCTP is served.
+pub const SCTP_PROGRAMS: [(&str, u32); 2] = [
+    (SCTP_INGRESS_PROGRAM, lb_common::catalog::TAIL_SCTP_INGRESS),
+    (SCTP_EGRESS_PROGRAM, lb_common::catalog::TAIL_SCTP_EGRESS),
+];
+
 /// One entry of `--devices`: a name, or a prefix ending in `+` (iptables style) or `*`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DevicePattern {

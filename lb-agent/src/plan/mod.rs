@@ -32,7 +32,7 @@ pub use planner::{Changes, Outcome, Planner, Totals};
 pub use rules::{BackendVotes, merge, plan, plan_port};
 #[cfg(test)]
 pub use service::{Computed, from_scratch};
-pub use service::{HealthCheck, SCTP_FROM_NODE_NOT_SERVED, SCTP_REFUSED, ServicePlan};
+pub use service::{HealthCheck, SCTP_FROM_NODE, SCTP_REFUSED, ServicePlan};
 
 use crate::model::{Protocol, ServicePortName};
 

@@ -14,16 +14,17 @@ use crate::{
 #[cfg(test)]
 use {super::DesiredState, crate::watch::ClusterState};
 
-/// What SCTP from the node's own network namespace meets, for `lb-agent trace`: the one place
-/// SCTP is not served (docs/architecture.md, SCTP).
-pub const SCTP_FROM_NODE_NOT_SERVED: &str = "SCTP from the node's own network namespace is not \
-    load-balanced: the kernel runs no socket hook for an SCTP connect() or sendmsg(), and tc sees \
-    the node's own packets only at egress, past routing; pods' SCTP is translated at tc";
+/// How SCTP from the node's own network namespace is served, for `lb-agent trace`
+/// (docs/architecture.md, SCTP).
+pub const SCTP_FROM_NODE: &str = "the node's own SCTP: the kernel runs no socket hook for an SCTP \
+    connect() or sendmsg(), so tc egress translates the packet (lb_tc_sctp_out), keeps its source \
+    (a node address, what masquerade would give it) and routes it to the backend; the replies get \
+    the frontend back at tc ingress";
 
 /// What an SCTP port meets on a node whose kernel refused the SCTP program, for the planner's
 /// Warning (followed by the node's name and the refusal).
 pub const SCTP_REFUSED: &str = "SCTP is not load-balanced here: the kernel refused the SCTP \
-    program (lb_tc_sctp_in), so SCTP packets pass untranslated (counted as tc_unsupported_protocol) \
+    programs (lb_tc_sctp_in, lb_tc_sctp_out), so SCTP packets pass untranslated (counted as tc_unsupported_protocol) \
     while TCP and UDP are served";
 
 /// What one Service contributes, computed from its object and its EndpointSlices alone (steps 2

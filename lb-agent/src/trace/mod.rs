@@ -165,43 +165,29 @@ pub fn trace(
         );
     }
     let on_node = starts_on_node(req, node_ips);
-    if req.protocol == Protocol::Sctp && on_node {
-        return Ok(sctp_from_node());
-    }
-    if on_node {
+    if on_node && req.protocol != Protocol::Sctp {
         return trace_socket(dp, maps, host_cookie, req);
     }
-    // The agent loads the SCTP program once it serves SCTP; a trace needs it whatever the
+    // The agent loads the SCTP programs once it serves SCTP; a trace needs them whatever the
     // Services. A refusal is this kernel's answer, not the Service's: the packet passes
     // untranslated, and the note says why.
     let sctp_refused = match req.protocol {
         Protocol::Sctp => dp.serve_sctp()?.map(str::to_owned),
         _ => None,
     };
-    let (result, mut details) = trace_tc(dp, maps, req)?;
+    // The node's own SCTP: no socket hook runs for it, tc egress translates it
+    // (`lb_tc_sctp_out`, reached from `lb_tc_egress`).
+    let program = match on_node {
+        true => datapath::tc::SCTP_EGRESS_PROGRAM,
+        false => datapath::tc::TC_PROGRAMS[0].0,
+    };
+    let (result, mut details) = trace_tc(dp, maps, req, program)?;
     if let Some(refusal) = sctp_refused {
         details.note = Some(format!("{} ({refusal})", crate::plan::SCTP_REFUSED));
+    } else if on_node && details.note.is_none() && result.verdict == "dnat" {
+        details.note = Some(crate::plan::SCTP_FROM_NODE.into());
     }
     Ok((result, details))
-}
-
-/// What the node's own SCTP to a frontend meets: nothing translates it. (A pod's SCTP takes the
-/// tc path like any packet from outside the node's sockets.)
-fn sctp_from_node() -> (TraceResult, TraceDetails) {
-    let path = "socket";
-    let details = TraceDetails {
-        note: Some(crate::plan::SCTP_FROM_NODE_NOT_SERVED.into()),
-        ..TraceDetails::default()
-    };
-    let result = TraceResult {
-        verdict: "pass",
-        backends: Vec::new(),
-        masquerade: false,
-        masquerade_source: None,
-        path,
-        algorithm: None,
-    };
-    (result, details)
 }
 
 fn trace_socket(
@@ -374,7 +360,13 @@ where
     })
 }
 
-fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<(TraceResult, TraceDetails)> {
+/// A packet through `program`: the tc ingress program, or for the node's own SCTP the egress one.
+fn trace_tc(
+    dp: &mut Datapath,
+    maps: &KernelMaps,
+    req: &TraceRequest,
+    program: &str,
+) -> Result<(TraceResult, TraceDetails)> {
     // IPv4-mapped addresses never reach the wire: a dual-stack socket calling one sends IPv4.
     let req = &TraceRequest {
         src: req.src.to_canonical(),
@@ -384,7 +376,7 @@ fn trace_tc(dp: &mut Datapath, maps: &KernelMaps, req: &TraceRequest) -> Result<
     let packet = first_packet(req, req.sport);
     // An ingress interface of 0 is none, as without --in-interface.
     let run = dp
-        .test_run_tc_from(datapath::tc::TC_PROGRAMS[0].0, &packet, req.ingress_ifindex)
+        .test_run_tc_from(program, &packet, req.ingress_ifindex)
         .with_context(|| match req.ingress_ifindex {
             0 => "running the packet through the tc ingress program".to_string(),
             _ => "running the packet from --in-interface (a kernel before 5.15 cannot set it)".into(),

@@ -8,7 +8,9 @@
 //!   egress side restores the frontend as the source;
 //! - egress, after routing: SNAT of masqueraded flows to the node IP (after routing, so the kernel
 //!   never sees a forwarded packet with a local source address, which it drops as martian); and
-//!   reverse DNAT of replies on the client-facing side.
+//!   reverse DNAT of replies on the client-facing side;
+//! - the node's own SCTP to a frontend (no socket hook runs for SCTP): DNAT at egress and a new
+//!   route to the backend, its replies' reverse DNAT at ingress (`local`).
 //!
 //! The kernel routes in between: backends on other nodes are reached through the node's own
 //! routing, neighbour tables and netfilter, so any CNI or overlay works unchanged.
@@ -24,8 +26,8 @@
 //! packet, the later ones with the first one's ports (`fragment`). Anything that cannot be
 //! translated safely passes untouched and is counted: truncated packets, fragments whose first
 //! fragment was not seen (or of SCTP, whose checksum covers the whole datagram, or other
-//! protocols), the node's own SCTP to a frontend (egress, past routing), other protocols; also
-//! IPv6 packets with more than four extension headers (not counted).
+//! protocols), SCTP while its programs are not loaded, other protocols; also IPv6 packets with
+//! more than four extension headers (not counted).
 //!
 //! Both families go through one code path, written over `F: Ip` and monomorphised for `V4` and
 //! `V6` inside each program; the Ethernet type picks the instance. One job per file; this one
@@ -44,7 +46,8 @@
 //! - `nat`: address and port rewriting with checksum updates;
 //! - `sctp`: SCTP's port rewrite, its CRC32c checksum kept valid;
 //! - `reject`: kube-proxy's REJECT (an ICMP port unreachable);
-//! - `icmp_error`: ICMP errors about translated flows, at ingress and egress.
+//! - `icmp_error`: ICMP errors about translated flows, at ingress and egress;
+//! - `local`: the node's own SCTP to a frontend, at egress, and its replies at ingress.
 //!
 //! Everything is `#[inline(always)]` into the two programs, whose code the verifiers of older
 //! kernels are sensitive to. Moving code between these files is not free even so: a function's
@@ -58,6 +61,7 @@ mod icmp_error;
 mod ip;
 mod ipv4;
 mod ipv6;
+mod local;
 mod nat;
 mod new_flow;
 mod parse;
@@ -113,7 +117,7 @@ pub fn ingress(ctx: &mut TcContext) -> i32 {
 /// SCTP's ingress program (`lb_tc_sctp_in`): the steps of TCP and UDP, in a program of its own,
 /// with the protocol a constant (`SCTP`, see `nat::apply`): the verifier cannot tell it from the
 /// parsed packet, and with SCTP's rewrite beside TCP's and UDP's `lb_tc_ingress` went past its
-/// million instructions.
+/// million instructions. Also the replies to the node's own associations (`local::reply`).
 #[inline(always)]
 pub fn sctp_ingress(ctx: &mut TcContext) -> i32 {
     match ether_type(ctx) {
@@ -123,17 +127,49 @@ pub fn sctp_ingress(ctx: &mut TcContext) -> i32 {
     }
 }
 
-/// A verdict of `ingress_of`: an SCTP packet that may concern a frontend, for `lb_tc_sctp_in`.
-/// Not one tc knows (they are small non-negative numbers, and -1, `TC_ACT_UNSPEC`).
+/// SCTP's egress program (`lb_tc_sctp_out`): the node's own SCTP to a frontend, which
+/// `lb_tc_egress` sends here (`local`).
+#[inline(always)]
+pub fn sctp_egress(ctx: &mut TcContext) -> i32 {
+    match ether_type(ctx) {
+        Some(V4::ETH_P) => sctp_egress_of::<V4>(ctx),
+        Some(V6::ETH_P) => sctp_egress_of::<V6>(ctx),
+        _ => TC_ACT_OK,
+    }
+}
+
+/// A verdict of `ingress_of` (`egress_of`): an SCTP packet that may concern a frontend, for
+/// `lb_tc_sctp_in` (`lb_tc_sctp_out`). Not one tc knows (they are small non-negative numbers, and
+/// -1, `TC_ACT_UNSPEC`).
 const SCTP: i32 = -1000;
 
-/// Not inlined, as `ingress_of`; parses again (a tail call passes only the packet).
+/// Not inlined, as `ingress_of`; parses again (a tail call passes only the packet). A packet from
+/// a backend may be a reply to the node's own association; else the steps of any SCTP packet.
 #[inline(never)]
 fn sctp_ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
     match F::parse(ctx) {
-        Parsed::L4(pkt) if pkt.flow.proto == proto::SCTP && prefilter::ingress::<F>(&pkt.flow.daddr) => {
-            l4_ingress::<F, true>(ctx, &pkt)
+        Parsed::L4(pkt) if pkt.flow.proto == proto::SCTP => {
+            if prefilter::egress_end::<F>((&pkt.flow.saddr, pkt.flow.sport)) {
+                let verdict = local::reply::<F>(ctx, &pkt);
+                if verdict != local::NOT_LOCAL {
+                    return verdict;
+                }
+            }
+            if prefilter::ingress::<F>(&pkt.flow.daddr) {
+                l4_ingress::<F, true>(ctx, &pkt)
+            } else {
+                TC_ACT_OK
+            }
         }
+        _ => TC_ACT_OK,
+    }
+}
+
+/// Not inlined, as `egress_of`; parses again.
+#[inline(never)]
+fn sctp_egress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
+    match F::parse(ctx) {
+        Parsed::L4(pkt) if pkt.flow.proto == proto::SCTP => local::forward::<F>(ctx, &pkt),
         _ => TC_ACT_OK,
     }
 }
@@ -156,9 +192,19 @@ fn ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
             fragment::UNFOLLOWED => untranslated::<F>(ctx, Some(&flow), Counter::TcFragment),
             verdict => verdict,
         },
+        // SCTP to a frontend or a masquerade address, or from a backend (a reply to the node's
+        // own association, `local`): `lb_tc_sctp_in`'s.
+        Parsed::L4(pkt) if pkt.flow.proto == proto::SCTP => {
+            if prefilter::ingress::<F>(&pkt.flow.daddr)
+                || prefilter::egress_end::<F>((&pkt.flow.saddr, pkt.flow.sport))
+            {
+                SCTP
+            } else {
+                TC_ACT_OK
+            }
+        }
         // Neither a frontend nor a masquerade address: nothing to look up.
         Parsed::L4(pkt) if !prefilter::ingress::<F>(&pkt.flow.daddr) => TC_ACT_OK,
-        Parsed::L4(pkt) if pkt.flow.proto == proto::SCTP => SCTP,
         Parsed::L4(pkt) => l4_ingress::<F, false>(ctx, &pkt),
     }
 }
@@ -172,7 +218,7 @@ fn l4_ingress<F: Steps, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>) 
         verdict = conntrack::establish::<F, SCTP>(ctx, pkt);
     }
     match verdict {
-        conntrack::NEW_FLOW => new_flow::new_flow::<F, SCTP>(ctx, pkt),
+        conntrack::NEW_FLOW => new_flow::new_flow::<F, SCTP, false>(ctx, pkt),
         verdict => verdict,
     }
 }
@@ -194,11 +240,19 @@ const LOOPBACK_IFINDEX: u32 = 1;
 /// The tc egress program.
 #[inline(always)]
 pub fn egress(ctx: &mut TcContext) -> i32 {
-    match ether_type(ctx) {
+    let verdict = match ether_type(ctx) {
         Some(V4::ETH_P) => egress_of::<V4>(ctx),
         Some(V6::ETH_P) => egress_of::<V6>(ctx),
         _ => TC_ACT_OK,
+    };
+    if verdict != SCTP {
+        return verdict;
     }
+    // The node's own SCTP to a frontend: from the program's first frame, as at ingress.
+    // SAFETY: the program's own context; on success the call does not return.
+    unsafe { TC_TAIL.tail_call(ctx, catalog::TAIL_SCTP_EGRESS) };
+    count(Counter::TcUnsupportedProtocol);
+    TC_ACT_OK
 }
 
 /// Not inlined, as `ingress_of`.
@@ -220,8 +274,8 @@ fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
     let may_be_snat = ingress_ifindex != 0 || ifindex == LOOPBACK_IFINDEX;
     match F::parse(ctx) {
         Parsed::L4(pkt) => {
-            if pkt.flow.proto == proto::SCTP && !may_be_snat && host_sctp_to_frontend::<F>(&pkt.flow) {
-                return untranslated::<F>(ctx, Some(&pkt.flow), Counter::TcUnsupportedProtocol);
+            if pkt.flow.proto == proto::SCTP && !may_be_snat && local_sctp_to_frontend::<F>(&pkt.flow) {
+                return SCTP;
             }
             let from_backend = prefilter::egress_end::<F>((&pkt.flow.saddr, pkt.flow.sport));
             // A backend's end, and a tuple the flow filter holds: the packet of a connection the
@@ -250,11 +304,11 @@ fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
 }
 
 /// The node's own SCTP to a frontend: no socket hook ran (the kernel runs none for an SCTP
-/// connect or sendmsg) and the packet is past routing, where a new destination would need a new
-/// route; it leaves untranslated, counted (`tc_unsupported_protocol`). Not inlined: the frontend
-/// key would take room in `egress_of`'s frame, which its call chain does not have on 5.10 and 6.1.
+/// connect or sendmsg), so `lb_tc_sctp_out` translates and routes it (`local`). Not inlined: the
+/// frontend key would take room in `egress_of`'s frame, which its call chain does not have on
+/// 5.10 and 6.1.
 #[inline(never)]
-fn host_sctp_to_frontend<F: Ip>(flow: &Flow<F>) -> bool {
+fn local_sctp_to_frontend<F: Ip>(flow: &Flow<F>) -> bool {
     prefilter::ingress::<F>(&flow.daddr)
         && !matches!(
             lb::lookup_frontend::<F>(&flow.daddr, flow.dport, proto::SCTP, true),

@@ -52,10 +52,16 @@ fn trace(ctx: &mut TcContext, slot: usize, value: u32) {
 
 /// A TCP, UDP or SCTP packet at ingress that no conntrack entry keeps: a frontend's new flow is
 /// DNATed (and masqueraded when kube-proxy would), rejected or dropped; anything else passes.
+/// `LOCAL`: the packet is the node's own, at egress (`local`): the frontend is looked up as for a
+/// socket call (`internal`), and the flow is never masqueraded (its source is a node address)
+/// but marked `LOCAL_CLIENT`.
 #[inline(always)]
-pub(super) fn new_flow<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
+pub(super) fn new_flow<F: Ip, const SCTP: bool, const LOCAL: bool>(
+    ctx: &mut TcContext,
+    pkt: &Packet<F>,
+) -> i32 {
     let mut choice = Choice::default();
-    let verdict = decide::<F, SCTP>(ctx, pkt, &mut choice);
+    let verdict = decide::<F, SCTP, LOCAL>(ctx, pkt, &mut choice);
     if choice.outcome != NO_OUTCOME && monitor::wanted(choice.outcome as u32) {
         event::<F>(ctx, Some(&pkt.flow), Some(&choice), choice.outcome as u32);
     }
@@ -68,16 +74,22 @@ pub(super) fn new_flow<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packe
 
 /// `new_flow`'s decision, its outcome's counter left in `choice.outcome`.
 #[inline(always)]
-fn decide<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i32 {
-    let verdict = match choose::<F>(ctx, pkt, choice) {
+fn decide<F: Ip, const SCTP: bool, const LOCAL: bool>(
+    ctx: &mut TcContext,
+    pkt: &Packet<F>,
+    choice: &mut Choice,
+) -> i32 {
+    let verdict = match choose::<F, LOCAL>(ctx, pkt, choice) {
         CHOSEN => {
             // Where the flow leaves the node, for its masquerade address: looked up for every new
             // flow, masqueraded or not yet (`track` may still masquerade one whose reply tuple a
             // live flow holds). Here rather than in `choose`: the verifier walks the lookup once
             // per state reaching it, and few reach this point.
-            choice.masq_route =
-                masquerade_route::<F>(ctx, &pkt.flow.saddr, choice.backend_id, pkt.flow.proto);
-            match track::<F, SCTP>(ctx, pkt, choice) {
+            if !LOCAL {
+                choice.masq_route =
+                    masquerade_route::<F>(ctx, &pkt.flow.saddr, choice.backend_id, pkt.flow.proto);
+            }
+            match track::<F, SCTP, LOCAL>(ctx, pkt, choice) {
                 // Every masquerade port tried is held: take one back if a flow is done with one,
                 // and try again with it.
                 NO_FREE_PORT => {
@@ -85,14 +97,21 @@ fn decide<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice:
                         reclaim_port_for::<F>(choice.backend_id, pkt.flow.proto, choice.masq_route);
                     match choice.snat_port {
                         0 => NO_FREE_PORT,
-                        _ => track::<F, SCTP>(ctx, pkt, choice),
+                        _ => track::<F, SCTP, LOCAL>(ctx, pkt, choice),
                     }
                 }
                 verdict => verdict,
             }
         }
+        // The node's own packet is dropped: an ICMP error built here would leave by the egress
+        // it is on (`local::forward` says why a drop does as well).
+        REJECT if LOCAL => TC_ACT_SHOT,
         REJECT => reject::reject::<F>(ctx, pkt.l4, &pkt.flow.saddr),
         NOT_A_FRONTEND => match cluster_ip_check::<F>(ctx, &pkt.flow.daddr) {
+            REJECT if LOCAL => {
+                choice.outcome = Counter::TcClusterIpBadPort as u8;
+                TC_ACT_SHOT
+            }
             REJECT => {
                 choice.outcome = Counter::TcClusterIpBadPort as u8;
                 reject::reject::<F>(ctx, pkt.l4, &pkt.flow.saddr)
@@ -239,7 +258,7 @@ fn cluster_ip_check<F: Ip>(ctx: &mut TcContext, daddr: &F::Addr) -> i32 {
 /// The frontend of a new flow and its backend: [`CHOSEN`] with `choice` filled in, [`REJECT`],
 /// [`NOT_A_FRONTEND`], or another verdict (denied by loadBalancerSourceRanges, no endpoints).
 #[inline(never)]
-fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i32 {
+fn choose<F: Ip, const LOCAL: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i32 {
     let flow = &pkt.flow;
     let cfg = lb::datapath_config();
     // kube-proxy's local-traffic detector: pods (sources in the family's cluster CIDRs, or packets
@@ -250,7 +269,10 @@ fn choose<F: Ip>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i
     } else {
         F::settings(cfg).is_pod_address(&flow.saddr) == Some(true)
     };
-    let (svc_key, frontend) = match lb::lookup_frontend::<F>(&flow.daddr, flow.dport, flow.proto, from_pod) {
+    // The node's own packet: looked up as a socket call is (an external frontend's cluster-wide
+    // scope, kube-proxy's `--src-type LOCAL` jump to the Service chain).
+    let internal = from_pod || LOCAL;
+    let (svc_key, frontend) = match lb::lookup_frontend::<F>(&flow.daddr, flow.dport, flow.proto, internal) {
         Frontend::None => return NOT_A_FRONTEND,
         Frontend::Incomplete => {
             choice.count(Counter::TcNoBackend);
@@ -327,7 +349,11 @@ fn came_in_by_pod_interface(ctx: &TcContext) -> bool {
 
 /// The chosen backend's flow: the masquerade decision, its conntrack entries, and DNAT.
 #[inline(never)]
-fn track<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i32 {
+fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
+    ctx: &mut TcContext,
+    pkt: &Packet<F>,
+    choice: &mut Choice,
+) -> i32 {
     let flow = &pkt.flow;
     let cfg = lb::datapath_config();
     let has = |flag: u16| choice.frontend_flags & flag != 0;
@@ -352,7 +378,10 @@ fn track<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: 
     // `&` rather than `&&`: one branch fewer for the verifier to walk every state of the rest of
     // `track` through (Linux 6.1: 823,898 -> 758,224 steps for lb_tc_ingress). Making the three
     // tests above branch-free too saves more steps but spills past the 512-byte stack.
-    let mut masquerade = wanted & !local_backend;
+    // The node's own packet keeps its source, a node address: what MASQUERADE would give it (the
+    // address of the interface the route to the backend leaves by; the one the route to the
+    // frontend chose differs only on a node whose interfaces route differently).
+    let mut masquerade = wanted & !local_backend & !LOCAL;
 
     // One entry and one key, rewritten for each of the flow's entries in turn: an IPv6 flow's
     // entries are 48 and 40 bytes, and copies of each would overflow the stack frame.
@@ -361,7 +390,7 @@ fn track<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: 
         last_seen_ns: now,
         nat_addr: flow.daddr,
         nat_port: flow.dport,
-        flags: ct::REPLY | ct::HANDSHAKE_TRACKED,
+        flags: ct::REPLY | ct::HANDSHAKE_TRACKED | if LOCAL { ct::LOCAL_CLIENT } else { 0 },
         rev_nat_id: choice.rev_nat_id,
         backend_id,
         _pad: Default::default(),
@@ -397,6 +426,11 @@ fn track<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: 
                 .is_none_or(|old| unsafe { (*old).nat_addr == flow.daddr && (*old).nat_port == flow.dport });
             if same {
                 let _ = F::conntrack_new().insert(&key, &entry, 0);
+            } else if LOCAL {
+                // The node's own socket cannot be masqueraded: its association through the
+                // other frontend keeps the tuple.
+                choice.count(Counter::TcCtInsertFailed);
+                return TC_ACT_SHOT;
             } else {
                 masquerade = true;
             }

@@ -26,7 +26,7 @@ use crate::{lb, maps::MASQ_ADDRS, stats::count};
 
 /// `bpf_fib_lookup` results that name the interface the packet would leave by
 /// (`BPF_FIB_LKUP_RET_SUCCESS`, `_NO_NEIGH`, `_FRAG_NEEDED`).
-const ROUTED: [i64; 3] = [0, 7, 8];
+pub(super) const ROUTED: [i64; 3] = [0, 7, 8];
 
 /// The interface a new flow from `saddr` to its backend `backend_id` leaves by, and the slot of the
 /// masquerade address MASQUERADE would give it there (`InterfaceAddrs::slot_for` its next hop):
