@@ -3101,7 +3101,8 @@ fn sctp_fragments_pass_untranslated_and_are_counted() {
 /// backend's route. In a namespace of its own (the route lookup is the calling thread's
 /// namespace's): node b's pods are routed by d0. The backend's reply gets the frontend back at
 /// ingress (`lb_tc_sctp_in`), as no egress runs for a locally delivered packet; the
-/// association's next packet follows its entry. A NodePort of the node's own address takes the
+/// association's next packet follows its entry, and an ICMP error about it (Packet Too Big)
+/// quotes the frontend the socket called. A NodePort of the node's own address takes the
 /// cluster-wide scope as a socket call does. A backend without a route (node a's m3ua pod here)
 /// is dropped and counted; a frontend without endpoints is dropped (SCTP takes an ICMP error
 /// only as a soft one). Nothing is counted as unsupported.
@@ -3148,6 +3149,7 @@ fn the_nodes_own_sctp_is_translated_at_egress_and_routed_to_its_backend() {
                 &nat(f, &data, None, Some(("10.244.2.7", 13868))),
                 format!("{f:?} the association's DATA"),
             );
+            let sent = run.packet;
             let nodeport = sctp(f, NODE_IP, 45001, NODE_IP, 30868).build();
             let run = out(&nodeport);
             assert_eq!(run.action, REDIRECT, "{f:?}");
@@ -3184,6 +3186,16 @@ fn the_nodes_own_sctp_is_translated_at_egress_and_routed_to_its_backend() {
                 &nat(f, &reply, Some((NODE_IP, 30868)), None),
                 format!("{f:?} the reply as the node's NodePort"),
             );
+            // Path MTU discovery: a router's error about the DATA quotes the frontend the
+            // socket called.
+            let router = f.addr("192.168.50.1");
+            let kind = IcmpError::TooBig { mtu: 1280 };
+            let error = packet::icmp_error(&router, &f.addr(NODE_IP), kind, &sent);
+            let back = ingress(&mut s, &error);
+            assert_eq!(back.action, OK, "{f:?}");
+            let quote = quote_nat(f, &sent, None, Some(("10.96.0.50", 3868)));
+            let expected = packet::icmp_error(&router, &f.addr(NODE_IP), kind, &quote);
+            assert_same(&back.packet, &expected, format!("{f:?} error about the node's DATA"));
             // A pod's association to the same backend keeps its own path: its reply is
             // reverse-NATed at egress, not at ingress.
             let pod = sctp(f, "10.244.2.20", 45000, "10.96.0.50", 3868).build();

@@ -181,12 +181,18 @@ impl<M: MapOps> Programmer<M> {
             maglev_seed: configured.word(),
             ..written
         };
-        match self.applier.maps_mut().put_config(&config) {
-            Ok(()) => self.config_written = Some(config),
-            Err(e) => {
-                tracing::error!("{e}: the Maglev flow hash keeps its previous seed until the next sync")
-            }
+        if let Err(e) = self.put_config_if_changed(config) {
+            tracing::error!("{e}: the Maglev flow hash keeps its previous seed until the next sync")
         }
+    }
+
+    /// Writes `config` to `lb_config` unless it is what was last written there, and remembers it.
+    fn put_config_if_changed(&mut self, config: DatapathConfig) -> Result<(), MapError> {
+        if self.config_written != Some(config) {
+            self.applier.maps_mut().put_config(&config)?;
+            self.config_written = Some(config);
+        }
+        Ok(())
     }
 
     /// Writes the `lb_config` entry for `view` when it differs from the last one written, after
@@ -237,11 +243,7 @@ impl<M: MapOps> Programmer<M> {
             }
         }
         let config = self.datapath_config(view);
-        if self.config_written != Some(config) {
-            self.applier.maps_mut().put_config(&config)?;
-            self.config_written = Some(config);
-        }
-        Ok(())
+        self.put_config_if_changed(config)
     }
 
     /// Whether the plan was computed for this view (else only [`Self::program_all`] may be used:

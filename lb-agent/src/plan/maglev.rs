@@ -44,8 +44,9 @@ pub struct TableParams {
 /// (`lb_config`'s `maglev_seed`, which the tc programs read): every node given the same seed
 /// computes the same tables and hashes, and clusters with different seeds spread flows
 /// differently. 0 is the fixed seed ([`DEFAULT_SEED`], the flow hash's own), which a flag never
-/// yields. The word's 32 bits are what the tables and the hash can tell apart, as Cilium's two
-/// jhash words. Changing the seed moves flows between backends, as changing the table size does.
+/// yields. Of the operator's 96 bits, the tables and the hash tell apart only this word's 32
+/// (Cilium derives two 32-bit jhash seeds from them; one word is what the tc flow hash takes).
+/// Changing the seed moves flows between backends, as changing the table size does.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct HashSeed(u32);
 

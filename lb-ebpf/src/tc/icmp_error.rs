@@ -94,7 +94,9 @@ fn rewrite_quoted<F: Ip>(
 /// sent the packet:
 /// - about a masqueraded packet (node IP:port -> backend): to the client, quoting its own source,
 ///   and marked so that egress puts the frontend back in the quote;
-/// - about a reply this node sent as the frontend: to the backend, quoting the packet it sent.
+/// - about a reply this node sent as the frontend: to the backend, quoting the packet it sent;
+/// - about the node's own association (node address -> backend, `local`): quoting the frontend
+///   the socket called, as the replies are given it at ingress.
 ///
 /// Not inlined (rare; a frame of its own).
 #[inline(never)]
@@ -106,10 +108,17 @@ pub(super) fn icmp_error_ingress<F: Ip>(ctx: &mut TcContext, icmp: usize, outer:
     // the other way round, as for a packet coming back.
     let reversed = q.flow.reversed();
     // Read in place (rare path; the frame is what is scarce).
-    let Some(entry) = lookup::<F>(&reversed.key(dir::INGRESS)).map(|p| unsafe { &*p }) else {
-        return TC_ACT_OK;
+    let (entry, local) = match lookup::<F>(&reversed.key(dir::INGRESS)) {
+        Some(p) => (unsafe { &*p }, false),
+        // The node's own association: its un-DNAT entry names the frontend.
+        None => match lookup::<F>(&reversed.key(dir::EGRESS)) {
+            Some(p) if unsafe { (*p).flags } & ct::LOCAL_CLIENT != 0 => (unsafe { &*p }, true),
+            _ => return TC_ACT_OK,
+        },
     };
-    let result = if entry.flags & ct::REPLY != 0 {
+    let result = if local {
+        rewrite_quoted::<F>(ctx, &q, false, entry.nat_addr, entry.nat_port)
+    } else if entry.flags & ct::REPLY != 0 {
         // Quote: node IP:port -> backend. Make it client -> backend, addressed to the client.
         ctx.set_mark(MARK_MAGIC | (entry.rev_nat_id & MARK_ID));
         rewrite_quoted::<F>(ctx, &q, true, entry.nat_addr, entry.nat_port)
