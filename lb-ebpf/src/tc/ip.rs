@@ -18,6 +18,11 @@ pub(super) trait Ip: FamilyMaps {
     /// Offsets of the source and destination addresses inside the IP header.
     const SADDR: usize;
     const DADDR: usize;
+    /// Offset of the protocol (IPv4) or first next header (IPv6) inside the IP header.
+    const PROTO: usize;
+    /// Whether a packet whose IP header says `proto` there may be SCTP: IPv4's protocol, and
+    /// for IPv6 anything but TCP, UDP and ICMPv6 (SCTP may come after extension headers).
+    fn may_be_sctp(proto: u8) -> bool;
 
     /// Ethernet, IP and the L4 ports of the packet in `ctx`, whose Ethernet type is this family's.
     fn parse(ctx: &TcContext) -> Parsed<Self>;

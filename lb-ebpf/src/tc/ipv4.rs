@@ -57,6 +57,12 @@ impl Ip for V4 {
     const HLEN: usize = HLEN;
     const SADDR: usize = IP_SADDR;
     const DADDR: usize = IP_DADDR;
+    const PROTO: usize = 9;
+
+    #[inline(always)]
+    fn may_be_sctp(proto: u8) -> bool {
+        proto == lb_common::proto::SCTP
+    }
 
     #[inline(always)]
     fn parse(ctx: &TcContext) -> Parsed<V4> {

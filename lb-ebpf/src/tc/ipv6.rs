@@ -95,6 +95,13 @@ impl Ip for V6 {
     const HLEN: usize = HLEN;
     const SADDR: usize = IP6_SADDR;
     const DADDR: usize = IP6_DADDR;
+    const PROTO: usize = 6;
+
+    #[inline(always)]
+    fn may_be_sctp(next_header: u8) -> bool {
+        use lb_common::proto::{TCP, UDP};
+        next_header != TCP && next_header != UDP && next_header != lb_common::proto::ICMPV6
+    }
 
     #[inline(always)]
     fn parse(ctx: &TcContext) -> Parsed<V6> {

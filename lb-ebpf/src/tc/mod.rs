@@ -81,7 +81,7 @@ use lb_common::{
 pub use self::conntrack::{MARK_ID, MARK_MAGIC, MARK_MASK};
 use self::{
     ip::Ip,
-    parse::{Flow, Packet, Parsed, ether_type, skb},
+    parse::{ETH_HLEN, Flow, Packet, Parsed, ether_type, skb},
 };
 use crate::{
     lb::{self, Frontend},
@@ -264,7 +264,7 @@ pub fn egress(ctx: &mut TcContext) -> i32 {
 
 /// Not inlined, as `ingress_of`.
 #[inline(never)]
-fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
+fn egress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
     // SAFETY: the context's skb pointer is valid for the program's run.
     let (mark, ingress_ifindex, ifindex) = unsafe {
         let skb = skb(ctx);
@@ -279,11 +279,16 @@ fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
     // (`ct_filter`). On loopback, where the agent never attaches and BPF_PROG_TEST_RUN runs every
     // packet, each is looked up as forwarded.
     let may_be_snat = ingress_ifindex != 0 || ifindex == LOOPBACK_IFINDEX;
+    // The node's own SCTP to a frontend: `lb_tc_sctp_out`'s. One byte tells the node's TCP and
+    // UDP apart at once; the rest is parsed and looked up in a frame of its own.
+    if !may_be_snat
+        && ctx.load::<u8>(ETH_HLEN + F::PROTO).is_ok_and(F::may_be_sctp)
+        && local_sctp_to_frontend::<F>(ctx)
+    {
+        return SCTP;
+    }
     match F::parse(ctx) {
         Parsed::L4(pkt) => {
-            if pkt.flow.proto == proto::SCTP && !may_be_snat && local_sctp_to_frontend::<F>(&pkt.flow) {
-                return SCTP;
-            }
             let from_backend = prefilter::egress_end::<F>((&pkt.flow.saddr, pkt.flow.sport));
             // A backend's end, and a tuple the flow filter holds: the packet of a connection the
             // socket programs translated (always a backend's) stops at the filter.
@@ -292,7 +297,7 @@ fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
                     || may_be_snat && prefilter::egress_end::<F>((&pkt.flow.daddr, pkt.flow.dport)))
                     && ct_filter::may_be_tracked::<F>(&pkt.flow)
             {
-                conntrack::established_egress::<F>(ctx, &pkt, mark, ours, from_backend)
+                F::established_egress(ctx, &pkt, mark, ours, from_backend)
             } else {
                 TC_ACT_OK
             }
@@ -310,27 +315,42 @@ fn egress_of<F: Ip>(ctx: &mut TcContext) -> i32 {
     }
 }
 
-/// The node's own SCTP to a frontend: no socket hook ran (the kernel runs none for an SCTP
-/// connect or sendmsg), so `lb_tc_sctp_out` translates and routes it (`local`). Not inlined: the
-/// frontend key would take room in `egress_of`'s frame, which its call chain does not have on
-/// 5.10 and 6.1.
+/// Whether the packet is the node's own SCTP to a frontend: no socket hook ran (the kernel runs
+/// none for an SCTP connect or sendmsg), so `lb_tc_sctp_out` translates and routes it (`local`).
+/// Not inlined, and parsing on its own: the parsed packet and the frontend key would take room
+/// in `egress_of`'s frame, which its call chain does not have on 5.10 and 6.1.
 #[inline(never)]
-fn local_sctp_to_frontend<F: Ip>(flow: &Flow<F>) -> bool {
-    prefilter::ingress::<F>(&flow.daddr)
-        && !matches!(
-            lb::lookup_frontend::<F>(&flow.daddr, flow.dport, proto::SCTP, true),
-            Frontend::None
-        )
+fn local_sctp_to_frontend<F: Ip>(ctx: &TcContext) -> bool {
+    match F::parse(ctx) {
+        Parsed::L4(pkt) => {
+            let flow = &pkt.flow;
+            flow.proto == proto::SCTP
+                && prefilter::ingress::<F>(&flow.daddr)
+                && !matches!(
+                    lb::lookup_frontend::<F>(&flow.daddr, flow.dport, proto::SCTP, true),
+                    Frontend::None
+                )
+        }
+        _ => false,
+    }
 }
 
-/// Where a family's tracked flows are handled at ingress: in `ingress_of`'s frame for IPv4, in a
-/// BPF function of its own for IPv6. The most frequent packet, one of an established flow, then
-/// costs IPv4 no BPF-to-BPF call (a call, a frame, spilled arguments) beyond `ingress_of`'s; IPv4's
-/// locals fit beside REJECT's frame in the 512 bytes a call chain may use, IPv6's (addresses of 16
-/// bytes, keys of 40) do not. The code is written once over `F: Ip`; only where its frame begins
-/// differs.
+/// Where a family's tracked flows are handled, at ingress and at egress: in `ingress_of`'s and
+/// `egress_of`'s frames for IPv4, in BPF functions of their own for IPv6. The most frequent
+/// packet, one of an established flow, then costs IPv4 no BPF-to-BPF call (a call, a frame,
+/// spilled arguments) beyond the program's; IPv4's locals fit beside REJECT's frame (ingress) and
+/// the ICMP and fragment paths' (egress) in the 512 bytes a call chain may use on 5.10 and 6.1,
+/// IPv6's (addresses of 16 bytes, keys of 40) do not. The code is written once over `F: Ip`; only
+/// where its frame begins differs.
 trait Steps: Ip {
     fn l4_ingress<const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<Self>) -> i32;
+    fn established_egress(
+        ctx: &mut TcContext,
+        pkt: &Packet<Self>,
+        mark: u32,
+        ours: bool,
+        from_backend: bool,
+    ) -> i32;
 }
 
 impl Steps for V4 {
@@ -338,11 +358,33 @@ impl Steps for V4 {
     fn l4_ingress<const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<Self>) -> i32 {
         conntrack::l4_ingress::<V4, SCTP>(ctx, pkt)
     }
+
+    #[inline(always)]
+    fn established_egress(
+        ctx: &mut TcContext,
+        pkt: &Packet<Self>,
+        mark: u32,
+        ours: bool,
+        from_backend: bool,
+    ) -> i32 {
+        conntrack::established_egress::<V4>(ctx, pkt, mark, ours, from_backend)
+    }
 }
 
 impl Steps for V6 {
     #[inline(never)]
     fn l4_ingress<const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<Self>) -> i32 {
         conntrack::l4_ingress::<V6, SCTP>(ctx, pkt)
+    }
+
+    #[inline(never)]
+    fn established_egress(
+        ctx: &mut TcContext,
+        pkt: &Packet<Self>,
+        mark: u32,
+        ours: bool,
+        from_backend: bool,
+    ) -> i32 {
+        conntrack::established_egress::<V6>(ctx, pkt, mark, ours, from_backend)
     }
 }
