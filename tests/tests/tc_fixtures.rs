@@ -3195,7 +3195,11 @@ fn the_nodes_own_sctp_is_translated_at_egress_and_routed_to_its_backend() {
             assert_eq!(back.action, OK, "{f:?}");
             let quote = quote_nat(f, &sent, None, Some(("10.96.0.50", 3868)));
             let expected = packet::icmp_error(&router, &f.addr(NODE_IP), kind, &quote);
-            assert_same(&back.packet, &expected, format!("{f:?} error about the node's DATA"));
+            assert_same(
+                &back.packet,
+                &expected,
+                format!("{f:?} error about the node's DATA"),
+            );
             // A pod's association to the same backend keeps its own path: its reply is
             // reverse-NATed at egress, not at ingress.
             let pod = sctp(f, "10.244.2.20", 45000, "10.96.0.50", 3868).build();
