@@ -1000,18 +1000,24 @@ fn trace_and_the_agent_agree_on_every_node_shape() {
 /// Issue 17: SCTP is traced through the tc path, like any packet the node's sockets do not send:
 /// from a pod and from outside, translated (masqueraded from outside); from the node itself
 /// (no socket hook runs for SCTP) through tc egress's `lb_tc_sctp_out`, translated, not
-/// masqueraded, with the note saying how.
+/// masqueraded, with the note saying how (and why it is dropped, not rejected, without endpoints).
 #[test]
 fn sctp_is_traced_through_tc_and_from_the_node_explained() {
     let dir = tempfile::tempdir().unwrap();
     write_manifests(
         dir.path(),
         "sctp.yaml",
-        &[service("t", "diameter")
-            .cluster_ip("10.96.0.40")
-            .port("diameter", "SCTP", 3868, 13868)
-            .node_port(30868)
-            .build()],
+        &[
+            service("t", "diameter")
+                .cluster_ip("10.96.0.40")
+                .port("diameter", "SCTP", 3868, 13868)
+                .node_port(30868)
+                .build(),
+            service("t", "sctp-empty")
+                .cluster_ip("10.96.0.41")
+                .port("s", "SCTP", 9, 9)
+                .build(),
+        ],
         &[slice("t", "diameter", "diameter-1")
             .endpoint("10.244.2.7", "node-b", State::Ready)
             .port("diameter", "SCTP", 13868)
@@ -1035,4 +1041,11 @@ fn sctp_is_traced_through_tc_and_from_the_node_explained() {
         table.contains("NOTE") && table.contains("no socket hook") && table.contains("lb_tc_sctp_out"),
         "{table}"
     );
+    // Without endpoints the node's own SCTP is dropped, not answered: the note says why.
+    assert_eq!(
+        trace(&dir, NODE_IP, "10.96.0.41", 9, "sctp", true)["verdict"],
+        "reject"
+    );
+    let table = trace_table(&dir, NODE_IP, "10.96.0.41", 9, "sctp");
+    assert!(table.contains("dropped at tc egress"), "{table}");
 }

@@ -184,8 +184,17 @@ pub fn trace(
     let (result, mut details) = trace_tc(dp, maps, req, program)?;
     if let Some(refusal) = sctp_refused {
         details.note = Some(format!("{} ({refusal})", crate::plan::SCTP_REFUSED));
-    } else if on_node && details.note.is_none() && result.verdict == "dnat" {
+    } else if on_node && result.verdict == "dnat" && details.note.is_none() {
         details.note = Some(crate::plan::SCTP_FROM_NODE.into());
+    } else if on_node && result.verdict == "reject" {
+        // No ICMP answer for the node's own packet at egress: SCTP would take it as a soft
+        // error only, so the drop looks the same to the association (docs/architecture.md).
+        details.note = Some(
+            "the Service has no endpoints (or no such port): the node's own SCTP is dropped at tc \
+             egress rather than answered with ICMP port unreachable, which SCTP takes only as a \
+             soft error; the association retransmits its INIT until it gives up"
+                .into(),
+        );
     }
     Ok((result, details))
 }

@@ -3,7 +3,6 @@
 //! (SNAT, reverse DNAT), close and liveness notes on entries, and the un-SNAT mark.
 
 use aya_ebpf::{
-    bindings::TC_ACT_OK,
     helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
     programs::TcContext,
 };
@@ -18,7 +17,7 @@ use lb_common::{
 use super::{
     ct_filter,
     ip::Ip,
-    nat::{apply, apply_source},
+    nat::apply,
     parse::{Flow, Packet},
 };
 use crate::{features, lb, stats::count};
@@ -245,29 +244,13 @@ fn move_entry<F: Ip>(key: &CtKey<F>) -> Option<(F::Addr, u16)> {
     Some(nat)
 }
 
-/// A TCP/UDP packet at egress: a reply ingress un-SNATed (`mark`, when `ours`) gets its frontend
-/// back as the source; a packet on a tracked egress entry is SNATed or reverse-DNATed.
-/// `from_backend`: the prefilter says the source may be a backend's.
+/// The source a TCP/UDP/SCTP packet at egress gets, if any: a reply ingress un-SNATed (`mark`,
+/// when `ours`) gets its frontend back; a packet on a tracked egress entry is SNATed or
+/// reverse-DNATed. `from_backend`: the prefilter says the source may be a backend's. The program
+/// rewrites the packet with it (`nat::apply_source`), one rewrite at the end: each inlined rewrite
+/// of a family's addresses takes its own room in `egress_of`'s frame.
 #[inline(always)]
-pub(super) fn established_egress<F: Ip>(
-    ctx: &mut TcContext,
-    pkt: &Packet<F>,
-    mark: u32,
-    ours: bool,
-    from_backend: bool,
-) -> i32 {
-    // What the source becomes: one rewrite at the end (each inlined rewrite of a family's
-    // addresses takes its own room in `egress_of`'s frame).
-    let rewrite = egress_rewrite::<F>(ctx, pkt, mark, ours, from_backend);
-    match rewrite {
-        Some((addr, port)) => apply_source::<F>(ctx, pkt, addr, port),
-        None => TC_ACT_OK,
-    }
-}
-
-/// The source a packet at egress gets ([`established_egress`]), if any.
-#[inline(always)]
-fn egress_rewrite<F: Ip>(
+pub(super) fn egress_rewrite<F: Ip>(
     ctx: &mut TcContext,
     pkt: &Packet<F>,
     mark: u32,

@@ -297,7 +297,10 @@ fn egress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
                     || may_be_snat && prefilter::egress_end::<F>((&pkt.flow.daddr, pkt.flow.dport)))
                     && ct_filter::may_be_tracked::<F>(&pkt.flow)
             {
-                F::established_egress(ctx, &pkt, mark, ours, from_backend)
+                match F::egress_rewrite(ctx, &pkt, mark, ours, from_backend) {
+                    Some((addr, port)) => nat::apply_source::<F>(ctx, &pkt, addr, port),
+                    None => TC_ACT_OK,
+                }
             } else {
                 TC_ACT_OK
             }
@@ -340,17 +343,19 @@ fn local_sctp_to_frontend<F: Ip>(ctx: &TcContext) -> bool {
 /// packet, one of an established flow, then costs IPv4 no BPF-to-BPF call (a call, a frame,
 /// spilled arguments) beyond the program's; IPv4's locals fit beside REJECT's frame (ingress) and
 /// the ICMP and fragment paths' (egress) in the 512 bytes a call chain may use on 5.10 and 6.1,
-/// IPv6's (addresses of 16 bytes, keys of 40) do not. The code is written once over `F: Ip`; only
-/// where its frame begins differs.
+/// IPv6's (addresses of 16 bytes, keys of 40) do not. At egress the step returns the source to
+/// write and `egress_of` rewrites: the rewrite's frames (SCTP's checksum update and its global
+/// function, which 5.10 counts in the chain too) stay beside the step's, not below it. The code
+/// is written once over `F: Ip`; only where its frame begins differs.
 trait Steps: Ip {
     fn l4_ingress<const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<Self>) -> i32;
-    fn established_egress(
+    fn egress_rewrite(
         ctx: &mut TcContext,
         pkt: &Packet<Self>,
         mark: u32,
         ours: bool,
         from_backend: bool,
-    ) -> i32;
+    ) -> Option<(Self::Addr, u16)>;
 }
 
 impl Steps for V4 {
@@ -360,14 +365,14 @@ impl Steps for V4 {
     }
 
     #[inline(always)]
-    fn established_egress(
+    fn egress_rewrite(
         ctx: &mut TcContext,
         pkt: &Packet<Self>,
         mark: u32,
         ours: bool,
         from_backend: bool,
-    ) -> i32 {
-        conntrack::established_egress::<V4>(ctx, pkt, mark, ours, from_backend)
+    ) -> Option<(Self::Addr, u16)> {
+        conntrack::egress_rewrite::<V4>(ctx, pkt, mark, ours, from_backend)
     }
 }
 
@@ -378,13 +383,13 @@ impl Steps for V6 {
     }
 
     #[inline(never)]
-    fn established_egress(
+    fn egress_rewrite(
         ctx: &mut TcContext,
         pkt: &Packet<Self>,
         mark: u32,
         ours: bool,
         from_backend: bool,
-    ) -> i32 {
-        conntrack::established_egress::<V6>(ctx, pkt, mark, ours, from_backend)
+    ) -> Option<(Self::Addr, u16)> {
+        conntrack::egress_rewrite::<V6>(ctx, pkt, mark, ours, from_backend)
     }
 }
