@@ -244,19 +244,21 @@ fn move_entry<F: Ip>(key: &CtKey<F>) -> Option<(F::Addr, u16)> {
     Some(nat)
 }
 
-/// The source a TCP/UDP/SCTP packet at egress gets, if any: a reply ingress un-SNATed (`mark`,
-/// when `ours`) gets its frontend back; a packet on a tracked egress entry is SNATed or
+/// The source a TCP/UDP/SCTP packet at egress gets, if any: a reply ingress un-SNATed (its
+/// `mark` ours) gets its frontend back; a packet on a tracked egress entry is SNATed or
 /// reverse-DNATed. `from_backend`: the prefilter says the source may be a backend's. The program
 /// rewrites the packet with it (`nat::apply_source`), one rewrite at the end: each inlined rewrite
-/// of a family's addresses takes its own room in `egress_of`'s frame.
+/// of a family's addresses takes its own room in `egress_of`'s frame. (Four arguments and the
+/// returned value's pointer: a BPF function has five registers for them, and LLVM passes a sixth
+/// on the stack, which no kernel accepts.)
 #[inline(always)]
 pub(super) fn egress_rewrite<F: Ip>(
     ctx: &mut TcContext,
     pkt: &Packet<F>,
     mark: u32,
-    ours: bool,
     from_backend: bool,
 ) -> Option<(F::Addr, u16)> {
+    let ours = mark & MARK_MASK == MARK_MAGIC;
     let flow = pkt.flow;
     if ours {
         match marked_reply::<F>(

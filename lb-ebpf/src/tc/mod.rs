@@ -297,7 +297,7 @@ fn egress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
                     || may_be_snat && prefilter::egress_end::<F>((&pkt.flow.daddr, pkt.flow.dport)))
                     && ct_filter::may_be_tracked::<F>(&pkt.flow)
             {
-                match F::egress_rewrite(ctx, &pkt, mark, ours, from_backend) {
+                match F::egress_rewrite(ctx, &pkt, mark, from_backend) {
                     Some((addr, port)) => nat::apply_source::<F>(ctx, &pkt, addr, port),
                     None => TC_ACT_OK,
                 }
@@ -353,7 +353,6 @@ trait Steps: Ip {
         ctx: &mut TcContext,
         pkt: &Packet<Self>,
         mark: u32,
-        ours: bool,
         from_backend: bool,
     ) -> Option<(Self::Addr, u16)>;
 }
@@ -369,10 +368,9 @@ impl Steps for V4 {
         ctx: &mut TcContext,
         pkt: &Packet<Self>,
         mark: u32,
-        ours: bool,
         from_backend: bool,
     ) -> Option<(Self::Addr, u16)> {
-        conntrack::egress_rewrite::<V4>(ctx, pkt, mark, ours, from_backend)
+        conntrack::egress_rewrite::<V4>(ctx, pkt, mark, from_backend)
     }
 }
 
@@ -387,9 +385,8 @@ impl Steps for V6 {
         ctx: &mut TcContext,
         pkt: &Packet<Self>,
         mark: u32,
-        ours: bool,
         from_backend: bool,
     ) -> Option<(Self::Addr, u16)> {
-        conntrack::egress_rewrite::<V6>(ctx, pkt, mark, ours, from_backend)
+        conntrack::egress_rewrite::<V6>(ctx, pkt, mark, from_backend)
     }
 }
