@@ -3133,30 +3133,26 @@ fn the_nodes_own_sctp_is_translated_at_egress_and_routed_to_its_backend() {
                 counter(&s, Counter::TcLocalSctpUnrouted),
             );
             let mut out = |pkt: &[u8]| s.datapath.test_run_tc(SCTP_OUT, pkt, 1).expect("test run");
-            let init = sctp(f, NODE_IP, 45000, "10.96.0.50", 3868).build();
-            let run = out(&init);
-            assert_eq!(run.action, REDIRECT, "{f:?}: to the backend's route");
-            assert_bytes(
-                &run.packet,
-                &nat(f, &init, None, Some(("10.244.2.7", 13868))),
-                format!("{f:?} the node's SCTP INIT: DNAT, the source kept"),
+            // Each to node b's pod: DNATed with the source kept, and redirected to its route.
+            let mut redirected = |pkt: Vec<u8>, what: &str| {
+                let run = out(&pkt);
+                assert_eq!(run.action, REDIRECT, "{f:?} {what}: to the backend's route");
+                assert_bytes(
+                    &run.packet,
+                    &nat(f, &pkt, None, Some(("10.244.2.7", 13868))),
+                    format!("{f:?} {what}: DNAT, the source kept"),
+                );
+                run.packet
+            };
+            redirected(
+                sctp(f, NODE_IP, 45000, "10.96.0.50", 3868).build(),
+                "the node's INIT",
             );
             let data = sctp(f, NODE_IP, 45000, "10.96.0.50", 3868).data(b"CER").build();
-            let run = out(&data);
-            assert_eq!(run.action, REDIRECT, "{f:?}");
-            assert_bytes(
-                &run.packet,
-                &nat(f, &data, None, Some(("10.244.2.7", 13868))),
-                format!("{f:?} the association's DATA"),
-            );
-            let sent = run.packet;
-            let nodeport = sctp(f, NODE_IP, 45001, NODE_IP, 30868).build();
-            let run = out(&nodeport);
-            assert_eq!(run.action, REDIRECT, "{f:?}");
-            assert_bytes(
-                &run.packet,
-                &nat(f, &nodeport, None, Some(("10.244.2.7", 13868))),
-                format!("{f:?} the node's own NodePort"),
+            let sent = redirected(data, "the association's DATA");
+            redirected(
+                sctp(f, NODE_IP, 45001, NODE_IP, 30868).build(),
+                "its own NodePort",
             );
             let unroutable = sctp(f, NODE_IP, 45002, "10.96.0.51", 2905).build();
             assert_eq!(out(&unroutable).action, SHOT, "{f:?}: no route to 10.244.1.5");

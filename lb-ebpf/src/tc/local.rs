@@ -10,9 +10,8 @@
 //! ([`reply`]).
 
 use aya_ebpf::{
-    EbpfContext,
-    bindings::{__sk_buff, TC_ACT_OK, TC_ACT_SHOT, bpf_fib_lookup},
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh},
+    bindings::{TC_ACT_OK, TC_ACT_SHOT, bpf_fib_lookup},
+    helpers::bpf_redirect_neigh,
     programs::TcContext,
 };
 use lb_common::{
@@ -28,7 +27,7 @@ use super::{
     nat::apply,
     new_flow,
     parse::{ETH_HLEN, Flow, Packet},
-    snat::ROUTED,
+    snat::{ROUTED, route_lookup},
 };
 use crate::stats::count;
 
@@ -73,13 +72,7 @@ fn route<F: Ip>(ctx: &TcContext, flow: &Flow<F>) -> i32 {
     }
     // SAFETY: an all-zero `bpf_fib_lookup` is a valid one (integers and unions of integers).
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
-    F::fib_addresses(&mut params, &flow.saddr, &backend);
-    params.l4_protocol = proto::SCTP;
-    // SAFETY: the context's skb pointer is valid for the program's run.
-    params.ifindex = unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex };
-    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
-    // SAFETY: `params` is a valid lookup of the size given, on this frame.
-    let rc = unsafe { fib_lookup(ctx.as_ptr(), &mut params, size, 0) };
+    let rc = route_lookup::<F>(ctx, &mut params, &flow.saddr, &backend, proto::SCTP);
     // Not forwarded: no route, or the backend is at one of the node's own addresses (reached
     // through loopback, where no program runs to give its replies the frontend back).
     if !ROUTED.contains(&rc) {

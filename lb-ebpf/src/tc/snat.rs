@@ -48,15 +48,7 @@ pub(super) fn masquerade_route<F: Ip>(ctx: &TcContext, saddr: &F::Addr, backend_
     }
     // SAFETY: an all-zero `bpf_fib_lookup` is a valid one (integers and unions of integers).
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
-    F::fib_addresses(&mut params, saddr, &backend.addr);
-    params.l4_protocol = proto;
-    // The interface the program runs on: at ingress, the one the packet came in by (and in a
-    // test run, loopback where `ingress_ifindex` is 0).
-    // SAFETY: the context's skb pointer is valid for the program's run.
-    params.ifindex = unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex };
-    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
-    // SAFETY: `params` is a valid lookup of the size given, on this frame.
-    let rc = unsafe { fib_lookup(ctx.as_ptr(), &mut params, size, 0) };
+    let rc = route_lookup::<F>(ctx, &mut params, saddr, &backend.addr, proto);
     if !ROUTED.contains(&rc) {
         count(Counter::TcMasqueradeRouteUnknown);
         return MASQUERADE_FALLBACK;
@@ -68,6 +60,27 @@ pub(super) fn masquerade_route<F: Ip>(ctx: &TcContext, saddr: &F::Addr, backend_
     };
     // The slot (< MAX_INTERFACE_ADDRS) in the low byte: one return register, no pointer argument.
     ifindex << 8 | slot as u32
+}
+
+/// The kernel's forwarding route lookup (`bpf_fib_lookup`, `params` zeroed by the caller) of a
+/// packet from `saddr` to `daddr` coming in by the interface the program runs on: at ingress,
+/// the one the packet came in by (in a test run, loopback, where `ingress_ifindex` is 0); at
+/// egress, the one the packet is on. Its result code; `params` says the route.
+#[inline(always)]
+pub(super) fn route_lookup<F: Ip>(
+    ctx: &TcContext,
+    params: &mut bpf_fib_lookup,
+    saddr: &F::Addr,
+    daddr: &F::Addr,
+    proto: u8,
+) -> i64 {
+    F::fib_addresses(params, saddr, daddr);
+    params.l4_protocol = proto;
+    // SAFETY: the context's skb pointer is valid for the program's run.
+    params.ifindex = unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex };
+    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
+    // SAFETY: `params` is a valid lookup of the size given.
+    unsafe { fib_lookup(ctx.as_ptr(), params, size, 0) }
 }
 
 /// The masquerade address of a route [`masquerade_route`] returned (`ifindex << 8 | slot`): the
