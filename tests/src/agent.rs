@@ -43,8 +43,8 @@ pub struct Agent {
 
 /// How long an agent may take to load, program and attach its data path: 30 s, or 240 s in an
 /// emulated guest of `cargo xtask kernel-test` (`LB_TEST_EMULATED`), where the verifier alone
-/// takes 25 s or more (Linux 6.1 walks `lb_tc_ingress` and `lb_tc_sctp_in` for about 1.5M steps
-/// in all), and longer when the host is busy. A bound for a hung start, not a speed target.
+/// takes 25 s or more (Linux 6.1 walks `lb_tc_ingress` and the two SCTP programs for about 1.4M
+/// steps in all, docs/kernels.md), and longer when the host is busy. A bound for a hung start, not a speed target.
 pub fn start_timeout() -> Duration {
     if std::env::var_os("LB_TEST_EMULATED").is_some() {
         Duration::from_secs(240)

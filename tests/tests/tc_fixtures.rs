@@ -3250,13 +3250,20 @@ fn without_the_sctp_program_sctp_passes_counted_and_tcp_is_still_served() {
         protocol: lb_agent::model::Protocol::Sctp,
         ingress_ifindex: 0,
     };
-    let (result, details) = s.trace(&req).expect("trace");
-    assert_eq!(result.verdict, "pass");
-    let note = details.note.expect("a note");
-    assert!(
-        note.contains(lb_agent::plan::SCTP_REFUSED) && note.contains("refused for the test"),
-        "{note}"
-    );
+    // From a pod and from the node itself.
+    for src in ["10.244.2.20", NODE_IP] {
+        let req = lb_agent::trace::TraceRequest {
+            src: src.parse().unwrap(),
+            ..req
+        };
+        let (result, details) = s.trace(&req).expect("trace");
+        assert_eq!(result.verdict, "pass", "from {src}");
+        let note = details.note.expect("a note");
+        assert!(
+            note.contains(lb_agent::plan::SCTP_REFUSED) && note.contains("refused for the test"),
+            "from {src}: {note}"
+        );
+    }
 }
 
 /// The SCTP program is loaded with the first SCTP Service, as the agent does (a second of

@@ -176,10 +176,12 @@ pub fn trace(
         _ => None,
     };
     // The node's own SCTP: no socket hook runs for it, tc egress translates it
-    // (`lb_tc_sctp_out`, reached from `lb_tc_egress`).
-    let program = match on_node {
-        true => datapath::tc::SCTP_EGRESS_PROGRAM,
-        false => datapath::tc::TC_PROGRAMS[0].0,
+    // (`lb_tc_sctp_out`, reached from `lb_tc_egress`, which passes it where the kernel refused
+    // the SCTP programs).
+    let program = match (on_node, sctp_refused.is_some()) {
+        (true, false) => datapath::tc::SCTP_EGRESS_PROGRAM,
+        (true, true) => datapath::tc::TC_PROGRAMS[1].0,
+        (false, _) => datapath::tc::TC_PROGRAMS[0].0,
     };
     let (result, mut details) = trace_tc(dp, maps, req, program)?;
     if let Some(refusal) = sctp_refused {
