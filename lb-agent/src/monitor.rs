@@ -271,9 +271,9 @@ pub struct Shown {
     pub event: &'static str,
     /// Why, in kube-proxy's terms.
     pub reason: &'static str,
-    /// `connect4`, `sendmsg6`, ... or `tc-ingress`.
+    /// `connect4`, `sendmsg6`, ..., `tc-ingress` or `tc-egress` (the node's own SCTP).
     pub hook: &'static str,
-    /// tc: the interface the packet came in by.
+    /// tc: the interface the packet came in by (ingress) or was leaving by (egress).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub interface: Option<String>,
     /// The socket path: the calling process's cgroup (its path under the cgroup2 mount, or its id).
@@ -351,7 +351,7 @@ impl View {
         let service = (e.rev_nat_id != 0)
             .then(|| self.service(e.rev_nat_id, e.protocol))
             .flatten();
-        let tc = e.hook == hook::TC_INGRESS;
+        let tc = matches!(e.hook, hook::TC_INGRESS | hook::TC_EGRESS);
         let at = clock.wall_of(e.time_ns);
         Shown {
             time: at.to_string(),
@@ -417,6 +417,9 @@ fn reason(counter: Counter) -> &'static str {
         TcCtInsertFailed => "the conntrack table refused the flow (full)",
         TcSnatPortsExhausted => "no masquerade port free for this backend",
         TcNoMasqueradeAddress => "no address of the family to masquerade with",
+        TcLocalSctpUnrouted => {
+            "the node's own SCTP: no route to the backend, or the backend is a node address (DROP)"
+        }
         SockNoBackend | TcNoBackend => "the frontend changed while read; passed untranslated",
         TcFragment => "a fragment whose first fragment was not seen; passed untranslated",
         TcTruncated => "too short for its headers; passed untranslated",
@@ -432,6 +435,7 @@ fn hook_name(h: u32) -> &'static str {
         hook::CONNECT6 => "connect6",
         hook::SENDMSG6 => "sendmsg6",
         hook::TC_INGRESS => "tc-ingress",
+        hook::TC_EGRESS => "tc-egress",
         _ => "?",
     }
 }
@@ -532,7 +536,11 @@ fn table_header() -> String {
 
 /// One event as a table line: the fixed columns, then the flow and what became of it.
 fn table_line(s: &Shown) -> String {
-    let place = s.interface.as_deref().unwrap_or(s.hook);
+    let place = match (&s.interface, s.hook) {
+        (Some(interface), "tc-egress") => format!("{interface} egress"),
+        (Some(interface), _) => interface.clone(),
+        (None, hook) => hook.to_string(),
+    };
     let mut line = format!(
         "{:<12} {:<12} {:<28} {:<12} {:<5} ",
         s.at.strftime("%H:%M:%S%.3f").to_string(),
@@ -625,6 +633,32 @@ mod tests {
         assert_eq!(json["type"], "nat");
         assert_eq!(json["masquerade"], "192.168.50.11:21000");
         assert!(json.get("cgroup").is_none(), "{json}");
+    }
+
+    /// The node's own SCTP association, translated at egress (`lb_tc_sctp_out`): its hook and the
+    /// interface it was leaving by, no cgroup, no masquerade.
+    #[test]
+    fn the_nodes_own_new_flow_reads_as_tc_egress_on_its_interface() {
+        let mut e = event(Counter::TcNewFlow);
+        e.hook = hook::TC_EGRESS;
+        e.protocol = lb_common::proto::SCTP;
+        e.backend[..4].copy_from_slice(&[10, 244, 2, 7]);
+        e.backend_port = 13868;
+        let clock = Clock::now();
+        e.time_ns = clock.boot_ns;
+        let shown = view().describe(&e, &clock);
+        assert_eq!((shown.kind, shown.hook), ("nat", "tc-egress"));
+        assert_eq!(shown.interface.as_deref(), Some("lo"));
+        assert_eq!((&shown.cgroup, &shown.masquerade), (&None, &None));
+        let line = table_line(&shown);
+        assert!(
+            line.contains(" lo egress "),
+            "the interface and the direction: {line}"
+        );
+        assert!(
+            line.contains("192.168.50.101:40000 -> 192.168.50.11:30080 => 10.244.2.7:13868"),
+            "{line}"
+        );
     }
 
     #[test]

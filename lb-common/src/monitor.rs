@@ -54,7 +54,8 @@ pub const fn event_type(counter: Counter) -> u32 {
         | TcUnallocatedClusterIp
         | TcCtInsertFailed
         | TcSnatPortsExhausted
-        | TcNoMasqueradeAddress => types::DROP,
+        | TcNoMasqueradeAddress
+        | TcLocalSctpUnrouted => types::DROP,
         SockNoBackend | TcNoBackend | TcFragment | TcTruncated | TcUnsupportedProtocol => types::UNTRANSLATED,
         _ => 0,
     }
@@ -89,6 +90,9 @@ pub mod hook {
     pub use crate::trace::hook::{CONNECT4, CONNECT6, SENDMSG4, SENDMSG6};
     /// tc ingress (the interface is [`super::MonitorEvent::ifindex`]).
     pub const TC_INGRESS: u32 = 8;
+    /// tc egress: the node's own SCTP to a frontend (`lb_tc_sctp_out`; the interface is the one
+    /// it was leaving by).
+    pub const TC_EGRESS: u32 = 9;
 }
 
 /// One event in `lb_events`. Addresses are the family's bytes first (an IPv4 address in the first
@@ -104,7 +108,8 @@ pub struct MonitorEvent {
     pub counter: u32,
     /// [`hook`]`::*`.
     pub hook: u32,
-    /// tc: the interface the packet came in by; the socket path: 0.
+    /// tc ingress: the interface the packet came in by; tc egress: the one it was leaving by; the
+    /// socket path: 0.
     pub ifindex: u32,
     /// The frontend's reverse-NAT id (its Service port: `lb_svc_names`).
     pub rev_nat_id: u32,

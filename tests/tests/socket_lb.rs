@@ -1237,21 +1237,39 @@ fn long_lived_ipv6_and_mapped_connections_keep_their_service_address_through_soc
 /// in slot order (`bpftool map dump` prints a program array's entries as program ids, under
 /// `formatted`); empty when no slot holds one.
 fn sctp_slot_programs(bpf_root: &std::path::Path) -> Vec<String> {
-    let json = |args: &[&std::ffi::OsStr]| -> Value {
-        let out = Command::new("bpftool")
-            .arg("-j")
-            .args(args)
-            .output()
-            .expect("bpftool");
-        assert!(
-            out.status.success(),
-            "bpftool: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).expect("bpftool's JSON")
-    };
+    tail_slots(bpf_root)
+        .into_iter()
+        .map(|(_, id)| {
+            let prog = bpftool_json(&[
+                "prog".as_ref(),
+                "show".as_ref(),
+                "id".as_ref(),
+                id.to_string().as_ref(),
+            ]);
+            prog["name"].as_str().expect("a program name").to_string()
+        })
+        .collect()
+}
+
+/// `bpftool -j <args>`, as JSON; panics with bpftool's message when it fails.
+fn bpftool_json(args: &[&std::ffi::OsStr]) -> Value {
+    let out = Command::new("bpftool")
+        .arg("-j")
+        .args(args)
+        .output()
+        .expect("bpftool");
+    assert!(
+        out.status.success(),
+        "bpftool {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("bpftool's JSON")
+}
+
+/// The pinned `lb_tc_tail`'s (slot, program id) pairs, in slot order.
+fn tail_slots(bpf_root: &std::path::Path) -> Vec<(u64, u64)> {
     let pin = bpf_root.join("maps/lb_tc_tail");
-    let dump = json(&[
+    let dump = bpftool_json(&[
         "map".as_ref(),
         "dump".as_ref(),
         "pinned".as_ref(),
@@ -1265,17 +1283,52 @@ fn sctp_slot_programs(bpf_root: &std::path::Path) -> Vec<String> {
         .collect();
     slots.sort();
     slots
+}
+
+/// Turns the pinned `lb_tc_tail` into the one the release before the node's own SCTP pinned: a
+/// program array of one slot, holding SCTP's ingress program (here the one in slot 0 now). Only
+/// the pin is emulated: the attached programs keep the array they were loaded with.
+fn pin_the_one_slot_tail_of_the_last_release(bpf_root: &std::path::Path) {
+    let pin = bpf_root.join("maps/lb_tc_tail");
+    let ingress = tail_slots(bpf_root)
         .into_iter()
-        .map(|(_, id)| {
-            let prog = json(&[
-                "prog".as_ref(),
-                "show".as_ref(),
-                "id".as_ref(),
-                id.to_string().as_ref(),
-            ]);
-            prog["name"].as_str().expect("a program name").to_string()
-        })
-        .collect()
+        .find(|(slot, _)| *slot == 0)
+        .map(|(_, id)| id.to_string())
+        .expect("SCTP's ingress program in slot 0");
+    std::fs::remove_file(&pin).unwrap();
+    let bpftool = |args: &[&std::ffi::OsStr]| {
+        let out = Command::new("bpftool").args(args).output().expect("bpftool");
+        assert!(
+            out.status.success(),
+            "bpftool {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let words = |s: &'static str| s.split(' ').map(std::ffi::OsStr::new);
+    let mut create: Vec<&std::ffi::OsStr> = vec!["map".as_ref(), "create".as_ref(), pin.as_os_str()];
+    create.extend(words("type prog_array key 4 value 4 entries 1 name lb_tc_tail"));
+    bpftool(&create);
+    let mut update: Vec<&std::ffi::OsStr> = vec![
+        "map".as_ref(),
+        "update".as_ref(),
+        "pinned".as_ref(),
+        pin.as_os_str(),
+    ];
+    update.extend(words("key 0 0 0 0 value id"));
+    update.push(ingress.as_ref());
+    bpftool(&update);
+    // Without BTF, bpftool prints the entry's bytes only (no `formatted`).
+    let dump = bpftool_json(&[
+        "map".as_ref(),
+        "dump".as_ref(),
+        "pinned".as_ref(),
+        pin.as_os_str(),
+    ]);
+    assert_eq!(
+        dump.as_array().map(Vec::len),
+        Some(1),
+        "the last release's one slot: {dump}"
+    );
 }
 
 /// Both SCTP programs, in their slots.
@@ -1283,8 +1336,9 @@ const SCTP_SLOTS: [&str; 2] = ["lb_tc_sctp_in", "lb_tc_sctp_out"];
 
 /// Issue 17: the SCTP program is loaded only where SCTP is served (its verification costs about
 /// a second per start): not at a start without SCTP Services; at the sync that brings the first
-/// one; at once after a restart whose maps hold SCTP frontends (they stay served); and a start
-/// without them empties the slot an earlier start filled.
+/// one; at once after a restart whose maps hold SCTP frontends (they stay served); after an
+/// upgrade from the release whose `lb_tc_tail` had one slot; and a start without them empties the
+/// slots an earlier start filled.
 #[test]
 fn the_agent_loads_the_sctp_program_only_where_sctp_is_served() {
     let mut f = Fixture::new(1);
@@ -1318,6 +1372,34 @@ fn the_agent_loads_the_sctp_program_only_where_sctp_is_served() {
     f.agent.take().unwrap().stop();
     f.start_agent(&[]);
     assert_eq!(sctp_slot_programs(&root), SCTP_SLOTS);
+
+    // An upgrade from the release whose `lb_tc_tail` had one slot (SCTP's ingress program): the
+    // start migrates the pin to an array of both slots and fills them, and no pin is left aside.
+    f.agent.take().unwrap().stop();
+    pin_the_one_slot_tail_of_the_last_release(&root);
+    f.start_agent(&[]);
+    assert_eq!(
+        sctp_slot_programs(&root),
+        SCTP_SLOTS,
+        "both slots after the upgrade"
+    );
+    let tail = bpftool_json(&[
+        "map".as_ref(),
+        "show".as_ref(),
+        "pinned".as_ref(),
+        root.join("maps/lb_tc_tail").as_os_str(),
+    ]);
+    assert_eq!(tail["max_entries"], 2, "{tail}");
+    assert!(
+        !root.join("maps/lb_tc_tail-old").exists(),
+        "the old array's pin is removed once the new programs are attached"
+    );
+    let log = f.agent.as_ref().unwrap().log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("capacity changed") && l.contains("lb_tc_tail")),
+        "the one-slot array is migrated: {log}"
+    );
 
     // The SCTP Service goes (its program stays for this start); the next start, whose maps hold
     // no SCTP frontend, empties the slot.

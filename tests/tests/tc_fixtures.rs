@@ -3132,6 +3132,7 @@ fn the_nodes_own_sctp_is_translated_at_egress_and_routed_to_its_backend() {
                 counter(&s, Counter::TcUnsupportedProtocol),
                 counter(&s, Counter::TcLocalSctpUnrouted),
             );
+            listen(&mut s, lb_common::monitor::types::ALL, 60_000_000_000);
             let mut out = |pkt: &[u8]| s.datapath.test_run_tc(SCTP_OUT, pkt, 1).expect("test run");
             // Each to node b's pod: DNATed with the source kept, and redirected to its route.
             let mut redirected = |pkt: Vec<u8>, what: &str| {
@@ -3167,6 +3168,40 @@ fn the_nodes_own_sctp_is_translated_at_egress_and_routed_to_its_backend() {
                 unrouted + 1,
                 "{f:?}: the unroutable backend is counted"
             );
+            // A monitor sees each new flow where it was translated: at egress, on the interface
+            // the packet was leaving by (PROG_TEST_RUN's: the namespace's loopback).
+            let seen = events(&mut s);
+            assert_eq!(
+                seen.iter()
+                    .map(|e| (Counter::ALL.get(e.counter as usize).copied(), e.dst_port))
+                    .collect::<Vec<_>>(),
+                [
+                    (Some(Counter::TcNewFlow), 3868),
+                    (Some(Counter::TcNewFlow), 30868),
+                    (Some(Counter::TcNewFlow), 2905),
+                    (Some(Counter::TcLocalSctpUnrouted), 2905),
+                    (Some(Counter::TcRejected), 9),
+                ],
+                "{f:?}: one event per new flow, and the unroutable one's drop"
+            );
+            for e in &seen {
+                assert_eq!(
+                    (e.hook, e.ifindex, e.protocol, e.cgroup_id),
+                    (lb_common::monitor::hook::TC_EGRESS, 1, lb_common::proto::SCTP, 0),
+                    "{f:?}"
+                );
+                assert_eq!(event_ip(f, &e.src), f.ip(NODE_IP), "{f:?}");
+            }
+            assert_eq!(
+                (
+                    event_ip(f, &seen[0].backend),
+                    seen[0].backend_port,
+                    seen[0].nat_port
+                ),
+                (f.ip("10.244.2.7"), 13868, 0),
+                "{f:?}: the backend, no masquerade"
+            );
+            listen(&mut s, lb_common::monitor::types::ALL, -1);
             // The replies are delivered locally: ingress gives them the frontend back.
             let reply = sctp(f, "10.244.2.7", 13868, NODE_IP, 45000).data(b"CEA").build();
             let back = ingress(&mut s, &reply);

@@ -29,7 +29,7 @@ use super::{
     parse::{ETH_HLEN, Flow, Packet},
     snat::{ROUTED, route_lookup},
 };
-use crate::stats::count;
+use crate::{monitor, stats::count};
 
 /// What [`reply`] returns for a packet that is no reply to the node's own association.
 pub(super) const NOT_LOCAL: i32 = i32::MIN + 5;
@@ -50,10 +50,28 @@ pub(super) fn forward<F: Steps>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
         verdict = new_flow::new_flow::<F, true, true>(ctx, pkt);
     }
     match verdict {
-        TC_ACT_OK => route::<F>(ctx, &pkt.flow),
+        TC_ACT_OK => match route::<F>(ctx, &pkt.flow) {
+            UNROUTED => {
+                count(Counter::TcLocalSctpUnrouted);
+                if monitor::wanted(Counter::TcLocalSctpUnrouted as u32) {
+                    new_flow::event::<F, true>(
+                        ctx,
+                        Some(&pkt.flow),
+                        None,
+                        Counter::TcLocalSctpUnrouted as u32,
+                    );
+                }
+                TC_ACT_SHOT
+            }
+            verdict => verdict,
+        },
         verdict => verdict,
     }
 }
+
+/// What [`route`] returns when the packet cannot be sent to its backend (counted and reported
+/// by the caller, whose frame is shallower than `route`'s).
+const UNROUTED: i32 = i32::MIN + 6;
 
 /// Sends a translated packet (its forward entry names the backend, and the packet now goes to
 /// it) out of the interface the route to the backend leaves by, to its next hop; an untranslated
@@ -76,8 +94,7 @@ fn route<F: Ip>(ctx: &TcContext, flow: &Flow<F>) -> i32 {
     // Not forwarded: no route, or the backend is at one of the node's own addresses (reached
     // through loopback, where no program runs to give its replies the frontend back).
     if !ROUTED.contains(&rc) {
-        count(Counter::TcLocalSctpUnrouted);
-        return TC_ACT_SHOT;
+        return UNROUTED;
     }
     // SAFETY: no parameters (the kernel resolves the next hop of the packet's new destination).
     unsafe { bpf_redirect_neigh(params.ifindex, core::ptr::null_mut(), 0, 0) as i32 }

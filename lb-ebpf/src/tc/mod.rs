@@ -237,7 +237,7 @@ fn l4_ingress<F: Steps, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>) 
 fn untranslated<F: Ip>(ctx: &TcContext, flow: Option<&Flow<F>>, counter: Counter) -> i32 {
     count(counter);
     if monitor::wanted(counter as u32) {
-        new_flow::event::<F>(ctx, flow, None, counter as u32);
+        new_flow::event::<F, false>(ctx, flow, None, counter as u32);
     }
     TC_ACT_OK
 }

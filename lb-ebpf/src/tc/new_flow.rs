@@ -63,7 +63,7 @@ pub(super) fn new_flow<F: Ip, const SCTP: bool, const LOCAL: bool>(
     let mut choice = Choice::default();
     let verdict = decide::<F, SCTP, LOCAL>(ctx, pkt, &mut choice);
     if choice.outcome != NO_OUTCOME && monitor::wanted(choice.outcome as u32) {
-        event::<F>(ctx, Some(&pkt.flow), Some(&choice), choice.outcome as u32);
+        event::<F, LOCAL>(ctx, Some(&pkt.flow), Some(&choice), choice.outcome as u32);
     }
     // Last, after every step whose verification needs precise values (`ct_filter::note_bucket`).
     if choice.filter_bucket != ct_filter::NO_BUCKET {
@@ -131,18 +131,33 @@ fn decide<F: Ip, const SCTP: bool, const LOCAL: bool>(
     verdict
 }
 
-/// The event of a packet at ingress for `lb-agent monitor`: `outcome` (a counter's index) with
-/// the packet's flow and, for a new flow, its frontend, backend and masquerade. Not inlined: its
-/// frame (the event and the lookups of the backend and the masquerade address) is a sibling of
-/// the new flow's steps in the call chain, under `ingress_of`, not inside them.
+/// The event of a packet for `lb-agent monitor`: `outcome` (a counter's index) with the packet's
+/// flow and, for a new flow, its frontend, backend and masquerade. `EGRESS`: the node's own
+/// packet at egress (`local`), reported with the interface it leaves by; else a packet at
+/// ingress, with the one it came in by. Not inlined: its frame (the event and the lookups of the
+/// backend and the masquerade address) is a sibling of the new flow's steps in the call chain,
+/// under `ingress_of`, not inside them.
 #[inline(never)]
-pub(super) fn event<F: Ip>(ctx: &TcContext, flow: Option<&Flow<F>>, choice: Option<&Choice>, outcome: u32) {
+pub(super) fn event<F: Ip, const EGRESS: bool>(
+    ctx: &TcContext,
+    flow: Option<&Flow<F>>,
+    choice: Option<&Choice>,
+    outcome: u32,
+) {
     // SAFETY: the context's skb pointer is valid for the program's run.
-    let ifindex = unsafe { (*skb(ctx)).ingress_ifindex };
+    let ifindex = unsafe {
+        match EGRESS {
+            true => (*skb(ctx)).ifindex,
+            false => (*skb(ctx)).ingress_ifindex,
+        }
+    };
     monitor::emit(|event| {
         event.time_ns = unsafe { bpf_ktime_get_boot_ns() };
         event.counter = outcome;
-        event.hook = hook::TC_INGRESS;
+        event.hook = match EGRESS {
+            true => hook::TC_EGRESS,
+            false => hook::TC_INGRESS,
+        };
         event.ifindex = ifindex;
         event.family = F::AF as u8;
         if let Some(flow) = flow {
