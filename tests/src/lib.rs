@@ -21,6 +21,7 @@
 
 pub mod agent;
 pub mod bpffs;
+pub mod bpftool;
 pub mod cgroup;
 pub mod control_plane;
 pub mod fixtures;

@@ -17,6 +17,7 @@ use lb_common::catalog;
 use lb_tests::{
     agent::{Agent, AgentOptions, bpf_root_in},
     bpffs::BpfFs,
+    bpftool,
     cgroup::Cgroup,
     fixtures::{State, service, slice, write_manifests},
     kernel, probe,
@@ -269,17 +270,7 @@ fn ok(results: &[Value]) -> Vec<&Value> {
 /// `bpftool map dump pinned <pin>` succeeds and prints each of `fields` (the map's BTF names
 /// them, which is what an SRE reads).
 fn assert_bpftool_names_fields(pin: &std::path::Path, fields: &[&str]) {
-    let dump = Command::new("bpftool")
-        .args(["map", "dump", "pinned"])
-        .arg(pin)
-        .output()
-        .expect("bpftool");
-    let text = String::from_utf8_lossy(&dump.stdout);
-    assert!(
-        dump.status.success(),
-        "bpftool: {}",
-        String::from_utf8_lossy(&dump.stderr)
-    );
+    let text = bpftool::run(&["map", "dump", "pinned", pin.to_str().unwrap()]);
     for field in fields {
         assert!(text.contains(field), "bpftool output lacks {field}:\n{text}");
     }
@@ -1240,41 +1231,16 @@ fn sctp_slot_programs(bpf_root: &std::path::Path) -> Vec<String> {
     tail_slots(bpf_root)
         .into_iter()
         .map(|(_, id)| {
-            let prog = bpftool_json(&[
-                "prog".as_ref(),
-                "show".as_ref(),
-                "id".as_ref(),
-                id.to_string().as_ref(),
-            ]);
+            let prog = bpftool::json(&["prog", "show", "id", &id.to_string()]);
             prog["name"].as_str().expect("a program name").to_string()
         })
         .collect()
 }
 
-/// `bpftool -j <args>`, as JSON; panics with bpftool's message when it fails.
-fn bpftool_json(args: &[&std::ffi::OsStr]) -> Value {
-    let out = Command::new("bpftool")
-        .arg("-j")
-        .args(args)
-        .output()
-        .expect("bpftool");
-    assert!(
-        out.status.success(),
-        "bpftool {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("bpftool's JSON")
-}
-
 /// The pinned `lb_tc_tail`'s (slot, program id) pairs, in slot order.
 fn tail_slots(bpf_root: &std::path::Path) -> Vec<(u64, u64)> {
     let pin = bpf_root.join("maps/lb_tc_tail");
-    let dump = bpftool_json(&[
-        "map".as_ref(),
-        "dump".as_ref(),
-        "pinned".as_ref(),
-        pin.as_os_str(),
-    ]);
+    let dump = bpftool::json(&["map", "dump", "pinned", pin.to_str().unwrap()]);
     let mut slots: Vec<(u64, u64)> = dump
         .as_array()
         .into_iter()
@@ -1296,34 +1262,26 @@ fn pin_the_one_slot_tail_of_the_last_release(bpf_root: &std::path::Path) {
         .map(|(_, id)| id.to_string())
         .expect("SCTP's ingress program in slot 0");
     std::fs::remove_file(&pin).unwrap();
-    let bpftool = |args: &[&std::ffi::OsStr]| {
-        let out = Command::new("bpftool").args(args).output().expect("bpftool");
-        assert!(
-            out.status.success(),
-            "bpftool {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    let words = |s: &'static str| s.split(' ').map(std::ffi::OsStr::new);
-    let mut create: Vec<&std::ffi::OsStr> = vec!["map".as_ref(), "create".as_ref(), pin.as_os_str()];
-    create.extend(words("type prog_array key 4 value 4 entries 1 name lb_tc_tail"));
-    bpftool(&create);
-    let mut update: Vec<&std::ffi::OsStr> = vec![
-        "map".as_ref(),
-        "update".as_ref(),
-        "pinned".as_ref(),
-        pin.as_os_str(),
-    ];
-    update.extend(words("key 0 0 0 0 value id"));
-    update.push(ingress.as_ref());
-    bpftool(&update);
+    let pin = pin.to_str().unwrap();
+    let create = "type prog_array key 4 value 4 entries 1 name lb_tc_tail";
+    bpftool::run(
+        &[
+            &["map", "create", pin][..],
+            &create.split(' ').collect::<Vec<_>>(),
+        ]
+        .concat(),
+    );
+    let update = "key 0 0 0 0 value id";
+    bpftool::run(
+        &[
+            &["map", "update", "pinned", pin][..],
+            &update.split(' ').collect::<Vec<_>>(),
+            &[&ingress],
+        ]
+        .concat(),
+    );
     // Without BTF, bpftool prints the entry's bytes only (no `formatted`).
-    let dump = bpftool_json(&[
-        "map".as_ref(),
-        "dump".as_ref(),
-        "pinned".as_ref(),
-        pin.as_os_str(),
-    ]);
+    let dump = bpftool::json(&["map", "dump", "pinned", pin]);
     assert_eq!(
         dump.as_array().map(Vec::len),
         Some(1),
@@ -1383,11 +1341,11 @@ fn the_agent_loads_the_sctp_program_only_where_sctp_is_served() {
         SCTP_SLOTS,
         "both slots after the upgrade"
     );
-    let tail = bpftool_json(&[
-        "map".as_ref(),
-        "show".as_ref(),
-        "pinned".as_ref(),
-        root.join("maps/lb_tc_tail").as_os_str(),
+    let tail = bpftool::json(&[
+        "map",
+        "show",
+        "pinned",
+        root.join("maps/lb_tc_tail").to_str().unwrap(),
     ]);
     assert_eq!(tail["max_entries"], 2, "{tail}");
     assert!(

@@ -60,11 +60,14 @@ fn sizes(key: usize, value: usize, max_entries: Option<u32>) -> Expected {
     }
 }
 
-fn expected(name: &str, caps: &Capacities) -> Expected {
+/// What the pin of map `name` must hold; `None` for a name this agent has no map of (every
+/// name of `catalog::ALL` has an arm: a unit test says so, so a new map cannot be checked
+/// against another map's layout).
+fn expected(name: &str, caps: &Capacities) -> Option<Expected> {
     if let Some(e) = family_expected::<V4>(name, caps).or_else(|| family_expected::<V6>(name, caps)) {
-        return e;
+        return Some(e);
     }
-    match name {
+    Some(match name {
         catalog::SVC_NAMES => sizes(4, size_of::<SvcName>(), Some(caps.revnat.saturating_mul(2))),
         // Values are inner maps (an fd in, an id out: 4 bytes). A resized one starts empty: the
         // first sync writes every table before the programs are replaced.
@@ -86,8 +89,9 @@ fn expected(name: &str, caps: &Capacities) -> Expected {
         // Per-CPU values: the kernel reports the per-CPU value size.
         catalog::REJECT_LIMIT => sizes(4, size_of::<lb_common::ratelimit::RateBucket>(), Some(1)),
         // New counters grow the map; counters then restart from zero.
-        _ => sizes(4, 8, Some(lb_common::stats::COUNT)),
-    }
+        catalog::STATS => sizes(4, 8, Some(lb_common::stats::COUNT)),
+        _ => return None,
+    })
 }
 
 /// The expected layout of `name` if it is one of family `F`'s maps.
@@ -245,7 +249,10 @@ pub fn prepare(
             }
         }
         let info = MapInfo::from_pin(&pin)?;
-        let want = expected(name, caps);
+        let want = expected(name, caps).ok_or_else(|| DatapathError::IncompatiblePin {
+            name: name.to_string(),
+            detail: "this agent has no expected layout for it (a map added without one)".into(),
+        })?;
         if info.key_size() != want.key_size || info.value_size() != want.value_size {
             return Err(DatapathError::IncompatiblePin {
                 name: name.to_string(),
@@ -527,11 +534,14 @@ mod tests {
     #[test]
     fn each_family_has_its_own_layouts() {
         let caps = Capacities::default();
-        let v4 = expected(catalog::CONNTRACK, &caps);
-        let v6 = expected(catalog::CONNTRACK6, &caps);
+        let v4 = expected(catalog::CONNTRACK, &caps).unwrap();
+        let v6 = expected(catalog::CONNTRACK6, &caps).unwrap();
         assert_eq!((v4.key_size, v4.value_size), (16, 32));
         assert_eq!((v6.key_size, v6.value_size), (40, 48));
-        assert_eq!(expected(catalog::SOURCE_RANGES6, &caps).key_size, 4 + 4 + 16);
+        assert_eq!(
+            expected(catalog::SOURCE_RANGES6, &caps).unwrap().key_size,
+            4 + 4 + 16
+        );
     }
 
     #[test]
@@ -541,11 +551,16 @@ mod tests {
                 LAYOUTS.iter().any(|(n, _)| n == name),
                 "{name} has no layout version"
             );
-            let e = expected(name, &Capacities::default());
+            let e = expected(name, &Capacities::default())
+                .unwrap_or_else(|| panic!("{name} has no expected layout in migrate::expected"));
             assert!(
                 e.key_size > 0 && e.value_size > 0 || *name == catalog::EVENTS,
                 "{name}"
             );
         }
+        assert!(
+            expected("lb_not_a_map", &Capacities::default()).is_none(),
+            "no catch-all layout"
+        );
     }
 }
