@@ -996,14 +996,7 @@ fn upgrade_manifests(site: &Site, dir: &Path, families: &[IpFamily]) {
 
 /// Runs bpftool, or fails the test with its output.
 fn bpftool(args: &[&str]) {
-    let out = Command::new("bpftool").args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "bpftool {}: {}{}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    lb_tests::bpftool::run(args);
 }
 
 /// The IPv4-only release's `lb_config` entry for the same settings as `c` (its layout 1).
@@ -2434,14 +2427,9 @@ fn crash_manifests(site: &Site, dir: &Path, n: usize, variant: u64) {
     write_manifests(dir, "objects.yaml", &services, &slices);
 }
 
-/// `bpftool -j <args>`, parsed.
+/// `bpftool -j <args>`, parsed; `Null` when the object went away while read.
 fn bpftool_json(args: &[&str]) -> Value {
-    let out = Command::new("bpftool")
-        .arg("-j")
-        .args(args)
-        .output()
-        .expect("bpftool");
-    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+    lb_tests::bpftool::json_or_null(args)
 }
 
 /// The maps a packet sees now: those of the programs behind the agent's pinned links (during a
