@@ -508,7 +508,11 @@ fn udp_once(
                 && n >= data.len();
             json!({"ok": true, "from": from.to_string(), "peer": peer, "reply": reply, "sent_bytes": data.len(), "received_bytes": n, "intact": intact})
         }
-        Err(e) => json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e), "peer": peer}),
+        // The socket's own address, so that a checker can look the flow's state up.
+        Err(e) => {
+            let local = sock.local_addr().ok().map(|a| a.to_string());
+            json!({"ok": false, "error": e.to_string(), "errno": errno_of(&e), "peer": peer, "local": local})
+        }
     }
 }
 
