@@ -57,6 +57,7 @@ use lb_common::catalog;
 use lb_tests::{
     agent::{Agent, AgentOptions, bpf_root_in},
     bpffs::BpfFs,
+    bpftool,
     cgroup::Cgroup,
     control_plane::ControlPlane,
     fixtures::{self, State, service, slice, write_manifests},
@@ -718,13 +719,7 @@ fn capacity_of(pin: &Path) -> u64 {
 
 /// `bpftool map show pinned <pin>`, as JSON.
 fn map_info(pin: &Path) -> Value {
-    let out = Command::new("bpftool")
-        .args(["-j", "map", "show", "pinned"])
-        .arg(pin)
-        .output()
-        .unwrap();
-    serde_json::from_slice::<Value>(&out.stdout)
-        .unwrap_or_else(|e| panic!("bpftool map show pinned {}: {e}", pin.display()))
+    bpftool::json(&["map", "show", "pinned", pin.to_str().unwrap()])
 }
 
 #[test]
@@ -877,7 +872,7 @@ fn a_start_killed_while_migrating_a_map_is_recovered_by_the_next() {
     let key = info["bytes_key"].as_u64().unwrap().to_string();
     let value = info["bytes_value"].as_u64().unwrap().to_string();
     let flags = info["flags"].as_u64().unwrap().to_string();
-    bpftool(&[
+    bpftool::run(&[
         "map",
         "create",
         services.to_str().unwrap(),
@@ -994,11 +989,6 @@ fn upgrade_manifests(site: &Site, dir: &Path, families: &[IpFamily]) {
     write_manifests(dir, "objects.yaml", &services, &slices);
 }
 
-/// Runs bpftool, or fails the test with its output.
-fn bpftool(args: &[&str]) {
-    lb_tests::bpftool::run(args);
-}
-
 /// The IPv4-only release's `lb_config` entry for the same settings as `c` (its layout 1).
 fn config_layout_1(c: &lb_common::config::DatapathConfig) -> [u8; IPV4_ONLY_CONFIG_SIZE] {
     let mut b = [0u8; IPV4_ONLY_CONFIG_SIZE];
@@ -1044,7 +1034,7 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
     std::fs::remove_file(&v2).unwrap();
     let v1 = maps.join(catalog::CONFIG);
     let value_size = IPV4_ONLY_CONFIG_SIZE.to_string();
-    bpftool(&[
+    bpftool::run(&[
         "map",
         "create",
         v1.to_str().unwrap(),
@@ -1074,7 +1064,7 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
     let services_v2 = maps.join(catalog::pin_name(catalog::SERVICES).to_string());
     let info = map_info(&services_v2);
     let services_v1 = maps.join(catalog::SERVICES);
-    bpftool(&[
+    bpftool::run(&[
         "map",
         "create",
         services_v1.to_str().unwrap(),
@@ -1115,7 +1105,7 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
     let names = maps.join(catalog::SVC_NAMES);
     let info = map_info(&names);
     let old = maps.join("lb_svc_names_ipv4_only");
-    bpftool(&[
+    bpftool::run(&[
         "map",
         "create",
         old.to_str().unwrap(),
@@ -2427,11 +2417,6 @@ fn crash_manifests(site: &Site, dir: &Path, n: usize, variant: u64) {
     write_manifests(dir, "objects.yaml", &services, &slices);
 }
 
-/// `bpftool -j <args>`, parsed; `Null` when the object went away while read.
-fn bpftool_json(args: &[&str]) -> Value {
-    lb_tests::bpftool::json_or_null(args)
-}
-
 /// The maps a packet sees now: those of the programs behind the agent's pinned links (during a
 /// migration, the old maps until the new programs are swapped in), and the pinned ones for maps
 /// no attached program uses. Read into a snapshot through pins made for it under `scratch`.
@@ -2447,14 +2432,14 @@ fn live_snapshot(site: &Site, scratch: &Path) -> Option<lb_agent::apply::Snapsho
     std::fs::create_dir_all(scratch).unwrap();
     let mut pinned = BTreeSet::new();
     for (_, prog) in links.values() {
-        let info = bpftool_json(&["prog", "show", "id", &prog.to_string()]);
+        let info = bpftool::json_or_null(&["prog", "show", "id", &prog.to_string()]);
         for map in info["map_ids"]
             .as_array()
             .into_iter()
             .flatten()
             .filter_map(Value::as_u64)
         {
-            let name = bpftool_json(&["map", "show", "id", &map.to_string()])["name"]
+            let name = bpftool::json_or_null(&["map", "show", "id", &map.to_string()])["name"]
                 .as_str()
                 .unwrap_or_default()
                 .to_string();
@@ -2462,7 +2447,7 @@ fn live_snapshot(site: &Site, scratch: &Path) -> Option<lb_agent::apply::Snapsho
                 continue;
             };
             if pinned.insert(*name) {
-                bpftool(&[
+                bpftool::run(&[
                     "map",
                     "pin",
                     "id",

@@ -1263,23 +1263,24 @@ fn pin_the_one_slot_tail_of_the_last_release(bpf_root: &std::path::Path) {
         .expect("SCTP's ingress program in slot 0");
     std::fs::remove_file(&pin).unwrap();
     let pin = pin.to_str().unwrap();
-    let create = "type prog_array key 4 value 4 entries 1 name lb_tc_tail";
-    bpftool::run(
-        &[
-            &["map", "create", pin][..],
-            &create.split(' ').collect::<Vec<_>>(),
-        ]
-        .concat(),
-    );
-    let update = "key 0 0 0 0 value id";
-    bpftool::run(
-        &[
-            &["map", "update", "pinned", pin][..],
-            &update.split(' ').collect::<Vec<_>>(),
-            &[&ingress],
-        ]
-        .concat(),
-    );
+    bpftool::run(&[
+        "map",
+        "create",
+        pin,
+        "type",
+        "prog_array",
+        "key",
+        "4",
+        "value",
+        "4",
+        "entries",
+        "1",
+        "name",
+        "lb_tc_tail",
+    ]);
+    bpftool::run(&[
+        "map", "update", "pinned", pin, "key", "0", "0", "0", "0", "value", "id", &ingress,
+    ]);
     // Without BTF, bpftool prints the entry's bytes only (no `formatted`).
     let dump = bpftool::json(&["map", "dump", "pinned", pin]);
     assert_eq!(
