@@ -54,6 +54,24 @@ pub type ClusterIpsMap<F> =
     LpmTrie<ClusterIpKey<F>, u8, { capacity::CLUSTER_IPS as usize }, { NO_PREALLOC | RDONLY_PROG }>;
 pub type ServiceRangesMap<F> = Array<ServiceRanges<F>, 1, RDONLY_PROG>;
 
+/// Writes `value` at `key` in an LRU map and marks the entry used: for every entry a later packet
+/// needs (a flow's conntrack entries, an affinity, a datagram's reverse NAT). The kernel writes a
+/// new LRU entry with its reference bit clear, and a CPU refilling its free list evicts
+/// unreferenced entries first (or steals another CPU's): once every older entry has been
+/// referenced, as after a flood, those are the newest, and a flow's un-SNAT entry went before
+/// the reply that needed it. A program's lookup sets the bit.
+#[inline(always)]
+pub fn insert_used<K, V, const N: usize, const FLAGS: usize>(
+    map: &LruHashMap<K, V, N, FLAGS>,
+    key: &K,
+    value: &V,
+    flags: u64,
+) -> Result<(), i32> {
+    map.insert(key, value, flags)?;
+    let _ = map.get_ptr(key);
+    Ok(())
+}
+
 /// The maps of one family.
 pub trait FamilyMaps: FamilySettings + AffinityClient {
     fn services() -> &'static ServicesMap<Self>;

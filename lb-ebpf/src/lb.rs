@@ -13,7 +13,7 @@ use lb_common::{
 };
 
 use crate::{
-    family::FamilyMaps,
+    family::{FamilyMaps, insert_used},
     maps::{AFFINITY_MATCH, CONFIG, MAGLEV},
     stats::count,
 };
@@ -185,7 +185,7 @@ fn remember_affinity<F: FamilyMaps>(key: &AffinityKey<F>, backend_id: u32, now_n
         backend_id,
         _pad: 0,
     };
-    if F::affinity().insert(key, &value, 0).is_err() {
+    if insert_used(F::affinity(), key, &value, 0).is_err() {
         count(Counter::AffinityUpdateFailed);
     }
 }

@@ -39,7 +39,7 @@ use lb_common::{
 };
 
 use crate::{
-    family::FamilyMaps,
+    family::{FamilyMaps, insert_used},
     lb::{self, Frontend},
     monitor,
     stats::count,
@@ -364,7 +364,7 @@ pub fn translate_forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C) -> Outcome
             rev_nat_id: frontend.rev_nat_id,
         };
         let known = F::sock_revnat().get_ptr(&rev_key).map(|p| unsafe { *p });
-        if known != Some(rev_value) && F::sock_revnat().insert(&rev_key, &rev_value, 0).is_err() {
+        if known != Some(rev_value) && insert_used(F::sock_revnat(), &rev_key, &rev_value, 0).is_err() {
             count(Counter::SockRevNatUpdateFailed);
         }
     }

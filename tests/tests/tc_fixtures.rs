@@ -2508,6 +2508,82 @@ fn a_flood_evicts_only_flows_that_never_got_past_their_handshake() {
     }
 }
 
+/// Regression (scenario 10-flood, a UDP request lost 1.5 s after the flood: its forward and SNAT
+/// entries were in `lb4_ct_new`, its un-SNAT entry gone). The kernel writes a new LRU entry with
+/// its reference bit clear, and a CPU refilling its free list evicts unreferenced entries first.
+/// After a flood every older entry has been referenced (by its SYN-ACK, its retransmitted SYN),
+/// so the unreferenced ones were the newest: a new flow's entries, written a moment before the
+/// reply that would have referenced them. The programs now mark each entry used as they write it
+/// (`family::insert_used`), so eviction takes the oldest flows, as an LRU should.
+#[test]
+fn a_new_flows_entries_outlive_a_full_table_until_its_reply() {
+    use lb_common::catalog::Capacities;
+    const BACKEND: &str = "10.244.2.7";
+    const NEW_FLOW_CAPACITY: u32 = 256;
+    // Answered flows, more than the table holds: it ends full of referenced entries.
+    const FLOOD: u32 = 200;
+    // Unanswered SYNs written after the flow: a third of the table, so that the flow is still
+    // among the newest entries when its reply comes.
+    const AFTER: u32 = 30;
+
+    // Every test run on one CPU, as a flood's packets mostly are: one local free list and its
+    // pending entries, so that the refills below happen where the flow's entries wait.
+    let mut cpus = nix::sched::CpuSet::new();
+    let cpu = nix::sched::sched_getcpu().expect("sched_getcpu");
+    cpus.set(cpu).expect("cpu set");
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpus).expect("sched_setaffinity");
+
+    for f in FAMILIES {
+        let node_ips: Vec<IpAddr> = FAMILIES.iter().map(|f| f.ip(NODE_IP)).collect();
+        let caps = Capacities {
+            conntrack_new: NEW_FLOW_CAPACITY,
+            ..lb_agent::trace::SCRATCH_CAPACITIES
+        };
+        let mut s = ScratchDatapath::with_capacities(&state(), settings(true), &node_ips, OBJECT, caps)
+            .expect("scratch data path");
+        let syn = |src: &str, sport| tcp(f, src, sport, NODE_IP, 30080).build();
+        let answer = |port| tcp(f, BACKEND, 8080, NODE_IP, port).data(b"").build();
+
+        for i in 0..FLOOD {
+            let src = format!("198.18.{}.{}", i / 250, i % 250 + 1);
+            let first = ingress(&mut s, &syn(&src, 40000));
+            let port = summary(&egress(&mut s, &first.packet).packet).sport;
+            let syn_ack = ingress(&mut s, &answer(port));
+            assert_eq!(
+                summary(&syn_ack.packet).dst,
+                f.ip(&src),
+                "{f:?}: flood flow {i} answered"
+            );
+            ingress(&mut s, &syn(&src, 40000));
+        }
+
+        let first = ingress(&mut s, &syn(CLIENT, 41000));
+        assert_eq!(summary(&first.packet).dst, f.ip(BACKEND));
+        let port = summary(&egress(&mut s, &first.packet).packet).sport;
+        for i in 0..AFTER {
+            let src = format!("198.19.{}.{}", i / 250, i % 250 + 1);
+            assert_eq!(ingress(&mut s, &syn(&src, 40001)).action, OK, "{f:?}: SYN {i}");
+        }
+        let syn_ack = ingress(&mut s, &answer(port));
+        let got = summary(&syn_ack.packet);
+        assert_eq!(
+            (got.dst, got.dport),
+            (f.ip(CLIENT), 41000),
+            "{f:?}: the backend's answer is un-SNATed to the client"
+        );
+        let ack = ingress(
+            &mut s,
+            &tcp(f, CLIENT, 41000, NODE_IP, 30080).data(b"GET /").build(),
+        );
+        assert_eq!(
+            summary(&ack.packet).dst,
+            f.ip(BACKEND),
+            "{f:?}: the flow keeps its backend"
+        );
+        assert_eq!(summary(&egress(&mut s, &ack.packet).packet).sport, port);
+    }
+}
+
 /// A frontend whose write failed (its map full) holds no prefilter bit: the writer never deletes
 /// what it did not write, so a bit held for it would never be released.
 #[test]

@@ -20,7 +20,7 @@ use super::{
     nat::apply,
     parse::{Flow, Packet},
 };
-use crate::{features, lb, stats::count};
+use crate::{family::insert_used, features, lb, stats::count};
 
 /// skb->mark set by ingress on an un-SNATed reply so that egress restores the frontend as its
 /// source: `MARK_MAGIC | rev_nat_id`. Cleared by egress.
@@ -213,7 +213,7 @@ pub(super) fn establish<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Pack
     };
     note_close::<F, SCTP>(ptr, pkt, ct::FIN_FORWARD);
     note_established::<F, SCTP>(ptr, flags, pkt);
-    if F::conntrack().insert(&key, unsafe { &*ptr }, 0).is_ok() {
+    if insert_used(F::conntrack(), &key, unsafe { &*ptr }, 0).is_ok() {
         let _ = F::conntrack_new().remove(&key);
         count(Counter::TcFlowEstablished);
     }
@@ -238,7 +238,7 @@ fn move_entry<F: Ip>(key: &CtKey<F>) -> Option<(F::Addr, u16)> {
     let ptr = F::conntrack_new().get_ptr(key)?;
     // SAFETY: `ptr` points into a map value just looked up; the kernel copies it on insert.
     let nat = unsafe { ((*ptr).nat_addr, (*ptr).nat_port) };
-    if F::conntrack().insert(key, unsafe { &*ptr }, 0).is_ok() {
+    if insert_used(F::conntrack(), key, unsafe { &*ptr }, 0).is_ok() {
         let _ = F::conntrack_new().remove(key);
     }
     Some(nat)

@@ -34,6 +34,7 @@ use super::{
     snat::{masquerade_addr, masquerade_route, reclaim_port_for, reserve_snat_port},
 };
 use crate::{
+    family::insert_used,
     lb::{self, Frontend},
     maps::POD_INTERFACES,
     monitor,
@@ -427,7 +428,7 @@ fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
         // A new flow's entries go to the new-flow table; the tuple is taken if either table
         // holds it.
         let inserted = F::conntrack().get_ptr(&key).is_none()
-            && match F::conntrack_new().insert(&key, &entry, BPF_NOEXIST as u64) {
+            && match insert_used(F::conntrack_new(), &key, &entry, BPF_NOEXIST as u64) {
                 Ok(()) => true,
                 Err(e) if e as i64 == -EEXIST => false,
                 Err(_) => {
@@ -440,7 +441,7 @@ fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
             let same = lookup::<F>(&key)
                 .is_none_or(|old| unsafe { (*old).nat_addr == flow.daddr && (*old).nat_port == flow.dport });
             if same {
-                let _ = F::conntrack_new().insert(&key, &entry, 0);
+                let _ = insert_used(F::conntrack_new(), &key, &entry, 0);
             } else if LOCAL {
                 // The node's own socket cannot be masqueraded: its association through the
                 // other frontend keeps the tuple.
@@ -519,7 +520,7 @@ fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
             entry.flags = ct::SNAT | ct::HANDSHAKE_TRACKED;
             // Likewise: an SNAT entry there would be found before this one.
             let _ = F::conntrack().remove(&key);
-            if F::conntrack_new().insert(&key, &entry, 0).is_err() {
+            if insert_used(F::conntrack_new(), &key, &entry, 0).is_err() {
                 choice.count(Counter::TcCtInsertFailed);
                 return TC_ACT_SHOT;
             }
@@ -535,10 +536,7 @@ fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
     }
     entry.nat_addr = backend.addr;
     entry.nat_port = backend.port;
-    if F::conntrack_new()
-        .insert(&flow.key(dir::INGRESS), &entry, 0)
-        .is_err()
-    {
+    if insert_used(F::conntrack_new(), &flow.key(dir::INGRESS), &entry, 0).is_err() {
         choice.count(Counter::TcCtInsertFailed);
         return TC_ACT_SHOT;
     }

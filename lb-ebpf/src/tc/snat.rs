@@ -22,7 +22,7 @@ use super::{
     conntrack::{SYN_REUSE_NS, now_ns},
     ip::Ip,
 };
-use crate::{lb, maps::MASQ_ADDRS, stats::count};
+use crate::{family::insert_used, lb, maps::MASQ_ADDRS, stats::count};
 
 /// `bpf_fib_lookup` results that name the interface the packet would leave by
 /// (`BPF_FIB_LKUP_RET_SUCCESS`, `_NO_NEIGH`, `_FRAG_NEEDED`).
@@ -138,7 +138,7 @@ pub(super) fn reserve_snat_port<F: Ip>(
 #[inline(always)]
 fn reserve<F: Ip>(key: &CtKey<F>, unsnat: &CtValue<F>) -> bool {
     F::conntrack().get_ptr(key).is_none()
-        && F::conntrack_new().insert(key, unsnat, BPF_NOEXIST as u64).is_ok()
+        && insert_used(F::conntrack_new(), key, unsnat, BPF_NOEXIST as u64).is_ok()
 }
 
 /// When every port `reserve_snat_port` tried for a flow to backend `backend_id` was held (the
