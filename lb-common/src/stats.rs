@@ -133,6 +133,11 @@ counters! {
     /// host-network endpoint of this node, reached through loopback, where no tc program runs
     /// for the replies); dropped.
     TcLocalSctpUnrouted => "tc_local_sctp_unrouted",
+    /// tc: a new flow's establishing packet (`tc_flow_established`) found one of the flow's other
+    /// entries gone (evicted from a full `lb4_ct_new`), so that its replies could not be
+    /// translated back: the packet started the flow again as a new one, as netfilter does when a
+    /// conntrack entry is gone.
+    TcFlowRestarted => "tc_flow_restarted",
 }
 
 /// Number of counters (`lb_stats` max_entries).

@@ -158,6 +158,17 @@ fn scratch(cluster_cidr: bool) -> ScratchDatapath {
     scratch_with(&state(), cluster_cidr)
 }
 
+/// The scratch data path with a new-flow table (`lb4_ct_new`, `lb6_ct_new`) of `capacity` entries.
+fn scratch_with_new_flow_capacity(capacity: u32) -> ScratchDatapath {
+    let node_ips: Vec<IpAddr> = FAMILIES.iter().map(|f| f.ip(NODE_IP)).collect();
+    let caps = lb_common::catalog::Capacities {
+        conntrack_new: capacity,
+        ..lb_agent::trace::SCRATCH_CAPACITIES
+    };
+    ScratchDatapath::with_capacities(&state(), settings(true), &node_ips, OBJECT, caps)
+        .expect("scratch data path")
+}
+
 fn ingress(s: &mut ScratchDatapath, pkt: &[u8]) -> TcRun {
     s.datapath.test_run_tc("lb_tc_ingress", pkt, 1).expect("test run")
 }
@@ -2414,19 +2425,12 @@ fn a_flood_of_unfinished_handshakes_gives_its_masquerade_ports_back() {
 /// SYNs or one-datagram UDP that never completes evicts only its own kind.
 #[test]
 fn a_flood_evicts_only_flows_that_never_got_past_their_handshake() {
-    use lb_common::catalog::Capacities;
     const BACKEND: &str = "10.244.2.7";
     const NEW_FLOW_CAPACITY: u32 = 256;
     const FLOOD: u32 = 2_000;
 
     for f in FAMILIES {
-        let node_ips: Vec<IpAddr> = FAMILIES.iter().map(|f| f.ip(NODE_IP)).collect();
-        let caps = Capacities {
-            conntrack_new: NEW_FLOW_CAPACITY,
-            ..lb_agent::trace::SCRATCH_CAPACITIES
-        };
-        let mut s = ScratchDatapath::with_capacities(&state(), settings(true), &node_ips, OBJECT, caps)
-            .expect("scratch data path");
+        let mut s = scratch_with_new_flow_capacity(NEW_FLOW_CAPACITY);
         let ct = s.datapath.take_conntrack().expect("conntrack maps");
         // Entries of this family in the established table and in the new-flow table.
         let occupancy = || match f {
@@ -2517,7 +2521,6 @@ fn a_flood_evicts_only_flows_that_never_got_past_their_handshake() {
 /// (`family::insert_used`), so eviction takes the oldest flows, as an LRU should.
 #[test]
 fn a_new_flows_entries_outlive_a_full_table_until_its_reply() {
-    use lb_common::catalog::Capacities;
     const BACKEND: &str = "10.244.2.7";
     const NEW_FLOW_CAPACITY: u32 = 256;
     // Answered flows, more than the table holds: it ends full of referenced entries.
@@ -2534,13 +2537,7 @@ fn a_new_flows_entries_outlive_a_full_table_until_its_reply() {
     nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpus).expect("sched_setaffinity");
 
     for f in FAMILIES {
-        let node_ips: Vec<IpAddr> = FAMILIES.iter().map(|f| f.ip(NODE_IP)).collect();
-        let caps = Capacities {
-            conntrack_new: NEW_FLOW_CAPACITY,
-            ..lb_agent::trace::SCRATCH_CAPACITIES
-        };
-        let mut s = ScratchDatapath::with_capacities(&state(), settings(true), &node_ips, OBJECT, caps)
-            .expect("scratch data path");
+        let mut s = scratch_with_new_flow_capacity(NEW_FLOW_CAPACITY);
         let syn = |src: &str, sport| tcp(f, src, sport, NODE_IP, 30080).build();
         let answer = |port| tcp(f, BACKEND, 8080, NODE_IP, port).data(b"").build();
 
@@ -2581,6 +2578,102 @@ fn a_new_flows_entries_outlive_a_full_table_until_its_reply() {
             "{f:?}: the flow keeps its backend"
         );
         assert_eq!(summary(&egress(&mut s, &ack.packet).packet).sport, port);
+    }
+}
+
+/// A new flow whose un-SNAT entry went before it was established (evicted from a full
+/// `lb4_ct_new`) had lost its replies for good: the client's next packet moved the rest of the
+/// flow to `lb4_ct` and went on through the dead masquerade port, and a UDP client reusing its
+/// socket waited on every answer for as long as it sent. Its establishing packet now starts the
+/// flow again (`tc_flow_restarted`), with every entry written anew.
+#[test]
+fn a_new_flow_missing_an_entry_starts_again_at_its_next_packet() {
+    use lb_common::conntrack::{dir, flags as ct};
+    const BACKEND: &str = "10.244.2.7";
+    for f in FAMILIES {
+        let mut s = scratch(true);
+        let mut ct = s.datapath.take_conntrack().expect("conntrack maps");
+        // Deletes the flow's un-SNAT entry from the new-flow table, as LRU eviction would.
+        let mut evict_unsnat = || {
+            let is_unsnat = |d: u8, flags: u16| d == dir::INGRESS && flags & ct::REPLY != 0;
+            let removed = match f {
+                Family::V4 => {
+                    let keys: Vec<_> = ct
+                        .new_v4
+                        .iter()
+                        .filter_map(Result::ok)
+                        .filter(|(k, v)| is_unsnat(k.dir, v.flags))
+                        .map(|(k, _)| k)
+                        .collect();
+                    keys.iter().filter(|k| ct.new_v4.remove(k).is_ok()).count()
+                }
+                Family::V6 => {
+                    let keys: Vec<_> = ct
+                        .new_v6
+                        .iter()
+                        .filter_map(Result::ok)
+                        .filter(|(k, v)| is_unsnat(k.dir, v.flags))
+                        .map(|(k, _)| k)
+                        .collect();
+                    keys.iter().filter(|k| ct.new_v6.remove(k).is_ok()).count()
+                }
+            };
+            assert_eq!(removed, 1, "{f:?}: one un-SNAT entry");
+        };
+        let restarted = |s: &ScratchDatapath| counter(s, Counter::TcFlowRestarted);
+
+        // UDP from outside the cluster to a cluster IP: masqueraded (the masquerade address and
+        // port read from the packet at egress); its un-SNAT entry goes; the answer is lost.
+        let dgram = || udp(f, CLIENT, 42100, "10.96.0.16", 53).build();
+        let answer =
+            |to: (IpAddr, u16)| packet::udp(&f.addr("10.244.1.5"), 5353, &to.0.to_string(), to.1).build();
+        let first = ingress(&mut s, &dgram());
+        assert_eq!(summary(&first.packet).dst, f.ip("10.244.1.5"), "{f:?}: DNAT");
+        let out = summary(&egress(&mut s, &first.packet).packet);
+        evict_unsnat();
+        let lost = ingress(&mut s, &answer((out.src, out.sport)));
+        assert_eq!(summary(&lost.packet).dst, out.src, "{f:?}: no entry, no un-SNAT");
+        // The client's next datagram from the same socket: a flow of its own, answered.
+        let second = ingress(&mut s, &dgram());
+        assert_eq!(restarted(&s), 1, "{f:?}: the flow started again");
+        let out = summary(&egress(&mut s, &second.packet).packet);
+        let got = summary(&ingress(&mut s, &answer((out.src, out.sport))).packet);
+        assert_eq!((got.dst, got.dport), (f.ip(CLIENT), 42100), "{f:?}: answered");
+        let third = ingress(&mut s, &dgram());
+        assert_eq!(summary(&egress(&mut s, &third.packet).packet).sport, out.sport);
+        assert_eq!(restarted(&s), 1, "{f:?}: a complete flow establishes as before");
+
+        // TCP: the un-SNAT entry goes after the SYN-ACK; the ACK starts the flow again (the
+        // backend resets the tuple it does not know) instead of leaving through the dead port.
+        let answer = |to: (IpAddr, u16)| {
+            packet::tcp(&f.addr(BACKEND), 8080, &to.0.to_string(), to.1)
+                .data(b"")
+                .build()
+        };
+        let syn = ingress(&mut s, &tcp(f, CLIENT, 41100, NODE_IP, 30080).build());
+        let out = summary(&egress(&mut s, &syn.packet).packet);
+        let syn_ack = ingress(&mut s, &answer((out.src, out.sport)));
+        assert_eq!(summary(&syn_ack.packet).dst, f.ip(CLIENT));
+        evict_unsnat();
+        let new_flows = counter(&s, Counter::TcNewFlow);
+        let ack = ingress(
+            &mut s,
+            &tcp(f, CLIENT, 41100, NODE_IP, 30080).data(b"GET /").build(),
+        );
+        assert_eq!(summary(&ack.packet).dst, f.ip(BACKEND));
+        assert_eq!(restarted(&s), 2, "{f:?}");
+        assert_eq!(
+            counter(&s, Counter::TcNewFlow),
+            new_flows + 1,
+            "{f:?}: a new flow"
+        );
+        let out = summary(&egress(&mut s, &ack.packet).packet);
+        let reply = ingress(&mut s, &answer((out.src, out.sport)));
+        assert_eq!(
+            summary(&reply.packet).dst,
+            f.ip(CLIENT),
+            "{f:?}: the new tuple's replies return"
+        );
     }
 }
 

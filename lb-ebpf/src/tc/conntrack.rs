@@ -162,7 +162,7 @@ pub(super) fn tagged_snat<F: Ip>(mark: u32, key: &mut CtKey<F>) -> Option<*mut C
 /// entries move from the new-flow table to the established one, its companions first and the
 /// forward entry last, each inserted before it is deleted, so that every lookup finds each entry
 /// in one table or the other throughout; then the packet is translated as any of the flow's.
-/// [`NEW_FLOW`] if the entry went meanwhile (evicted by a flood).
+/// [`NEW_FLOW`] if the entry or one of its companions went meanwhile (evicted by a flood).
 #[inline(never)]
 pub(super) fn establish<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Packet<F>) -> i32 {
     let flow = &pkt.flow;
@@ -180,20 +180,22 @@ pub(super) fn establish<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Pack
     if flags & ct::SNAT_TAGGED != 0 {
         key.tag = snat_tag(rev_nat_id);
     }
-    if flags & ct::SNAT != 0 {
-        let held = move_entry::<F>(&key);
-        // Its un-SNAT entry: backend -> node IP:port, at ingress.
-        if let Some((snat_addr, snat_port)) = held {
-            key = CtKey {
-                saddr: backend,
-                daddr: snat_addr,
-                sport: backend_port,
-                dport: snat_port,
-                proto: flow.proto,
-                dir: dir::INGRESS,
-                tag: 0,
-            };
-            move_entry::<F>(&key);
+    let complete = if flags & ct::SNAT != 0 {
+        match move_entry::<F>(&key) {
+            // Its un-SNAT entry: backend -> node IP:port, at ingress.
+            Some((snat_addr, snat_port)) => {
+                key = CtKey {
+                    saddr: backend,
+                    daddr: snat_addr,
+                    sport: backend_port,
+                    dport: snat_port,
+                    proto: flow.proto,
+                    dir: dir::INGRESS,
+                    tag: 0,
+                };
+                move_entry::<F>(&key).is_some()
+            }
+            None => false,
         }
     } else {
         key = CtKey {
@@ -205,7 +207,16 @@ pub(super) fn establish<F: Ip, const SCTP: bool>(ctx: &mut TcContext, pkt: &Pack
             dir: dir::EGRESS,
             tag: 0,
         };
-        move_entry::<F>(&key);
+        move_entry::<F>(&key).is_some()
+    };
+    if !complete {
+        // A companion went (evicted from a full `lb4_ct_new`): the flow's replies could no longer
+        // be translated back, and a UDP client reusing its socket would wait on them for as long
+        // as it sends. The packet starts the flow again, as netfilter's does when its conntrack
+        // entry is gone; `new_flow` writes every entry anew (a TCP handshake's backend answers the
+        // new tuple with a reset: at once, where the broken flow would have hung).
+        count(Counter::TcFlowRestarted);
+        return NEW_FLOW;
     }
     key = flow.key(dir::INGRESS);
     let Some(ptr) = F::conntrack_new().get_ptr_mut(&key) else {
