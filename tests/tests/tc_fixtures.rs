@@ -17,7 +17,10 @@ use lb_agent::{
     trace::ScratchDatapath,
     watch::ClusterState,
 };
-use lb_common::stats::Counter;
+use lb_common::{
+    conntrack::{CtKey, CtValue},
+    stats::Counter,
+};
 use lb_tests::{
     fixtures::{Slice, State, Svc, maglev_pick, service, slice},
     packet::{
@@ -2588,35 +2591,15 @@ fn a_new_flows_entries_outlive_a_full_table_until_its_reply() {
 /// flow again (`tc_flow_restarted`), with every entry written anew.
 #[test]
 fn a_new_flow_missing_an_entry_starts_again_at_its_next_packet() {
-    use lb_common::conntrack::{dir, flags as ct};
     const BACKEND: &str = "10.244.2.7";
     for f in FAMILIES {
         let mut s = scratch(true);
         let mut ct = s.datapath.take_conntrack().expect("conntrack maps");
         // Deletes the flow's un-SNAT entry from the new-flow table, as LRU eviction would.
         let mut evict_unsnat = || {
-            let is_unsnat = |d: u8, flags: u16| d == dir::INGRESS && flags & ct::REPLY != 0;
             let removed = match f {
-                Family::V4 => {
-                    let keys: Vec<_> = ct
-                        .new_v4
-                        .iter()
-                        .filter_map(Result::ok)
-                        .filter(|(k, v)| is_unsnat(k.dir, v.flags))
-                        .map(|(k, _)| k)
-                        .collect();
-                    keys.iter().filter(|k| ct.new_v4.remove(k).is_ok()).count()
-                }
-                Family::V6 => {
-                    let keys: Vec<_> = ct
-                        .new_v6
-                        .iter()
-                        .filter_map(Result::ok)
-                        .filter(|(k, v)| is_unsnat(k.dir, v.flags))
-                        .map(|(k, _)| k)
-                        .collect();
-                    keys.iter().filter(|k| ct.new_v6.remove(k).is_ok()).count()
-                }
+                Family::V4 => evict_unsnat_entries(&mut ct.new_v4),
+                Family::V6 => evict_unsnat_entries(&mut ct.new_v6),
             };
             assert_eq!(removed, 1, "{f:?}: one un-SNAT entry");
         };
@@ -2675,6 +2658,25 @@ fn a_new_flow_missing_an_entry_starts_again_at_its_next_packet() {
             "{f:?}: the new tuple's replies return"
         );
     }
+}
+
+/// Deletes every un-SNAT entry (ingress, `REPLY`) of a conntrack table, as LRU eviction would;
+/// how many it deleted.
+fn evict_unsnat_entries<F: lb_common::family::Family>(
+    table: &mut aya::maps::HashMap<aya::maps::MapData, CtKey<F>, CtValue<F>>,
+) -> usize
+where
+    CtKey<F>: aya::Pod,
+    CtValue<F>: aya::Pod,
+{
+    use lb_common::conntrack::{dir, flags};
+    let unsnat: Vec<CtKey<F>> = table
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(k, v)| k.dir == dir::INGRESS && v.flags & flags::REPLY != 0)
+        .map(|(k, _)| k)
+        .collect();
+    unsnat.iter().filter(|k| table.remove(k).is_ok()).count()
 }
 
 /// A frontend whose write failed (its map full) holds no prefilter bit: the writer never deletes
