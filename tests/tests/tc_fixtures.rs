@@ -2598,8 +2598,8 @@ fn a_new_flow_missing_an_entry_starts_again_at_its_next_packet() {
         // Deletes the flow's un-SNAT entry from the new-flow table, as LRU eviction would.
         let mut evict_unsnat = || {
             let removed = match f {
-                Family::V4 => evict_unsnat_entries(&mut ct.new_v4),
-                Family::V6 => evict_unsnat_entries(&mut ct.new_v6),
+                Family::V4 => remove_entries_where(&mut ct.new_v4, is_unsnat),
+                Family::V6 => remove_entries_where(&mut ct.new_v6, is_unsnat),
             };
             assert_eq!(removed, 1, "{f:?}: one un-SNAT entry");
         };
@@ -2660,23 +2660,28 @@ fn a_new_flow_missing_an_entry_starts_again_at_its_next_packet() {
     }
 }
 
-/// Deletes every un-SNAT entry (ingress, `REPLY`) of a conntrack table, as LRU eviction would;
-/// how many it deleted.
-fn evict_unsnat_entries<F: lb_common::family::Family>(
+/// A flow's un-SNAT entry (backend -> masquerade address:port, at ingress).
+fn is_unsnat<F: lb_common::family::Family>(key: &CtKey<F>, value: &CtValue<F>) -> bool {
+    key.dir == lb_common::conntrack::dir::INGRESS && value.flags & lb_common::conntrack::flags::REPLY != 0
+}
+
+/// Deletes the entries of a conntrack table that `doomed` picks, as LRU eviction would; how many.
+fn remove_entries_where<F: lb_common::family::Family>(
     table: &mut aya::maps::HashMap<aya::maps::MapData, CtKey<F>, CtValue<F>>,
+    doomed: impl Fn(&CtKey<F>, &CtValue<F>) -> bool,
 ) -> usize
 where
     CtKey<F>: aya::Pod,
     CtValue<F>: aya::Pod,
 {
-    use lb_common::conntrack::{dir, flags};
-    let unsnat: Vec<CtKey<F>> = table
+    let keys: Vec<CtKey<F>> = table
         .iter()
         .filter_map(Result::ok)
-        .filter(|(k, v)| k.dir == dir::INGRESS && v.flags & flags::REPLY != 0)
+        .filter(|(k, v)| doomed(k, v))
         .map(|(k, _)| k)
         .collect();
-    unsnat.iter().filter(|k| table.remove(k).is_ok()).count()
+    keys.iter().for_each(|k| table.remove(k).unwrap());
+    keys.len()
 }
 
 /// A frontend whose write failed (its map full) holds no prefilter bit: the writer never deletes
@@ -3006,7 +3011,8 @@ fn the_egress_flow_filter_holds_every_tracked_tuple_and_only_those() {
 
     // The pod flow's entries go (as the GC does for an ended flow): after two rebuilds its byte
     // is gone, and its reply would now pass untouched: the filter is consulted, not decorative.
-    let removed = remove_port_entries(&mut ct.new_v4, 40020) + remove_port_entries(&mut ct.new_v6, 40020);
+    let removed = remove_entries_where(&mut ct.new_v4, |k, _| k.sport == 40020 || k.dport == 40020)
+        + remove_entries_where(&mut ct.new_v6, |k, _| k.sport == 40020 || k.dport == 40020);
     assert!(
         removed >= 4,
         "the pod flows' entries (in handshake: the new-flow table)"
@@ -3022,28 +3028,6 @@ fn the_egress_flow_filter_holds_every_tracked_tuple_and_only_those() {
             format!("{f:?} no byte: untouched"),
         );
     }
-}
-
-/// Deletes a conntrack table's entries with `port` at either end; how many.
-fn remove_port_entries<F: lb_common::family::Family>(
-    map: &mut aya::maps::HashMap<
-        aya::maps::MapData,
-        lb_common::conntrack::CtKey<F>,
-        lb_common::conntrack::CtValue<F>,
-    >,
-    port: u16,
-) -> usize
-where
-    lb_common::conntrack::CtKey<F>: aya::Pod,
-    lb_common::conntrack::CtValue<F>: aya::Pod,
-{
-    let keys: Vec<_> = map
-        .keys()
-        .filter_map(Result::ok)
-        .filter(|k| k.sport == port || k.dport == port)
-        .collect();
-    keys.iter().for_each(|k| map.remove(k).unwrap());
-    keys.len()
 }
 
 // SCTP (issue 17): the same path as TCP and UDP; a port rewrite keeps the CRC32c checksum valid,
