@@ -104,6 +104,9 @@ impl Agent {
         let (outcome, report) = self.program(full, loaded, &pending, &view);
         // The data path is as planned from here on; what follows is bookkeeping.
         let programmed = started.elapsed();
+        let queued = pending
+            .first_seen
+            .map(|seen| started.saturating_duration_since(seen));
         self.terminate_sockets(&report);
         if full {
             release_freed_memory();
@@ -120,6 +123,7 @@ impl Agent {
             &report,
             self.programmer.planner(),
             programmed,
+            queued,
             started,
         );
         if !report.errors.is_empty() {
@@ -447,12 +451,16 @@ fn log_sync(
     report: &ApplyReport,
     planner: &crate::plan::Planner,
     programmed: std::time::Duration,
+    queued: Option<std::time::Duration>,
     started: Instant,
 ) {
     let elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
     // Sync start to the last map write: what a change waits for (elapsed_ms adds the metrics,
     // health and Events work after it).
     let datapath_ms = programmed.as_secs_f64() * 1e3;
+    // From the first watch event this sync took to its start (absent for a periodic sync):
+    // queued_ms + datapath_ms is the agent's share of a change's latency.
+    let queued_ms = queued.map(|q| q.as_secs_f64() * 1e3);
     if full || report.writes + report.deletes > 0 || !report.is_clean() {
         let desired = planner.desired();
         tracing::info!(
@@ -464,6 +472,7 @@ fn log_sync(
             writes = report.writes,
             deletes = report.deletes,
             datapath_ms,
+            queued_ms,
             elapsed_ms,
             "data path programmed"
         );

@@ -12,7 +12,7 @@
 use std::{
     collections::{BTreeSet, HashMap},
     sync::{Arc, Mutex},
-    time::{Duration, SystemTime},
+    time::{Duration, Instant, SystemTime},
 };
 
 use futures::TryStreamExt;
@@ -59,6 +59,8 @@ pub struct PendingChanges {
     pub dirty: BTreeSet<ServiceKey>,
     /// A watch relisted (its store was replaced): recompute everything.
     pub relisted: bool,
+    /// When the first of these changes reached the agent (a sync logs how long it waited).
+    pub first_seen: Option<Instant>,
 }
 
 /// What the watch tasks record for the sync loop, under one lock so that a sync never sees a
@@ -443,12 +445,19 @@ fn spawn_watch<K, S>(
                         tracing::info!(kind = kind_name, "watch recovered");
                         failing = false;
                     }
-                    track(&mut tracker.lock().expect("tracker lock"), &event);
+                    let seen = Instant::now();
                     // A change, or a relist completed (the store was replaced).
                     let touched = matches!(
                         event,
                         watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone
                     );
+                    {
+                        let mut tracker = tracker.lock().expect("tracker lock");
+                        track(&mut tracker, &event);
+                        if touched {
+                            tracker.pending.first_seen.get_or_insert(seen);
+                        }
+                    }
                     if touched {
                         on_change(kind);
                     }

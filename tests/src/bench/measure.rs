@@ -201,6 +201,11 @@ pub struct ChangeLatency {
     /// part a change waits for; the rest is metrics, health and Events.
     #[serde(default)]
     pub agent_datapath_ms: Vec<f64>,
+    /// The agent's own share of each change: from its watch event to the last map write
+    /// (queued_ms + datapath_ms from its log). The rest of the time after lb-bench's own watch
+    /// event is the event reaching the agent later, and the probe's polling.
+    #[serde(default)]
+    pub agent_own_ms: Vec<f64>,
     /// API call to the Service's watch event reaching a client (lb-bench's own watch): the API
     /// server's share, the same for every program.
     #[serde(default)]
@@ -630,9 +635,10 @@ fn change_latency(ctx: &mut Ctx<'_>, peer: &Peer, n: u32, reps: u32) -> ChangeLa
                         "change" => out.change_ms.push(ms),
                         _ => out.remove_ms.push(ms),
                     }
-                    if let Some((a, to_datapath)) = agent {
-                        out.agent_sync_ms.push(a);
-                        out.agent_datapath_ms.extend(to_datapath);
+                    if let Some(sync) = agent {
+                        out.agent_sync_ms.push(sync.elapsed_ms);
+                        out.agent_datapath_ms.extend(sync.datapath_ms);
+                        out.agent_own_ms.extend(sync.own_ms());
                     }
                 }
                 None => {
@@ -653,6 +659,22 @@ fn change_latency(ctx: &mut Ctx<'_>, peer: &Peer, n: u32, reps: u32) -> ChangeLa
 
 type Action = Box<dyn Fn(&Cluster)>;
 
+/// The agent's sync that applied a change, from its "data path programmed" log line.
+#[derive(Clone, Copy, Debug)]
+struct AgentSync {
+    elapsed_ms: f64,
+    datapath_ms: Option<f64>,
+    /// From the first watch event the sync took to its start.
+    queued_ms: Option<f64>,
+}
+
+impl AgentSync {
+    /// From the agent's watch event to its last map write.
+    fn own_ms(&self) -> Option<f64> {
+        Some(self.queued_ms? + self.datapath_ms?)
+    }
+}
+
 struct Step<'a> {
     peer: &'a Peer,
     quiet: Duration,
@@ -666,14 +688,12 @@ struct Step<'a> {
 
 impl Step<'_> {
     /// Waits for the proxy to be idle, then times `act` until the probe sees the wanted state.
-    /// Returns (ms, the agent's sync elapsed_ms and datapath_ms if it logged one, ms to the API
-    /// watch event).
-    #[allow(clippy::type_complexity)]
+    /// Returns (ms, the agent's sync if it logged one, ms to the API watch event).
     fn run(
         &self,
         cluster: &Cluster,
         act: &dyn Fn(&Cluster),
-    ) -> Option<(f64, Option<(f64, Option<f64>)>, Option<f64>)> {
+    ) -> Option<(f64, Option<AgentSync>, Option<f64>)> {
         self.peer.settle(self.quiet, self.settle_max);
         let probe = Probe::start(
             self.peer.client(),
@@ -704,10 +724,13 @@ impl Step<'_> {
                 .agent_syncs_since(since)
                 .iter()
                 .map(|(t, f)| {
+                    let ms = |k: &str| f.get(k).map_or("-".into(), |v| format!("{v:.2}"));
                     format!(
-                        "{:.1}ms({:?})",
+                        "{:.1}ms(queued {} datapath {} elapsed {})",
                         t.saturating_sub(since) as f64 / 1e6,
-                        f.get("elapsed_ms")
+                        ms("queued_ms"),
+                        ms("datapath_ms"),
+                        ms("elapsed_ms")
                     )
                 })
                 .collect();
@@ -725,9 +748,15 @@ impl Step<'_> {
             .agent_syncs_since(since)
             .iter()
             .filter(|(t, _)| *t <= r.at_ns + 50_000_000)
-            .filter_map(|(_, f)| f.get("elapsed_ms").map(|e| (*e, f.get("datapath_ms").copied())))
-            .fold(None, |m: Option<(f64, Option<f64>)>, v| {
-                Some(m.map_or(v, |m| if v.0 > m.0 { v } else { m }))
+            .filter_map(|(_, f)| {
+                Some(AgentSync {
+                    elapsed_ms: *f.get("elapsed_ms")?,
+                    datapath_ms: f.get("datapath_ms").copied(),
+                    queued_ms: f.get("queued_ms").copied(),
+                })
+            })
+            .fold(None, |m: Option<AgentSync>, v| {
+                Some(m.map_or(v, |m| if v.elapsed_ms > m.elapsed_ms { v } else { m }))
             });
         let seen = || self.watch.seen(since, self.index, self.to.port(), !self.want_up);
         let api_ms = seen()

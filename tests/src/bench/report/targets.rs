@@ -317,11 +317,26 @@ pub(super) fn targets(r: &Results) -> String {
                 .map(|v| format!("{} ms", num(v)))
                 .unwrap_or_else(|| "?".into())
         };
+        let own = match (
+            percentile(&c.agent_own_ms, 0.5),
+            percentile(&c.agent_own_ms, 0.99),
+        ) {
+            (Some(a), Some(b)) => format!(
+                " Of that, the agent's own share (from its watch event to its last map write: \
+                 queued_ms + datapath_ms in its log) is {} ms p50 / {} ms p99 over the {} calls; \
+                 the rest is the event reaching the agent after lb-bench's own watch, and the \
+                 probe's 200 µs polling.",
+                num(a),
+                num(b),
+                c.agent_own_ms.len()
+            ),
+            _ => String::new(),
+        };
         why.push(format!(
             "Add versus change: the API server delivers an add's watch event {} p50 / {} p99 after \
              the call and a change's {} / {}. {ADD_VS_CHANGE} What the agent adds after the event, \
              in the row above, includes the probe's 200 µs polling and the agent's event handling \
-             and sync on the same cores as the API server and etcd.",
+             and sync on the same cores as the API server and etcd.{own}",
             api("add", 0.5),
             api("add", 0.99),
             api("change", 0.5),
