@@ -323,9 +323,9 @@ pub(super) fn targets(r: &Results) -> String {
         ) {
             (Some(a), Some(b)) => format!(
                 " Of that, the agent's own share (from its watch event to its last map write: \
-                 queued_ms + datapath_ms in its log) is {} ms p50 / {} ms p99 over the {} calls; \
-                 the rest is the event reaching the agent after lb-bench's own watch, and the \
-                 probe's 200 µs polling.",
+                 queued_ms + datapath_ms in its log) is {} ms p50 / {} ms p99 over {} adds, changes \
+                 and removes; the rest is the event reaching the agent after lb-bench's own watch, \
+                 and the probe's 200 µs polling.",
                 num(a),
                 num(b),
                 c.agent_own_ms.len()
