@@ -41,13 +41,16 @@ pub struct Agent {
     exited: Arc<std::sync::atomic::AtomicBool>,
 }
 
-/// How long an agent may take to load, program and attach its data path: 30 s, or 240 s in an
+/// How long an agent may take to load, program and attach its data path: 30 s, or 600 s in an
 /// emulated guest of `cargo xtask kernel-test` (`LB_TEST_EMULATED`), where the verifier alone
 /// takes 25 s or more (Linux 6.1 walks `lb_tc_ingress` and the two SCTP programs for about 1.4M
-/// steps in all, docs/kernels.md), and longer when the host is busy. A bound for a hung start, not a speed target.
+/// steps in all, docs/kernels.md), and minutes when the host is busy: in a `./x test` of
+/// 2026-12-03 beside other work, the third agent of `sctp_associations_through_the_tc_path` took
+/// 168 s to load its data path and missed 240 s to attach it. A bound for a hung start, not a
+/// speed target; each guest's own cap (xtask/src/kernel) bounds the whole run.
 pub fn start_timeout() -> Duration {
     if std::env::var_os("LB_TEST_EMULATED").is_some() {
-        Duration::from_secs(240)
+        Duration::from_secs(600)
     } else {
         Duration::from_secs(30)
     }
