@@ -29,22 +29,74 @@ fn test_out_of_line<F: Ip>(flow: &Flow<F>) -> bool {
 
 #[inline(always)]
 fn test<F: Ip>(flow: &Flow<F>) -> bool {
+    may_hold::<F>(ct_filter::bucket::<F>(
+        &flow.saddr,
+        &flow.daddr,
+        flow.sport,
+        flow.dport,
+        flow.proto,
+    ))
+}
+
+/// Whether the conntrack tables may hold an egress entry whose tuple is in `bucket`: the filter
+/// is off, or a byte of the bucket is set. `false` is certain.
+#[inline(always)]
+fn may_hold<F: Ip>(bucket: u32) -> bool {
     let Some(control) = F::ct_filter().get(ct_filter::CONTROL) else {
         return true;
     };
     if !ct_filter::control(*control).0 {
         return true;
     }
-    let (word, offset) = ct_filter::position(ct_filter::bucket::<F>(
-        &flow.saddr,
-        &flow.daddr,
-        flow.sport,
-        flow.dport,
-        flow.proto,
-    ));
+    let (word, offset) = ct_filter::position(bucket % ct_filter::BUCKETS);
     F::ct_filter()
         .get(word)
         .is_none_or(|w| ct_filter::word_has(*w, offset))
+}
+
+/// [`new_flow_tuples`]' bit: an egress entry of the reply tuple (backend -> client) may exist.
+pub(super) const REPLY_MAY_BE_HELD: u8 = 1;
+/// [`new_flow_tuples`]' bit: an egress entry of the tuple after DNAT (client -> backend, any tag)
+/// may exist.
+pub(super) const FORWARD_MAY_BE_HELD: u8 = 2;
+
+/// Which of a new flow's two egress tuples an entry may hold already, as bits: `track` looks a
+/// tuple up (and removes a stale entry of it) only when its bit is set. Most new flows' tuples
+/// are no entry's, and each of those lookups is a cache miss into a table of a million entries.
+/// Through a global function per family ([`lb_ct_filter_held4`], [`lb_ct_filter_held6`]), which
+/// the verifier checks once on its own, as [`note_bucket`]'s.
+#[inline(always)]
+pub(super) fn new_flow_tuples<F: Ip>(reply_bucket: u32, forward_bucket: u32) -> u8 {
+    let bits = if F::BITS == 32 {
+        lb_ct_filter_held4(reply_bucket, forward_bucket)
+    } else {
+        lb_ct_filter_held6(reply_bucket, forward_bucket)
+    };
+    bits as u8
+}
+
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn lb_ct_filter_held4(reply_bucket: u32, forward_bucket: u32) -> u32 {
+    held_bits::<V4>(reply_bucket, forward_bucket)
+}
+
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn lb_ct_filter_held6(reply_bucket: u32, forward_bucket: u32) -> u32 {
+    held_bits::<V6>(reply_bucket, forward_bucket)
+}
+
+#[inline(always)]
+fn held_bits<F: Ip>(reply_bucket: u32, forward_bucket: u32) -> u32 {
+    let mut bits = 0;
+    if may_hold::<F>(reply_bucket) {
+        bits |= REPLY_MAY_BE_HELD as u32;
+    }
+    if may_hold::<F>(forward_bucket) {
+        bits |= FORWARD_MAY_BE_HELD as u32;
+    }
+    bits
 }
 
 pub(super) use lb_common::ct_filter::{bucket, key_bucket};

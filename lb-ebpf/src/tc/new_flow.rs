@@ -90,6 +90,7 @@ fn decide<F: Ip, const SCTP: bool, const LOCAL: bool>(
                 choice.masq_route =
                     masquerade_route::<F>(ctx, &pkt.flow.saddr, choice.backend_id, pkt.flow.proto);
             }
+            choice.held = held_tuples::<F>(&pkt.flow, choice.backend_id);
             match track::<F, SCTP, LOCAL>(ctx, pkt, choice) {
                 // Every masquerade port tried is held: take one back if a flow is done with one,
                 // and try again with it.
@@ -217,6 +218,8 @@ pub(super) struct Choice {
     snat_port: u16,
     /// Where the flow leaves the node, for its masquerade address (`snat::masquerade_route`).
     masq_route: u32,
+    /// Which of the flow's egress tuples an entry may hold already (`ct_filter::new_flow_tuples`).
+    held: u8,
     /// The counter the steps bumped for this flow, as an index (`Counter as u8`), for
     /// `lb-agent monitor`; [`NO_OUTCOME`] when none.
     outcome: u8,
@@ -245,6 +248,7 @@ impl Default for Choice {
             from_pod: false,
             snat_port: 0,
             masq_route: 0,
+            held: 0,
             outcome: NO_OUTCOME,
             filter_bucket: ct_filter::NO_BUCKET,
         }
@@ -346,10 +350,27 @@ fn choose<F: Ip, const LOCAL: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice
         from_pod,
         snat_port: 0,
         masq_route: 0,
+        held: 0,
         outcome: NO_OUTCOME,
         filter_bucket: ct_filter::NO_BUCKET,
     };
     CHOSEN
+}
+
+/// Which of the flow's egress tuples (with `backend_id`'s address and port) an entry may hold
+/// already (`ct_filter::new_flow_tuples`); both when the backend is gone (`track` finds so too).
+/// A BPF function of its own beside `track`: inside `track`, or inline in the caller, the
+/// tuples' hashing grows a frame of IPv6's call chain past its 512 bytes. Its lookup of the
+/// backend is the new flow's first; `track`'s finds the entry in the cache.
+#[inline(never)]
+fn held_tuples<F: Ip>(flow: &Flow<F>, backend_id: u32) -> u8 {
+    let Some(backend) = lb::lookup_backend::<F>(backend_id) else {
+        return ct_filter::REPLY_MAY_BE_HELD | ct_filter::FORWARD_MAY_BE_HELD;
+    };
+    ct_filter::new_flow_tuples::<F>(
+        ct_filter::bucket::<F>(&backend.addr, &flow.saddr, backend.port, flow.sport, flow.proto),
+        ct_filter::bucket::<F>(&flow.saddr, &backend.addr, flow.sport, backend.port, flow.proto),
+    )
 }
 
 /// kube-proxy's `-i <bridge>` / `-i <prefix>+` detectors: the interface the packet came in by is
@@ -427,7 +448,8 @@ fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
         // backend), masquerade this one so both stay unambiguous.
         // A new flow's entries go to the new-flow table; the tuple is taken if either table
         // holds it.
-        let inserted = F::conntrack().get_ptr(&key).is_none()
+        let inserted = (choice.held & ct_filter::REPLY_MAY_BE_HELD == 0
+            || F::conntrack().get_ptr(&key).is_none())
             && match insert_used(F::conntrack_new(), &key, &entry, BPF_NOEXIST as u64) {
                 Ok(()) => true,
                 Err(e) if e as i64 == -EEXIST => false,
@@ -482,6 +504,7 @@ fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
     key.sport = flow.sport;
     key.dport = backend.port;
     key.dir = dir::EGRESS;
+    let forward_held = choice.held & ct_filter::FORWARD_MAY_BE_HELD != 0;
     let mut tagged = false;
     match masquerade_to {
         None => {
@@ -491,7 +514,7 @@ fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
             // Egress cannot tell two such flows apart, so the newest owns the tuple.
             // Rarely there: looked up first (a lookup takes no lock; a delete takes the bucket's,
             // with interrupts off).
-            if lookup::<F>(&key).is_some() {
+            if forward_held && lookup::<F>(&key).is_some() {
                 let _ = F::conntrack().remove(&key);
                 let _ = F::conntrack_new().remove(&key);
             }
@@ -502,7 +525,8 @@ fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
             // so this one's entry is tagged and its packets marked (`lb_common::conntrack`). An
             // entry of this frontend is an earlier flow of this very tuple, replaced.
             let other = |k: &CtKey<F>| {
-                lookup::<F>(k).is_some_and(|old| unsafe { (*old).rev_nat_id != choice.rev_nat_id })
+                forward_held
+                    && lookup::<F>(k).is_some_and(|old| unsafe { (*old).rev_nat_id != choice.rev_nat_id })
             };
             if other(&key) {
                 key.tag = snat_tag(choice.rev_nat_id);
@@ -519,7 +543,9 @@ fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
             entry.nat_port = snat_port;
             entry.flags = ct::SNAT | ct::HANDSHAKE_TRACKED;
             // Likewise: an SNAT entry there would be found before this one.
-            let _ = F::conntrack().remove(&key);
+            if forward_held {
+                let _ = F::conntrack().remove(&key);
+            }
             if insert_used(F::conntrack_new(), &key, &entry, 0).is_err() {
                 choice.count(Counter::TcCtInsertFailed);
                 return TC_ACT_SHOT;
