@@ -29,26 +29,32 @@ fn test_out_of_line<F: Ip>(flow: &Flow<F>) -> bool {
 
 #[inline(always)]
 fn test<F: Ip>(flow: &Flow<F>) -> bool {
-    may_hold::<F>(ct_filter::bucket::<F>(
-        &flow.saddr,
-        &flow.daddr,
-        flow.sport,
-        flow.dport,
-        flow.proto,
-    ))
+    // The tuple is read after the control word's lookup, not before it: loaded before a helper
+    // call, its fields are spilled to the frame.
+    !active::<F>()
+        || may_hold::<F>(ct_filter::bucket::<F>(
+            &flow.saddr,
+            &flow.daddr,
+            flow.sport,
+            flow.dport,
+            flow.proto,
+        ))
 }
 
-/// Whether the conntrack tables may hold an egress entry whose tuple is in `bucket`: the filter
-/// is off, or a byte of the bucket is set. `false` is certain.
+/// Whether the filter is on: the agent has rebuilt it (or the maps held no flow), and a clear
+/// byte then says that no egress entry has a tuple of that bucket.
+#[inline(always)]
+fn active<F: Ip>() -> bool {
+    F::ct_filter()
+        .get(ct_filter::CONTROL)
+        .is_some_and(|control| ct_filter::control(*control).0)
+}
+
+/// Whether the conntrack tables may hold an egress entry whose tuple is in `bucket`, the filter
+/// being on: a byte of the bucket is set. `false` is certain.
 #[inline(always)]
 fn may_hold<F: Ip>(bucket: u32) -> bool {
-    let Some(control) = F::ct_filter().get(ct_filter::CONTROL) else {
-        return true;
-    };
-    if !ct_filter::control(*control).0 {
-        return true;
-    }
-    let (word, offset) = ct_filter::position(bucket % ct_filter::BUCKETS);
+    let (word, offset) = ct_filter::position(bucket);
     F::ct_filter()
         .get(word)
         .is_none_or(|w| ct_filter::word_has(*w, offset))
@@ -89,6 +95,9 @@ pub extern "C" fn lb_ct_filter_held6(reply_bucket: u32, forward_bucket: u32) -> 
 
 #[inline(always)]
 fn held_bits<F: Ip>(reply_bucket: u32, forward_bucket: u32) -> u32 {
+    if !active::<F>() {
+        return (REPLY_MAY_BE_HELD | FORWARD_MAY_BE_HELD) as u32;
+    }
     let mut bits = 0;
     if may_hold::<F>(reply_bucket) {
         bits |= REPLY_MAY_BE_HELD as u32;
