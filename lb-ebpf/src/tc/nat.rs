@@ -6,7 +6,7 @@ use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
     programs::TcContext,
 };
-use lb_common::{proto, stats::Counter};
+use lb_common::{backend::BackendValue, proto, stats::Counter};
 
 use super::{ip::Ip, parse::Packet, sctp};
 use crate::stats::count;
@@ -45,6 +45,17 @@ pub(super) fn apply_source<F: Ip>(ctx: &TcContext, pkt: &Packet<F>, addr: F::Add
         F::rewrite(ctx, pkt, true, addr, port)
     };
     verdict(rewritten)
+}
+
+/// A new SCTP flow's DNAT, after `track` (`new_flow::DNAT_PENDING`), through a BPF function of
+/// its own (`sctp::rewrite_destination`).
+#[inline(always)]
+pub(super) fn apply_sctp_destination<F: Ip>(
+    ctx: &TcContext,
+    pkt: &Packet<F>,
+    backend: &BackendValue<F>,
+) -> i32 {
+    verdict(sctp::rewrite_destination::<F>(ctx, pkt, backend))
 }
 
 #[inline(always)]

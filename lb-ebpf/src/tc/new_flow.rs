@@ -12,7 +12,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     affinity::kind,
-    backend::flags as backend_flags,
+    backend::{BackendValue, flags as backend_flags},
     cluster_ip::action,
     config::flags as config_flags,
     conntrack::{CtKey, CtValue, dir, flags as ct, snat_tag},
@@ -28,7 +28,7 @@ use super::{
     conntrack::{lookup, mark_forward, now_ns},
     ct_filter,
     ip::Ip,
-    nat::apply,
+    nat::{apply, apply_sctp_destination},
     parse::{Flow, Packet, skb},
     reject::{self, REJECT},
     snat::{masquerade_addr, masquerade_route, reclaim_port_for, reserve_snat_port},
@@ -61,7 +61,7 @@ pub(super) fn new_flow<F: Ip, const SCTP: bool, const LOCAL: bool>(
     ctx: &mut TcContext,
     pkt: &Packet<F>,
 ) -> i32 {
-    let mut choice = Choice::default();
+    let mut choice = Choice::<F>::default();
     let verdict = decide::<F, SCTP, LOCAL>(ctx, pkt, &mut choice);
     if choice.outcome != NO_OUTCOME && monitor::wanted(choice.outcome as u32) {
         event::<F, LOCAL>(ctx, Some(&pkt.flow), Some(&choice), choice.outcome as u32);
@@ -78,7 +78,7 @@ pub(super) fn new_flow<F: Ip, const SCTP: bool, const LOCAL: bool>(
 fn decide<F: Ip, const SCTP: bool, const LOCAL: bool>(
     ctx: &mut TcContext,
     pkt: &Packet<F>,
-    choice: &mut Choice,
+    choice: &mut Choice<F>,
 ) -> i32 {
     let verdict = match choose::<F, LOCAL>(ctx, pkt, choice) {
         CHOSEN => {
@@ -88,10 +88,10 @@ fn decide<F: Ip, const SCTP: bool, const LOCAL: bool>(
             // per state reaching it, and few reach this point.
             if !LOCAL {
                 choice.masq_route =
-                    masquerade_route::<F>(ctx, &pkt.flow.saddr, choice.backend_id, pkt.flow.proto);
+                    masquerade_route::<F>(ctx, &pkt.flow.saddr, &choice.backend, pkt.flow.proto);
             }
-            choice.held = held_tuples::<F>(&pkt.flow, choice.backend_id);
-            match track::<F, SCTP, LOCAL>(ctx, pkt, choice) {
+            choice.held = held_tuples::<F>(&pkt.flow, &choice.backend);
+            let verdict = match track::<F, SCTP, LOCAL>(ctx, pkt, choice) {
                 // Every masquerade port tried is held: take one back if a flow is done with one,
                 // and try again with it.
                 NO_FREE_PORT => {
@@ -102,6 +102,10 @@ fn decide<F: Ip, const SCTP: bool, const LOCAL: bool>(
                         _ => track::<F, SCTP, LOCAL>(ctx, pkt, choice),
                     }
                 }
+                verdict => verdict,
+            };
+            match verdict {
+                DNAT_PENDING if SCTP => apply_sctp_destination::<F>(ctx, pkt, &choice.backend),
                 verdict => verdict,
             }
         }
@@ -143,7 +147,7 @@ fn decide<F: Ip, const SCTP: bool, const LOCAL: bool>(
 pub(super) fn event<F: Ip, const EGRESS: bool>(
     ctx: &TcContext,
     flow: Option<&Flow<F>>,
-    choice: Option<&Choice>,
+    choice: Option<&Choice<F>>,
     outcome: u32,
 ) {
     // SAFETY: the context's skb pointer is valid for the program's run.
@@ -173,10 +177,8 @@ pub(super) fn event<F: Ip, const EGRESS: bool>(
             event.rev_nat_id = choice.rev_nat_id;
             event.backend_id = choice.backend_id;
             if outcome == Counter::TcNewFlow as u32 {
-                if let Some(backend) = lb::lookup_backend::<F>(choice.backend_id) {
-                    put_addr::<F>(&mut event.backend, &backend.addr);
-                    event.backend_port = backend.port;
-                }
+                put_addr::<F>(&mut event.backend, &choice.backend.addr);
+                event.backend_port = choice.backend.port;
                 if choice.snat_port != 0 {
                     if let Some(addr) = masquerade_addr::<F>(choice.masq_route) {
                         put_addr::<F>(&mut event.nat, addr);
@@ -200,12 +202,25 @@ const NOT_A_FRONTEND: i32 = i32::MIN + 4;
 /// What `choose` returns when it filled in a [`Choice`].
 const CHOSEN: i32 = i32::MIN + 2;
 
+/// What an SCTP flow's `track` returns once its entries are in: the caller rewrites the
+/// destination (`nat::apply_sctp_destination`). SCTP's port rewrite calls `lb_sctp_checksum`, a
+/// frame of its own, which below `track` would take `lb_tc_sctp_in`'s call chain (the program,
+/// `sctp_ingress_of`, `track`) past the 512 bytes Linux 5.10 and 6.1 allow it (each frame
+/// rounded up to 32).
+const DNAT_PENDING: i32 = i32::MIN + 5;
+
 /// [`Choice::outcome`] before anything was counted.
 const NO_OUTCOME: u8 = u8::MAX;
 
 /// The backend a new flow goes to, and what `track` needs of its frontend.
-pub(super) struct Choice {
+pub(super) struct Choice<F: Ip> {
     backend_id: u32,
+    /// The backend's entry as `choose` read it (the service slot's copy, or the backends map's
+    /// for an affinity or Maglev choice): the later steps use it rather than look the backend up
+    /// again, a dependent cache miss per new flow. Plain values, not a pointer to the entry: a
+    /// map pointer kept across the BPF functions prunes poorly (6.18: `lb_tc_ingress` 636k ->
+    /// 688k steps, and 5.10 did not finish verifying it in 8 minutes).
+    backend: BackendValue<F>,
     rev_nat_id: u32,
     /// The frontend entry's `flags::*`.
     frontend_flags: u16,
@@ -228,7 +243,15 @@ pub(super) struct Choice {
     filter_bucket: u32,
 }
 
-impl Choice {
+impl<F: Ip> Choice<F> {
+    /// The backend's address, read where it is used: loaded early, LLVM keeps it in `track`'s
+    /// frame (16 bytes for IPv6, which that call chain's 512 bytes have no room for).
+    #[inline(always)]
+    fn backend_addr(&self) -> F::Addr {
+        // SAFETY: a read of an initialized field of a live reference.
+        unsafe { core::ptr::read_volatile(&self.backend.addr) }
+    }
+
     /// Counts `counter` and remembers it as this flow's outcome (as `sock::Outcome::count`).
     #[inline(always)]
     fn count(&mut self, counter: Counter) {
@@ -237,11 +260,12 @@ impl Choice {
     }
 }
 
-impl Default for Choice {
+impl<F: Ip> Default for Choice<F> {
     #[inline(always)]
     fn default() -> Self {
         Choice {
             backend_id: 0,
+            backend: BackendValue::default(),
             rev_nat_id: 0,
             frontend_flags: 0,
             scope: 0,
@@ -278,7 +302,7 @@ fn cluster_ip_check<F: Ip>(ctx: &mut TcContext, daddr: &F::Addr) -> i32 {
 /// The frontend of a new flow and its backend: [`CHOSEN`] with `choice` filled in, [`REJECT`],
 /// [`NOT_A_FRONTEND`], or another verdict (denied by loadBalancerSourceRanges, no endpoints).
 #[inline(never)]
-fn choose<F: Ip, const LOCAL: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice) -> i32 {
+fn choose<F: Ip, const LOCAL: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice: &mut Choice<F>) -> i32 {
     let flow = &pkt.flow;
     let cfg = lb::datapath_config();
     // kube-proxy's local-traffic detector: pods (sources in the family's cluster CIDRs, or packets
@@ -336,7 +360,7 @@ fn choose<F: Ip, const LOCAL: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice
     } else {
         unsafe { bpf_get_prandom_u32() }
     };
-    let Some((backend_id, _)) =
+    let Some((backend_id, backend)) =
         lb::select_backend::<F>(&svc_key, frontend, || client, kind::ADDR, hash, now_ns)
     else {
         choice.count(Counter::TcNoBackend);
@@ -344,6 +368,7 @@ fn choose<F: Ip, const LOCAL: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice
     };
     *choice = Choice {
         backend_id,
+        backend: *backend,
         rev_nat_id: frontend.rev_nat_id,
         frontend_flags: frontend.flags,
         scope: svc_key.scope,
@@ -357,16 +382,12 @@ fn choose<F: Ip, const LOCAL: bool>(ctx: &mut TcContext, pkt: &Packet<F>, choice
     CHOSEN
 }
 
-/// Which of the flow's egress tuples (with `backend_id`'s address and port) an entry may hold
-/// already (`ct_filter::new_flow_tuples`); both when the backend is gone (`track` finds so too).
-/// A BPF function of its own beside `track`: inside `track`, or inline in the caller, the
-/// tuples' hashing grows a frame of IPv6's call chain past its 512 bytes. Its lookup of the
-/// backend is the new flow's first; `track`'s finds the entry in the cache.
+/// Which of the flow's egress tuples (with the backend's address and port) an entry may hold
+/// already (`ct_filter::new_flow_tuples`). A BPF function of its own beside `track`: inside
+/// `track`, or inline in the caller, the tuples' hashing grows a frame of IPv6's call chain past
+/// its 512 bytes.
 #[inline(never)]
-fn held_tuples<F: Ip>(flow: &Flow<F>, backend_id: u32) -> u8 {
-    let Some(backend) = lb::lookup_backend::<F>(backend_id) else {
-        return ct_filter::REPLY_MAY_BE_HELD | ct_filter::FORWARD_MAY_BE_HELD;
-    };
+fn held_tuples<F: Ip>(flow: &Flow<F>, backend: &BackendValue<F>) -> u8 {
     ct_filter::new_flow_tuples::<F>(
         ct_filter::bucket::<F>(&backend.addr, &flow.saddr, backend.port, flow.sport, flow.proto),
         ct_filter::bucket::<F>(&flow.saddr, &backend.addr, flow.sport, backend.port, flow.proto),
@@ -389,29 +410,26 @@ fn came_in_by_pod_interface(ctx: &TcContext) -> bool {
 fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
     ctx: &mut TcContext,
     pkt: &Packet<F>,
-    choice: &mut Choice,
+    choice: &mut Choice<F>,
 ) -> i32 {
     let flow = &pkt.flow;
     let cfg = lb::datapath_config();
     let has = |flag: u16| choice.frontend_flags & flag != 0;
     let backend_id = choice.backend_id;
-    // Removed since `choose` read it (the agent deletes a backend after unlinking its slots):
-    // as if there were none.
-    let Some(backend) = lb::lookup_backend::<F>(backend_id) else {
-        choice.count(Counter::TcNoBackend);
-        return TC_ACT_OK;
-    };
+    // The backend as `choose` read it: removed since (the agent deletes a backend after
+    // unlinking its slots), the flow goes to it as if it had begun a moment earlier.
+    let backend_port = choice.backend.port;
     let now = now_ns();
     // A backend at one of this node's own addresses (a hostNetwork endpoint at any interface's
     // address or the node IP; the agent flags them) is delivered locally: the packet never
     // reaches egress, where masquerading happens. As with kube-proxy, whose POSTROUTING
     // MASQUERADE never sees a locally delivered packet, it keeps the client's address and its
     // replies get the frontend back on their way out.
-    let local_backend = backend.flags & backend_flags::HOST != 0;
+    let local_backend = choice.backend.flags & backend_flags::HOST != 0;
     // Hairpin: the reply must come back through this node to be translated.
     let wanted = has(flags::MASQUERADE)
         || (has(flags::MASQUERADE_OFF_CLUSTER) && !choice.from_pod)
-        || backend.addr == flow.saddr;
+        || choice.backend_addr() == flow.saddr;
     // `&` rather than `&&`: one branch fewer for the verifier to walk every state of the rest of
     // `track` through (Linux 6.1: 823,898 -> 758,224 steps for lb_tc_ingress). Making the three
     // tests above branch-free too saves more steps but spills past the 512-byte stack.
@@ -434,9 +452,9 @@ fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
     };
     // The reply tuple (backend -> client), as egress sees it.
     let mut key = CtKey::<F> {
-        saddr: backend.addr,
+        saddr: choice.backend_addr(),
         daddr: flow.saddr,
-        sport: backend.port,
+        sport: backend_port,
         dport: flow.sport,
         proto: flow.proto,
         dir: dir::EGRESS,
@@ -500,9 +518,9 @@ fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
     // The tuple this flow has on the wire after DNAT; egress masquerades it when it carries an
     // SNAT entry.
     key.saddr = flow.saddr;
-    key.daddr = backend.addr;
+    key.daddr = choice.backend_addr();
     key.sport = flow.sport;
-    key.dport = backend.port;
+    key.dport = backend_port;
     key.dir = dir::EGRESS;
     let forward_held = choice.held & ct_filter::FORWARD_MAY_BE_HELD != 0;
     let mut tagged = false;
@@ -557,11 +575,11 @@ fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
     if tagged {
         entry.flags |= ct::SNAT_TAGGED;
     }
-    if backend.addr == flow.saddr {
+    if choice.backend_addr() == flow.saddr {
         entry.flags |= ct::HAIRPIN;
     }
-    entry.nat_addr = backend.addr;
-    entry.nat_port = backend.port;
+    entry.nat_addr = choice.backend_addr();
+    entry.nat_port = backend_port;
     if insert_used(F::conntrack_new(), &flow.key(dir::INGRESS), &entry, 0).is_err() {
         choice.count(Counter::TcCtInsertFailed);
         return TC_ACT_SHOT;
@@ -572,7 +590,13 @@ fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
     choice.filter_bucket = if masquerade {
         ct_filter::key_bucket(&key)
     } else {
-        ct_filter::bucket::<F>(&backend.addr, &flow.saddr, backend.port, flow.sport, flow.proto)
+        ct_filter::bucket::<F>(
+            &choice.backend_addr(),
+            &flow.saddr,
+            backend_port,
+            flow.sport,
+            flow.proto,
+        )
     };
     choice.count(Counter::TcNewFlow);
     choice.snat_port = snat_port;
@@ -584,5 +608,8 @@ fn track<F: Ip, const SCTP: bool, const LOCAL: bool>(
         trace_cb::CB_SCOPE_FLAGS,
         choice.scope as u32 | if masquerade { trace_cb::MASQUERADED } else { 0 },
     );
-    apply::<F, SCTP>(ctx, pkt, false, backend.addr, backend.port)
+    if SCTP {
+        return DNAT_PENDING;
+    }
+    apply::<F, SCTP>(ctx, pkt, false, choice.backend_addr(), backend_port)
 }

@@ -13,6 +13,8 @@
 
 use aya_ebpf::{bindings::BPF_F_RECOMPUTE_CSUM, programs::TcContext};
 
+use lb_common::backend::BackendValue;
+
 use super::{ip::Ip, parse::Packet};
 
 /// Offset of the checksum in SCTP's common header (after the ports and the verification tag).
@@ -30,6 +32,20 @@ pub(super) fn rewrite_source<F: Ip>(
     port: u16,
 ) -> Result<(), ()> {
     rewrite::<F, true>(ctx, pkt, addr, port)
+}
+
+/// The destination rewrite of a new flow's first packet (`new_flow`, after `track`), as a BPF
+/// function of its own: inlined, its locals grew `sctp_ingress_of::<V6>`'s frame past what that
+/// call chain has room for on 5.10 and 6.1 (the program, `sctp_ingress_of`, `establish`,
+/// `lb_sctp_checksum`). The backend by reference: an IPv6 address by value is a copy in the
+/// caller's frame.
+#[inline(never)]
+pub(super) fn rewrite_destination<F: Ip>(
+    ctx: &TcContext,
+    pkt: &Packet<F>,
+    backend: &BackendValue<F>,
+) -> Result<(), ()> {
+    rewrite::<F, false>(ctx, pkt, backend.addr, backend.port)
 }
 
 /// Rewrites the destination (`SOURCE == false`) or source address and port of an SCTP packet.

@@ -10,7 +10,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use lb_common::{
-    backend::flags as backend_flags,
+    backend::{BackendValue, flags as backend_flags},
     config::{DatapathConfig, MASQUERADE_FALLBACK, flags as config_flags},
     conntrack::{CtKey, CtValue, dir, flags as ct, snat_tag},
     family::{V4, V6},
@@ -28,21 +28,23 @@ use crate::{family::insert_used, lb, maps::MASQ_ADDRS, stats::count};
 /// (`BPF_FIB_LKUP_RET_SUCCESS`, `_NO_NEIGH`, `_FRAG_NEEDED`).
 pub(super) const ROUTED: [i64; 3] = [0, 7, 8];
 
-/// The interface a new flow from `saddr` to its backend `backend_id` leaves by, and the slot of the
+/// The interface a new flow from `saddr` to its backend leaves by, and the slot of the
 /// masquerade address MASQUERADE would give it there (`InterfaceAddrs::slot_for` its next hop):
 /// `(ifindex, slot)`, or `(MASQUERADE_FALLBACK, 0)` when the node's interfaces all masquerade
 /// with the primary IP (no lookup) or the route is unknown. The lookup is the kernel's for the
 /// packet as it will be forwarded: after DNAT, from the interface it came in by.
 #[inline(never)]
-pub(super) fn masquerade_route<F: Ip>(ctx: &TcContext, saddr: &F::Addr, backend_id: u32, proto: u8) -> u32 {
+pub(super) fn masquerade_route<F: Ip>(
+    ctx: &TcContext,
+    saddr: &F::Addr,
+    backend: &BackendValue<F>,
+    proto: u8,
+) -> u32 {
     if lb::datapath_config().flags & config_flags::MASQUERADE_BY_INTERFACE == 0 {
         return MASQUERADE_FALLBACK;
     }
-    // Gone since `choose` read it: `track` finds so too. At a node address: delivered locally,
-    // no route to look up (the lookup would say "not forwarded", counted as an unknown route).
-    let Some(backend) = lb::lookup_backend::<F>(backend_id) else {
-        return MASQUERADE_FALLBACK;
-    };
+    // At a node address: delivered locally, no route to look up (the lookup would say "not
+    // forwarded", counted as an unknown route).
     if backend.flags & backend_flags::HOST != 0 {
         return MASQUERADE_FALLBACK;
     }

@@ -394,3 +394,39 @@ pub fn measure(n: u32, family: Family, batches: usize, calls: usize) -> Result<T
     });
     Ok(level)
 }
+
+/// `lb-bench tc-profile`: new flows (the fixture's SYNs to random Services, one call each) for
+/// `secs` seconds, for a profiler to sample (`perf record -g -- lb-bench tc-profile ...`; the
+/// programs' samples are those under `bpf_prog_*_lb_tc_ingress`). Each client address sends at
+/// most 60,000 SYNs; the scratch maps are built again before their new-flow table could fill
+/// (an LRU map evicts before it is full, and eviction is not what this profiles). Prints the
+/// median call.
+pub fn profile_new_flow(n: u32, family: Family, secs: u64) -> Result<()> {
+    const FLOWS_PER_MAPS: usize = 60_000;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    let vip = |i: u32| api::cluster_ip_in(family, i % n).to_string();
+    let client = topo::client_ip(family);
+    let mut v = Vec::new();
+    while std::time::Instant::now() < deadline {
+        let mut s = scratch(n, family)?;
+        for k in 0..FLOWS_PER_MAPS {
+            let i = (k as u32).wrapping_mul(2_654_435_761) % n;
+            let syn = packet::tcp(client, 1024 + k as u16, &vip(i), 80).build();
+            let out = s.datapath.test_run_tc("lb_tc_ingress", &syn, 1)?;
+            if packet::summary(&out.packet).dst == api::cluster_ip_in(family, i) {
+                bail!("a SYN to a ClusterIP was not translated");
+            }
+            v.push(ns(out.duration));
+            if k % 1024 == 0 && std::time::Instant::now() >= deadline {
+                break;
+            }
+        }
+    }
+    println!(
+        "{} new flows at {n} Services ({}): median {} ns per call (raw)",
+        v.len(),
+        family.name(),
+        median(&mut v)
+    );
+    Ok(())
+}

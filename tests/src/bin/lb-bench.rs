@@ -8,6 +8,7 @@
 //! its namespaces and cgroups. `lb-bench cluster N` is for profiling by hand: a control plane
 //! holding the suite's N Services (10 endpoints each) until Ctrl-C, its kubeconfig printed, so
 //! an agent can be started against it as often as needed without creating them again.
+//! `lb-bench tc-profile N SECONDS` runs the tc new-flow fixture in a loop for a profiler.
 //!
 //! The results are saved as JSON after every step (target/bench/results-{quick,full}.json) and
 //! every proxy's log in target/bench/logs. `LB_BENCH_VERBOSE=1` echoes the proxies' logs live;
@@ -118,6 +119,24 @@ fn build_agent() {
     bench::use_agent(target_dir.join("release/lb-agent"));
 }
 
+/// `lb-bench tc-profile [N] [SECONDS] [ipv6]`: new flows through `lb_tc_ingress` for a profiler
+/// (`perf record -g -- lb-bench tc-profile 1000 20`); see `bench::tcrun::profile_new_flow`.
+fn tc_profile(args: &[String]) {
+    lb_tests::require_root();
+    let n = args
+        .first()
+        .map_or(1000, |a| a.parse().expect("N: a number of Services"));
+    let secs = args.get(1).map_or(20, |a| a.parse().expect("SECONDS: a number"));
+    let family = match args.get(2).map(String::as_str) {
+        Some("ipv6") => lb_tests::packet::Family::V6,
+        _ => lb_tests::packet::Family::V4,
+    };
+    if let Err(e) = bench::tcrun::profile_new_flow(n, family, secs) {
+        eprintln!("tc-profile: {e:#}");
+        std::process::exit(1);
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
@@ -126,6 +145,7 @@ fn main() {
         Some("probe") => return bench::crr::probe_main(&args[2..]),
         Some("load") => return bench::throughput::load_main(&args[2..]),
         Some("cluster") => return hold_cluster(&args[2..]),
+        Some("tc-profile") => return tc_profile(&args[2..]),
         _ => {}
     }
     let cli = Cli::parse();
