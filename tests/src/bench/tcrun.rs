@@ -229,10 +229,7 @@ pub fn measure(n: u32, family: Family, batches: usize, calls: usize) -> Result<T
     });
 
     // New flow: a SYN to a random Service, a new source port each call.
-    let syn = |k: usize| {
-        let i = (k as u32).wrapping_mul(2_654_435_761) % n;
-        packet::tcp(client, 1024 + (k % 60_000) as u16, &vip(i), 80).build()
-    };
+    let syn = |k: usize| new_flow_syn(n, family, k).1;
     let first = s.datapath.test_run_tc("lb_tc_ingress", &syn(0), 1)?;
     if packet::summary(&first.packet).dst == api::cluster_ip_in(family, 0) {
         bail!("the SYN to a ClusterIP was not translated");
@@ -395,6 +392,15 @@ pub fn measure(n: u32, family: Family, batches: usize, calls: usize) -> Result<T
     Ok(level)
 }
 
+/// The new-flow fixture's `k`-th SYN, and the Service it goes to: a Service picked by a
+/// multiplicative hash of `k` (spread over all `n`), source port `1024 + k % 60,000`.
+fn new_flow_syn(n: u32, family: Family, k: usize) -> (u32, Vec<u8>) {
+    let i = (k as u32).wrapping_mul(2_654_435_761) % n;
+    let vip = api::cluster_ip_in(family, i).to_string();
+    let syn = packet::tcp(topo::client_ip(family), 1024 + (k % 60_000) as u16, &vip, 80).build();
+    (i, syn)
+}
+
 /// `lb-bench tc-profile`: new flows (the fixture's SYNs to random Services, one call each) for
 /// `secs` seconds, for a profiler to sample (`perf record -g -- lb-bench tc-profile ...`; the
 /// programs' samples are those under `bpf_prog_*_lb_tc_ingress`). Each client address sends at
@@ -404,14 +410,11 @@ pub fn measure(n: u32, family: Family, batches: usize, calls: usize) -> Result<T
 pub fn profile_new_flow(n: u32, family: Family, secs: u64) -> Result<()> {
     const FLOWS_PER_MAPS: usize = 60_000;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-    let vip = |i: u32| api::cluster_ip_in(family, i % n).to_string();
-    let client = topo::client_ip(family);
     let mut v = Vec::new();
     while std::time::Instant::now() < deadline {
         let mut s = scratch(n, family)?;
         for k in 0..FLOWS_PER_MAPS {
-            let i = (k as u32).wrapping_mul(2_654_435_761) % n;
-            let syn = packet::tcp(client, 1024 + k as u16, &vip(i), 80).build();
+            let (i, syn) = new_flow_syn(n, family, k);
             let out = s.datapath.test_run_tc("lb_tc_ingress", &syn, 1)?;
             if packet::summary(&out.packet).dst == api::cluster_ip_in(family, i) {
                 bail!("a SYN to a ClusterIP was not translated");
