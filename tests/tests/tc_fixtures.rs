@@ -2712,12 +2712,19 @@ fn a_batch_that_stops_early_holds_no_prefilter_bit_for_what_it_never_wrote() {
         .put_services(&entries)
         .expect_err("three frontends in a map of two");
     assert_eq!(err.done, 2, "{err:?}");
+    // A frontend holds two bits: its address's and its (address, port)'s.
     let holds = |last: u8| {
-        maps.prefilter
-            .holds(&Owner::frontend(&key(last)).expect("slot 0").0)
+        let owners: Vec<Owner> = Owner::frontend(&key(last)).map(|(o, _, _)| o).collect();
+        assert_eq!(owners.len(), 2, "slot 0");
+        owners.iter().map(|o| maps.prefilter.holds(o)).collect::<Vec<_>>()
     };
-    assert!(holds(1) && holds(2), "written frontends hold their bits");
-    assert!(!holds(3), "the frontend that was never written holds nothing");
+    assert_eq!(holds(1), [true, true], "written frontends hold their bits");
+    assert_eq!(holds(2), [true, true], "written frontends hold their bits");
+    assert_eq!(
+        holds(3),
+        [false, false],
+        "the frontend that was never written holds nothing"
+    );
 }
 
 /// The kernel maps write runs of service and backend entries with BPF_MAP_UPDATE_BATCH, one run
@@ -2889,6 +2896,167 @@ fn the_prefilter_keeps_the_bits_of_a_deleted_services_live_flows() {
         // The Service's other tuples were never needed by the flow; a frontend still present is.
         let (family, np_bit) = ingress_bit(&f.ip("10.96.0.11"));
         assert!(prefilter.is_set(family, np_bit));
+    }
+}
+
+/// The prefilter's port bits (`lb_common::prefilter::ingress_port_bit`): a packet to a frontend
+/// or masquerade address (here the node IP, both) takes the full path only on a frontend's port or
+/// a masquerade port, so the node's own traffic to its address passes after the filter. Shown by
+/// flows whose entries name ports no frontend has (a deleted NodePort's live flow, an un-SNAT
+/// entry of a port outside today's masquerade range): the programs skip them while their port
+/// bits are clear, and a GC pass that names them sets the bits, as at every start before the
+/// programs are attached. A NodePort flow (its port's bit) and its masqueraded reply (a masquerade
+/// port) are translated as ever.
+#[test]
+fn the_prefilter_passes_the_node_ips_other_ports_and_keeps_its_flows_ports() {
+    use lb_agent::{
+        apply::prefilter::{Referenced, ingress_bit, ingress_port_bit},
+        datapath::conntrack,
+    };
+    use lb_common::conntrack::{CtKey, CtValue, dir, flags as ct};
+
+    let mut s = scratch(true);
+    let prefilter = s.maps().prefilter.clone();
+    let mut ct_maps = s.datapath.take_conntrack().expect("conntrack maps");
+    let gc_and_rebuild = |ct_maps: &mut conntrack::ConntrackMaps| {
+        let mut referenced = Referenced::default();
+        ct_maps
+            .collect_noting(
+                lb_agent::time::monotonic_coarse_ns(),
+                &conntrack::GcTimeouts::default(),
+                &mut referenced,
+                &mut Default::default(),
+            )
+            .expect("gc");
+        prefilter.rebuild(&referenced).unwrap();
+    };
+    // An entry keyed `key` (ingress) rewriting the destination to `to`, as the programs write
+    // them (the flags say which kind).
+    let insert = |ct_maps: &mut conntrack::ConntrackMaps,
+                  (src, sport): (IpAddr, u16),
+                  (dst, dport): (IpAddr, u16),
+                  (to, to_port): (IpAddr, u16),
+                  flags: u16| {
+        let now = lb_agent::time::monotonic_coarse_ns();
+        match (src, dst, to) {
+            (IpAddr::V4(a), IpAddr::V4(b), IpAddr::V4(c)) => {
+                let key = CtKey::<lb_common::family::V4> {
+                    saddr: a.octets(),
+                    daddr: b.octets(),
+                    sport,
+                    dport,
+                    proto: lb_common::proto::TCP,
+                    dir: dir::INGRESS,
+                    tag: 0,
+                };
+                let value = CtValue::<lb_common::family::V4> {
+                    created_ns: now,
+                    last_seen_ns: now,
+                    nat_addr: c.octets(),
+                    nat_port: to_port,
+                    flags,
+                    ..Default::default()
+                };
+                ct_maps.v4.insert(&key, &value, 0).expect("insert");
+            }
+            (IpAddr::V6(a), IpAddr::V6(b), IpAddr::V6(c)) => {
+                let key = CtKey::<lb_common::family::V6> {
+                    saddr: a.into(),
+                    daddr: b.into(),
+                    sport,
+                    dport,
+                    proto: lb_common::proto::TCP,
+                    dir: dir::INGRESS,
+                    tag: 0,
+                };
+                let value = CtValue::<lb_common::family::V6> {
+                    created_ns: now,
+                    last_seen_ns: now,
+                    nat_addr: c.into(),
+                    nat_port: to_port,
+                    flags,
+                    ..Default::default()
+                };
+                ct_maps.v6.insert(&key, &value, 0).expect("insert");
+            }
+            _ => unreachable!(),
+        }
+    };
+    for f in FAMILIES {
+        let node = f.ip(NODE_IP);
+        let (family, address) = ingress_bit(&node);
+        assert!(
+            prefilter.is_set(family, address),
+            "{f:?}: the node IP's bit (NodePorts, masquerade)"
+        );
+        assert!(
+            prefilter.is_set(family, ingress_port_bit(&node, 30080).1),
+            "{f:?}: a NodePort's port"
+        );
+
+        // A NodePort flow and its masqueraded reply: translated as ever.
+        let syn = tcp(f, CLIENT, 41100, NODE_IP, 30080).build();
+        let dnat = ingress(&mut s, &syn);
+        assert_eq!(
+            summary(&dnat.packet).dst,
+            f.ip("10.244.2.7"),
+            "{f:?} NodePort DNAT"
+        );
+        let port = summary(&egress(&mut s, &dnat.packet).packet).sport;
+        let reply = tcp(f, "10.244.2.7", 8080, NODE_IP, port).data(b"pong").build();
+        assert_eq!(
+            summary(&ingress(&mut s, &reply).packet).dst,
+            f.ip(CLIENT),
+            "{f:?} un-SNAT"
+        );
+
+        // A live flow to the node IP on a port no frontend has (a deleted NodePort's, 31999):
+        // skipped while the port's bit is clear, translated once a GC pass names it.
+        let (flow_port, unsnat_port) = (31_999, 10_251);
+        assert!(!prefilter.is_set(family, ingress_port_bit(&node, flow_port).1));
+        assert!(!prefilter.is_set(family, ingress_port_bit(&node, unsnat_port).1));
+        insert(
+            &mut ct_maps,
+            (f.ip(CLIENT), 41101),
+            (node, flow_port),
+            (f.ip("10.244.2.7"), 8080),
+            0,
+        );
+        // An un-SNAT entry of a port outside the masquerade ports (made by a release whose range
+        // differed): the reply to it is the client's.
+        insert(
+            &mut ct_maps,
+            (f.ip("10.244.2.7"), 8080),
+            (node, unsnat_port),
+            (f.ip(CLIENT), 41102),
+            ct::REPLY | ct::SNAT,
+        );
+        let to_flow = tcp(f, CLIENT, 41101, NODE_IP, flow_port).data(b"GET").build();
+        let to_unsnat = tcp(f, "10.244.2.7", 8080, NODE_IP, unsnat_port)
+            .data(b"ok")
+            .build();
+        for pkt in [&to_flow, &to_unsnat] {
+            let run = ingress(&mut s, pkt);
+            assert_eq!(run.action, OK);
+            assert_bytes(
+                &run.packet,
+                pkt,
+                format!("{f:?}: the port's bit is clear: skipped"),
+            );
+        }
+        gc_and_rebuild(&mut ct_maps);
+        assert!(prefilter.is_set(family, ingress_port_bit(&node, flow_port).1));
+        assert!(prefilter.is_set(family, ingress_port_bit(&node, unsnat_port).1));
+        assert_eq!(
+            summary(&ingress(&mut s, &to_flow).packet).dst,
+            f.ip("10.244.2.7"),
+            "{f:?}: the live flow, its port named by its entry"
+        );
+        assert_eq!(
+            summary(&ingress(&mut s, &to_unsnat).packet).dst,
+            f.ip(CLIENT),
+            "{f:?}: the un-SNAT entry outside the masquerade ports"
+        );
     }
 }
 

@@ -741,7 +741,7 @@ fn replace_entries<V: Pod>(
 
 /// The prefilter bits of the frontend entries (slot 0) among `entries`.
 fn frontend_bits(entries: &[(ServiceMapKey, ServiceMapValue)]) -> Vec<(Owner, IpFamily, u32)> {
-    entries.iter().filter_map(|(k, _)| Owner::frontend(k)).collect()
+    entries.iter().flat_map(|(k, _)| Owner::frontend(k)).collect()
 }
 
 impl KernelMaps {
@@ -926,7 +926,7 @@ impl MapOps for KernelMaps {
             IpFamily::V4 => self.v4.delete_service(key)?,
             IpFamily::V6 => self.v6.delete_service(key)?,
         }
-        if let Some((owner, _, _)) = Owner::frontend(key) {
+        for (owner, _, _) in Owner::frontend(key) {
             self.prefilter.release(&owner);
         }
         Ok(())
@@ -1063,7 +1063,7 @@ impl MapOps for KernelMaps {
     }
 
     fn adopted(&mut self, snapshot: &Snapshot) -> Result<(), MapError> {
-        let frontends = snapshot.services.keys().filter_map(Owner::frontend);
+        let frontends = snapshot.services.keys().flat_map(Owner::frontend);
         let backends = snapshot.backends.iter().map(|(id, v)| Owner::backend(*id, v));
         self.prefilter.hold_all(frontends.chain(backends)).map(drop)
     }

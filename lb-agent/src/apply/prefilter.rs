@@ -51,6 +51,13 @@ pub fn ingress_bit(ip: &IpAddr) -> (IpFamily, u32) {
     }
 }
 
+/// The bit of a destination (address, port) at ingress, in its family (the address's bit's
+/// line: `lb_common::prefilter::ingress_port_bit`).
+pub fn ingress_port_bit(ip: &IpAddr, port: u16) -> (IpFamily, u32) {
+    let (family, address) = ingress_bit(ip);
+    (family, prefilter::ingress_port_bit(address, port))
+}
+
 /// The bit of a backend's (address, port) at egress, in its family.
 pub fn egress_bit(ip: &IpAddr, port: u16) -> (IpFamily, u32) {
     match ip {
@@ -67,6 +74,8 @@ pub fn egress_bit(ip: &IpAddr, port: u16) -> (IpFamily, u32) {
 pub enum Owner {
     /// A frontend's slot-0 entry (either scope): its address at ingress.
     Frontend(ServiceMapKey),
+    /// The same entry: its (address, port) at ingress.
+    FrontendPort(ServiceMapKey),
     /// A backend id: its (address, port) at egress.
     Backend(IpFamily, u32),
     /// A family's masquerade address (`FamilyConfig::snat_addr`): un-SNAT entries at ingress.
@@ -76,12 +85,21 @@ pub enum Owner {
 }
 
 impl Owner {
-    /// The owner and bit of a service entry, if it is a frontend's (slot 0).
-    pub fn frontend(key: &ServiceMapKey) -> Option<(Owner, IpFamily, u32)> {
-        (key.slot == 0).then(|| {
-            let (family, bit) = ingress_bit(&key.addr);
-            (Owner::Frontend(*key), family, bit)
-        })
+    /// The owners and bits of a service entry, if it is a frontend's (slot 0): its address's and
+    /// its (address, port)'s.
+    pub fn frontend(key: &ServiceMapKey) -> impl Iterator<Item = (Owner, IpFamily, u32)> + use<> {
+        let key = *key;
+        (key.slot == 0)
+            .then(|| {
+                let (family, address) = ingress_bit(&key.addr);
+                let (_, port) = ingress_port_bit(&key.addr, key.port);
+                [
+                    (Owner::Frontend(key), family, address),
+                    (Owner::FrontendPort(key), family, port),
+                ]
+            })
+            .into_iter()
+            .flatten()
     }
 
     pub fn backend(id: u32, value: &BackendEntry) -> (Owner, IpFamily, u32) {

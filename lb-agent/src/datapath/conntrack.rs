@@ -371,7 +371,7 @@ where
     let started = Instant::now();
     let mut entries = HashMap::new();
     read_entries(map, |k, v| {
-        referenced.insert(lb_common::prefilter::conntrack_bit(k, v));
+        referenced.extend(lb_common::prefilter::conntrack_bits(k, v));
         flows.note(k);
         entries.insert(*k, *v);
     })?;
@@ -449,12 +449,12 @@ impl ConntrackMaps {
         let Referenced { v4, v6, .. } = &mut referenced;
         for map in [&self.v4, &self.new_v4] {
             read_entries(map, |k, v| {
-                v4.insert(lb_common::prefilter::conntrack_bit(k, v));
+                v4.extend(lb_common::prefilter::conntrack_bits(k, v));
             })?;
         }
         for map in [&self.v6, &self.new_v6] {
             read_entries(map, |k, v| {
-                v6.insert(lb_common::prefilter::conntrack_bit(k, v));
+                v6.extend(lb_common::prefilter::conntrack_bits(k, v));
             })?;
         }
         Ok(referenced)

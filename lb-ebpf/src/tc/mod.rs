@@ -163,7 +163,7 @@ fn sctp_ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
                     return verdict;
                 }
             }
-            if prefilter::ingress::<F>(&pkt.flow.daddr) {
+            if prefilter::ingress::<F>(&pkt.flow.daddr, pkt.flow.dport) {
                 l4_ingress::<F, true>(ctx, &pkt)
             } else {
                 TC_ACT_OK
@@ -195,7 +195,7 @@ fn ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
         Parsed::Truncated => untranslated::<F>(ctx, None, Counter::TcTruncated),
         Parsed::Fragment => untranslated::<F>(ctx, None, Counter::TcFragment),
         Parsed::Icmp(l4, outer) => icmp_error::icmp_error_ingress::<F>(ctx, l4, &outer),
-        Parsed::Later(flow) if !prefilter::ingress::<F>(&flow.daddr) => TC_ACT_OK,
+        Parsed::Later(flow) if !prefilter::ingress_address::<F>(&flow.daddr) => TC_ACT_OK,
         Parsed::Later(flow) => match fragment::ingress::<F>(ctx, &flow) {
             fragment::UNFOLLOWED => untranslated::<F>(ctx, Some(&flow), Counter::TcFragment),
             verdict => verdict,
@@ -203,7 +203,7 @@ fn ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
         // SCTP to a frontend or a masquerade address, or from a backend (a reply to the node's
         // own association, `local`): `lb_tc_sctp_in`'s.
         Parsed::L4(pkt) if pkt.flow.proto == proto::SCTP => {
-            if prefilter::ingress::<F>(&pkt.flow.daddr)
+            if prefilter::ingress::<F>(&pkt.flow.daddr, pkt.flow.dport)
                 || prefilter::egress_end::<F>((&pkt.flow.saddr, pkt.flow.sport))
             {
                 SCTP
@@ -211,8 +211,8 @@ fn ingress_of<F: Steps>(ctx: &mut TcContext) -> i32 {
                 TC_ACT_OK
             }
         }
-        // Neither a frontend nor a masquerade address: nothing to look up.
-        Parsed::L4(pkt) if !prefilter::ingress::<F>(&pkt.flow.daddr) => TC_ACT_OK,
+        // Neither a frontend's (address, port) nor a masquerade address's port: nothing to look up.
+        Parsed::L4(pkt) if !prefilter::ingress::<F>(&pkt.flow.daddr, pkt.flow.dport) => TC_ACT_OK,
         Parsed::L4(pkt) => l4_ingress::<F, false>(ctx, &pkt),
     }
 }
@@ -328,7 +328,7 @@ fn local_sctp_to_frontend<F: Ip>(ctx: &TcContext) -> bool {
         Parsed::L4(pkt) => {
             let flow = &pkt.flow;
             flow.proto == proto::SCTP
-                && prefilter::ingress::<F>(&flow.daddr)
+                && prefilter::ingress::<F>(&flow.daddr, flow.dport)
                 && !matches!(
                     lb::lookup_frontend::<F>(&flow.daddr, flow.dport, proto::SCTP, true),
                     Frontend::None

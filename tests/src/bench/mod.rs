@@ -249,11 +249,17 @@ pub fn run(opts: &Options, command: String) -> Results {
         .expect("work dir");
     // Only this run's logs (the proxies' logs of an earlier run would read as this one's).
     let _ = std::fs::remove_dir_all(&opts.log_dir);
-    let bins = lb_tests::control_plane::Binaries::locate().expect("control-plane binaries");
+    // A tc-only run starts no control plane: its binaries' versions are reported if they are
+    // there, and their absence is no error.
+    let bins = if opts.tc_only && !opts.restore_only {
+        lb_tests::control_plane::Binaries::locate().ok()
+    } else {
+        Some(lb_tests::control_plane::Binaries::locate().expect("control-plane binaries"))
+    };
     let mut r = Results {
         quick: opts.quick,
         command,
-        machine: report::machine(&bins, &agent_bin(), &root, opts.cilium_map_max()),
+        machine: report::machine(bins.as_ref(), &agent_bin(), &root, opts.cilium_map_max()),
         rounds: opts.rounds,
         conns: opts.conns,
         warmup: opts.warmup,

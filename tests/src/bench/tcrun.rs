@@ -228,6 +228,30 @@ pub fn measure(n: u32, family: Family, batches: usize, calls: usize) -> Result<T
         action: out.action,
     });
 
+    // The node's own traffic: a reply to one of its connections, to its address (a masquerade
+    // address, which NodePorts share), on an ephemeral port no frontend has.
+    let to_node = packet::tcp(
+        &family.addr("203.0.113.50"),
+        443,
+        &family.addr(topo::NODE_IP),
+        45_000,
+    )
+    .data(b"x")
+    .build();
+    let out = s.datapath.test_run_tc("lb_tc_ingress", &to_node, 1)?;
+    if out.packet != to_node {
+        bail!("the packet to the node's address was modified");
+    }
+    let to_node_single = single(&mut s, "lb_tc_ingress", calls, |_| to_node.clone())?;
+    level.fixtures.push(TcFixture {
+        name: "the node's own traffic (ingress, passes: a reply to the node IP's ephemeral port)".into(),
+        program: "lb_tc_ingress".into(),
+        batched_ns: batched(&mut s, "lb_tc_ingress", &to_node, batches)?,
+        single_median_ns: Some(to_node_single),
+        single_corrected_ns: Some(to_node_single - overhead),
+        action: out.action,
+    });
+
     // New flow: a SYN to a random Service, a new source port each call.
     let syn = |k: usize| new_flow_syn(n, family, k).1;
     let first = s.datapath.test_run_tc("lb_tc_ingress", &syn(0), 1)?;

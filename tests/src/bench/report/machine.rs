@@ -48,8 +48,16 @@ fn first_line(cmd: &str, args: &[&str]) -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
+/// A control-plane binary's version; a run that needs none (tc only) may not have located them.
+fn version_of(bin: Option<&std::path::PathBuf>) -> String {
+    bin.map_or_else(
+        || "not located (not used by this run)".into(),
+        |b| first_line(&b.display().to_string(), &["--version"]),
+    )
+}
+
 pub fn machine(
-    bins: &lb_tests::control_plane::Binaries,
+    bins: Option<&lb_tests::control_plane::Binaries>,
     agent: &Path,
     root: &Path,
     backends_capacity: u32,
@@ -106,9 +114,9 @@ pub fn machine(
             .map(|kb| format!("{:.1} GiB", kb / 1024.0 / 1024.0))
             .unwrap_or_default(),
         os,
-        kube_proxy: first_line(&bins.kube_proxy.display().to_string(), &["--version"]),
-        kube_apiserver: first_line(&bins.kube_apiserver.display().to_string(), &["--version"]),
-        etcd: first_line(&bins.etcd.display().to_string(), &["--version"]),
+        kube_proxy: version_of(bins.map(|b| &b.kube_proxy)),
+        kube_apiserver: version_of(bins.map(|b| &b.kube_apiserver)),
+        etcd: version_of(bins.map(|b| &b.etcd)),
         iptables: first_line("iptables", &["--version"]),
         iptables_legacy: first_line("iptables-legacy", &["--version"]),
         nft: first_line("nft", &["--version"]),
