@@ -2802,6 +2802,23 @@ fn batched_map_writes_report_exactly_what_was_written() {
     }
 }
 
+/// A conntrack GC pass, then the prefilter's rebuild from the bits its entries need (as the agent's
+/// GC thread does).
+fn gc_and_rebuild_prefilter(
+    ct: &mut lb_agent::datapath::conntrack::ConntrackMaps,
+    prefilter: &lb_agent::apply::prefilter::Prefilter,
+) {
+    let mut referenced = lb_agent::apply::prefilter::Referenced::default();
+    ct.collect_noting(
+        lb_agent::time::monotonic_coarse_ns(),
+        &lb_agent::datapath::conntrack::GcTimeouts::default(),
+        &mut referenced,
+        &mut Default::default(),
+    )
+    .expect("gc");
+    prefilter.rebuild(&referenced).unwrap();
+}
+
 /// The prefilter (`lb_common::prefilter`): the programs skip a packet whose bit is clear, so the
 /// bits must outlive the Services whose flows still run. A deleted Service's established flow
 /// keeps its translation while a conntrack entry names its frontend; a rebuild that ignored
@@ -2862,17 +2879,7 @@ fn the_prefilter_keeps_the_bits_of_a_deleted_services_live_flows() {
         );
 
         // A GC pass names the flow's frontend: the rebuild sets the bit again.
-        let gc_and_rebuild = |ct: &mut conntrack::ConntrackMaps| {
-            let mut referenced = Referenced::default();
-            ct.collect_noting(
-                lb_agent::time::monotonic_coarse_ns(),
-                &conntrack::GcTimeouts::default(),
-                &mut referenced,
-                &mut Default::default(),
-            )
-            .expect("gc");
-            prefilter.rebuild(&referenced).unwrap();
-        };
+        let gc_and_rebuild = |ct: &mut conntrack::ConntrackMaps| gc_and_rebuild_prefilter(ct, &prefilter);
         gc_and_rebuild(&mut ct);
         assert!(prefilter.is_set(family, bit));
         assert!(translated(&mut s), "{f:?}: the live flow is translated again");
@@ -2910,7 +2917,7 @@ fn the_prefilter_keeps_the_bits_of_a_deleted_services_live_flows() {
 #[test]
 fn the_prefilter_passes_the_node_ips_other_ports_and_keeps_its_flows_ports() {
     use lb_agent::{
-        apply::prefilter::{Referenced, ingress_bit, ingress_port_bit},
+        apply::prefilter::{ingress_bit, ingress_port_bit},
         datapath::conntrack,
     };
     use lb_common::conntrack::{CtKey, CtValue, dir, flags as ct};
@@ -2918,18 +2925,8 @@ fn the_prefilter_passes_the_node_ips_other_ports_and_keeps_its_flows_ports() {
     let mut s = scratch(true);
     let prefilter = s.maps().prefilter.clone();
     let mut ct_maps = s.datapath.take_conntrack().expect("conntrack maps");
-    let gc_and_rebuild = |ct_maps: &mut conntrack::ConntrackMaps| {
-        let mut referenced = Referenced::default();
-        ct_maps
-            .collect_noting(
-                lb_agent::time::monotonic_coarse_ns(),
-                &conntrack::GcTimeouts::default(),
-                &mut referenced,
-                &mut Default::default(),
-            )
-            .expect("gc");
-        prefilter.rebuild(&referenced).unwrap();
-    };
+    let gc_and_rebuild =
+        |ct_maps: &mut conntrack::ConntrackMaps| gc_and_rebuild_prefilter(ct_maps, &prefilter);
     // An entry keyed `key` (ingress) rewriting the destination to `to`, as the programs write
     // them (the flags say which kind).
     let insert = |ct_maps: &mut conntrack::ConntrackMaps,
