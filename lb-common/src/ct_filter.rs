@@ -57,9 +57,9 @@ const SALT: u32 = 0x5EA0_0003;
 ///
 /// A tuple and its reverse are neighbours, `2k` and `2k + 1`, so in one word: a hash of the two
 /// ends that is the same either way round picks the pair, and the sign of the difference of the
-/// two ends' hashes (opposite either way round) picks its member. A new flow tests both of its egress tuples (the reply's and the one after DNAT,
-/// `new_flow_tuples` in the programs), which are each other's reverse: one cache line, one miss,
-/// rather than two in a 2 MiB array. Every bucket is still one tuple's share of the filter, so a
+/// two ends' hashes (opposite either way round) picks its member. A new flow tests both of its
+/// egress tuples (the reply's and the one after DNAT, `new_flow_tuples` in the programs), which
+/// are each other's reverse: one cache line, one miss, rather than two in a 2 MiB array. Every bucket is still one tuple's share of the filter, so a
 /// packet of an untracked flow finds its bucket set as often as before.
 #[inline(always)]
 pub fn bucket<F: Family>(saddr: &F::Addr, daddr: &F::Addr, sport: u16, dport: u16, proto: u8) -> u32 {

@@ -92,7 +92,7 @@ impl Owner {
         (key.slot == 0)
             .then(|| {
                 let (family, address) = ingress_bit(&key.addr);
-                let (_, port) = ingress_port_bit(&key.addr, key.port);
+                let port = prefilter::ingress_port_bit(address, key.port);
                 [
                     (Owner::Frontend(key), family, address),
                     (Owner::FrontendPort(key), family, port),

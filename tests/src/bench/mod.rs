@@ -251,7 +251,8 @@ pub fn run(opts: &Options, command: String) -> Results {
     let _ = std::fs::remove_dir_all(&opts.log_dir);
     // A tc-only run starts no control plane: its binaries' versions are reported if they are
     // there, and their absence is no error.
-    let bins = if opts.tc_only && !opts.restore_only {
+    let tc_only = opts.tc_only && !opts.restore_only;
+    let bins = if tc_only {
         lb_tests::control_plane::Binaries::locate().ok()
     } else {
         Some(lb_tests::control_plane::Binaries::locate().expect("control-plane binaries"))
@@ -307,7 +308,7 @@ pub fn run(opts: &Options, command: String) -> Results {
         }
         save(&r, &out_json);
     }
-    if opts.tc_only && !opts.restore_only {
+    if tc_only {
         return r;
     }
     if !opts.restore_levels.is_empty()
