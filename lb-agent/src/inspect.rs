@@ -14,7 +14,7 @@ use std::{
 use anyhow::{Result, anyhow, bail};
 use aya::{
     Pod,
-    maps::{HashMap, Map, MapData},
+    maps::{Array, HashMap, Map, MapData},
 };
 use lb_common::{
     affinity::{AffinityClient, AffinityKey, AffinityValue, kind},
@@ -22,7 +22,7 @@ use lb_common::{
     catalog::{self, FamilyMaps},
     conntrack::{CtKey, CtValue, dir, flags as ctflags},
     family::{V4, V6},
-    revnat::{SockRevNatKey, SockRevNatValue},
+    revnat::{SockConnSlot, SockRevNatKey, SockRevNatValue},
     service::{SCOPE_INTERNAL, SvcValue, flags},
     stats::Counter,
 };
@@ -73,15 +73,32 @@ pub(crate) fn open_pinned_maps(paths: &PinPaths, missing: &str) -> Result<Kernel
     })
 }
 
-/// A pinned LRU map, or `None` when it is not pinned (an IPv6 map of an agent from before IPv6).
-fn open_hash<K: Pod, V: Pod>(paths: &PinPaths, name: &str) -> Result<Option<HashMap<MapData, K, V>>> {
+/// A pinned map's data, or `None` when it is not pinned (a map of an agent from before it, such
+/// as the IPv6 maps of one from before IPv6).
+fn open_pinned(paths: &PinPaths, name: &str) -> Result<Option<MapData>> {
     let pin = paths.map(name);
     if !pin.try_exists().unwrap_or(true) {
         return Ok(None);
     }
-    let data = MapData::from_pin(&pin)
-        .map_err(|e| anyhow!("opening {}: {}{}", pin.display(), Chain(&e), read_hint(&e)))?;
+    MapData::from_pin(&pin)
+        .map(Some)
+        .map_err(|e| anyhow!("opening {}: {}{}", pin.display(), Chain(&e), read_hint(&e)))
+}
+
+/// A pinned hash map (LRU or not), or `None` ([`open_pinned`]).
+fn open_hash<K: Pod, V: Pod>(paths: &PinPaths, name: &str) -> Result<Option<HashMap<MapData, K, V>>> {
+    let Some(data) = open_pinned(paths, name)? else {
+        return Ok(None);
+    };
     Ok(Some(Map::LruHashMap(data).try_into()?))
+}
+
+/// A pinned array, or `None` ([`open_pinned`]).
+fn open_array<V: Pod>(paths: &PinPaths, name: &str) -> Result<Option<Array<MapData, V>>> {
+    let Some(data) = open_pinned(paths, name)? else {
+        return Ok(None);
+    };
+    Ok(Some(Map::Array(data).try_into()?))
 }
 
 /// `10.0.0.1:80`, `[fd00::1]:80`.
@@ -150,8 +167,9 @@ struct FrontendView {
     maglev_table: Option<MaglevTableView>,
     source_ranges: Vec<String>,
     scopes: Vec<ScopeView>,
-    /// Live tc flows and recently translated unconnected UDP sockets for this frontend (connected
-    /// sockets keep their record in socket storage, which user space cannot list).
+    /// Live tc flows, open connected sockets and recently translated unconnected UDP sockets for
+    /// this frontend (not the few connected sockets whose record went to socket storage, which
+    /// user space cannot list, their slot of `lb4_sock_conn` being another socket's).
     flows: u64,
 }
 
@@ -200,6 +218,7 @@ where
     CtValue<F>: Pod,
     SockRevNatKey<F>: Pod,
     SockRevNatValue<F>: Pod,
+    SockConnSlot<F>: Pod,
 {
     if let Ok(entries) = conntrack_entries::<F>(paths) {
         for (k, v) in entries {
@@ -211,6 +230,11 @@ where
     if let Ok(Some(sk)) = open_hash::<SockRevNatKey<F>, SockRevNatValue<F>>(paths, F::MAPS.sock_revnat) {
         for (_, v) in sk.iter().flatten() {
             *flows.entry(v.rev_nat_id).or_default() += 1;
+        }
+    }
+    if let Ok(Some(slots)) = open_array::<SockConnSlot<F>>(paths, F::MAPS.sock_conn) {
+        for slot in slots.iter().flatten().filter(|slot| slot.cookie != 0) {
+            *flows.entry(slot.conn.rev_nat_id).or_default() += 1;
         }
     }
 }

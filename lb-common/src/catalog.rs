@@ -25,6 +25,7 @@ pub const BACKENDS6: &str = "lb6_backends";
 pub const REVNAT6: &str = "lb6_revnat";
 pub const SOCK_REVNAT6: &str = "lb6_sock_revnat";
 pub const SOCK_REVNAT_SK6: &str = "lb6_sock_rev_sk";
+pub const SOCK_CONN6: &str = "lb6_sock_conn";
 pub const AFFINITY6: &str = "lb6_affinity";
 pub const SOURCE_RANGES6: &str = "lb6_src_range";
 pub const CONNTRACK6: &str = "lb6_ct";
@@ -35,10 +36,17 @@ pub const SERVICE_RANGES6: &str = "lb6_svc_ranges";
 /// Service identity by reverse-NAT id: `u32` -> `SvcName`, for operators (CLI, bpftool); the
 /// programs never read it.
 pub const SVC_NAMES: &str = "lb_svc_names";
-/// Per-socket reverse NAT for recvmsg4/getpeername4 (LRU): `SockRevNat4Key` -> `SockRevNat4Value`.
+/// Per-socket reverse NAT of unconnected UDP sockets for recvmsg4 (LRU): `SockRevNat4Key` ->
+/// `SockRevNat4Value`.
 pub const SOCK_REVNAT: &str = "lb4_sock_revnat";
-/// Per-socket reverse NAT of connected sockets (socket storage, `BPF_MAP_TYPE_SK_STORAGE`): the
-/// socket -> `SockRevNat4Sk`. Not dumpable by bpftool (its key is a socket).
+/// Per-socket reverse NAT of connected sockets (TCP, connected UDP and SCTP): an array of
+/// `revnat::CONN_SLOTS` `SockConnSlot<V4>`, indexed by the low bits of the socket cookie
+/// (`revnat::conn_slot`). Claimed by connect, read by recvmsg and getpeername, freed by
+/// `lb_sock_release` when the socket closes. Fixed size.
+pub const SOCK_CONN: &str = "lb4_sock_conn";
+/// The fallback of [`SOCK_CONN`] for a socket whose slot another live socket holds, and what
+/// sockets connected by a release before it keep (socket storage, `BPF_MAP_TYPE_SK_STORAGE`):
+/// the socket -> `SockRevNat4Sk`. Not dumpable by bpftool (its key is a socket).
 pub const SOCK_REVNAT_SK: &str = "lb4_sock_rev_sk";
 /// ClientIP session affinity (LRU): `Affinity4Key` -> `AffinityValue`.
 pub const AFFINITY: &str = "lb4_affinity";
@@ -113,6 +121,7 @@ pub const ALL: &[&str] = &[
     REVNAT,
     SVC_NAMES,
     SOCK_REVNAT,
+    SOCK_CONN,
     SOCK_REVNAT_SK,
     AFFINITY,
     AFFINITY_MATCH,
@@ -137,6 +146,7 @@ pub const ALL: &[&str] = &[
     BACKENDS6,
     REVNAT6,
     SOCK_REVNAT6,
+    SOCK_CONN6,
     SOCK_REVNAT_SK6,
     AFFINITY6,
     SOURCE_RANGES6,
@@ -165,6 +175,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (REVNAT, 1),
     (SVC_NAMES, 1),
     (SOCK_REVNAT, 1),
+    (SOCK_CONN, 1),
     (SOCK_REVNAT_SK, 1),
     (AFFINITY, 1),
     (AFFINITY_MATCH, 1),
@@ -189,6 +200,7 @@ pub const LAYOUTS: &[(&str, u32)] = &[
     (BACKENDS6, 1),
     (REVNAT6, 1),
     (SOCK_REVNAT6, 1),
+    (SOCK_CONN6, 1),
     (SOCK_REVNAT_SK6, 1),
     (AFFINITY6, 1),
     (SOURCE_RANGES6, 1),
@@ -232,6 +244,7 @@ pub struct FamilyMapNames {
     pub backends: &'static str,
     pub revnat: &'static str,
     pub sock_revnat: &'static str,
+    pub sock_conn: &'static str,
     pub sock_revnat_sk: &'static str,
     pub affinity: &'static str,
     pub source_ranges: &'static str,
@@ -255,6 +268,7 @@ impl FamilyMaps for V4 {
         backends: BACKENDS,
         revnat: REVNAT,
         sock_revnat: SOCK_REVNAT,
+        sock_conn: SOCK_CONN,
         sock_revnat_sk: SOCK_REVNAT_SK,
         affinity: AFFINITY,
         source_ranges: SOURCE_RANGES,
@@ -274,6 +288,7 @@ impl FamilyMaps for V6 {
         backends: BACKENDS6,
         revnat: REVNAT6,
         sock_revnat: SOCK_REVNAT6,
+        sock_conn: SOCK_CONN6,
         sock_revnat_sk: SOCK_REVNAT_SK6,
         affinity: AFFINITY6,
         source_ranges: SOURCE_RANGES6,
@@ -296,6 +311,7 @@ pub mod capacity {
     pub const BACKENDS: u32 = 65_536;
     /// Frontends (one reverse-NAT id each).
     pub const REVNAT: u32 = 65_536;
+    /// Socket reverse NAT of unconnected UDP sockets (LRU).
     pub const SOCK_REVNAT: u32 = 262_144;
     pub const AFFINITY: u32 = 65_536;
     pub const AFFINITY_MATCH: u32 = 262_144;

@@ -138,6 +138,11 @@ counters! {
     /// translated back: the packet started the flow again as a new one, as netfilter does when a
     /// conntrack entry is gone.
     TcFlowRestarted => "tc_flow_restarted",
+    /// connect found the socket's slot of `lb4_sock_conn` (`lb6_sock_conn`) held by another open
+    /// socket (one whose cookie is a multiple of `revnat::CONN_SLOTS` away) and kept the socket's
+    /// reverse NAT in its socket storage instead (`lb4_sock_rev_sk`): the same answers, a slower
+    /// connect.
+    SockConnSlotBusy => "sock_conn_slot_busy",
 }
 
 /// Number of counters (`lb_stats` max_entries).

@@ -17,15 +17,15 @@ use lb_common::{
     family::{V4, V6},
     fragment::{FragKey, FragPorts},
     prefilter,
-    revnat::{RevNatValue, SockRevNatKey, SockRevNatSk, SockRevNatValue},
+    revnat::{self, RevNatValue, SockConnSlot, SockRevNatKey, SockRevNatSk, SockRevNatValue},
     service::{SrcRange, SvcEntry, SvcKey},
 };
 
 use crate::maps::{
     AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, CLUSTER_IPS4, CLUSTER_IPS6, CONNTRACK_NEW4, CONNTRACK_NEW6,
     CONNTRACK4, CONNTRACK6, CT_FILTER4, CT_FILTER6, FRAGMENTS4, FRAGMENTS6, PREFILTER4, PREFILTER6, REVNAT4,
-    REVNAT6, SERVICE_RANGES4, SERVICE_RANGES6, SERVICES4, SERVICES6, SOCK_REVNAT_SK4, SOCK_REVNAT_SK6,
-    SOCK_REVNAT4, SOCK_REVNAT6, SOURCE_RANGES4, SOURCE_RANGES6,
+    REVNAT6, SERVICE_RANGES4, SERVICE_RANGES6, SERVICES4, SERVICES6, SOCK_CONN4, SOCK_CONN6, SOCK_REVNAT_SK4,
+    SOCK_REVNAT_SK6, SOCK_REVNAT4, SOCK_REVNAT6, SOURCE_RANGES4, SOURCE_RANGES6,
 };
 
 pub const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -42,6 +42,7 @@ pub type RevNatMap<F> =
     HashMap<u32, RevNatValue<F>, { capacity::REVNAT as usize }, { NO_PREALLOC | RDONLY_PROG }>;
 pub type SockRevNatMap<F> =
     LruHashMap<SockRevNatKey<F>, SockRevNatValue<F>, { capacity::SOCK_REVNAT as usize }>;
+pub type SockConnMap<F> = Array<SockConnSlot<F>, { revnat::CONN_SLOTS as usize }>;
 pub type SockRevNatSkMap<F> = SkStorage<SockRevNatSk<F>>;
 pub type AffinityMap<F> = LruHashMap<AffinityKey<F>, AffinityValue, { capacity::AFFINITY as usize }>;
 pub type SourceRangesMap<F> =
@@ -78,6 +79,8 @@ pub trait FamilyMaps: FamilySettings + AffinityClient {
     fn backends() -> &'static BackendsMap<Self>;
     fn revnat() -> &'static RevNatMap<Self>;
     fn sock_revnat() -> &'static SockRevNatMap<Self>;
+    /// Connected sockets' reverse NAT, a slot per socket cookie (`lb4_sock_conn`).
+    fn sock_conn() -> &'static SockConnMap<Self>;
     fn sock_revnat_sk() -> &'static SockRevNatSkMap<Self>;
     fn affinity() -> &'static AffinityMap<Self>;
     fn source_ranges() -> &'static SourceRangesMap<Self>;
@@ -97,7 +100,7 @@ pub trait FamilyMaps: FamilySettings + AffinityClient {
 
 macro_rules! family_maps {
     ($family:ty, $services:ident, $backends:ident, $revnat:ident, $sock_revnat:ident,
-     $sock_revnat_sk:ident, $affinity:ident, $source_ranges:ident, $conntrack:ident,
+     $sock_conn:ident, $sock_revnat_sk:ident, $affinity:ident, $source_ranges:ident, $conntrack:ident,
      $conntrack_new:ident, $fragments:ident, $prefilter:ident, $cluster_ips:ident,
      $service_ranges:ident, $ct_filter:ident) => {
         #[inline(always)]
@@ -115,6 +118,10 @@ macro_rules! family_maps {
         #[inline(always)]
         fn sock_revnat() -> &'static SockRevNatMap<$family> {
             &$sock_revnat
+        }
+        #[inline(always)]
+        fn sock_conn() -> &'static SockConnMap<$family> {
+            &$sock_conn
         }
         #[inline(always)]
         fn sock_revnat_sk() -> &'static SockRevNatSkMap<$family> {
@@ -166,6 +173,7 @@ impl FamilyMaps for V4 {
         BACKENDS4,
         REVNAT4,
         SOCK_REVNAT4,
+        SOCK_CONN4,
         SOCK_REVNAT_SK4,
         AFFINITY4,
         SOURCE_RANGES4,
@@ -186,6 +194,7 @@ impl FamilyMaps for V6 {
         BACKENDS6,
         REVNAT6,
         SOCK_REVNAT6,
+        SOCK_CONN6,
         SOCK_REVNAT_SK6,
         AFFINITY6,
         SOURCE_RANGES6,

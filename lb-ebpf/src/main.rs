@@ -10,18 +10,20 @@ use aya_ebpf::{
         bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie,
         bpf_ktime_get_boot_ns, bpf_set_retval,
     },
-    macros::{cgroup_sock_addr, classifier},
-    programs::{SockAddrContext, TcContext},
+    macros::{cgroup_sock, cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, SockContext, TcContext},
 };
 use lb_common::{
     family::{Family, In6Addr, V4, V6},
     revnat::SockRevNatSk,
+    stats::Counter,
     trace::{SockTraceIn, SockTraceOut, hook, verdict},
 };
 use lb_ebpf::{
     family::FamilyMaps,
     maps::NETNS_PROBE,
     sock::{self, Mapped, Outcome, SockCall},
+    stats::count,
 };
 
 /// A real socket call: the kernel's `bpf_sock_addr`. `SENDMSG` marks sendmsg, the only hook
@@ -41,11 +43,17 @@ impl<const SENDMSG: bool> KernelCall<SENDMSG> {
         unsafe { bpf_get_netns_cookie(self.ctx.as_ptr()) }
     }
 
+    /// A connected socket's reverse NAT: in its slot of `lb4_sock_conn`, or, while another open
+    /// socket holds that slot, in the socket's own storage (two memory-accounted allocations).
     #[inline(always)]
     fn store_sk<G: FamilyMaps>(&mut self, entry: &SockRevNatSk<G>) -> bool {
         if SENDMSG {
             return false;
         }
+        if sock::claim_connection::<G>(self.cookie(), entry) {
+            return true;
+        }
+        count(Counter::SockConnSlotBusy);
         let mut initial = *entry;
         let ptr = G::sock_revnat_sk().get_or_insert_ptr_mut(&self.ctx, Some(&mut initial));
         if ptr.is_null() {
@@ -58,8 +66,11 @@ impl<const SENDMSG: bool> KernelCall<SENDMSG> {
 
     #[inline(always)]
     fn load_sk<G: FamilyMaps>(&self) -> Option<SockRevNatSk<G>> {
+        if let Some(entry) = sock::connection::<G>(self.cookie()) {
+            return Some(entry);
+        }
         let ptr = G::sock_revnat_sk().get_ptr_mut(&self.ctx);
-        // SAFETY: as above.
+        // SAFETY: a non-null pointer from bpf_sk_storage_get is this socket's value.
         (!ptr.is_null()).then(|| unsafe { *ptr })
     }
 }
@@ -295,6 +306,30 @@ pub fn lb_recvmsg6(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername6)]
 pub fn lb_getpeername6(ctx: SockAddrContext) -> i32 {
     reverse6(ctx)
+}
+
+/// A socket closes: its slot of `lb4_sock_conn` is freed. Runs for every TCP, UDP and SCTP socket
+/// of the cgroup; one that never connected to a frontend costs a read of the slot its cookie
+/// names (two for an AF_INET6 socket, which may have talked IPv4 through IPv4-mapped addresses).
+#[cgroup_sock(sock_release)]
+pub fn lb_sock_release(ctx: SockContext) -> i32 {
+    // SAFETY: the kernel's bpf_sock of the closing socket; the verifier checks each field read.
+    let (family, protocol) = unsafe { ((*ctx.sock).family, (*ctx.sock).protocol) };
+    let protocol = protocol as u8;
+    if protocol != lb_common::proto::TCP
+        && protocol != lb_common::proto::UDP
+        && protocol != lb_common::proto::SCTP
+    {
+        return 1;
+    }
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    if family == V6::AF {
+        sock::forget_connection::<V6>(cookie);
+        sock::forget_connection::<V4>(cookie);
+    } else if family == V4::AF {
+        sock::forget_connection::<V4>(cookie);
+    }
+    1
 }
 
 /// Records the network namespace of the agent's probe socket, on kernels without

@@ -26,8 +26,8 @@ use lb_common::{
 
 use crate::family::{
     AffinityMap, BackendsMap, ClusterIpsMap, ConntrackMap, CtFilterMap, FragmentsMap, NO_PREALLOC,
-    PrefilterMap, RDONLY_PROG, RevNatMap, ServiceRangesMap, ServicesMap, SockRevNatMap, SockRevNatSkMap,
-    SourceRangesMap,
+    PrefilterMap, RDONLY_PROG, RevNatMap, ServiceRangesMap, ServicesMap, SockConnMap, SockRevNatMap,
+    SockRevNatSkMap, SourceRangesMap,
 };
 
 /// Frontends and backend slots. Key: frontend (address, port, protocol, scope, slot). Value: slot 0
@@ -63,9 +63,17 @@ pub static SOCK_REVNAT4: SockRevNatMap<V4> = SockRevNatMap::new();
 #[btf_map(name = "lb6_sock_revnat")]
 pub static SOCK_REVNAT6: SockRevNatMap<V6> = SockRevNatMap::new();
 
-/// Socket -> the backend its connect() went to and the frontend it called. Writer: connect.
-/// Readers: recvmsg, getpeername (before the LRU map). Freed with the socket. An AF_INET6
-/// socket talking IPv4 (IPv4-mapped addresses) keeps its record in the IPv4 storage.
+/// A slot per socket cookie (`lb_common::revnat::SockConnSlot`): the backend a connected socket's
+/// connect() went to and the frontend it called. Claimer: connect. Readers: recvmsg,
+/// getpeername (first). Freed by `lb_sock_release` when the socket closes. An AF_INET6 socket
+/// talking IPv4 (IPv4-mapped addresses) keeps its record in the IPv4 map.
+#[btf_map(name = "lb4_sock_conn")]
+pub static SOCK_CONN4: SockConnMap<V4> = SockConnMap::new();
+#[btf_map(name = "lb6_sock_conn")]
+pub static SOCK_CONN6: SockConnMap<V6> = SockConnMap::new();
+
+/// The same record in the socket's own storage, while another open socket holds its slot of
+/// `lb4_sock_conn` (and for sockets an earlier release connected). Freed with the socket.
 #[btf_map(name = "lb4_sock_rev_sk")]
 pub static SOCK_REVNAT_SK4: SockRevNatSkMap<V4> = SockRevNatSkMap::new();
 #[btf_map(name = "lb6_sock_rev_sk")]

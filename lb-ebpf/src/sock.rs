@@ -25,14 +25,14 @@
 //! hands an AF_INET6 socket's datagram to a mapped address to the IPv4 stack, which runs
 //! sendmsg4; recvmsg6 and getpeername6 do see the mapped backend and take the IPv4 code back.)
 
-use aya_ebpf::helpers::bpf_ktime_get_boot_ns;
+use aya_ebpf::helpers::{bpf_ktime_get_boot_ns, bpf_spin_lock, bpf_spin_unlock};
 use lb_common::{
     affinity::kind,
     cluster_ip::action,
     config::{self, DatapathConfig},
     family::{Family, V4, V6, put_addr, v4_mapped, v4_unmapped},
     proto,
-    revnat::{SockRevNatKey, SockRevNatSk, SockRevNatValue},
+    revnat::{self, SockConnSlot, SockRevNatKey, SockRevNatSk, SockRevNatValue},
     service::{SvcValue, flags},
     stats::Counter,
     trace::verdict,
@@ -67,13 +67,14 @@ pub trait SockCall<F: Family> {
     /// The calling task's cgroup (v2 id), for `lb-agent monitor`; 0 where there is none (the
     /// trace harness).
     fn cgroup_id(&self) -> u64;
-    /// Keeps the reverse NAT of a connected socket in the socket's own storage of family `G`;
-    /// false where there is none (sendmsg, whose socket may talk to several frontends; the trace
-    /// harness), and the LRU map is used instead.
+    /// Keeps the reverse NAT of a connected socket of family `G` for as long as the socket lives
+    /// (`lb4_sock_conn`, or its socket storage); false where there is no such record (sendmsg,
+    /// whose socket may talk to several frontends; the trace harness, which has no socket that
+    /// closes), and the LRU map is used instead.
     fn set_sk_revnat<G: FamilyMaps>(&mut self, _entry: &SockRevNatSk<G>) -> bool {
         false
     }
-    /// The reverse NAT kept in the socket's own storage of family `G`, if any.
+    /// The reverse NAT kept for the connected socket of family `G`, if any.
     fn sk_revnat<G: FamilyMaps>(&self) -> Option<SockRevNatSk<G>> {
         None
     }
@@ -338,10 +339,10 @@ pub fn translate_forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C) -> Outcome
         return outcome;
     };
 
-    // Remember the frontend for recvmsg/getpeername before the destination changes: in the
-    // socket's own storage for a connect() (cheaper than an LRU insert, and it lives exactly as
-    // long as the socket), else in the LRU map, skipping the write when the entry is already
-    // there (every datagram of an unconnected UDP socket comes through here).
+    // Remember the frontend for recvmsg/getpeername before the destination changes: by the
+    // socket's cookie for a connect() (`lb4_sock_conn`, freed when the socket closes, so never
+    // evicted), else in the LRU map, skipping the write when the entry is already there (every
+    // datagram of an unconnected UDP socket comes through here).
     let in_socket = SockRevNatSk::<F> {
         backend_addr: backend.addr,
         backend_port: backend.port,
@@ -378,12 +379,66 @@ pub fn translate_forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C) -> Outcome
     outcome
 }
 
+/// The slot of the socket with cookie `cookie` in `lb4_sock_conn` (`lb6_sock_conn`).
+#[inline(always)]
+fn conn_slot<F: FamilyMaps>(cookie: u64) -> Option<*mut SockConnSlot<F>> {
+    F::sock_conn().get_ptr_mut(revnat::conn_slot(cookie))
+}
+
+/// connect: keeps `record` in the socket's slot if the slot is free or already this socket's;
+/// false if another open socket holds it. Under the slot's lock, so two sockets whose cookies
+/// name the same slot never both take it.
+#[inline(always)]
+pub fn claim_connection<F: FamilyMaps>(cookie: u64, record: &SockRevNatSk<F>) -> bool {
+    let Some(slot) = conn_slot::<F>(cookie) else {
+        return false;
+    };
+    // SAFETY: a pointer into the array's value, valid until the program returns; the lock
+    // serialises the claims of the slot (the verifier allows no call while it is held).
+    unsafe {
+        let lock = (&raw mut (*slot).lock).cast::<aya_ebpf::bindings::bpf_spin_lock>();
+        bpf_spin_lock(lock);
+        let owner = (*slot).cookie;
+        let claimed = owner == 0 || owner == cookie;
+        if claimed {
+            (*slot).cookie = cookie;
+            (*slot).conn = *record;
+        }
+        bpf_spin_unlock(lock);
+        claimed
+    }
+}
+
+/// recvmsg, getpeername: the socket's record, if its slot is its own. Read without the lock: only
+/// this socket's connect writes its record, before the call that reads it, and a slot another
+/// socket claims meanwhile shows that socket's cookie.
+#[inline(always)]
+pub fn connection<F: FamilyMaps>(cookie: u64) -> Option<SockRevNatSk<F>> {
+    let slot = conn_slot::<F>(cookie)?;
+    // SAFETY: as in `claim_connection`.
+    unsafe { ((*slot).cookie == cookie).then(|| (*slot).conn) }
+}
+
+/// A socket closes (`lb_sock_release`): frees its slot if it holds it. No lock: a claimer only
+/// takes a free slot, and this socket's own connect cannot run any more.
+#[inline(always)]
+pub fn forget_connection<F: FamilyMaps>(cookie: u64) {
+    if let Some(slot) = conn_slot::<F>(cookie) {
+        // SAFETY: as in `claim_connection`.
+        unsafe {
+            if (*slot).cookie == cookie {
+                (*slot).cookie = 0;
+            }
+        }
+    }
+}
+
 /// recvmsg and getpeername: show the frontend instead of the backend.
 #[inline(always)]
 pub fn translate_reverse<F: FamilyMaps, C: SockCall<F>>(call: &mut C) -> Outcome<F> {
     let (addr, port) = (call.addr(), call.port());
-    // A connected socket's own storage first; then the LRU map (unconnected UDP, and sockets
-    // connected before an upgrade that introduced the storage).
+    // A connected socket's record first (`lb4_sock_conn`, else its socket storage); then the LRU
+    // map (unconnected UDP).
     let in_socket = call
         .sk_revnat::<F>()
         .filter(|e| e.backend_addr == addr && e.backend_port == port);

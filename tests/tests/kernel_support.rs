@@ -43,6 +43,7 @@ fn every_program_passes_this_kernels_verifier() {
             "lb_recvmsg6",
             "lb_sendmsg4",
             "lb_sendmsg6",
+            "lb_sock_release",
             "lb_sock_trace",
             "lb_tc_egress",
             "lb_tc_ingress",

@@ -956,8 +956,9 @@ const IPV4_ONLY_CONFIG_SIZE: usize = 56;
 /// The IPv4-only release sized `lb_svc_names` as the frontends (`--bpf-lb-map-max`'s revnat
 /// capacity); this release holds the ids of both families, twice as many.
 const IPV4_ONLY_SVC_NAMES_CAPACITY: u32 = catalog::capacity::REVNAT;
-/// The socket hooks the IPv4-only release did not attach.
-const IPV6_SOCKET_HOOKS: [&str; 4] = ["connect6", "sendmsg6", "recvmsg6", "getpeername6"];
+/// The socket hooks the IPv4-only release did not attach: the IPv6 ones, and `sock_release`
+/// (`lb_sock_release`, which frees the connected sockets' slots).
+const NEWER_SOCKET_HOOKS: [&str; 5] = ["connect6", "sendmsg6", "recvmsg6", "getpeername6", "sock_release"];
 
 /// The `sticky` Service's cluster IP of `family` (ClientIP affinity).
 fn sticky_ip(family: IpFamily) -> &'static str {
@@ -1143,8 +1144,9 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
     ));
     // The IPv6 maps, the tc prefilter, the egress flow filter, the new-flow conntrack table, the
     // pod interfaces, the fragments' ports, the cluster-ips-check, the interfaces' masquerade
-    // addresses, the monitor's maps, the Maglev tables and the tail calls are newer than the
-    // IPv4-only release.
+    // addresses, the monitor's maps, the Maglev tables, the tail calls and the connected
+    // sockets' slots are newer than the IPv4-only release (which kept connected sockets' records
+    // in socket storage, `lb4_sock_rev_sk`, still read after the slots).
     for family_map in pins_in(&maps).into_iter().filter(|p| {
         p.starts_with("lb6_")
             || [
@@ -1160,16 +1162,17 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
                 lb_common::catalog::EVENTS,
                 lb_common::catalog::MAGLEV,
                 lb_common::catalog::TC_TAIL,
+                lb_common::catalog::SOCK_CONN,
             ]
             .contains(&p.as_str())
     }) {
         std::fs::remove_file(maps.join(&family_map)).unwrap();
         changed.push(format!("{family_map} removed"));
     }
-    // The IPv4-only release attached no IPv6 socket hooks (removing a link's last pin detaches
-    // it).
+    // The IPv4-only release attached no IPv6 socket hooks and no `sock_release` program (removing
+    // a link's last pin detaches it).
     for dir in std::fs::read_dir(root.join("links")).unwrap().flatten() {
-        for hook in IPV6_SOCKET_HOOKS {
+        for hook in NEWER_SOCKET_HOOKS {
             let pin = dir.path().join(hook);
             if pin.exists() {
                 std::fs::remove_file(&pin).unwrap();
@@ -1195,7 +1198,8 @@ fn pin_the_ipv4_only_release(root: &Path) -> Vec<String> {
 /// ([`pin_the_ipv4_only_release`], checked against [`IPV4_ONLY_RELEASE_PINS`]): `lb_config_v2`
 /// becomes an `lb_config` of the old 56-byte layout holding the same settings, `lb_aff_match`
 /// becomes `lb4_aff_match`, `lb_svc_names` is recreated at the old capacity with its entries, the
-/// `lb6_*` pins and the links of the four IPv6 socket hooks are removed, `lb4_services_v2` becomes
+/// `lb6_*` pins, `lb4_sock_conn` and the links of the four IPv6 socket hooks and of `sock_release`
+/// are removed, `lb4_services_v2` becomes
 /// an `lb4_services` of layout 1 (no copy of a slot's backend) holding the same entries, whose
 /// conversion back keeps every id. The other `lb4_*` maps are the old release's as they are (same
 /// layouts: the IPv4-only release's layout tests give the same key and value sizes), so they keep
@@ -1313,8 +1317,8 @@ fn upgrade_from_the_ipv4_only_release_keeps_every_connection() {
         .keys()
         .filter(|pin| !links_old.contains_key(*pin))
         .collect();
-    let ipv6_hooks_attached = links_added.len() == IPV6_SOCKET_HOOKS.len()
-        && IPV6_SOCKET_HOOKS
+    let ipv6_hooks_attached = links_added.len() == NEWER_SOCKET_HOOKS.len()
+        && NEWER_SOCKET_HOOKS
             .iter()
             .all(|hook| links_added.iter().any(|pin| pin.ends_with(&format!("/{hook}"))));
     let members_kept = members_before.is_subset(&members_after);
@@ -1412,7 +1416,7 @@ fn upgrade_from_the_ipv4_only_release_keeps_every_connection() {
     assert!(names_kept, "lb_svc_names' entries migrated to its new capacity");
     assert!(
         links_kept && ipv6_hooks_attached,
-        "the old release's links kept with their programs replaced, the IPv6 hooks attached: {links_old:?} -> {links_new:?}"
+        "the old release's links kept with their programs replaced, the IPv6 hooks and sock_release attached: {links_old:?} -> {links_new:?}"
     );
     // IPv6 is served from the upgrade on.
     assert_eq!(tally6.failed, 0, "IPv6 after the upgrade: {:#?}", tally6.failures);

@@ -12,8 +12,9 @@ use std::{
     process::Command,
 };
 
+use aya::maps::{Map, MapData};
 use lb_agent::family::IpFamily;
-use lb_common::catalog;
+use lb_common::{catalog, family::V4, revnat::SockConnSlot};
 use lb_tests::{
     agent::{Agent, AgentOptions, bpf_root_in},
     bpffs::BpfFs,
@@ -658,7 +659,7 @@ fn connected_udp_socket_is_aborted_when_its_backend_is_replaced_in(family: IpFam
 
 /// Regression: a long-lived connection's reverse-NAT entry lived in the LRU `lb4_sock_revnat`,
 /// so once other sockets had churned it out, getpeername showed the backend. Connected sockets now
-/// keep it in their own storage (`lb4_sock_rev_sk`); here the LRU map holds 16 entries and 300
+/// keep it until they close (`lb4_sock_conn`); here the LRU map holds 16 entries and 300
 /// unconnected UDP sockets (which still use it) go through it while the connection lives.
 #[test]
 fn a_long_lived_connection_keeps_its_service_address_through_socket_churn() {
@@ -693,6 +694,120 @@ fn a_long_lived_connection_keeps_its_service_address_through_socket_churn() {
             "getpeername must show the Service for the connection's whole life: {line}"
         );
     }
+}
+
+/// The occupied slots of the pinned `lb4_sock_conn` under `bpf_root`: (index, slot).
+fn occupied_conn_slots(bpf_root: &std::path::Path) -> Vec<(u32, SockConnSlot<V4>)> {
+    let data = MapData::from_pin(bpf_root.join("maps/lb4_sock_conn")).expect("lb4_sock_conn is pinned");
+    let slots: aya::maps::Array<MapData, SockConnSlot<V4>> =
+        Map::Array(data).try_into().expect("an array of slots");
+    (0..slots.len())
+        .filter_map(|i| Some((i, slots.get(&i, 0).ok()?)))
+        .filter(|(_, slot)| slot.cookie != 0)
+        .collect()
+}
+
+/// Issue 14: a connected socket's reverse NAT lives in the slot of `lb4_sock_conn` its socket
+/// cookie names exactly as long as the socket: `lb_sock_release` frees the slot at close, so
+/// connections that come and go leave the map as they found it; a socket whose slot another open
+/// socket holds keeps its record in socket storage (counted as `sock_conn_slot_busy`), with the
+/// same answers.
+#[test]
+fn a_connected_sockets_slot_is_freed_with_the_socket_and_a_busy_slot_falls_back_to_socket_storage() {
+    let mut f = Fixture::new(1);
+    f.write(&[web().build()], &[f.web_slice(&[0])]);
+    f.start_agent(&[]);
+    let root = bpf_root_in(f.bpffs.path());
+    let slot_busy = || {
+        let events = lb_tests::agent::datapath_events(&root);
+        events["sock_conn_slot_busy"].as_u64().unwrap_or(0)
+    };
+
+    // 100 connections one after another: each slot was freed when its socket closed.
+    let churn = probe::tcp(f.host(), "10.96.0.20:80", 100);
+    for r in ok(&churn) {
+        assert_eq!(r["peer"], "10.96.0.20:80", "{r}");
+    }
+    assert_eq!(
+        occupied_conn_slots(&root),
+        vec![],
+        "a closed socket's slot is free"
+    );
+
+    // Three connections open at once hold three slots, each naming the Service's frontend.
+    let mut holds: Vec<Proc> = (0..3)
+        .map(|_| probe::hold(f.host(), "10.96.0.20:80", 2))
+        .collect();
+    for hold in &mut holds {
+        let first = hold.wait_for_line(std::time::Duration::from_secs(5), |l| l.contains("\"seq\""));
+        assert!(first.contains("\"peer\":\"10.96.0.20:80\""), "{first}");
+    }
+    let held = occupied_conn_slots(&root);
+    assert_eq!(held.len(), 3, "{held:?}");
+    for (_, slot) in &held {
+        assert_eq!(
+            (
+                slot.conn.frontend_addr,
+                slot.conn.frontend_port,
+                slot.conn.backend_port
+            ),
+            ([10, 96, 0, 20], 80, 8080),
+            "{slot:?}"
+        );
+    }
+    // bpftool names the fields (the map's BTF), as an SRE reads them.
+    let pin = root.join("maps/lb4_sock_conn");
+    let mut lookup: Vec<String> = ["map", "lookup", "pinned", pin.to_str().unwrap(), "key"]
+        .map(String::from)
+        .into();
+    lookup.extend(held[0].0.to_le_bytes().map(|b| b.to_string()));
+    let text = bpftool::run(&lookup);
+    for field in [
+        "cookie",
+        "backend_addr",
+        "frontend_addr",
+        "frontend_port",
+        "rev_nat_id",
+    ] {
+        assert!(text.contains(field), "bpftool output lacks {field}:\n{text}");
+    }
+    for hold in &mut holds {
+        let done = hold.wait_for_line(std::time::Duration::from_secs(10), |l| {
+            l.contains("\"done\"") || l.contains("\"ok\":false")
+        });
+        assert!(done.contains("\"done\""), "the connection broke: {done}");
+    }
+    drop(holds);
+    assert_eq!(
+        occupied_conn_slots(&root),
+        vec![],
+        "the held sockets' slots were freed"
+    );
+    assert_eq!(slot_busy(), 0, "no socket found its slot taken");
+
+    // Every slot held by another open socket (written here): the connections keep their records
+    // in socket storage and still show the Service, and the foreign slots stay as they were.
+    let data = MapData::from_pin(root.join("maps/lb4_sock_conn")).expect("pinned");
+    let mut slots: aya::maps::Array<MapData, SockConnSlot<V4>> = Map::Array(data).try_into().expect("array");
+    let foreign = |i: u32| SockConnSlot::<V4> {
+        cookie: (1 << 40) + u64::from(i),
+        ..Default::default()
+    };
+    for i in 0..slots.len() {
+        slots.set(i, &foreign(i), 0).expect("write a slot");
+    }
+    let held = probe::tcp(f.host(), "10.96.0.20:80", 5);
+    for r in ok(&held) {
+        assert_eq!(r["peer"], "10.96.0.20:80", "{r}");
+    }
+    assert_eq!(slot_busy(), 5, "each connection found its slot taken");
+    assert_eq!(occupied_conn_slots(&root).len(), slots.len() as usize);
+    assert!(
+        occupied_conn_slots(&root)
+            .iter()
+            .all(|(i, slot)| *slot == foreign(*i)),
+        "a slot of another socket is never overwritten nor freed"
+    );
 }
 
 #[test]

@@ -348,7 +348,7 @@ fn probe_tcx() -> io::Result<bool> {
 ///
 /// # Safety
 /// `attr` must be the kernel's layout for `cmd`, and every pointer in it valid for the call.
-unsafe fn bpf<T>(cmd: libc::c_long, attr: &T) -> io::Result<std::os::fd::OwnedFd> {
+pub(super) unsafe fn bpf<T>(cmd: libc::c_long, attr: &T) -> io::Result<std::os::fd::OwnedFd> {
     // SAFETY: the caller's contract.
     let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *const T, std::mem::size_of::<T>()) };
     if rc < 0 {

@@ -38,7 +38,7 @@ use lb_common::{
     config::DatapathConfig,
     conntrack::{CtKey, CtValue},
     family::{V4, V6},
-    revnat::{RevNatValue, SockRevNatKey, SockRevNatSk, SockRevNatValue, SvcName},
+    revnat::{RevNatValue, SockConnSlot, SockRevNatKey, SockRevNatSk, SockRevNatValue, SvcName},
     service::{SrcRange, SvcEntry, SvcKey, SvcValue},
 };
 
@@ -112,6 +112,12 @@ fn family_expected<F: FamilyMaps>(name: &str, caps: &Capacities) -> Option<Expec
             size_of::<SockRevNatKey<F>>(),
             size_of::<SockRevNatValue<F>>(),
             Some(caps.sock_revnat),
+        )
+    } else if name == maps.sock_conn {
+        sizes(
+            4,
+            size_of::<SockConnSlot<F>>(),
+            Some(lb_common::revnat::CONN_SLOTS),
         )
     } else if name == maps.sock_revnat_sk {
         // Socket storage: keyed by a socket (an fd from user space), no capacity.

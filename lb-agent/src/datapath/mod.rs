@@ -24,7 +24,7 @@ use std::{
 use aya::{
     Ebpf, EbpfLoader,
     programs::{
-        CgroupAttachMode, CgroupSockAddr, SchedClassifier,
+        CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier,
         links::{FdLink, PinnedLink},
     },
 };
@@ -50,6 +50,10 @@ pub const SOCK_PROGRAMS: [(&str, &str); 8] = [
     ("lb_recvmsg6", "recvmsg6"),
     ("lb_getpeername6", "getpeername6"),
 ];
+
+/// Frees a closing socket's slot of `lb4_sock_conn` (its connected reverse NAT); attached beside
+/// [`SOCK_PROGRAMS`] at the cgroup hook `sock_release`.
+pub const SOCK_RELEASE_PROGRAM: (&str, &str) = ("lb_sock_release", "sock_release");
 
 /// The trace harness (runs the socket code under BPF_PROG_TEST_RUN).
 pub const SOCK_TRACE_PROGRAM: &str = "lb_sock_trace";
@@ -374,6 +378,9 @@ impl Datapath {
             let prog: &mut CgroupSockAddr = program(&mut ebpf, name)?;
             prog.load().map_err(|source| program_error(name, source))?;
         }
+        let (name, _) = SOCK_RELEASE_PROGRAM;
+        let prog: &mut CgroupSock = program(&mut ebpf, name)?;
+        prog.load().map_err(|source| program_error(name, source))?;
         for name in [SOCK_TRACE_PROGRAM, tc::TC_PROGRAMS[0].0, tc::TC_PROGRAMS[1].0] {
             let prog: &mut SchedClassifier = program(&mut ebpf, name)?;
             prog.load().map_err(|source| program_error(name, source))?;
@@ -545,20 +552,12 @@ impl Datapath {
                     let link = prog
                         .take_link(link_id)
                         .map_err(|source| program_error(name, source))?;
-                    let fd_link: FdLink =
-                        link.try_into()
-                            .map_err(|e: aya::programs::links::LinkError| DatapathError::Pin {
-                                path: pin.clone(),
-                                message: e.to_string(),
-                            })?;
-                    fd_link.pin(&pin).map_err(|e| DatapathError::Pin {
-                        path: pin.clone(),
-                        message: e.to_string(),
-                    })?;
+                    pin_link(link, &pin)?;
                     tracing::debug!(program = name, pin = %pin.display(), "attached and pinned link");
                 }
             }
         }
+        attach_release(&mut self.ebpf, &dir, &cgroup_file)?;
         // Make-before-break: only now drop links a previous run made for another cgroup.
         for stale in cgroup_link_dirs(&paths).into_iter().filter(|d| *d != dir) {
             tracing::info!(dir = %stale.display(), "detaching socket programs from a previous cgroup root");
@@ -566,6 +565,107 @@ impl Datapath {
         }
         Ok(())
     }
+}
+
+/// Attaches `lb_sock_release` to the cgroup open as `cgroup_file` with a link pinned in `dir`, or
+/// replaces the program of the link a previous run pinned there, atomically as for the other
+/// socket programs (aya offers that for sock_addr links only: [`replace_link_program`]).
+fn attach_release(ebpf: &mut Ebpf, dir: &Path, cgroup_file: &fs::File) -> Result<(), DatapathError> {
+    let (name, hook) = SOCK_RELEASE_PROGRAM;
+    let pin = dir.join(hook);
+    let prog: &mut CgroupSock = program(ebpf, name)?;
+    if pin.exists() {
+        let prog_fd = prog.fd().map_err(|source| program_error(name, source))?;
+        replace_link_program(&pin, std::os::fd::AsFd::as_fd(prog_fd)).map_err(|e| DatapathError::Pin {
+            path: pin.clone(),
+            message: format!("replacing the link's program: {e}"),
+        })?;
+        tracing::debug!(program = name, pin = %pin.display(), "adopted pinned link");
+        return Ok(());
+    }
+    let link_id = prog
+        .attach(cgroup_file, CgroupAttachMode::Single)
+        .map_err(|source| program_error(name, source))?;
+    let link = prog
+        .take_link(link_id)
+        .map_err(|source| program_error(name, source))?;
+    pin_link(link, &pin)?;
+    tracing::debug!(program = name, pin = %pin.display(), "attached and pinned link");
+    Ok(())
+}
+
+/// `BPF_LINK_UPDATE` of the link pinned at `pin`: `prog` runs in place of its program from the
+/// next call on, with no moment where neither runs.
+fn replace_link_program(pin: &Path, prog: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
+    use std::os::{fd::AsRawFd, unix::ffi::OsStrExt};
+    // `enum bpf_cmd` of linux/bpf.h.
+    const BPF_OBJ_GET: libc::c_long = 7;
+    const BPF_LINK_UPDATE: libc::c_long = 29;
+    /// `BPF_OBJ_GET`'s attributes (`path_fd`, Linux 6.5, must be 0 before), padded explicitly:
+    /// the kernel refuses any non-zero byte past the fields it knows.
+    #[repr(C)]
+    struct ObjGet {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        _pad: u32,
+    }
+    /// `BPF_LINK_UPDATE`'s attributes (no flags: replace whatever program the link runs).
+    #[repr(C)]
+    struct LinkUpdate {
+        link_fd: u32,
+        new_prog_fd: u32,
+        flags: u32,
+        old_prog_fd: u32,
+    }
+    let path = std::ffi::CString::new(pin.as_os_str().as_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let get = ObjGet {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: 0,
+        file_flags: 0,
+        path_fd: 0,
+        _pad: 0,
+    };
+    // SAFETY: ObjGet is BPF_OBJ_GET's layout; `path` lives through the call.
+    let link = unsafe { features::bpf(BPF_OBJ_GET, &get) }
+        .map_err(|e| io::Error::new(e.kind(), format!("opening the pinned link: {e}")))?;
+    let update = LinkUpdate {
+        link_fd: link.as_raw_fd() as u32,
+        new_prog_fd: prog.as_raw_fd() as u32,
+        flags: 0,
+        old_prog_fd: 0,
+    };
+    // SAFETY: LinkUpdate is BPF_LINK_UPDATE's layout; both descriptors are open. The command
+    // answers 0, not a descriptor, hence the direct call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_LINK_UPDATE,
+            &raw const update,
+            std::mem::size_of::<LinkUpdate>(),
+        )
+    };
+    if rc < 0 {
+        let e = io::Error::last_os_error();
+        return Err(io::Error::new(e.kind(), format!("BPF_LINK_UPDATE: {e}")));
+    }
+    Ok(())
+}
+
+/// Pins a new cgroup link at `pin`: it stays attached while the pin exists.
+fn pin_link<L>(link: L, pin: &Path) -> Result<(), DatapathError>
+where
+    L: TryInto<FdLink, Error = aya::programs::links::LinkError>,
+{
+    let pin_error = |message: String| DatapathError::Pin {
+        path: pin.to_path_buf(),
+        message,
+    };
+    let fd_link: FdLink = link.try_into().map_err(|e| pin_error(e.to_string()))?;
+    fd_link.pin(pin).map_err(|e| pin_error(e.to_string()))?;
+    Ok(())
 }
 
 /// One program of the object as this kernel's verifier accepted it (`Datapath::verify_programs`).

@@ -118,7 +118,15 @@ pub const CI_TESTS: Tests = &[
             "the_egress_flow_filter_holds_every_tracked_tuple_and_only_those",
         ],
     ),
-    ("socket_lb", &["every_frontend_type_from_the_host_and_from_a_pod"]),
+    (
+        "socket_lb",
+        &[
+            "every_frontend_type_from_the_host_and_from_a_pod",
+            // The connected sockets' slots (`bpf_spin_lock` in a socket program, freed by the
+            // `sock_release` program) and their socket-storage fallback.
+            "a_connected_sockets_slot_is_freed_with_the_socket_and_a_busy_slot_falls_back_to_socket_storage",
+        ],
+    ),
     (
         "tc_topology",
         &[

@@ -189,6 +189,7 @@ pub(super) fn targets(r: &Results) -> String {
                 .map(|c| (c.ns_per_run, c.ns_per_run * c.runs_per_conn))
         };
         let connect4 = cost("lb_connect4");
+        let release = cost("lb_sock_release");
         let tc: Option<f64> = match (cost("lb_tc_ingress"), cost("lb_tc_egress")) {
             (Some(i), Some(e)) => Some(i.1 + e.1),
             _ => None,
@@ -204,8 +205,9 @@ pub(super) fn targets(r: &Results) -> String {
              code in BPF_PROG_TEST_RUN, section 3: two hash lookups (the frontend entry, then \
              the slot, which carries a copy of its backend), each a likely cache and TLB miss \
              in a real connection, and the reverse-NAT record for getpeername, which a real \
-             connect keeps in socket storage and the test harness, having no socket, in the LRU \
-             map), and every \
+             connect keeps in its socket's slot of `lb4_sock_conn` (freed when the socket closes \
+             by `lb_sock_release`, {} ns per connection, outside the connect's latency) and the \
+             test harness, having no socket, in the LRU map), and every \
              packet of the connection also crosses the tc programs on the node's two interfaces as \
              non-service traffic ({} ns per connection in all, see *What our programs cost in the \
              real stack*). The gap is these program runs, not the lookups' size: the growth with \
@@ -217,6 +219,7 @@ pub(super) fn targets(r: &Results) -> String {
                 .unwrap_or_else(|| "–".into()),
             connect4.map(|c| num(c.0)).unwrap_or_else(|| "–".into()),
             isolated.map(num).unwrap_or_else(|| "–".into()),
+            release.map(|c| num(c.1)).unwrap_or_else(|| "–".into()),
             tc.map(num).unwrap_or_else(|| "–".into()),
         ));
         // The programs' cost against the gap: when the gap is much larger, the p50s are not
