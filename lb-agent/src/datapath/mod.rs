@@ -543,18 +543,7 @@ impl Datapath {
                         .map_err(|source| program_error(name, source))?;
                     tracing::debug!(program = name, pin = %pin.display(), "adopted pinned link");
                 }
-                Err(_) => {
-                    // A cgroup bpf_link always coexists with other programs (the kernel attaches links
-                    // as BPF_F_ALLOW_MULTI and refuses explicit flags), hence Single here.
-                    let link_id = prog
-                        .attach(&cgroup_file, CgroupAttachMode::Single)
-                        .map_err(|source| program_error(name, source))?;
-                    let link = prog
-                        .take_link(link_id)
-                        .map_err(|source| program_error(name, source))?;
-                    pin_link(link, &pin)?;
-                    tracing::debug!(program = name, pin = %pin.display(), "attached and pinned link");
-                }
+                Err(_) => attach_pinned!(prog, &cgroup_file, name, &pin),
             }
         }
         attach_release(&mut self.ebpf, &dir, &cgroup_file)?;
@@ -583,14 +572,7 @@ fn attach_release(ebpf: &mut Ebpf, dir: &Path, cgroup_file: &fs::File) -> Result
         tracing::debug!(program = name, pin = %pin.display(), "adopted pinned link");
         return Ok(());
     }
-    let link_id = prog
-        .attach(cgroup_file, CgroupAttachMode::Single)
-        .map_err(|source| program_error(name, source))?;
-    let link = prog
-        .take_link(link_id)
-        .map_err(|source| program_error(name, source))?;
-    pin_link(link, &pin)?;
-    tracing::debug!(program = name, pin = %pin.display(), "attached and pinned link");
+    attach_pinned!(prog, cgroup_file, name, &pin);
     Ok(())
 }
 
@@ -653,6 +635,24 @@ fn replace_link_program(pin: &Path, prog: std::os::fd::BorrowedFd<'_>) -> io::Re
     }
     Ok(())
 }
+
+/// Attaches the cgroup program `$prog` (sock_addr or sock: aya's types share no trait) to the
+/// cgroup open as `$cgroup` with a new link pinned at `$pin`. A cgroup bpf_link always coexists
+/// with other programs (the kernel attaches links as BPF_F_ALLOW_MULTI and refuses explicit
+/// flags), hence Single.
+macro_rules! attach_pinned {
+    ($prog:expr, $cgroup:expr, $name:expr, $pin:expr) => {{
+        let link_id = $prog
+            .attach($cgroup, CgroupAttachMode::Single)
+            .map_err(|source| program_error($name, source))?;
+        let link = $prog
+            .take_link(link_id)
+            .map_err(|source| program_error($name, source))?;
+        pin_link(link, $pin)?;
+        tracing::debug!(program = $name, pin = %$pin.display(), "attached and pinned link");
+    }};
+}
+use attach_pinned;
 
 /// Pins a new cgroup link at `pin`: it stays attached while the pin exists.
 fn pin_link<L>(link: L, pin: &Path) -> Result<(), DatapathError>
