@@ -41,6 +41,12 @@ pub mod proto {
     pub const TCP: u8 = 6;
     pub const UDP: u8 = 17;
     pub const SCTP: u8 = 132;
+
+    /// The protocols Services balance (kube-proxy's: TCP, UDP, SCTP).
+    #[inline(always)]
+    pub const fn is_balanced(protocol: u8) -> bool {
+        matches!(protocol, TCP | UDP | SCTP)
+    }
 }
 
 /// Implements `aya::Pod` for the given plain-old-data types when built for userspace.

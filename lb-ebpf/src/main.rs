@@ -315,11 +315,7 @@ pub fn lb_getpeername6(ctx: SockAddrContext) -> i32 {
 pub fn lb_sock_release(ctx: SockContext) -> i32 {
     // SAFETY: the kernel's bpf_sock of the closing socket; the verifier checks each field read.
     let (family, protocol) = unsafe { ((*ctx.sock).family, (*ctx.sock).protocol) };
-    let protocol = protocol as u8;
-    if protocol != lb_common::proto::TCP
-        && protocol != lb_common::proto::UDP
-        && protocol != lb_common::proto::SCTP
-    {
+    if !lb_common::proto::is_balanced(protocol as u8) {
         return 1;
     }
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };

@@ -259,7 +259,7 @@ pub fn forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C, hook: u32) -> Outcom
 #[inline(always)]
 pub fn translate_forward<F: FamilyMaps, C: SockCall<F>>(call: &mut C) -> Outcome<F> {
     let protocol = call.protocol();
-    if protocol != proto::TCP && protocol != proto::UDP && protocol != proto::SCTP {
+    if !proto::is_balanced(protocol) {
         return Outcome::pass();
     }
     let cfg = lb::datapath_config();

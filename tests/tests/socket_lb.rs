@@ -696,11 +696,15 @@ fn a_long_lived_connection_keeps_its_service_address_through_socket_churn() {
     }
 }
 
+/// The pinned `lb4_sock_conn` under `bpf_root`.
+fn conn_slots(bpf_root: &std::path::Path) -> aya::maps::Array<MapData, SockConnSlot<V4>> {
+    let data = MapData::from_pin(bpf_root.join("maps/lb4_sock_conn")).expect("lb4_sock_conn is pinned");
+    Map::Array(data).try_into().expect("an array of slots")
+}
+
 /// The occupied slots of the pinned `lb4_sock_conn` under `bpf_root`: (index, slot).
 fn occupied_conn_slots(bpf_root: &std::path::Path) -> Vec<(u32, SockConnSlot<V4>)> {
-    let data = MapData::from_pin(bpf_root.join("maps/lb4_sock_conn")).expect("lb4_sock_conn is pinned");
-    let slots: aya::maps::Array<MapData, SockConnSlot<V4>> =
-        Map::Array(data).try_into().expect("an array of slots");
+    let slots = conn_slots(bpf_root);
     (0..slots.len())
         .filter_map(|i| Some((i, slots.get(&i, 0).ok()?)))
         .filter(|(_, slot)| slot.cookie != 0)
@@ -787,8 +791,7 @@ fn a_connected_sockets_slot_is_freed_with_the_socket_and_a_busy_slot_falls_back_
 
     // Every slot held by another open socket (written here): the connections keep their records
     // in socket storage and still show the Service, and the foreign slots stay as they were.
-    let data = MapData::from_pin(root.join("maps/lb4_sock_conn")).expect("pinned");
-    let mut slots: aya::maps::Array<MapData, SockConnSlot<V4>> = Map::Array(data).try_into().expect("array");
+    let mut slots = conn_slots(&root);
     let foreign = |i: u32| SockConnSlot::<V4> {
         cookie: (1 << 40) + u64::from(i),
         ..Default::default()
@@ -801,11 +804,10 @@ fn a_connected_sockets_slot_is_freed_with_the_socket_and_a_busy_slot_falls_back_
         assert_eq!(r["peer"], "10.96.0.20:80", "{r}");
     }
     assert_eq!(slot_busy(), 5, "each connection found its slot taken");
-    assert_eq!(occupied_conn_slots(&root).len(), slots.len() as usize);
+    let occupied = occupied_conn_slots(&root);
+    assert_eq!(occupied.len(), slots.len() as usize);
     assert!(
-        occupied_conn_slots(&root)
-            .iter()
-            .all(|(i, slot)| *slot == foreign(*i)),
+        occupied.iter().all(|(i, slot)| *slot == foreign(*i)),
         "a slot of another socket is never overwritten nor freed"
     );
 }
