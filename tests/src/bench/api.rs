@@ -22,6 +22,7 @@ use k8s_openapi::{
     api::{
         core::v1::{Namespace, Node, NodeAddress, NodeSpec, NodeStatus, Service},
         discovery::v1::EndpointSlice,
+        networking::v1::IPAddress,
     },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
@@ -194,6 +195,70 @@ where
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
         }
+    }
+}
+
+/// Creates a benchmark Service. Its cluster IP may still be held by the IPAddress object of the
+/// Service of the same index deleted moments before: the API server deletes that object after
+/// deleting the Service, and under load it leaves some to its repair loop, which runs minutes
+/// later (seen at 10,000 Services: "provided IP is already allocated" past the retries below).
+/// An IPAddress whose parent Service is gone is released here, as the repair loop would; one
+/// whose parent exists is a real conflict and fails the run.
+async fn create_service_in(svcs: &Api<Service>, svc: &Service) {
+    let name = svc.metadata.name.clone().unwrap_or_default();
+    let ip = svc.spec.as_ref().and_then(|s| {
+        s.cluster_ip
+            .clone()
+            .or_else(|| s.cluster_ips.as_ref()?.first().cloned())
+    });
+    let pp = PostParams::default();
+    let mut attempt = 0;
+    loop {
+        let error = match svcs.create(&pp, svc).await {
+            Ok(_) => return,
+            Err(e) if code(&e) == Some(409) => return,
+            Err(e) => e,
+        };
+        attempt += 1;
+        assert!(attempt < 20, "create service {name}: {error}");
+        match &ip {
+            Some(ip) if code(&error) == Some(422) && error.to_string().contains("already allocated") => {
+                release_stale_ip(svcs, ip, &name).await;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(250)).await,
+        }
+    }
+}
+
+/// Deletes the IPAddress object of `ip` if the Service it names no longer exists.
+async fn release_stale_ip(svcs: &Api<Service>, ip: &str, creating: &str) {
+    let ips: Api<IPAddress> = Api::all(svcs.clone().into_client());
+    let Ok(Some(held)) = ips.get_opt(ip).await else {
+        // Released meanwhile (or unreadable): the next attempt tells.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        return;
+    };
+    let parent = held.spec.parent_ref;
+    if parent.resource == "services" {
+        let owner: Api<Service> = Api::namespaced(
+            svcs.clone().into_client(),
+            parent.namespace.as_deref().unwrap_or_default(),
+        );
+        if let Ok(Some(_)) = owner.get_opt(&parent.name).await {
+            panic!(
+                "create service {creating}: its cluster IP {ip} belongs to the live Service {}/{}",
+                parent.namespace.as_deref().unwrap_or_default(),
+                parent.name
+            );
+        }
+    }
+    match ips.delete(ip, &DeleteParams::default()).await {
+        Ok(_) => eprintln!(
+            "    {creating}: its cluster IP {ip} was still allocated to the deleted Service {}; released it",
+            parent.name
+        ),
+        Err(e) if code(&e) == Some(404) => {}
+        Err(e) => eprintln!("    {creating}: could not release the stale IPAddress {ip}: {e}"),
     }
 }
 
@@ -389,7 +454,7 @@ impl Cluster {
                     build_service_in(family, i, SERVICE_PORT),
                     build_slice_in(family, i),
                 );
-                retry("create service", 409, || svcs.create(&pp, &svc)).await;
+                create_service_in(&svcs, &svc).await;
                 retry("create slice", 409, || slices.create(&pp, &sl)).await;
             },
         );
@@ -464,9 +529,8 @@ impl Cluster {
 
     pub fn create_service(&self, i: u32) {
         let api = self.services();
-        let (pp, svc) = (PostParams::default(), build_service(i, SERVICE_PORT));
-        self.rt
-            .block_on(retry("create service", 409, || api.create(&pp, &svc)));
+        let svc = build_service(i, SERVICE_PORT);
+        self.rt.block_on(create_service_in(&api, &svc));
     }
 
     pub fn delete_service(&self, i: u32) {
