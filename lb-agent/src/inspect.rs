@@ -8,7 +8,6 @@
 use std::{
     collections::BTreeMap,
     net::{IpAddr, SocketAddr},
-    os::fd::{AsFd, AsRawFd},
     time::Duration,
 };
 
@@ -23,7 +22,7 @@ use lb_common::{
     catalog::{self, FamilyMaps},
     conntrack::{CtKey, CtValue, dir, flags as ctflags},
     family::{V4, V6},
-    revnat::{self, SockConnSlot, SockRevNatKey, SockRevNatValue},
+    revnat::{SockConnSlot, SockRevNatKey, SockRevNatValue},
     service::{SCOPE_INTERNAL, SvcValue, flags},
     stats::Counter,
 };
@@ -92,6 +91,14 @@ fn open_hash<K: Pod, V: Pod>(paths: &PinPaths, name: &str) -> Result<Option<Hash
         return Ok(None);
     };
     Ok(Some(Map::LruHashMap(data).try_into()?))
+}
+
+/// A pinned array, or `None` ([`open_pinned`]).
+fn open_array<V: Pod>(paths: &PinPaths, name: &str) -> Result<Option<Array<MapData, V>>> {
+    let Some(data) = open_pinned(paths, name)? else {
+        return Ok(None);
+    };
+    Ok(Some(Map::Array(data).try_into()?))
 }
 
 /// `10.0.0.1:80`, `[fd00::1]:80`.
@@ -225,32 +232,11 @@ where
             *flows.entry(v.rev_nat_id).or_default() += 1;
         }
     }
-    if let Ok(Some(slots)) = conn_slots::<F>(paths) {
-        for slot in slots.iter().filter(|slot| slot.cookie != 0) {
+    if let Ok(Some(slots)) = open_array::<SockConnSlot<F>>(paths, F::MAPS.sock_conn) {
+        for slot in slots.iter().flatten().filter(|slot| slot.cookie != 0) {
             *flows.entry(slot.conn.rev_nat_id).or_default() += 1;
         }
     }
-}
-
-/// Every slot of `lb4_sock_conn` (`lb6_sock_conn`): one batch read of the array where the kernel
-/// has one (5.6+), else one lookup per slot (131,072 syscalls for both families).
-fn conn_slots<F>(paths: &PinPaths) -> Result<Option<Vec<SockConnSlot<F>>>>
-where
-    F: FamilyMaps,
-    SockConnSlot<F>: Pod,
-{
-    let Some(data) = open_pinned(paths, F::MAPS.sock_conn)? else {
-        return Ok(None);
-    };
-    let batched = crate::apply::kernel::lookup_array_batch::<SockConnSlot<F>>(
-        data.fd().as_fd().as_raw_fd(),
-        revnat::CONN_SLOTS,
-    );
-    if let Some(slots) = batched {
-        return Ok(Some(slots));
-    }
-    let slots: Array<MapData, SockConnSlot<F>> = Map::Array(data).try_into()?;
-    Ok(Some(slots.iter().flatten().collect()))
 }
 
 fn frontends(snap: &Snapshot, flows: &BTreeMap<u32, u64>) -> Vec<FrontendView> {

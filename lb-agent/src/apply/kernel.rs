@@ -166,7 +166,7 @@ const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 
 /// Reads the first `len` values of the array map behind `fd` with one syscall (`None` where the
 /// kernel has no batch lookup, or the call fails: the caller then reads them one by one).
-pub(crate) fn lookup_array_batch<V: aya::Pod + Default>(fd: RawFd, len: u32) -> Option<Vec<V>> {
+pub(super) fn lookup_array_batch<V: aya::Pod + Default>(fd: RawFd, len: u32) -> Option<Vec<V>> {
     let mut keys = vec![0u32; len as usize];
     let mut values = vec![V::default(); len as usize];
     let mut next = 0u32;
