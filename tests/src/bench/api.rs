@@ -198,12 +198,12 @@ where
     }
 }
 
-/// Creates a benchmark Service. Its cluster IP may still be held by the IPAddress object of the
-/// Service of the same index deleted moments before: the API server deletes that object after
-/// deleting the Service, and under load it leaves some to its repair loop, which runs minutes
-/// later (seen at 10,000 Services: "provided IP is already allocated" past the retries below).
-/// An IPAddress whose parent Service is gone is released here, as the repair loop would; one
-/// whose parent exists is a real conflict and fails the run.
+/// Creates a benchmark Service ([`retry`]). Its cluster IP may still be held by the IPAddress
+/// object of the Service of the same index deleted moments before: the API server deletes that
+/// object after deleting the Service, and under load it leaves some to its repair loop, which
+/// runs minutes later (seen at 10,000 Services: "provided IP is already allocated" past all the
+/// retries). An IPAddress whose parent Service is gone is released before the next attempt, as
+/// the repair loop would; one whose parent exists is a real conflict and fails the run.
 async fn create_service_in(svcs: &Api<Service>, svc: &Service) {
     let name = svc.metadata.name.clone().unwrap_or_default();
     let ip = svc.spec.as_ref().and_then(|s| {
@@ -212,30 +212,24 @@ async fn create_service_in(svcs: &Api<Service>, svc: &Service) {
             .or_else(|| s.cluster_ips.as_ref()?.first().cloned())
     });
     let pp = PostParams::default();
-    let mut attempt = 0;
-    loop {
-        let error = match svcs.create(&pp, svc).await {
-            Ok(_) => return,
-            Err(e) if code(&e) == Some(409) => return,
-            Err(e) => e,
-        };
-        attempt += 1;
-        assert!(attempt < 20, "create service {name}: {error}");
-        match &ip {
-            Some(ip) if code(&error) == Some(422) && error.to_string().contains("already allocated") => {
-                release_stale_ip(svcs, ip, &name).await;
-            }
-            _ => tokio::time::sleep(Duration::from_millis(250)).await,
+    retry(&format!("create service {name}"), 409, || async {
+        let created = svcs.create(&pp, svc).await;
+        if let (Err(e), Some(ip)) = (&created, &ip)
+            && code(e) == Some(422)
+            && e.to_string().contains("already allocated")
+        {
+            release_stale_ip(svcs, ip, &name).await;
         }
-    }
+        created
+    })
+    .await;
 }
 
 /// Deletes the IPAddress object of `ip` if the Service it names no longer exists.
 async fn release_stale_ip(svcs: &Api<Service>, ip: &str, creating: &str) {
     let ips: Api<IPAddress> = Api::all(svcs.clone().into_client());
+    // Released meanwhile (or unreadable): the next attempt tells.
     let Ok(Some(held)) = ips.get_opt(ip).await else {
-        // Released meanwhile (or unreadable): the next attempt tells.
-        tokio::time::sleep(Duration::from_millis(250)).await;
         return;
     };
     let parent = held.spec.parent_ref;

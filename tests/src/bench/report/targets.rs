@@ -8,7 +8,7 @@ use super::{
     prose::ADD_VS_CHANGE,
     stats::{fmt_n, median, mib, min_max, num, percentile},
 };
-use crate::bench::peers::Config;
+use crate::bench::{crr::CrrResult, peers::Config};
 use lb_tests::packet::Family;
 
 /// The Service count the targets are stated at.
@@ -43,19 +43,9 @@ pub(super) fn targets(r: &Results) -> String {
     };
     s.push_str("| target | measured | verdict |\n|---|---|---|\n");
 
-    // 1. Socket path vs floor.
-    let sock = r.p50(max_n, Config::LbSocket);
-    let floor = r.p50(max_n, Config::Direct);
-    let sock_small = r.p50(min_n, Config::LbSocket);
-    let floor_small = r.p50(min_n, Config::Direct);
-    let ratio = sock.zip(floor).map(|(a, b)| a / b);
-    let growth = sock.zip(sock_small).map(|(a, b)| a / b);
-    let floor_growth = floor.zip(floor_small).map(|(a, b)| a / b);
-    let ok1 = ratio.map(|x| x <= 1.05);
-    let ok1b = growth.zip(floor_growth).map(|(g, f)| g <= f * 1.05);
-    // The p50 and the p99 against the floor's: the ratio of the medians over rounds, and each
-    // round against its own floor.
-    let mut against_floor = |target: &str, value: fn(&crate::bench::crr::CrrResult) -> f64, limit: f64| {
+    // 1. Socket path vs floor: the p50 and the p99 against the floor's, as the ratio of the
+    // medians over rounds and each round against its own floor.
+    let mut against_floor = |target: &str, value: fn(&CrrResult) -> f64, limit: f64| {
         let sock = median(&r.lat_in(Family::V4, max_n, Config::LbSocket, value));
         let floor = median(&r.lat_in(Family::V4, max_n, Config::Direct, value));
         let ratio = sock.zip(floor).map(|(a, b)| a / b);
@@ -71,7 +61,7 @@ pub(super) fn targets(r: &Results) -> String {
         );
         (sock, floor, ok)
     };
-    against_floor(
+    let (sock, floor, ok1) = against_floor(
         "socket path p50 connect latency within 5% of the floor",
         |x| x.p50_us,
         1.05,
@@ -81,6 +71,11 @@ pub(super) fn targets(r: &Results) -> String {
         |x| x.p99_us,
         1.15,
     );
+    let sock_small = r.p50(min_n, Config::LbSocket);
+    let floor_small = r.p50(min_n, Config::Direct);
+    let growth = sock.zip(sock_small).map(|(a, b)| a / b);
+    let floor_growth = floor.zip(floor_small).map(|(a, b)| a / b);
+    let ok1b = growth.zip(floor_growth).map(|(g, f)| g <= f * 1.05);
     let _ = writeln!(
         s,
         "| socket path: no growth with the number of Services | p50 ×{} from {} to {} Services (floor ×{}) | {} |",
@@ -402,11 +397,7 @@ pub(super) fn targets(r: &Results) -> String {
 /// Each round's ratio of the socket path's value to the floor's in the same round (every
 /// configuration runs once per round, back to back in alternating order, so a pair shares the
 /// machine's state), where both ran every round; empty otherwise.
-fn paired_ratios(
-    r: &Results,
-    n: u32,
-    value: impl Fn(&crate::bench::crr::CrrResult) -> f64 + Copy,
-) -> Vec<f64> {
+fn paired_ratios(r: &Results, n: u32, value: impl Fn(&CrrResult) -> f64 + Copy) -> Vec<f64> {
     let sock = r.lat_in(Family::V4, n, Config::LbSocket, value);
     let floor = r.lat_in(Family::V4, n, Config::Direct, value);
     if sock.len() != floor.len() {
@@ -419,7 +410,8 @@ fn paired_ratios(
         .collect()
 }
 
-/// "; per round ×median (min–max)" of paired ratios, or nothing without two rounds.
+/// "; each round against its own floor ×median (×min–×max)" of paired ratios, or nothing
+/// without two rounds.
 fn per_round(ratios: &[f64]) -> String {
     match (median(ratios), min_max(ratios)) {
         (Some(m), Some((lo, hi))) if ratios.len() > 1 => {
@@ -432,7 +424,7 @@ fn per_round(ratios: &[f64]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::{crr::CrrResult, measure::LatencyLevel};
+    use crate::bench::measure::LatencyLevel;
 
     /// A run at 1,000 Services whose rounds give the socket path and the floor these (p50, p99).
     fn run(sock: &[(f64, f64)], floor: &[(f64, f64)]) -> Results {
