@@ -766,7 +766,7 @@ pub fn stats(args: &InspectArgs) -> Result<()> {
             } else {
                 "tc_ct_filter_on_ipv6"
             },
-            u64::from(filter.control().0),
+            u64::from(filter.control()?.0),
         ));
         rows.push((
             if family == "ipv4" {
@@ -774,7 +774,7 @@ pub fn stats(args: &InspectArgs) -> Result<()> {
             } else {
                 "tc_ct_filter_buckets_ipv6"
             },
-            u64::from(filter.held_buckets()),
+            u64::from(filter.held_buckets()?),
         ));
     }
     match args.output {

@@ -19,13 +19,15 @@
 //! (the programs' events, live), `trace` (which programs a private data path through the agent's
 //! own code) and `cleanup`. Below everything:
 //! `time` (the kernel's clocks), `family` (IPv4 and IPv6 as values and as
-//! types), `netlink` (one request and its answers) and `error`.
+//! types), `netlink` (one request and its answers), `compact` (long-lived maps repacked) and
+//! `error`.
 
 pub mod agent;
 pub mod apply;
 pub mod bounded_frequency;
 pub mod cleanup;
 pub mod cli;
+pub mod compact;
 pub mod config;
 pub mod datapath;
 pub mod error;

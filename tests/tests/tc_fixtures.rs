@@ -3082,14 +3082,14 @@ fn the_egress_flow_filter_holds_every_tracked_tuple_and_only_those() {
             &mut tracked,
         )
         .expect("gc");
-        filters.rebuild(&tracked)
+        filters.rebuild(&tracked).expect("flow filters rebuilt")
     };
     // On from the start in fresh maps (as the scratch data path of every fixture has it); a
     // rebuild switches the programs to the other generation.
-    assert_eq!(filters.v4.control(), (true, 0));
+    assert_eq!(filters.v4.control().unwrap(), (true, 0));
     gc(&mut ct);
-    assert_eq!(filters.v4.control(), (true, 1));
-    assert_eq!(filters.v6.control(), (true, 1));
+    assert_eq!(filters.v4.control().unwrap(), (true, 1));
+    assert_eq!(filters.v6.control().unwrap(), (true, 1));
     let held = |f: Family, src: (&str, u16), dst: (&str, u16)| {
         let proto = lb_common::proto::TCP;
         match (f.ip(src.0), f.ip(dst.0)) {
@@ -3109,6 +3109,7 @@ fn the_egress_flow_filter_holds_every_tracked_tuple_and_only_those() {
             )),
             _ => unreachable!(),
         }
+        .expect("flow filter mapped")
     };
     for f in FAMILIES {
         // A pod's flow to a ClusterIP: its reply's tuple (backend -> client) is held, and the

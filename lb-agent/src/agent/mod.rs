@@ -237,7 +237,9 @@ pub async fn run(mut args: RunArgs, explicit: HashSet<String>) -> Result<()> {
     // Off until this run's first conntrack GC pass rebuilt it (`datapath::ct_filter`): entries a
     // previous run's programs made may have no byte.
     if let Some(filters) = &conntrack.filters {
-        filters.deactivate();
+        filters
+            .deactivate()
+            .context("turning the egress flow filter off")?;
     }
     let applier = Applier::recover(maps, caps).context("reading the pinned maps")?;
     // The SCTP program now if the maps a previous start left hold SCTP frontends (they stay
@@ -529,16 +531,21 @@ fn spawn_conntrack_gc(
                     Ok(report) => {
                         // The egress flow filter rewritten from the same scan (and on from the first).
                         if let Some(filters) = &maps.filters {
-                            let first = !filters.v4.control().0;
-                            let rebuilt = filters.rebuild(&tracked);
-                            for (family, r) in crate::family::IpFamily::ALL.iter().zip(rebuilt) {
-                                metrics.set_ct_filter_buckets(family.as_str(), u64::from(r.held));
-                            }
-                            if first {
-                                tracing::info!(
-                                    buckets = ?rebuilt.map(|r| r.held),
-                                    "egress flow filter on: packets of untracked flows skip the conntrack lookups"
-                                );
+                            // A filter this pass could not rewrite stays as it was: the programs
+                            // keep writing its generation, so no tracked flow loses its byte.
+                            match filters.rebuild(&tracked) {
+                                Ok(rebuilt) => {
+                                    for (family, r) in crate::family::IpFamily::ALL.iter().zip(rebuilt) {
+                                        metrics.set_ct_filter_buckets(family.as_str(), u64::from(r.held));
+                                    }
+                                    if !rebuilt[0].was_active {
+                                        tracing::info!(
+                                            buckets = ?rebuilt.map(|r| r.held),
+                                            "egress flow filter on: packets of untracked flows skip the conntrack lookups"
+                                        );
+                                    }
+                                }
+                                Err(e) => tracing::warn!("egress flow filter not rebuilt after this GC pass: {e}"),
                             }
                         }
                         for (reason, n) in &report.deleted {

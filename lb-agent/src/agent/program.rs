@@ -258,6 +258,9 @@ impl<M: MapOps> Programmer<M> {
         let report = self.applier.apply(self.planner.desired());
         self.program_cluster_ips(None);
         self.advance_maglev_seed(&report);
+        // What stays in memory until the next full programming, packed (half the nodes).
+        self.planner.repack();
+        self.applier.repack();
         (outcome, report)
     }
 

@@ -30,8 +30,8 @@ use lb_common::catalog::Capacities;
 use self::fit::WriteMode;
 use super::{
     entries::{
-        BackendEntry, EntriesError, FrontendEntries, MaglevEntry, MaglevTables, backend_value, entries_for,
-        protocol_from, service_port_name, svc_name,
+        EntriesError, FrontendEntries, MaglevEntry, MaglevTables, backend_value, entries_for, protocol_from,
+        service_port_name, svc_name,
     },
     ids::{IdAllocator, family_ranges},
     ops::{MapError, MapOps},
@@ -83,7 +83,8 @@ pub struct Applier<M> {
     caps: Capacities,
     /// The mirror of the maps: what each frontend's entries are.
     frontends: BTreeMap<Frontend, FrontendEntries>,
-    backends: BTreeMap<BackendAddr, (u32, BackendEntry)>,
+    /// Each backend's id and the flags its entry holds (the rest of the entry is its address).
+    backends: BTreeMap<BackendAddr, (u32, u8)>,
     backend_addrs: HashMap<u32, BackendAddr>,
     /// How many backend slots point at each backend id.
     backend_refs: HashMap<u32, u32>,
@@ -164,6 +165,12 @@ impl<M: MapOps> Applier<M> {
     /// The reverse-NAT id of a frontend, if applied.
     pub fn rev_nat_id(&self, frontend: &Frontend) -> Option<u32> {
         self.frontends.get(frontend).map(|e| e.rev_nat_id)
+    }
+
+    /// Repacks the mirror's ordered maps, which a full apply filled in order ([`crate::compact`]).
+    pub fn repack(&mut self) {
+        crate::compact::repack(&mut self.frontends);
+        crate::compact::repack(&mut self.backends);
     }
 
     /// The id of a backend, if applied.
@@ -287,9 +294,9 @@ impl<M: MapOps> Applier<M> {
         let changed: BTreeSet<u32> = backends
             .iter()
             .filter_map(|addr| {
-                let (id, entry) = self.backends.get(addr)?;
+                let (id, written) = self.backends.get(addr)?;
                 let flags = desired.backends.get(addr)?;
-                (entry.flags != *flags).then_some(*id)
+                (written != flags).then_some(*id)
             })
             .collect();
         if changed.is_empty() {

@@ -225,9 +225,80 @@ struct FamilyMap {
     batch_fd: OwnedFd,
 }
 
+/// Which bit each owner holds. One entry per backend and frontend at 10,000 Services is 120,000
+/// owners: stored as a map of [`Owner`]s (a 40-byte entry each, 262,144 buckets) this was 10 MiB
+/// of the agent's heap, so each kind of owner is keyed by what it needs (a backend id, a
+/// frontend's key for both of its bits).
+#[derive(Debug, Default)]
+struct Owners {
+    /// Backend ids' egress bits, by family.
+    backends: [HashMap<u32, u32>; 2],
+    /// Frontend entries' bits: the address's ([`Owner::Frontend`]) and the (address, port)'s
+    /// ([`Owner::FrontendPort`]), [`NO_BIT`] where that owner holds none.
+    frontends: HashMap<ServiceMapKey, [u32; 2]>,
+    /// The few masquerade addresses.
+    addresses: HashMap<Owner, (IpFamily, u32)>,
+}
+
+/// A frontend's owner that holds no bit (a bit is below `WORDS * 64`).
+const NO_BIT: u32 = u32::MAX;
+
+impl Owners {
+    fn family_of(key: &ServiceMapKey) -> IpFamily {
+        match key.addr {
+            IpAddr::V4(_) => IpFamily::V4,
+            IpAddr::V6(_) => IpFamily::V6,
+        }
+    }
+
+    fn get(&self, owner: &Owner) -> Option<(IpFamily, u32)> {
+        match owner {
+            Owner::Backend(family, id) => self.backends[index(*family)].get(id).map(|bit| (*family, *bit)),
+            Owner::Frontend(key) | Owner::FrontendPort(key) => {
+                let bit = self.frontends.get(key)?[Self::frontend_half(owner)];
+                (bit != NO_BIT).then(|| (Self::family_of(key), bit))
+            }
+            Owner::Masquerade(_) | Owner::InterfaceAddress(_) => self.addresses.get(owner).copied(),
+        }
+    }
+
+    fn frontend_half(owner: &Owner) -> usize {
+        usize::from(matches!(owner, Owner::FrontendPort(_)))
+    }
+
+    /// Records `owner`'s bit; what it held before.
+    fn insert(&mut self, owner: Owner, family: IpFamily, bit: u32) -> Option<(IpFamily, u32)> {
+        match owner {
+            Owner::Backend(f, id) => self.backends[index(f)].insert(id, bit).map(|old| (f, old)),
+            Owner::Frontend(key) | Owner::FrontendPort(key) => {
+                let bits = self.frontends.entry(key).or_insert([NO_BIT; 2]);
+                let old = std::mem::replace(&mut bits[Self::frontend_half(&owner)], bit);
+                (old != NO_BIT).then(|| (Self::family_of(&key), old))
+            }
+            Owner::Masquerade(_) | Owner::InterfaceAddress(_) => self.addresses.insert(owner, (family, bit)),
+        }
+    }
+
+    /// Forgets `owner`; the bit it held.
+    fn remove(&mut self, owner: &Owner) -> Option<(IpFamily, u32)> {
+        match owner {
+            Owner::Backend(family, id) => self.backends[index(*family)].remove(id).map(|bit| (*family, bit)),
+            Owner::Frontend(key) | Owner::FrontendPort(key) => {
+                let bits = self.frontends.get_mut(key)?;
+                let old = std::mem::replace(&mut bits[Self::frontend_half(owner)], NO_BIT);
+                if bits == &[NO_BIT; 2] {
+                    self.frontends.remove(key);
+                }
+                (old != NO_BIT).then(|| (Self::family_of(key), old))
+            }
+            Owner::Masquerade(_) | Owner::InterfaceAddress(_) => self.addresses.remove(owner),
+        }
+    }
+}
+
 struct Inner {
     bits: [Bits; 2],
-    owners: HashMap<Owner, (IpFamily, u32)>,
+    owners: Owners,
     /// None for a writer without maps (the CLI's read-only handles never write).
     maps: Option<[FamilyMap; 2]>,
     batch_supported: bool,
@@ -290,7 +361,7 @@ impl Inner {
         let mut superseded = Vec::new();
         let mut fresh = Vec::new();
         for (owner, family, bit) in items {
-            match self.owners.insert(owner, (family, bit)) {
+            match self.owners.insert(owner, family, bit) {
                 Some(old) if old == (family, bit) => continue,
                 Some(old) => superseded.push(old),
                 None => fresh.push(owner),
@@ -373,7 +444,7 @@ impl Prefilter {
         };
         Ok(Prefilter(Arc::new(Mutex::new(Inner {
             bits,
-            owners: HashMap::new(),
+            owners: Owners::default(),
             maps,
             batch_supported: true,
             ready: false,
@@ -413,7 +484,7 @@ impl Prefilter {
 
     /// Whether `owner` holds a bit.
     pub fn holds(&self, owner: &Owner) -> bool {
-        self.lock().owners.contains_key(owner)
+        self.lock().owners.get(owner).is_some()
     }
 
     /// `owner` no longer needs its bit (after its entry is gone).
@@ -426,6 +497,7 @@ impl Prefilter {
         let mut inner = self.lock();
         let gone: Vec<Owner> = inner
             .owners
+            .addresses
             .keys()
             .filter(|o| matches!(o, Owner::InterfaceAddress(ip) if !keep.contains(ip)))
             .copied()
@@ -609,6 +681,28 @@ mod tests {
             p.lock().bits[0].released.contains_key(&bit_b),
             "cleared after the grace"
         );
+    }
+
+    /// A frontend's two owners share one record keyed by its entry: each is held and released on
+    /// its own, and the record goes with the last.
+    #[test]
+    fn a_frontends_address_and_port_owners_are_held_and_released_apart() {
+        let p = Prefilter::new(None).unwrap();
+        let key = ServiceMapKey::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10)), 80, 6, 0, 0);
+        let owners: Vec<_> = Owner::frontend(&key).collect();
+        let [(address, _, address_bit), (port, _, port_bit)] = owners[..] else {
+            panic!("a frontend entry has two owners: {owners:?}");
+        };
+        assert_eq!(p.hold_all(owners.clone()).unwrap(), vec![address, port]);
+        assert!(p.hold_all(owners).unwrap().is_empty(), "held already");
+        assert_eq!(p.lock().bits[0].holds[&port_bit], 1, "held once");
+        p.release(&port);
+        assert!(p.holds(&address) && !p.holds(&port));
+        assert!(p.lock().bits[0].released.contains_key(&port_bit));
+        p.release(&address);
+        assert!(!p.holds(&address));
+        assert!(p.lock().bits[0].released.contains_key(&address_bit));
+        assert!(p.lock().owners.frontends.is_empty());
     }
 
     #[test]

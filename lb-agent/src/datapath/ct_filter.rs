@@ -5,8 +5,8 @@
 //! it at start, before its programs are attached: entries made meanwhile by programs that did not
 //! set bytes (an earlier release's) get theirs at the first rebuild.
 //!
-//! The map is memory-mapped: the agent's writes are byte stores, which never overwrite the bytes
-//! the programs set beside them (a map update writes a whole 8-byte value).
+//! The map is memory-mapped for each use: the agent's writes are byte stores, which never
+//! overwrite the bytes the programs set beside them (a map update writes a whole 8-byte value).
 
 use std::{
     io,
@@ -75,6 +75,8 @@ pub struct Rebuilt {
     pub cleared: u32,
     /// Buckets it holds now.
     pub held: u32,
+    /// Whether the filter was on before (off: this rebuild turned it on).
+    pub was_active: bool,
 }
 
 /// The byte index of `bucket`'s byte of `generation` in the array's memory.
@@ -85,10 +87,11 @@ fn byte_of(bucket: u32, generation: u32) -> usize {
 
 /// The filter's logic over its memory (the mapped array, or a test's bytes).
 pub fn rebuild_bytes(bytes: &[AtomicU8], tracked: &FlowBuckets) -> Rebuilt {
-    let current = u32::from(bytes[CONTROL_GENERATION].load(Ordering::Relaxed) & 1);
+    let (was_active, current) = control_bytes(bytes);
     let generation = 1 - current;
     let mut rebuilt = Rebuilt {
         generation,
+        was_active,
         ..Default::default()
     };
     for bucket in 0..BUCKETS {
@@ -123,33 +126,56 @@ pub fn control_bytes(bytes: &[AtomicU8]) -> (bool, u32) {
     )
 }
 
-/// One family's filter map, memory-mapped.
+/// One family's filter map, memory-mapped only while the agent reads or writes it (a rebuild
+/// after each GC pass, start-up, `lb-agent stats`): the kernel maps all of the map's pages at
+/// `mmap`, so a mapping kept open counted its 2 MiB in the agent's resident set for good.
 pub struct CtFilter {
-    region: NonNull<AtomicU8>,
-    len: usize,
-    // The mapping keeps the map alive by itself; the map data is held for the descriptor's sake.
-    _map: MapData,
+    map: MapData,
 }
 
-// SAFETY: the region is shared memory written with atomic byte operations only.
-unsafe impl Send for CtFilter {}
+/// The map's memory, mapped for one use; unmapped on drop.
+struct Mapping {
+    region: NonNull<AtomicU8>,
+    len: usize,
+}
+
+impl Mapping {
+    fn bytes(&self) -> &[AtomicU8] {
+        // SAFETY: `len` bytes mapped for the life of `self`.
+        unsafe { std::slice::from_raw_parts(self.region.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `CtFilter::mapped`.
+        unsafe { libc::munmap(self.region.as_ptr().cast(), self.len) };
+    }
+}
 
 impl CtFilter {
-    /// Maps `map` (an array of `ct_filter::WORDS` 64-bit words created with `BPF_F_MMAPABLE`).
+    /// Over `map` (an array of `ct_filter::WORDS` 64-bit words created with `BPF_F_MMAPABLE`),
+    /// checked by mapping it once.
     pub fn new(map: Map) -> io::Result<Self> {
-        let Map::Array(data) = map else {
+        let Map::Array(map) = map else {
             return Err(io::Error::other("the flow filter map is not an array"));
         };
+        let filter = Self { map };
+        filter.mapped()?;
+        Ok(filter)
+    }
+
+    fn mapped(&self) -> io::Result<Mapping> {
         let len = (WORDS as usize * 8).next_multiple_of(page_size());
         // SAFETY: a shared mapping of the map's memory, which the kernel sizes to whole pages;
-        // unmapped in `Drop`.
+        // unmapped when the `Mapping` drops.
         let region = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
-                std::os::fd::AsRawFd::as_raw_fd(&data.fd().as_fd()),
+                std::os::fd::AsRawFd::as_raw_fd(&self.map.fd().as_fd()),
                 0,
             )
         };
@@ -160,48 +186,42 @@ impl CtFilter {
                 format!("cannot map the flow filter (a map created without BPF_F_MMAPABLE?): {e}"),
             ));
         }
-        Ok(Self {
+        Ok(Mapping {
             region: NonNull::new(region.cast()).expect("mmap returned a pointer"),
             len,
-            _map: data,
         })
     }
 
-    fn bytes(&self) -> &[AtomicU8] {
-        // SAFETY: `len` bytes mapped for the life of `self`.
-        unsafe { std::slice::from_raw_parts(self.region.as_ptr(), self.len) }
-    }
-
     /// Every packet takes the full path until the next rebuild.
-    pub fn deactivate(&self) {
-        self.bytes()[CONTROL_ACTIVE].store(0, Ordering::Release);
+    pub fn deactivate(&self) -> io::Result<()> {
+        self.mapped()?.bytes()[CONTROL_ACTIVE].store(0, Ordering::Release);
+        Ok(())
     }
 
-    pub fn rebuild(&self, tracked: &FlowBuckets) -> Rebuilt {
-        rebuild_bytes(self.bytes(), tracked)
+    pub fn rebuild(&self, tracked: &FlowBuckets) -> io::Result<Rebuilt> {
+        Ok(rebuild_bytes(self.mapped()?.bytes(), tracked))
     }
 
-    pub fn control(&self) -> (bool, u32) {
-        control_bytes(self.bytes())
+    pub fn control(&self) -> io::Result<(bool, u32)> {
+        Ok(control_bytes(self.mapped()?.bytes()))
     }
 
     /// Whether `bucket` holds either generation's byte.
-    pub fn holds(&self, bucket: u32) -> bool {
-        let bytes = self.bytes();
-        (0..2).any(|g| bytes[byte_of(bucket, g)].load(Ordering::Relaxed) != 0)
+    pub fn holds(&self, bucket: u32) -> io::Result<bool> {
+        Ok(held_bytes(self.mapped()?.bytes(), bucket))
     }
 
     /// The buckets holding either generation's byte now (`lb-agent inspect stats`).
-    pub fn held_buckets(&self) -> u32 {
-        (0..BUCKETS).map(|b| u32::from(self.holds(b))).sum()
+    pub fn held_buckets(&self) -> io::Result<u32> {
+        let mapping = self.mapped()?;
+        let bytes = mapping.bytes();
+        Ok((0..BUCKETS).map(|b| u32::from(held_bytes(bytes, b))).sum())
     }
 }
 
-impl Drop for CtFilter {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`.
-        unsafe { libc::munmap(self.region.as_ptr().cast(), self.len) };
-    }
+/// Whether `bucket` holds either generation's byte.
+fn held_bytes(bytes: &[AtomicU8], bucket: u32) -> bool {
+    (0..2).any(|g| bytes[byte_of(bucket, g)].load(Ordering::Relaxed) != 0)
 }
 
 fn page_size() -> usize {
@@ -217,14 +237,14 @@ pub struct CtFilters {
 }
 
 impl CtFilters {
-    pub fn deactivate(&self) {
-        self.v4.deactivate();
-        self.v6.deactivate();
+    pub fn deactivate(&self) -> io::Result<()> {
+        self.v4.deactivate()?;
+        self.v6.deactivate()
     }
 
     /// Rebuilds both from one GC pass's buckets (`Tracked`); see the module doc.
-    pub fn rebuild(&self, tracked: &Tracked) -> [Rebuilt; 2] {
-        [self.v4.rebuild(&tracked.v4), self.v6.rebuild(&tracked.v6)]
+    pub fn rebuild(&self, tracked: &Tracked) -> io::Result<[Rebuilt; 2]> {
+        Ok([self.v4.rebuild(&tracked.v4)?, self.v6.rebuild(&tracked.v6)?])
     }
 }
 
@@ -243,7 +263,7 @@ mod tests {
     }
 
     fn held(bytes: &[AtomicU8], bucket: u32) -> bool {
-        (0..2).any(|g| bytes[byte_of(bucket, g)].load(Ordering::Relaxed) != 0)
+        held_bytes(bytes, bucket)
     }
 
     #[test]
@@ -290,7 +310,8 @@ mod tests {
                 generation: 1,
                 set: 2,
                 cleared: 0,
-                held: 2
+                held: 2,
+                was_active: false,
             }
         );
         assert_eq!(control_bytes(&bytes), (true, 1));
@@ -304,7 +325,10 @@ mod tests {
         next.insert(9);
         next.insert(7);
         let r = rebuild_bytes(&bytes, &next);
-        assert_eq!((r.generation, r.set, r.cleared, r.held), (0, 0, 1, 2));
+        assert_eq!(
+            (r.generation, r.set, r.cleared, r.held, r.was_active),
+            (0, 0, 1, 2, true)
+        );
         assert!(!held(&bytes, 5), "an ended flow's byte goes after two passes");
         assert!(held(&bytes, 7) && held(&bytes, 9));
         // 42 ended too: still in generation 1 until the next pass rewrites it.

@@ -28,7 +28,7 @@ impl<M: MapOps> Applier<M> {
                     port: value.port,
                     proto,
                 };
-                self.backends.insert(addr, (*id, *value));
+                self.backends.insert(addr, (*id, value.flags));
                 self.backend_addrs.insert(*id, addr);
                 // Adopted backends no slot points at are deleted by the next apply.
                 self.maybe_unused.insert(*id);

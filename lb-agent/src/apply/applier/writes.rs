@@ -53,14 +53,14 @@ impl<M: MapOps> Applier<M> {
         let writes: Vec<(BackendAddr, u32, BackendEntry)> = backends
             .iter()
             .map(|(addr, id, flags)| (*addr, *id, backend_value(addr, *flags)))
-            .filter(|(addr, id, value)| self.backends.get(addr) != Some(&(*id, *value)))
+            .filter(|(addr, id, value)| self.backends.get(addr) != Some(&(*id, value.flags)))
             .collect();
         let entries: Vec<(u32, BackendEntry)> = writes.iter().map(|(_, id, v)| (*id, *v)).collect();
         let result = self.maps.put_backends(&entries);
         let done = result.as_ref().err().map_or(writes.len(), |e| e.done);
         for (addr, id, value) in &writes[..done] {
             report.writes += 1;
-            if self.backends.insert(*addr, (*id, *value)).is_none() {
+            if self.backends.insert(*addr, (*id, value.flags)).is_none() {
                 *self.occupancy.backends.get_mut(IpFamily::of(&addr.addr)) += 1;
                 self.backend_addrs.insert(*id, *addr);
                 // Deleted again at the end of this apply unless a frontend now uses it.
