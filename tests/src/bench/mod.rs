@@ -227,6 +227,9 @@ pub(crate) fn step(what: &str) {
     eprintln!("\n==> {what}");
 }
 
+/// The results docs/benchmarks.md was generated from (relative to the workspace root).
+pub const DOCS_RESULTS: &str = "docs/bench/results.json";
+
 fn save(results: &Results, path: &Path) {
     if let Some(dir) = path.parent() {
         let _ = std::fs::create_dir_all(dir);
@@ -555,9 +558,13 @@ fn level_problems(r: &mut Results, level: &measure::LatencyLevel, family: Family
     }
 }
 
-/// Writes docs/benchmarks.md and docs/bench/*.png from the results.
+/// Writes docs/benchmarks.md and docs/bench/*.png from the results, and the results themselves
+/// beside them (docs/bench/results.json): a later partial run (`--levels 10000`, a
+/// `--latency-only` completing one) merges into them with `--report docs/bench/results.json
+/// target/bench/results-full.json` on any machine, not only the one that made them.
 pub fn write_docs(r: &Results) {
     let root = workspace_root();
+    save(r, &root.join(DOCS_RESULTS));
     let work = tempfile::tempdir().expect("temp dir");
     match report::plots(r, &root.join("docs/bench"), work.path()) {
         Ok(()) => eprintln!("plots written to {}", root.join("docs/bench").display()),

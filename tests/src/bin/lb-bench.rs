@@ -82,8 +82,9 @@ struct Cli {
     /// Do not rewrite docs/benchmarks.md and docs/bench/*.png.
     #[arg(long)]
     no_docs: bool,
-    /// Regenerate the docs from the results JSON of earlier runs (target/bench/results-*.json);
-    /// several files are merged in order (e.g. a run and a --latency-only run completing it).
+    /// Regenerate the docs from the results JSON of earlier runs (target/bench/results-*.json,
+    /// docs/bench/results.json: what the current docs were generated from); several files are
+    /// merged in order (e.g. the docs' results and a --levels 10000 run completing them).
     #[arg(long, value_name = "FILE", num_args = 1..)]
     report: Vec<std::path::PathBuf>,
 }
