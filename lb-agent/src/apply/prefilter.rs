@@ -244,19 +244,12 @@ struct Owners {
 const NO_BIT: u32 = u32::MAX;
 
 impl Owners {
-    fn family_of(key: &ServiceMapKey) -> IpFamily {
-        match key.addr {
-            IpAddr::V4(_) => IpFamily::V4,
-            IpAddr::V6(_) => IpFamily::V6,
-        }
-    }
-
     fn get(&self, owner: &Owner) -> Option<(IpFamily, u32)> {
         match owner {
             Owner::Backend(family, id) => self.backends[index(*family)].get(id).map(|bit| (*family, *bit)),
             Owner::Frontend(key) | Owner::FrontendPort(key) => {
                 let bit = self.frontends.get(key)?[Self::frontend_half(owner)];
-                (bit != NO_BIT).then(|| (Self::family_of(key), bit))
+                (bit != NO_BIT).then(|| (IpFamily::of(&key.addr), bit))
             }
             Owner::Masquerade(_) | Owner::InterfaceAddress(_) => self.addresses.get(owner).copied(),
         }
@@ -273,7 +266,7 @@ impl Owners {
             Owner::Frontend(key) | Owner::FrontendPort(key) => {
                 let bits = self.frontends.entry(key).or_insert([NO_BIT; 2]);
                 let old = std::mem::replace(&mut bits[Self::frontend_half(&owner)], bit);
-                (old != NO_BIT).then(|| (Self::family_of(&key), old))
+                (old != NO_BIT).then(|| (IpFamily::of(&key.addr), old))
             }
             Owner::Masquerade(_) | Owner::InterfaceAddress(_) => self.addresses.insert(owner, (family, bit)),
         }
@@ -289,7 +282,7 @@ impl Owners {
                 if bits == &[NO_BIT; 2] {
                     self.frontends.remove(key);
                 }
-                (old != NO_BIT).then(|| (Self::family_of(key), old))
+                (old != NO_BIT).then(|| (IpFamily::of(&key.addr), old))
             }
             Owner::Masquerade(_) | Owner::InterfaceAddress(_) => self.addresses.remove(owner),
         }

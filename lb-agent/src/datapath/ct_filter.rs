@@ -262,10 +262,6 @@ mod tests {
         bytes[byte_of(bucket, generation)].store(1, Ordering::Relaxed);
     }
 
-    fn held(bytes: &[AtomicU8], bucket: u32) -> bool {
-        held_bytes(bytes, bucket)
-    }
-
     #[test]
     fn bytes_land_where_the_programs_test_them() {
         // The programs test `word_has(word, offset)` of the word at `position(bucket)`.
@@ -315,9 +311,9 @@ mod tests {
             }
         );
         assert_eq!(control_bytes(&bytes), (true, 1));
-        assert!(held(&bytes, 42) && held(&bytes, 9));
+        assert!(held_bytes(&bytes, 42) && held_bytes(&bytes, 9));
         // 5 is still held by generation 0, which the programs wrote until just now.
-        assert!(held(&bytes, 5));
+        assert!(held_bytes(&bytes, 5));
         // A flow made between the scan and the switch wrote generation 0 too (bucket 7): the next
         // pass scans it, and rewrites generation 0 only.
         bytes[byte_of(7, 0)].store(1, Ordering::Relaxed);
@@ -329,14 +325,17 @@ mod tests {
             (r.generation, r.set, r.cleared, r.held, r.was_active),
             (0, 0, 1, 2, true)
         );
-        assert!(!held(&bytes, 5), "an ended flow's byte goes after two passes");
-        assert!(held(&bytes, 7) && held(&bytes, 9));
+        assert!(
+            !held_bytes(&bytes, 5),
+            "an ended flow's byte goes after two passes"
+        );
+        assert!(held_bytes(&bytes, 7) && held_bytes(&bytes, 9));
         // 42 ended too: still in generation 1 until the next pass rewrites it.
-        assert!(held(&bytes, 42));
+        assert!(held_bytes(&bytes, 42));
         let r = rebuild_bytes(&bytes, &next);
         assert_eq!((r.generation, r.cleared), (1, 1));
-        assert!(!held(&bytes, 42));
-        assert!(held(&bytes, 7) && held(&bytes, 9));
+        assert!(!held_bytes(&bytes, 42));
+        assert!(held_bytes(&bytes, 7) && held_bytes(&bytes, 9));
     }
 
     #[test]
@@ -367,7 +366,7 @@ mod tests {
             }
             rebuild_bytes(&bytes, &scanned);
             for b in &live {
-                assert!(held(&bytes, *b), "pass {pass}: live bucket {b} lost");
+                assert!(held_bytes(&bytes, *b), "pass {pass}: live bucket {b} lost");
             }
         }
     }
