@@ -12,7 +12,6 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::sync::Arc;
 
 use super::service::{parse_ip_sloppy, parse_protocol};
 use super::{Endpoint, ServicePortName};
@@ -248,16 +247,15 @@ fn parse_endpoints(
 
 /// kube-proxy `addEndpoints`' conversion of one slice endpoint (before the port is known).
 fn endpoint(ip: IpAddr, ep: &SliceEndpoint, node: &NodeInfo) -> Endpoint {
-    let owned = |s: &Option<Arc<str>>| s.as_deref().map(str::to_owned);
     Endpoint {
         ip,
         port: 0,
         ready: ep.ready.unwrap_or(true),
         serving: ep.serving.unwrap_or(true),
         terminating: ep.terminating.unwrap_or(false),
-        is_local: !node.name.is_empty() && ep.node_name.as_deref() == Some(node.name.as_str()),
-        node_name: owned(&ep.node_name),
-        zone: owned(&ep.zone),
+        is_local: !node.name.is_empty() && ep.node_name() == Some(node.name.as_str()),
+        node_name: ep.node_name().map(str::to_owned),
+        zone: ep.zone().map(str::to_owned),
         zone_hints: ep
             .hints
             .iter()

@@ -20,7 +20,7 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
-pub use slice::{Slice, SliceAddress, SliceEndpoint, SliceHints, SlicePort};
+pub use slice::{EndpointPlace, Slice, SliceAddress, SliceEndpoint, SliceHints, SlicePort};
 
 /// `discovery.LabelServiceName`: the label naming the Service an EndpointSlice belongs to.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";

@@ -5,11 +5,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::{Applier, FrontendEntries, protocol_from, service_port_name};
-use crate::apply::entries::MaglevEntry;
+use crate::apply::entries::{BackendCopy, MaglevEntry, SvcEntries, SvcEntry};
 use crate::{
-    apply::{MapOps, RevNatEntry, Snapshot},
+    apply::{MapOps, RevNatEntry, ServiceMapValue, Snapshot},
     family::IpFamily,
-    model::{Protocol, ServicePortName},
+    model::ServicePortName,
     plan::{BackendAddr, Frontend},
 };
 
@@ -31,22 +31,32 @@ impl<M: MapOps> Applier<M> {
                 self.backends.insert(addr, (*id, value.flags));
                 self.backend_addrs.insert(*id, addr);
                 // Adopted backends no slot points at are deleted by the next apply.
-                self.maybe_unused.insert(*id);
+                self.maybe_unused.push(*id);
             }
         }
-        let mut by_rev: BTreeMap<u32, FrontendEntries> = BTreeMap::new();
+        // Each frontend's entries by reverse-NAT id; the frontend is the address, port and
+        // protocol of the first entry with that id.
+        let mut by_rev: BTreeMap<u32, (Frontend, FrontendEntries)> = BTreeMap::new();
+        let mut strays = Vec::new();
         for (key, value) in &snap.services {
-            let entries = by_rev
-                .entry(value.entry.rev_nat_id)
-                .or_insert_with(|| FrontendEntries {
+            let Some(protocol) = protocol_from(key.proto) else {
+                continue;
+            };
+            let frontend = Frontend {
+                addr: key.addr,
+                port: key.port,
+                proto: protocol,
+            };
+            let (owner, entries) = by_rev.entry(value.entry.rev_nat_id).or_insert_with(|| {
+                let entries = FrontendEntries {
                     rev_nat_id: value.entry.rev_nat_id,
                     service: ServicePortName {
                         namespace: String::new(),
                         name: String::new(),
                         port: String::new(),
-                        protocol: protocol_from(key.proto).unwrap_or(Protocol::Tcp),
+                        protocol,
                     },
-                    services: BTreeMap::new(),
+                    services: SvcEntries::default(),
                     revnat: RevNatEntry {
                         addr: key.addr,
                         port: key.port,
@@ -55,11 +65,30 @@ impl<M: MapOps> Applier<M> {
                     affinity_match: BTreeSet::new(),
                     source_ranges: BTreeSet::new(),
                     maglev: None,
-                });
-            entries.services.insert(*key, *value);
+                };
+                (frontend, entries)
+            });
+            if *owner != frontend {
+                // Another frontend's reverse-NAT id: no writer leaves this (an id is reused only
+                // once its frontend's entries are gone), and no apply would name it again.
+                strays.push(*key);
+                continue;
+            }
+            entries.services.insert(SvcEntry {
+                scope: key.scope,
+                slot: key.slot,
+                value: value.entry,
+                copy: adopted_copy(value, &snap),
+            });
+        }
+        strays.sort_by_key(|k| (k.slot != 0, k.scope, k.slot));
+        for key in strays {
+            if let Err(e) = self.maps.delete_service(&key) {
+                tracing::warn!(?key, error = %e, "deleting a service entry of another frontend's reverse-NAT id");
+            }
         }
         for (id, revnat) in &snap.revnat {
-            if let Some(entries) = by_rev.get_mut(id)
+            if let Some((_, entries)) = by_rev.get_mut(id)
                 && entries.revnat.family() == revnat.family()
             {
                 entries.revnat = *revnat;
@@ -69,12 +98,12 @@ impl<M: MapOps> Applier<M> {
             }
         }
         for key in &snap.affinity_match {
-            if let Some(entries) = by_rev.get_mut(&key.rev_nat_id) {
+            if let Some((_, entries)) = by_rev.get_mut(&key.rev_nat_id) {
                 entries.affinity_match.insert(*key);
             }
         }
         for range in &snap.source_ranges {
-            if let Some(entries) = by_rev.get_mut(&range.rev_nat_id)
+            if let Some((_, entries)) = by_rev.get_mut(&range.rev_nat_id)
                 && entries.revnat.family() == range.family()
             {
                 entries.source_ranges.insert(*range);
@@ -82,7 +111,7 @@ impl<M: MapOps> Applier<M> {
         }
         for (id, positions) in &snap.maglev {
             match by_rev.get_mut(id) {
-                Some(entries) => {
+                Some((_, entries)) => {
                     let family = entries.revnat.family();
                     entries.maglev = MaglevEntry::adopted(positions, snap.maglev_seed, |id| {
                         snap.backends
@@ -100,18 +129,10 @@ impl<M: MapOps> Applier<M> {
                 }
             }
         }
-        for (id, entries) in by_rev {
-            let Some(proto) = protocol_from(entries.revnat.proto) else {
-                continue;
-            };
-            if !self.rev_ids.get_mut(entries.revnat.family()).reserve(id) {
+        for (id, (frontend, entries)) in by_rev {
+            if !self.rev_ids.get_mut(IpFamily::of(&frontend.addr)).reserve(id) {
                 continue;
             }
-            let frontend = Frontend {
-                addr: entries.revnat.addr,
-                port: entries.revnat.port,
-                proto,
-            };
             self.count_frontend(&entries, 1);
             self.frontends.insert(frontend, entries);
         }
@@ -122,5 +143,20 @@ impl<M: MapOps> Applier<M> {
                 .filter(|a| IpFamily::of(&a.addr) == family)
                 .count() as u32;
         }
+    }
+}
+
+/// What an adopted entry holds for its backend: a slot's copy is kept as its flags when it is
+/// the entry of the backend its id names (the rest of it is that backend's address), else as
+/// foreign, which the next apply rewrites.
+fn adopted_copy(value: &ServiceMapValue, snap: &Snapshot) -> BackendCopy {
+    let Some(copy) = value.backend else {
+        return BackendCopy::None;
+    };
+    match snap.backends.get(&value.entry.backend_id) {
+        Some(b) if (b.addr, b.port, b.proto) == (copy.addr, copy.port, copy.proto) => {
+            BackendCopy::Flags(copy.flags)
+        }
+        _ => BackendCopy::Foreign,
     }
 }

@@ -5,7 +5,11 @@
 use lb_common::catalog;
 
 use super::{Applier, FrontendEntries};
-use crate::{apply::MapOps, family::IpFamily, plan::Frontend};
+use crate::{
+    apply::{MapOps, entries::SvcEntry},
+    family::IpFamily,
+    plan::Frontend,
+};
 
 /// The maps whose room `plan_writes` counts: each family's services and source-range maps have
 /// a capacity of their own; `lb_aff_match` is shared.
@@ -60,8 +64,9 @@ impl<M: MapOps> Applier<M> {
                 let (services, source_ranges) = family_rooms(IpFamily::of(&frontend.addr));
                 let mut d = [Delta::default(); ROOMS];
                 d[services] = delta(
-                    new.services.keys(),
-                    old.into_iter().flat_map(|o| o.services.keys()),
+                    new.services.iter().map(SvcEntry::position),
+                    old.into_iter()
+                        .flat_map(|o| o.services.iter().map(SvcEntry::position)),
                 );
                 d[2] = delta(
                     new.affinity_match.iter(),

@@ -376,6 +376,43 @@ fn recovery_keeps_ids_and_writes_nothing_for_the_same_state() {
     assert!(!ids_before.contains(&Some(new_id)));
 }
 
+/// The mirror keeps a slot's copy of its backend as flags only (the address is the backend id's):
+/// a restart that finds a slot holding some other copy, or an entry of another frontend's
+/// reverse-NAT id, must still leave the maps exactly as a fresh writer would.
+#[test]
+fn recovery_rewrites_foreign_copies_and_deletes_entries_of_another_frontends_id() {
+    let d = desired(&[(10, "web", &[1, 2]), (11, "api", &[3])]);
+    let mut first = applier();
+    first.apply(&d);
+    let clean = first.maps().state.clone();
+    let mut state = clean.clone();
+    // Slot 1 of 10.96.0.10 copies an address that is not its backend's.
+    let slot = ServiceMapKey::new(fe(10).addr, 80, 6, SCOPE_EXTERNAL, 1);
+    let copy = state.services.get_mut(&slot).unwrap().backend.as_mut().unwrap();
+    copy.addr = be(99).addr;
+    // An entry at 10.96.0.12 with 10.96.0.11's reverse-NAT id (past the other frontend's slots).
+    let api = ServiceMapKey::new(fe(11).addr, 80, 6, SCOPE_EXTERNAL, 1);
+    let stray = ServiceMapKey::new(fe(12).addr, 80, 6, SCOPE_EXTERNAL, 1);
+    let api_slot = state.services[&api];
+    state.services.insert(stray, api_slot);
+
+    let maps = FakeMaps {
+        state,
+        ..FakeMaps::new()
+    };
+    let mut second = Applier::recover(maps, Capacities::default()).unwrap();
+    assert!(
+        !second.maps().state.services.contains_key(&stray),
+        "the stray entry is deleted at adoption"
+    );
+    let r = second.apply(&d);
+    assert!(r.is_clean(), "{r:?}");
+    assert_eq!(r.writes, 1, "only the foreign copy is rewritten: {r:?}");
+    assert_eq!(second.maps().state.services, clean.services);
+    second.maps().check_consistent().unwrap();
+    assert_eq!(second.apply(&d).writes, 0);
+}
+
 #[test]
 fn a_service_that_does_not_fit_is_skipped_whole_and_appears_once_room_is_made() {
     let caps = Capacities {

@@ -4,7 +4,7 @@
 //! tables together at the end. Each keeps the mirror accurate write by write, so a failure leaves
 //! it true to the kernel.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use lb_common::service::flags;
 
@@ -12,7 +12,10 @@ use super::{
     Applier, ApplyReport, FrontendEntries, MaglevEntry, MaglevTables, WriteMode, backend_value, svc_name,
 };
 use crate::{
-    apply::{BackendEntry, MapError, MapOps, ServiceMapKey, ServiceMapValue},
+    apply::{
+        BackendEntry, MapError, MapOps, ServiceMapKey, ServiceMapValue,
+        entries::{SvcEntries, SvcEntry, service_key},
+    },
     family::IpFamily,
     plan::{BackendAddr, Frontend},
 };
@@ -28,7 +31,7 @@ pub(in crate::apply) struct PendingTable {
     table: MaglevEntry,
     /// Slot-0 entries written without `MAGLEV` until the table is in (a new table, or one of
     /// another size, which the old entry's size must not index): rewritten with it after.
-    held: Vec<(ServiceMapKey, ServiceMapValue)>,
+    held: Vec<SvcEntry>,
 }
 
 impl<M: MapOps> Applier<M> {
@@ -64,7 +67,7 @@ impl<M: MapOps> Applier<M> {
                 *self.occupancy.backends.get_mut(IpFamily::of(&addr.addr)) += 1;
                 self.backend_addrs.insert(*id, *addr);
                 // Deleted again at the end of this apply unless a frontend now uses it.
-                self.maybe_unused.insert(*id);
+                self.maybe_unused.push(*id);
             }
         }
         match result {
@@ -91,7 +94,7 @@ impl<M: MapOps> Applier<M> {
         // The entries as they are in the kernel right now, updated write by write, so that a
         // failure leaves an accurate mirror.
         let mut current = old.clone().unwrap_or_else(|| FrontendEntries {
-            services: BTreeMap::new(),
+            services: SvcEntries::default(),
             affinity_match: BTreeSet::new(),
             source_ranges: BTreeSet::new(),
             maglev: None,
@@ -103,7 +106,7 @@ impl<M: MapOps> Applier<M> {
         let mut result = Ok(());
         let withdraw = mode == WriteMode::BreakBeforeMake && old.is_some();
         if withdraw {
-            result = self.withdraw_frontend_entries(&new, &mut current, report);
+            result = self.withdraw_frontend_entries(&frontend, &new, &mut current, report);
         }
         if result.is_ok() {
             result = self.write_frontend_entries(frontend, old.as_ref(), &new, &mut current, report);
@@ -152,25 +155,27 @@ impl<M: MapOps> Applier<M> {
         let hold = pending.is_some_and(|t| current.maglev.as_ref().is_none_or(|c| c.size != t.size));
         let mut held = Vec::new();
         // Writes: internal scope first, and within a scope the slots before slot 0.
-        let mut writes: Vec<(ServiceMapKey, ServiceMapValue)> = new
+        let mut writes: Vec<SvcEntry> = new
             .services
             .iter()
-            .map(|(k, v)| {
-                let mut v = *v;
-                if hold && k.slot == 0 && v.entry.has(flags::MAGLEV) {
-                    held.push((*k, v));
-                    v.entry.flags &= !flags::MAGLEV;
+            .map(|e| {
+                let mut e = *e;
+                if hold && e.slot == 0 && e.value.has(flags::MAGLEV) {
+                    held.push(e);
+                    e.value.flags &= !flags::MAGLEV;
                 }
-                (*k, v)
+                e
             })
-            .filter(|(k, v)| current.services.get(k) != Some(v))
+            .filter(|e| current.services.get(e.position()) != Some(e))
             .collect();
-        writes.sort_by_key(|(k, _)| (std::cmp::Reverse(k.scope), k.slot == 0, k.slot));
-        let result = self.maps.put_services(&writes);
+        writes.sort_by_key(|e| (std::cmp::Reverse(e.scope), e.slot == 0, e.slot));
+        let result = self
+            .map_entries(&frontend, &writes)
+            .and_then(|entries| self.maps.put_services(&entries));
         let done = result.as_ref().err().map_or(writes.len(), |e| e.done);
-        for (key, value) in &writes[..done] {
+        for entry in &writes[..done] {
             report.writes += 1;
-            current.services.insert(*key, *value);
+            current.services.insert(*entry);
         }
         result.map_err(|e| e.error)?;
         // Every entry is in: the table may follow (not otherwise, or its held entry would be
@@ -184,17 +189,16 @@ impl<M: MapOps> Applier<M> {
             });
         }
         // Deletions: slot 0 of the external scope first, then the rest.
-        let mut deletes: Vec<ServiceMapKey> = current
-            .services
-            .keys()
-            .filter(|k| !new.services.contains_key(k))
-            .copied()
-            .collect();
-        deletes.sort_by_key(|k| (k.slot != 0, k.scope, k.slot));
-        for key in deletes {
-            self.maps.delete_service(&key)?;
+        let deletes = delete_order(
+            current
+                .services
+                .iter()
+                .filter(|e| !new.services.contains(e.position())),
+        );
+        for position in deletes {
+            self.maps.delete_service(&service_key(&frontend, position))?;
             report.deletes += 1;
-            current.services.remove(&key);
+            current.services.remove(position);
         }
         for range in current.source_ranges.clone().difference(&new.source_ranges) {
             self.maps.delete_source_range(range)?;
@@ -276,18 +280,21 @@ impl<M: MapOps> Applier<M> {
     }
 
     /// Slot-0 entries that waited for their Maglev table, rewritten with `MAGLEV` (one batch).
-    fn write_held_entries(
-        &mut self,
-        entries: &[(Frontend, (ServiceMapKey, ServiceMapValue))],
-        report: &mut ApplyReport,
-    ) {
-        let writes: Vec<(ServiceMapKey, ServiceMapValue)> = entries.iter().map(|(_, kv)| *kv).collect();
+    fn write_held_entries(&mut self, entries: &[(Frontend, SvcEntry)], report: &mut ApplyReport) {
+        // Slot-0 entries: no backend copy to look up.
+        let writes: Vec<(ServiceMapKey, ServiceMapValue)> = entries
+            .iter()
+            .map(|(frontend, e)| {
+                let value = ServiceMapValue::frontend(e.value);
+                (e.key(frontend), value)
+            })
+            .collect();
         let result = self.maps.put_services(&writes);
         let done = result.as_ref().err().map_or(writes.len(), |e| e.done);
-        for (frontend, (key, value)) in &entries[..done] {
+        for (frontend, entry) in &entries[..done] {
             report.writes += 1;
             if let Some(current) = self.frontends.get_mut(frontend) {
-                current.services.insert(*key, *value);
+                current.services.insert(*entry);
             }
         }
         if let Err(e) = result {
@@ -305,21 +312,21 @@ impl<M: MapOps> Applier<M> {
     /// as new, slot 0 last.
     fn withdraw_frontend_entries(
         &mut self,
+        frontend: &Frontend,
         new: &FrontendEntries,
         current: &mut FrontendEntries,
         report: &mut ApplyReport,
     ) -> Result<(), MapError> {
-        let mut keys: Vec<ServiceMapKey> = current
-            .services
-            .keys()
-            .filter(|k| k.slot == 0 || !new.services.contains_key(k))
-            .copied()
-            .collect();
-        keys.sort_by_key(|k| (k.slot != 0, k.scope, k.slot));
-        for key in keys {
-            self.maps.delete_service(&key)?;
+        let deletes = delete_order(
+            current
+                .services
+                .iter()
+                .filter(|e| e.slot == 0 || !new.services.contains(e.position())),
+        );
+        for position in deletes {
+            self.maps.delete_service(&service_key(frontend, position))?;
             report.deletes += 1;
-            current.services.remove(&key);
+            current.services.remove(position);
         }
         for range in current.source_ranges.clone().difference(&new.source_ranges) {
             self.maps.delete_source_range(range)?;
@@ -340,12 +347,10 @@ impl<M: MapOps> Applier<M> {
         };
         self.count_frontend(&current, -1);
         let result = (|| -> Result<(), MapError> {
-            let mut keys: Vec<ServiceMapKey> = current.services.keys().copied().collect();
-            keys.sort_by_key(|k| (k.slot != 0, k.scope, k.slot));
-            for key in keys {
-                self.maps.delete_service(&key)?;
+            for position in delete_order(current.services.iter()) {
+                self.maps.delete_service(&service_key(frontend, position))?;
                 report.deletes += 1;
-                current.services.remove(&key);
+                current.services.remove(position);
             }
             // Deleted in step 4, with the apply's others.
             if current.maglev.is_some() {
@@ -380,4 +385,44 @@ impl<M: MapOps> Applier<M> {
             }
         }
     }
+}
+
+impl<M: MapOps> Applier<M> {
+    /// The map's keys and values of a frontend's entries. A slot's backend copy is its id's entry:
+    /// every id a wanted entry names has one (its backends are written first), so a missing one is
+    /// a bug, reported as a failed batch of which nothing was written.
+    fn map_entries(
+        &self,
+        frontend: &Frontend,
+        entries: &[SvcEntry],
+    ) -> Result<Vec<(ServiceMapKey, ServiceMapValue)>, crate::apply::BatchError> {
+        entries
+            .iter()
+            .map(|e| {
+                let value = e
+                    .map_value(|id| self.backend_addrs.get(&id).copied())
+                    .ok_or_else(|| crate::apply::BatchError {
+                        done: 0,
+                        error: MapError::new(
+                            IpFamily::of(&frontend.addr).maps().services,
+                            "update",
+                            std::io::Error::other(format!(
+                                "{frontend}: slot {} names backend id {}, which has no entry",
+                                e.slot, e.value.backend_id
+                            )),
+                        ),
+                    })?;
+                Ok((e.key(frontend), value))
+            })
+            .collect()
+    }
+}
+
+/// The order a frontend's entries are deleted in: slot 0 of the external scope first (lookups
+/// miss the frontend from then on; its `TWO_SCOPES` flag points at the internal one), then the
+/// internal scope's slot 0, then the slots.
+fn delete_order<'a>(entries: impl Iterator<Item = &'a SvcEntry>) -> Vec<(u8, u16)> {
+    let mut positions: Vec<(u8, u16)> = entries.map(SvcEntry::position).collect();
+    positions.sort_by_key(|&(scope, slot)| (slot != 0, scope, slot));
+    positions
 }

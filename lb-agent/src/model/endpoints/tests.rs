@@ -872,8 +872,7 @@ fn a_compacted_slice_keeps_what_the_model_reads() {
                     ready: Some(false),
                     serving: Some(true),
                     terminating: Some(true),
-                    node_name: Some("n1".into()),
-                    zone: Some("zone-a".into()),
+                    place: crate::watch::EndpointPlace::of(Some("n1"), Some("zone-a")),
                     hints: Some(Box::new(SliceHints {
                         zones: vec!["zone-a".into()].into(),
                         nodes: vec!["n1".into()].into(),
